@@ -1,0 +1,101 @@
+"""GenerationConfig and CompileConfig, with transformers' names.
+
+`generation_config.json` from a checkpoint supplies defaults; keyword arguments to `generate()`
+override them for one call. Unknown keys in the file are kept, so a save round-trips them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: Optional[int] = None
+    max_length: Optional[int] = None
+    min_new_tokens: Optional[int] = None
+    do_sample: bool = False
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    bos_token_id: Optional[int] = None
+    eos_token_id: Union[int, list, None] = None
+    pad_token_id: Optional[int] = None
+    cache_implementation: Optional[str] = None
+    disable_compile: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "GenerationConfig":
+        known = {f.name for f in fields(cls)} - {"extra"}
+        out = cls(**{k: v for k, v in raw.items() if k in known})
+        out.extra = {k: copy.deepcopy(v) for k, v in raw.items() if k not in known and k != "transformers_version"}
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "GenerationConfig":
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): fix or delete it.") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} does not hold a JSON object: fix or delete it.")
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out = {k: v for k, v in out.items() if v is not None and not (k == "disable_compile" and not v)}
+        out.update(copy.deepcopy(self.extra))
+        return out
+
+    def update(self, **kwargs) -> dict:
+        """Set the known keys; return the ones this config does not know."""
+        known = {f.name for f in fields(self)} - {"extra"}
+        rest = {}
+        for k, v in kwargs.items():
+            if k in known:
+                setattr(self, k, v)
+            else:
+                rest[k] = v
+        return rest
+
+    def copy(self) -> "GenerationConfig":
+        return copy.deepcopy(self)
+
+    def save_pretrained(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, GENERATION_CONFIG_NAME), "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+
+@dataclass
+class CompileConfig:
+    """How generate() compiles its prefill and decode functions (transformers' name).
+
+    backend None means the device's own ("neuron" on Neuron, "inductor" elsewhere).
+    """
+
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: bool = True
+    dynamic: bool = False
+    options: Optional[dict] = None
+
+    def to_kwargs(self, default_backend: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"backend": self.backend or default_backend, "fullgraph": self.fullgraph,
+                                  "dynamic": self.dynamic}
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.options:
+            kwargs["options"] = dict(self.options)
+        return kwargs

@@ -1,0 +1,69 @@
+"""Where a checkpoint's files are: a local folder, or a Hub id resolved through `huggingface_hub`.
+
+Every loader (config, weights, tokenizer, generation config) asks this module for a local path, so
+offline use from the Hub cache (`local_files_only=True` or `HF_HUB_OFFLINE=1`) and the errors for a
+missing file are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """A folder or Hub id that does not hold what was asked for."""
+
+
+def is_local(name_or_path: str) -> bool:
+    return os.path.isdir(name_or_path)
+
+
+def resolve_file(
+    name_or_path: str,
+    filename: str,
+    *,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    local_files_only: bool = False,
+    token: Optional[str] = None,
+    required: bool = True,
+) -> Optional[str]:
+    """A local path to `filename` in the folder or Hub repo; None when not `required` and absent."""
+    name_or_path = os.fspath(name_or_path)
+    if is_local(name_or_path):
+        path = os.path.join(name_or_path, filename)
+        if os.path.isfile(path):
+            return path
+        if required:
+            raise CheckpointNotFoundError(f"{path} does not exist: the folder {name_or_path} is not a complete checkpoint.")
+        return None
+    if os.path.sep in name_or_path and os.path.exists(os.path.dirname(name_or_path) or ".") and name_or_path.startswith((".", "/")):
+        raise CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return hf_hub_download(
+            name_or_path, filename, revision=revision, cache_dir=cache_dir,
+            local_files_only=local_files_only, token=token,
+        )
+    except EntryNotFoundError:
+        if required:
+            raise CheckpointNotFoundError(f"The Hub repo {name_or_path!r} has no file {filename!r}.") from None
+        return None
+    except LocalEntryNotFoundError:
+        if not required:
+            return None
+        raise CheckpointNotFoundError(
+            f"{filename} of {name_or_path!r} is not in the local Hub cache and the Hub cannot be reached: "
+            f"download it once while online, or pass a local folder."
+        ) from None
+    except RepositoryNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{name_or_path!r} is neither a local folder nor a Hub repo we can access: check the path or id (and token)."
+        ) from None
+    except ValueError as err:  # huggingface_hub rejects malformed ids with ValueError subclasses
+        raise CheckpointNotFoundError(
+            f"{name_or_path!r} is neither a local folder nor a valid Hub id ({err})."
+        ) from None

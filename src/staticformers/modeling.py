@@ -1,0 +1,409 @@
+"""The one decoder behind Qwen3, Llama, Qwen2 and Mistral, and its output type.
+
+Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
+embeddings, sliding window). Module and parameter names mirror transformers' (`model.layers.0.
+self_attn.q_proj.weight`), so a Hugging Face state dict loads with no renaming and ours saves back.
+
+Design choices, so that the generation engine, the trainer and tensor parallelism can use it as it is:
+- Attention takes an optional `kv_cache` object with `update(layer_idx, k, v, cache_position) ->
+  (keys, values)`: a preallocated cache is written in place by the engine's cache, never here.
+- Masks are built once per forward as booleans `[batch, 1, queries, keys]` from a 2-D padding mask
+  over the keys (the static cache's whole length), the queries' cache positions, per-layer sliding
+  windows and, for packed training rows, document boundaries found in `position_ids` (a position that
+  does not follow its left neighbour starts a new document, as transformers does). A row of queries
+  that may see nothing (left padding) is opened fully so that no NaN leaks; its output is never used.
+- Heads are read from the weights' shapes at run time (`-1` in views), so a tensor-parallel plan that
+  shards q/k/v column-wise needs nothing from this file.
+- No parallelism, no device logic, no compile calls here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CausalLMOutput:
+    """`.logits` `[batch, seq, vocab]` (or the kept positions) and `.loss` when labels were given."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+
+    def __getitem__(self, key: Union[str, int]) -> Any:
+        if isinstance(key, int):
+            return self.to_tuple()[key]
+        return getattr(self, key)
+
+    def keys(self):
+        return [k for k in ("loss", "logits") if getattr(self, k) is not None]
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Inverse frequencies for the config's RoPE variant (default, linear, llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions; `inv_freq` is a non-persistent buffer rebuilt after meta init."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Scaled dot-product attention with grouped KV heads; mask is boolean (True = may attend)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
+        self.head_dim = hd
+        self.scale = hd ** -0.5
+        self.window = config.layer_window(layer_idx)
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
+        out = attend(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None):
+        mask = masks[self.self_attn.window]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document index per token of packed rows: a position that does not follow its left neighbour
+    by one starts a new document (transformers' rule)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def build_masks(
+    windows: set,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    attention_mask: Optional[torch.Tensor],
+    cache_position: Optional[torch.Tensor],
+    segments: Optional[torch.Tensor],
+) -> dict:
+    """One boolean mask `[batch, 1, q_len, kv_len]` per distinct sliding window (None = full).
+
+    Returns {window: None} when plain causal attention over a cache-less input suffices, so SDPA
+    can take its `is_causal` path.
+    """
+    plain = attention_mask is None and segments is None and cache_position is None and q_len == kv_len
+    if plain and windows == {None}:
+        return {None: None}
+    if cache_position is None:
+        cache_position = torch.arange(q_len, device=device)
+    q_pos = cache_position.view(1, 1, q_len, 1)
+    k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    base = k_pos <= q_pos
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            base = base & attention_mask.bool()
+        else:
+            if attention_mask.shape[-1] != kv_len:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} positions but attention sees {kv_len} keys: "
+                    f"pass a mask over the whole sequence (past and present)."
+                )
+            base = base & attention_mask.bool()[:, None, None, :]
+    if segments is not None:
+        base = base & (segments[:, None, :, None] == segments[:, None, None, :])
+    masks = {}
+    for window in windows:
+        m = base if window is None else base & (q_pos - k_pos < window)
+        m = m.expand(batch, 1, q_len, kv_len)
+        masks[window] = m | ~m.any(-1, keepdim=True)  # rows that see nothing (left padding): open, unused
+    return masks
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
+                inputs_embeds=None):
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
+        segments = None
+        if position_ids is None:
+            start = cache_position if cache_position is not None else torch.arange(s, device=x.device)
+            position_ids = start.view(1, s).expand(b, s)
+        elif attention_mask is None and kv_cache is None:
+            segments = packed_segments(position_ids)
+        kv_len = kv_cache.max_length if kv_cache is not None else s
+        masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, cache_position, segments)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, masks, kv_cache, cache_position,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, masks, kv_cache, cache_position)
+        return self.norm(x)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """Next-token cross-entropy in float32; labels are shifted here (as transformers does).
+
+    With `num_items_in_batch` the summed loss is divided by it, so gradient accumulation over
+    micro-batches equals one large batch.
+    """
+    labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean",
+    )
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class CausalLM(nn.Module):
+    """A causal language model: `.model` (the decoder) and `.lm_head`, transformers' layout."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.generation_config = None  # set by loading (generation_config.json) or by the engine
+        self.name_or_path = None
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> "CausalLM":
+        """A randomly initialised model (transformers' init: normal(0, initializer_range), norms at 1)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = cls(config)
+        model.init_weights()
+        return model.to(dtype) if dtype is not None else model
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs) -> "CausalLM":
+        from .loading import from_pretrained
+
+        return from_pretrained(*args, **kwargs)
+
+    def init_weights(self) -> None:
+        std = float(self.config.extra.get("initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.tie_weights()
+        self.model.rotary_emb.reset_parameters()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        kv_cache: Any = None,
+        cache_position: Optional[torch.Tensor] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,  # accepted for transformers compatibility; the cache is the engine's
+        return_dict: Optional[bool] = None,
+    ) -> CausalLMOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, cache_position, inputs_embeds)
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep > 0:
+                hidden = hidden[:, -logits_to_keep:]
+        else:
+            hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, num_items_in_batch)
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    # ---- saving and generating (implemented in their own modules) ------------------------------
+    def save_pretrained(self, save_directory: str, max_shard_size: Union[int, str] = "5GB", **kwargs) -> None:
+        from .loading import save_pretrained
+
+        save_pretrained(self, save_directory, max_shard_size=max_shard_size, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        from .generation.api import generate
+
+        return generate(self, *args, **kwargs)
+
+    def compile_stats(self):
+        from .generation.api import compile_stats
+
+        return compile_stats(self)

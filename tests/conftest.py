@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny checkpoints (cached per session) and a stand-in Neuron device."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+from tiny import save_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> folder of a tiny random fp32 checkpoint, built once per test session."""
+    cache = {}
+
+    def get(family: str, **overrides) -> str:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(family.replace("-", "_"))
+            cache[key] = save_tiny(family, str(path), **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def fake_neuron(monkeypatch):
+    """Install a stand-in `torch.neuron` (and `torch_neuronx`) reporting 4 devices.
+
+    Returns the module so a test can flip `available` or change `count`.
+    """
+    mod = types.SimpleNamespace(available=True, count=4)
+    mod.is_available = lambda: mod.available
+    mod.device_count = lambda: mod.count
+    monkeypatch.setattr(torch, "neuron", mod, raising=False)
+    monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(__version__="0.0-standin"))
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="staticformers")
+    yield

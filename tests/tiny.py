@@ -1,0 +1,56 @@
+"""Tiny random checkpoints in Hugging Face format, built by transformers (the oracle) for tests.
+
+Every family the library supports has an entry; tests save one to a temporary folder and load it
+with both staticformers and transformers. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+# name -> (transformers config class name, extra config)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-untied": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama3-scaled": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 64})),
+    "llama-linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral-window": ("MistralConfig", dict(sliding_window=5)),
+}
+
+
+def hf_config(family: str, **overrides):
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    return getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
+
+
+def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A transformers model with random weights (biases randomised too, so they are tested)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def save_tiny(family: str, directory: str, seed: int = 0, dtype=torch.float32, **overrides) -> str:
+    """Save a tiny random checkpoint of `family` into `directory` (created) and return the path."""
+    os.makedirs(directory, exist_ok=True)
+    build_hf_model(family, seed=seed, dtype=dtype, **overrides).save_pretrained(directory)
+    return directory
