@@ -33,6 +33,10 @@ def fake_neuron(monkeypatch):
 
     Returns the module so a test can flip `available` or change `count`.
     """
+    try:
+        torch.device("neuron")
+    except RuntimeError:  # what torch-neuronx does on import: name the PrivateUse1 device "neuron" (once per process)
+        torch.utils.rename_privateuse1_backend("neuron")
     mod = types.SimpleNamespace(available=True, count=4)
     mod.is_available = lambda: mod.available
     mod.device_count = lambda: mod.count

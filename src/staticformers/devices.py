@@ -179,7 +179,7 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
                 raise DeviceUnavailableError(f"Device {device!r} is not available here: {kind.what_to_do}.")
             index = int(name.split(":")[1]) if ":" in name else 0
             _check_index(device, kind, index)
-            return torch.device("neuron", index) if _torch_knows("neuron") else torch.device(f"neuron:{index}")
+            return torch.device("neuron", index)
         try:
             device = torch.device(name)
         except RuntimeError as err:
@@ -196,14 +196,6 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
     elif device.type in ("cuda", "xpu"):
         device = torch.device(device.type, 0)
     return device
-
-
-def _torch_knows(name: str) -> bool:
-    try:
-        torch.device(name)
-        return True
-    except RuntimeError:
-        return False
 
 
 def _check_index(label: str, kind: DeviceKind, index: int) -> None:

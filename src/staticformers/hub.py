@@ -38,7 +38,7 @@ def resolve_file(
         if required:
             raise CheckpointNotFoundError(f"{path} does not exist: the folder {name_or_path} is not a complete checkpoint.")
         return None
-    if os.path.sep in name_or_path and os.path.exists(os.path.dirname(name_or_path) or ".") and name_or_path.startswith((".", "/")):
+    if name_or_path.startswith((".", "/", "~")) or os.path.splitdrive(name_or_path)[0]:
         raise CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -48,10 +48,6 @@ def resolve_file(
             name_or_path, filename, revision=revision, cache_dir=cache_dir,
             local_files_only=local_files_only, token=token,
         )
-    except EntryNotFoundError:
-        if required:
-            raise CheckpointNotFoundError(f"The Hub repo {name_or_path!r} has no file {filename!r}.") from None
-        return None
     except LocalEntryNotFoundError:
         if not required:
             return None
@@ -59,6 +55,10 @@ def resolve_file(
             f"{filename} of {name_or_path!r} is not in the local Hub cache and the Hub cannot be reached: "
             f"download it once while online, or pass a local folder."
         ) from None
+    except EntryNotFoundError:
+        if required:
+            raise CheckpointNotFoundError(f"The Hub repo {name_or_path!r} has no file {filename!r}.") from None
+        return None
     except RepositoryNotFoundError:
         raise CheckpointNotFoundError(
             f"{name_or_path!r} is neither a local folder nor a Hub repo we can access: check the path or id (and token)."
