@@ -1,0 +1,225 @@
+"""Tokenizer files on disk and on the Hub: find them, read them, write them back.
+
+A Hugging Face tokenizer folder holds `tokenizer.json` (the `tokenizers` pipeline: normaliser,
+pre-tokeniser, model, post-processor, decoder, added tokens) and a few optional files that
+transformers layers on top: `tokenizer_config.json` (special tokens, lengths, sides, chat template),
+the legacy `special_tokens_map.json`, and chat templates in `chat_template.jinja` and
+`chat_templates/<name>.jinja`. This module turns such a folder (or a Hub id, resolved through
+`huggingface_hub`, offline from its cache when asked) into one `TokenizerFiles` record, and writes
+the record back in the layout both staticformers and transformers load. It knows nothing about
+encoding text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "chat_templates"
+_HUB_PATTERNS = [TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE,
+                 f"{CHAT_TEMPLATE_DIR}/*.jinja", "tokenizer.model", "*.tiktoken", "vocab.json", "merges.txt"]
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+# The named special tokens, in transformers' order (it matters for `all_special_tokens`).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass
+class SpecialToken:
+    """A special token as the config gives it: its text and, when given as a dict, its AddedToken flags."""
+
+    content: str
+    flags: dict[str, Any] | None = None
+
+
+@dataclass
+class TokenizerFiles:
+    """Everything read from a tokenizer folder, before any `tokenizers` object is built."""
+
+    folder: Path
+    tokenizer_json: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    special_tokens: dict[str, SpecialToken] = field(default_factory=dict)
+    extra_special_tokens: list[SpecialToken] = field(default_factory=list)
+    added_tokens_decoder: dict[int, dict[str, Any]] = field(default_factory=dict)
+    chat_template: str | dict[str, str] | None = None
+
+
+def resolve_folder(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir: str | None = None,
+                   local_files_only: bool = False, token: str | bool | None = None, subfolder: str = "") -> Path:
+    """A local folder as it is, else a Hub repo id downloaded (or found in the cache) with `huggingface_hub`."""
+    path = Path(name_or_path)
+    if path.is_file() and path.name == TOKENIZER_FILE:
+        return path.parent
+    if path.is_dir():
+        folder = path / subfolder if subfolder else path
+        if not folder.is_dir():
+            raise FileNotFoundError(f"The folder {path} has no subfolder {subfolder!r}; check the `subfolder` argument.")
+        return folder
+    name = str(name_or_path)
+    if not _REPO_ID.fullmatch(name) or ".." in name:
+        raise FileNotFoundError(
+            f"No folder at {name!r}: pass an existing local folder or a Hub repo id like 'Qwen/Qwen3-0.6B'."
+        )
+    return _download(name, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
+                     subfolder=subfolder)
+
+
+def _download(repo_id: str, *, revision: str | None, cache_dir: str | None, local_files_only: bool,
+              token: str | bool | None, subfolder: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    patterns = [f"{subfolder}/{p}" if subfolder else p for p in _HUB_PATTERNS]
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
+                                     local_files_only=local_files_only, token=token)
+    except HFValidationError as err:
+        raise ValueError(
+            f"{repo_id!r} is neither a local folder nor a valid Hub repo id; pass a folder path or an id like "
+            "'Qwen/Qwen3-0.6B'."
+        ) from err
+    except LocalEntryNotFoundError as err:
+        raise OSError(
+            f"The tokenizer of {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline or local_files_only=True); download it once with network access or pass a local folder."
+        ) from err
+    except GatedRepoError as err:
+        raise OSError(
+            f"{repo_id!r} is a gated repo: accept its licence on the Hub and log in (`hf auth login`) or pass token=."
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise OSError(
+            f"There is no Hub repo {repo_id!r} (or it is private): check the name, or log in and pass token=."
+        ) from err
+    except RevisionNotFoundError as err:
+        raise OSError(f"The Hub repo {repo_id!r} has no revision {revision!r}; check the `revision` argument.") from err
+    folder = Path(snapshot) / subfolder if subfolder else Path(snapshot)
+    return folder
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); re-download or fix it.") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} should hold a JSON object but holds a {type(data).__name__}; re-download it.")
+    return data
+
+
+def _as_token(value: Any, where: str) -> SpecialToken | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return SpecialToken(value)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        flags = {k: v for k, v in value.items() if k in ("single_word", "lstrip", "rstrip", "normalized", "special")}
+        return SpecialToken(value["content"], flags)
+    raise ValueError(f"{where} should be a string or an AddedToken dict with a 'content' key, not {value!r}.")
+
+
+def _missing_tokenizer_json(folder: Path) -> FileNotFoundError:
+    present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if "tokenizer.model" in present:
+        what = "only a SentencePiece tokenizer.model"
+    elif "vocab.json" in present or "merges.txt" in present:
+        what = "only vocab.json/merges.txt"
+    elif any(name.endswith(".tiktoken") for name in present):
+        what = "only a tiktoken file"
+    else:
+        what = f"no tokenizer files (it holds: {', '.join(present[:8]) or 'nothing'})"
+    return FileNotFoundError(
+        f"{folder} has no tokenizer.json ({what}); staticformers reads tokenizer.json only, so convert it once "
+        "with transformers (`AutoTokenizer.from_pretrained(path).save_pretrained(path)`) or point to a folder that has it."
+    )
+
+
+def read_folder(folder: Path) -> TokenizerFiles:
+    """Read a resolved tokenizer folder into a `TokenizerFiles`; refuse one without tokenizer.json."""
+    tokenizer_json = folder / TOKENIZER_FILE
+    if not tokenizer_json.is_file():
+        raise _missing_tokenizer_json(folder)
+    config = _load_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+    files = TokenizerFiles(folder=folder, tokenizer_json=tokenizer_json, config=config)
+
+    # Special tokens: tokenizer_config.json first; the legacy special_tokens_map.json fills (and, as in
+    # transformers, overrides) them when the config has no added_tokens_decoder.
+    merged: dict[str, Any] = {k: config[k] for k in SPECIAL_TOKEN_NAMES if k in config}
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    map_path = folder / SPECIAL_TOKENS_MAP_FILE
+    if "added_tokens_decoder" not in config and map_path.is_file():
+        special_map = _load_json(map_path)
+        for key in SPECIAL_TOKEN_NAMES:
+            if key in special_map:
+                merged[key] = special_map[key]
+        extra_map = special_map.get("extra_special_tokens") or special_map.get("additional_special_tokens") or []
+        if isinstance(extra_map, list):
+            seen = {(_as_token(t, "extra_special_tokens") or SpecialToken("")).content for t in extra}
+            extra = list(extra) + [t for t in extra_map if _as_token(t, "additional_special_tokens").content not in seen]
+    for key, value in merged.items():
+        token = _as_token(value, f"{key} in {folder.name}")
+        if token is not None:
+            files.special_tokens[key] = token
+    if isinstance(extra, dict):  # named model-specific tokens, e.g. {"image_token": "<image>"}
+        extra = list(extra.values())
+    files.extra_special_tokens = [t for t in (_as_token(v, "extra_special_tokens") for v in extra) if t is not None]
+    for idx, value in (config.get("added_tokens_decoder") or {}).items():
+        token = _as_token(value, f"added_tokens_decoder[{idx}]")
+        files.added_tokens_decoder[int(idx)] = {"content": token.content, **(token.flags or {})}
+
+    # Chat templates: separate .jinja files win over the config's entry.
+    template: Any = config.get("chat_template")
+    if isinstance(template, list):
+        template = {entry["name"]: entry["template"] for entry in template}
+    templates: dict[str, str] = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        templates["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    if (folder / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if templates:
+        template = templates["default"] if list(templates) == ["default"] else templates
+    files.chat_template = template
+    return files
+
+
+def write_folder(folder: Path, tokenizer_json: str, config: dict[str, Any], chat_template: str | dict | None) -> list[str]:
+    """Write tokenizer.json, tokenizer_config.json and the chat template(s) into `folder`; return the paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    path = folder / TOKENIZER_FILE
+    path.write_text(tokenizer_json, encoding="utf-8")
+    written.append(str(path))
+    config = dict(config)
+    config.pop("chat_template", None)
+    if isinstance(chat_template, str):
+        path = folder / CHAT_TEMPLATE_FILE
+        path.write_text(chat_template, encoding="utf-8")
+        written.append(str(path))
+    elif isinstance(chat_template, dict):
+        for name, template in chat_template.items():
+            if name == "default":
+                path = folder / CHAT_TEMPLATE_FILE
+            else:
+                if not name or "/" in name or "\\" in name or name.startswith("."):
+                    raise ValueError(f"Chat template name {name!r} cannot be a file name; rename it.")
+                (folder / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+                path = folder / CHAT_TEMPLATE_DIR / f"{name}.jinja"
+            path.write_text(template, encoding="utf-8")
+            written.append(str(path))
+    path = folder / CONFIG_FILE
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    written.append(str(path))
+    return written
