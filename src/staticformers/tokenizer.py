@@ -171,6 +171,13 @@ class FastTokenizer:
             ) from err
         config = dict(files.config)
         special = {name: tok.content for name, tok in files.special_tokens.items()}
+        # Padding/truncation saved inside tokenizer.json only give defaults (as in transformers); lengths
+        # are decided per call.
+        if backend.padding is not None:
+            special.setdefault("pad_token", backend.padding.get("pad_token"))
+            config.setdefault("padding_side", backend.padding.get("direction", "right"))
+        if backend.truncation is not None:
+            config.setdefault("truncation_side", backend.truncation.get("direction", "right"))
         extra = [tok.content for tok in files.extra_special_tokens]
         template = files.chat_template
         for key, value in overrides.items():
@@ -533,6 +540,22 @@ class FastTokenizer:
             return False
         # transformers skips the (WordPiece-era) clean-up for BPE models: it would eat real spaces.
         return type(self._backend.model).__name__ != "BPE" or self._cleanup_for_bpe
+
+    def _byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of `<0xHH>` byte tokens when the decoder has ByteFallback (else empty), for streaming.
+
+        ByteFallback renders a run of byte tokens all at once: if the run is not valid UTF-8 every byte
+        becomes U+FFFD, complete characters included, so a stream must not emit inside such a run.
+        """
+        cached = self.__dict__.get("_byte_ids_cache")
+        if cached is None:
+            decoder = self._backend.decoder
+            cached = frozenset()
+            if decoder is not None and b'"ByteFallback"' in decoder.__getstate__():
+                ids = (self._backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+                cached = frozenset(i for i in ids if i is not None)
+            self.__dict__["_byte_ids_cache"] = cached
+        return cached
 
     @staticmethod
     def clean_up_tokenization(text: str) -> str:

@@ -8,7 +8,9 @@ and emits what the window's text adds to the text of its first part (`ids[prefix
 of the Rust `DecodeStream`: decoders join tokens by concatenation (byte-level BPE), or treat only the
 first token of the window specially (Metaspace, `Strip`), so the difference is exact while each step
 costs a few tokens, not the whole sequence. A piece that ends in U+FFFD (an incomplete UTF-8
-sequence, from byte-level or byte-fallback tokens) is held back until the character completes.
+sequence, from byte-level tokens) is held back until the character completes; with a ByteFallback
+decoder (Llama 2, Mistral) nothing is emitted inside a run of `<0xHH>` tokens, because that decoder
+turns a whole run into U+FFFD when the run ends mid-character.
 `finish()` decodes the whole sequence once and emits whatever is still missing, so the pieces always
 join to exactly `tokenizer.decode(all_ids, **decode_kwargs)`.
 
@@ -61,6 +63,8 @@ class IncrementalDecoder:
         self._prefix_text = ""
         cleanup = getattr(tokenizer, "_cleanup_active", None)
         self._whole = bool(cleanup(decode_kwargs.get("clean_up_tokenization_spaces"))) if callable(cleanup) else True
+        byte_ids = getattr(tokenizer, "_byte_fallback_ids", None)
+        self._byte_ids = byte_ids() if callable(byte_ids) else frozenset()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, **self.decode_kwargs)
@@ -74,6 +78,8 @@ class IncrementalDecoder:
     def push(self, ids: list[int]) -> str:
         """Add ids; return the new text that is final (possibly empty)."""
         self.ids.extend(ids)
+        if self._byte_ids and self.ids and self.ids[-1] in self._byte_ids:
+            return ""  # inside a ByteFallback run: its text is known only when the run ends
         if self._whole:
             text = self._decode(self.ids)
             cut = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t"))
