@@ -15,6 +15,11 @@ Design choices, so that the generation engine, the trainer and tensor parallelis
 - Heads are read from the weights' shapes at run time (`-1` in views), so a tensor-parallel plan that
   shards q/k/v column-wise needs nothing from this file.
 - No parallelism, no device logic, no compile calls here.
+- A cache object may also choose the formulation of its forward (`kv_cache.matvec_linears`,
+  `kv_cache.grouped_attention`, both False when absent): the generation engine's compiled batch-1
+  decode reads every weight once as a multiply-and-sum reduction and attends with a grouped matmul
+  (query heads reshaped per KV head, no KV copy), which inductor turns into weight-streaming loops.
+  Same math, same dtypes out; without such a cache `model(...)` is unchanged.
 """
 
 from __future__ import annotations
@@ -120,6 +125,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def project(layer: nn.Linear, x: torch.Tensor, matvec: bool = False) -> torch.Tensor:
+    """`layer(x)`, or (matvec) the same product as a float32 multiply-and-sum over the weight rows."""
+    if not matvec:
+        return layer(x)
+    y = (x.unsqueeze(-2).float() * layer.weight.float()).sum(-1)
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(x.dtype)
+
+
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head."""
+    b, h, s, d = q.shape
+    kvh, kv_len = k.shape[1], k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, kvh, g * s, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if mask is None:
+        mask = torch.ones(s, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - s)[None, None]
+    mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, s, d)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Scaled dot-product attention with grouped KV heads; mask is boolean (True = may attend)."""
     if mask is None:
@@ -148,17 +178,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        mv = getattr(kv_cache, "matvec_linears", False)
+        q = project(self.q_proj, x, mv).view(b, s, -1, self.head_dim)
+        k = project(self.k_proj, x, mv).view(b, s, -1, self.head_dim)
+        v = project(self.v_proj, x, mv).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
-        out = attend(q, k, v, mask, self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        if getattr(kv_cache, "grouped_attention", False):
+            out = attend_grouped(q, k, v, mask, self.scale)
+        else:
+            out = attend(q, k, v, mask, self.scale)
+        return project(self.o_proj, out.transpose(1, 2).reshape(b, s, -1), mv)
 
 
 class MLP(nn.Module):
@@ -169,7 +203,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def forward(self, x):
+    def forward(self, x, matvec: bool = False):
+        if matvec:
+            return project(self.down_proj, F.silu(project(self.gate_proj, x, True)) * project(self.up_proj, x, True), True)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -184,7 +220,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None):
         mask = masks[self.self_attn.window]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), getattr(kv_cache, "matvec_linears", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +422,7 @@ class CausalLM(nn.Module):
                 hidden = hidden[:, -logits_to_keep:]
         else:
             hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
-        logits = self.lm_head(hidden)
+        logits = project(self.lm_head, hidden, getattr(kv_cache, "matvec_linears", False))
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)

@@ -1,0 +1,219 @@
+"""Compiling for a device that compiles one graph per shape: backend choice, graph counting, and the
+persistent on-disk compile cache. Shared by the generation engine and the trainer.
+
+Why a module of its own: every compiled function in staticformers must be *countable* (how many graphs,
+for which shapes, how many seconds each) and *bounded* (one graph per declared shape, never PyTorch's
+recompile limit, never a silent fallback to eager). This module gives both:
+
+- `compile_function(fn, name, ...)` returns a `CompiledFunction`: a fresh code object per declared shape
+  (so Dynamo's per-code recompile limit can never be reached by our own shapes), a counting backend that
+  records each real compilation (seconds, example shapes), and a check that raises in strict mode (tests,
+  `STATICFORMERS_STRICT_SHAPES=1`) or warns in production when a second graph appears for one shape.
+- `cache_root()` is `~/.cache/staticformers` or `$STATICFORMERS_CACHE`; `enable_persistent_cache()`
+  points inductor's FX-graph / AOTAutograd caches (and the Neuron compiler's cache) there, unless the
+  user already chose a place, so a second process compiles nothing it compiled before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+logger = logging.getLogger("staticformers")
+
+CACHE_ENV = "STATICFORMERS_CACHE"
+STRICT_ENV = "STATICFORMERS_STRICT_SHAPES"
+
+
+class ShapePlanViolation(RuntimeError):
+    """A shape the plan did not declare reached a compiled function (a bug in the caller)."""
+
+
+def strict_shapes() -> bool:
+    """True when a shape outside the plan must raise (tests) rather than warn (production)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def shape_violation(message: str) -> None:
+    """Raise in strict mode, warn otherwise."""
+    if strict_shapes():
+        raise ShapePlanViolation(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    logger.warning(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# the persistent cache
+# ---------------------------------------------------------------------------------------------
+def cache_root() -> str:
+    """Where staticformers keeps compiled artefacts: `$STATICFORMERS_CACHE` or `~/.cache/staticformers`."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "staticformers")
+    return os.path.abspath(root)
+
+
+_ENABLED_FOR: Optional[str] = None
+
+
+def enable_persistent_cache() -> str:
+    """Point inductor's on-disk caches (and Neuron's) under `cache_root()`; return the root.
+
+    A location the user set explicitly (`TORCHINDUCTOR_CACHE_DIR`, `NEURON_COMPILE_CACHE_URL`) wins.
+    Idempotent; cheap to call before every compile.
+    """
+    global _ENABLED_FOR
+    root = cache_root()
+    if _ENABLED_FOR == root:
+        return root
+    os.makedirs(root, exist_ok=True)
+    if _ENABLED_FOR is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # ours (first time, or the root moved since): inductor reads this variable at each lookup
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ.setdefault("NEURON_COMPILE_CACHE_URL", os.path.join(root, "neuron"))
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+        import torch._functorch.config as functorch_config
+
+        functorch_config.enable_autograd_cache = True
+    except Exception:  # pragma: no cover - a torch without inductor
+        pass
+    _ENABLED_FOR = root
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# backends
+# ---------------------------------------------------------------------------------------------
+def default_backend(device: torch.device) -> str:
+    from .devices import compile_backend_for
+
+    return compile_backend_for(device)
+
+
+def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) -> Callable:
+    """The compiler function behind a backend name, with mode/options applied (inductor only)."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict = {}
+        if mode is not None and mode != "default":
+            patches.update(torch._inductor.list_mode_options(mode))
+        if options:
+            patches.update(options)
+
+        def inductor(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=dict(patches))
+
+        return inductor
+    if mode is not None or options:
+        logger.info("compile mode/options are ignored by the %r backend", backend)
+    return torch._dynamo.lookup_backend(backend)
+
+
+@dataclass
+class GraphRecord:
+    """One real compilation: what was compiled, from which shapes, and how long it took."""
+
+    name: str
+    input_shapes: list
+    seconds: float
+
+
+@dataclass
+class CompiledFunction:
+    """A function compiled for exactly one declared shape, with its compile record and call count."""
+
+    name: str
+    shape: tuple
+    backend: str
+    fn: Callable
+    compiled: Callable
+    records: list = field(default_factory=list)
+    calls: int = 0
+    first_call_seconds: float = 0.0  # wall time of the first call (trace + compile, or a cache hit)
+
+    def __call__(self, *args):
+        if self.calls == 0:
+            start = time.perf_counter()
+            out = self.compiled(*args)
+            self.first_call_seconds = time.perf_counter() - start
+        else:
+            out = self.compiled(*args)
+        self.calls += 1
+        return out
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
+
+
+_lock = threading.Lock()
+
+
+def _fresh_code(fn: Callable, name: str) -> Callable:
+    """A copy of `fn` with its own code object, so Dynamo keeps a separate cache (and limit) for it."""
+    safe = "".join(c if c.isalnum() else "_" for c in name)
+    code = fn.__code__.replace(co_name=safe, co_qualname=safe) if hasattr(fn.__code__, "co_qualname") else \
+        fn.__code__.replace(co_name=safe)
+    out = types.FunctionType(code, fn.__globals__, safe, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def compile_function(
+    fn: Callable,
+    name: str,
+    shape: tuple,
+    backend: str,
+    mode: Optional[str] = None,
+    options: Optional[dict] = None,
+    fullgraph: bool = True,
+    dynamic: bool = False,
+) -> CompiledFunction:
+    """Compile `fn` for one declared shape; every real compilation is counted and timed.
+
+    `backend="eager"` / `"aot_eager"` still trace one Dynamo graph per shape (what tests count).
+    A second compilation of the same function (a guard failed: a shape or a weight object changed)
+    is a violation of the plan: it raises in strict mode and warns otherwise.
+    """
+    if backend not in ("eager", "aot_eager"):
+        enable_persistent_cache()
+    real = _real_backend(backend, mode, options)
+    entry = CompiledFunction(name=name, shape=tuple(shape), backend=backend, fn=fn, compiled=None)
+
+    def counting_backend(gm, example_inputs):
+        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        if entry.records:
+            shape_violation(
+                f"{name} was about to compile a second graph (inputs {shapes[:4]}...) although its plan "
+                f"declares one shape {entry.shape}: something outside the plan reached it."
+            )
+        start = time.perf_counter()
+        out = real(gm, example_inputs)
+        entry.records.append(GraphRecord(name, shapes, time.perf_counter() - start))
+        logger.info("compiled %s %s with %s in %.2f s", name, entry.shape, backend, entry.records[-1].seconds)
+        return out
+
+    entry.compiled = torch.compile(_fresh_code(fn, name), backend=counting_backend, fullgraph=fullgraph,
+                                   dynamic=dynamic)
+    return entry
+
+
+def dynamo_counters() -> dict:
+    """A copy of Dynamo's counters (frames compiled, graphs) for tests and benchmarks."""
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items()}

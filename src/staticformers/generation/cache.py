@@ -1,0 +1,70 @@
+"""The static KV cache: preallocated once per (batch bucket, KV length), updated in place, reused.
+
+The decoder (`modeling.py`) asks any `kv_cache` object for `max_length` and calls
+`update(layer_idx, k, v, cache_position)`; this module provides two such objects:
+
+- `StaticKVCache`: per layer a key and a value buffer `[batch, kv_heads, max_length, head_dim]` in the
+  model's dtype on the model's device. `update` writes the new keys/values at `cache_position` with
+  `index_copy_` (an in-place scatter that compilers keep in place) and returns the whole buffers.
+  Decode graphs take it; its shapes never change, so neither do theirs.
+- `PrefillKV`: a cache over the prompt alone (`max_length` = the prompt bucket). It keeps what each
+  layer produced so that the engine can copy it into a `StaticKVCache` of any length after the
+  prefill graph ran. Prefill graphs therefore depend on `[batch, prompt]` only, not on the KV length:
+  fewer graphs to compile.
+
+Stale slots need no clearing: the engine's attention mask over the cache hides every slot a call has
+not written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class StaticKVCache:
+    """Preallocated key/value buffers for every layer (see the module docstring)."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.batch, self.max_length = int(batch), int(max_length)
+        shape = (self.batch, kv_heads, self.max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_length: int) -> "StaticKVCache":
+        c = model.config
+        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_length, c.head_dim, model.dtype, model.device)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
+        key, value = self.keys[layer_idx], self.values[layer_idx]
+        key.index_copy_(2, cache_position, k)
+        value.index_copy_(2, cache_position, v)
+        return key, value
+
+    def load_prefill(self, prefill: "PrefillKV", batch: Optional[int] = None) -> None:
+        """Copy what a prefill produced into slots [0, prompt_len) (rows [0, batch))."""
+        rows = prefill.keys[0].shape[0] if batch is None else batch
+        length = prefill.keys[0].shape[2]
+        for dst_k, dst_v, k, v in zip(self.keys, self.values, prefill.keys, prefill.values):
+            dst_k[:rows, :, :length].copy_(k[:rows])
+            dst_v[:rows, :, :length].copy_(v[:rows])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class PrefillKV:
+    """A cache over the prompt only: `update` keeps k/v and returns them (see the module docstring)."""
+
+    def __init__(self, num_layers: int, max_length: int):
+        self.max_length = int(max_length)
+        self.keys: list = [None] * num_layers
+        self.values: list = [None] * num_layers
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v

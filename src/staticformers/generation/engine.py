@@ -1,0 +1,239 @@
+"""The generation engine: compiled prefill and decode over the shape plan, host bookkeeping around them.
+
+Design choices (the why of this file):
+
+- **Every shape is declared.** A request is split into sub-batches of at most the largest batch
+  bucket; each sub-batch runs at one plan `Entry` (batch bucket B, prompt bucket L, KV length K).
+  Prefill is a function of `[B, L]`, decode of `[B, 1]` over a `[B, K]` cache. Each (kind, shape,
+  compile settings) gets its own compiled function with its own code object (see `compile.py`), so
+  graphs never exceed the plan and PyTorch's recompile limit is never approached. Before a compiled
+  function runs, the engine checks its inputs have the declared shape (raise in tests, warn else).
+- **Prefill does not depend on the KV length.** It attends over the prompt bucket only and returns
+  each layer's keys/values; the engine copies them into the `[B, K]` static cache. So prefill graphs
+  number `len(batch) * len(prompt)`, not times `len(kv)`.
+- **Host bookkeeping, device math.** Generated ids, the stop flags and the output live on the host.
+  Per step the device receives `[B, 1]` token ids, `[B, 1]` RoPE positions and a `[1]` slot index;
+  the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
+  Graphs return the argmax and the last logits; greedy uses the argmax, anything else runs
+  `sampling.Sampler` on the device. Only chosen ids come back.
+- **Batch-1 decode is a matrix-vector product.** Under inductor, the `[1, 1]` decode graph runs every
+  linear as a multiply-and-sum reduction and attention as grouped matmuls (`modeling.project`,
+  `modeling.attend_grouped`), chosen through attributes of the cache object; batch > 1 keeps GEMMs.
+- **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
+  pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
+  an in-place change (training) drops graphs whose weights were frozen into them (inductor freezing).
+- **Bad input loses nothing.** Everything is validated before any device work; caches and graphs are
+  only created for shapes the plan declares.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..compile import CompiledFunction, compile_function, shape_violation
+from .cache import PrefillKV, StaticKVCache
+from .plan import Entry, ShapePlan
+
+logger = logging.getLogger("staticformers")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How the engine's graphs are built for one call (part of every graph's key)."""
+
+    enabled: bool = True
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    options: tuple = ()
+    fullgraph: bool = True
+    dynamic: bool = False
+    fast_decode: bool = True  # batch-1 decode as matrix-vector reductions (inductor only)
+
+    @property
+    def freezing(self) -> bool:
+        return self.enabled and self.backend == "inductor" and dict(self.options).get("freezing", False)
+
+    @property
+    def label(self) -> str:
+        return self.backend if self.enabled else "eager (not compiled)"
+
+
+# ---------------------------------------------------------------------------------------------
+# the step functions (each compiled once per shape)
+# ---------------------------------------------------------------------------------------------
+def make_prefill(model, length: int) -> Callable:
+    layers = model.config.num_hidden_layers
+
+    def prefill(input_ids, position_ids, attention_mask):
+        kv = PrefillKV(layers, length)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       kv_cache=kv, logits_to_keep=1).logits[:, -1]
+        return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
+
+    return prefill
+
+
+def make_decode(model, cache: StaticKVCache) -> Callable:
+    def decode(input_ids, position_ids, attention_mask, cache_position):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       kv_cache=cache, cache_position=cache_position).logits[:, -1]
+        return logits.argmax(-1), logits
+
+    return decode
+
+
+@dataclass(eq=False)
+class Graph:
+    """One step function for one shape under one compile setting: compiled or eager."""
+
+    kind: str
+    shape: tuple
+    settings: CompileSettings
+    fn: Callable
+    compiled: Optional[CompiledFunction]
+    calls: int = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.compiled(*args) if self.compiled is not None else self.fn(*args)
+
+
+def _fingerprint(model) -> tuple:
+    params = list({id(p): p for p in model.parameters()}.values())
+    ident = tuple((id(p), p.data_ptr(), p.dtype, str(p.device)) for p in params)
+    versions = tuple(p._version for p in params)
+    return ident, versions
+
+
+class Engine:
+    """One per model: the plan, the static caches per (batch bucket, KV length), the graphs."""
+
+    def __init__(self, model, plan: Optional[ShapePlan] = None):
+        self.model = model
+        self.plan = (plan or ShapePlan()).bind(model.config.max_position_embeddings)
+        self.caches: dict[tuple, StaticKVCache] = {}
+        self.graphs: dict[tuple, Graph] = {}
+        self.retired: list[Graph] = []  # graphs dropped for new weights (kept for compile_stats)
+        self._ident, self._versions = _fingerprint(model)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def check_weights(self) -> None:
+        """Drop whatever could run with stale weights (see the module docstring)."""
+        ident, versions = _fingerprint(self.model)
+        if ident != self._ident:
+            logger.info("model weights were replaced (new tensors, dtype or device): dropping graphs and caches")
+            self.reset()
+        elif versions != self._versions:
+            frozen = [k for k, g in self.graphs.items() if g.settings.freezing]
+            if frozen:
+                logger.info("weights changed in place: dropping %d graph(s) that froze the old weights", len(frozen))
+                for k in frozen:
+                    self.retired.append(self.graphs.pop(k))
+        self._ident, self._versions = ident, versions
+
+    def reset(self) -> None:
+        """Forget every graph and cache (they are rebuilt on demand)."""
+        self.retired.extend(self.graphs.values())
+        self.graphs.clear()
+        self.caches.clear()
+
+    # ---- caches and graphs -------------------------------------------------------------------------
+    def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
+        key = (batch, kv, self._fast(batch, settings))
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = StaticKVCache.for_model(self.model, batch, kv)
+            cache.matvec_linears = cache.grouped_attention = key[2]
+            self.caches[key] = cache
+        return cache
+
+    @staticmethod
+    def _fast(batch: int, settings: CompileSettings) -> bool:
+        return settings.enabled and settings.backend == "inductor" and settings.fast_decode and batch == 1
+
+    def graph(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
+        key = (kind, batch, dim, settings)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        if kind == "prefill":
+            fn, shape = make_prefill(self.model, dim), (batch, dim)
+        else:
+            fn, shape = make_decode(self.model, self.cache(batch, dim, settings)), (batch, 1, dim)
+        compiled = None
+        if settings.enabled:
+            name = f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
+            compiled = compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
+                                        settings.fullgraph, settings.dynamic)
+        g = Graph(kind, shape, settings, fn, compiled)
+        self.graphs[key] = g
+        return g
+
+    # ---- running one sub-batch ---------------------------------------------------------------------
+    def prefill(self, entry: Entry, ids: torch.Tensor, mask: torch.Tensor, settings: CompileSettings):
+        """Run the prompt (host `[b, s]`, left-aligned to the bucket) and fill the static cache.
+
+        Returns (argmax ids, last logits) on the device, the cache, the host mask over the cache and
+        each row's next RoPE position.
+        """
+        b, s = ids.shape
+        B, L, K = entry.batch, entry.prompt, entry.kv
+        device = self.model.device
+        x = torch.zeros(B, L, dtype=torch.long)
+        m = torch.zeros(B, L, dtype=torch.bool)
+        x[:b, L - s:] = ids
+        m[:b, L - s:] = mask
+        pos = (m.long().cumsum(-1) - 1).clamp(min=0)
+        g = self.graph("prefill", B, L, settings)
+        self._check(g, (B, L), x)
+        argmax, logits, keys, values = g(x.to(device), pos.to(device), m.to(device))
+        cache = self.cache(B, K, settings)
+        cache.load_prefill(_Collected(keys, values))
+        full = torch.zeros(B, K, dtype=torch.bool)
+        full[:, :L] = m
+        full[:b, L:] = True
+        next_pos = m.long().sum(-1)
+        return argmax, logits, cache, full, next_pos
+
+    def decode(self, entry: Entry, tokens: torch.Tensor, positions: torch.Tensor, mask_dev: torch.Tensor,
+               slot: torch.Tensor, settings: CompileSettings):
+        g = self.graph("decode", entry.batch, entry.kv, settings)
+        self._check(g, (entry.batch, 1), tokens)
+        return g(tokens, positions, mask_dev, slot)
+
+    @staticmethod
+    def _check(g: Graph, expected: tuple, x: torch.Tensor) -> None:
+        if tuple(x.shape) != expected:
+            shape_violation(f"{g.kind} graph {g.shape} was handed inputs of shape {tuple(x.shape)}, outside the plan.")
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> list[dict]:
+        out = []
+        for g in list(self.graphs.values()) + self.retired:
+            c = g.compiled
+            out.append({
+                "kind": g.kind,
+                "shape": list(g.shape),
+                "backend": g.settings.label,
+                "graphs": c.graphs if c is not None else 0,
+                "compile_seconds": round(c.compile_seconds, 3) if c is not None else 0.0,
+                "first_call_seconds": round(c.first_call_seconds, 3) if c is not None else 0.0,
+                "calls": g.calls,
+                "retired": g in self.retired,
+            })
+        return out
+
+
+@dataclass
+class _Collected:
+    keys: tuple
+    values: tuple
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,219 @@
+"""The shape plan: every shape the generation engine will ever compile, decided before the first call.
+
+A device that compiles one graph per input shape must never meet a shape it did not expect. The plan
+lists three sets of buckets and the engine pads every request up to the smallest bucket that fits
+("first fit", as NxD Inference does):
+
+- batch buckets (default 1, 2, 4, 8): a batch larger than the largest bucket is split, not refused;
+- prompt-length buckets (default powers of two from 16 up to `max_model_len`): prefill graphs are
+  `[batch_bucket, prompt_bucket]`;
+- KV-cache lengths (default powers of two from 256 up to `max_model_len`): decode graphs are
+  `[batch_bucket, 1]` over a cache of one of these lengths, so memory follows what a call needs and
+  never `max_position_embeddings` blindly (Qwen3's 40,960 positions would cost gigabytes a sequence).
+
+`max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
+of graphs is `len(batch) * (len(prompt) + len(kv))`, printed by `str(plan)` and by
+`staticformers compile`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class PlanError(ValueError):
+    """A request that does not fit the shape plan (one sentence saying what to change)."""
+
+
+def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    out, n = [], 1
+    while n < low:
+        n *= 2
+    while n < high:
+        out.append(n)
+        n *= 2
+    out.append(high)
+    return tuple(out)
+
+
+def _check_buckets(name: str, values: Sequence[int]) -> tuple[int, ...]:
+    values = tuple(sorted({int(v) for v in values}))
+    if not values or values[0] < 1:
+        raise PlanError(f"{name} must be a non-empty list of positive integers, got {list(values)}.")
+    return values
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The shapes one (sub-)batch runs at: batch bucket, prompt bucket, KV-cache length."""
+
+    batch: int
+    prompt: int
+    kv: int
+
+
+class ShapePlan:
+    """Batch, prompt-length and KV-length buckets (see the module docstring).
+
+    Pass explicit bucket lists, or let them follow `max_model_len` and `max_batch_size`. A plan
+    without `max_model_len` is completed from the model by `bind()` when the engine first sees it.
+    """
+
+    def __init__(
+        self,
+        batch_sizes: Optional[Sequence[int]] = None,
+        prompt_lengths: Optional[Sequence[int]] = None,
+        kv_lengths: Optional[Sequence[int]] = None,
+        max_model_len: Optional[int] = None,
+        max_batch_size: int = 8,
+        min_prompt_length: int = 16,
+        min_kv_length: int = 256,
+    ):
+        if max_model_len is not None and int(max_model_len) < 2:
+            raise PlanError(f"max_model_len must be at least 2, got {max_model_len}.")
+        if int(max_batch_size) < 1:
+            raise PlanError(f"max_batch_size must be at least 1, got {max_batch_size}.")
+        self._requested = dict(batch_sizes=batch_sizes, prompt_lengths=prompt_lengths, kv_lengths=kv_lengths,
+                               max_model_len=max_model_len, max_batch_size=int(max_batch_size),
+                               min_prompt_length=int(min_prompt_length), min_kv_length=int(min_kv_length))
+        self.max_model_len = int(max_model_len) if max_model_len is not None else None
+        self.batch_sizes = _check_buckets("batch_sizes", batch_sizes) if batch_sizes is not None else \
+            _powers_of_two(1, int(max_batch_size))
+        self.prompt_lengths: tuple[int, ...] = ()
+        self.kv_lengths: tuple[int, ...] = ()
+        if self.max_model_len is not None or (prompt_lengths is not None and kv_lengths is not None):
+            self._complete()
+
+    # ---- completion ----------------------------------------------------------------------------
+    def _complete(self) -> None:
+        r = self._requested
+        prompt = r["prompt_lengths"]
+        kv = r["kv_lengths"]
+        if self.max_model_len is None:
+            self.max_model_len = max(max(prompt), max(kv))
+        m = self.max_model_len
+        self.prompt_lengths = _check_buckets("prompt_lengths", prompt) if prompt is not None else \
+            _powers_of_two(min(r["min_prompt_length"], m), m)
+        self.kv_lengths = _check_buckets("kv_lengths", kv) if kv is not None else \
+            _powers_of_two(min(r["min_kv_length"], m), m)
+        if self.kv_lengths[-1] > m or self.prompt_lengths[-1] > m:
+            raise PlanError(
+                f"The plan's buckets go beyond max_model_len={m} (prompt up to {self.prompt_lengths[-1]}, "
+                f"KV up to {self.kv_lengths[-1]}): lower them or raise max_model_len."
+            )
+
+    @property
+    def bound(self) -> bool:
+        return bool(self.prompt_lengths) and bool(self.kv_lengths)
+
+    def bind(self, max_position_embeddings: int) -> "ShapePlan":
+        """This plan completed for a model (a copy when something had to be filled in)."""
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
+            raise PlanError(
+                f"max_model_len={self.max_model_len} is more than the model's max_position_embeddings="
+                f"{max_position_embeddings}: lower it."
+            )
+        if self.bound:
+            return self
+        r = dict(self._requested)
+        r["max_model_len"] = min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        return ShapePlan(**r)
+
+    # ---- first fit -----------------------------------------------------------------------------
+    def _need_bound(self) -> None:
+        if not self.bound:
+            raise PlanError("This ShapePlan has no max_model_len yet: pass one, or let the engine bind it to a model.")
+
+    def batch_bucket(self, n: int) -> int:
+        for b in self.batch_sizes:
+            if b >= n:
+                return b
+        raise PlanError(f"A batch of {n} is larger than the largest batch bucket ({self.batch_sizes[-1]}).")
+
+    def prompt_bucket(self, n: int) -> int:
+        self._need_bound()
+        for length in self.prompt_lengths:
+            if length >= n:
+                return length
+        raise PlanError(
+            f"The prompt has {n} tokens, more than the largest prompt bucket ({self.prompt_lengths[-1]}, "
+            f"max_model_len={self.max_model_len}): shorten it or use a plan with a larger max_model_len."
+        )
+
+    def kv_bucket(self, n: int) -> int:
+        self._need_bound()
+        for length in self.kv_lengths:
+            if length >= n:
+                return length
+        raise PlanError(f"{n} cache slots are more than the largest KV length ({self.kv_lengths[-1]}).")
+
+    def split(self, n: int) -> list[int]:
+        """Sizes of the sub-batches a batch of `n` runs as: chunks of the largest bucket, then the rest."""
+        if n < 1:
+            raise PlanError(f"A batch needs at least one sequence, got {n}.")
+        biggest = self.batch_sizes[-1]
+        return [biggest] * (n // biggest) + ([n % biggest] if n % biggest else [])
+
+    def choose(self, batch: int, prompt_len: int, max_new_tokens: int) -> Entry:
+        """The entry a (sub-)batch of `batch` prompts of `prompt_len` tokens runs at, or a PlanError.
+
+        The prompt is left-padded to its bucket L and fills cache slots [0, L); decode writes one slot
+        per new token after the first, so the cache needs L + max_new_tokens - 1 slots.
+        """
+        self._need_bound()
+        length = self.prompt_bucket(prompt_len)
+        if prompt_len + max_new_tokens > self.max_model_len:
+            raise PlanError(
+                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {prompt_len + max_new_tokens} "
+                f"positions exceed max_model_len={self.max_model_len}; lower max_new_tokens to at most "
+                f"{max(self.max_model_len - prompt_len, 0)} or raise max_model_len."
+            )
+        need = length + max_new_tokens - 1
+        if need > self.kv_lengths[-1]:
+            raise PlanError(
+                f"The prompt has {prompt_len} tokens (padded to its bucket {length}) and max_new_tokens="
+                f"{max_new_tokens} needs {need} cache slots, more than the largest KV length "
+                f"({self.kv_lengths[-1]}): lower max_new_tokens to at most {self.kv_lengths[-1] - length + 1} "
+                f"or raise max_model_len."
+            )
+        return Entry(self.batch_bucket(batch), length, self.kv_bucket(max(need, 1)))
+
+    # ---- the graphs it implies -----------------------------------------------------------------
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        self._need_bound()
+        return [(b, length) for b in self.batch_sizes for length in self.prompt_lengths]
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        self._need_bound()
+        return [(b, kv) for b in self.batch_sizes for kv in self.kv_lengths]
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.prefill_shapes()) + len(self.decode_shapes())
+
+    def key(self) -> tuple:
+        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShapePlan) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        return (f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
+                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len})")
+
+    def __str__(self) -> str:
+        if not self.bound:
+            return repr(self)
+        lines = [
+            f"shape plan: max_model_len {self.max_model_len}, {self.num_graphs} graphs at most",
+            f"  batch buckets   {', '.join(map(str, self.batch_sizes))}",
+            f"  prompt buckets  {', '.join(map(str, self.prompt_lengths))}   (prefill [batch, prompt])",
+            f"  KV lengths      {', '.join(map(str, self.kv_lengths))}   (decode [batch, 1] over the cache)",
+        ]
+        return "\n".join(lines)

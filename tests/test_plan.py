@@ -1,0 +1,55 @@
+"""The shape plan: defaults, first-fit buckets, splitting, and one-sentence refusals."""
+
+import pytest
+
+from staticformers import ShapePlan
+from staticformers.generation.plan import Entry, PlanError
+
+
+def test_defaults_follow_max_model_len():
+    plan = ShapePlan(max_model_len=1024)
+    assert plan.batch_sizes == (1, 2, 4, 8)
+    assert plan.prompt_lengths == (16, 32, 64, 128, 256, 512, 1024)
+    assert plan.kv_lengths == (256, 512, 1024)
+    assert plan.num_graphs == 4 * 7 + 4 * 3
+    text = str(plan)
+    assert "max_model_len 1024" in text and "40 graphs" in text
+
+
+def test_bind_caps_at_model_positions_and_default():
+    assert ShapePlan().bind(40960).max_model_len == 2048  # never max_position_embeddings blindly
+    assert ShapePlan().bind(300).kv_lengths == (256, 300)
+    with pytest.raises(PlanError, match="max_position_embeddings=512"):
+        ShapePlan(max_model_len=1024).bind(512)
+
+
+def test_first_fit_and_kv_need():
+    plan = ShapePlan(max_model_len=512, max_batch_size=4)
+    assert plan.choose(3, 17, 10) == Entry(4, 32, 256)
+    assert plan.choose(1, 16, 1) == Entry(1, 16, 256)
+    assert plan.choose(1, 200, 100) == Entry(1, 256, 512)  # 256 + 99 slots
+
+
+def test_split_large_batches():
+    plan = ShapePlan(max_model_len=64, max_batch_size=4)
+    assert plan.split(10) == [4, 4, 2]
+    assert plan.split(4) == [4]
+
+
+@pytest.mark.parametrize("args,match", [
+    ((1, 600, 1), "more than the largest prompt bucket"),
+    ((1, 500, 20), "exceed max_model_len=512"),
+    ((1, 300, 200), "needs 711 cache slots"),
+])
+def test_refusals_are_one_sentence(args, match):
+    plan = ShapePlan(max_model_len=512)
+    with pytest.raises(PlanError, match=match) as err:
+        plan.choose(*args)
+    assert str(err.value).count(". ") == 0  # one sentence
+
+
+def test_explicit_buckets():
+    plan = ShapePlan(batch_sizes=[1, 3], prompt_lengths=[8, 24], kv_lengths=[64])
+    assert plan.max_model_len == 64 and plan.batch_bucket(2) == 3 and plan.prompt_bucket(9) == 24
+    with pytest.raises(PlanError, match="beyond max_model_len"):
+        ShapePlan(prompt_lengths=[128], kv_lengths=[64], max_model_len=64)
