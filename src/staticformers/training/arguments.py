@@ -1,0 +1,208 @@
+"""`TrainingArguments`: transformers' names and meanings, plus TRL's `max_length` and `packing`.
+
+What differs from transformers, on purpose:
+- The device is found by `staticformers.devices.resolve_device("auto")`: Neuron first, then CUDA,
+  XPU, MPS and the CPU (`use_cpu=True` forces the CPU). `torch_compile_backend` defaults to the
+  device's backend: `"neuron"` on Neuron, `"inductor"` elsewhere.
+- Shapes are static: every training batch is `[per_device_train_batch_size, max_length]`, padded or
+  packed. `dataloader_drop_last` defaults to **True** (transformers: False) so that no ragged last
+  batch ever reaches the compiled graph; with False the last batch is filled up with empty rows
+  (labels all -100) instead of being shorter, so the shape still never changes.
+- `bf16=True` trains with bf16 weights and activations and fp32 master weights and optimizer
+  state (see `training/precision.py`).
+
+Contradictory or invalid values are refused with one sentence saying what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+logger = logging.getLogger("staticformers")
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES = ("no", "steps", "epoch")
+REPORTERS = ("tensorboard",)
+PACKING_STRATEGIES = ("bfd", "wrapped")
+LONG_DOCUMENTS = ("split", "truncate")
+
+
+@dataclass
+class TrainingArguments:
+    """Arguments of `Trainer`, with transformers' names and defaults unless the module docstring says otherwise."""
+
+    output_dir: str = "trainer_output"
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    logging_steps: float = 500
+    logging_first_step: bool = False
+    eval_strategy: str = "no"
+    eval_steps: Optional[float] = None
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: Optional[int] = None
+    seed: int = 42
+    bf16: bool = False
+    torch_compile: bool = False
+    torch_compile_backend: Optional[str] = None
+    dataloader_drop_last: bool = True  # True here (transformers: False): no ragged batch, no new shape
+    use_cpu: bool = False
+    report_to: Union[str, list, None] = "none"
+    logging_dir: Optional[str] = None
+    gradient_checkpointing: bool = False
+    disable_tqdm: bool = False
+    resume_from_checkpoint: Optional[str] = None
+    # as in TRL's SFTConfig
+    max_length: int = 1024
+    packing: bool = False
+    packing_strategy: str = "bfd"  # best-fit decreasing (documents kept whole) or "wrapped" (split at row ends)
+    # staticformers: what padding mode does with a document longer than max_length
+    long_documents: str = "split"  # "split" into max_length pieces, or "truncate" (keep the start)
+
+    def __post_init__(self) -> None:
+        self._device: Optional[torch.device] = None
+        self._check()
+        if self.torch_compile_backend is None:
+            from ..devices import compile_backend_for
+
+            self.torch_compile_backend = compile_backend_for(self.device)
+        if self.bf16:
+            from ..devices import supports_bf16
+
+            if not supports_bf16(self.device):
+                raise ValueError(f"bf16=True but {self.device} does not support bfloat16: pass bf16=False (or use_cpu=True).")
+        if self.logging_dir is None:
+            import os
+
+            self.logging_dir = os.path.join(self.output_dir, "runs")
+
+    # ---- validation --------------------------------------------------------------------------
+    def _check(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length"):
+            positive_int(name)
+        if not self.output_dir:
+            raise ValueError("output_dir is empty: pass the folder where checkpoints and metrics go.")
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length} leaves nothing to predict: use at least 2.")
+        if not self.learning_rate >= 0 or math.isinf(self.learning_rate):
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be a finite number >= 0.")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} is negative: use 0 or more.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1).")
+        if self.adam_epsilon <= 0:
+            raise ValueError(f"adam_epsilon={self.adam_epsilon} must be positive.")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} is negative: use a positive norm, or 0/None for no clipping.")
+        if self.max_steps == 0 or (self.max_steps < 0 and self.max_steps != -1):
+            raise ValueError(f"max_steps={self.max_steps}: use a positive number of optimizer steps, or -1 to train num_train_epochs.")
+        if self.max_steps < 0 and not self.num_train_epochs > 0:
+            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing: set one of them.")
+        if self.lr_scheduler_type not in SCHEDULERS:
+            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported: use one of {', '.join(SCHEDULERS)}.")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} is negative.")
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1].")
+        if self.warmup_steps > 0 and self.warmup_ratio > 0:
+            raise ValueError("Pass warmup_steps or warmup_ratio, not both.")
+        if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
+            raise ValueError("lr_scheduler_type=\"constant\" has no warmup: use \"constant_with_warmup\" or drop the warmup.")
+        for name in ("eval_strategy", "save_strategy"):
+            value = getattr(self, name)
+            if value not in STRATEGIES:
+                raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(STRATEGIES)}.")
+        if self.logging_steps <= 0:
+            raise ValueError(f"logging_steps={self.logging_steps} must be positive.")
+        if self.save_strategy == "steps" and not self.save_steps > 0:
+            raise ValueError(f"save_strategy=\"steps\" needs save_steps > 0 (got {self.save_steps}).")
+        if self.eval_steps is not None and not self.eval_steps > 0:
+            raise ValueError(f"eval_steps={self.eval_steps} must be positive.")
+        if self.save_total_limit is not None and (isinstance(self.save_total_limit, bool) or self.save_total_limit < 1):
+            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1, or None to keep every checkpoint.")
+        if self.packing_strategy not in PACKING_STRATEGIES:
+            raise ValueError(f"packing_strategy={self.packing_strategy!r} is not supported: use one of {', '.join(PACKING_STRATEGIES)}.")
+        if self.long_documents not in LONG_DOCUMENTS:
+            raise ValueError(f"long_documents={self.long_documents!r} is not supported: use \"split\" or \"truncate\".")
+        if self.torch_compile_backend is not None and not self.torch_compile and not isinstance(self.torch_compile_backend, str):
+            raise ValueError("torch_compile_backend must be a backend name such as \"inductor\" or \"neuron\".")
+        if self.torch_compile_backend is not None and not self.torch_compile:
+            # transformers turns compile on when a backend is given; so do we, and say so
+            logger.info("torch_compile_backend=%r given: torch_compile turned on.", self.torch_compile_backend)
+            self.torch_compile = True
+        self.report_to = self._parse_report_to(self.report_to)
+
+    @staticmethod
+    def _parse_report_to(value) -> list:
+        if value is None or value == "none" or value == ["none"]:
+            return []
+        items = [value] if isinstance(value, str) else list(value)
+        out = []
+        for item in items:
+            if item == "all":
+                out.extend(REPORTERS)
+            elif item in REPORTERS:
+                out.append(item)
+            elif item != "none":
+                raise ValueError(f"report_to={item!r} is not supported: use \"none\", \"tensorboard\" or \"all\".")
+        return list(dict.fromkeys(out))
+
+    # ---- device ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The training device: the CPU with use_cpu=True, else what `device_map="auto"` picks (Neuron first)."""
+        if self._device is None:
+            from ..devices import resolve_device
+
+            self._device = torch.device("cpu") if self.use_cpu else resolve_device("auto")
+        return self._device
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """warmup_steps, or warmup_ratio of the run rounded up (transformers' rule)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(num_training_steps * self.warmup_ratio)
+
+    def resolved_steps(self, value: float, max_steps: int) -> int:
+        """A `*_steps` value below 1 is a fraction of the run (transformers' rule)."""
+        return max(1, math.ceil(value * max_steps)) if value < 1 else int(value)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+__all__ = ["TrainingArguments"]

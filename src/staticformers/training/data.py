@@ -1,0 +1,373 @@
+"""Static-shape training data: every batch is exactly `[batch_size, max_length]`.
+
+A dataset (a `datasets.Dataset`, a list of dicts, a dict of columns, or a torch dataset) with
+`input_ids` (optionally `labels`) or `text` (tokenised with the `processing_class`) becomes a
+fixed table of rows once, before training, in one of two modes:
+
+- **padding** (`packing=False`): one document per row, right-padded to `max_length`; labels are
+  -100 on padding. A document longer than `max_length` is split into `max_length` pieces
+  (`long_documents="split"`) or cut (`"truncate"`). Right padding under causal attention needs no
+  attention mask: real tokens never see the padding after them, and padding has no labels.
+- **packing** (`packing=True`): documents are concatenated into full rows. `position_ids` restart at
+  0 at every document, which the model reads as a document boundary (attention never crosses it),
+  and the first label of each document is -100 so no token predicts the next document. Packed loss
+  therefore equals unpacked loss. `packing_strategy="bfd"` (best-fit decreasing) keeps documents
+  whole (splitting only those longer than a row); `"wrapped"` fills every row to the end, splitting
+  documents at row ends (waste only in the last row).
+
+`StaticBatchSampler` orders the rows (a seeded shuffle per epoch) and groups them into batches;
+the distributed layer shards it by data-parallel rank (`rank`, `world_size`). A batch short of
+rows (the last one, when not dropped) is filled with empty rows (labels all -100), so the shape
+never changes. `RowTable.padding_waste` is the fraction of positions that hold no document token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+IGNORE_INDEX = -100
+EMPTY_ROW = -1  # sampler index of a filler row (labels all -100)
+
+
+# ---------------------------------------------------------------------------------------------
+# documents
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Document:
+    """One tokenised example: `input_ids` and, when the dataset gave them, `labels` (same length)."""
+
+    input_ids: list
+    labels: Optional[list] = None
+
+
+def _as_list(x: Any) -> list:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1).tolist()
+    if hasattr(x, "tolist"):  # numpy
+        return list(x.tolist())
+    return list(x)
+
+
+def iter_examples(dataset: Any) -> Iterator[Any]:
+    """Rows of any dataset kind: a dict of columns, a sequence (list, torch or `datasets` dataset) or an iterable."""
+    if isinstance(dataset, dict):
+        columns = list(dataset)
+        if not columns:
+            return
+        for values in zip(*(dataset[c] for c in columns)):
+            yield dict(zip(columns, values))
+        return
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        for i in range(len(dataset)):
+            yield dataset[i]
+        return
+    yield from dataset
+
+
+class TextEncoder:
+    """Text -> token ids with whatever tokenizer the user passed (`processing_class`).
+
+    Accepts staticformers' or transformers' tokenizers (callable, returning `input_ids`), a
+    `tokenizers.Tokenizer` (`encode_batch`), or any object with `encode(text) -> ids`. An EOS token
+    is appended to every document when the tokenizer has one, as TRL does, so a model learns to stop.
+    """
+
+    def __init__(self, tokenizer: Any, add_eos: bool = True):
+        if tokenizer is None:
+            raise ValueError("The dataset has text but no tokenizer was given: pass processing_class=tokenizer to Trainer.")
+        self.tokenizer = tokenizer
+        self.eos_token_id = _token_id(tokenizer, "eos") if add_eos else None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list]:
+        tok = self.tokenizer
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - tokenizers is a dependency
+            Tokenizer = ()
+        if isinstance(tok, Tokenizer):
+            ids = [enc.ids for enc in tok.encode_batch(list(texts))]
+        elif callable(tok):
+            out = tok(list(texts))
+            ids = [_as_list(x) for x in out["input_ids"]]
+        elif hasattr(tok, "encode"):
+            ids = [_encoded_ids(tok.encode(t)) for t in texts]
+        else:
+            raise TypeError(f"processing_class {type(tok).__name__} cannot tokenise text: pass a tokenizer.")
+        if self.eos_token_id is not None:
+            ids = [x if (x and x[-1] == self.eos_token_id) else x + [self.eos_token_id] for x in ids]
+        return ids
+
+
+def _encoded_ids(encoded: Any) -> list:
+    return list(encoded.ids) if hasattr(encoded, "ids") else _as_list(encoded)
+
+
+def _token_id(tokenizer: Any, name: str) -> Optional[int]:
+    value = getattr(tokenizer, f"{name}_token_id", None)
+    if isinstance(value, int):
+        return value
+    return None
+
+
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The id written into padding positions (its value never matters: padding has no labels)."""
+    for name in ("pad", "eos"):
+        value = _token_id(tokenizer, name) if tokenizer is not None else None
+        if value is not None:
+            return value
+    return 0
+
+
+def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 1000) -> list[Document]:
+    """Every example as a Document; text is tokenised in chunks of `chunk` examples."""
+    docs: list[Document] = []
+    pending: list[str] = []
+    encoder: Optional[TextEncoder] = None
+
+    def flush() -> None:
+        nonlocal encoder
+        if pending:
+            encoder = encoder or TextEncoder(processing_class)
+            docs.extend(Document(ids) for ids in encoder.encode_batch(pending))
+            pending.clear()
+
+    for i, example in enumerate(iter_examples(dataset)):
+        if isinstance(example, str):
+            pending.append(example)
+        elif isinstance(example, dict) or hasattr(example, "keys"):
+            if "input_ids" in example:
+                flush()
+                ids = _as_list(example["input_ids"])
+                labels = _as_list(example["labels"]) if example.get("labels") is not None else None
+                if labels is not None and len(labels) != len(ids):
+                    raise ValueError(f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.")
+                docs.append(Document(ids, labels))
+            elif "text" in example:
+                pending.append(example["text"])
+            else:
+                raise ValueError(f"Example {i} has neither 'input_ids' nor 'text' (keys: {', '.join(map(str, example.keys()))}): "
+                                 f"give each example one of them.")
+        elif isinstance(example, (list, tuple, torch.Tensor)):
+            flush()
+            docs.append(Document(_as_list(example)))
+        else:
+            raise ValueError(f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids' or 'text', or strings.")
+        if len(pending) >= chunk:
+            flush()
+    flush()
+    return [d for d in docs if len(d.input_ids) > 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class RowTable:
+    """The fixed rows of one dataset: `[rows, max_length]` tensors, built once.
+
+    `position_ids` is None in padding mode (the model's plain causal path); in packing mode it
+    restarts at every document.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    real_tokens: int  # positions that hold a document token
+    documents: int
+    pad_token_id: int
+    packed: bool
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def padding_waste(self) -> float:
+        """Fraction of row positions holding padding instead of a document token."""
+        total = self.input_ids.numel()
+        return 0.0 if total == 0 else 1.0 - self.real_tokens / total
+
+    def stats(self) -> dict:
+        return {"rows": self.num_rows, "documents": self.documents, "max_length": self.max_length,
+                "real_tokens": self.real_tokens, "padding_waste": round(self.padding_waste, 6),
+                "mode": "packing" if self.packed else "padding"}
+
+    def batch(self, indices: Sequence[int]) -> dict:
+        """Rows `indices` as a batch dict; EMPTY_ROW (-1) gives an empty row (padding, labels -100)."""
+        idx = torch.tensor([max(i, 0) for i in indices], dtype=torch.long)
+        out = {"input_ids": self.input_ids.index_select(0, idx), "labels": self.labels.index_select(0, idx)}
+        if self.position_ids is not None:
+            out["position_ids"] = self.position_ids.index_select(0, idx)
+        empty = torch.tensor([i == EMPTY_ROW for i in indices])
+        if bool(empty.any()):
+            out["input_ids"][empty] = self.pad_token_id
+            out["labels"][empty] = IGNORE_INDEX
+            if "position_ids" in out:
+                out["position_ids"][empty] = torch.arange(self.max_length)
+        return out
+
+
+def _labels_of(doc: Document) -> list:
+    return list(doc.labels) if doc.labels is not None else list(doc.input_ids)
+
+
+def _pieces(doc: Document, max_length: int, truncate: bool) -> list[Document]:
+    n = len(doc.input_ids)
+    if n <= max_length:
+        return [doc]
+    if truncate:
+        return [Document(doc.input_ids[:max_length], doc.labels[:max_length] if doc.labels is not None else None)]
+    return [Document(doc.input_ids[s:s + max_length], doc.labels[s:s + max_length] if doc.labels is not None else None)
+            for s in range(0, n, max_length)]
+
+
+def pad_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, long_documents: str = "split") -> RowTable:
+    """One document (or piece) per row, right-padded with labels -100."""
+    pieces = [p for d in docs for p in _pieces(d, max_length, long_documents == "truncate")]
+    n = len(pieces)
+    input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
+    labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
+    real = 0
+    for r, piece in enumerate(pieces):
+        k = len(piece.input_ids)
+        input_ids[r, :k] = torch.tensor(piece.input_ids, dtype=torch.long)
+        labels[r, :k] = torch.tensor(_labels_of(piece), dtype=torch.long)
+        real += k
+    return RowTable(input_ids, labels, None, real, len(docs), pad_token_id, packed=False)
+
+
+def _bfd_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: item indices per bin, each bin's total <= capacity."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (space left, bin index)
+    for i in order:
+        need = lengths[i]
+        at = bisect.bisect_left(free, (need, -1))
+        if at == len(free):
+            bins.append([i])
+            left = capacity - need
+            b = len(bins) - 1
+        else:
+            left, b = free.pop(at)
+            bins[b].append(i)
+            left -= need
+        if left > 0:
+            bisect.insort(free, (left, b))
+    return bins
+
+
+def pack_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, strategy: str = "bfd") -> RowTable:
+    """Documents concatenated into rows, positions restarting at each document, first labels -100."""
+    if strategy == "bfd":
+        pieces = [p for d in docs for p in _pieces(d, max_length, truncate=False)]
+        rows = [[pieces[i] for i in b] for b in _bfd_bins([len(p.input_ids) for p in pieces], max_length)]
+    elif strategy == "wrapped":
+        rows, current, space = [], [], max_length
+        for doc in docs:
+            ids, labels = list(doc.input_ids), _labels_of(doc)
+            while ids:
+                take = min(space, len(ids))
+                current.append(Document(ids[:take], labels[:take]))
+                ids, labels, space = ids[take:], labels[take:], space - take
+                if space == 0:
+                    rows.append(current)
+                    current, space = [], max_length
+        if current:
+            rows.append(current)
+    else:
+        raise ValueError(f"packing_strategy={strategy!r} is not supported: use \"bfd\" or \"wrapped\".")
+    n = len(rows)
+    input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
+    labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.empty((n, max_length), dtype=torch.long)
+    real = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for piece in row:
+            k = len(piece.input_ids)
+            input_ids[r, at:at + k] = torch.tensor(piece.input_ids, dtype=torch.long)
+            lab = _labels_of(piece)
+            lab[0] = IGNORE_INDEX  # the previous document's last token must not predict this one
+            labels[r, at:at + k] = torch.tensor(lab, dtype=torch.long)
+            position_ids[r, at:at + k] = torch.arange(k)
+            at += k
+        position_ids[r, at:] = torch.arange(max_length - at)  # the padding tail is a document of its own
+        real += at
+    return RowTable(input_ids, labels, position_ids, real, len(docs), pad_token_id, packed=True)
+
+
+def build_rows(dataset: Any, processing_class: Any, max_length: int, packing: bool,
+               packing_strategy: str = "bfd", long_documents: str = "split") -> RowTable:
+    """A dataset as a RowTable (see the module docstring)."""
+    if isinstance(dataset, RowTable):
+        return dataset
+    docs = tokenize_dataset(dataset, processing_class)
+    if not docs:
+        raise ValueError("The dataset holds no tokens: give it at least one non-empty example.")
+    pad = pad_token_id_of(processing_class)
+    if packing:
+        return pack_rows(docs, max_length, pad, packing_strategy)
+    return pad_rows(docs, max_length, pad, long_documents)
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+# ---------------------------------------------------------------------------------------------
+class StaticBatchSampler:
+    """Row indices per batch, always exactly `batch_size` of them (EMPTY_ROW fills a short last batch).
+
+    The order is a shuffle seeded by `seed + epoch` (or the row order with `shuffle=False`), so a
+    resumed run sees the same batches. For data parallelism each rank takes every `world_size`-th
+    batch-sized slice of the epoch's order starting at `rank`; with `drop_last` an epoch holds only
+    the batches that every rank can fill.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside world_size={world_size}.")
+        self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        per_step = self.batch_size * self.world_size
+        if self.drop_last:
+            return self.num_rows // per_step
+        return math.ceil(self.num_rows / per_step)
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_rows, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order()
+        per_step = self.batch_size * self.world_size
+        for b in range(len(self)):
+            chunk = order[b * per_step:(b + 1) * per_step]
+            mine = chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+            yield mine + [EMPTY_ROW] * (self.batch_size - len(mine))
+
+
+def count_label_tokens(labels: torch.Tensor) -> int:
+    """Tokens that are predicted (a label that is not -100 after the causal shift), as transformers counts them."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+__all__ = ["Document", "RowTable", "StaticBatchSampler", "TextEncoder", "build_rows", "pad_rows", "pack_rows",
+           "tokenize_dataset", "iter_examples", "count_label_tokens", "IGNORE_INDEX", "EMPTY_ROW"]

@@ -1,0 +1,523 @@
+"""`Trainer`: transformers' names, static shapes, one compiled graph, exact resume.
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds, eval_dataset=ev, processing_class=tok)
+    trainer.train()                                # or train(resume_from_checkpoint=True)
+    trainer.save_model("./final")                  # transformers loads it
+
+Design choices:
+- **Static shapes.** The dataset becomes a fixed table of `[max_length]` rows before training
+  (`training/data.py`: padding or packing), and every batch is exactly
+  `[per_device_train_batch_size, max_length]`. With `torch_compile=True` the forward pass and the
+  loss are one graph (`fullgraph=True, dynamic=False`), AOTAutograd builds the backward, the
+  optimizer runs eagerly: one training graph and one evaluation graph per run, counted
+  (`compile_stats()`).
+- **The caller's model trains, in place.** It is never wrapped; its parameters are moved to the
+  device and cast to the compute dtype in place, and at the end of `train()` they get back their
+  original dtype holding the fp32 master values.
+- **Precision** (`training/optim.py`): bf16 weights and activations with fp32 master weights and
+  optimizer state when `bf16=True`; plain fp32 otherwise. AdamW with no decay on norms and biases.
+- **Gradient accumulation** divides each micro-batch's summed loss by the token count of the
+  whole accumulation window (`num_items_in_batch`), so it equals the larger batch.
+- **Checkpoints** are folders written atomically (`training/checkpoint.py`); resuming restores
+  weights, optimizer, scheduler, RNG and the data position, and continues bit-identically.
+- **A NaN or inf loss (or gradient norm)** stops training before the optimizer step, with a
+  sentence naming the step; no checkpoint is written after it.
+
+Hooks for the distributed layer, each a method to override (nothing else needs to change):
+`setup_device`, `data_parallel_info` (rank, world size), `is_world_process_zero`,
+`prepare_model` (apply tensor parallel / FSDP2 here), `create_master_weights`,
+`create_optimizer`, `create_scheduler`, `get_train_sampler` (shards by rank), `reduce_sum`
+(loss, token counts and eval sums across ranks), `clip_gradients` (per-mesh-group norm),
+`save_checkpoint_files` / `load_checkpoint_files` (torch.distributed.checkpoint), `save_model`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import checkpoint as ckpt
+from .arguments import TrainingArguments
+from .compiled import StepFunction
+from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
+from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
+from .plot import write_loss_curve
+from .reporting import MetricsReporter, format_postfix, progress_bar
+from .state import TrainerState, TrainOutput
+
+logger = logging.getLogger("staticformers")
+
+LOSS_CURVE = "loss_curve.png"
+
+
+class TrainingDivergedError(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices), as transformers' set_seed does."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Trains a causal LM on fixed-shape batches; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Optional[nn.Module] = None,
+        args: Optional[TrainingArguments] = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        optimizers: tuple = (None, None),
+        tokenizer: Any = None,
+    ):
+        if model is None:
+            raise ValueError("Trainer needs a model: pass model=AutoModelForCausalLM.from_pretrained(...) or from_config(...).")
+        if processing_class is not None and tokenizer is not None:
+            raise ValueError("Pass processing_class or its old name tokenizer, not both.")
+        if data_collator is not None:
+            logger.warning("data_collator is not used: staticformers builds fixed-shape batches itself "
+                           "(TrainingArguments.max_length, packing).")
+        self.args = args if args is not None else TrainingArguments()
+        self.model = model
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.optimizer, self.lr_scheduler = optimizers
+        self._user_optimizer = self.optimizer is not None
+        self.device = self.setup_device()
+        self.state = TrainerState()
+        self.master: Optional[MasterWeights] = None
+        self.train_step = StepFunction("train", self.args.torch_compile, self.args.torch_compile_backend)
+        self.eval_step = StepFunction("eval", self.args.torch_compile, self.args.torch_compile_backend)
+        self._train_rows: Optional[RowTable] = None
+        self._eval_rows: dict[int, RowTable] = {}
+        self._reporter: Optional[MetricsReporter] = None
+        self.first_step_seconds: Optional[float] = None
+        set_seed(self.args.seed)
+
+    # =============================================================================================
+    # hooks (the distributed layer overrides these)
+    # =============================================================================================
+    def setup_device(self) -> torch.device:
+        """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU)."""
+        return self.args.device
+
+    def data_parallel_info(self) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel world size); one process here."""
+        return 0, 1
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process writes files (checkpoints, metrics, plots)."""
+        return True
+
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.args.bf16 else torch.float32
+
+    def prepare_model(self) -> nn.Module:
+        """Put the model on the device in the compute dtype (in place) and in train mode.
+
+        The distributed layer applies tensor parallel and FSDP2 here, after calling this.
+        """
+        model = self.model
+        model.to(self.device)
+        dtype = self.compute_dtype()
+        if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+            model.to(dtype)
+        if self.args.gradient_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no gradient_checkpointing_enable().")
+            model.gradient_checkpointing_enable()
+        model.train()
+        return model
+
+    def create_master_weights(self, model: nn.Module) -> MasterWeights:
+        """fp32 master copies of low-precision parameters (none when the model trains in fp32)."""
+        if self._user_optimizer:
+            return MasterWeights(model, copies=False)
+        return MasterWeights(model)
+
+    def create_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW over the master weights, no decay on norms and biases (unless one was passed in)."""
+        if self._user_optimizer:
+            return self.optimizer
+        a = self.args
+        groups = parameter_groups(model, self.master, a.weight_decay)
+        return create_adamw(groups, a.learning_rate, (a.adam_beta1, a.adam_beta2), a.adam_epsilon)
+
+    def create_scheduler(self, num_training_steps: int):
+        """The learning-rate schedule (transformers' formulas), unless one was passed in."""
+        if self._user_optimizer and self.lr_scheduler is not None:
+            return self.lr_scheduler
+        a = self.args
+        return create_scheduler(self.optimizer, a.lr_scheduler_type, a.get_warmup_steps(num_training_steps), num_training_steps)
+
+    def get_train_rows(self) -> RowTable:
+        """The training set as fixed `[max_length]` rows (built once per Trainer)."""
+        if self._train_rows is None:
+            if self.train_dataset is None:
+                raise ValueError("Trainer.train() needs a train_dataset.")
+            a = self.args
+            self._train_rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
+                                          a.packing_strategy, a.long_documents)
+        return self._train_rows
+
+    def get_eval_rows(self, eval_dataset: Any = None) -> RowTable:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset: pass one to Trainer or to evaluate().")
+        key = id(dataset)
+        if key not in self._eval_rows:
+            a = self.args
+            self._eval_rows[key] = build_rows(dataset, self.processing_class, a.max_length, a.packing,
+                                              a.packing_strategy, a.long_documents)
+        return self._eval_rows[key]
+
+    def get_train_sampler(self, rows: RowTable) -> StaticBatchSampler:
+        rank, world = self.data_parallel_info()
+        return StaticBatchSampler(rows.num_rows, self.args.per_device_train_batch_size, shuffle=True,
+                                  seed=self.args.seed, drop_last=self.args.dataloader_drop_last, rank=rank, world_size=world)
+
+    def get_eval_sampler(self, rows: RowTable) -> StaticBatchSampler:
+        rank, world = self.data_parallel_info()
+        return StaticBatchSampler(rows.num_rows, self.args.per_device_eval_batch_size, shuffle=False,
+                                  drop_last=False, rank=rank, world_size=world)
+
+    def move_batch(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over data-parallel ranks (identity with one process)."""
+        return value
+
+    def compute_loss(self, model: nn.Module, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        """The (compiled) forward and loss of one micro-batch."""
+        return self.train_step(model, batch, num_items_in_batch)
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm of the master gradients, clipped to `max_grad_norm` (fp32)."""
+        return clip_grad_norm(self.master.grads(), self.args.max_grad_norm)
+
+    def model_state_for_saving(self) -> dict[str, torch.Tensor]:
+        """Weights to write (transformers' names, CPU): the fp32 master weights while training."""
+        if self.master is not None:
+            return {n: m.detach().to("cpu").contiguous() for n, m in self.master.by_name().items()}
+        from ..loading import export_state_dict
+
+        return export_state_dict(self.model)
+
+    def save_checkpoint_files(self, directory: str) -> None:
+        """Write one checkpoint's files into `directory` (a temporary folder; trainer_state.json last)."""
+        from ..loading import save_pretrained
+
+        save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
+        torch.save(self.optimizer.state_dict(), os.path.join(directory, ckpt.OPTIMIZER))
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
+        torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
+        with open(os.path.join(directory, ckpt.TRAINING_ARGS), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+        self.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
+
+    def load_checkpoint_files(self, directory: str) -> None:
+        """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder."""
+        from safetensors.torch import load_file
+
+        from ..loading import weight_files
+
+        tensors = {}
+        for path in weight_files(directory):
+            tensors.update(load_file(path))
+        missing = [n for n in self.master.names if n not in tensors]
+        if missing:
+            raise ValueError(f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to another model.")
+        self.master.load(tensors)
+        self.optimizer.load_state_dict(torch.load(os.path.join(directory, ckpt.OPTIMIZER), map_location=self.device,
+                                                  weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
+        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), self.device)
+        self.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+
+    # =============================================================================================
+    # training
+    # =============================================================================================
+    def compile_stats(self) -> dict:
+        """Graphs compiled (and seconds spent) by the training and evaluation functions."""
+        return {"backend": self.args.torch_compile_backend if self.args.torch_compile else None,
+                "train_graphs": self.train_step.graphs, "eval_graphs": self.eval_step.graphs,
+                "train_compile_seconds": round(self.train_step.compile_seconds, 3),
+                "eval_compile_seconds": round(self.eval_step.compile_seconds, 3)}
+
+    def _plan(self, batches_per_epoch: int) -> tuple[int, int]:
+        """(optimizer steps per epoch, total optimizer steps)."""
+        a = self.args
+        steps_per_epoch = batches_per_epoch // a.gradient_accumulation_steps
+        if steps_per_epoch == 0:
+            rows = self.get_train_rows().num_rows
+            raise ValueError(
+                f"The training data gives {rows} rows, {batches_per_epoch} batch(es) of {a.per_device_train_batch_size}"
+                f"{' (dataloader_drop_last=True drops a short last one)' if a.dataloader_drop_last else ''}, fewer than "
+                f"gradient_accumulation_steps={a.gradient_accumulation_steps}: add data or lower the batch size or accumulation.")
+        if a.max_steps > 0:
+            return steps_per_epoch, a.max_steps
+        return steps_per_epoch, max(1, math.ceil(a.num_train_epochs * steps_per_epoch))
+
+    def train(self, resume_from_checkpoint: Any = None, **kwargs) -> TrainOutput:
+        """Train to `max_steps` (or `num_train_epochs`); `resume_from_checkpoint=True|path` continues a run."""
+        if kwargs:
+            raise TypeError(f"train() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
+        a = self.args
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = a.resume_from_checkpoint
+        resume_path = ckpt.resolve_resume_path(resume_from_checkpoint, a.output_dir)
+        set_seed(a.seed)
+        rows = self.get_train_rows()
+        sampler = self.get_train_sampler(rows)
+        batches_per_epoch = len(sampler)
+        steps_per_epoch, max_steps = self._plan(batches_per_epoch)
+        ga = a.gradient_accumulation_steps
+
+        original_dtypes = {id(p): p.dtype for p in self.model.parameters()}
+        model = self.prepare_model()
+        self.master = self.create_master_weights(model)
+        self.optimizer = self.create_optimizer(model)
+        self.lr_scheduler = self.create_scheduler(max_steps)
+        self.state = TrainerState(
+            max_steps=max_steps, num_train_epochs=math.ceil(max_steps / steps_per_epoch),
+            logging_steps=a.resolved_steps(a.logging_steps, max_steps),
+            eval_steps=a.resolved_steps(a.eval_steps if a.eval_steps is not None else a.logging_steps, max_steps),
+            save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
+            gradient_accumulation_steps=ga, train_rows=rows.num_rows)
+        if resume_path is not None:
+            self.load_checkpoint_files(resume_path)
+            if self.state.train_rows != rows.num_rows:
+                raise ValueError(
+                    f"{resume_path} was trained on {self.state.train_rows} rows of data but this dataset gives {rows.num_rows}: "
+                    f"resume with the same dataset, max_length and packing, or start a new run.")
+            self.state.max_steps = max_steps
+            self.state.last_checkpoint = resume_path
+            logger.info("Resuming from %s at step %d (epoch %d, batch %d).", resume_path, self.state.global_step,
+                        self.state.epoch_index, self.state.batches_in_epoch)
+        state = self.state
+        main = self.is_world_process_zero()
+        self._reporter = MetricsReporter(a.output_dir, a.report_to, a.logging_dir, is_main=main)
+        stats = rows.stats()
+        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, %d steps of %d x %d x %d accumulation.",
+                    self.device, stats["rows"], stats["max_length"], stats["mode"], 100 * stats["padding_waste"],
+                    max_steps, a.per_device_train_batch_size, a.max_length, ga)
+
+        start_step = state.global_step
+        bar = progress_bar(max_steps, start_step, disable=a.disable_tqdm or not main)
+        run_start = time.perf_counter()
+        window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+        total_loss, total_steps, total_tokens = 0.0, 0, 0
+        steady_tokens, steady_start = 0, None
+        saved_at = -1
+        try:
+            while state.global_step < max_steps:
+                sampler.set_epoch(state.epoch_index)
+                order = list(sampler)
+                pos = state.batches_in_epoch
+                while pos + ga <= batches_per_epoch and state.global_step < max_steps:
+                    step_start = time.perf_counter()
+                    host = [rows.batch(ix) for ix in order[pos:pos + ga]]
+                    items = sum(count_label_tokens(b["labels"]) for b in host)
+                    tokens = sum(int((b["labels"] != -100).sum()) for b in host)
+                    num_items = self.reduce_sum(torch.tensor(max(items, 1), dtype=torch.long, device=self.device))
+                    step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+                    for batch in host:
+                        loss = self.compute_loss(model, self.move_batch(batch), num_items)
+                        loss.backward()
+                        self.master.collect_grads()
+                        step_loss += loss.detach().float()
+                    grad_norm = self.clip_gradients()
+                    loss_value = float(self.reduce_sum(step_loss))
+                    norm_value = float(grad_norm)
+                    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                        self._diverged(state.global_step + 1, loss_value, norm_value)
+                    self.optimizer.step()
+                    self.master.push()
+                    lr = self.lr_scheduler.get_last_lr()[0]
+                    self.lr_scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    model.zero_grad(set_to_none=True)
+                    pos += ga
+                    state.global_step += 1
+                    if pos + ga > batches_per_epoch:  # this epoch is done: a resume starts the next one
+                        state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
+                        state.epoch = float(state.epoch_index)
+                    else:
+                        state.batches_in_epoch = pos
+                        state.epoch = state.epoch_index + pos / batches_per_epoch
+                    state.seen_tokens += tokens
+                    now = time.perf_counter()
+                    if self.first_step_seconds is None:
+                        self.first_step_seconds = now - step_start
+                    if steady_start is None:
+                        steady_start = now
+                    else:
+                        steady_tokens += tokens
+                    window_loss += loss_value
+                    window_steps += 1
+                    window_tokens += tokens
+                    total_loss += loss_value
+                    total_steps += 1
+                    total_tokens += tokens
+                    rate = steady_tokens / (now - steady_start) if steady_tokens else tokens / max(now - step_start, 1e-9)
+                    bar.update(1)
+                    bar.set_postfix(format_postfix(loss_value, lr, rate), refresh=False)
+                    step = state.global_step
+                    if step % state.logging_steps == 0 or (a.logging_first_step and step == 1) or step == max_steps:
+                        self.log({"loss": round(window_loss / window_steps, 6), "grad_norm": round(norm_value, 6),
+                                  "learning_rate": lr, "tokens_per_second": round(window_tokens / max(now - window_start, 1e-9), 2)})
+                        window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+                    epoch_end = state.batches_in_epoch == 0
+                    if self.eval_dataset is not None and (
+                            (a.eval_strategy == "steps" and step % state.eval_steps == 0)
+                            or (a.eval_strategy == "epoch" and epoch_end)):
+                        self.evaluate()
+                    if (a.save_strategy == "steps" and step % state.save_steps == 0) or (a.save_strategy == "epoch" and epoch_end):
+                        self._save_checkpoint()
+                        saved_at = step
+                if pos + ga > batches_per_epoch and state.batches_in_epoch != 0:  # defensive: leftover micro-batches
+                    state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
+            if a.save_strategy != "no" and saved_at != state.global_step and total_steps > 0:
+                self._save_checkpoint()
+        finally:
+            bar.close()
+            self._restore_dtypes(original_dtypes)
+        runtime = time.perf_counter() - run_start
+        steady_seconds = (time.perf_counter() - steady_start) if steady_start is not None else 0.0
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(total_steps * ga * a.per_device_train_batch_size / max(runtime, 1e-9), 3),
+            "train_steps_per_second": round(total_steps / max(runtime, 1e-9), 3),
+            "train_tokens_per_second": round(total_tokens / max(runtime, 1e-9), 2),
+            "train_steady_tokens_per_second": round(steady_tokens / steady_seconds, 2) if steady_tokens else None,
+            "train_first_step_seconds": round(self.first_step_seconds or 0.0, 4),
+            "train_loss": total_loss / max(total_steps, 1),
+            "train_padding_waste": stats["padding_waste"],
+            **{k: v for k, v in self.compile_stats().items() if k != "backend"},
+        }
+        self.log(metrics)
+        if main:
+            self.write_loss_curve()
+        if self._reporter is not None:
+            self._reporter.close()
+        return TrainOutput(state.global_step, metrics["train_loss"], metrics)
+
+    def _restore_dtypes(self, original: dict) -> None:
+        """Give each parameter back its original dtype, holding the fp32 master value."""
+        if self.master is None:
+            return
+        with torch.no_grad():
+            for p, m in zip(self.master.params, self.master.master):
+                dtype = original.get(id(p), p.dtype)
+                if p.dtype != dtype:
+                    p.data = m.detach().to(dtype) if m.dtype != dtype else m.detach().clone()
+
+    def _diverged(self, step: int, loss: float, norm: float) -> None:
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
+        last = ckpt.last_checkpoint(self.args.output_dir)
+        self.log({"diverged_at_step": step, "loss": loss if math.isfinite(loss) else None})
+        raise TrainingDivergedError(
+            f"Training stopped at step {step}: {what}; that step was not applied and no checkpoint was written after it "
+            f"(the last good checkpoint is {last or 'none'}). Lower learning_rate, check the data, or use bf16=False, "
+            f"then resume_from_checkpoint.")
+
+    def _save_checkpoint(self) -> str:
+        step = self.state.global_step
+        path = ckpt.checkpoint_path(self.args.output_dir, step)
+        if self.is_world_process_zero():
+            with ckpt.atomic_checkpoint(self.args.output_dir, step) as tmp:
+                self.state.last_checkpoint = path
+                self.save_checkpoint_files(tmp)
+            self.save_tokenizer(path)
+            ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
+        self.state.last_checkpoint = path
+        return path
+
+    # =============================================================================================
+    # evaluation, logging, saving
+    # =============================================================================================
+    @torch.no_grad()
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """Mean token loss and perplexity over the evaluation set, on fixed-shape batches."""
+        rows = self.get_eval_rows(eval_dataset)
+        model = self.model
+        if self.master is None:  # not training: only make sure the model is on the device
+            model.to(self.device)
+        was_training = model.training
+        model.eval()
+        start = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        count = 0
+        one = torch.tensor(1, dtype=torch.long, device=self.device)
+        for indices in self.get_eval_sampler(rows):
+            batch = rows.batch(indices)
+            count += count_label_tokens(batch["labels"])
+            total += self.eval_step(model, self.move_batch(batch), one).float()
+        total = self.reduce_sum(total)
+        count = int(self.reduce_sum(torch.tensor(count, device=self.device)))
+        if was_training:
+            model.train()
+        loss = float(total) / max(count, 1)
+        metrics = {f"{metric_key_prefix}_loss": loss,
+                   f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("inf"),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4),
+                   f"{metric_key_prefix}_tokens": count}
+        self.log(metrics)
+        return metrics
+
+    def log(self, logs: dict) -> None:
+        """Add `epoch` and `step`, append to `state.log_history`, metrics.jsonl and TensorBoard."""
+        record = dict(logs)
+        record["epoch"] = round(self.state.epoch, 4)
+        record["step"] = self.state.global_step
+        if self._reporter is None:
+            self._reporter = MetricsReporter(self.args.output_dir, self.args.report_to, self.args.logging_dir,
+                                             is_main=self.is_world_process_zero())
+        self._reporter.log(self.state.log_history, record)
+
+    def write_loss_curve(self, path: Optional[str] = None) -> str:
+        """Draw the loss curve of `state.log_history` as a PNG (default `output_dir/loss_curve.png`)."""
+        path = path or os.path.join(self.args.output_dir, LOSS_CURVE)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        return write_loss_curve(path, self.state.log_history)
+
+    def save_tokenizer(self, directory: str) -> None:
+        tok = self.processing_class
+        if tok is None or not self.is_world_process_zero():
+            return
+        if hasattr(tok, "save_pretrained"):
+            tok.save_pretrained(directory)
+        elif hasattr(tok, "save") and hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
+            os.makedirs(directory, exist_ok=True)
+            tok.save(os.path.join(directory, "tokenizer.json"))
+
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """The model (and tokenizer) in Hugging Face format, which transformers loads."""
+        from ..loading import save_pretrained
+
+        output_dir = output_dir or self.args.output_dir
+        if self.is_world_process_zero():
+            if hasattr(self.model, "save_pretrained"):
+                save_pretrained(self.model, output_dir)
+            else:
+                raise ValueError(f"{type(self.model).__name__} has no save_pretrained: save_model needs a staticformers CausalLM.")
+            self.save_tokenizer(output_dir)
+        return output_dir
+
+
+__all__ = ["Trainer", "TrainingArguments", "TrainingDivergedError", "set_seed", "TrainOutput", "TrainerState"]
