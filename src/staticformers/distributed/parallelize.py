@@ -1,0 +1,154 @@
+"""Tensor parallel and FSDP2 applied to a built `CausalLM`, by ordered functions over a named mesh.
+
+The model code knows nothing of parallelism (DESIGN principle 4). Like torchtitan's
+`parallelize.py`, this module applies PyTorch's own styles in a written-down order:
+
+1. `apply_tp`: DTensor `parallelize_module` with the family's plan on the `tp` mesh:
+   - q/k/v, gate/up: `ColwiseParallel` (each rank computes its own heads / MLP columns; outputs stay
+     local tensors, and attention's `view(b, s, -1, head_dim)` sees the local heads);
+   - o/down: `RowwiseParallel` (partial sums all-reduced, output replicated);
+   - embed_tokens / lm_head: split over the vocabulary (`RowwiseParallel` on the embedding,
+     `ColwiseParallel` gathering the logits); when tied both are `Shard(0)` and stay one parameter;
+     a vocabulary that tp_size does not divide keeps them whole;
+   - Qwen3's q_norm / k_norm act per head on local heads: `SequenceParallel` over the heads dim makes
+     their weights replicated DTensors, so their gradients (partial over each rank's heads) are summed.
+2. `apply_fsdp`: FSDP2 `fully_shard` per decoder block, then at the root, over `(dp_replicate, fsdp)`
+   (HSDP when dp_replicate > 1), with mixed precision and CPU offload as configured. gloo has no
+   PREMUL_SUM, so FSDP is told to reduce with SUM (`set_force_sum_reduction_for_comms`).
+
+Both work on a meta-device model (parameters are materialised later, shard by shard, by loading).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from .config import DistributedConfig, DistributedConfigError
+from .mesh import ParallelDims
+
+logger = logging.getLogger("staticformers")
+
+
+def default_tp_plan(config) -> dict[str, str]:
+    """The family's plan: {module pattern: style}. One decoder, so one plan with a flag for q/k norm."""
+    plan = {
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "vocab",
+    }
+    if config.qk_norm:
+        plan["model.layers.*.self_attn.q_norm"] = "heads"
+        plan["model.layers.*.self_attn.k_norm"] = "heads"
+    return plan
+
+
+def resolve_tp_plan(config, dist_config: DistributedConfig) -> dict[str, str]:
+    """The auto plan with the user's rules laid over it; the vocabulary kept whole when tp does not divide it."""
+    plan = default_tp_plan(config)
+    if dist_config.tp_size > 1 and config.vocab_size % dist_config.tp_size:
+        logger.info("vocab_size=%d is not divisible by tp_size=%d: embed_tokens and lm_head stay replicated",
+                    config.vocab_size, dist_config.tp_size)
+        plan["model.embed_tokens"] = plan["lm_head"] = "replicate"
+    if isinstance(dist_config.tp_plan, dict):
+        plan.update(dist_config.tp_plan)
+    return plan
+
+
+def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "vocab":
+        if isinstance(module, nn.Embedding):
+            return RowwiseParallel(input_layouts=Replicate())
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "heads":
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    return None  # "replicate"
+
+
+def _matches(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """module name -> style, every rule matching at least one module (else refused)."""
+    names = [name for name, _ in model.named_modules() if name]
+    chosen: dict[str, str] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise DistributedConfigError(
+                f"tp_plan rule {pattern!r} matches no module of this model: use names like "
+                f"\"model.layers.*.mlp.down_proj\" (see model.named_modules())."
+            )
+        for name in hits:
+            chosen[name] = style
+    return chosen
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
+    """Shard the model's modules over `tp_mesh` by `plan`; tied embeddings stay one parameter."""
+    chosen = _matches(plan, model)
+    tied = model.config.tie_word_embeddings
+    if tied and chosen.get("model.embed_tokens") != chosen.get("lm_head"):
+        raise DistributedConfigError(
+            f"embed_tokens and lm_head share one weight (tie_word_embeddings), but tp_plan gives them different "
+            f"styles ({chosen.get('model.embed_tokens')!r} and {chosen.get('lm_head')!r}): give both the same."
+        )
+    styles = {}
+    for name, style in chosen.items():
+        s = _style(style, model.get_submodule(name))
+        if s is not None:
+            styles[name] = s
+    parallelize_module(model, tp_mesh, styles)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
+    """FSDP2 `fully_shard` on each decoder block, then on the root, over the data-parallel mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    config = dims.config
+    mesh = dims.dp_mesh if config.dp_replicate_size > 1 else dims.mesh["fsdp"]
+    kwargs = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward}
+    if config.param_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
+    if config.fsdp_cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if backend == "gloo":
+        model.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module:
+    """Tensor parallel first, then FSDP2 (torchtitan's order); returns the same module, partitioned."""
+    if dims.tp > 1:
+        apply_tp(model, dims.tp_mesh, resolve_tp_plan(model.config, dims.config))
+    if dims.dp > 1:
+        apply_fsdp(model, dims, backend)
+    model.parallel_dims = dims
+    return model
+
+
+__all__ = ["default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "parallelize"]

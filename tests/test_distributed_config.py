@@ -1,0 +1,141 @@
+"""DistributedConfig: every refused layout gets one sentence, checked in this process (no torchrun)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staticformers import DistributedConfig
+from staticformers.config import ModelConfig
+from staticformers.distributed.config import DistributedConfigError
+from staticformers.distributed.parallelize import _matches, apply_tp, resolve_tp_plan
+
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """Pretend to be rank 0 of a torchrun job of `world` processes."""
+    def set_world(world: int):
+        for k, v in TORCHRUN_ENV.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    return set_world
+
+
+@pytest.fixture
+def plain_env(monkeypatch):
+    for k in (*TORCHRUN_ENV, "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def qwen3(**kw) -> ModelConfig:
+    base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                tie_word_embeddings=True)
+    return ModelConfig.from_dict({**base, **kw})
+
+
+def test_fsdp_size_fills_the_rest_of_the_world(torchrun_env):
+    torchrun_env(8)
+    layout = DistributedConfig(tp_size=2).resolved()
+    assert (layout.dp_replicate_size, layout.fsdp_size, layout.tp_size) == (1, 4, 2)
+    assert layout.dp_size == 4
+    assert DistributedConfig(tp_size=2, dp_replicate_size=2).resolved().fsdp_size == 2
+
+
+def test_sizes_must_multiply_to_world_size(torchrun_env):
+    torchrun_env(4)
+    with pytest.raises(DistributedConfigError, match=r"2 \* 4 \* 2 = 16 ranks, but torchrun started WORLD_SIZE=4"):
+        DistributedConfig(tp_size=2, fsdp_size=4, dp_replicate_size=2).resolved()
+    with pytest.raises(DistributedConfigError, match="WORLD_SIZE=4 is not divisible by tp_size \\* dp_replicate_size = 3"):
+        DistributedConfig(tp_size=3).resolved()
+
+
+def test_more_than_one_rank_outside_torchrun_is_refused(plain_env):
+    with pytest.raises(DistributedConfigError, match=r"asks for 4 processes, but this one runs alone .*"
+                                                     r"`torchrun --nproc_per_node=4"):
+        DistributedConfig(tp_size=2, fsdp_size=2).resolved()
+
+
+def test_world_size_without_torchrun_variables_is_refused(plain_env, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedConfigError, match="RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is not: launch with torchrun"):
+        DistributedConfig(tp_size=2).resolved()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"tp_size": 0}, "tp_size=0"), ({"fsdp_size": 1.5}, "fsdp_size=1.5"), ({"dp_replicate_size": True}, "dp_replicate_size=True"),
+    ({"tp_plan": "colwise"}, "neither \"auto\" nor a dict"),
+    ({"tp_plan": {"lm_head": "diagonal"}}, "'diagonal' is not a style"),
+    ({"fsdp_mixed_precision": "int8"}, "fsdp_mixed_precision='int8'"),
+])
+def test_bad_values_are_refused(kwargs, words):
+    with pytest.raises(DistributedConfigError, match=words.replace("(", r"\(")):
+        DistributedConfig(**kwargs)
+
+
+def test_mixed_precision_spellings():
+    assert DistributedConfig().param_dtype is None
+    assert DistributedConfig(fsdp_mixed_precision=True).param_dtype is torch.bfloat16
+    assert DistributedConfig(fsdp_mixed_precision="float16").param_dtype is torch.float16
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"num_attention_heads": 6, "num_key_value_heads": 2}, "num_attention_heads=6 is not divisible by tp_size=4"),
+    ({}, "num_key_value_heads=2 is not divisible by tp_size=4"),
+    ({"num_key_value_heads": 4, "intermediate_size": 130}, "intermediate_size=130 is not divisible by tp_size=4"),
+])
+def test_model_shapes_tp_cannot_split_are_refused(kw, words):
+    with pytest.raises(DistributedConfigError, match=words):
+        DistributedConfig(tp_size=4).check_model(qwen3(**kw))
+
+
+def test_vocabulary_tp_does_not_divide(caplog):
+    config = qwen3(num_key_value_heads=4, vocab_size=130)
+    DistributedConfig(tp_size=4).check_model(config)  # auto plan: keeps them whole
+    plan = resolve_tp_plan(config, DistributedConfig(tp_size=4))
+    assert plan["model.embed_tokens"] == plan["lm_head"] == "replicate"
+    assert "vocab_size=130 is not divisible by tp_size=4" in caplog.text
+    with pytest.raises(DistributedConfigError, match="splits the vocabulary, but vocab_size=130"):
+        DistributedConfig(tp_size=4, tp_plan={"lm_head": "vocab", "model.embed_tokens": "vocab"}).check_model(config)
+
+
+def test_family_plans():
+    from staticformers.distributed.parallelize import default_tp_plan
+
+    plan = default_tp_plan(qwen3())
+    assert plan["model.layers.*.self_attn.q_norm"] == "heads"
+    assert plan["model.layers.*.self_attn.o_proj"] == plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    llama = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+                                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "num_key_value_heads": 2})
+    assert not any(style == "heads" for style in default_tp_plan(llama).values())
+
+
+def test_plan_rules_must_match_modules_and_tied_weights_share_a_style():
+    from staticformers.modeling import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(qwen3())
+    with pytest.raises(DistributedConfigError, match="rule 'model.layers.*.attn.q' matches no module"):
+        _matches({"model.layers.*.attn.q": "colwise"}, model)
+    with pytest.raises(DistributedConfigError, match="share one weight .* give both the same"):
+        apply_tp(model, None, {"model.embed_tokens": "vocab", "lm_head": "replicate"})
+
+
+def test_from_pretrained_refuses_many_ranks_in_a_plain_process(plain_env, tiny_checkpoints):
+    from staticformers import AutoModelForCausalLM
+
+    with pytest.raises(DistributedConfigError, match="not started by torchrun"):
+        AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"), distributed_config=DistributedConfig(tp_size=2))
+
+
+def test_one_rank_config_in_a_plain_process_loads_whole(plain_env, tiny_checkpoints):
+    from staticformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig())
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
