@@ -5,18 +5,13 @@ Hugging Face folder, loads it with both libraries, checks the outputs are identi
 each library on the same batches, interleaved A B A B, and prints medians, the ratio and the CPU
 pressure (/proc/pressure/cpu) before and after as JSON.
 
-    .venv/bin/python bench/tokenize.py [--mb 10] [--reps 3] [--batch 256]
+    .venv/bin/python bench/tokenization.py [--mb 10] [--reps 3] [--batch 256]
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-# This file is named like the stdlib `tokenize` module (which linecache and torch import): take its
-# folder off sys.path before anything imports `tokenize`.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import argparse
 import json
