@@ -36,7 +36,10 @@ class StaticKVCache:
     @classmethod
     def for_model(cls, model, batch: int, max_length: int) -> "StaticKVCache":
         c = model.config
-        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_length, c.head_dim, model.dtype, model.device)
+        # a tensor-parallel rank computes num_key_value_heads / tp heads (staticformers.distributed)
+        dims = getattr(model, "parallel_dims", None)
+        kv_heads = c.num_key_value_heads // (dims.tp if dims is not None else 1)
+        return cls(c.num_hidden_layers, batch, kv_heads, max_length, c.head_dim, model.dtype, model.device)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
         key, value = self.keys[layer_idx], self.values[layer_idx]

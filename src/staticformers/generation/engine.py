@@ -144,7 +144,9 @@ class Engine:
 
     # ---- caches and graphs -------------------------------------------------------------------------
     def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
-        key = (batch, kv, self._fast(batch, settings))
+        # the matvec formulation reads weights directly, bypassing tensor parallel's module hooks
+        tensor_parallel = getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
+        key = (batch, kv, self._fast(batch, settings) and not tensor_parallel)
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
