@@ -1,8 +1,8 @@
 """from_pretrained / save_pretrained: Hugging Face checkpoints in and out.
 
 Loading builds the model on the meta device (no memory, no random init), then materialises each
-tensor once, read from the memory-mapped safetensors file straight into the target dtype on the
-target device: peak host memory stays near the checkpoint's size, not twice it. Pickle checkpoints
+tensor once, read from the file (plain reads, no memory map: see safetensors_io) straight into the
+target dtype on the target device: peak host memory stays near the model's size, not twice it. Pickle checkpoints
 are never unpickled. Every refusal is one sentence naming the file or the weights.
 
 Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
@@ -24,6 +24,7 @@ from .config import ModelConfig, dtype_name, parse_dtype
 from .devices import resolve_device
 from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .modeling import CausalLM
+from .safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 logger = logging.getLogger("staticformers")
 
@@ -77,14 +78,10 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
 
 def _checkpoint_dtype(files: list[str]) -> Optional[torch.dtype]:
     """The dtype of the first floating tensor in the first shard, read from its header alone."""
-    from safetensors import safe_open
-
-    with safe_open(files[0], framework="pt") as f:
+    with SafetensorsFile(files[0]) as f:
         for name in f.keys():
-            dtype = f.get_slice(name).get_dtype()
-            mapped = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype)
-            if mapped is not None:
-                return mapped
+            if f.dtype(name).is_floating_point:
+                return f.dtype(name)
     return None
 
 
@@ -108,8 +105,6 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
 
     `keep` limits loading to those names (a distributed rank that owns part of the model).
     """
-    from safetensors import SafetensorError, safe_open
-
     expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     tied = model.config.tie_word_embeddings
     if tied:
@@ -119,9 +114,9 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
     unexpected: list[str] = []
     for path in files:
         try:
-            handle = safe_open(path, framework="pt", device="cpu")
-        except (SafetensorError, OSError, ValueError) as err:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({err}): re-download or re-save it.") from None
+            handle = SafetensorsFile(path)
+        except SafetensorsFormatError as err:
+            raise CheckpointError(str(err)) from None
         with handle as f:
             for name in f.keys():
                 if name not in expected:
@@ -133,17 +128,13 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                 seen.add(name)
                 if name not in wanted:
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = f.shape(name)
                 if shape != tuple(expected[name].shape):
                     raise CheckpointError(
                         f"Weight {name} in {os.path.basename(path)} has shape {list(shape)} but config.json implies "
                         f"{list(expected[name].shape)}: the config and the weights come from different models."
                     )
-                value = f.get_tensor(name)
-                if value.is_floating_point():
-                    value = value.to(device=device, dtype=dtype)
-                else:
-                    value = value.to(device=device)
+                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device)
                 _set_tensor(model, name, value)
     if unexpected:
         raise CheckpointError(

@@ -103,7 +103,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        # computed on the CPU even under a meta-device context: pow on meta pages in ~70 MB of kernels
+        self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
 
     def reset_parameters(self) -> None:
         self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
@@ -282,7 +283,10 @@ def build_masks(
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built without nn.Embedding's own init (init_weights does it): on the meta device, normal_
+        # pages in ~70 MB of kernels that a load never needs
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
