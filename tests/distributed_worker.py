@@ -1,12 +1,13 @@
 """A torchrun worker for tests/test_distributed.py: several layouts checked in one 4-rank launch.
 
-Usage: torchrun --nproc_per_node=4 tests/distributed_worker.py CHECKPOINT OUT_DIR
+Usage: torchrun --nproc_per_node=4 tests/distributed_worker.py QWEN3_CHECKPOINT LLAMA_CHECKPOINT OUT_DIR
 
 One launch costs ~8 s of startup on the shared 2-core CPU, so one launch runs every layout in turn
 (each `from_pretrained` builds its own mesh over the same 4 ranks):
 1. tp2 x fsdp2: train STEPS steps, saving a DCP checkpoint after RESUME_AT; export a HF checkpoint.
-2. tp4: train; greedy tokens (the model's forward, and `generate` when the engine exists).
-3. fsdp4: train; then a fresh model resumes the tp2 x fsdp2 checkpoint and trains the remaining steps.
+2. tp4 and tp2 x fsdp2 on a Llama: greedy tokens by the model's forward and by `model.generate`.
+3. tp4: train.
+4. fsdp4: train; then a fresh model resumes the tp2 x fsdp2 checkpoint and trains the remaining steps.
 Each rank writes OUT_DIR/rank{r}.json; the test compares them with one process.
 """
 
@@ -81,11 +82,20 @@ def local_bytes(model, optimizer) -> dict:
     return {"param_bytes": sum(size(p) for p in params), "optim_bytes": optim}
 
 
+def generate(model):
+    """`model.generate` greedy tokens (eager: an inductor compile costs ~60 s here), or why it failed."""
+    try:
+        out_ids = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
+    except Exception as err:  # reported to the test, which shows it
+        return f"{type(err).__name__}: {err}"
+    return out_ids[0, len(PROMPT[0]):].tolist()
+
+
 def load(path, **sizes):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
 
 
-def main(path: str, out: str) -> None:
+def main(path: str, gen_path: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     result: dict = {}
     # 1. tp2 x fsdp2: train, checkpoint mid-way, export HF
@@ -102,28 +112,24 @@ def main(path: str, out: str) -> None:
     del model, opt
     gc.collect()
 
-    # 2. tp4: train and greedy
+    # 2. tp4 (and tp2 x fsdp2) inference on an untied Llama, whose greedy tokens vary (tied tiny models repeat)
+    for layout, sizes in (("tp4", {"tp_size": 4}), ("tp2_fsdp2", {"tp_size": 2, "fsdp_size": 2})):
+        model = load(gen_path, **sizes)
+        result[f"{layout}_greedy"] = greedy(model, PROMPT, NEW_TOKENS)
+        with torch.no_grad():
+            result[f"{layout}_logits"] = model(input_ids=torch.tensor(PROMPT)).logits[0, -1].tolist()
+        result[f"{layout}_generate"] = generate(model)
+        del model
+        gc.collect()
+
+    # 3. tp4: train the Qwen3 model
     model = load(path, tp_size=4)
-    result["tp4_greedy"] = greedy(model, PROMPT, NEW_TOKENS)
-    with torch.no_grad():
-        result["tp4_logits"] = model(input_ids=torch.tensor(PROMPT)).logits[0, -1].tolist()
-    try:
-        import staticformers.generation.api  # noqa: F401
-    except ImportError:
-        result["tp4_generate"] = "engine not available"
-    else:
-        try:
-            out_ids = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                     disable_compile=True)
-            result["tp4_generate"] = out_ids[0, len(PROMPT[0]):].tolist()
-        except Exception as err:  # reported to the test, which says what failed
-            result["tp4_generate"] = f"{type(err).__name__}: {err}"
     opt = make_optimizer(model)
     result["tp4"] = {"losses": train_steps(model, opt, range(STEPS)), **local_bytes(model, opt)}
     del model, opt
     gc.collect()
 
-    # 3. fsdp4: train; resume the tp2 x fsdp2 checkpoint
+    # 4. fsdp4: train; resume the tp2 x fsdp2 checkpoint
     model = load(path, fsdp_size=4)
     opt = make_optimizer(model)
     result["fsdp4"] = {"losses": train_steps(model, opt, range(STEPS)), **local_bytes(model, opt)}
@@ -142,7 +148,7 @@ def main(path: str, out: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2])
+        main(sys.argv[1], sys.argv[2], sys.argv[3])
     except Exception:
         traceback.print_exc()
         sys.exit(1)

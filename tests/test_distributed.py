@@ -30,12 +30,17 @@ def checkpoint(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def launched(checkpoint, tmp_path_factory):
+def gen_checkpoint(tiny_checkpoints):
+    return tiny_checkpoints("llama", num_key_value_heads=4)  # untied: its greedy tokens vary
+
+
+@pytest.fixture(scope="module")
+def launched(checkpoint, gen_checkpoint, tmp_path_factory):
     """(per-rank results, output folder) of one 4-rank torchrun launch."""
     out = str(tmp_path_factory.mktemp("dist_out"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
     cmd = [TORCHRUN, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "distributed_worker.py"),
-           checkpoint, out]
+           checkpoint, gen_checkpoint, out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = []
@@ -56,12 +61,13 @@ def _torch_clip(params, max_norm):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(checkpoint, gen_checkpoint):
     """The recipe in one process: losses of every step, the trained model, greedy tokens."""
-    model = _single(checkpoint)
-    greedy = W.greedy(model, W.PROMPT, W.NEW_TOKENS)
+    gen = _single(gen_checkpoint)
+    greedy = W.greedy(gen, W.PROMPT, W.NEW_TOKENS)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor(W.PROMPT)).logits[0, -1]
+        logits = gen(input_ids=torch.tensor(W.PROMPT)).logits[0, -1]
+    model = _single(checkpoint)
     opt = W.make_optimizer(model)
     losses = W.train_steps(model, opt, range(W.STEPS), clip=_torch_clip)
     return {"losses": losses, "model": model.eval(), "greedy": greedy, "logits": logits}
@@ -104,17 +110,20 @@ def test_save_pretrained_writes_one_checkpoint_transformers_loads(launched, refe
     torch.testing.assert_close(theirs, ours_one_process, atol=5e-3, rtol=0)
 
 
-def test_tensor_parallel_greedy_equals_one_process(launched, reference):
+@pytest.mark.parametrize("layout", ("tp4", "tp2_fsdp2"))
+def test_tensor_parallel_greedy_equals_one_process(launched, reference, layout):
     results, _ = launched
+    assert len(set(reference["greedy"])) > 2  # a sequence that says something
     for rank, res in enumerate(results):
-        assert res["tp4_greedy"] == reference["greedy"], f"rank {rank}"
-        torch.testing.assert_close(torch.tensor(res["tp4_logits"]), reference["logits"], atol=1e-5, rtol=1e-5)
+        assert res[f"{layout}_greedy"] == reference["greedy"], f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(res[f"{layout}_logits"]), reference["logits"], atol=1e-5, rtol=1e-5)
 
 
-def test_tensor_parallel_generate_equals_one_process(launched, reference):
+@pytest.mark.parametrize("layout", ("tp4", "tp2_fsdp2"))
+def test_tensor_parallel_generate_equals_one_process(launched, reference, layout):
     results, _ = launched
     for rank, res in enumerate(results):
-        assert res["tp4_generate"] == reference["greedy"], f"rank {rank}: {res['tp4_generate']}"
+        assert res[f"{layout}_generate"] == reference["greedy"], f"rank {rank}: {res[f'{layout}_generate']}"
 
 
 def test_per_rank_parameter_and_optimizer_bytes_are_a_quarter(launched, reference):
