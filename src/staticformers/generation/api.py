@@ -111,7 +111,7 @@ class Request:
 
 
 def _prepare(model, engine: Engine, input_ids, attention_mask, config: GenerationConfig,
-             compile_config, shape_plan, generator, seed) -> Request:
+             compile_config, shape_plan, generator, seed, no_eos: bool = False) -> Request:
     if input_ids is None:
         raise ValueError("generate() needs input_ids (token ids of the prompt, [batch, length]).")
     if not isinstance(input_ids, torch.Tensor):
@@ -165,7 +165,7 @@ def _prepare(model, engine: Engine, input_ids, attention_mask, config: Generatio
         plan.choose(sub_ids.shape[0], sub_ids.shape[1], max_new)
 
     eos = _as_list(config.eos_token_id)
-    if not eos:
+    if not eos and not no_eos:  # eos_token_id=None passed explicitly means "never stop early", as in transformers
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None) \
             or _as_list(model.config.eos_token_id)
     pad = config.pad_token_id
@@ -264,9 +264,11 @@ def generate(
     if inputs is not None and input_ids is not None:
         raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
     input_ids = inputs if input_ids is None else input_ids
+    no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
     config = _merged_config(model, generation_config, kwargs)
     engine = engine_for(model)
-    req = _prepare(model, engine, input_ids, attention_mask, config, compile_config, shape_plan, generator, seed)
+    req = _prepare(model, engine, input_ids, attention_mask, config, compile_config, shape_plan, generator, seed,
+                   no_eos)
     engine.check_weights()
     if streamer is not None:
         if req.ids.shape[0] != 1:
