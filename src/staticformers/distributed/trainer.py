@@ -1,0 +1,181 @@
+"""`DistributedTrainer`: the Trainer's hooks for a model partitioned by `DistributedConfig`.
+
+The Trainer keeps every distributed decision in overridable methods; this subclass fills them in
+when the model carries `parallel_dims` (set by `from_pretrained(..., distributed_config=...)`):
+
+- data: each data-parallel rank (dp_replicate x fsdp) takes its own slice of every global batch
+  (the Trainer's `StaticBatchSampler` with this rank and size); tp ranks of one shard share it;
+- loss: token counts and logged sums are all-reduced over the data-parallel ranks, and each rank's
+  loss is its tokens' sum over the *global* token count; FSDP2 averages gradients over the
+  data-parallel ranks, so the backward is scaled by their number (`_ScaleGrad`) to make the update
+  equal one process on the whole batch (the logged value is unchanged);
+- precision: parameters are the master weights (no copies). bf16 is FSDP2's mixed precision
+  (`DistributedConfig(fsdp_mixed_precision=True)`: fp32 shards, bf16 compute, fp32 reduction); a
+  model loaded in bf16 trains in bf16;
+- gradient clipping: the per-mesh-group norm of `training.clip_grad_norm_`;
+- compile (`torch_compile=True`): each decoder block is compiled with the device's backend, the
+  unit FSDP2 gathers; the step itself runs eagerly around them;
+- checkpoints: model and optimizer through `torch.distributed.checkpoint` (every rank writes its
+  shards into the same atomic folder; rank 0 adds scheduler, RNG and trainer state last), so they
+  resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..training import checkpoint as ckpt
+from ..training.compiled import StepFunction
+from ..training.optim import MasterWeights
+from ..training.state import TrainerState
+from ..training.trainer import Trainer
+from .checkpoint import load_checkpoint, save_checkpoint
+from .training import clip_grad_norm_, compile_blocks, parallel_dims
+
+logger = logging.getLogger("staticformers")
+
+DCP_FOLDER = "distributed"  # inside a checkpoint-N folder: the DCP shards of model and optimizer
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor` (undoes FSDP2's average over dp ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class DistributedTrainer(Trainer):
+    """The Trainer for a model loaded with `distributed_config` (see the module docstring)."""
+
+    def __init__(self, model: Optional[nn.Module] = None, *args, **kwargs):
+        if parallel_dims(model) is None:
+            raise ValueError("DistributedTrainer needs a model loaded with from_pretrained(..., distributed_config=...).")
+        super().__init__(model, *args, **kwargs)
+        self.dims = parallel_dims(model)
+        # compile per block (prepare_model); the step around the blocks stays eager
+        self.train_step = StepFunction("train", False, self.args.torch_compile_backend)
+        self.eval_step = StepFunction("eval", False, self.args.torch_compile_backend)
+
+    # ---- where and who -------------------------------------------------------------------------
+    def setup_device(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+    def data_parallel_info(self) -> tuple[int, int]:
+        return self.dims.dp_rank, self.dims.dp
+
+    def is_world_process_zero(self) -> bool:
+        return dist.get_rank() == 0
+
+    # ---- model, precision, optimizer -----------------------------------------------------------
+    def compute_dtype(self) -> torch.dtype:
+        return next(iter(self.model.parameters())).dtype
+
+    def prepare_model(self) -> nn.Module:
+        model = self.model
+        a = self.args
+        if a.bf16 and self.compute_dtype() == torch.float32 and self.dims.config.param_dtype is None:
+            logger.warning("bf16=True with a float32 distributed model: it trains in float32. Load it with "
+                           "DistributedConfig(fsdp_mixed_precision=True) for bf16 compute over fp32 shards.")
+        if a.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if a.torch_compile and not getattr(model, "_blocks_compiled", False):
+            compile_blocks(model, a.torch_compile_backend)
+            model._blocks_compiled = True
+        model.train()
+        return model
+
+    def create_master_weights(self, model: nn.Module) -> MasterWeights:
+        return MasterWeights(model, copies=False)  # FSDP2's sharded parameters are the master weights
+
+    # ---- loss and gradients --------------------------------------------------------------------
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp == 1:
+            return value
+        out = value.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dims.dp_group())
+        return out
+
+    def compute_loss(self, model: nn.Module, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        loss = super().compute_loss(model, batch, num_items_in_batch)
+        return _ScaleGrad.apply(loss, float(self.dims.dp)) if self.dims.dp > 1 and loss.requires_grad else loss
+
+    def clip_gradients(self) -> torch.Tensor:
+        max_norm = self.args.max_grad_norm
+        return clip_grad_norm_(self.master.master, max_norm if max_norm else float("inf"))
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint_files(self, directory: str) -> None:
+        """Every rank: DCP shards of model and optimizer; then rank 0 writes the rest, trainer_state.json last."""
+        save_checkpoint(os.path.join(directory, DCP_FOLDER), self.model, self.optimizer)
+        if self.is_world_process_zero():
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
+            torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
+            with open(os.path.join(directory, ckpt.TRAINING_ARGS), "w", encoding="utf-8") as f:
+                f.write(self.args.to_json_string())
+            self.model.config.save_pretrained(directory)
+            self.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
+
+    def load_checkpoint_files(self, directory: str) -> None:
+        dcp_dir = os.path.join(directory, DCP_FOLDER)
+        if not os.path.isdir(dcp_dir):
+            raise ValueError(f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
+                             f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead.")
+        load_checkpoint(dcp_dir, self.model, self.optimizer)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
+        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), self.device)
+        self.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+
+    def _save_checkpoint(self) -> str:
+        """The Trainer's atomic folder, opened by rank 0 and written into by every rank."""
+        step = self.state.global_step
+        path = ckpt.checkpoint_path(self.args.output_dir, step)
+        self.state.last_checkpoint = path
+        main = self.is_world_process_zero()
+        context = ckpt.atomic_checkpoint(self.args.output_dir, step) if main else None
+        shared = [context.__enter__() if main else None]
+        dist.broadcast_object_list(shared, src=0)
+        failure = None
+        try:
+            self.save_checkpoint_files(shared[0])
+        except BaseException as err:  # every rank must still reach the barrier below
+            failure = err
+        if main:
+            if failure is None:
+                context.__exit__(None, None, None)  # fsync, rename into checkpoint-N
+            else:
+                context.__exit__(type(failure), failure, failure.__traceback__)  # removes the folder
+            if failure is None:
+                self.save_tokenizer(path)
+                ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
+        dist.barrier()
+        if failure is not None:
+            raise failure
+        return path
+
+    def model_state_for_saving(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_model(self, output_dir: Optional[str] = None) -> str:
+        """Every rank calls it; rank 0 writes one Hugging Face checkpoint (and the tokenizer)."""
+        output_dir = output_dir or self.args.output_dir
+        self.model.save_pretrained(output_dir)  # the distributed save_pretrained: gathers to rank 0
+        self.save_tokenizer(output_dir)
+        dist.barrier()
+        return output_dir
+
+
+__all__ = ["DistributedTrainer"]

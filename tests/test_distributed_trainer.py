@@ -1,0 +1,78 @@
+"""The Trainer on a model partitioned at load time (4 CPU ranks, gloo) against the Trainer in one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distributed_trainer_worker as W
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints):
+    return tiny_checkpoints("qwen3", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def launched(checkpoint, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dist_trainer"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
+    cmd = [TORCHRUN, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "distributed_trainer_worker.py"),
+           checkpoint, out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = []
+    for r in range(4):
+        with open(os.path.join(out, f"trainer_rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results, out
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tmp_path_factory):
+    from staticformers import AutoModelForCausalLM, Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    out = str(tmp_path_factory.mktemp("one_process_trainer"))
+    trainer = Trainer(model=model, args=W.args_for(out, W.GLOBAL_BATCH), train_dataset=W.docs(model.config.vocab_size))
+    trainer.train()
+    return W.history(trainer), model.eval()
+
+
+def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
+    results, _ = launched
+    expected, _ = reference
+    assert expected["steps"] == [1, 2, 3, 4]
+    for rank, res in enumerate(results):
+        assert res["tp2_fsdp2"]["losses"] == pytest.approx(expected["losses"], abs=1e-5), f"rank {rank}"
+        assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5), f"rank {rank}"
+
+
+def test_trainer_checkpoint_resumes_at_fsdp4(launched, reference):
+    results, out = launched
+    expected, _ = reference
+    for res in results:
+        assert res["resumed_fsdp4"]["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+        assert res["resumed_fsdp4"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5)
+    assert sorted(os.listdir(os.path.join(out, "tp2_fsdp2"))) >= ["checkpoint-2", "checkpoint-4"]
+
+
+def test_trainer_save_model_loads_in_transformers(launched, reference):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    _, out = launched
+    _, model = reference
+    hf = HFModel.from_pretrained(os.path.join(out, "final"), dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(1, 17))])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(input_ids=ids).logits, atol=5e-3, rtol=0)
