@@ -1,0 +1,105 @@
+"""Compiled graphs stay inside the plan: counted with Dynamo over random shapes (eager backend, fast),
+zero on a second pass, a violation raises in strict mode; one real inductor test for batch-1 decode."""
+
+import os
+
+import pytest
+import torch
+
+from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
+from staticformers.compile import ShapePlanViolation
+from staticformers.generation.api import engine_for
+
+EAGER = CompileConfig(backend="eager")
+PLAN = ShapePlan(batch_sizes=[1, 2], prompt_lengths=[8, 16], kv_lengths=[32], max_model_len=32)
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
+
+
+def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_checkpoints, strict):
+    from torch._dynamo.utils import counters
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine_for(model, PLAN)
+    gen = torch.Generator().manual_seed(0)
+    calls = [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen)))
+             for _ in range(10)] + [(2, 16), (1, 3)]
+    counters.clear()
+    outs = [model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=EAGER,
+                           eos_token_id=None) for b, n in calls]
+    first = counters["stats"]["unique_graphs"]
+    assert 0 < first <= PLAN.num_graphs == 6
+    counters.clear()
+    for (b, n), out in zip(calls, outs):
+        again = model.generate(out[:, :n], max_new_tokens=4, compile_config=EAGER, eos_token_id=None)
+        assert torch.equal(again, out)
+    assert counters["stats"]["unique_graphs"] == 0 and counters["frames"]["ok"] == 0
+    stats = model.compile_stats()
+    assert sum(s["graphs"] for s in stats) == first and all(s["graphs"] == 1 for s in stats)
+    assert {tuple(s["shape"]) for s in stats} <= {(1, 8), (1, 16), (2, 8), (2, 16), (1, 1, 32), (2, 1, 32)}
+
+
+def test_compiled_matches_eager(tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("mistral-window"))
+    engine_for(model, PLAN)
+    ids = torch.randint(3, 128, (2, 11))
+    a = model.generate(ids, max_new_tokens=6, compile_config=EAGER, eos_token_id=None)
+    b = model.generate(ids, max_new_tokens=6, disable_compile=True, eos_token_id=None)
+    assert torch.equal(a, b)
+
+
+def test_shape_outside_the_plan_raises_in_strict_mode(tiny_checkpoints, strict):
+    from staticformers.generation.engine import CompileSettings, Engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = Engine(model, PLAN)
+    graph = engine.graph("decode", 1, 32, CompileSettings(backend="eager"))
+    with pytest.raises(ShapePlanViolation, match="outside the plan"):
+        engine._check(graph, (1, 1), torch.zeros(2, 1))
+
+
+def test_warns_outside_strict_mode(tiny_checkpoints, monkeypatch):
+    monkeypatch.delenv("STATICFORMERS_STRICT_SHAPES", raising=False)
+    from staticformers.generation.engine import CompileSettings, Engine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = Engine(model, PLAN)
+    graph = engine.graph("prefill", 1, 8, CompileSettings(enabled=False))
+    with pytest.warns(RuntimeWarning, match="outside the plan"):
+        engine._check(graph, (1, 8), torch.zeros(1, 9))
+
+
+def test_replaced_weights_drop_graphs(tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = engine_for(model, PLAN)
+    ids = torch.randint(3, 128, (1, 5))
+    model.generate(ids, max_new_tokens=2, disable_compile=True)
+    assert engine.graphs
+    model.to(torch.bfloat16)  # new tensors, new dtype: graphs and caches are rebuilt
+    out = model.generate(ids, max_new_tokens=2, disable_compile=True)
+    assert all(c.keys[0].dtype == torch.bfloat16 for c in engine.caches.values())
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.inductor
+def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, monkeypatch, strict):
+    """Real inductor compile of the prefill and the batch-1 matrix-vector decode; the on-disk cache
+    lands under STATICFORMERS_CACHE."""
+    import staticformers.compile as sc
+
+    monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine_for(model, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
+    ids = torch.randint(3, 128, (1, 8))
+    want = model.generate(ids, max_new_tokens=8, disable_compile=True, eos_token_id=None)
+    got = model.generate(ids, max_new_tokens=8, compile_config=CompileConfig(backend="inductor"), eos_token_id=None)
+    assert torch.equal(got, want)
+    fast = [c for k, c in engine_for(model).caches.items() if k[2]]
+    assert fast and fast[0].matvec_linears
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
+    assert any(p.is_dir() for p in (tmp_path / "inductor").iterdir())
