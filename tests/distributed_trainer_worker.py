@@ -20,7 +20,7 @@ import torch
 
 from staticformers import AutoModelForCausalLM, DistributedConfig, TrainingArguments
 from staticformers.distributed import mesh as dmesh
-from staticformers.distributed.trainer import DistributedTrainer
+from staticformers import Trainer
 
 MAX_STEPS, SAVE_STEPS, GLOBAL_BATCH = 4, 2, 4
 
@@ -51,16 +51,17 @@ def main(path: str, out: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))
     data = docs(model.config.vocab_size)
-    trainer = DistributedTrainer(model=model, args=args_for(os.path.join(out, "tp2_fsdp2"), GLOBAL_BATCH // 2),
+    trainer = Trainer(model=model, args=args_for(os.path.join(out, "tp2_fsdp2"), GLOBAL_BATCH // 2),
                                  train_dataset=data)
     trainer.train()
     result["tp2_fsdp2"] = history(trainer)
+    result["trainer_class"] = type(trainer).__name__
     trainer.save_model(os.path.join(out, "final"))
     del trainer, model
     gc.collect()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=4))
-    trainer = DistributedTrainer(model=model, args=args_for(os.path.join(out, "fsdp4"), GLOBAL_BATCH // 4),
+    trainer = Trainer(model=model, args=args_for(os.path.join(out, "fsdp4"), GLOBAL_BATCH // 4),
                                  train_dataset=data)
     trainer.train(resume_from_checkpoint=os.path.join(out, "tp2_fsdp2", f"checkpoint-{SAVE_STEPS}"))
     result["resumed_fsdp4"] = history(trainer)

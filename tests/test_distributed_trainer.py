@@ -54,6 +54,7 @@ def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
     expected, _ = reference
     assert expected["steps"] == [1, 2, 3, 4]
     for rank, res in enumerate(results):
+        assert res["trainer_class"] == "DistributedTrainer"  # Trainer(model=partitioned model) dispatches
         assert res["tp2_fsdp2"]["losses"] == pytest.approx(expected["losses"], abs=1e-5), f"rank {rank}"
         assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5), f"rank {rank}"
 

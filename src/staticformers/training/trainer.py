@@ -72,6 +72,16 @@ def set_seed(seed: int) -> None:
 class Trainer:
     """Trains a causal LM on fixed-shape batches; see the module docstring."""
 
+    def __new__(cls, *args, **kwargs):
+        # a model partitioned by from_pretrained(..., distributed_config=...) trains with the distributed
+        # layer's hooks (staticformers.distributed.trainer.DistributedTrainer, a subclass of this class)
+        model = kwargs.get("model", args[0] if args else None)
+        if cls is Trainer and getattr(model, "parallel_dims", None) is not None:
+            from ..distributed.trainer import DistributedTrainer
+
+            cls = DistributedTrainer
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: Optional[nn.Module] = None,
