@@ -8,6 +8,7 @@ One launch costs ~8 s of startup on the shared 2-core CPU, so one launch runs ev
 2. tp4 and tp2 x fsdp2 on a Llama: greedy tokens by the model's forward and by `model.generate`.
 3. tp4: train.
 4. fsdp4: train; then a fresh model resumes the tp2 x fsdp2 checkpoint and trains the remaining steps.
+5. HSDP (dp_replicate 2 x fsdp 2), FSDP2 CPU offload, FSDP2 bf16 mixed precision: train.
 Each rank writes OUT_DIR/rank{r}.json; the test compares them with one process.
 """
 
@@ -140,6 +141,19 @@ def main(path: str, gen_path: str, out: str) -> None:
     extra = load_checkpoint(os.path.join(out, "dcp"), model, opt)
     result["resumed_fsdp4"] = {"losses": train_steps(model, opt, range(extra["step"], STEPS))}
     del model, opt
+
+    gc.collect()
+
+    # 5. HSDP, FSDP2 CPU offload, FSDP2 mixed precision (bf16 compute over fp32 shards)
+    for name, sizes, steps in (("hsdp2x2", {"dp_replicate_size": 2, "fsdp_size": 2}, STEPS),
+                               ("fsdp4_offload", {"fsdp_size": 4, "fsdp_cpu_offload": True}, 2),
+                               ("tp2_fsdp2_bf16", {"tp_size": 2, "fsdp_size": 2, "fsdp_mixed_precision": True}, 2)):
+        model = load(path, **sizes)
+        opt = make_optimizer(model)
+        result[name] = {"losses": train_steps(model, opt, range(steps)),
+                        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+        del model, opt
+        gc.collect()
 
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

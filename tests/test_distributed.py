@@ -136,3 +136,17 @@ def test_per_rank_parameter_and_optimizer_bytes_are_a_quarter(launched, referenc
             assert res[layout]["optim_bytes"] <= 2 * limit * whole  # AdamW: two moments per parameter
         total = sum(res[layout]["param_bytes"] for res in results)
         assert total >= whole  # every weight is held somewhere
+
+
+def test_hsdp_and_cpu_offload_match_one_process(launched, reference):
+    results, _ = launched
+    for res in results:
+        assert res["hsdp2x2"]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert res["fsdp4_offload"]["losses"] == pytest.approx(reference["losses"][:2], abs=1e-5)
+
+
+def test_fsdp_mixed_precision_keeps_fp32_shards_and_trains_close(launched, reference):
+    results, _ = launched
+    for res in results:
+        assert res["tp2_fsdp2_bf16"]["param_dtypes"] == ["torch.float32"]  # master shards stay fp32
+        assert res["tp2_fsdp2_bf16"]["losses"] == pytest.approx(reference["losses"][:2], abs=2e-2)  # bf16 compute

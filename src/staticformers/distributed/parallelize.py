@@ -133,12 +133,21 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
     if config.param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
     if config.fsdp_cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        device = next(iter(model.parameters())).device
+        if device.type in ("cpu", "meta") and not _accelerator_present():
+            logger.info("fsdp_cpu_offload=True has nothing to do on the CPU: the shards already live in host memory")
+        else:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if backend == "gloo":
         model.set_force_sum_reduction_for_comms(True)
+
+
+def _accelerator_present() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc is not None and acc.is_available())
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module:
