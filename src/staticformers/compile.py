@@ -93,10 +93,14 @@ def enable_persistent_cache() -> str:
 # ---------------------------------------------------------------------------------------------
 # backends
 # ---------------------------------------------------------------------------------------------
+BACKEND_ENV = "STATICFORMERS_COMPILE_BACKEND"
+
+
 def default_backend(device: torch.device) -> str:
+    """`$STATICFORMERS_COMPILE_BACKEND` when set (e.g. "eager" to debug), else the device's own."""
     from .devices import compile_backend_for
 
-    return compile_backend_for(device)
+    return os.environ.get(BACKEND_ENV) or compile_backend_for(device)
 
 
 def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) -> Callable:

@@ -1,0 +1,61 @@
+"""`staticformers compile PATH`: compile the whole shape plan ahead of time and print it.
+
+Every graph lands in the persistent on-disk cache (`$STATICFORMERS_CACHE`, default
+`~/.cache/staticformers`), so a later `generate` in another process compiles nothing it finds there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+HELP = "compile the shape plan ahead of time and print each graph (shape, seconds, cache hit)"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint folder or Hub id")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,2,4,8")
+    p.add_argument("--prompt-lengths", type=_ints, default=None, help="e.g. 32,64,128")
+    p.add_argument("--kv-lengths", type=_ints, default=None, help="e.g. 256,512")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..compile import cache_root
+    from ..generation.api import _compile_settings, engine_for
+    from ..generation.config import CompileConfig, GenerationConfig
+    from ..generation.plan import ShapePlan
+    from ..loading import from_pretrained
+
+    model = from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
+    plan = ShapePlan(batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths, kv_lengths=args.kv_lengths,
+                     max_model_len=args.max_model_len)
+    plan = plan.bind(model.config.max_position_embeddings)
+    engine = engine_for(model, plan)
+    settings = _compile_settings(model, GenerationConfig(), CompileConfig(backend=args.backend))
+    print(plan)
+    print(f"device {model.device}, backend {settings.backend}, cache {cache_root()}")
+    if args.dry_run:
+        return 0
+    print(f"{'graph':8s} {'shape':18s} {'seconds':>8s}  cache")
+    start = time.perf_counter()
+
+    def show(row):
+        print(f"{row['kind']:8s} {str(row['shape']):18s} {row['seconds']:8.2f}  {'hit' if row['cache_hit'] else 'compiled'}",
+              flush=True)
+
+    rows = engine.precompile(settings, progress=show)
+    hits = sum(r["cache_hit"] for r in rows)
+    print(f"{len(rows)} graphs in {time.perf_counter() - start:.1f} s ({hits} from the on-disk cache)")
+    return 0
