@@ -58,6 +58,13 @@ class StepFunction:
 
     def __init__(self, role: str, compile: bool, backend: Optional[str]):
         fn = fresh_function(forward_loss, f"forward_loss_{role}")
+        if compile and backend == "inductor":
+            try:  # the shared on-disk compile cache: a second process compiles nothing it compiled before
+                from ..compile import enable_persistent_cache
+
+                enable_persistent_cache()
+            except ImportError:  # pragma: no cover
+                pass
         self.role = role
         self.counter = CountingBackend(backend) if compile else None
         self.fn: Callable = torch.compile(fn, backend=self.counter, fullgraph=True, dynamic=False) if compile else fn

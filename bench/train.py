@@ -1,0 +1,205 @@
+"""Training throughput: staticformers' Trainer against transformers.Trainer, same model, same rows.
+
+    .venv/bin/python bench/train.py [--steps 5] [--rounds 2] [--precisions fp32,bf16] [--modes eager,compiled]
+
+The reference checkpoint (bench/reference.py: Qwen3-shaped, 41.6M parameters) is loaded by both
+libraries. Documents have realistic lengths (log-normal, median about 180 tokens, 8 to 2,000) and
+random token ids; both trainers get the same padded rows `[8, 256]` (ours builds them; the peer gets
+them as `input_ids`/`attention_mask`/`labels` tensors), AdamW, lr 1e-4, on the CPU with 2 threads.
+
+For each precision (fp32; bf16 = our bf16-weights + fp32-master recipe vs the peer's autocast) and
+mode (eager; compiled = ours `torch_compile=True` with inductor vs the peer's `torch_compile=True`),
+the two run interleaved A B A B (`--rounds`), each a fresh model and trainer for `--steps` steps.
+Reported: first-step seconds (round 1, cold compile caches for both: a fresh TORCHINDUCTOR_CACHE_DIR),
+steady tokens/s (median period between step ends after the first step, all rounds; tokens = the
+8 x 256 positions of a step, the same for both), graphs compiled, and the ratios. Also: padding waste
+of these documents padded vs packed, and ours packed (real tokens/s). `/proc/pressure/cpu` is read
+before and after every run. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+BATCH, SEQ, LR = 8, 256, 1e-4
+
+
+def pressure() -> str:
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().strip()
+    except OSError:
+        return "unavailable"
+
+
+def documents(n: int, seed: int = 0) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(mean=np.log(180), sigma=0.9, size=n), 8, 2000).astype(int)
+    return [{"input_ids": rng.integers(3, 32000, size=int(k)).tolist()} for k in lengths]
+
+
+def run_ours(path: str, docs: list, precision: str, mode: str, steps: int, packing: bool = False) -> dict:
+    import torch
+
+    from staticformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    ends = []
+
+    class Timed(Trainer):
+        def clip_gradients(self):
+            norm = super().clip_gradients()
+            ends.append(time.perf_counter())
+            return norm
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_length=SEQ,
+                             max_steps=steps, learning_rate=LR, bf16=precision == "bf16", torch_compile=mode == "compiled",
+                             save_strategy="no", logging_steps=10**6, disable_tqdm=True, packing=packing,
+                             long_documents="truncate", use_cpu=True)
+    trainer = Timed(model=model, args=args, train_dataset=docs)
+    trainer.get_train_rows()  # rows are built before the clock starts, as the peer's are
+    start = time.perf_counter()
+    out = trainer.train()
+    periods = [b - a for a, b in zip(ends, ends[1:])]
+    rows = trainer.get_train_rows()
+    return {"first_step_s": ends[0] - start, "step_s": periods, "graphs": trainer.compile_stats()["train_graphs"],
+            "loss": out.training_loss, "padding_waste": rows.padding_waste, "real_tokens_per_row": rows.real_tokens / rows.num_rows}
+
+
+def run_theirs(path: str, rows, precision: str, mode: str, steps: int) -> dict:
+    import torch
+    import transformers
+
+    ends, begin = [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return rows.num_rows
+
+        def __getitem__(self, i):
+            labels = rows.labels[i]
+            return {"input_ids": rows.input_ids[i], "attention_mask": (labels != -100).long(), "labels": labels}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=LR,
+        bf16=precision == "bf16", torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6,
+        report_to="none", use_cpu=True, dataloader_drop_last=True, disable_tqdm=True)
+    import torch._dynamo.utils as dyn_utils
+
+    before = dyn_utils.counters["stats"]["unique_graphs"]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()])
+    out = trainer.train()
+    periods = [b - a for a, b in zip(ends, ends[1:])]
+    return {"first_step_s": ends[0] - begin[0], "step_s": periods,
+            "graphs": dyn_utils.counters["stats"]["unique_graphs"] - before, "loss": out.training_loss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--documents", type=int, default=400)
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    a = parser.parse_args()
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-train-inductor-")  # cold for both
+    import torch
+
+    torch.set_num_threads(2)
+    from reference import build_reference
+    from staticformers.training.data import build_rows
+
+    path = build_reference()
+    docs = documents(a.documents)
+    padded = build_rows(docs, None, SEQ, packing=False, long_documents="truncate")
+    packed_bfd = build_rows(docs, None, SEQ, packing=True, packing_strategy="bfd")
+    packed_wrapped = build_rows(docs, None, SEQ, packing=True, packing_strategy="wrapped")
+    report = {
+        "model": "reference Qwen3-shaped 41.6M (bench/reference.py)", "batch": BATCH, "seq": SEQ,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "data": {"documents": len(docs), "median_tokens": statistics.median(len(d["input_ids"]) for d in docs),
+                 "padding_waste_padded": round(padded.padding_waste, 4),
+                 "padding_waste_packed_bfd": round(packed_bfd.padding_waste, 4),
+                 "padding_waste_packed_wrapped": round(packed_wrapped.padding_waste, 4),
+                 "rows_padded": padded.num_rows, "rows_packed_bfd": packed_bfd.num_rows},
+        "pressure_start": pressure(), "results": {},
+    }
+    for precision in a.precisions.split(","):
+        for mode in a.modes.split(","):
+            key = f"{precision}-{mode}"
+            runs = {"ours": [], "transformers": []}
+            for r in range(a.rounds):
+                for who in ("ours", "transformers"):
+                    p0 = pressure()
+                    try:
+                        res = run_ours(path, docs, precision, mode, a.steps) if who == "ours" else \
+                            run_theirs(path, padded, precision, mode, a.steps)
+                    except Exception as err:  # record the miss honestly
+                        res = {"error": f"{type(err).__name__}: {err}"[:500]}
+                    res["pressure_before"], res["pressure_after"] = p0, pressure()
+                    runs[who].append(res)
+                    print(f"[{key}] round {r} {who}: first {res.get('first_step_s', float('nan')):.1f}s "
+                          f"steps {[round(s, 2) for s in res.get('step_s', [])]} ({res['pressure_after']})",
+                          file=sys.stderr, flush=True)
+            summary = {}
+            for who, rs in runs.items():
+                ok = [x for x in rs if "error" not in x]
+                steps = [s for x in ok for s in x["step_s"]]
+                summary[who] = {
+                    "steady_tokens_per_s": round(BATCH * SEQ / statistics.median(steps), 1) if steps else None,
+                    "first_step_s": round(ok[0]["first_step_s"], 2) if ok else None,
+                    "graphs": ok[0]["graphs"] if ok else None,
+                    "errors": [x["error"] for x in rs if "error" in x],
+                }
+            o, t = summary["ours"], summary["transformers"]
+            if o["steady_tokens_per_s"] and t["steady_tokens_per_s"]:
+                summary["steady_ratio"] = round(o["steady_tokens_per_s"] / t["steady_tokens_per_s"], 3)
+            if o["first_step_s"] and t["first_step_s"]:
+                summary["first_step_ratio_theirs_over_ours"] = round(t["first_step_s"] / o["first_step_s"], 3)
+            report["results"][key] = {"summary": summary, "runs": runs}
+    # packed: real tokens per second with ours, compiled, in the best precision available
+    try:
+        best = "bf16" if "bf16" in a.precisions else "fp32"
+        res = run_ours(path, docs, best, "compiled" if "compiled" in a.modes else "eager", a.steps, packing=True)
+        steady = statistics.median(res["step_s"])
+        report["packed"] = {"precision": best, "real_tokens_per_s": round(BATCH * res["real_tokens_per_row"] / steady, 1),
+                            "positions_per_s": round(BATCH * SEQ / steady, 1), "padding_waste": round(res["padding_waste"], 4),
+                            "graphs": res["graphs"]}
+        pr = report["results"].get(f"{best}-compiled", {}).get("summary", {}).get("ours", {})
+        if pr.get("steady_tokens_per_s"):
+            report["packed"]["padded_real_tokens_per_s"] = round(pr["steady_tokens_per_s"] * (1 - padded.padding_waste), 1)
+    except Exception as err:
+        report["packed"] = {"error": f"{type(err).__name__}: {err}"[:500]}
+    report["pressure_end"] = pressure()
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

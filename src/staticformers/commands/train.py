@@ -1,0 +1,149 @@
+"""`staticformers train PATH --data corpus.jsonl --output-dir out`: the Trainer from the shell.
+
+PATH is a checkpoint folder (fine-tune it), or a `config.json` / a folder holding only one (train
+from scratch, random init with `--seed`). Data is a `.txt` file (documents separated by blank lines;
+`--txt-documents line` for one per line, `file` for one per file), a `.jsonl` file (objects with
+`text` or `input_ids`), or a folder of such files (a `datasets` `save_to_disk` folder when the
+`datasets` package is installed). Text is tokenised with `--tokenizer` or the tokenizer in PATH.
+The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+HELP = "train or fine-tune a causal LM on text with fixed shapes (padding or packing)"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", help="checkpoint folder to fine-tune, or a config.json (or folder with one) to train from scratch")
+    parser.add_argument("--data", required=True, help=".txt, .jsonl, or a folder of them")
+    parser.add_argument("--eval-data", default=None, help="evaluation data, same formats")
+    parser.add_argument("--output-dir", default="outputs")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: PATH)")
+    parser.add_argument("--txt-documents", choices=("paragraph", "line", "file"), default="paragraph",
+                        help="how .txt files split into documents (default: blank-line separated paragraphs)")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--packing", action="store_true", help="pack documents into full rows (default: pad each)")
+    parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--eval-batch-size", type=int, default=8)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=5e-5)
+    parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--lr-scheduler-type", default="linear")
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--epochs", type=float, default=3.0, help="num_train_epochs")
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--logging-steps", type=float, default=10)
+    parser.add_argument("--eval-steps", type=float, default=None)
+    parser.add_argument("--save-steps", type=float, default=500)
+    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument("--no-save", action="store_true", help="save_strategy=\"no\" (only the final model is written)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True (backend: the device's)")
+    parser.add_argument("--backend", default=None, help="torch_compile_backend (implies --compile)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--use-cpu", action="store_true")
+    parser.add_argument("--report-to", default="none")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--resume", nargs="?", const=True, default=None,
+                        help="resume from the last checkpoint in --output-dir, or from the given one")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def read_documents(path: str, txt_documents: str = "paragraph") -> list:
+    """Examples (strings or dicts) from a .txt/.jsonl file or a folder of them."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "state.json")):
+            try:
+                import datasets
+            except ImportError:
+                raise ValueError(f"{path} is a `datasets` folder but the datasets package is not installed: "
+                                 f"pip install datasets, or pass .txt/.jsonl files.") from None
+            return datasets.load_from_disk(path)
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".txt", ".jsonl")))
+        if not files:
+            raise ValueError(f"{path} holds no .txt or .jsonl files: put the corpus there or pass a file.")
+        out: list = []
+        for f in files:
+            out.extend(read_documents(f, txt_documents))
+        return out
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Data {path} does not exist: pass a .txt or .jsonl file or a folder of them.")
+    if path.endswith(".jsonl"):
+        out = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ValueError(f"{path} line {n} is not JSON ({err.msg}): fix or remove that line.") from None
+        return out
+    if path.endswith(".txt"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if txt_documents == "file":
+            return [text] if text.strip() else []
+        if txt_documents == "line":
+            return [line for line in text.splitlines() if line.strip()]
+        return [p.strip() for p in text.split("\n\n") if p.strip()]
+    raise ValueError(f"Data {path} is neither .txt nor .jsonl: convert it, or pass a folder of such files.")
+
+
+def load_model(path: str, seed: int):
+    from ..config import ModelConfig
+    from ..loading import AutoModelForCausalLM
+
+    config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{path} has no config.json: pass a checkpoint folder or a config.json to train from scratch.")
+    folder = os.path.dirname(config_file)
+    has_weights = any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in os.listdir(folder or "."))
+    if has_weights and not path.endswith(".json"):
+        return AutoModelForCausalLM.from_pretrained(folder), folder
+    return AutoModelForCausalLM.from_config(ModelConfig.from_json_file(config_file), seed=seed), folder
+
+
+def load_tokenizer(folder: str):
+    if not folder or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return None
+    try:
+        from ..tokenizer import AutoTokenizer
+    except ImportError:  # pragma: no cover - the tokenizer module is part of the package
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def run(args) -> int:
+    from ..training.arguments import TrainingArguments
+    from ..training.trainer import Trainer
+
+    model, folder = load_model(args.path, args.seed)
+    tokenizer = load_tokenizer(args.tokenizer or folder)
+    train = read_documents(args.data, args.txt_documents)
+    evaluation = read_documents(args.eval_data, args.txt_documents) if args.eval_data else None
+    targs = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.eval_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
+        max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, max_steps=args.max_steps,
+        logging_steps=args.logging_steps, eval_strategy="steps" if evaluation is not None else "no", eval_steps=args.eval_steps,
+        save_strategy="no" if args.no_save else "steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        bf16=args.bf16, torch_compile=args.compile or args.backend is not None, torch_compile_backend=args.backend,
+        gradient_checkpointing=args.gradient_checkpointing, use_cpu=args.use_cpu, report_to=args.report_to, seed=args.seed,
+        max_length=args.max_length, packing=args.packing, disable_tqdm=args.quiet)
+    trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+    out = trainer.train(resume_from_checkpoint=args.resume)
+    trainer.save_model(args.output_dir)
+    summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
+               "device": str(targs.device), **trainer.compile_stats(),
+               "padding_waste": round(out.metrics["train_padding_waste"], 4)}
+    if evaluation is not None:
+        summary.update({k: v for k, v in trainer.evaluate().items() if k in ("eval_loss", "eval_perplexity")})
+    print(json.dumps(summary))
+    return 0
