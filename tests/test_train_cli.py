@@ -1,0 +1,70 @@
+"""`staticformers train`: from a config (scratch) with .jsonl ids, then fine-tuning that checkpoint on .txt text."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from staticformers.cli import main
+from staticformers.commands.train import read_documents
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_config(path):
+    cfg = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=300, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+               max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_train_from_scratch_then_fine_tune_text(tmp_path, capsys):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"input_ids": list(range(1 + i % 7, 5 + i % 7 + i % 5))}) + "\n" for i in range(40)))
+    out = tmp_path / "scratch"
+    rc = main(["train", tiny_config(tmp_path / "config.json"), "--data", str(ids), "--output-dir", str(out), "--max-length", "32",
+               "--max-steps", "3", "--batch-size", "4", "--packing", "--no-save", "--quiet", "--compile", "--backend", "eager"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["global_step"] == 3 and summary["train_graphs"] == 1 and summary["padding_waste"] < 0.1
+    assert os.path.exists(out / "model.safetensors") and os.path.exists(out / "loss_curve.png")
+
+    text = "The for statement is used to iterate over the elements of a sequence.\n\nA class definition defines a class object.\n\n" * 10
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "pad_token": "<eos>"}))
+    (tmp_path / "corpus.txt").write_text(text)
+    tuned = tmp_path / "tuned"
+    rc = main(["train", str(out), "--data", str(tmp_path / "corpus.txt"), "--eval-data", str(tmp_path / "corpus.txt"),
+               "--output-dir", str(tuned), "--max-length", "24", "--max-steps", "2", "--batch-size", "4", "--save-steps", "1",
+               "--save-total-limit", "1", "--quiet"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["eval_perplexity"] > 1 and os.listdir(tuned / "checkpoint-2")
+    assert not os.path.exists(tuned / "checkpoint-1") and os.path.exists(tuned / "tokenizer.json")
+
+
+def test_data_formats_and_refusals(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("one\ntwo\n\nthree\n")
+    assert read_documents(str(tmp_path / "a.txt")) == ["one\ntwo", "three"]
+    assert read_documents(str(tmp_path / "a.txt"), "line") == ["one", "two", "three"]
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n')
+    assert read_documents(str(tmp_path)) == ["one\ntwo", "three", {"text": "x"}]
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="line 1 is not JSON"):
+        read_documents(str(tmp_path / "bad.jsonl"))
+    rc = main(["train", str(tmp_path / "nowhere"), "--data", str(tmp_path / "a.txt")])
+    assert rc == 2 and "config.json" in capsys.readouterr().err
