@@ -3,8 +3,9 @@
 Order, per rank: check the layout, start the process group, build the model on the meta device,
 partition it (`parallelize`: tensor parallel, then FSDP2), allocate only this rank's shards
 (`to_empty`), then fill them with `torch.distributed.checkpoint.load` through PyTorch's
-`HuggingFaceStorageReader`, which reads each rank's slices straight from the safetensors files
-(`safe_open(...).get_slice(name)[rows, cols]`): no rank ever holds the whole model. The headers are
+`HuggingFaceStorageReader` (DCP plans each rank's slices in any layout), whose reading is replaced
+by plain row-ranged reads (reader.py: no memory map inflating RSS): no rank ever holds the whole
+model. The headers are
 checked first so that a checkpoint that does not fit the config gets the same sentences as a
 single-process load.
 """
@@ -69,14 +70,15 @@ def check_headers(model: CausalLM, files: list[str]) -> None:
 def read_sharded(model: CausalLM, files: list[str]) -> None:
     """Fill the model's (already allocated, possibly sharded) parameters with their slices of the files."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from .reader import SlicedSafetensorsReader
 
     state = {k: v for k, v in model.state_dict().items()
              if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
     folders = {os.path.dirname(os.path.abspath(f)) for f in files}
     if len(folders) != 1:
         raise CheckpointError(f"The checkpoint's shards lie in {len(folders)} folders: put them in one folder.")
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(folders.pop()))
+    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop()))
 
 
 def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,

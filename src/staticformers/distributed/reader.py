@@ -1,0 +1,89 @@
+"""PyTorch's `HuggingFaceStorageReader`, reading each rank's slices with plain reads (no memory map).
+
+`torch.distributed.checkpoint` plans which slice of which tensor each rank needs (its DTensor
+shards, in any layout); the stock reader then takes them through `safetensors.safe_open`, whose
+memory map keeps every touched page of the file in the process's RSS while it is open. This reader
+keeps the plan and replaces only the reading: a row range in the shard's dtype is read with
+`readinto` straight into the shard (the project's `safetensors_io`, see its docstring); any other
+slice is read in row chunks of at most 16 MiB, narrowed and copied (converting the dtype). A rank's
+peak stays near its own shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.futures import Future
+
+from ..safetensors_io import DTYPES, SafetensorsFile
+
+
+CHUNK_BYTES = 16 * 2**20  # the most a slice read holds beside its shard
+
+
+def _readinto(f: SafetensorsFile, name: str, byte_offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes at `byte_offset` of tensor `name`'s data."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    f._f.seek(f._data_start + f.tensors[name]["data_offsets"][0] + byte_offset)
+    got = 0
+    while got < len(view):
+        more = f._f.readinto(view[got:])
+        if not more:
+            raise f._bad(f"tensor {name!r} is cut short")
+        got += more
+
+
+def read_slice(f: SafetensorsFile, name: str, offsets: list, lengths: list, target: torch.Tensor) -> None:
+    """Copy tensor `name`[offsets : offsets + lengths] into `target` (same shape), reading only those rows.
+
+    A row range read in the target's dtype goes straight into it; otherwise rows are read in chunks of
+    at most CHUNK_BYTES, narrowed on the other dimensions and copied (converting the dtype).
+    """
+    info = f.tensors[name]
+    shape = [int(d) for d in info["shape"]]
+    dtype = DTYPES[info["dtype"]]
+    if not shape:
+        target.copy_(f.read(name))
+        return
+    row_elems = 1
+    for d in shape[1:]:
+        row_elems *= d
+    row_bytes = row_elems * dtype.itemsize
+    start, count = offsets[0], lengths[0]
+    whole_rows = all(o == 0 and n == d for o, n, d in zip(offsets[1:], lengths[1:], shape[1:]))
+    if whole_rows and target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous():
+        _readinto(f, name, start * row_bytes, target)
+        return
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    for first in range(0, count, step):
+        n = min(step, count - first)
+        buf = torch.empty([n, *shape[1:]], dtype=dtype)
+        _readinto(f, name, (start + first) * row_bytes, buf)
+        piece = buf
+        for dim in range(1, len(offsets)):
+            piece = piece.narrow(dim, offsets[dim], lengths[dim])
+        target.narrow(0, first, n).copy_(piece)
+
+
+class SlicedSafetensorsReader(HuggingFaceStorageReader):
+    """`HuggingFaceStorageReader` with plain, row-ranged reads (see the module docstring)."""
+
+    def read_data(self, plan, planner) -> Future:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for file_name, requests in per_file.items():
+            with SafetensorsFile(file_name) as f:
+                for req in requests:
+                    target = planner.resolve_tensor(req).detach()
+                    if list(target.size()) != list(req.lengths):
+                        raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
+                                             f"the shard {list(target.size())}")
+                    read_slice(f, req.storage_index.fqn, list(req.storage_offsets), list(req.lengths), target)
+                    planner.commit_tensor(req, target)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+__all__ = ["SlicedSafetensorsReader", "read_slice"]
