@@ -93,13 +93,16 @@ class ParallelDims:
         """One process group over the data-parallel ranks (for loss and metric averages)."""
         if self.dp == 1:
             return None
-        return self.dp_mesh._flatten("dp").get_group()
+        return self.mesh["dp"].get_group()
 
 
 def build_mesh(config: DistributedConfig, device: torch.device) -> ParallelDims:
     """A resolved config's `(dp_replicate, fsdp, tp)` DeviceMesh on the device's kind."""
     shape = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    # flattened views let DTensor reduce over several dims in one collective (gradient norms, gathers)
+    mesh["dp_replicate", "fsdp"]._flatten("dp")
+    mesh["fsdp", "tp"]._flatten("fsdp_tp")
     return ParallelDims(config, mesh)
 
 
