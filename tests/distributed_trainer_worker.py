@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node=4 tests/distributed_trainer_worker.py CHECKPOIN
 
 1. tp2 x fsdp2: train MAX_STEPS with clipping and padded rows, a checkpoint every SAVE_STEPS, then
    save_model (one Hugging Face checkpoint).
-2. fsdp4: resume the tp2 x fsdp2 checkpoint at SAVE_STEPS and finish.
+2. fsdp4, decoder blocks compiled (aot_eager: AOTAutograd without inductor's minutes): resume the
+   tp2 x fsdp2 checkpoint at SAVE_STEPS and finish.
 Each rank writes OUT_DIR/trainer_rank{r}.json (the logged losses and gradient norms).
 """
 
@@ -61,10 +62,12 @@ def main(path: str, out: str) -> None:
     gc.collect()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=4))
-    trainer = Trainer(model=model, args=args_for(os.path.join(out, "fsdp4"), GLOBAL_BATCH // 4),
-                                 train_dataset=data)
+    trainer = Trainer(model=model, args=args_for(os.path.join(out, "fsdp4"), GLOBAL_BATCH // 4, torch_compile=True,
+                                                 torch_compile_backend="aot_eager"), train_dataset=data)
     trainer.train(resume_from_checkpoint=os.path.join(out, "tp2_fsdp2", f"checkpoint-{SAVE_STEPS}"))
     result["resumed_fsdp4"] = history(trainer)
+    result["compiled_blocks"] = sum(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
+                                    for layer in model.model.layers)
     del trainer, model
     with open(os.path.join(out, f"trainer_rank{rank}.json"), "w") as f:
         json.dump(result, f)

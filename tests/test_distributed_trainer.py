@@ -59,10 +59,11 @@ def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
         assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5), f"rank {rank}"
 
 
-def test_trainer_checkpoint_resumes_at_fsdp4(launched, reference):
+def test_trainer_checkpoint_resumes_at_fsdp4_with_compiled_blocks(launched, reference):
     results, out = launched
     expected, _ = reference
     for res in results:
+        assert res["compiled_blocks"] == 2
         assert res["resumed_fsdp4"]["losses"] == pytest.approx(expected["losses"], abs=1e-5)
         assert res["resumed_fsdp4"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5)
     assert sorted(os.listdir(os.path.join(out, "tp2_fsdp2"))) >= ["checkpoint-2", "checkpoint-4"]
