@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from staticformers import AutoConfig, AutoModelForCausalLM, DistributedConfig, Trainer, TrainingArguments
-from staticformers.distributed.mesh import init_distributed, local_device, shutdown
+from staticformers.distributed import shutdown
+from staticformers.distributed.mesh import init_distributed, local_device
 
 
 def tiny_checkpoint(path: str) -> str:

@@ -3,7 +3,7 @@
 Usage: torchrun --nproc_per_node=4 tests/distributed_trainer_worker.py CHECKPOINT OUT_DIR
 
 1. tp2 x fsdp2: train MAX_STEPS with clipping and padded rows, a checkpoint every SAVE_STEPS, then
-   save_model (one Hugging Face checkpoint).
+   evaluate, save_model (one Hugging Face checkpoint).
 2. fsdp4, decoder blocks compiled (aot_eager: AOTAutograd without inductor's minutes): resume the
    tp2 x fsdp2 checkpoint at SAVE_STEPS and finish.
 Each rank writes OUT_DIR/trainer_rank{r}.json (the logged losses and gradient norms).
@@ -57,6 +57,7 @@ def main(path: str, out: str) -> None:
     trainer.train()
     result["tp2_fsdp2"] = history(trainer)
     result["trainer_class"] = type(trainer).__name__
+    result["eval_loss"] = trainer.evaluate(eval_dataset=docs(model.config.vocab_size, n=10, seed=1))["eval_loss"]
     trainer.save_model(os.path.join(out, "final"))
     del trainer, model
     gc.collect()

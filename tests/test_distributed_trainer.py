@@ -46,7 +46,9 @@ def reference(checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("one_process_trainer"))
     trainer = Trainer(model=model, args=W.args_for(out, W.GLOBAL_BATCH), train_dataset=W.docs(model.config.vocab_size))
     trainer.train()
-    return W.history(trainer), model.eval()
+    history = W.history(trainer)
+    history["eval_loss"] = trainer.evaluate(eval_dataset=W.docs(model.config.vocab_size, n=10, seed=1))["eval_loss"]
+    return history, model.eval()
 
 
 def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
@@ -57,6 +59,7 @@ def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
         assert res["trainer_class"] == "DistributedTrainer"  # Trainer(model=partitioned model) dispatches
         assert res["tp2_fsdp2"]["losses"] == pytest.approx(expected["losses"], abs=1e-5), f"rank {rank}"
         assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5), f"rank {rank}"
+        assert res["eval_loss"] == pytest.approx(expected["eval_loss"], abs=1e-4), f"rank {rank}"
 
 
 def test_trainer_checkpoint_resumes_at_fsdp4_with_compiled_blocks(launched, reference):

@@ -7,5 +7,6 @@ needs (data shards, loss reduction, clipping across meshes).
 """
 
 from .config import DistributedConfig, DistributedConfigError
+from .mesh import shutdown
 
-__all__ = ["DistributedConfig", "DistributedConfigError"]
+__all__ = ["DistributedConfig", "DistributedConfigError", "shutdown"]
