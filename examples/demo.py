@@ -87,7 +87,7 @@ def train(steps: int, compile: bool) -> dict:
     model = AutoModelForCausalLM.from_config(config, seed=0)
     print(f"model: Qwen3 architecture, {model.num_parameters() / 1e6:.2f}M parameters, from scratch")
     args = TrainingArguments(
-        output_dir=os.path.join(DEMO, "run"), max_length=128, packing=True, per_device_train_batch_size=16,
+        output_dir=os.path.join(DEMO, "run"), max_length=128, packing=True, per_device_train_batch_size=8,
         max_steps=steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
         weight_decay=0.01, logging_steps=max(1, steps // 10), save_strategy="no", bf16=_bf16_ok(), torch_compile=compile, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=[{"text": d} for d in docs], processing_class=tok)

@@ -49,3 +49,19 @@ def fake_neuron(monkeypatch):
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO, logger="staticformers")
     yield
+
+
+@pytest.fixture(autouse=True)
+def _neuron_name_stays_consistent():
+    """After `fake_neuron` renamed PrivateUse1 to "neuron" (once per process) and its monkeypatch removed
+    `torch.neuron`, torch.accelerator would find a "neuron" device with no module, and every
+    `optimizer.step()` later in the session would raise. Leave an *unavailable* stand-in instead
+    (what torch-neuronx looks like on a machine without Neuron devices)."""
+    yield
+    try:
+        torch.device("neuron")
+    except RuntimeError:
+        return  # PrivateUse1 was never renamed: nothing to keep consistent
+    if getattr(torch, "neuron", None) is None:
+        torch.neuron = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0,
+                                             manual_seed=lambda seed: None, manual_seed_all=lambda seed: None)
