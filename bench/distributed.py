@@ -1,15 +1,16 @@
 """Distributed benchmark: per-rank memory and step time for 1, 2 and 4 processes, against transformers.
 
 On the ~41.6M-parameter Qwen3-shaped reference checkpoint (bench/reference.py), for each layout it
-launches `torchrun --nproc_per_node=N` (gloo on the CPU) twice, staticformers and transformers'
-own `DistributedConfig` path, alternating, and records per rank: peak RSS (ru_maxrss) after loading
+launches `torchrun --nproc_per_node=N` (gloo on the CPU) for staticformers and for transformers'
+own `DistributedConfig` path, alternating who goes first, in `--repeats` rounds (medians; memory is
+the maximum), and records per rank: peak RSS (ru_maxrss) after loading
 and at the end, parameter bytes held (local shards), optimizer-state bytes, the median step time of
 the timed steps (forward, backward, AdamW) and the losses (global batch 4 x 128 tokens, split over
 the data-parallel ranks). One JSON object is printed; `/proc/pressure/cpu` is sampled before and
 after, since the 2 cores are shared.
 
-    python bench/distributed.py                    # 1, 2, 4 processes, fsdp layouts + tp2 x fsdp2
-    python bench/distributed.py --steps 3 --layouts fsdp1 fsdp2
+    python bench/distributed.py                    # 1, 2, 4 processes, fsdp layouts + tp2 x fsdp2, 2 rounds
+    python bench/distributed.py --steps 3 --repeats 1 --layouts fsdp1 fsdp2
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--impls", nargs="+", default=["ours", "transformers"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of every launch (medians, A B / B A order)")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--model", default=None)
     parser.add_argument("--worker", choices=["ours", "transformers"])
@@ -179,11 +181,28 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="sf-bench-dist-")
     report = {"model": path, "global_batch": [GLOBAL_BATCH, SEQ], "steps": a.steps, "pressure_before": pressure(),
               "runs": {}}
-    for i, layout in enumerate(a.layouts):
-        impls = a.impls if i % 2 == 0 else list(reversed(a.impls))  # alternate who goes first
-        for impl in impls:
-            report["runs"][f"{impl}/{layout}"] = launch(impl, layout, path, out, a.steps, a.timeout)
-            print(json.dumps({f"{impl}/{layout}": report["runs"][f"{impl}/{layout}"]}), file=sys.stderr, flush=True)
+    rounds: dict = {}
+    for rep in range(a.repeats):
+        for i, layout in enumerate(a.layouts):
+            impls = a.impls if (i + rep) % 2 == 0 else list(reversed(a.impls))  # alternate who goes first
+            for impl in impls:
+                run = launch(impl, layout, path, out, a.steps, a.timeout)
+                rounds.setdefault(f"{impl}/{layout}", []).append(run)
+                print(json.dumps({f"{impl}/{layout}": run}), file=sys.stderr, flush=True)
+        report.setdefault("pressure_after_round", []).append(pressure())
+    for key, runs in rounds.items():
+        ok = [r for r in runs if r.get("ok")]
+        if not ok:
+            report["runs"][key] = runs[0]
+            continue
+        merged = dict(ok[0])
+        merged["repeats"] = len(ok)
+        for field in ("step_seconds", "first_step_seconds", "load_seconds", "wall_seconds"):
+            merged[field] = round(statistics.median(r[field] for r in ok), 3)
+        merged["step_seconds_all"] = [r["step_seconds"] for r in ok]
+        for field in ("peak_rss_mib_per_rank_max", "rss_after_load_mib_per_rank_max"):
+            merged[field] = max(r[field] for r in ok)
+        report["runs"][key] = merged
     report["pressure_after"] = pressure()
     base = report["runs"].get("ours/fsdp1", {})
     for key, run in report["runs"].items():
