@@ -126,7 +126,7 @@ def generate() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--compile", action="store_true",
                         help="compile the training step too (one graph; costs a compile of tens of seconds on a small CPU)")
