@@ -209,6 +209,8 @@ def test_saved_model_loads_in_transformers(tmp_path):
 def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="needs a model"):
         Trainer(args=args_for(tmp_path))
+    with pytest.raises(ValueError, match="needs an eval_dataset"):
+        Trainer(model=tiny_model(), args=args_for(tmp_path, eval_strategy="steps"), train_dataset=random_docs())
     with pytest.raises(ValueError, match="train_dataset"):
         Trainer(model=tiny_model(), args=args_for(tmp_path)).train()
     with pytest.raises(ValueError, match="fewer than gradient_accumulation_steps"):

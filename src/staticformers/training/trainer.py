@@ -101,6 +101,8 @@ class Trainer:
             logger.warning("data_collator is not used: staticformers builds fixed-shape batches itself "
                            "(TrainingArguments.max_length, packing).")
         self.args = args if args is not None else TrainingArguments()
+        if self.args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy=\"no\".")
         self.model = model
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self.train_dataset = train_dataset
