@@ -1,11 +1,12 @@
 """A torchrun worker for tests/test_distributed.py: several layouts checked in one 4-rank launch.
 
-Usage: torchrun --nproc_per_node=4 tests/distributed_worker.py QWEN3_CHECKPOINT LLAMA_CHECKPOINT OUT_DIR
+Usage: torchrun --nproc_per_node=4 tests/distributed_worker.py QWEN3_CHECKPOINT LLAMA_CHECKPOINT QWEN2_CHECKPOINT OUT_DIR
 
 One launch costs ~8 s of startup on the shared 2-core CPU, so one launch runs every layout in turn
 (each `from_pretrained` builds its own mesh over the same 4 ranks):
 1. tp2 x fsdp2: train STEPS steps, saving a DCP checkpoint after RESUME_AT; export a HF checkpoint.
-2. tp4 and tp2 x fsdp2 on a Llama: greedy tokens by the model's forward and by `model.generate`.
+2. tp4 and tp2 x fsdp2 on a Llama: greedy tokens by the model's forward and by `model.generate`;
+   a Qwen2 (q/k/v biases) at tp4: logits.
 3. tp4: train.
 4. fsdp4: train; then a fresh model resumes the tp2 x fsdp2 checkpoint and trains the remaining steps.
 5. HSDP (dp_replicate 2 x fsdp 2), FSDP2 CPU offload, FSDP2 bf16 mixed precision: train.
@@ -96,7 +97,7 @@ def load(path, **sizes):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
 
 
-def main(path: str, gen_path: str, out: str) -> None:
+def main(path: str, gen_path: str, bias_path: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     result: dict = {}
     # 1. tp2 x fsdp2: train, checkpoint mid-way, export HF
@@ -122,6 +123,13 @@ def main(path: str, gen_path: str, out: str) -> None:
         result[f"{layout}_generate"] = generate(model)
         del model
         gc.collect()
+
+    # Qwen2 (q/k/v biases, split with their columns) at tp4: the prompt's logits
+    model = load(bias_path, tp_size=4)
+    with torch.no_grad():
+        result["qwen2_tp4_logits"] = model(input_ids=torch.tensor(PROMPT)).logits[0, -1].tolist()
+    del model
+    gc.collect()
 
     # 3. tp4: train the Qwen3 model
     model = load(path, tp_size=4)
@@ -162,7 +170,7 @@ def main(path: str, gen_path: str, out: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2], sys.argv[3])
+        main(*sys.argv[1:5])
     except Exception:
         traceback.print_exc()
         sys.exit(1)

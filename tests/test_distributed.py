@@ -35,12 +35,17 @@ def gen_checkpoint(tiny_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def launched(checkpoint, gen_checkpoint, tmp_path_factory):
+def bias_checkpoint(tiny_checkpoints):
+    return tiny_checkpoints("qwen2", num_key_value_heads=4)  # q/k/v biases
+
+
+@pytest.fixture(scope="module")
+def launched(checkpoint, gen_checkpoint, bias_checkpoint, tmp_path_factory):
     """(per-rank results, output folder) of one 4-rank torchrun launch."""
     out = str(tmp_path_factory.mktemp("dist_out"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
     cmd = [TORCHRUN, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "distributed_worker.py"),
-           checkpoint, gen_checkpoint, out]
+           checkpoint, gen_checkpoint, bias_checkpoint, out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "terminate called" not in proc.stderr  # the gloo exit abort (DESIGN.md): shutdown() prevents it
@@ -125,6 +130,15 @@ def test_tensor_parallel_generate_equals_one_process(launched, reference, layout
     results, _ = launched
     for rank, res in enumerate(results):
         assert res[f"{layout}_generate"] == reference["greedy"], f"rank {rank}: {res[f'{layout}_generate']}"
+
+
+def test_tensor_parallel_with_qkv_biases_matches_one_process(launched, bias_checkpoint):
+    model = _single(bias_checkpoint)
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor(W.PROMPT)).logits[0, -1]
+    results, _ = launched
+    for res in results:
+        torch.testing.assert_close(torch.tensor(res["qwen2_tp4_logits"]), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_per_rank_parameter_and_optimizer_bytes_are_a_quarter(launched, reference):
