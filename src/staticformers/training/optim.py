@@ -102,7 +102,12 @@ def parameter_groups(model: nn.Module, master: MasterWeights, weight_decay: floa
 
 
 def create_adamw(groups: list[dict], lr: float, betas: tuple, eps: float) -> torch.optim.Optimizer:
-    """torch's AdamW (foreach implementation: a handful of kernels per step, eager)."""
+    """torch's AdamW, eager: the fused kernel (one pass over the weights) on the CPU and CUDA, where
+    torch has it; the foreach implementation elsewhere (Neuron, XPU, MPS)."""
+    params = [p for g in groups for p in g["params"]]
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    if fused:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
