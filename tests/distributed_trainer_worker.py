@@ -7,6 +7,7 @@ Usage: torchrun --nproc_per_node=4 tests/distributed_trainer_worker.py CHECKPOIN
 2. fsdp4, decoder blocks compiled (aot_eager: AOTAutograd without inductor's minutes): resume the
    tp2 x fsdp2 checkpoint at SAVE_STEPS and finish.
 Each rank writes OUT_DIR/trainer_rank{r}.json (the logged losses and gradient norms).
+With --nproc_per_node=1 it resumes the tp2 x fsdp2 checkpoint in one process instead.
 """
 
 from __future__ import annotations
@@ -46,7 +47,20 @@ def history(trainer) -> dict:
             "grad_norms": [h["grad_norm"] for h in logs]}
 
 
+def resume_in_one_process(path: str, out: str) -> None:
+    """`torchrun --nproc_per_node=1`: the tp2 x fsdp2 Trainer checkpoint resumed by one process."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig())
+    trainer = Trainer(model=model, args=args_for(os.path.join(out, "one"), GLOBAL_BATCH), train_dataset=docs(model.config.vocab_size))
+    trainer.train(resume_from_checkpoint=os.path.join(out, "tp2_fsdp2", f"checkpoint-{SAVE_STEPS}"))
+    with open(os.path.join(out, "trainer_one.json"), "w") as f:
+        json.dump(history(trainer), f)
+    del trainer, model
+    dmesh.shutdown()
+
+
 def main(path: str, out: str) -> None:
+    if os.environ["WORLD_SIZE"] == "1":
+        return resume_in_one_process(path, out)
     rank = int(os.environ["RANK"])
     result = {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,

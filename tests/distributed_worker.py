@@ -94,7 +94,10 @@ def generate(model):
 
 
 def load(path, **sizes):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight, f"untied at {sizes}"
+    return model
 
 
 def main(path: str, gen_path: str, bias_path: str, out: str) -> None:

@@ -102,6 +102,8 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     check_headers(model, files)
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
     read_sharded(model, files)
     rotary = model.model.rotary_emb
     rotary.inv_freq = torch.empty(0, device=device)
