@@ -50,3 +50,14 @@ def test_a_row_range_in_place_reads_straight_into_the_shard(file, monkeypatch):
         monkeypatch.setattr(torch, "empty", None)  # no temporary may be made
         reader.read_slice(f, "w", [16, 0], [8, 24], target)
     assert torch.equal(target, tensors["w"][16:24])
+
+
+def test_only_the_checkpoints_own_files_are_listed(tmp_path):
+    """A stray safetensors file in the folder (stale shard, consolidated.safetensors) is not read."""
+    import torch.distributed.checkpoint as dcp
+
+    save_file({"w": torch.ones(4, 2)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.zeros(4, 2)}, str(tmp_path / "zz-stale.safetensors"))
+    state = {"w": torch.empty(4, 2)}
+    dcp.load(state, storage_reader=reader.SlicedSafetensorsReader(str(tmp_path), [str(tmp_path / "model.safetensors")]))
+    assert torch.equal(state["w"], torch.ones(4, 2))

@@ -78,7 +78,7 @@ def read_sharded(model: CausalLM, files: list[str]) -> None:
     folders = {os.path.dirname(os.path.abspath(f)) for f in files}
     if len(folders) != 1:
         raise CheckpointError(f"The checkpoint's shards lie in {len(folders)} folders: put them in one folder.")
-    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop()))
+    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop(), files))
 
 
 def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,

@@ -11,6 +11,9 @@ peak stays near its own shards.
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
@@ -65,8 +68,30 @@ def read_slice(f: SafetensorsFile, name: str, offsets: list, lengths: list, targ
         target.narrow(0, first, n).copy_(piece)
 
 
+class _OnlyTheseFiles:
+    """The file system DCP lists: the checkpoint's own shards (its index decides), not every
+    `*.safetensors` in the folder (a stale shard or a `consolidated.safetensors` would join in)."""
+
+    def __init__(self, fs, files: list[str]):
+        self._fs, self._files = fs, [os.path.abspath(f) for f in files]
+
+    def ls(self, path) -> list[str]:
+        return list(self._files)
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
 class SlicedSafetensorsReader(HuggingFaceStorageReader):
-    """`HuggingFaceStorageReader` with plain, row-ranged reads (see the module docstring)."""
+    """`HuggingFaceStorageReader` with plain, row-ranged reads (see the module docstring).
+
+    `files`: the checkpoint's shards (`loading.weight_files`); None reads every safetensors file of `path`.
+    """
+
+    def __init__(self, path: str, files: Optional[list[str]] = None):
+        super().__init__(path)
+        if files is not None:
+            self.fs = _OnlyTheseFiles(self.fs, files)
 
     def read_data(self, plan, planner) -> Future:
         per_file: dict[str, list] = {}
