@@ -18,7 +18,6 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
