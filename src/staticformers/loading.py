@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import re
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -99,18 +99,23 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
 
 
-def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype,
-                 keep: Optional[Iterable[str]] = None) -> None:
-    """Fill a meta-device model from safetensors files, one tensor at a time.
-
-    `keep` limits loading to those names (a distributed rank that owns part of the model).
-    """
-    expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    tied = model.config.tie_word_embeddings
-    if tied:
+def expected_weights(model: CausalLM) -> dict[str, tuple]:
+    """Name -> shape of every weight the checkpoint must hold (a tied lm_head is not stored)."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    wanted = set(expected) if keep is None else set(keep) & set(expected)
-    seen: set[str] = set()
+    return expected
+
+
+def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
+    """Check from the headers alone that the files hold every weight the model needs, with the right
+    shapes, once each and nothing else; return which file holds each weight.
+
+    Run before any tensor is read, so a checkpoint that does not fit loses nothing and gets one sentence.
+    """
+    expected = expected_weights(model)
+    tied = model.config.tie_word_embeddings
+    where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
         try:
@@ -123,30 +128,37 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                     if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
                         unexpected.append(name)
                     continue
-                if name in seen:
+                if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
-                seen.add(name)
-                if name not in wanted:
-                    continue
-                shape = f.shape(name)
-                if shape != tuple(expected[name].shape):
+                if f.shape(name) != expected[name]:
                     raise CheckpointError(
-                        f"Weight {name} in {os.path.basename(path)} has shape {list(shape)} but config.json implies "
-                        f"{list(expected[name].shape)}: the config and the weights come from different models."
+                        f"Weight {name} in {os.path.basename(path)} has shape {list(f.shape(name))} but config.json "
+                        f"implies {list(expected[name])}: the config and the weights come from different models."
                     )
-                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device)
-                _set_tensor(model, name, value)
+                where[name] = path
     if unexpected:
         raise CheckpointError(
             f"The checkpoint has {len(unexpected)} weight(s) this {model.config.architecture} does not use: "
             f"{_names(unexpected)}: the config and the weights come from different models."
         )
-    missing = sorted(set(expected) - seen)
+    missing = sorted(set(expected) - set(where))
     if missing:
         raise CheckpointError(
             f"The checkpoint lacks {len(missing)} weight(s) that {model.config.architecture} needs: {_names(missing)}: "
             f"a shard may be missing or the config may not match the weights."
         )
+    return where
+
+
+def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a meta-device model from safetensors files, one tensor at a time, after checking them all."""
+    where = check_checkpoint(model, files)
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                if where.get(name) == path:
+                    floating = f.dtype(name).is_floating_point
+                    _set_tensor(model, name, f.read(name, dtype=dtype if floating else None, device=device))
     model.tie_weights()
     rotary = model.model.rotary_emb
     rotary.inv_freq = torch.empty(0, device=device)
@@ -318,5 +330,5 @@ class AutoModelForCausalLM:
         return CausalLM.from_config(config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None, seed=seed)
 
 
-__all__ = ["AutoModelForCausalLM", "from_pretrained", "save_pretrained", "load_weights", "weight_files",
+__all__ = ["AutoModelForCausalLM", "from_pretrained", "save_pretrained", "load_weights", "check_checkpoint", "weight_files",
            "export_state_dict", "dtype_name", "is_local"]

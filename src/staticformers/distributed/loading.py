@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..devices import dist_backend_for
-from ..loading import _IGNORED_KEYS, CheckpointError, _names, load_weights
+from ..loading import CheckpointError, check_checkpoint, load_weights
 from ..modeling import CausalLM
 from .checkpoint import save_pretrained_distributed
 from .config import DistributedConfig, started_by_torchrun
@@ -29,42 +29,6 @@ from .mesh import build_mesh, init_distributed, local_device
 from .parallelize import parallelize
 
 logger = logging.getLogger("staticformers")
-
-
-def check_headers(model: CausalLM, files: list[str]) -> None:
-    """Every weight the model needs is in the files, with the right shape, and nothing extra."""
-    from safetensors import safe_open
-
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
-    tied = model.config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight", None)
-    seen, unexpected = set(), []
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name not in expected:
-                    if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
-                        unexpected.append(name)
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise CheckpointError(
-                        f"Weight {name} in {os.path.basename(path)} has shape {list(shape)} but config.json implies "
-                        f"{list(expected[name])}: the config and the weights come from different models."
-                    )
-                seen.add(name)
-    if unexpected:
-        raise CheckpointError(
-            f"The checkpoint has {len(unexpected)} weight(s) this {model.config.architecture} does not use: "
-            f"{_names(unexpected)}: the config and the weights come from different models."
-        )
-    missing = sorted(set(expected) - seen)
-    if missing:
-        raise CheckpointError(
-            f"The checkpoint lacks {len(missing)} weight(s) that {model.config.architecture} needs: {_names(missing)}: "
-            f"a shard may be missing or the config may not match the weights."
-        )
 
 
 def read_sharded(model: CausalLM, files: list[str]) -> None:
@@ -99,7 +63,7 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     dims = build_mesh(layout, device)
     with torch.device("meta"):
         model = CausalLM(config).to(dtype)
-    check_headers(model, files)
+    check_checkpoint(model, files)
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
@@ -113,4 +77,4 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     return model
 
 
-__all__ = ["load_distributed", "check_headers", "read_sharded"]
+__all__ = ["load_distributed", "read_sharded"]
