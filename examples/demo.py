@@ -31,14 +31,11 @@ PROMPTS = ["The for statement", "A class definition", "The import statement"]
 
 
 def doctor() -> None:
-    from staticformers.devices import describe
+    from types import SimpleNamespace
 
-    info = describe()
-    print(f"python {info['python']}  torch {info['torch']}  torch-neuronx {info['torch_neuronx'] or 'not installed'}")
-    for name, d in info["devices"].items():
-        print(f"  {name:<7} available={str(d['available']):<5} count={d['count']} compile={d['compile_backend']} "
-              f"c10d={d['dist_backend']} bf16={'yes' if d['bf16'] else 'no'}")
-    print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']})")
+    from staticformers.commands import doctor as doctor_command
+
+    doctor_command.run(SimpleNamespace(json=False))
 
 
 def corpus() -> list[str]:
