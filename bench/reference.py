@@ -1,7 +1,7 @@
 """The reference checkpoint every benchmark uses: Qwen3-shaped, 41.6M parameters, built here.
 
 hidden 512, intermediate 1536, 8 layers, 8 heads, 4 KV heads, head_dim 64, vocab 32000, tied
-embeddings. Built with staticformers' own random init and saved in Hugging Face format, once per
+embeddings, no EOS token (so generation benchmarks always produce every token they ask for). Built with staticformers' own random init and saved in Hugging Face format, once per
 folder (a marker file records the config), so every script and the peer load the same weights.
 """
 
@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 REFERENCE = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-)
+    rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+)  # no EOS: every generation benchmark makes all its tokens
 DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "results", "reference-qwen3-41m")
 
 

@@ -114,7 +114,7 @@ def generate() -> None:
     start = time.perf_counter()
     for prompt in PROMPTS:
         inputs = tok(prompt, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=32, do_sample=False, repetition_penalty=1.3)
         print(f"> {prompt}{tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)}")
     print(f"generated {len(PROMPTS)} x 32 tokens in {time.perf_counter() - start:.1f}s (including compiles)")
     for graph in model.compile_stats():
@@ -123,7 +123,7 @@ def generate() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--compile", action="store_true",
                         help="compile the training step too (one graph; costs a compile of tens of seconds on a small CPU)")
