@@ -23,6 +23,7 @@ to the last whitespace, which clean-up never moves text across.
 
 from __future__ import annotations
 
+import abc
 from queue import Queue
 from typing import Any
 
@@ -117,14 +118,14 @@ class IncrementalDecoder:
         return self._text_parts[0] if self._text_parts else ""
 
 
-class BaseStreamer:
+class BaseStreamer(abc.ABC):
     """What `generate(streamer=...)` calls: `put(ids)` per step, `end()` once."""
 
-    def put(self, value: Any) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def put(self, value: Any) -> None: ...
 
-    def end(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def end(self) -> None: ...
 
 
 class TextStreamer(BaseStreamer):
