@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import sys
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)  # bench/ holds scripts (tokenize.py) that must not shadow the standard library
 
 import argparse
 import json
@@ -36,12 +34,6 @@ LAYOUTS = {"fsdp1": (1, 1, 1), "fsdp2": (2, 1, 2), "fsdp4": (4, 1, 4), "tp2_fsdp
 GLOBAL_BATCH, SEQ = 4, 128
 
 
-def pressure() -> str:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return "n/a"
 
 
 def _rss_mib() -> float:
@@ -175,7 +167,7 @@ def main() -> None:
         worker(a.worker, a.layout, a.model, a.out, a.steps)
         return
     sys.path.insert(0, HERE)
-    from reference import build_reference
+    from reference import build_reference, pressure
 
     path = a.model or build_reference()
     out = tempfile.mkdtemp(prefix="sf-bench-dist-")

@@ -28,19 +28,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference import DEFAULT_DIR, build_reference  # noqa: E402
+from reference import DEFAULT_DIR, build_reference, pressure  # noqa: E402
 
 REF_DIR = os.environ.get("STATICFORMERS_BENCH_MODEL", DEFAULT_DIR)
 PROMPT, NEW = 128, 128
 MIXED_LENGTHS = [17, 40, 63, 90, 111, 130, 160, 190, 222, 255]
 
 
-def pressure() -> str:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return "n/a"
 
 
 def read_bandwidth(repeats: int = 7) -> float:
@@ -146,7 +140,6 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], band
         weight_bytes = sum(p.numel() * p.element_size() for p in seen.values())
         if not tied:  # an untied embedding is read one row per token, not whole
             weight_bytes -= embed.numel() * embed.element_size()
-    c = None
     out = {"dtype": dtype_name, "batch": batch, "warmup_seconds": warm, "pressure_after": pressure()}
     for name, r in results.items():
         ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])

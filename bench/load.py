@@ -19,7 +19,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from reference import build_reference  # noqa: E402
+from reference import build_reference, pressure  # noqa: E402
 
 
 def _vm(field: str) -> int:
@@ -66,11 +66,6 @@ def child(impl: str, dtype: str, path: str) -> None:
                       "param_bytes": params}))
 
 
-def pressure() -> str:
-    try:
-        return open("/proc/pressure/cpu").read().splitlines()[0]
-    except OSError:
-        return "n/a"
 
 
 def main() -> None:

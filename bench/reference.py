@@ -1,4 +1,5 @@
-"""The reference checkpoint every benchmark uses: Qwen3-shaped, 41.6M parameters, built here.
+"""The reference checkpoint every benchmark uses (Qwen3-shaped, 41.6M parameters, built here), and the
+CPU-pressure reading every benchmark records.
 
 hidden 512, intermediate 1536, 8 layers, 8 heads, 4 KV heads, head_dim 64, vocab 32000, tied
 embeddings, no EOS token (so generation benchmarks always produce every token they ask for). Built with staticformers' own random init and saved in Hugging Face format, once per
@@ -19,6 +20,15 @@ REFERENCE = dict(
     rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0,
 )  # no EOS: every generation benchmark makes all its tokens
 DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "results", "reference-qwen3-41m")
+
+
+def pressure() -> str:
+    """The first line of /proc/pressure/cpu ("some avg10=..."): every benchmark records it."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return f.readline().strip()
+    except OSError:
+        return "n/a"
 
 
 def build_reference(directory: str = DEFAULT_DIR, dtype: str = "float32", seed: int = 0) -> str:

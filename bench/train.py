@@ -34,12 +34,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 BATCH, SEQ, LR = 8, 256, 1e-4
 
 
-def pressure() -> str:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return "unavailable"
 
 
 def documents(n: int, seed: int = 0) -> list:
@@ -51,7 +45,6 @@ def documents(n: int, seed: int = 0) -> list:
 
 
 def run_ours(path: str, docs: list, precision: str, mode: str, steps: int, packing: bool = False) -> dict:
-    import torch
 
     from staticformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -128,7 +121,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(2)
-    from reference import build_reference
+    from reference import build_reference, pressure
     from staticformers.training.data import build_rows
 
     path = build_reference()

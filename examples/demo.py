@@ -67,7 +67,6 @@ def train_tokenizer(docs: list[str], directory: str, vocab_size: int = 4096):
 
 
 def train(steps: int, compile: bool) -> dict:
-    import torch
 
     from staticformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 

@@ -23,7 +23,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 

@@ -161,7 +161,7 @@ class DistributedConfig:
         if problems:
             raise DistributedConfigError(
                 f"{config.architecture} cannot be split {tp} ways: " + "; ".join(problems) +
-                f"; choose a tp_size that divides them (and use fsdp_size for the remaining ranks)."
+                "; choose a tp_size that divides them (and use fsdp_size for the remaining ranks)."
             )
         if isinstance(self.tp_plan, dict) and config.vocab_size % tp:
             for pattern, style in self.tp_plan.items():

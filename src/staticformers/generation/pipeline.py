@@ -10,7 +10,7 @@ side; the engine's plan decides the shapes.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 

@@ -20,8 +20,8 @@ import dataclasses
 import json
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 

@@ -38,7 +38,7 @@ import math
 import os
 import random
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
