@@ -104,8 +104,19 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
 
 def test_resume_refuses_other_data(tmp_path):
     Trainer(model=tiny_model(), args=args_for(tmp_path, max_steps=3), train_dataset=docs()).train()
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="same dataset"):
-        Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=docs(80)).train(resume_from_checkpoint=True)
+        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs(80)).train(resume_from_checkpoint=True)
+    # the refusal loses nothing: the caller's fp32 weights are untouched (not cast, not overwritten)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
+    # a checkpoint that fails half-way through loading (its optimizer file is gone) gives the model back too
+    os.remove(os.path.join(ckpt.last_checkpoint(str(tmp_path)), ckpt.OPTIMIZER))
+    with pytest.raises(FileNotFoundError):
+        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs()).train(resume_from_checkpoint=True)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         os.makedirs(tmp_path / "checkpoint-99")
         ckpt.resolve_resume_path(str(tmp_path / "checkpoint-99"), str(tmp_path))

@@ -172,3 +172,34 @@ def test_device_not_here_is_refused():
 def test_plan_error_is_value_error():
     assert issubclass(PlanError, ValueError)
     assert compile_stats(torch.nn.Linear(1, 1)) == []
+
+
+def test_repetition_penalty_on_a_batch_smaller_than_its_bucket(tiny_checkpoints):
+    """3 rows run in the batch-4 bucket: per-row sampler state must follow the bucket, as the logits do."""
+    hf, ours = load_pair(tiny_checkpoints("qwen3"))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 128, (3, 6))
+    ref = hf_generate(hf, ids, max_new_tokens=8, eos_token_id=None, repetition_penalty=1.3)
+    out = ours.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.3, disable_compile=True,
+                        eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_graphs_dropped_for_new_weights_free_their_caches(tiny_checkpoints):
+    import gc
+    import weakref
+
+    from staticformers import CompileConfig
+
+    _, ours = load_pair(tiny_checkpoints("qwen3"))
+    ids = torch.randint(3, 128, (2, 6))
+    eager = CompileConfig(backend="eager")
+    ours.generate(ids, max_new_tokens=4, compile_config=eager, eos_token_id=None)
+    old = [weakref.ref(c) for c in engine_for(ours).caches.values()]
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.data = p.data.clone()  # new tensors (as after a dtype round trip): graphs and caches are dropped
+    ours.generate(ids, max_new_tokens=4, compile_config=eager, eos_token_id=None)
+    gc.collect()
+    assert old and all(r() is None for r in old)
+    assert any(row["retired"] for row in compile_stats(ours))

@@ -192,6 +192,39 @@ def test_nan_stops_with_the_step_and_keeps_the_good_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_after_divergence_no_nan_gradient_is_left_and_resume_trains(tmp_path):
+    class Poisoned(Trainer):
+        poison_at = 2
+
+        def compute_loss(self, model, batch, n):
+            loss = super().compute_loss(model, batch, n)
+            return loss * float("nan") if self.state.global_step == self.poison_at else loss
+
+    model = tiny_model()
+    trainer = Poisoned(model=model, args=args_for(tmp_path, max_steps=5, save_strategy="steps", save_steps=1),
+                       train_dataset=random_docs())
+    with pytest.raises(TrainingDivergedError):
+        trainer.train()
+    assert all(p.grad is None for p in model.parameters())
+    trainer.poison_at = -1  # the data is fixed: resuming as the message advises trains to the end
+    assert trainer.train(resume_from_checkpoint=True).global_step == 5
+
+
+def test_evaluate_uses_the_dataset_it_is_given(tmp_path):
+    """Rows are cached by dataset identity: a freed dataset whose id() is reused never answers for another."""
+    cases = ((1, 16), (2, 8), (3, 12))
+    expected = [Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs()).evaluate(
+        random_docs(n=n, seed=seed))["eval_loss"] for seed, n in cases]
+    trainer = Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs())
+    got, ids = [], set()
+    for seed, n in cases:  # each dataset is freed before the next is built: CPython hands out the same id
+        data = random_docs(n=n, seed=seed)
+        ids.add(id(data))
+        got.append(trainer.evaluate(data)["eval_loss"])
+        del data
+    assert got == pytest.approx(expected, abs=1e-6)
+
+
 def test_saved_model_loads_in_transformers(tmp_path):
     import transformers
 

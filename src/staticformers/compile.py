@@ -144,6 +144,16 @@ class CompiledFunction:
     records: list = field(default_factory=list)
     calls: int = 0
     first_call_seconds: float = 0.0  # wall time of the first call (trace + compile, or a cache hit)
+    code: Optional[Callable] = None  # the fresh function whose code object holds Dynamo's cache
+
+    def release(self) -> None:
+        """Drop the compiled graph and what it holds (a KV cache, weights): Dynamo keeps its cache on the
+        code object, and its guards reference the closure, so clear that cache, then the references."""
+        if self.code is not None:
+            from torch._dynamo.eval_frame import reset_code
+
+            reset_code(self.code.__code__)
+        self.fn = self.compiled = self.code = None
 
     def __call__(self, *args):
         if self.calls == 0:
@@ -211,8 +221,8 @@ def compile_function(
         logger.info("compiled %s %s with %s in %.2f s", name, entry.shape, backend, entry.records[-1].seconds)
         return out
 
-    entry.compiled = torch.compile(_fresh_code(fn, name), backend=counting_backend, fullgraph=fullgraph,
-                                   dynamic=dynamic)
+    entry.code = _fresh_code(fn, name)
+    entry.compiled = torch.compile(entry.code, backend=counting_backend, fullgraph=fullgraph, dynamic=dynamic)
     return entry
 
 

@@ -209,7 +209,9 @@ def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Te
     b = sub_ids.shape[0]
     entry = req.plan.choose(b, sub_ids.shape[1], req.max_new_tokens)
     sampler = Sampler(generator=req.generator, **req.sampler_args)
-    sampler.start(sub_ids, sub_mask, model.config.vocab_size, device)
+    pad_rows = entry.batch - b  # the graphs' logits have the bucket's rows; filler rows see nothing
+    sampler.start(torch.nn.functional.pad(sub_ids, (0, 0, 0, pad_rows)),
+                  torch.nn.functional.pad(sub_mask, (0, 0, 0, pad_rows)), model.config.vocab_size, device)
     eos = set(req.eos)
     with torch.no_grad():
         argmax, logits, cache, full_mask, next_pos = engine.prefill(entry, sub_ids, sub_mask, req.settings)

@@ -118,7 +118,7 @@ class Engine:
         self.plan = (plan or ShapePlan()).bind(model.config.max_position_embeddings)
         self.caches: dict[tuple, StaticKVCache] = {}
         self.graphs: dict[tuple, Graph] = {}
-        self.retired: list[Graph] = []  # graphs dropped for new weights (kept for compile_stats)
+        self.retired: list[dict] = []  # stats rows of graphs dropped for new weights (the graphs themselves are freed)
         self._ident, self._versions = _fingerprint(model)
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -133,12 +133,13 @@ class Engine:
             if frozen:
                 logger.info("weights changed in place: dropping %d graph(s) that froze the old weights", len(frozen))
                 for k in frozen:
-                    self.retired.append(self.graphs.pop(k))
+                    self._retire(self.graphs.pop(k))
         self._ident, self._versions = ident, versions
 
     def reset(self) -> None:
         """Forget every graph and cache (they are rebuilt on demand)."""
-        self.retired.extend(self.graphs.values())
+        for g in self.graphs.values():
+            self._retire(g)
         self.graphs.clear()
         self.caches.clear()
 
@@ -247,21 +248,29 @@ class Engine:
         return rows
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def _retire(self, g: Graph) -> None:
+        """Keep the graph's stats row; free its compiled code, which holds a KV cache and weights."""
+        self.retired.append(self._row(g, retired=True))
+        if g.compiled is not None:
+            g.compiled.release()
+        g.fn = g.compiled = None
+
     def stats(self) -> list[dict]:
-        out = []
-        for g in list(self.graphs.values()) + self.retired:
-            c = g.compiled
-            out.append({
-                "kind": g.kind,
-                "shape": list(g.shape),
-                "backend": g.settings.label,
-                "graphs": c.graphs if c is not None else 0,
-                "compile_seconds": round(c.compile_seconds, 3) if c is not None else 0.0,
-                "first_call_seconds": round(c.first_call_seconds, 3) if c is not None else 0.0,
-                "calls": g.calls,
-                "retired": g in self.retired,
-            })
-        return out
+        return [self._row(g) for g in self.graphs.values()] + list(self.retired)
+
+    @staticmethod
+    def _row(g: Graph, retired: bool = False) -> dict:
+        c = g.compiled
+        return {
+            "kind": g.kind,
+            "shape": list(g.shape),
+            "backend": g.settings.label,
+            "graphs": c.graphs if c is not None else 0,
+            "compile_seconds": round(c.compile_seconds, 3) if c is not None else 0.0,
+            "first_call_seconds": round(c.first_call_seconds, 3) if c is not None else 0.0,
+            "calls": g.calls,
+            "retired": retired,
+        }
 
 
 @dataclass

@@ -115,7 +115,7 @@ class Trainer:
         self.train_step = StepFunction("train", self.args.torch_compile, self.args.torch_compile_backend)
         self.eval_step = StepFunction("eval", self.args.torch_compile, self.args.torch_compile_backend)
         self._train_rows: Optional[RowTable] = None
-        self._eval_rows: dict[int, RowTable] = {}
+        self._eval_rows: list[tuple[Any, RowTable]] = []  # (dataset, rows), matched by identity
         self._reporter: Optional[MetricsReporter] = None
         self.first_step_seconds: Optional[float] = None
         set_seed(self.args.seed)
@@ -190,12 +190,14 @@ class Trainer:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset: pass one to Trainer or to evaluate().")
-        key = id(dataset)
-        if key not in self._eval_rows:
-            a = self.args
-            self._eval_rows[key] = build_rows(dataset, self.processing_class, a.max_length, a.packing,
-                                              a.packing_strategy, a.long_documents)
-        return self._eval_rows[key]
+        for cached, rows in self._eval_rows:  # by identity: a freed dataset's id() can be reused
+            if cached is dataset:
+                return rows
+        a = self.args
+        rows = build_rows(dataset, self.processing_class, a.max_length, a.packing, a.packing_strategy,
+                          a.long_documents)
+        self._eval_rows = self._eval_rows[-3:] + [(dataset, rows)]
+        return rows
 
     def get_train_sampler(self, rows: RowTable) -> StaticBatchSampler:
         rank, world = self.data_parallel_info()
@@ -300,23 +302,38 @@ class Trainer:
         steps_per_epoch, max_steps = self._plan(batches_per_epoch)
         ga = a.gradient_accumulation_steps
 
-        original_dtypes = {id(p): p.dtype for p in self.model.parameters()}
-        model = self.prepare_model()
-        self.master = self.create_master_weights(model)
-        self.optimizer = self.create_optimizer(model)
-        self.lr_scheduler = self.create_scheduler(max_steps)
-        self.state = TrainerState(
-            max_steps=max_steps, num_train_epochs=math.ceil(max_steps / steps_per_epoch),
-            logging_steps=a.resolved_steps(a.logging_steps, max_steps),
-            eval_steps=a.resolved_steps(a.eval_steps if a.eval_steps is not None else a.logging_steps, max_steps),
-            save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
-            gradient_accumulation_steps=ga, train_rows=rows.num_rows)
-        if resume_path is not None:
-            self.load_checkpoint_files(resume_path)
-            if self.state.train_rows != rows.num_rows:
+        if resume_path is not None:  # refuse a mismatched resume before anything touches the model
+            saved = TrainerState.load_from_json(os.path.join(resume_path, ckpt.TRAINER_STATE))
+            if saved.train_rows != rows.num_rows:
                 raise ValueError(
-                    f"{resume_path} was trained on {self.state.train_rows} rows of data but this dataset gives {rows.num_rows}: "
+                    f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
                     f"resume with the same dataset, max_length and packing, or start a new run.")
+        # the caller's tensors, kept until set-up succeeds: a refusal below gives the model back as it was
+        originals = {id(p): p.detach() for p in self.model.parameters()}
+        original_dtypes = {k: t.dtype for k, t in originals.items()}
+        self.model.zero_grad(set_to_none=True)
+        model = self.prepare_model()
+        try:
+            self.master = self.create_master_weights(model)
+            self.optimizer = self.create_optimizer(model)
+            self.lr_scheduler = self.create_scheduler(max_steps)
+            self.state = TrainerState(
+                max_steps=max_steps, num_train_epochs=math.ceil(max_steps / steps_per_epoch),
+                logging_steps=a.resolved_steps(a.logging_steps, max_steps),
+                eval_steps=a.resolved_steps(a.eval_steps if a.eval_steps is not None else a.logging_steps, max_steps),
+                save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
+                gradient_accumulation_steps=ga, train_rows=rows.num_rows)
+            if resume_path is not None:
+                self.load_checkpoint_files(resume_path)
+        except BaseException:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    o = originals.get(id(p))
+                    if o is not None and p.dtype != o.dtype and p.shape == o.shape:
+                        p.data = o
+            raise
+        del originals
+        if resume_path is not None:
             self.state.max_steps = max_steps
             self.state.last_checkpoint = resume_path
             logger.info("Resuming from %s at step %d (epoch %d, batch %d).", resume_path, self.state.global_step,
@@ -357,6 +374,8 @@ class Trainer:
                     loss_value = float(self.reduce_sum(step_loss))
                     norm_value = float(grad_norm)
                     if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                        self.optimizer.zero_grad(set_to_none=True)  # no NaN gradient outlives the refused step
+                        model.zero_grad(set_to_none=True)
                         self._diverged(state.global_step + 1, loss_value, norm_value)
                     self.optimizer.step()
                     self.master.push()
