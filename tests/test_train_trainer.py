@@ -192,6 +192,17 @@ def test_nan_stops_with_the_step_and_keeps_the_good_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_bf16_master_weights_start_from_the_fp32_values(tmp_path):
+    """bf16=True on an fp32 model: the master copies start from the fp32 weights, not their bf16 rounding,
+    so a run whose updates vanish (lr 1e-30) gives back exactly the weights it was handed."""
+    model = tiny_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    Trainer(model=model, args=args_for(tmp_path, bf16=True, max_steps=1, learning_rate=1e-30),
+            train_dataset=random_docs()).train()
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
+
+
 def test_after_divergence_no_nan_gradient_is_left_and_resume_trains(tmp_path):
     class Poisoned(Trainer):
         poison_at = 2

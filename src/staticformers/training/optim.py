@@ -75,6 +75,15 @@ class MasterWeights:
             torch._foreach_copy_([self.params[i] for i in self._low], [self.master[i] for i in self._low])
 
     @torch.no_grad()
+    def adopt(self, originals: dict) -> None:
+        """Start each fp32 master copy from the parameter's value before it was cast to low precision
+        ({id(parameter): tensor}), not from the rounded copy: a bf16 run of an fp32 model loses nothing."""
+        for i in self._low:
+            original = originals.get(id(self.params[i]))
+            if original is not None and original.dtype == torch.float32 and original.shape == self.master[i].shape:
+                self.master[i].copy_(original)
+
+    @torch.no_grad()
     def load(self, tensors: dict) -> None:
         """Set master weights and parameters from a {name: tensor} dict (a checkpoint's weights)."""
         for name, p, m in zip(self.names, self.params, self.master):

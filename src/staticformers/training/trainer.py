@@ -315,6 +315,7 @@ class Trainer:
         model = self.prepare_model()
         try:
             self.master = self.create_master_weights(model)
+            self.master.adopt(originals)
             self.optimizer = self.create_optimizer(model)
             self.lr_scheduler = self.create_scheduler(max_steps)
             self.state = TrainerState(
