@@ -23,6 +23,8 @@ FAMILIES = {
                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                            "original_max_position_embeddings": 64})),
     "llama-linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "qwen3-yarn": ("Qwen3Config", dict(head_dim=16, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                     "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-window": ("MistralConfig", dict(sliding_window=5)),

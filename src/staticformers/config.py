@@ -23,7 +23,7 @@ import torch
 CONFIG_NAME = "config.json"
 
 # RoPE variants the decoder implements (see modeling.rope_inv_freq)
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
-    """Inverse frequencies for the config's RoPE variant (default, linear, llama3)."""
+    """Inverse frequencies for the config's RoPE variant (default, linear, llama3, yarn)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     scaling = config.rope_scaling or {}
@@ -94,7 +94,48 @@ def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) ->
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(config, inv_freq, device)
     return inv_freq
+
+
+def _yarn_inv_freq(config: ModelConfig, extrapolation: torch.Tensor, device) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between (the paper's
+    correction range from beta_fast/beta_slow rotations over the original context)."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    return (extrapolation / factor) * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN applies to cos/sin (1.0 for every other variant)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -105,6 +146,7 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         # computed on the CPU even under a meta-device context: pow on meta pages in ~70 MB of kernels
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
+        self.attention_factor = rope_attention_factor(config)
 
     def reset_parameters(self) -> None:
         self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
@@ -112,7 +154,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
