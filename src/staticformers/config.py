@@ -234,13 +234,9 @@ class ModelConfig:
 
     @classmethod
     def from_json_file(cls, path: str) -> "ModelConfig":
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON ({err}): restore the file from the checkpoint's source.") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} does not hold a JSON object: restore the file from the checkpoint's source.")
+        from .jsonfile import read_json_object
+
+        raw = read_json_object(path, "restore the file from the checkpoint's source", ConfigError)
         return cls.from_dict(raw, source=path)
 
     @classmethod

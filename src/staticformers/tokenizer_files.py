@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .jsonfile import read_json_object
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
@@ -109,14 +111,7 @@ def _download(repo_id: str, *, revision: str | None, cache_dir: str | None, loca
 
 
 def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}); re-download or fix it.") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} should hold a JSON object but holds a {type(data).__name__}; re-download it.")
-    return data
+    return read_json_object(path, "re-download or fix it")
 
 
 def _as_token(value: Any, where: str) -> SpecialToken | None:

@@ -42,13 +42,9 @@ class GenerationConfig:
 
     @classmethod
     def from_json_file(cls, path: str) -> "GenerationConfig":
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err}): fix or delete it.") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} does not hold a JSON object: fix or delete it.")
+        from ..jsonfile import read_json_object
+
+        raw = read_json_object(path, "fix or delete it")
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict:
