@@ -41,6 +41,24 @@ def test_pipeline_string_list_and_chat(checkpoint):
         pipeline("summarization", model=checkpoint)
 
 
+def test_pipeline_with_a_loaded_model_and_dtype_auto(checkpoint):
+    from staticformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    for kwargs in ({"dtype": "auto"}, {"torch_dtype": "auto"}):
+        pipe = pipeline("text-generation", model=model, tokenizer=tok, **kwargs)
+        assert pipe.model.dtype == model.dtype
+
+
+def test_cli_hub_errors_are_one_sentence(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    res = subprocess.run([sys.executable, "-m", "staticformers.cli", "generate", "nosuchorg/nosuchmodel", "hi"],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "nosuchorg/nosuchmodel" in res.stderr
+
+
 def test_cli_generate_streams_and_compile_prints_the_plan(checkpoint):
     env = dict(os.environ, STATICFORMERS_COMPILE_BACKEND="eager")
     cli = [sys.executable, "-m", "staticformers.cli"]

@@ -189,3 +189,62 @@ def test_pad_token_settable(folders):
     ours.pad_token_id = 3
     assert ours.pad_token == ours.convert_ids_to_tokens(3)
     assert ours(["a", "a longer one"], padding=True)["input_ids"][0][-1] == 3
+
+
+def _fresh_pair(folder):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoTokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", ["qwen", "mistral"])
+def test_decode_takes_lists_of_tensors_and_numpy_ints(pairs, name):
+    import numpy as np
+
+    ours, ref = pairs[name]
+    rows = ours(["hello world", "a b c d"], padding=True, return_tensors="pt")["input_ids"]
+    as_tensors = [row[1:] for row in rows]  # the model-card pattern: out[len(inputs):] per row
+    assert ours.batch_decode(as_tensors, skip_special_tokens=True) == ref.batch_decode(as_tensors, skip_special_tokens=True)
+    ids = ours("hello world")["input_ids"]
+    assert ours.decode([np.int64(i) for i in ids]) == ref.decode([np.int64(i) for i in ids])
+    assert ours.decode([torch.tensor(i) for i in ids]) == ref.decode([torch.tensor(i) for i in ids])
+
+
+def test_padding_follows_a_pad_token_added_later(folders):
+    """The pad token first resolves to <unk>; once added, padding must use its new id."""
+    ours, ref = _fresh_pair(folders["mistral"])
+    batch = ["a b c", "x"]
+    for tok in (ours, ref):
+        tok.pad_token = "<newpad>"  # not in the vocabulary yet
+        tok(batch, padding=True)
+        tok.add_tokens(["<newpad>"], special_tokens=True)
+    assert ours.pad_token_id == ref.pad_token_id
+    assert ours(batch, padding=True)["input_ids"] == ref(batch, padding=True)["input_ids"]
+
+
+def test_add_special_tokens_replaces_the_extra_list(folders):
+    ours, ref = _fresh_pair(folders["llama3"])
+    for tok in (ours, ref):
+        tok.add_special_tokens({"additional_special_tokens": ["<a1>"]})
+        tok.add_special_tokens({"additional_special_tokens": ["<a2>"]})
+    assert ours.all_special_tokens == ref.all_special_tokens
+    assert ours.convert_tokens_to_ids("<a1>") == ref.convert_tokens_to_ids("<a1>")  # still in the vocabulary
+
+
+def test_named_extra_special_tokens_with_a_legacy_map(folders, tmp_path):
+    """A dict of named extra tokens ({"image_token": ...}) plus special_tokens_map.json: the names are
+    not tokens, the values are."""
+    import json
+    import shutil
+
+    folder = tmp_path / "named"
+    shutil.copytree(folders["qwen"], folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("additional_special_tokens", None)
+    cfg.pop("added_tokens_decoder", None)
+    cfg["extra_special_tokens"] = {"image_token": "<|im_start|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": ["<|im_end|>"]}))
+    ours, ref = _fresh_pair(folder)
+    assert len(ours) == len(ref)
+    assert ours("image_token")["input_ids"] == ref("image_token")["input_ids"]

@@ -94,14 +94,20 @@ def _to_tensor(rows: list, kind: str | None, name: str = "input_ids") -> Any:
     return torch.from_numpy(array)
 
 
+def _plain(x: Any) -> Any:
+    """Tensors, arrays and NumPy scalars (also inside lists) as Python ints and lists."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
 def _as_id_list(ids: Any) -> list:
-    """Token ids from a tensor, an array, an int or a (nested) list, as Python lists."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
+    """Token ids from a tensor, an array, an int or a (nested) list of any of them, as Python lists."""
+    ids = _plain(ids)
     if isinstance(ids, int):
         return [ids]
-    if isinstance(ids, tuple):
-        ids = list(ids)
     if not isinstance(ids, list):
         raise TypeError(f"Token ids must be an int, a list of ints or a tensor, not {type(ids).__name__}.")
     return ids
@@ -302,14 +308,19 @@ class FastTokenizer:
     def all_special_ids(self) -> list[int]:
         return self.convert_tokens_to_ids(self.all_special_tokens)
 
-    def add_special_tokens(self, special_tokens_dict: Mapping[str, Any]) -> int:
-        """Add named (and `additional_special_tokens`) tokens to the vocabulary; returns how many were new."""
+    def add_special_tokens(self, special_tokens_dict: Mapping[str, Any], replace_extra_special_tokens: bool = True) -> int:
+        """Add named (and `additional_special_tokens`) tokens to the vocabulary; returns how many were new.
+
+        As in transformers, the extra special tokens given replace the earlier list unless
+        `replace_extra_special_tokens=False` (the tokens stay in the vocabulary either way).
+        """
         added = 0
         for key, value in special_tokens_dict.items():
             if key in ("additional_special_tokens", "extra_special_tokens"):
                 values = [str(v) for v in value]
                 added += self._backend.add_special_tokens([AddedToken(v, special=True, normalized=False) for v in values])
-                self._extra_special = list(dict.fromkeys([*self._extra_special, *values]))
+                kept = [] if replace_extra_special_tokens else self._extra_special
+                self._extra_special = list(dict.fromkeys([*kept, *values]))
             elif key in SPECIAL_TOKEN_NAMES:
                 added += self._backend.add_special_tokens([AddedToken(str(value), special=True, normalized=False)])
                 self._special[key] = str(value)
@@ -391,7 +402,7 @@ class FastTokenizer:
                    side: str, split_special: bool, trunc_len: int | None = None) -> None:
         """Set padding/truncation on the backend if they differ from what is set (caller holds the lock)."""
         state = (padding, length, multiple, truncation, trunc_len, side, self.truncation_side, split_special,
-                 self._special["pad_token"])
+                 self._special["pad_token"], self.pad_token_id)  # the id too: add_tokens can change it
         if state == self._state:
             return
         backend = self._backend

@@ -153,6 +153,8 @@ def read_folder(folder: Path) -> TokenizerFiles:
     # transformers, overrides) them when the config has no added_tokens_decoder.
     merged: dict[str, Any] = {k: config[k] for k in SPECIAL_TOKEN_NAMES if k in config}
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra, dict):  # named model-specific tokens, e.g. {"image_token": "<image>"}: the values
+        extra = list(extra.values())
     map_path = folder / SPECIAL_TOKENS_MAP_FILE
     if "added_tokens_decoder" not in config and map_path.is_file():
         special_map = _load_json(map_path)
@@ -167,8 +169,6 @@ def read_folder(folder: Path) -> TokenizerFiles:
         token = _as_token(value, f"{key} in {folder.name}")
         if token is not None:
             files.special_tokens[key] = token
-    if isinstance(extra, dict):  # named model-specific tokens, e.g. {"image_token": "<image>"}
-        extra = list(extra.values())
     files.extra_special_tokens = [t for t in (_as_token(v, "extra_special_tokens") for v in extra) if t is not None]
     for idx, value in (config.get("added_tokens_decoder") or {}).items():
         token = _as_token(value, f"added_tokens_decoder[{idx}]")

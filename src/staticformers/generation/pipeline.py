@@ -127,7 +127,7 @@ def pipeline(
             from ..devices import resolve_device
 
             model = model.to(resolve_device(place))
-        if dtype is not None:
+        if dtype is not None and dtype != "auto":  # "auto": keep the loaded model's dtype
             from ..config import parse_dtype
 
             model = model.to(parse_dtype(dtype))
