@@ -45,6 +45,15 @@ def fake_neuron(monkeypatch):
     return mod
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: more threads only contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog):
     caplog.set_level(logging.INFO, logger="staticformers")

@@ -8,12 +8,7 @@ from staticformers.training.data import (EMPTY_ROW, IGNORE_INDEX, StaticBatchSam
                                          tokenize_dataset)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine: threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def docs_of(lengths, seed=0, vocab=100):

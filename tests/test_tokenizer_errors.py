@@ -123,6 +123,10 @@ def test_padding_without_pad_token(tmp_path):
     (lambda t: t.apply_chat_template(["hi"]), "must be dicts"),
     (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], tools=[print]), "JSON schema dict"),
     (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% if %}"), "syntax error"),
+    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], return_assistant_tokens_mask=True),
+     "return_assistant_tokens_mask=True is not supported"),
+    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], sanitize_control_tokens=True),
+     "sanitize_control_tokens=True is not supported"),
     (lambda t: t.add_special_tokens({"foo_token": "x"}), "not a special token name"),
 ])
 def test_bad_input_gets_one_clear_error(tok, call, match):

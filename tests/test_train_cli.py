@@ -4,18 +4,12 @@ import json
 import os
 
 import pytest
-import torch
 
 from staticformers.cli import main
 from staticformers.commands.train import read_documents
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(path):

@@ -13,12 +13,7 @@ from staticformers.training.optim import clip_grad_norm, no_decay_parameter_name
 from staticformers.training.trainer import TrainingDivergedError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine: threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 VOCAB = 64

@@ -629,11 +629,11 @@ class FastTokenizer:
                             return_assistant_tokens_mask: bool = False, **template_kwargs: Any) -> Any:
         """Render messages with the chat template (and tokenize them), with transformers' output."""
         if return_assistant_tokens_mask:
-            raise NotImplementedError("return_assistant_tokens_mask is not supported; compute masks from the "
-                                      "rendered text instead.")
+            raise ValueError("return_assistant_tokens_mask=True is not supported by staticformers' tokenizer; "
+                             "compute the masks from the rendered text instead.")
         if template_kwargs.pop("sanitize_control_tokens", False):
-            raise NotImplementedError("sanitize_control_tokens is not supported; strip control tokens from user "
-                                      "text before rendering.")
+            raise ValueError("sanitize_control_tokens=True is not supported by staticformers' tokenizer; strip "
+                             "control tokens from user text before rendering.")
         template = self.get_chat_template(chat_template, tools)
         if not isinstance(conversation, (list, tuple)) or len(conversation) == 0:
             raise ValueError("The conversation must be a non-empty list of {'role': ..., 'content': ...} dicts.")
