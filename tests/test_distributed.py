@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import distributed_worker as W
+from launch import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 LAYOUTS = ("tp2_fsdp2", "tp4", "fsdp4")
 
 
@@ -43,12 +40,7 @@ def bias_checkpoint(tiny_checkpoints):
 def launched(checkpoint, gen_checkpoint, bias_checkpoint, tmp_path_factory):
     """(per-rank results, output folder) of one 4-rank torchrun launch."""
     out = str(tmp_path_factory.mktemp("dist_out"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
-    cmd = [TORCHRUN, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "distributed_worker.py"),
-           checkpoint, gen_checkpoint, bias_checkpoint, out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "terminate called" not in proc.stderr  # the gloo exit abort (DESIGN.md): shutdown() prevents it
+    torchrun("distributed_worker.py", checkpoint, gen_checkpoint, bias_checkpoint, out)
     results = []
     for r in range(4):
         with open(os.path.join(out, f"rank{r}.json")) as f:

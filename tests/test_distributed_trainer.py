@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import distributed_trainer_worker as W
+from launch import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +23,12 @@ def checkpoint(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def launched(checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dist_trainer"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
-    cmd = [TORCHRUN, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "distributed_trainer_worker.py"),
-           checkpoint, out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "terminate called" not in proc.stderr  # the gloo exit abort (DESIGN.md): shutdown() prevents it
+    torchrun("distributed_trainer_worker.py", checkpoint, out)
     results = []
     for r in range(4):
         with open(os.path.join(out, f"trainer_rank{r}.json")) as f:
             results.append(json.load(f))
-    one = subprocess.run([*cmd[:1], "--nproc_per_node=1", *cmd[2:]], env=env, capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-6000:]
+    torchrun("distributed_trainer_worker.py", checkpoint, out, nproc=1)
     with open(os.path.join(out, "trainer_one.json")) as f:
         results.append(json.load(f))
     return results, out
