@@ -23,13 +23,8 @@ import time
 import warnings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-
-def cpu_pressure() -> str | None:
-    try:
-        return Path("/proc/pressure/cpu").read_text().strip().splitlines()[0]
-    except OSError:
-        return None
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference import pressure as cpu_pressure  # noqa: E402
 
 
 def make_text(megabytes: float, seed: int = 0) -> list[str]:

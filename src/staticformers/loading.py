@@ -160,9 +160,7 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                     floating = f.dtype(name).is_floating_point
                     _set_tensor(model, name, f.read(name, dtype=dtype if floating else None, device=device))
     model.tie_weights()
-    rotary = model.model.rotary_emb
-    rotary.inv_freq = torch.empty(0, device=device)
-    rotary.reset_parameters()
+    model.model.rotary_emb.reset_parameters(device)
 
 
 def _names(names: list[str], limit: int = 8) -> str:

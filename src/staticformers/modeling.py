@@ -148,8 +148,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
         self.attention_factor = rope_attention_factor(config)
 
-    def reset_parameters(self) -> None:
-        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+    def reset_parameters(self, device: Optional[torch.device] = None) -> None:
+        """Recompute the frequencies (on `device`, else where they are): a meta-built model's last step."""
+        self.inv_freq = rope_inv_freq(self.config, device=device if device is not None else self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()

@@ -69,9 +69,7 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
     read_sharded(model, files)
-    rotary = model.model.rotary_emb
-    rotary.inv_freq = torch.empty(0, device=device)
-    rotary.reset_parameters()
+    model.model.rotary_emb.reset_parameters(device)
     # every rank calls save_pretrained (collectives); rank 0 alone writes
     model.save_pretrained = types.MethodType(save_pretrained_distributed, model)
     return model
