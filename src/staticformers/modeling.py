@@ -16,10 +16,11 @@ Design choices, so that the generation engine, the trainer and tensor parallelis
   shards q/k/v column-wise needs nothing from this file.
 - No parallelism, no device logic, no compile calls here.
 - A cache object may also choose the formulation of its forward (`kv_cache.matvec_linears`,
-  `kv_cache.grouped_attention`, both False when absent): the generation engine's compiled batch-1
-  decode reads every weight once as a multiply-and-sum reduction and attends with a grouped matmul
-  (query heads reshaped per KV head, no KV copy), which inductor turns into weight-streaming loops.
-  Same math, same dtypes out; without such a cache `model(...)` is unchanged.
+  `kv_cache.matvec_head`, `kv_cache.decode_attention`; off when absent): the generation engine's
+  compiled decode can read every weight once as a multiply-and-sum reduction and attend with fused
+  reductions ("reduce", one query per row) or grouped matmuls ("matmul"), query heads reshaped per
+  KV head with no KV copy, which inductor turns into weight-streaming loops. Same math, same dtypes
+  out; without such a cache `model(...)` is unchanged.
 """
 
 from __future__ import annotations
@@ -173,13 +174,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def project(layer: nn.Linear, x: torch.Tensor, matvec: bool = False) -> torch.Tensor:
-    """`layer(x)`, or (matvec) the same product as a float32 multiply-and-sum over the weight rows."""
+    """`layer(x)`, or (matvec) the same product as a float32 multiply-and-sum over the weight rows.
+
+    The matvec form puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
+    loop inductor generates reads each weight row once for all the tokens of a small decode batch."""
     if not matvec:
         return layer(x)
-    y = (x.unsqueeze(-2).float() * layer.weight.float()).sum(-1)
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
     if layer.bias is not None:
         y = y + layer.bias.float()
-    return y.to(x.dtype)
+    return y.reshape(*lead, -1).to(x.dtype)
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
+    grouped per KV head, which inductor fuses into loops reading each cached key and value once
+    (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`."""
+    b, h, s, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, 1, d).float()
+    scores = (qg * k.unsqueeze(2).float()).sum(-1) * scale  # [b, kvh, g, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kvh, g, d]
+    return out.reshape(b, h, s, d).to(v.dtype)
 
 
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -235,7 +255,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
-        if getattr(kv_cache, "grouped_attention", False):
+        how = getattr(kv_cache, "decode_attention", None)
+        if how == "reduce" and s == 1:
+            out = attend_decode(q, k, v, mask, self.scale)
+        elif how is not None:
             out = attend_grouped(q, k, v, mask, self.scale)
         else:
             out = attend(q, k, v, mask, self.scale)
@@ -472,7 +495,7 @@ class CausalLM(nn.Module):
                 hidden = hidden[:, -logits_to_keep:]
         else:
             hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
-        logits = project(self.lm_head, hidden, getattr(kv_cache, "matvec_linears", False))
+        logits = project(self.lm_head, hidden, getattr(kv_cache, "matvec_head", False))
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)

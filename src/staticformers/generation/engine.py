@@ -16,9 +16,12 @@ Design choices (the why of this file):
   the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
   Graphs return the argmax and the last logits; greedy uses the argmax, anything else runs
   `sampling.Sampler` on the device. Only chosen ids come back.
-- **Batch-1 decode is a matrix-vector product.** Under inductor, the `[1, 1]` decode graph runs every
-  linear as a multiply-and-sum reduction and attention as grouped matmuls (`modeling.project`,
-  `modeling.attend_grouped`), chosen through attributes of the cache object; batch > 1 keeps GEMMs.
+- **Small-batch decode picks its formulation.** Under inductor, batch-1 decode runs every linear as
+  a weight-streaming multiply-and-sum reduction (`modeling.project`) and attention as fused
+  reductions over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for
+  the linears and attend with reductions (bf16) or grouped matmuls (float32), not the CPU SDPA
+  kernel (`decode_formulation`). Chosen through attributes of the cache object; larger batches and
+  other backends run the model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
   pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
   an in-place change (training) drops graphs whose weights were frozen into them (inductor freezing).
@@ -39,6 +42,23 @@ from ..compile import CompiledFunction, compile_function, shape_violation
 from .cache import PrefillKV, StaticKVCache
 from .plan import Entry, ShapePlan
 
+# the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
+FAST_DECODE_MAX_BATCH = 8
+
+
+def decode_formulation(batch: int, dtype: torch.dtype) -> tuple:
+    """(attention, linears as reductions, lm_head as a reduction) for an inductor decode graph.
+
+    Measured on the 41.6M reference model (BENCHMARKS.md): at batch 1 every linear is a weight-
+    streaming reduction and attention fused reductions (no matmul calls). At batch 2-8 the linears stay
+    GEMMs: inductor fuses the producing norm or activation into a reduction and recomputes it for each
+    weight row (4-6x slower in float32), and the BLAS's bf16 GEMMs beat our reductions. Attention there
+    is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per layer at batch 8 in bf16)
+    and grouped matmuls in float32 (equal or better than reductions there)."""
+    if batch == 1:
+        return "reduce", True, True
+    return ("matmul" if dtype == torch.float32 else "reduce"), False, False
+
 logger = logging.getLogger("staticformers")
 
 
@@ -52,7 +72,7 @@ class CompileSettings:
     options: tuple = ()
     fullgraph: bool = True
     dynamic: bool = False
-    fast_decode: bool = True  # batch-1 decode as matrix-vector reductions (inductor only)
+    fast_decode: bool = True  # small-batch decode as weight-streaming reductions (inductor only)
 
     @property
     def freezing(self) -> bool:
@@ -151,13 +171,17 @@ class Engine:
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
-            cache.matvec_linears = cache.grouped_attention = key[2]
+            # decode attention as fused reductions at every fast batch; the linears as reductions at
+            # batch 1, and at small batches in float32 (where the BLAS's skinny GEMMs read the
+            # weights at a fraction of the memory bandwidth; its bf16 GEMMs are faster than ours)
+            cache.decode_attention, cache.matvec_linears, cache.matvec_head = decode_formulation(
+                batch, self.model.dtype) if key[2] else (None, False, False)
             self.caches[key] = cache
         return cache
 
     @staticmethod
     def _fast(batch: int, settings: CompileSettings) -> bool:
-        return settings.enabled and settings.backend == "inductor" and settings.fast_decode and batch == 1
+        return settings.enabled and settings.backend == "inductor" and settings.fast_decode and batch <= FAST_DECODE_MAX_BATCH
 
     def graph(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
         key = (kind, batch, dim, settings)

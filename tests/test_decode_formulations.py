@@ -1,0 +1,67 @@
+"""The decode formulations the engine picks per shape (reductions, grouped matmuls) give the logits of
+the model's plain path, eagerly, for every family, with left padding and a sliding window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staticformers import AutoModelForCausalLM
+from staticformers.generation.cache import StaticKVCache
+from staticformers.generation.engine import decode_formulation
+
+FORMS = [("reduce", True, True), ("reduce", False, False), ("matmul", False, False), ("matmul", False, True)]
+
+
+def run(model, ids, mask, kv_len, form):
+    """Prefill then three decode steps over one static cache; the logits of every step."""
+    b, s = ids.shape
+    cache = StaticKVCache.for_model(model, b, kv_len)
+    if form is not None:
+        cache.decode_attention, cache.matvec_linears, cache.matvec_head = form
+    full = torch.zeros(b, kv_len, dtype=torch.bool)
+    full[:, :s] = mask
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = [model(input_ids=ids, attention_mask=full, position_ids=pos, kv_cache=cache,
+                 cache_position=torch.arange(s)).logits[:, -1]]
+    nxt, at = pos[:, -1:] + 1, s
+    for _ in range(3):
+        token = out[-1].argmax(-1, keepdim=True)
+        full[:, at] = True
+        out.append(model(input_ids=token, attention_mask=full, position_ids=nxt, kv_cache=cache,
+                         cache_position=torch.tensor([at])).logits[:, -1])
+        nxt, at = nxt + 1, at + 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}-linears{int(f[1])}-head{int(f[2])}")
+def test_formulation_matches_plain_path(tiny_checkpoints, family, form):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :4] = False  # left padding
+    mask[2, :7] = False
+    with torch.no_grad():
+        want = run(model, ids, mask, 16, None)
+        got = run(model, ids, mask, 16, form)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_formulation_in_bf16_is_close(tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"), dtype=torch.bfloat16)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        want = run(model, ids, mask, 16, None).float()
+        got = run(model, ids, mask, 16, decode_formulation(2, torch.bfloat16)).float()
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+def test_policy_per_shape():
+    assert decode_formulation(1, torch.float32) == ("reduce", True, True)
+    assert decode_formulation(1, torch.bfloat16) == ("reduce", True, True)
+    assert decode_formulation(8, torch.float32) == ("matmul", False, False)
+    assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
