@@ -8,7 +8,7 @@ import torch
 
 from staticformers import AutoModelForCausalLM
 from staticformers.generation.cache import StaticKVCache
-from staticformers.generation.engine import decode_formulation
+from staticformers.generation.engine import decode_formulation, prefill_attention
 
 FORMS = [("reduce", True, True), ("reduce", False, False), ("matmul", False, False), ("matmul", False, True)]
 
@@ -65,3 +65,5 @@ def test_policy_per_shape():
     assert decode_formulation(1, torch.bfloat16) == ("reduce", True, True)
     assert decode_formulation(8, torch.float32) == ("matmul", False, False)
     assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
+    assert prefill_attention(1, torch.bfloat16) == "matmul"
+    assert prefill_attention(1, torch.float32) is None and prefill_attention(8, torch.bfloat16) is None
