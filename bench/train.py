@@ -9,7 +9,8 @@ them as `input_ids`/`attention_mask`/`labels` tensors), AdamW, lr 1e-4, on the C
 
 For each precision (fp32; bf16 = our bf16-weights + fp32-master recipe vs the peer's autocast) and
 mode (eager; compiled = ours `torch_compile=True` with inductor vs the peer's `torch_compile=True`),
-the two run interleaved A B A B (`--rounds`), each a fresh model and trainer for `--steps` steps.
+the two run interleaved A B A B (`--rounds`), each in a fresh process (so neither inherits the other's
+allocator state or imports) with a fresh model and trainer for `--steps` steps.
 Reported: first-step seconds (round 1, cold compile caches for both: a fresh TORCHINDUCTOR_CACHE_DIR),
 steady tokens/s (median period between step ends after the first step, all rounds; tokens = the
 8 x 256 positions of a step, the same for both), graphs compiled, and the ratios. Also: padding waste
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -107,7 +109,37 @@ def run_theirs(path: str, rows, precision: str, mode: str, steps: int) -> dict:
             "graphs": dyn_utils.counters["stats"]["unique_graphs"] - before, "loss": out.training_loss}
 
 
+def run_child(spec: dict) -> dict:
+    """One contender's run in a fresh process (`--_run SPEC`): prints its JSON result, returns it."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child(spec: dict) -> int:
+    import torch
+
+    torch.set_num_threads(2)
+    from reference import build_reference
+    from staticformers.training.data import build_rows
+
+    path = build_reference()
+    docs = documents(spec["documents"])
+    if spec["who"] == "ours":
+        res = run_ours(path, docs, spec["precision"], spec["mode"], spec["steps"], packing=spec.get("packing", False))
+    else:
+        padded = build_rows(docs, None, SEQ, packing=False, long_documents="truncate")
+        res = run_theirs(path, padded, spec["precision"], spec["mode"], spec["steps"])
+    print(json.dumps(res))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_run":
+        return child(json.loads(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
@@ -124,7 +156,7 @@ def main() -> int:
     from reference import build_reference, pressure
     from staticformers.training.data import build_rows
 
-    path = build_reference()
+    build_reference()  # built once here, before the children read it
     docs = documents(a.documents)
     padded = build_rows(docs, None, SEQ, packing=False, long_documents="truncate")
     packed_bfd = build_rows(docs, None, SEQ, packing=True, packing_strategy="bfd")
@@ -146,11 +178,8 @@ def main() -> int:
             for r in range(a.rounds):
                 for who in ("ours", "transformers"):
                     p0 = pressure()
-                    try:
-                        res = run_ours(path, docs, precision, mode, a.steps) if who == "ours" else \
-                            run_theirs(path, padded, precision, mode, a.steps)
-                    except Exception as err:  # record the miss honestly
-                        res = {"error": f"{type(err).__name__}: {err}"[:500]}
+                    res = run_child({"who": who, "precision": precision, "mode": mode, "steps": a.steps,
+                                     "documents": a.documents})  # an error is recorded, not raised
                     res["pressure_before"], res["pressure_after"] = p0, pressure()
                     runs[who].append(res)
                     print(f"[{key}] round {r} {who}: first {res.get('first_step_s', float('nan')):.1f}s "
@@ -175,7 +204,10 @@ def main() -> int:
     # packed: real tokens per second with ours, compiled, in the best precision available
     try:
         best = "bf16" if "bf16" in a.precisions else "fp32"
-        res = run_ours(path, docs, best, "compiled" if "compiled" in a.modes else "eager", a.steps, packing=True)
+        res = run_child({"who": "ours", "precision": best, "mode": "compiled" if "compiled" in a.modes else "eager",
+                         "steps": a.steps, "documents": a.documents, "packing": True})
+        if "error" in res:
+            raise RuntimeError(res["error"])
         steady = statistics.median(res["step_s"])
         report["packed"] = {"precision": best, "real_tokens_per_s": round(BATCH * res["real_tokens_per_row"] / steady, 1),
                             "positions_per_s": round(BATCH * SEQ / steady, 1), "padding_waste": round(res["padding_waste"], 4),

@@ -48,6 +48,7 @@ from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
+from .host_memory import keep_freed_host_memory
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
@@ -313,6 +314,8 @@ class Trainer:
         original_dtypes = {k: t.dtype for k, t in originals.items()}
         self.model.zero_grad(set_to_none=True)
         model = self.prepare_model()
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         try:
             self.master = self.create_master_weights(model)
             self.master.adopt(originals)

@@ -1,12 +1,16 @@
-"""The decode formulations the engine picks per shape (reductions, grouped matmuls) give the logits of
-the model's plain path, eagerly, for every family, with left padding and a sliding window."""
+"""The formulations picked per shape give the plain path's results: the engine's decode formulations
+(reductions, grouped matmuls) for every family with left padding and a sliding window, and the CPU's
+blocked causal attention (training in bf16) against SDPA with and without masks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from staticformers import AutoModelForCausalLM
+from staticformers.modeling import attend, attend_blocks, packed_segments
 from staticformers.generation.cache import StaticKVCache
 from staticformers.generation.engine import decode_formulation, prefill_attention
 
@@ -67,3 +71,35 @@ def test_policy_per_shape():
     assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
     assert prefill_attention(1, torch.bfloat16) == "matmul"
     assert prefill_attention(1, torch.float32) is None and prefill_attention(8, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])
+def test_blocked_attention_matches_sdpa(case):
+    torch.manual_seed(0)
+    s = 200 if case == "uneven" else 256
+    q = torch.randn(2, 4, s, 16, dtype=torch.float32)
+    k, v = torch.randn(2, 2, s, 16, dtype=torch.float32), torch.randn(2, 2, s, 16, dtype=torch.float32)
+    mask = None
+    pos = torch.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    if case == "packed":
+        ids = torch.cat([torch.arange(100), torch.arange(s - 100)]).expand(2, s)
+        seg = packed_segments(ids)
+        mask = (causal & (seg[:, None, :, None] == seg[:, None, None, :]))
+    elif case == "window":
+        mask = (causal & (pos[:, None] - pos[None, :] < 40)).expand(2, 1, s, s)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if mask is not None else causal, scale=0.25,
+                                          enable_gqa=True)
+    got = attend_blocks(q, k, v, mask, 0.25, block=64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_causal_attention_on_cpu_uses_blocks_and_is_close():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 256, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.randn(1, 2, 256, 16, dtype=torch.bfloat16), torch.randn(1, 2, 256, 16, dtype=torch.bfloat16)
+    got = attend(q, k, v, None, 0.25)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
+    got.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
