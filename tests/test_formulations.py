@@ -67,7 +67,7 @@ def test_formulation_in_bf16_is_close(tiny_checkpoints):
 def test_policy_per_shape():
     assert decode_formulation(1, torch.float32) == ("reduce", True, True)
     assert decode_formulation(1, torch.bfloat16) == ("reduce", True, True)
-    assert decode_formulation(8, torch.float32) == ("matmul", False, False)
+    assert decode_formulation(8, torch.float32) == (None, False, False)
     assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
     assert prefill_attention(1, torch.bfloat16) == "matmul"
     assert prefill_attention(1, torch.float32) is None and prefill_attention(8, torch.bfloat16) is None

@@ -19,8 +19,8 @@ Design choices (the why of this file):
 - **Small-batch decode picks its formulation.** Under inductor, batch-1 decode runs every linear as
   a weight-streaming multiply-and-sum reduction (`modeling.project`) and attention as fused
   reductions over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for
-  the linears and attend with reductions (bf16) or grouped matmuls (float32), not the CPU SDPA
-  kernel (`decode_formulation`); a batch-1 bf16 prefill attends with grouped matmuls
+  the linears and, in bf16, attend with reductions instead of the CPU SDPA kernel
+  (`decode_formulation`); a batch-1 bf16 prefill attends with grouped matmuls
   (`prefill_attention`). Chosen through attributes of the cache object; larger batches and
   other backends run the model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
@@ -54,11 +54,12 @@ def decode_formulation(batch: int, dtype: torch.dtype) -> tuple:
     streaming reduction and attention fused reductions (no matmul calls). At batch 2-8 the linears stay
     GEMMs: inductor fuses the producing norm or activation into a reduction and recomputes it for each
     weight row (4-6x slower in float32), and the BLAS's bf16 GEMMs beat our reductions. Attention there
-    is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per layer at batch 8 in bf16)
-    and grouped matmuls in float32 (equal or better than reductions there)."""
+    is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per layer at batch 8 in bf16);
+    float32 batches keep the model's plain path (reductions measured slower, grouped matmuls no
+    clearer gain than the noise)."""
     if batch == 1:
         return "reduce", True, True
-    return ("matmul" if dtype == torch.float32 else "reduce"), False, False
+    return (None if dtype == torch.float32 else "reduce"), False, False
 
 
 def prefill_attention(batch: int, dtype: torch.dtype) -> Optional[str]:
