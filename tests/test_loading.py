@@ -26,6 +26,15 @@ def _copy(src, tmp_path, name="ckpt"):
     return dst
 
 
+def _with_config(src, tmp_path, **changes):
+    """A copy of the checkpoint `src` whose config.json has `changes` set."""
+    path = _copy(src, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral", "qwen3-untied"])
 def test_saved_checkpoint_loads_in_transformers_with_same_logits(family, tiny_checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM as HF
@@ -94,10 +103,7 @@ def test_transformers4_style_config_loads(tiny_checkpoints, tmp_path):
 
 
 def test_unknown_config_keys_round_trip(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints("qwen3"), tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["my_custom_key"] = {"a": 1}
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, my_custom_key={"a": 1})
     AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["my_custom_key"] == {"a": 1}
 
@@ -178,29 +184,19 @@ def test_refuses_missing_and_unexpected_weights(tiny_checkpoints, tmp_path):
 
 
 def test_refuses_shape_mismatch(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints("qwen3"), tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, intermediate_size=96)
     with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight.*has shape.*config\.json implies"):
         AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_refuses_unsupported_architecture(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints("qwen3"), tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    cfg["model_type"] = "gpt2"
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     with pytest.raises(ConfigError, match=r"GPT2LMHeadModel.*supported are Qwen3ForCausalLM, LlamaForCausalLM"):
         AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_refuses_unsupported_rope_and_bad_json(tiny_checkpoints, tmp_path):
-    path = _copy(tiny_checkpoints("qwen3"), tmp_path)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0})
     with pytest.raises(ConfigError, match=r"RoPE scaling 'longrope' is not supported"):
         AutoModelForCausalLM.from_pretrained(path)
     (path / "config.json").write_text("{not json")
