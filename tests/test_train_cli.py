@@ -30,7 +30,7 @@ def test_train_from_scratch_then_fine_tune_text(tmp_path, capsys):
                "--max-steps", "3", "--batch-size", "4", "--packing", "--no-save", "--quiet", "--compile", "--backend", "eager"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["global_step"] == 3 and summary["train_graphs"] == 1 and summary["padding_waste"] < 0.1
+    assert summary["global_step"] == 3 and summary["train_graphs"] == 2 and summary["padding_waste"] < 0.1
     assert os.path.exists(out / "model.safetensors") and os.path.exists(out / "loss_curve.png")
 
     text = "The for statement is used to iterate over the elements of a sequence.\n\nA class definition defines a class object.\n\n" * 10

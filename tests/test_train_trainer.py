@@ -26,6 +26,11 @@ def tiny_model(seed=0, **kw):
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
+# three layers, the middle one attending within a sliding window of 8
+WINDOW_LAYERS = dict(use_sliding_window=True, sliding_window=8,
+                     layer_types=["full_attention", "sliding_attention", "full_attention"], num_hidden_layers=3)
+
+
 def random_docs(n=48, lo=3, hi=30, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
@@ -87,18 +92,45 @@ def test_a_tiny_model_learns_and_logs(tmp_path):
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_one_training_graph_and_one_eval_graph_over_mixed_lengths(tmp_path):
-    for packing, backend in ((False, "eager"), (True, "aot_eager")):
-        model = tiny_model()
-        args = args_for(tmp_path / str(packing), max_steps=6, torch_compile=True, torch_compile_backend=backend,
+def test_a_fixed_set_of_graphs_over_mixed_lengths(tmp_path):
+    """Per role: one graph for the decoder layer (shared by every layer with the same attention
+    window) and one for the head, whatever the document lengths."""
+    cases = ((False, "eager", {}, 2), (True, "aot_eager", {}, 2), (True, "eager", WINDOW_LAYERS, 3))
+    for i, (packing, backend, kw, expected) in enumerate(cases):
+        model = tiny_model(**kw)
+        args = args_for(tmp_path / str(i), max_steps=6, torch_compile=True, torch_compile_backend=backend,
                         packing=packing, eval_strategy="steps", eval_steps=3, gradient_accumulation_steps=2)
         trainer = Trainer(model=model, args=args, train_dataset=random_docs(64, lo=2, hi=70),
                           eval_dataset=random_docs(10, lo=2, hi=50, seed=5))
         trainer.train()
         trainer.evaluate()
         stats = trainer.compile_stats()
-        assert (stats["train_graphs"], stats["eval_graphs"]) == (1, 1), stats
+        assert (stats["train_graphs"], stats["eval_graphs"]) == (expected, expected), (kw, stats)
         assert stats["backend"] == backend
+
+
+def test_regional_and_whole_graph_compile_train_alike(tmp_path, monkeypatch):
+    """The two compile layouts (layer + head regions, or one graph) and eager give the same weights,
+    with gradient checkpointing too, on a model whose layers mix full and sliding-window attention."""
+    from staticformers.training import compiled
+
+    runs = {}
+    for name, regional, checkpointing in (("eager", None, False), ("regional", True, True),
+                                          ("whole", False, False)):
+        if regional is not None:
+            monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (regional,))
+        model = tiny_model(**WINDOW_LAYERS)
+        args = args_for(tmp_path / name, max_steps=3, torch_compile=regional is not None,
+                        torch_compile_backend="aot_eager" if regional is not None else None,
+                        gradient_checkpointing=checkpointing, packing=True)
+        trainer = Trainer(model=model, args=args, train_dataset=random_docs())
+        trainer.train()
+        runs[name] = weights(model)
+        if regional is not None:
+            assert trainer.compile_stats()["train_graphs"] == (3 if regional else 1)
+    for name in ("regional", "whole"):
+        for k in runs["eager"]:
+            torch.testing.assert_close(runs[name][k], runs["eager"][k], rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_step_matches_eager(tmp_path):

@@ -396,8 +396,10 @@ class DecoderModel(nn.Module):
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
+    def prepare(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
                 inputs_embeds=None):
+        """What every layer takes besides the hidden states: `(x, cos, sin, masks)` (embedded input,
+        rotary tables, one mask per sliding window)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = x.shape[:2]
         segments = None
@@ -409,6 +411,12 @@ class DecoderModel(nn.Module):
         kv_len = kv_cache.max_length if kv_cache is not None else s
         masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, cache_position, segments)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
+        return x, cos, sin, masks
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
+                inputs_embeds=None):
+        x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, cache_position,
+                                          inputs_embeds)
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, masks, kv_cache, cache_position,

@@ -1,4 +1,4 @@
-"""`Trainer`: transformers' names, static shapes, one compiled graph, exact resume.
+"""`Trainer`: transformers' names, static shapes, a fixed set of compiled graphs, exact resume.
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, eval_dataset=ev, processing_class=tok)
     trainer.train()                                # or train(resume_from_checkpoint=True)
@@ -8,8 +8,9 @@ Design choices:
 - **Static shapes.** The dataset becomes a fixed table of `[max_length]` rows before training
   (`training/data.py`: padding or packing), and every batch is exactly
   `[per_device_train_batch_size, max_length]`. With `torch_compile=True` the forward pass and the
-  loss are one graph (`fullgraph=True, dynamic=False`), AOTAutograd builds the backward, the
-  optimizer runs eagerly: one training graph and one evaluation graph per run, counted
+  loss compile as two regions (`training/compiled.py`: one decoder layer shared by every layer, and
+  the head with the loss; `fullgraph=True, dynamic=False`), AOTAutograd builds the backward, the
+  optimizer runs eagerly: a fixed set of training and evaluation graphs per run, counted
   (`compile_stats()`).
 - **The caller's model trains, in place.** It is never wrapped; its parameters are moved to the
   device and cast to the compute dtype in place, and at the end of `train()` they get back their
