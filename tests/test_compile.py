@@ -56,3 +56,37 @@ def test_backend_env_override(monkeypatch):
 
 def test_neuron_backend_is_neuron(fake_neuron):
     assert sc.default_backend("neuron") == "neuron"
+
+
+def test_guards_are_skipped_only_for_checked_calls_of_a_single_graph(monkeypatch):
+    """`checked=True` (the engine verified the declared shape) skips Dynamo's guard evaluation once the
+    one graph exists; an unchecked call keeps the guards, so a wrong shape recompiles (and is reported)
+    instead of running a graph built for another shape."""
+    stances = []
+    real = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        stances.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    monkeypatch.delenv("STATICFORMERS_STRICT_SHAPES", raising=False)
+    f = sc.compile_function(lambda x: x * 2 + 1, "step_guards", (3,), "eager")
+    x = torch.arange(3.0)
+    assert torch.equal(f(x, checked=True), x * 2 + 1) and stances == []  # the first call compiles, guarded
+    assert torch.equal(f(x + 1, checked=True), (x + 1) * 2 + 1) and stances == [True]
+    assert torch.equal(f(x, checked=False), x * 2 + 1) and stances == [True]
+    with pytest.warns(RuntimeWarning, match="second graph"):
+        assert f(torch.ones(5)).shape == (5,)  # unchecked: the guards catch the new shape
+    assert f.graphs == 2 and torch.equal(f(torch.ones(5), checked=True), torch.full((5,), 3.0))
+    assert stances == [True]  # two graphs now: the guards choose between them again
+
+
+def test_guard_skipping_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(sc, "SKIP_GUARDS", False)
+    calls = []
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: calls.append(k))
+    f = sc.compile_function(lambda x: x - 1, "step_no_skip", (2,), "eager")
+    f(torch.ones(2), checked=True)
+    f(torch.ones(2), checked=True)
+    assert calls == [] and f.calls == 2
