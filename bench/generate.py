@@ -256,12 +256,17 @@ def main() -> None:
         return
     report = {"torch": torch.__version__, "pressure_before": pressure(), "cases": []}
     if args.mixed:
-        cache = tempfile.mkdtemp(prefix="sf-bench-cache-")
-        env = dict(os.environ, STATICFORMERS_CACHE=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+        def fresh_cache_env() -> dict:  # an empty compile cache (inductor's kernels, ISA probes, headers)
+            cache = tempfile.mkdtemp(prefix="sf-bench-cache-")
+            return dict(os.environ, STATICFORMERS_CACHE=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+
         for dtype in args.dtypes:
-            report["cases"].append(_subprocess(["--_mixed_case", "hf", dtype], env))
-            report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # cold
-            report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # warm on-disk cache
+            if "hf_static" in args.which or "hf" in args.which:
+                report["cases"].append(_subprocess(["--_mixed_case", "hf", dtype], fresh_cache_env()))
+            if "sf" in args.which:
+                env = fresh_cache_env()
+                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # cold
+                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # warm on-disk cache
     elif args.memory:
         for dtype in args.dtypes:
             for batch in args.batches:

@@ -4,7 +4,7 @@
 2. Trains a byte-level BPE tokenizer (the `tokenizers` library) on the Python documentation that
    ships with CPython (`pydoc_data.topics`), and a small Qwen3-architecture model on the same text
    with `Trainer` (packed rows of fixed shape, bf16 when the device has it; `--compile` compiles the
-   step into one graph, off by default because on a 2-core CPU the compile costs more than it saves
+   step (a decoder layer and the head: two graphs), off by default because on a 2-core CPU the compile costs more than it saves
    over a run this short).
 3. Saves both in Hugging Face format under `.demo/model` (transformers loads it).
 4. Loads it back with `AutoModelForCausalLM` / `AutoTokenizer` and generates greedily with the
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--retrain", action="store_true")
     parser.add_argument("--compile", action="store_true",
-                        help="compile the training step too (one graph; costs a compile of tens of seconds on a small CPU)")
+                        help="compile the training step too (two graphs; costs a compile of tens of seconds on a small CPU)")
     a = parser.parse_args()
     start = time.perf_counter()
     doctor()

@@ -5,9 +5,10 @@
     training_args = TrainingArguments(output_dir="./outputs", bf16=True, torch_compile=True)
 
 `torch_compile_backend` is set by itself: `"neuron"` on Trainium, `"inductor"` elsewhere. Forward
-and loss compile into one graph (backward through AOTAutograd, the optimizer eager); batches are
-fixed-shape `[per_device_train_batch_size, max_length]` (padded or packed, the last ragged batch
-dropped), so the whole run compiles exactly one training graph whatever the document lengths.
+and loss compile as two graphs, one decoder layer that every layer reuses and the head with the loss
+(backward through AOTAutograd, the optimizer eager); batches are fixed-shape
+`[per_device_train_batch_size, max_length]` (padded or packed, the last ragged batch dropped), so the
+whole run compiles exactly those two training graphs whatever the document lengths.
 """
 
 import sys
