@@ -188,7 +188,7 @@ class CompiledFunction:
 _lock = threading.Lock()
 
 
-def _fresh_code(fn: Callable, name: str) -> Callable:
+def fresh_code(fn: Callable, name: str) -> Callable:
     """A copy of `fn` with its own code object, so Dynamo keeps a separate cache (and limit) for it."""
     safe = "".join(c if c.isalnum() else "_" for c in name)
     code = fn.__code__.replace(co_name=safe, co_qualname=safe) if hasattr(fn.__code__, "co_qualname") else \
@@ -232,7 +232,7 @@ def compile_function(
         logger.info("compiled %s %s with %s in %.2f s", name, entry.shape, backend, entry.records[-1].seconds)
         return out
 
-    entry.code = _fresh_code(fn, name)
+    entry.code = fresh_code(fn, name)
     entry.compiled = torch.compile(entry.code, backend=counting_backend, fullgraph=fullgraph, dynamic=dynamic)
     return entry
 

@@ -417,13 +417,24 @@ class DecoderModel(nn.Module):
                 inputs_embeds=None):
         x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, cache_position,
                                           inputs_embeds)
+        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, cache_position))
+
+    def run_layers(self, x, cos, sin, masks, kv_cache=None, cache_position=None, call=None):
+        """Every layer in turn (checkpointed when gradient checkpointing is on and training);
+        `call(layer, x, cos, sin, masks, kv_cache, cache_position)` runs one (default: the layer
+        itself; the Trainer passes its compiled layer region)."""
+        call = call or _call_layer
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, masks, kv_cache, cache_position,
+                x = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, cache_position,
                                                       use_reentrant=False)
             else:
-                x = layer(x, cos, sin, masks, kv_cache, cache_position)
-        return self.norm(x)
+                x = call(layer, x, cos, sin, masks, kv_cache, cache_position)
+        return x
+
+
+def _call_layer(layer, x, cos, sin, masks, kv_cache=None, cache_position=None):
+    return layer(x, cos, sin, masks, kv_cache, cache_position)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,

@@ -180,9 +180,7 @@ class Engine:
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
-            # decode attention as fused reductions at every fast batch; the linears as reductions at
-            # batch 1, and at small batches in float32 (where the BLAS's skinny GEMMs read the
-            # weights at a fraction of the memory bandwidth; its bf16 GEMMs are faster than ours)
+            # the formulation measured fastest for this batch and dtype (see decode_formulation)
             cache.decode_attention, cache.matvec_linears, cache.matvec_head = decode_formulation(
                 batch, self.model.dtype) if key[2] else (None, False, False)
             self.caches[key] = cache

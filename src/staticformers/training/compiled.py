@@ -9,7 +9,7 @@ masks and rotary tables (a handful of small ops) and the optimizer step stay eag
 layer instead of all of them is what keeps the first step short: the compiler's work no longer
 grows with depth (on the 8-layer reference model the cold first step falls from about 65 s to about
 half that), while each step still runs the same fused kernels. Models without the decoder layout
-(`model.model.prepare`, `.layers`) are compiled whole, as one graph.
+(`model.model.prepare`, `.run_layers`) are compiled whole, as one graph.
 
 The model object is never wrapped, so its state dict keeps its names and the caller's model is the
 one that trains. Every batch has the same shapes and dtypes and the token count
@@ -22,10 +22,11 @@ seconds spent compiling them) so tests and logs can prove it.
 from __future__ import annotations
 
 import time
-import types
 from typing import Any, Callable, Optional
 
 import torch
+
+from ..compile import fresh_code
 
 
 def forward_loss(model, input_ids, labels, position_ids, num_items_in_batch):
@@ -34,9 +35,9 @@ def forward_loss(model, input_ids, labels, position_ids, num_items_in_batch):
                  num_items_in_batch=num_items_in_batch).loss
 
 
-def layer_forward(layer, x, cos, sin, masks):
+def layer_forward(layer, x, cos, sin, masks, kv_cache=None, cache_position=None):
     """One decoder layer (the compiled region every layer shares)."""
-    return layer(x, cos, sin, masks)
+    return layer(x, cos, sin, masks, kv_cache, cache_position)
 
 
 def head_loss(model, hidden, labels, num_items_in_batch):
@@ -51,26 +52,14 @@ def regional_forward_loss(model, input_ids, labels, position_ids, num_items_in_b
     """`forward_loss` with the layers run by `layer_fn` and the head by `head_fn` (compiled regions)."""
     decoder = model.model
     x, cos, sin, masks = decoder.prepare(input_ids, position_ids=position_ids)
-    checkpointing = decoder.gradient_checkpointing and model.training
-    for layer in decoder.layers:
-        if checkpointing:
-            x = torch.utils.checkpoint.checkpoint(layer_fn, layer, x, cos, sin, masks, use_reentrant=False)
-        else:
-            x = layer_fn(layer, x, cos, sin, masks)
-    return head_fn(model, x, labels, num_items_in_batch)
+    return head_fn(model, decoder.run_layers(x, cos, sin, masks, call=layer_fn), labels, num_items_in_batch)
 
 
 def has_decoder_layout(model) -> bool:
-    """Whether `model` is laid out as ours (`model.model.prepare`, `.layers`, `.norm`, `lm_head`)."""
+    """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.norm`, `lm_head`)."""
     decoder = getattr(model, "model", None)
-    return all(hasattr(decoder, a) for a in ("prepare", "layers", "norm")) and hasattr(model, "lm_head")
+    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "norm")) and hasattr(model, "lm_head")
 
-
-def fresh_function(fn: Callable, name: str) -> Callable:
-    """A copy of `fn` with its own code object: Dynamo caches graphs per code object, so each
-    Trainer role gets its own cache (and its own recompile limit), never a neighbour's."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 class CountingBackend:
@@ -110,12 +99,13 @@ class StepFunction:
         self.regional = compile and regional
         self.counter = CountingBackend(backend) if compile else None
         options = dict(backend=self.counter, fullgraph=True, dynamic=False)
-        self.whole: Callable = fresh_function(forward_loss, f"forward_loss_{role}")
+        # own code objects per role: Dynamo caches graphs (and counts its recompile limit) per code object
+        self.whole: Callable = fresh_code(forward_loss, f"forward_loss_{role}")
         if compile:
             self.whole = torch.compile(self.whole, **options)
         if self.regional:
-            self.layer_fn = torch.compile(fresh_function(layer_forward, f"layer_forward_{role}"), **options)
-            self.head_fn = torch.compile(fresh_function(head_loss, f"head_loss_{role}"), **options)
+            self.layer_fn = torch.compile(fresh_code(layer_forward, f"layer_forward_{role}"), **options)
+            self.head_fn = torch.compile(fresh_code(head_loss, f"head_loss_{role}"), **options)
 
     @property
     def graphs(self) -> int:
