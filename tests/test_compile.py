@@ -32,6 +32,18 @@ def test_user_choice_of_inductor_dir_wins(monkeypatch, tmp_path):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+def test_inductors_own_default_is_not_a_user_choice(monkeypatch, tmp_path):
+    """Inductor writes its default directory into the variable the first time it looks up its cache
+    (any earlier torch.compile in the process): that must not stop us from using our root."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
+    sc.enable_persistent_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
 def test_one_graph_per_function_and_second_shape_is_a_violation(monkeypatch):
     monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
 

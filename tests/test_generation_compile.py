@@ -19,26 +19,31 @@ def strict(monkeypatch):
     monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
 
 
-def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_checkpoints, strict):
+@pytest.mark.parametrize("regional", [True, False])
+def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_checkpoints, strict, regional):
+    """Regions (the CPU default): each shape compiles prepare, one layer shared by both layers, head."""
     from torch._dynamo.utils import counters
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine_for(model, PLAN)
+    per_shape = 3 if regional else 1
+    config = CompileConfig(backend="eager", regional=regional)
     gen = torch.Generator().manual_seed(0)
     calls = [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen)))
              for _ in range(10)] + [(2, 16), (1, 3)]
     counters.clear()
-    outs = [model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=EAGER,
+    outs = [model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=config,
                            eos_token_id=None) for b, n in calls]
     first = counters["stats"]["unique_graphs"]
-    assert 0 < first <= PLAN.num_graphs == 6
+    assert 0 < first <= PLAN.num_shapes * per_shape and PLAN.num_shapes == 6
     counters.clear()
     for (b, n), out in zip(calls, outs):
-        again = model.generate(out[:, :n], max_new_tokens=4, compile_config=EAGER, eos_token_id=None)
+        again = model.generate(out[:, :n], max_new_tokens=4, compile_config=config, eos_token_id=None)
         assert torch.equal(again, out)
     assert counters["stats"]["unique_graphs"] == 0 and counters["frames"]["ok"] == 0
     stats = model.compile_stats()
-    assert sum(s["graphs"] for s in stats) == first and all(s["graphs"] == 1 for s in stats)
+    assert sum(s["graphs"] for s in stats) == first
+    assert all(s["graphs"] == s["functions"] == per_shape for s in stats)
     assert {tuple(s["shape"]) for s in stats} <= {(1, 8), (1, 16), (2, 8), (2, 16), (1, 1, 32), (2, 1, 32)}
 
 
@@ -48,7 +53,45 @@ def test_compiled_matches_eager(tiny_checkpoints):
     ids = torch.randint(3, 128, (2, 11))
     a = model.generate(ids, max_new_tokens=6, compile_config=EAGER, eos_token_id=None)
     b = model.generate(ids, max_new_tokens=6, disable_compile=True, eos_token_id=None)
-    assert torch.equal(a, b)
+    c = model.generate(ids, max_new_tokens=6, compile_config=CompileConfig(backend="eager", regional=False),
+                       eos_token_id=None)
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
+    """A model mixing sliding-window and full layers gets one layer region per window; regional and
+    whole-graph steps give the same logits (aot_eager: AOTAutograd's graphs, no inductor)."""
+    from staticformers import AutoConfig
+    from staticformers.generation.engine import CompileSettings, Engine
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                               sliding_window=4, layer_types=["full_attention", "sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(cfg, seed=0)
+    assert [layer.self_attn.window for layer in model.model.layers] == [None, 4, None]
+    regional, whole = Engine(model, PLAN), Engine(model, PLAN)
+    r_settings = CompileSettings(backend="aot_eager", regional=True)
+    w_settings = CompileSettings(backend="aot_eager", regional=False)
+    assert regional.regional(r_settings) and not whole.regional(w_settings)
+    ids = torch.randint(3, 128, (2, 7))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False
+    with torch.no_grad():
+        entry = PLAN.choose(2, 7, 4)
+        out_r, out_w = regional.prefill(entry, ids, mask, r_settings), whole.prefill(entry, ids, mask, w_settings)
+        for a, b in zip(out_r[:2], out_w[:2]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        for a, b in zip(out_r[2].keys + out_r[2].values, out_w[2].keys + out_w[2].values):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        tokens = out_r[0].view(2, 1)
+        positions = out_r[4].view(2, 1)
+        slot = torch.tensor([entry.prompt])
+        steps = [e.decode(entry, tokens, positions, out[3], slot, s)
+                 for e, out, s in ((regional, out_r, r_settings), (whole, out_w, w_settings))]
+        torch.testing.assert_close(steps[0][1], steps[1][1], rtol=0, atol=1e-5)
+    rows = {(r["kind"], tuple(r["shape"])): r for r in regional.stats()}
+    assert rows["prefill", (2, 8)]["functions"] == rows["decode", (2, 1, 32)]["functions"] == 4  # 2 windows
+    assert all(r["graphs"] == r["functions"] for r in rows.values())
 
 
 def test_shape_outside_the_plan_raises_in_strict_mode(tiny_checkpoints, strict):

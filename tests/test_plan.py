@@ -11,9 +11,9 @@ def test_defaults_follow_max_model_len():
     assert plan.batch_sizes == (1, 2, 4, 8)
     assert plan.prompt_lengths == (16, 32, 64, 128, 256, 512, 1024)
     assert plan.kv_lengths == (256, 512, 1024)
-    assert plan.num_graphs == 4 * 7 + 4 * 3
+    assert plan.num_shapes == 4 * 7 + 4 * 3
     text = str(plan)
-    assert "max_model_len 1024" in text and "40 graphs" in text
+    assert "max_model_len 1024" in text and "40 shapes" in text
 
 
 def test_bind_caps_at_model_positions_and_default():

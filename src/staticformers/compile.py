@@ -16,6 +16,7 @@ recompile limit, never a silent fallback to eager). This module gives both:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -62,6 +63,20 @@ def cache_root() -> str:
 _ENABLED_FOR: Optional[str] = None
 
 
+def _user_inductor_dir() -> bool:
+    """Whether `TORCHINDUCTOR_CACHE_DIR` holds a choice of the user's: set, and not inductor's own default,
+    which inductor writes into the variable itself the first time it looks up its cache."""
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not value:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(value) != os.path.abspath(default_cache_dir())
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return True
+
+
 def enable_persistent_cache() -> str:
     """Point inductor's on-disk caches (and Neuron's) under `cache_root()`; return the root.
 
@@ -73,7 +88,7 @@ def enable_persistent_cache() -> str:
     if _ENABLED_FOR == root:
         return root
     os.makedirs(root, exist_ok=True)
-    if _ENABLED_FOR is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    if _ENABLED_FOR is not None or not _user_inductor_dir():
         # ours (first time, or the root moved since): inductor reads this variable at each lookup
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     os.environ.setdefault("NEURON_COMPILE_CACHE_URL", os.path.join(root, "neuron"))
@@ -126,6 +141,15 @@ def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) ->
 SKIP_GUARDS = os.environ.get("STATICFORMERS_SKIP_GUARDS", "1") != "0"
 
 
+def unguarded():
+    """A context in which compiled functions run their cached graph without evaluating Dynamo's guards
+    (for functions that have exactly one graph and inputs the caller has checked; see
+    `CompiledFunction.__call__`). A no-op context when `STATICFORMERS_SKIP_GUARDS=0`."""
+    if not SKIP_GUARDS:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+
+
 @dataclass
 class GraphRecord:
     """One real compilation: what was compiled, from which shapes, and how long it took."""
@@ -169,7 +193,7 @@ class CompiledFunction:
             out = self.compiled(*args)
             self.first_call_seconds = time.perf_counter() - start
         elif checked and len(self.records) == 1 and SKIP_GUARDS:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            with unguarded():
                 out = self.compiled(*args)
         else:
             out = self.compiled(*args)

@@ -433,6 +433,13 @@ class DecoderModel(nn.Module):
         return x
 
 
+def has_decoder_layout(model) -> bool:
+    """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
+    `lm_head`): what the compiled single-layer regions of the Trainer and the engine need."""
+    decoder = getattr(model, "model", None)
+    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and hasattr(model, "lm_head")
+
+
 def _call_layer(layer, x, cos, sin, masks, kv_cache=None, cache_position=None):
     return layer(x, cos, sin, masks, kv_cache, cache_position)
 

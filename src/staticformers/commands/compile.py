@@ -48,14 +48,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"device {model.device}, backend {settings.backend}, cache {cache_root()}")
     if args.dry_run:
         return 0
-    print(f"{'graph':8s} {'shape':18s} {'seconds':>8s}  cache")
+    print(f"{'step':8s} {'shape':18s} {'seconds':>8s}  {'graphs':>6s}  cache")
     start = time.perf_counter()
 
     def show(row):
-        print(f"{row['kind']:8s} {str(row['shape']):18s} {row['seconds']:8.2f}  {'hit' if row['cache_hit'] else 'compiled'}",
+        print(f"{row['kind']:8s} {str(row['shape']):18s} {row['seconds']:8.2f}  {row['graphs']:6d}  "
+              f"{'hit' if row['cache_hit'] else 'compiled'}",
               flush=True)
 
     rows = engine.precompile(settings, progress=show)
     hits = sum(r["cache_hit"] for r in rows)
-    print(f"{len(rows)} graphs in {time.perf_counter() - start:.1f} s ({hits} from the on-disk cache)")
+    print(f"{len(rows)} shapes, {sum(r['graphs'] for r in rows)} graphs in {time.perf_counter() - start:.1f} s "
+          f"({hits} shapes from the on-disk cache)")
     return 0

@@ -69,6 +69,7 @@ def _compile_settings(model, config: GenerationConfig, compile_config: Optional[
         fullgraph=cc.fullgraph,
         dynamic=cc.dynamic,
         fast_decode=bool(getattr(cc, "fast_decode", True)),
+        regional=bool(cc.regional) if cc.regional is not None else model.device.type == "cpu",
     )
 
 

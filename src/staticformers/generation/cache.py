@@ -6,11 +6,13 @@ The decoder (`modeling.py`) asks any `kv_cache` object for `max_length` and call
 - `StaticKVCache`: per layer a key and a value buffer `[batch, kv_heads, max_length, head_dim]` in the
   model's dtype on the model's device. `update` writes the new keys/values at `cache_position` with
   `index_copy_` (an in-place scatter that compilers keep in place) and returns the whole buffers.
-  Decode graphs take it; its shapes never change, so neither do theirs.
+  Decode graphs take it; its shapes never change, so neither do theirs. `layer_views()` gives one
+  `LayerKV` per layer (that layer's two buffers), which a compiled single-layer region takes, so that
+  one graph serves every layer (`steps.py`).
 - `PrefillKV`: a cache over the prompt alone (`max_length` = the prompt bucket). It keeps what each
   layer produced so that the engine can copy it into a `StaticKVCache` of any length after the
   prefill graph ran. Prefill graphs therefore depend on `[batch, prompt]` only, not on the KV length:
-  fewer graphs to compile.
+  fewer graphs to compile. `LayerSink` is the same for one layer (the single-layer prefill region).
 
 Stale slots need no clearing: the engine's attention mask over the cache hides every slot a call has
 not written.
@@ -32,6 +34,15 @@ class StaticKVCache:
         shape = (self.batch, kv_heads, self.max_length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.formulate(None, False, False)
+
+    def formulate(self, attention: Optional[str], matvec_linears: bool, matvec_head: bool) -> None:
+        """How a decode over this cache computes (read by `modeling.py`; see `engine.decode_formulation`)."""
+        self.decode_attention, self.matvec_linears, self.matvec_head = attention, matvec_linears, matvec_head
+        self._views = [LayerKV(self, i) for i in range(len(self.keys))]
+
+    def layer_views(self) -> list["LayerKV"]:
+        return self._views
 
     @classmethod
     def for_model(cls, model, batch: int, max_length: int) -> "StaticKVCache":
@@ -58,6 +69,35 @@ class StaticKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class LayerKV:
+    """One layer's slice of a `StaticKVCache` (its key and value buffers and the cache's formulation):
+    `update` ignores the layer index, so a region compiled for one layer runs every layer."""
+
+    def __init__(self, cache: StaticKVCache, layer_idx: int):
+        self.key, self.value = cache.keys[layer_idx], cache.values[layer_idx]
+        self.max_length = cache.max_length
+        self.decode_attention, self.matvec_linears = cache.decode_attention, cache.matvec_linears
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
+        self.key.index_copy_(2, cache_position, k)
+        self.value.index_copy_(2, cache_position, v)
+        return self.key, self.value
+
+
+class LayerSink:
+    """One layer's prefill keys and values, kept as they are produced (the prompt-only cache of one
+    layer); `decode_attention` is the prefill formulation (`engine.prefill_attention`)."""
+
+    def __init__(self, max_length: int, decode_attention: Optional[str] = None):
+        self.max_length = int(max_length)
+        self.decode_attention = decode_attention
+        self.key = self.value = None
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
+        self.key, self.value = k, v
+        return k, v
 
 
 class PrefillKV:

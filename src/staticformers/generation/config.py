@@ -78,7 +78,10 @@ class GenerationConfig:
 class CompileConfig:
     """How generate() compiles its prefill and decode functions (transformers' name).
 
-    backend None means the device's own ("neuron" on Neuron, "inductor" elsewhere).
+    backend None means the device's own ("neuron" on Neuron, "inductor" elsewhere). `regional` (ours,
+    not transformers') chooses the layout of each shape's graphs: True compiles the embedding, one
+    decoder layer (shared by every layer) and the head as separate functions, False the whole model as
+    one graph, None (default) regions on the CPU and whole graphs elsewhere (`generation/steps.py`).
     """
 
     backend: Optional[str] = None
@@ -86,6 +89,7 @@ class CompileConfig:
     fullgraph: bool = True
     dynamic: bool = False
     options: Optional[dict] = None
+    regional: Optional[bool] = None
 
     def to_kwargs(self, default_backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": self.backend or default_backend, "fullgraph": self.fullgraph,

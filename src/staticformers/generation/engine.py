@@ -8,6 +8,11 @@ Design choices (the why of this file):
   compile settings) gets its own compiled function with its own code object (see `compile.py`), so
   graphs never exceed the plan and PyTorch's recompile limit is never approached. Before a compiled
   function runs, the engine checks its inputs have the declared shape (raise in tests, warn else).
+- **One shape, one graph or a few small ones.** On the CPU a shape compiles as regions (`steps.py`):
+  embedding and masks, one decoder layer that every layer runs, and the head; the compiler's work
+  stops growing with depth (a batch-1 decode shape of the 8-layer reference model: ~7 s instead of
+  ~21 s) and steps run as fast. Elsewhere, with weight freezing, or for a tensor-parallel or foreign
+  model, a shape is one whole-model graph. `CompileConfig(regional=...)` chooses explicitly.
 - **Prefill does not depend on the KV length.** It attends over the prompt bucket only and returns
   each layer's keys/values; the engine copies them into the `[B, K]` static cache. So prefill graphs
   number `len(batch) * len(prompt)`, not times `len(kv)`.
@@ -35,13 +40,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from ..compile import CompiledFunction, compile_function, shape_violation
-from .cache import PrefillKV, StaticKVCache
+from ..modeling import has_decoder_layout
+from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
+from .steps import Regions, whole_decode, whole_prefill
 
 # the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
 FAST_DECODE_MAX_BATCH = 8
@@ -81,6 +88,7 @@ class CompileSettings:
     fullgraph: bool = True
     dynamic: bool = False
     fast_decode: bool = True  # small-batch decode as weight-streaming reductions (inductor only)
+    regional: bool = False  # compile prepare / one layer / head per shape instead of the whole model (steps.py)
 
     @property
     def freezing(self) -> bool:
@@ -91,31 +99,6 @@ class CompileSettings:
         return self.backend if self.enabled else "eager (not compiled)"
 
 
-# ---------------------------------------------------------------------------------------------
-# the step functions (each compiled once per shape)
-# ---------------------------------------------------------------------------------------------
-def make_prefill(model, length: int, attention: Optional[str] = None) -> Callable:
-    layers = model.config.num_hidden_layers
-
-    def prefill(input_ids, position_ids, attention_mask):
-        kv = PrefillKV(layers, length)
-        kv.decode_attention = attention
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       kv_cache=kv, logits_to_keep=1).logits[:, -1]
-        return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
-
-    return prefill
-
-
-def make_decode(model, cache: StaticKVCache) -> Callable:
-    def decode(input_ids, position_ids, attention_mask, cache_position):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       kv_cache=cache, cache_position=cache_position).logits[:, -1]
-        return logits.argmax(-1), logits
-
-    return decode
-
-
 @dataclass(eq=False)
 class Graph:
     """One step function for one shape under one compile setting: compiled or eager."""
@@ -124,7 +107,7 @@ class Graph:
     shape: tuple
     settings: CompileSettings
     fn: Callable
-    compiled: Optional[CompiledFunction]
+    compiled: Optional[Union[CompiledFunction, Regions]]
     calls: int = 0
 
     def __call__(self, *args, checked: bool = False):
@@ -175,16 +158,24 @@ class Engine:
     # ---- caches and graphs -------------------------------------------------------------------------
     def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
         # the matvec formulation reads weights directly, bypassing tensor parallel's module hooks
-        tensor_parallel = getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
-        key = (batch, kv, self._fast(batch, settings) and not tensor_parallel)
+        key = (batch, kv, self._fast(batch, settings) and not self._tensor_parallel())
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
-            # the formulation measured fastest for this batch and dtype (see decode_formulation)
-            cache.decode_attention, cache.matvec_linears, cache.matvec_head = decode_formulation(
-                batch, self.model.dtype) if key[2] else (None, False, False)
+            if key[2]:  # the formulation measured fastest for this batch and dtype (see decode_formulation)
+                cache.formulate(*decode_formulation(batch, self.model.dtype))
             self.caches[key] = cache
         return cache
+
+    def _tensor_parallel(self) -> bool:
+        return getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
+
+    def regional(self, settings: CompileSettings) -> bool:
+        """Whether graphs under `settings` are compiled as regions (`steps.py`): asked for, and the model
+        is our decoder, unsharded, and its weights are not frozen into graphs (a layer graph that every
+        layer shares must take its weights as inputs)."""
+        return (settings.enabled and settings.regional and not settings.freezing
+                and has_decoder_layout(self.model) and not self._tensor_parallel())
 
     @staticmethod
     def _fast(batch: int, settings: CompileSettings) -> bool:
@@ -195,16 +186,23 @@ class Engine:
         g = self.graphs.get(key)
         if g is not None:
             return g
+        cache = attention = None
         if kind == "prefill":
             attention = prefill_attention(batch, self.model.dtype) if self._fast(batch, settings) else None
-            fn, shape = make_prefill(self.model, dim, attention), (batch, dim)
+            fn, shape = whole_prefill(self.model, dim, attention), (batch, dim)
         else:
-            fn, shape = make_decode(self.model, self.cache(batch, dim, settings)), (batch, 1, dim)
+            cache = self.cache(batch, dim, settings)
+            fn, shape = whole_decode(self.model, cache), (batch, 1, dim)
         compiled = None
         if settings.enabled:
             name = f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
-            compiled = compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
+
+            def compile_one(f: Callable, label: str) -> CompiledFunction:
+                return compile_function(f, label, shape, settings.backend, settings.mode, dict(settings.options),
                                         settings.fullgraph, settings.dynamic)
+
+            compiled = Regions(kind, self.model, name, compile_one, cache=cache, length=dim, attention=attention) \
+                if self.regional(settings) else compile_one(fn, name)
         g = Graph(kind, shape, settings, fn, compiled)
         self.graphs[key] = g
         return g
@@ -301,6 +299,7 @@ class Engine:
             "shape": list(g.shape),
             "backend": g.settings.label,
             "graphs": c.graphs if c is not None else 0,
+            "functions": (len(c.parts) if isinstance(c, Regions) else 1) if c is not None else 0,
             "compile_seconds": round(c.compile_seconds, 3) if c is not None else 0.0,
             "first_call_seconds": round(c.first_call_seconds, 3) if c is not None else 0.0,
             "calls": g.calls,

@@ -12,8 +12,9 @@ lists three sets of buckets and the engine pads every request up to the smallest
   never `max_position_embeddings` blindly (Qwen3's 40,960 positions would cost gigabytes a sequence).
 
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
-of graphs is `len(batch) * (len(prompt) + len(kv))`, printed by `str(plan)` and by
-`staticformers compile`.
+of shapes is `len(batch) * (len(prompt) + len(kv))`, printed by `str(plan)` and by
+`staticformers compile`; each shape is one graph, or (on the CPU) a few small ones, its regions
+(`steps.py`).
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class ShapePlan:
         return [(b, kv) for b in self.batch_sizes for kv in self.kv_lengths]
 
     @property
-    def num_graphs(self) -> int:
+    def num_shapes(self) -> int:
         return len(self.prefill_shapes()) + len(self.decode_shapes())
 
     def key(self) -> tuple:
@@ -211,7 +212,7 @@ class ShapePlan:
         if not self.bound:
             return repr(self)
         lines = [
-            f"shape plan: max_model_len {self.max_model_len}, {self.num_graphs} graphs at most",
+            f"shape plan: max_model_len {self.max_model_len}, {self.num_shapes} shapes at most",
             f"  batch buckets   {', '.join(map(str, self.batch_sizes))}",
             f"  prompt buckets  {', '.join(map(str, self.prompt_lengths))}   (prefill [batch, prompt])",
             f"  KV lengths      {', '.join(map(str, self.kv_lengths))}   (decode [batch, 1] over the cache)",

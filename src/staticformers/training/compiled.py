@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..compile import fresh_code
+from ..modeling import has_decoder_layout
 
 
 def forward_loss(model, input_ids, labels, position_ids, num_items_in_batch):
@@ -53,13 +54,6 @@ def regional_forward_loss(model, input_ids, labels, position_ids, num_items_in_b
     decoder = model.model
     x, cos, sin, masks = decoder.prepare(input_ids, position_ids=position_ids)
     return head_fn(model, decoder.run_layers(x, cos, sin, masks, call=layer_fn), labels, num_items_in_batch)
-
-
-def has_decoder_layout(model) -> bool:
-    """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.norm`, `lm_head`)."""
-    decoder = getattr(model, "model", None)
-    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "norm")) and hasattr(model, "lm_head")
-
 
 
 class CountingBackend:

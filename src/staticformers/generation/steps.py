@@ -1,0 +1,163 @@
+"""The step functions the generation engine compiles: prefill and decode, whole or in regions.
+
+Every step function has one declared shape (`engine.py`) and comes in one of two layouts:
+
+- **whole**: `model(...)` inside one compiled function, one graph per shape. What a device that pays
+  per graph launch wants (Neuron, CUDA), and what inductor's weight freezing needs.
+- **regions** (the default on the CPU): per shape, a `prepare` function (embedding, masks, rotary
+  tables), a `layer` function (one decoder layer) and a `head` function (final norm, `lm_head` on
+  the last position, argmax), each compiled. Every layer of the model runs the same layer graph: its
+  weights and its slice of the KV cache (`cache.LayerKV`) are graph inputs, not constants, and the
+  cache's `update` ignores the layer index, so nothing in the graph is specialised per layer (a model
+  that mixes sliding-window and full layers gets one layer function per distinct window). The
+  compiler's work then no longer grows with depth: on the 8-layer reference model a batch-1 decode
+  shape compiles in about 7 s instead of 21 s, and a step runs as fast as the whole graph (measured
+  A/B in one process, BENCHMARKS.md: the one fused whole-model kernel is no faster than eight calls
+  of a per-layer one). The same regional layout makes the Trainer's first step short
+  (`training/compiled.py`).
+
+A region's graph is traced on its first call and checked like any other compiled function
+(`compile.CompiledFunction`): a second graph for one region is a plan violation. Once every region
+has run, a step whose input shape the engine checked runs them all without Dynamo's guard
+evaluation, under one stance switch (each region has exactly one graph to choose).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..compile import CompiledFunction, unguarded
+from ..modeling import project
+from .cache import LayerSink, PrefillKV, StaticKVCache
+
+
+# ---------------------------------------------------------------------------------------------
+# whole-model steps
+# ---------------------------------------------------------------------------------------------
+def whole_prefill(model, length: int, attention: Optional[str] = None) -> Callable:
+    """`prefill(input_ids, position_ids, attention_mask) -> (argmax, logits, keys, values)` over a
+    prompt bucket of `length` positions (keys/values per layer, prompt only)."""
+    layers = model.config.num_hidden_layers
+
+    def prefill(input_ids, position_ids, attention_mask):
+        kv = PrefillKV(layers, length)
+        kv.decode_attention = attention
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       kv_cache=kv, logits_to_keep=1).logits[:, -1]
+        return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
+
+    return prefill
+
+
+def whole_decode(model, cache: StaticKVCache) -> Callable:
+    """`decode(input_ids, position_ids, attention_mask, cache_position) -> (argmax, logits)` over `cache`."""
+    def decode(input_ids, position_ids, attention_mask, cache_position):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       kv_cache=cache, cache_position=cache_position).logits[:, -1]
+        return logits.argmax(-1), logits
+
+    return decode
+
+
+# ---------------------------------------------------------------------------------------------
+# the regions (each compiled once per shape, under its own code object)
+# ---------------------------------------------------------------------------------------------
+def prepare_region(model, input_ids, position_ids, attention_mask, kv_cache, cache_position):
+    """Embedding, masks and rotary tables: what every layer takes besides the hidden states."""
+    return model.model.prepare(input_ids, attention_mask, position_ids, kv_cache, cache_position)
+
+
+def decode_layer_region(layer, x, cos, sin, masks, kv, cache_position):
+    """One decoder layer over its slice of the static cache (written in place)."""
+    return layer(x, cos, sin, masks, kv, cache_position)
+
+
+def prefill_layer_region(layer, x, cos, sin, masks, sink):
+    """One decoder layer over the prompt; also returns the keys and values it produced."""
+    x = layer(x, cos, sin, masks, sink, None)
+    return x, sink.key, sink.value
+
+
+def head_region(model, hidden, matvec: bool):
+    """Final norm and `lm_head` on the last position (as a reduction when `matvec`), and its argmax."""
+    logits = project(model.lm_head, model.model.norm(hidden[:, -1:]), matvec)[:, -1]
+    return logits.argmax(-1), logits
+
+
+class Regions:
+    """The compiled regions of one step function and the step that runs them; it answers like a
+    `CompiledFunction` (`graphs`, `compile_seconds`, `first_call_seconds`, `release`, calls with
+    `checked=`).
+
+    `compile_one(fn, name)` compiles one region for this shape. `cache` (decode) is the static cache
+    the step writes; `length` and `attention` (prefill) are the prompt bucket and its attention."""
+
+    def __init__(self, kind: str, model, name: str, compile_one: Callable[[Callable, str], CompiledFunction],
+                 cache: Optional[StaticKVCache] = None, length: Optional[int] = None,
+                 attention: Optional[str] = None):
+        self.model, self.kind = model, kind
+        layers = list(model.model.layers)
+        windows = []
+        for layer in layers:
+            if layer.self_attn.window not in windows:
+                windows.append(layer.self_attn.window)
+        region = decode_layer_region if kind == "decode" else prefill_layer_region
+        self.prepare = compile_one(prepare_region, f"{name}_prepare")
+        self.layer = {w: compile_one(region, f"{name}_layer" + ("" if w is None else f"_window{w}")) for w in windows}
+        self.head = compile_one(head_region, f"{name}_head")
+        self.runs = [(layer, self.layer[layer.self_attn.window]) for layer in layers]
+        self.cache, self.sink = cache, LayerSink(length or 0, attention)
+        self.calls = 0
+        self.first_call_seconds = 0.0
+
+    @property
+    def parts(self) -> list[CompiledFunction]:
+        return [self.prepare, *self.layer.values(), self.head]
+
+    @property
+    def graphs(self) -> int:
+        return sum(p.graphs for p in self.parts)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(p.compile_seconds for p in self.parts)
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
+        self.runs, self.cache = [], None
+
+    def __call__(self, *args, checked: bool = False):
+        start = time.perf_counter()
+        if checked and self.calls and all(len(p.records) == 1 for p in self.parts):
+            with unguarded():
+                out = self._step(*args)
+        else:
+            out = self._step(*args)
+        if not self.calls:
+            self.first_call_seconds = time.perf_counter() - start
+        self.calls += 1
+        return out
+
+    def _step(self, *args):
+        return self._decode(*args) if self.kind == "decode" else self._prefill(*args)
+
+    def _decode(self, input_ids, position_ids, attention_mask, cache_position):
+        cache = self.cache
+        x, cos, sin, masks = self.prepare(self.model, input_ids, position_ids, attention_mask, cache, cache_position)
+        for (layer, fn), kv in zip(self.runs, cache.layer_views()):
+            x = fn(layer, x, cos, sin, masks, kv, cache_position)
+        return self.head(self.model, x, cache.matvec_head)
+
+    def _prefill(self, input_ids, position_ids, attention_mask):
+        x, cos, sin, masks = self.prepare(self.model, input_ids, position_ids, attention_mask, None, None)
+        keys, values = [], []
+        for layer, fn in self.runs:
+            x, k, v = fn(layer, x, cos, sin, masks, self.sink)
+            keys.append(k)
+            values.append(v)
+        argmax, logits = self.head(self.model, x, False)
+        return argmax, logits, tuple(keys), tuple(values)
