@@ -146,3 +146,33 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert fast and fast[0].matvec_linears
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
     assert any(p.is_dir() for p in (tmp_path / "inductor").iterdir())
+
+
+def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
+    """After the first step, regions run through Dynamo's run-only mode without guards: each step must
+    still execute the compiled graphs (a backend that counts its graphs' calls), never eager code."""
+    import torch._dynamo
+
+    runs = {}
+
+    def counting(gm, example_inputs):
+        key = len(runs)
+        runs[key] = 0
+
+        def run(*args):
+            runs[key] += 1
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.register_backend(counting, "sf_test_counting")
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine_for(model, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
+    ids = torch.randint(3, 128, (1, 6))
+    want = model.generate(ids, max_new_tokens=7, disable_compile=True, eos_token_id=None)
+    got = model.generate(ids, max_new_tokens=7, compile_config=CompileConfig(backend="sf_test_counting"),
+                         eos_token_id=None)
+    assert torch.equal(got, want)
+    # graphs in order of compilation: prefill prepare, layer, head; decode prepare, layer, head
+    layers = model.config.num_hidden_layers
+    assert list(runs.values()) == [1, layers, 1, 6, 6 * layers, 6]

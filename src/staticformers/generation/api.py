@@ -53,6 +53,13 @@ def compile_stats(model) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------
+# Inductor checks every input's size, stride and alignment on every call; the engine's graphs have
+# inputs whose shapes it checks itself (token ids, positions, masks), its own cache buffers and weights
+# it fingerprints before each call, and Dynamo's guards check the same when they run: ~0.05-0.1 ms a
+# decode step on this CPU (A/B, BENCHMARKS.md). Options given in CompileConfig win.
+INDUCTOR_DEFAULTS = {"size_asserts": False, "alignment_asserts": False}
+
+
 def _compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig]) -> CompileSettings:
     from ..compile import default_backend
 
@@ -60,7 +67,7 @@ def _compile_settings(model, config: GenerationConfig, compile_config: Optional[
     if not isinstance(cc, CompileConfig):
         raise TypeError(f"compile_config must be a staticformers.CompileConfig, got {type(cc).__name__}.")
     backend = cc.backend or default_backend(model.device)
-    options = dict(cc.options or {})
+    options = {**(INDUCTOR_DEFAULTS if backend == "inductor" else {}), **(cc.options or {})}
     return CompileSettings(
         enabled=not config.disable_compile,
         backend=backend,
