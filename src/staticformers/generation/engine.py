@@ -26,7 +26,7 @@ Design choices (the why of this file):
   reductions over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for
   the linears and, in bf16, attend with reductions instead of the CPU SDPA kernel
   (`decode_formulation`); a batch-1 bf16 prefill attends with grouped matmuls
-  (`prefill_attention`). Chosen through attributes of the cache object; larger batches and
+  (`prefill_attention`), and a batch-1 prefill's `lm_head` on its last position is a reduction too. Chosen through attributes of the cache object; larger batches and
   other backends run the model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
   pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
@@ -187,9 +187,12 @@ class Engine:
         if g is not None:
             return g
         cache = attention = None
+        head_matvec = False
         if kind == "prefill":
-            attention = prefill_attention(batch, self.model.dtype) if self._fast(batch, settings) else None
-            fn, shape = whole_prefill(self.model, dim, attention), (batch, dim)
+            if self._fast(batch, settings):
+                attention = prefill_attention(batch, self.model.dtype)
+                head_matvec = decode_formulation(batch, self.model.dtype)[2] and not self._tensor_parallel()
+            fn, shape = whole_prefill(self.model, dim, attention, head_matvec), (batch, dim)
         else:
             cache = self.cache(batch, dim, settings)
             fn, shape = whole_decode(self.model, cache), (batch, 1, dim)
@@ -201,7 +204,8 @@ class Engine:
                 return compile_function(f, label, shape, settings.backend, settings.mode, dict(settings.options),
                                         settings.fullgraph, settings.dynamic)
 
-            compiled = Regions(kind, self.model, name, compile_one, cache=cache, length=dim, attention=attention) \
+            compiled = Regions(kind, self.model, name, compile_one, cache=cache, length=dim, attention=attention,
+                               head_matvec=head_matvec) \
                 if self.regional(settings) else compile_one(fn, name)
         g = Graph(kind, shape, settings, fn, compiled)
         self.graphs[key] = g

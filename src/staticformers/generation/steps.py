@@ -5,8 +5,8 @@ Every step function has one declared shape (`engine.py`) and comes in one of two
 - **whole**: `model(...)` inside one compiled function, one graph per shape. What a device that pays
   per graph launch wants (Neuron, CUDA), and what inductor's weight freezing needs.
 - **regions** (the default on the CPU): per shape, a `prepare` function (embedding, masks, rotary
-  tables), a `layer` function (one decoder layer) and a `head` function (final norm, `lm_head` on
-  the last position, argmax), each compiled. Every layer of the model runs the same layer graph: its
+  tables; compiled for decode, eager for prefill), a `layer` function (one decoder layer) and a
+  `head` function (final norm, `lm_head` on the last position, argmax), compiled. Every layer of the model runs the same layer graph: its
   weights and its slice of the KV cache (`cache.LayerKV`) are graph inputs, not constants, and the
   cache's `update` ignores the layer index, so nothing in the graph is specialised per layer (a model
   that mixes sliding-window and full layers gets one layer function per distinct window). The
@@ -39,14 +39,14 @@ from .cache import LayerSink, PrefillKV, StaticKVCache
 # ---------------------------------------------------------------------------------------------
 # whole-model steps
 # ---------------------------------------------------------------------------------------------
-def whole_prefill(model, length: int, attention: Optional[str] = None) -> Callable:
+def whole_prefill(model, length: int, attention: Optional[str] = None, head_matvec: bool = False) -> Callable:
     """`prefill(input_ids, position_ids, attention_mask) -> (argmax, logits, keys, values)` over a
     prompt bucket of `length` positions (keys/values per layer, prompt only)."""
     layers = model.config.num_hidden_layers
 
     def prefill(input_ids, position_ids, attention_mask):
         kv = PrefillKV(layers, length)
-        kv.decode_attention = attention
+        kv.decode_attention, kv.matvec_head = attention, head_matvec
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        kv_cache=kv, logits_to_keep=1).logits[:, -1]
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
@@ -95,11 +95,16 @@ class Regions:
     `checked=`).
 
     `compile_one(fn, name)` compiles one region for this shape. `cache` (decode) is the static cache
-    the step writes; `length` and `attention` (prefill) are the prompt bucket and its attention."""
+    the step writes; `length`, `attention` and `head_matvec` (prefill) are the prompt bucket, its
+    attention and whether its `lm_head` is a reduction.
+
+    A prefill's `prepare` runs eagerly: a handful of small ops once per prompt, where compiling them
+    would cost ~1.4 s per prompt bucket for ~0.1 ms saved per call. A decode's runs every step and is
+    compiled."""
 
     def __init__(self, kind: str, model, name: str, compile_one: Callable[[Callable, str], CompiledFunction],
                  cache: Optional[StaticKVCache] = None, length: Optional[int] = None,
-                 attention: Optional[str] = None):
+                 attention: Optional[str] = None, head_matvec: bool = False):
         self.model, self.kind = model, kind
         layers = list(model.model.layers)
         windows = []
@@ -107,22 +112,23 @@ class Regions:
             if layer.self_attn.window not in windows:
                 windows.append(layer.self_attn.window)
         region = decode_layer_region if kind == "decode" else prefill_layer_region
-        self.prepare = compile_one(prepare_region, f"{name}_prepare")
+        self.prepare = compile_one(prepare_region, f"{name}_prepare") if kind == "decode" else None
         self.layer = {w: compile_one(region, f"{name}_layer" + ("" if w is None else f"_window{w}")) for w in windows}
         self.head = compile_one(head_region, f"{name}_head")
         self.runs = [(layer, layer.self_attn.window) for layer in layers]
-        self.cache, self.sink = cache, LayerSink(length or 0, attention)
+        self.cache, self.sink, self.head_matvec = cache, LayerSink(length or 0, attention), head_matvec
         self.calls = 0
         self.first_call_seconds = 0.0
         # the regions as counted, guarded compiled functions; and as their raw code objects, which
         # Dynamo's run-only mode maps to the cached graphs without a wrapper per call
-        self._compiled = (self.prepare, self.layer, self.head)
-        self._raw = (self.prepare.code, {w: f.code for w, f in self.layer.items()}, self.head.code)
+        self._compiled = (self.prepare or prepare_region, self.layer, self.head)
+        self._raw = (self.prepare.code if self.prepare else prepare_region, {w: f.code for w, f in self.layer.items()},
+                     self.head.code)
         self._run_only: Optional[Callable] = None
 
     @property
     def parts(self) -> list[CompiledFunction]:
-        return [self.prepare, *self.layer.values(), self.head]
+        return ([self.prepare] if self.prepare else []) + [*self.layer.values(), self.head]
 
     @property
     def graphs(self) -> int:
@@ -172,5 +178,5 @@ class Regions:
             x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
             keys.append(k)
             values.append(v)
-        argmax, logits = head(self.model, x, False)
+        argmax, logits = head(self.model, x, self.head_matvec)
         return argmax, logits, tuple(keys), tuple(values)
