@@ -21,13 +21,13 @@ def strict(monkeypatch):
 
 @pytest.mark.parametrize("regional", [True, False])
 def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_checkpoints, strict, regional):
-    """Regions (the CPU default): a decode shape compiles prepare, one layer shared by both layers and
-    the head; a prefill shape the layer and the head (its prepare runs eagerly)."""
+    """Regions (the CPU default): a decode shape compiles prepare and one layer shared by both layers,
+    a prefill shape the layer (its prepare runs eagerly), a batch bucket one head for all its shapes."""
     from torch._dynamo.utils import counters
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine_for(model, PLAN)
-    per_shape = {"prefill": 2, "decode": 3} if regional else {"prefill": 1, "decode": 1}
+    per_shape = {"prefill": 1, "decode": 2, "head": 1} if regional else {"prefill": 1, "decode": 1}
     config = CompileConfig(backend="eager", regional=regional)
     gen = torch.Generator().manual_seed(0)
     calls = [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen)))
@@ -36,7 +36,8 @@ def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_chec
     outs = [model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=config,
                            eos_token_id=None) for b, n in calls]
     first = counters["stats"]["unique_graphs"]
-    assert 0 < first <= 4 * per_shape["prefill"] + 2 * per_shape["decode"] and PLAN.num_shapes == 6
+    assert 0 < first <= 4 * per_shape["prefill"] + 2 * per_shape["decode"] + 2 * per_shape.get("head", 0)
+    assert PLAN.num_shapes == 6
     counters.clear()
     for (b, n), out in zip(calls, outs):
         again = model.generate(out[:, :n], max_new_tokens=4, compile_config=config, eos_token_id=None)
@@ -45,7 +46,8 @@ def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_chec
     stats = model.compile_stats()
     assert sum(s["graphs"] for s in stats) == first
     assert all(s["graphs"] == s["functions"] == per_shape[s["kind"]] for s in stats)
-    assert {tuple(s["shape"]) for s in stats} <= {(1, 8), (1, 16), (2, 8), (2, 16), (1, 1, 32), (2, 1, 32)}
+    assert {tuple(s["shape"]) for s in stats} <= {(1, 8), (1, 16), (2, 8), (2, 16), (1, 1, 32), (2, 1, 32), (1, 1), (2, 1)}
+    assert any(s["kind"] == "head" for s in stats) == regional
 
 
 def test_compiled_matches_eager(tiny_checkpoints):
@@ -91,7 +93,8 @@ def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
                  for e, out, s in ((regional, out_r, r_settings), (whole, out_w, w_settings))]
         torch.testing.assert_close(steps[0][1], steps[1][1], rtol=0, atol=1e-5)
     rows = {(r["kind"], tuple(r["shape"])): r for r in regional.stats()}
-    assert rows["prefill", (2, 8)]["functions"] == 3 and rows["decode", (2, 1, 32)]["functions"] == 4  # 2 windows
+    assert rows["prefill", (2, 8)]["functions"] == 2 and rows["decode", (2, 1, 32)]["functions"] == 3  # 2 windows
+    assert rows["head", (2, 1)]["graphs"] == 1
     assert all(r["graphs"] == r["functions"] for r in rows.values())
 
 
@@ -174,6 +177,7 @@ def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
     got = model.generate(ids, max_new_tokens=7, compile_config=CompileConfig(backend="sf_test_counting"),
                          eos_token_id=None)
     assert torch.equal(got, want)
-    # graphs in order of compilation: prefill layer, head; decode prepare, layer, head
+    # graphs in order of compilation: prefill layer, the batch's head (prefill's and decode's), decode
+    # prepare, decode layer
     layers = model.config.num_hidden_layers
-    assert list(runs.values()) == [layers, 1, 6, 6 * layers, 6]
+    assert list(runs.values()) == [layers, 1 + 6, 6, 6 * layers]

@@ -71,7 +71,7 @@ def test_cli_generate_streams_and_compile_prints_the_plan(checkpoint):
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert "2 shapes at most" in res.stdout and "prefill" in res.stdout and "[1, 1, 16]" in res.stdout
-    assert "2 shapes, 5 graphs" in res.stdout  # on the CPU: prefill as 2 regions, decode as 3
+    assert "2 shapes, 4 graphs" in res.stdout  # on the CPU: prefill's layer, decode's prepare and layer, one head
     res = subprocess.run(cli + ["generate", checkpoint, "x" * 3000, "--device", "cpu", "--no-compile"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 2 and "largest prompt bucket" in res.stderr and "Traceback" not in res.stderr

@@ -48,7 +48,7 @@ from ..compile import CompiledFunction, compile_function, shape_violation
 from ..modeling import has_decoder_layout
 from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
-from .steps import Regions, whole_decode, whole_prefill
+from .steps import Regions, head_region, whole_decode, whole_prefill
 
 # the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
 FAST_DECODE_MAX_BATCH = 8
@@ -130,6 +130,7 @@ class Engine:
         self.plan = (plan or ShapePlan()).bind(model.config.max_position_embeddings)
         self.caches: dict[tuple, StaticKVCache] = {}
         self.graphs: dict[tuple, Graph] = {}
+        self.heads: dict[tuple, CompiledFunction] = {}  # regional layout: one head per (batch, formulation, settings)
         self.retired: list[dict] = []  # stats rows of graphs dropped for new weights (the graphs themselves are freed)
         self._ident, self._versions = _fingerprint(model)
 
@@ -152,7 +153,11 @@ class Engine:
         """Forget every graph and cache (they are rebuilt on demand)."""
         for g in self.graphs.values():
             self._retire(g)
+        for key, head in self.heads.items():
+            self.retired.append(self._head_row(key, head, retired=True))
+            head.release()
         self.graphs.clear()
+        self.heads.clear()
         self.caches.clear()
 
     # ---- caches and graphs -------------------------------------------------------------------------
@@ -187,11 +192,11 @@ class Engine:
         if g is not None:
             return g
         cache = attention = None
-        head_matvec = False
+        # a batch-1 lm_head on the last position is a reduction in prefill too (decode_formulation)
+        head_matvec = self._fast(batch, settings) and not self._tensor_parallel() and \
+            decode_formulation(batch, self.model.dtype)[2]
         if kind == "prefill":
-            if self._fast(batch, settings):
-                attention = prefill_attention(batch, self.model.dtype)
-                head_matvec = decode_formulation(batch, self.model.dtype)[2] and not self._tensor_parallel()
+            attention = prefill_attention(batch, self.model.dtype) if self._fast(batch, settings) else None
             fn, shape = whole_prefill(self.model, dim, attention, head_matvec), (batch, dim)
         else:
             cache = self.cache(batch, dim, settings)
@@ -200,13 +205,19 @@ class Engine:
         if settings.enabled:
             name = f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
 
-            def compile_one(f: Callable, label: str) -> CompiledFunction:
-                return compile_function(f, label, shape, settings.backend, settings.mode, dict(settings.options),
+            def compile_one(f: Callable, label: str, at: tuple = shape) -> CompiledFunction:
+                return compile_function(f, label, at, settings.backend, settings.mode, dict(settings.options),
                                         settings.fullgraph, settings.dynamic)
 
-            compiled = Regions(kind, self.model, name, compile_one, cache=cache, length=dim, attention=attention,
-                               head_matvec=head_matvec) \
-                if self.regional(settings) else compile_one(fn, name)
+            if self.regional(settings):
+                head_key = (batch, head_matvec, settings)
+                if head_key not in self.heads:
+                    label = f"head_b{batch}{'_matvec' if head_matvec else ''}_{settings.backend}"
+                    self.heads[head_key] = compile_one(head_region, label, (batch, 1))
+                compiled = Regions(kind, self.model, name, compile_one, self.heads[head_key], head_matvec,
+                                   cache=cache, length=dim, attention=attention)
+            else:
+                compiled = compile_one(fn, name)
         g = Graph(kind, shape, settings, fn, compiled)
         self.graphs[key] = g
         return g
@@ -256,7 +267,7 @@ class Engine:
         """Compile (or load from the on-disk cache) every graph of the plan; one row per graph.
 
         Each row: kind, shape, seconds (first call: trace + compile or cache load), cache hit (inductor's
-        FX-graph cache answered), graphs compiled.
+        FX-graph cache answered), graphs compiled (a batch bucket's shared head counts with its first shape).
         """
         from torch._dynamo.utils import counters
 
@@ -266,7 +277,7 @@ class Engine:
         jobs = [("prefill", b, n) for b, n in plan.prefill_shapes()] + [("decode", b, k) for b, k in plan.decode_shapes()]
         with torch.no_grad():
             for kind, b, n in jobs:
-                hits = counters["inductor"]["fxgraph_cache_hit"]
+                hits, before = counters["inductor"]["fxgraph_cache_hit"], self._graph_count()
                 start = time.perf_counter()
                 g = self.graph(kind, b, n, settings)
                 ids = torch.zeros(b, n if kind == "prefill" else 1, dtype=torch.long, device=device)
@@ -278,13 +289,17 @@ class Engine:
                 g.calls -= 1  # a warm-up, not a use
                 row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
                        "cache_hit": counters["inductor"]["fxgraph_cache_hit"] > hits,
-                       "graphs": g.compiled.graphs if g.compiled is not None else 0}
+                       "graphs": self._graph_count() - before}  # with a shared head compiled on the way
                 rows.append(row)
                 if progress is not None:
                     progress(row)
         return rows
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def _graph_count(self) -> int:
+        return sum(g.compiled.graphs for g in self.graphs.values() if g.compiled is not None) + \
+            sum(h.graphs for h in self.heads.values())
+
     def _retire(self, g: Graph) -> None:
         """Keep the graph's stats row; free its compiled code, which holds a KV cache and weights."""
         self.retired.append(self._row(g, retired=True))
@@ -293,7 +308,16 @@ class Engine:
         g.fn = g.compiled = None
 
     def stats(self) -> list[dict]:
-        return [self._row(g) for g in self.graphs.values()] + list(self.retired)
+        """One row per step function (its own graphs), one per shared head, and the retired ones."""
+        return ([self._row(g) for g in self.graphs.values()]
+                + [self._head_row(k, h) for k, h in self.heads.items()] + list(self.retired))
+
+    def _head_row(self, key: tuple, head: CompiledFunction, retired: bool = False) -> dict:
+        users = [g for g in self.graphs.values() if isinstance(g.compiled, Regions) and g.compiled.head is head]
+        return {"kind": "head", "shape": list(head.shape), "backend": key[2].label, "graphs": head.graphs,
+                "functions": 1, "compile_seconds": round(head.compile_seconds, 3),
+                "first_call_seconds": round(head.first_call_seconds, 3), "calls": sum(g.calls for g in users),
+                "retired": retired}
 
     @staticmethod
     def _row(g: Graph, retired: bool = False) -> dict:
@@ -303,7 +327,7 @@ class Engine:
             "shape": list(g.shape),
             "backend": g.settings.label,
             "graphs": c.graphs if c is not None else 0,
-            "functions": (len(c.parts) if isinstance(c, Regions) else 1) if c is not None else 0,
+            "functions": (len(c.own) if isinstance(c, Regions) else 1) if c is not None else 0,
             "compile_seconds": round(c.compile_seconds, 3) if c is not None else 0.0,
             "first_call_seconds": round(c.first_call_seconds, 3) if c is not None else 0.0,
             "calls": g.calls,

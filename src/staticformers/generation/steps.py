@@ -5,8 +5,9 @@ Every step function has one declared shape (`engine.py`) and comes in one of two
 - **whole**: `model(...)` inside one compiled function, one graph per shape. What a device that pays
   per graph launch wants (Neuron, CUDA), and what inductor's weight freezing needs.
 - **regions** (the default on the CPU): per shape, a `prepare` function (embedding, masks, rotary
-  tables; compiled for decode, eager for prefill), a `layer` function (one decoder layer) and a
-  `head` function (final norm, `lm_head` on the last position, argmax), compiled. Every layer of the model runs the same layer graph: its
+  tables; compiled for decode, eager for prefill) and a `layer` function (one decoder layer); per
+  batch bucket, a `head` function (final norm, `lm_head` on the last position, argmax) that the
+  bucket's prefill and decode shapes share. Every layer of the model runs the same layer graph: its
   weights and its slice of the KV cache (`cache.LayerKV`) are graph inputs, not constants, and the
   cache's `update` ignores the layer index, so nothing in the graph is specialised per layer (a model
   that mixes sliding-window and full layers gets one layer function per distinct window). The
@@ -84,8 +85,10 @@ def prefill_layer_region(layer, x, cos, sin, masks, sink):
 
 
 def head_region(model, hidden, matvec: bool):
-    """Final norm and `lm_head` on the last position (as a reduction when `matvec`), and its argmax."""
-    logits = project(model.lm_head, model.model.norm(hidden[:, -1:]), matvec)[:, -1]
+    """Final norm and `lm_head` on one position per row (`hidden` `[batch, 1, hidden]`; as a reduction
+    when `matvec`) and its argmax. Its shape depends on the batch alone, so one head serves every
+    prefill and decode shape of a batch bucket (the engine keeps them)."""
+    logits = project(model.lm_head, model.model.norm(hidden), matvec)[:, -1]
     return logits.argmax(-1), logits
 
 
@@ -94,17 +97,18 @@ class Regions:
     `CompiledFunction` (`graphs`, `compile_seconds`, `first_call_seconds`, `release`, calls with
     `checked=`).
 
-    `compile_one(fn, name)` compiles one region for this shape. `cache` (decode) is the static cache
-    the step writes; `length`, `attention` and `head_matvec` (prefill) are the prompt bucket, its
-    attention and whether its `lm_head` is a reduction.
+    `compile_one(fn, name)` compiles one region for this shape; `head` is the compiled `head_region`
+    of the batch bucket, shared with the bucket's other shapes (not counted here) and `head_matvec`
+    its argument. `cache` (decode) is the static cache the step writes; `length` and `attention`
+    (prefill) are the prompt bucket and its attention.
 
     A prefill's `prepare` runs eagerly: a handful of small ops once per prompt, where compiling them
     would cost ~1.4 s per prompt bucket for ~0.1 ms saved per call. A decode's runs every step and is
     compiled."""
 
     def __init__(self, kind: str, model, name: str, compile_one: Callable[[Callable, str], CompiledFunction],
-                 cache: Optional[StaticKVCache] = None, length: Optional[int] = None,
-                 attention: Optional[str] = None, head_matvec: bool = False):
+                 head: CompiledFunction, head_matvec: bool, cache: Optional[StaticKVCache] = None,
+                 length: Optional[int] = None, attention: Optional[str] = None):
         self.model, self.kind = model, kind
         layers = list(model.model.layers)
         windows = []
@@ -114,7 +118,7 @@ class Regions:
         region = decode_layer_region if kind == "decode" else prefill_layer_region
         self.prepare = compile_one(prepare_region, f"{name}_prepare") if kind == "decode" else None
         self.layer = {w: compile_one(region, f"{name}_layer" + ("" if w is None else f"_window{w}")) for w in windows}
-        self.head = compile_one(head_region, f"{name}_head")
+        self.head = head
         self.runs = [(layer, layer.self_attn.window) for layer in layers]
         self.cache, self.sink, self.head_matvec = cache, LayerSink(length or 0, attention), head_matvec
         self.calls = 0
@@ -127,19 +131,24 @@ class Regions:
         self._run_only: Optional[Callable] = None
 
     @property
+    def own(self) -> list[CompiledFunction]:
+        """The regions compiled for this shape alone (the shared head is the engine's)."""
+        return ([self.prepare] if self.prepare else []) + list(self.layer.values())
+
+    @property
     def parts(self) -> list[CompiledFunction]:
-        return ([self.prepare] if self.prepare else []) + [*self.layer.values(), self.head]
+        return self.own + [self.head]
 
     @property
     def graphs(self) -> int:
-        return sum(p.graphs for p in self.parts)
+        return sum(p.graphs for p in self.own)
 
     @property
     def compile_seconds(self) -> float:
-        return sum(p.compile_seconds for p in self.parts)
+        return sum(p.compile_seconds for p in self.own)
 
     def release(self) -> None:
-        for p in self.parts:
+        for p in self.own:
             p.release()
         self.runs, self.cache, self._compiled, self._raw, self._run_only = [], None, None, None, None
 
@@ -168,7 +177,7 @@ class Regions:
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, cache, cache_position)
         for (module, window), kv in zip(self.runs, cache.layer_views()):
             x = layer[window](module, x, cos, sin, masks, kv, cache_position)
-        return head(self.model, x, cache.matvec_head)
+        return head(self.model, x, self.head_matvec)
 
     def _prefill(self, fns: tuple, input_ids, position_ids, attention_mask):
         prepare, layer, head = fns
@@ -178,5 +187,6 @@ class Regions:
             x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
             keys.append(k)
             values.append(v)
-        argmax, logits = head(self.model, x, self.head_matvec)
+        # canonical strides, as decode passes: the head is shared and Dynamo guards on strides
+        argmax, logits = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_matvec)
         return argmax, logits, tuple(keys), tuple(values)
