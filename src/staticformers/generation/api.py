@@ -53,11 +53,15 @@ def compile_stats(model) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------
-# Inductor checks every input's size, stride and alignment on every call; the engine's graphs have
-# inputs whose shapes it checks itself (token ids, positions, masks), its own cache buffers and weights
-# it fingerprints before each call, and Dynamo's guards check the same when they run: ~0.05-0.1 ms a
-# decode step on this CPU (A/B, BENCHMARKS.md). Options given in CompileConfig win.
-INDUCTOR_DEFAULTS = {"size_asserts": False, "alignment_asserts": False}
+# Inductor options for the engine's graphs (options given in CompileConfig win):
+# - no size/stride/alignment asserts on every call: the engine checks its inputs' shapes itself (token
+#   ids, positions, masks), owns the cache buffers and fingerprints the weights before each call, and
+#   Dynamo's guards check the same when they run (~0.05-0.1 ms a decode step on this CPU, A/B);
+# - realize a pointwise result read by two or more consumers (default: more than four): otherwise
+#   the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming reduction,
+#   for every weight row (in bf16 two more loads and conversions per weight element); batch-1 bf16
+#   decode 4.04 -> 3.76 ms a token, A/B in one process, other cases unchanged (BENCHMARKS.md).
+INDUCTOR_DEFAULTS = {"size_asserts": False, "alignment_asserts": False, "realize_reads_threshold": 2}
 
 
 def _compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig]) -> CompileSettings:
