@@ -86,10 +86,15 @@ def prefill_layer_region(layer, x, cos, sin, masks, sink):
 
 def head_region(model, hidden, matvec: bool):
     """Final norm and `lm_head` on one position per row (`hidden` `[batch, 1, hidden]`; as a reduction
-    when `matvec`) and its argmax. Its shape depends on the batch alone, so one head serves every
-    prefill and decode shape of a batch bucket (the engine keeps them)."""
-    logits = project(model.lm_head, model.model.norm(hidden), matvec)[:, -1]
-    return logits.argmax(-1), logits
+    when `matvec`), its argmax, and the normalised hidden states. Its shape depends on the batch
+    alone, so one head serves every prefill and decode shape of a batch bucket (the engine keeps them).
+
+    The normalised states are returned (callers drop them) so that inductor stores them once: a
+    pointwise result with one consumer is otherwise inlined into that consumer, and the reduction
+    would recompute the norm for each of the vocabulary's rows (bf16 batch-1 head 1.45 -> 1.1 ms)."""
+    normed = model.model.norm(hidden)
+    logits = project(model.lm_head, normed, matvec)[:, -1]
+    return logits.argmax(-1), logits, normed
 
 
 class Regions:
@@ -177,7 +182,8 @@ class Regions:
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, cache, cache_position)
         for (module, window), kv in zip(self.runs, cache.layer_views()):
             x = layer[window](module, x, cos, sin, masks, kv, cache_position)
-        return head(self.model, x, self.head_matvec)
+        argmax, logits, _ = head(self.model, x, self.head_matvec)
+        return argmax, logits
 
     def _prefill(self, fns: tuple, input_ids, position_ids, attention_mask):
         prepare, layer, head = fns
@@ -188,5 +194,5 @@ class Regions:
             keys.append(k)
             values.append(v)
         # canonical strides, as decode passes: the head is shared and Dynamo guards on strides
-        argmax, logits = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_matvec)
+        argmax, logits, _ = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_matvec)
         return argmax, logits, tuple(keys), tuple(values)
