@@ -9,10 +9,11 @@ Design choices (the why of this file):
   graphs never exceed the plan and PyTorch's recompile limit is never approached. Before a compiled
   function runs, the engine checks its inputs have the declared shape (raise in tests, warn else).
 - **One shape, one graph or a few small ones.** On the CPU a shape compiles as regions (`steps.py`):
-  embedding and masks, one decoder layer that every layer runs, and the head; the compiler's work
-  stops growing with depth (a batch-1 decode shape of the 8-layer reference model: ~7 s instead of
-  ~21 s) and steps run as fast. Elsewhere, with weight freezing, or for a tensor-parallel or foreign
-  model, a shape is one whole-model graph. `CompileConfig(regional=...)` chooses explicitly.
+  one decoder layer that every layer runs, and for decode the embedding and masks; one head per
+  batch bucket serves all its shapes. The compiler's work stops growing with depth (a batch-1 decode
+  shape of the 8-layer reference model: ~4-6 s instead of ~21 s) and steps run as fast. Elsewhere,
+  with weight freezing, or for a tensor-parallel or foreign model, a shape is one whole-model
+  graph. `CompileConfig(regional=...)` chooses explicitly.
 - **Prefill does not depend on the KV length.** It attends over the prompt bucket only and returns
   each layer's keys/values; the engine copies them into the `[B, K]` static cache. So prefill graphs
   number `len(batch) * len(prompt)`, not times `len(kv)`.
@@ -26,8 +27,9 @@ Design choices (the why of this file):
   reductions over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for
   the linears and, in bf16, attend with reductions instead of the CPU SDPA kernel
   (`decode_formulation`); a batch-1 bf16 prefill attends with grouped matmuls
-  (`prefill_attention`), and a batch-1 prefill's `lm_head` on its last position is a reduction too. Chosen through attributes of the cache object; larger batches and
-  other backends run the model's plain path.
+  (`prefill_attention`), and a batch-1 prefill's `lm_head` on its last position is a reduction
+  too. Chosen through attributes of the cache object; larger batches and other backends run the
+  model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
   pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
   an in-place change (training) drops graphs whose weights were frozen into them (inductor freezing).
