@@ -14,7 +14,8 @@ from staticformers.modeling import attend, attend_blocks, packed_segments
 from staticformers.generation.cache import StaticKVCache
 from staticformers.generation.engine import decode_formulation, prefill_attention
 
-FORMS = [("reduce", True, True), ("reduce", False, False), ("matmul", False, False), ("matmul", False, True)]
+FORMS = [("reduce", True, True), ("reduce", False, False), ("matmul", False, False), ("matmul", False, True),
+         (None, False, True)]
 
 
 def run(model, ids, mask, kv_len, form):
@@ -39,7 +40,7 @@ def run(model, ids, mask, kv_len, form):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral-window"])
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0]}-linears{int(f[1])}-head{int(f[2])}")
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0] or 'plain'}-linears{int(f[1])}-head{int(f[2])}")
 def test_formulation_matches_plain_path(tiny_checkpoints, family, form):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family))
     torch.manual_seed(0)
@@ -67,7 +68,8 @@ def test_formulation_in_bf16_is_close(tiny_checkpoints):
 def test_policy_per_shape():
     assert decode_formulation(1, torch.float32) == ("reduce", True, True)
     assert decode_formulation(1, torch.bfloat16) == ("reduce", True, True)
-    assert decode_formulation(8, torch.float32) == (None, False, False)
+    assert decode_formulation(8, torch.float32) == (None, False, True)  # fp32 GEMMs with 2-8 rows are slow
+    assert decode_formulation(2, torch.bfloat16) == ("reduce", False, True)
     assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
     assert prefill_attention(1, torch.bfloat16) == "matmul"
     assert prefill_attention(1, torch.float32) is None and prefill_attention(8, torch.bfloat16) is None

@@ -65,10 +65,15 @@ def decode_formulation(batch: int, dtype: torch.dtype) -> tuple:
     weight row (4-6x slower in float32), and the BLAS's bf16 GEMMs beat our reductions. Attention there
     is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per layer at batch 8 in bf16);
     float32 batches keep the model's plain path (reductions measured slower, grouped matmuls no
-    clearer gain than the noise)."""
+    clearer gain than the noise). The `lm_head` (32,000 x 512 on the reference model) is a reduction
+    in float32 at every batch up to 8 and in bf16 up to batch 2: this PyTorch's fp32 GEMM reads that
+    weight at ~5 GB/s with 2-8 rows (12.1-14.2 ms against 2.2-3.6 ms for the reduction, head alone,
+    A/B), while its bf16 GEMM wins from batch 4 (2.5 vs 3.4 ms); the regional head stores the
+    normalised input once (`steps.head_region`), so nothing is recomputed per weight row."""
+    head = dtype == torch.float32 or batch <= 2
     if batch == 1:
-        return "reduce", True, True
-    return (None if dtype == torch.float32 else "reduce"), False, False
+        return "reduce", True, head
+    return (None if dtype == torch.float32 else "reduce"), False, head
 
 
 def prefill_attention(batch: int, dtype: torch.dtype) -> Optional[str]:
