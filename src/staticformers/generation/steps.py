@@ -12,7 +12,7 @@ Every step function has one declared shape (`engine.py`) and comes in one of two
   cache's `update` ignores the layer index, so nothing in the graph is specialised per layer (a model
   that mixes sliding-window and full layers gets one layer function per distinct window). The
   compiler's work then no longer grows with depth: on the 8-layer reference model a batch-1 decode
-  shape compiles in about 7 s instead of 21 s, and a step runs as fast as the whole graph (measured
+  shape compiles in about 4 s instead of 21 s, and a step runs as fast as the whole graph (measured
   A/B in one process, BENCHMARKS.md: the one fused whole-model kernel is no faster than eight calls
   of a per-layer one). The same regional layout makes the Trainer's first step short
   (`training/compiled.py`).
