@@ -8,11 +8,15 @@ folder (a marker file records the config), so every script and the peer load the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+# this checkout's package, unless one is importable already (installed, or a tree the caller put first:
+# an A/B of two trees must not silently run this one)
+if importlib.util.find_spec("staticformers") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 REFERENCE = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
