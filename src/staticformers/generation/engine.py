@@ -54,6 +54,7 @@ from .steps import Regions, head_region, whole_decode, whole_prefill
 
 # the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
 FAST_DECODE_MAX_BATCH = 8
+PLAIN = (None, False, False)  # a formulation: the model's own path (no reductions, its attention)
 
 
 def decode_formulation(batch: int, dtype: torch.dtype) -> tuple:
@@ -169,15 +170,22 @@ class Engine:
 
     # ---- caches and graphs -------------------------------------------------------------------------
     def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
-        # the matvec formulation reads weights directly, bypassing tensor parallel's module hooks
-        key = (batch, kv, self._fast(batch, settings) and not self._tensor_parallel())
+        form = self._formulation(batch, settings)
+        key = (batch, kv, form != PLAIN)
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
-            if key[2]:  # the formulation measured fastest for this batch and dtype (see decode_formulation)
-                cache.formulate(*decode_formulation(batch, self.model.dtype))
+            cache.formulate(*form)
             self.caches[key] = cache
         return cache
+
+    def _formulation(self, batch: int, settings: CompileSettings) -> tuple:
+        """(attention, linears as reductions, lm_head as a reduction) for this batch under `settings`: the
+        one measured fastest (`decode_formulation`) on inductor, else the model's plain path. The
+        reductions read weights directly, bypassing tensor parallel's module hooks, so not there."""
+        if self._fast(batch, settings) and not self._tensor_parallel():
+            return decode_formulation(batch, self.model.dtype)
+        return PLAIN
 
     def _tensor_parallel(self) -> bool:
         return getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
@@ -199,9 +207,7 @@ class Engine:
         if g is not None:
             return g
         cache = attention = None
-        # a batch-1 lm_head on the last position is a reduction in prefill too (decode_formulation)
-        head_matvec = self._fast(batch, settings) and not self._tensor_parallel() and \
-            decode_formulation(batch, self.model.dtype)[2]
+        head_matvec = self._formulation(batch, settings)[2]  # prefill's head as decode's (decode_formulation)
         if kind == "prefill":
             attention = prefill_attention(batch, self.model.dtype) if self._fast(batch, settings) else None
             fn, shape = whole_prefill(self.model, dim, attention, head_matvec), (batch, dim)
