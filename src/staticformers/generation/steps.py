@@ -116,10 +116,7 @@ class Regions:
                  length: Optional[int] = None, attention: Optional[str] = None):
         self.model, self.kind = model, kind
         layers = list(model.model.layers)
-        windows = []
-        for layer in layers:
-            if layer.self_attn.window not in windows:
-                windows.append(layer.self_attn.window)
+        windows = dict.fromkeys(layer.self_attn.window for layer in layers)  # distinct, in layer order
         region = decode_layer_region if kind == "decode" else prefill_layer_region
         self.prepare = compile_one(prepare_region, f"{name}_prepare") if kind == "decode" else None
         self.layer = {w: compile_one(region, f"{name}_layer" + ("" if w is None else f"_window{w}")) for w in windows}
@@ -134,15 +131,10 @@ class Regions:
         self._raw = (self.prepare.code if self.prepare else prepare_region, {w: f.code for w, f in self.layer.items()},
                      self.head.code)
         self._run_only: Optional[Callable] = None
-
-    @property
-    def own(self) -> list[CompiledFunction]:
-        """The regions compiled for this shape alone (the shared head is the engine's)."""
-        return ([self.prepare] if self.prepare else []) + list(self.layer.values())
-
-    @property
-    def parts(self) -> list[CompiledFunction]:
-        return self.own + [self.head]
+        # the regions compiled for this shape alone (the shared head is the engine's); fixed once built,
+        # so the per-step warm check below reads a list instead of building one
+        self.own: list[CompiledFunction] = ([self.prepare] if self.prepare else []) + list(self.layer.values())
+        self._parts = self.own + [self.head]  # every region a step runs
 
     @property
     def graphs(self) -> int:
@@ -156,10 +148,11 @@ class Regions:
         for p in self.own:
             p.release()
         self.runs, self.cache, self._compiled, self._raw, self._run_only = [], None, None, None, None
+        self.own, self._parts = [], []
 
     def __call__(self, *args, checked: bool = False):
         start = time.perf_counter()
-        if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self.parts):
+        if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
             # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
             # for the whole step instead of one per region (~25 us each on this CPU)
             if self._run_only is None:
