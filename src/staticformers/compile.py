@@ -11,7 +11,8 @@ recompile limit, never a silent fallback to eager). This module gives both:
   `STATICFORMERS_STRICT_SHAPES=1`) or warns in production when a second graph appears for one shape.
 - `cache_root()` is `~/.cache/staticformers` or `$STATICFORMERS_CACHE`; `enable_persistent_cache()`
   points inductor's FX-graph / AOTAutograd caches (and the Neuron compiler's cache) there, unless the
-  user already chose a place, so a second process compiles nothing it compiled before.
+  user already chose a place, so a second process compiles nothing it compiled before; inductor's
+  per-process CPU instruction-set probes are remembered there too (`isa_probes.py`, ~1 s a process).
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def enable_persistent_cache() -> str:
         functorch_config.enable_autograd_cache = True
     except Exception:  # pragma: no cover - a torch without inductor
         pass
+    from .isa_probes import RECORD, remember_isa_probes
+
+    remember_isa_probes(lambda: os.path.join(cache_root(), RECORD))
     _ENABLED_FOR = root
     return root
 
