@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from staticformers import AutoModelForCausalLM
 from staticformers.modeling import attend, attend_blocks, packed_segments
 from staticformers.generation.cache import StaticKVCache
-from staticformers.generation.engine import decode_formulation, prefill_attention
+from staticformers.generation.engine import decode_formulation, gemm_kernel, prefill_formulation
+from staticformers.kernels import onednn_available
 
-FORMS = [("reduce", True, True), ("reduce", False, False), ("matmul", False, False), ("matmul", False, True),
-         (None, False, True)]
+FORMS = [("reduce", "reduce", "reduce"), ("reduce", None, None), ("matmul", None, None), ("matmul", None, "reduce"),
+         (None, None, "reduce"), (None, "onednn", "onednn"), ("reduce", "onednn", "reduce")]
 
 
 def run(model, ids, mask, kv_len, form):
@@ -23,7 +24,7 @@ def run(model, ids, mask, kv_len, form):
     b, s = ids.shape
     cache = StaticKVCache.for_model(model, b, kv_len)
     if form is not None:
-        cache.decode_attention, cache.matvec_linears, cache.matvec_head = form
+        cache.formulate(*form)
     full = torch.zeros(b, kv_len, dtype=torch.bool)
     full[:, :s] = mask
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -40,7 +41,7 @@ def run(model, ids, mask, kv_len, form):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "mistral-window"])
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0] or 'plain'}-linears{int(f[1])}-head{int(f[2])}")
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f[0] or 'plain'}-linears-{f[1]}-head-{f[2]}")
 def test_formulation_matches_plain_path(tiny_checkpoints, family, form):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family))
     torch.manual_seed(0)
@@ -66,13 +67,25 @@ def test_formulation_in_bf16_is_close(tiny_checkpoints):
 
 
 def test_policy_per_shape():
-    assert decode_formulation(1, torch.float32) == ("reduce", True, True)
-    assert decode_formulation(1, torch.bfloat16) == ("reduce", True, True)
-    assert decode_formulation(8, torch.float32) == (None, False, True)  # fp32 GEMMs with 2-8 rows are slow
-    assert decode_formulation(2, torch.bfloat16) == ("reduce", False, True)
-    assert decode_formulation(4, torch.bfloat16) == ("reduce", False, False)
-    assert prefill_attention(1, torch.bfloat16) == "matmul"
-    assert prefill_attention(1, torch.float32) is None and prefill_attention(8, torch.bfloat16) is None
+    assert decode_formulation(1, torch.float32, "onednn") == ("reduce", "reduce", "reduce")
+    assert decode_formulation(1, torch.bfloat16) == ("reduce", "reduce", "reduce")
+    # fp32 GEMMs with 2-8 rows are slow for the 32,000-row head: a reduction there
+    assert decode_formulation(8, torch.float32, "onednn") == (None, "onednn", "reduce")
+    assert decode_formulation(2, torch.bfloat16) == ("reduce", None, "reduce")
+    assert decode_formulation(4, torch.bfloat16) == ("reduce", None, None)
+    assert decode_formulation(16, torch.float32, "onednn") == (None, "onednn", "onednn")
+    assert decode_formulation(16, torch.bfloat16) == (None, None, None)
+    assert prefill_formulation(1, torch.bfloat16) == ("matmul", None, "reduce")
+    assert prefill_formulation(1, torch.float32, "onednn") == (None, "onednn", "reduce")
+    assert prefill_formulation(8, torch.bfloat16) == (None, None, None)
+    assert prefill_formulation(16, torch.float32, "onednn") == (None, "onednn", "onednn")
+
+
+def test_onednn_gemm_only_for_float32_on_the_cpu():
+    want = "onednn" if onednn_available() else None
+    assert gemm_kernel(torch.float32, torch.device("cpu")) == want
+    assert gemm_kernel(torch.bfloat16, torch.device("cpu")) is None
+    assert gemm_kernel(torch.float32, torch.device("meta")) is None
 
 
 @pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])

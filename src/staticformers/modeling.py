@@ -15,12 +15,13 @@ Design choices, so that the generation engine, the trainer and tensor parallelis
 - Heads are read from the weights' shapes at run time (`-1` in views), so a tensor-parallel plan that
   shards q/k/v column-wise needs nothing from this file.
 - No parallelism, no device logic, no compile calls here.
-- A cache object may also choose the formulation of its forward (`kv_cache.matvec_linears`,
-  `kv_cache.matvec_head`, `kv_cache.decode_attention`; off when absent): the generation engine's
-  compiled decode can read every weight once as a multiply-and-sum reduction and attend with fused
-  reductions ("reduce", one query per row) or grouped matmuls ("matmul"), query heads reshaped per
-  KV head with no KV copy, which inductor turns into weight-streaming loops. Same math, same dtypes
-  out; without such a cache `model(...)` is unchanged.
+- A cache object may also choose the formulation of its forward (`kv_cache.linears`,
+  `kv_cache.head_linear`, `kv_cache.decode_attention`; the plain path when absent): the generation
+  engine's compiled steps can read every weight once as a multiply-and-sum reduction ("reduce"),
+  run the GEMMs through oneDNN ("onednn", `kernels.py`), and attend with fused reductions ("reduce",
+  one query per row) or grouped matmuls ("matmul"), query heads reshaped per KV head with no KV
+  copy, which inductor turns into weight-streaming loops. Same math, same dtypes out; without such
+  a cache `model(...)` is unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kernels import onednn_linear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,13 +175,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def project(layer: nn.Linear, x: torch.Tensor, matvec: bool = False) -> torch.Tensor:
-    """`layer(x)`, or (matvec) the same product as a float32 multiply-and-sum over the weight rows.
+def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> torch.Tensor:
+    """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
+    as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
-    The matvec form puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
+    The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
     loop inductor generates reads each weight row once for all the tokens of a small decode batch."""
-    if not matvec:
+    if how is None:
         return layer(x)
+    if how == "onednn":
+        return onednn_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
     y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
     if layer.bias is not None:
@@ -279,7 +284,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None):
         b, s, _ = x.shape
-        mv = getattr(kv_cache, "matvec_linears", False)
+        mv = getattr(kv_cache, "linears", None)
         q = project(self.q_proj, x, mv).view(b, s, -1, self.head_dim)
         k = project(self.k_proj, x, mv).view(b, s, -1, self.head_dim)
         v = project(self.v_proj, x, mv).view(b, s, -1, self.head_dim)
@@ -307,10 +312,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def forward(self, x, matvec: bool = False):
-        if matvec:
-            return project(self.down_proj, F.silu(project(self.gate_proj, x, True)) * project(self.up_proj, x, True), True)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, how: Optional[str] = None):
+        """`how`: how the three linears compute (`project`); the plain modules when None."""
+        return project(self.down_proj, F.silu(project(self.gate_proj, x, how)) * project(self.up_proj, x, how), how)
 
 
 class DecoderLayer(nn.Module):
@@ -324,7 +328,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None):
         mask = masks[self.self_attn.window]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position)
-        return x + self.mlp(self.post_attention_layernorm(x), getattr(kv_cache, "matvec_linears", False))
+        return x + self.mlp(self.post_attention_layernorm(x), getattr(kv_cache, "linears", None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,7 +559,7 @@ class CausalLM(nn.Module):
                 hidden = hidden[:, -logits_to_keep:]
         else:
             hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
-        logits = project(self.lm_head, hidden, getattr(kv_cache, "matvec_head", False))
+        logits = project(self.lm_head, hidden, getattr(kv_cache, "head_linear", None))
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)

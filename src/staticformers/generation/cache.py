@@ -34,11 +34,11 @@ class StaticKVCache:
         shape = (self.batch, kv_heads, self.max_length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.formulate(None, False, False)
+        self.formulate(None, None, None)
 
-    def formulate(self, attention: Optional[str], matvec_linears: bool, matvec_head: bool) -> None:
+    def formulate(self, attention: Optional[str], linears: Optional[str], head_linear: Optional[str]) -> None:
         """How a decode over this cache computes (read by `modeling.py`; see `engine.decode_formulation`)."""
-        self.decode_attention, self.matvec_linears, self.matvec_head = attention, matvec_linears, matvec_head
+        self.decode_attention, self.linears, self.head_linear = attention, linears, head_linear
         self._views = [LayerKV(self, i) for i in range(len(self.keys))]
 
     def layer_views(self) -> list["LayerKV"]:
@@ -78,7 +78,7 @@ class LayerKV:
     def __init__(self, cache: StaticKVCache, layer_idx: int):
         self.key, self.value = cache.keys[layer_idx], cache.values[layer_idx]
         self.max_length = cache.max_length
-        self.decode_attention, self.matvec_linears = cache.decode_attention, cache.matvec_linears
+        self.decode_attention, self.linears = cache.decode_attention, cache.linears
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
         self.key.index_copy_(2, cache_position, k)
@@ -88,11 +88,11 @@ class LayerKV:
 
 class LayerSink:
     """One layer's prefill keys and values, kept as they are produced (the prompt-only cache of one
-    layer); `decode_attention` is the prefill formulation (`engine.prefill_attention`)."""
+    layer); `decode_attention` and `linears` are the prefill formulation (`engine.prefill_formulation`)."""
 
-    def __init__(self, max_length: int, decode_attention: Optional[str] = None):
+    def __init__(self, max_length: int, decode_attention: Optional[str] = None, linears: Optional[str] = None):
         self.max_length = int(max_length)
-        self.decode_attention = decode_attention
+        self.decode_attention, self.linears = decode_attention, linears
         self.key = self.value = None
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):

@@ -22,14 +22,13 @@ Design choices (the why of this file):
   the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
   Graphs return the argmax and the last logits; greedy uses the argmax, anything else runs
   `sampling.Sampler` on the device. Only chosen ids come back.
-- **Small-batch decode picks its formulation.** Under inductor, batch-1 decode runs every linear as
-  a weight-streaming multiply-and-sum reduction (`modeling.project`) and attention as fused
-  reductions over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for
-  the linears and, in bf16, attend with reductions instead of the CPU SDPA kernel
-  (`decode_formulation`); a batch-1 bf16 prefill attends with grouped matmuls
-  (`prefill_attention`), and a batch-1 prefill's `lm_head` on its last position is a reduction
-  too. Chosen through attributes of the cache object; larger batches and other backends run the
-  model's plain path.
+- **Each shape picks its formulation.** Under inductor, batch-1 decode runs every linear as a
+  weight-streaming multiply-and-sum reduction (`modeling.project`) and attention as fused reductions
+  over the cache (`modeling.attend_decode`: no matmul calls); batches 2-8 keep GEMMs for the linears
+  and, in bf16, attend with reductions instead of the CPU SDPA kernel (`decode_formulation`); a
+  batch-1 bf16 prefill attends with grouped matmuls, and a batch's prefill shares its decode's head
+  (`prefill_formulation`). Float32 GEMMs on the CPU run oneDNN's kernel (`gemm_kernel`). Chosen
+  through attributes of the cache object; other backends run the model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
   pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
   an in-place change (training) drops graphs whose weights were frozen into them (inductor freezing).
@@ -47,6 +46,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..compile import CompiledFunction, compile_function, shape_violation
+from ..kernels import onednn_available
 from ..modeling import has_decoder_layout
 from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
@@ -54,33 +54,49 @@ from .steps import Regions, head_region, whole_decode, whole_prefill
 
 # the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
 FAST_DECODE_MAX_BATCH = 8
-PLAIN = (None, False, False)  # a formulation: the model's own path (no reductions, its attention)
+PLAIN = (None, None, None)  # a formulation (attention, linears, head's linear): the model's own path
 
 
-def decode_formulation(batch: int, dtype: torch.dtype) -> tuple:
-    """(attention, linears as reductions, lm_head as a reduction) for an inductor decode graph.
+def gemm_kernel(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """The GEMM behind a formulation's linears that are not reductions: oneDNN's (`kernels.py`) for
+    float32 on the CPU, where this PyTorch's MKL sgemm measured 10-35% slower (BENCHMARKS.md: float32
+    prefill of 128 tokens 55 -> 47 ms, batch-8 decode step -10%); the module's own everywhere else
+    (bfloat16 already runs oneDNN's)."""
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and onednn_available():
+        return "onednn"
+    return None
+
+
+def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> tuple:
+    """(attention, linears, head's linear) for an inductor decode graph; `gemm` is `gemm_kernel(...)`.
 
     Measured on the 41.6M reference model (BENCHMARKS.md): at batch 1 every linear is a weight-
-    streaming reduction and attention fused reductions (no matmul calls). At batch 2-8 the linears stay
-    GEMMs: inductor fuses the producing norm or activation into a reduction and recomputes it for each
-    weight row (4-6x slower in float32), and the BLAS's bf16 GEMMs beat our reductions. Attention there
-    is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per layer at batch 8 in bf16);
-    float32 batches keep the model's plain path (reductions measured slower, grouped matmuls no
-    clearer gain than the noise). The `lm_head` (32,000 x 512 on the reference model) is a reduction
-    in float32 at every batch up to 8 and in bf16 up to batch 2: this PyTorch's fp32 GEMM reads that
-    weight at ~5 GB/s with 2-8 rows (12.1-14.2 ms against 2.2-3.6 ms for the reduction, head alone,
-    A/B), while its bf16 GEMM wins from batch 4 (2.5 vs 3.4 ms); the regional head stores the
-    normalised input once (`steps.head_region`), so nothing is recomputed per weight row."""
-    head = dtype == torch.float32 or batch <= 2
+    streaming reduction ("reduce") and attention fused reductions (no matmul calls). At batch 2-8 the
+    linears stay GEMMs: inductor fuses the producing norm or activation into a reduction and
+    recomputes it for each weight row (4-6x slower in float32), and the BLAS's bf16 GEMMs beat our
+    reductions. Attention there is fused reductions in bf16 (the CPU's SDPA kernel costs ~1.2 ms per
+    layer at batch 8 in bf16); float32 batches keep the model's plain attention (reductions measured
+    slower, grouped matmuls no clearer gain than the noise). The `lm_head` (32,000 x 512 on the
+    reference model) is a reduction in float32 at every batch up to 8 and in bf16 up to batch 2: this
+    PyTorch's fp32 GEMM reads that weight at ~5 GB/s with 2-8 rows (12.1-14.2 ms against 2.2-3.6 ms
+    for the reduction, head alone, A/B), while its bf16 GEMM wins from batch 4 (2.5 vs 3.4 ms); the
+    regional head stores the normalised input once (`steps.head_region`), so nothing is recomputed per
+    weight row. Past batch 8 everything is a GEMM."""
+    if batch > FAST_DECODE_MAX_BATCH:
+        return None, gemm, gemm
+    head = "reduce" if dtype == torch.float32 or batch <= 2 else gemm
     if batch == 1:
-        return "reduce", True, head
-    return (None if dtype == torch.float32 else "reduce"), False, head
+        return "reduce", "reduce", head
+    return (None if dtype == torch.float32 else "reduce"), gemm, head
 
 
-def prefill_attention(batch: int, dtype: torch.dtype) -> Optional[str]:
-    """The attention of an inductor prefill graph: grouped matmuls for one bf16 prompt (the CPU SDPA
-    kernel with a mask is ~20% slower there); SDPA otherwise, where it measured equal or faster."""
-    return "matmul" if batch == 1 and dtype != torch.float32 else None
+def prefill_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> tuple:
+    """(attention, linears, head's linear) for an inductor prefill graph: GEMMs through `gemm`; grouped
+    matmuls for one bf16 prompt's attention (the CPU SDPA kernel with a mask is ~20% slower there),
+    SDPA otherwise, where it measured equal or faster; the head (one position per row) as decode's
+    at this batch, since the two share it."""
+    attention = "matmul" if batch == 1 and dtype != torch.float32 else None
+    return attention, gemm, decode_formulation(batch, dtype, gemm)[2]
 
 logger = logging.getLogger("staticformers")
 
@@ -170,7 +186,7 @@ class Engine:
 
     # ---- caches and graphs -------------------------------------------------------------------------
     def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
-        form = self._formulation(batch, settings)
+        form = self._formulation("decode", batch, settings)
         key = (batch, kv, form != PLAIN)
         cache = self.caches.get(key)
         if cache is None:
@@ -179,13 +195,15 @@ class Engine:
             self.caches[key] = cache
         return cache
 
-    def _formulation(self, batch: int, settings: CompileSettings) -> tuple:
-        """(attention, linears as reductions, lm_head as a reduction) for this batch under `settings`: the
-        one measured fastest (`decode_formulation`) on inductor, else the model's plain path. The
-        reductions read weights directly, bypassing tensor parallel's module hooks, so not there."""
-        if self._fast(batch, settings) and not self._tensor_parallel():
-            return decode_formulation(batch, self.model.dtype)
-        return PLAIN
+    def _formulation(self, kind: str, batch: int, settings: CompileSettings) -> tuple:
+        """(attention, linears, head's linear) of a `kind` step at this batch under `settings`: the one
+        measured fastest (`decode_formulation`, `prefill_formulation`) on inductor, else the model's
+        plain path. The formulations read weights directly, bypassing tensor parallel's module hooks,
+        so not there."""
+        if not self._fast(settings) or self._tensor_parallel():
+            return PLAIN
+        chooser = decode_formulation if kind == "decode" else prefill_formulation
+        return chooser(batch, self.model.dtype, gemm_kernel(self.model.dtype, self.model.device))
 
     def _tensor_parallel(self) -> bool:
         return getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
@@ -198,19 +216,19 @@ class Engine:
                 and has_decoder_layout(self.model) and not self._tensor_parallel())
 
     @staticmethod
-    def _fast(batch: int, settings: CompileSettings) -> bool:
-        return settings.enabled and settings.backend == "inductor" and settings.fast_decode and batch <= FAST_DECODE_MAX_BATCH
+    def _fast(settings: CompileSettings) -> bool:
+        return settings.enabled and settings.backend == "inductor" and settings.fast_decode
 
     def graph(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
         key = (kind, batch, dim, settings)
         g = self.graphs.get(key)
         if g is not None:
             return g
-        cache = attention = None
-        head_matvec = self._formulation(batch, settings)[2]  # prefill's head as decode's (decode_formulation)
+        cache = None
+        form = self._formulation(kind, batch, settings)
+        head_linear = form[2]  # the same for a batch's prefill and decode: they share the head
         if kind == "prefill":
-            attention = prefill_attention(batch, self.model.dtype) if self._fast(batch, settings) else None
-            fn, shape = whole_prefill(self.model, dim, attention, head_matvec), (batch, dim)
+            fn, shape = whole_prefill(self.model, dim, form), (batch, dim)
         else:
             cache = self.cache(batch, dim, settings)
             fn, shape = whole_decode(self.model, cache), (batch, 1, dim)
@@ -223,12 +241,12 @@ class Engine:
                                         settings.fullgraph, settings.dynamic)
 
             if self.regional(settings):
-                head_key = (batch, head_matvec, settings)
+                head_key = (batch, head_linear, settings)
                 if head_key not in self.heads:
-                    label = f"head_b{batch}{'_matvec' if head_matvec else ''}_{settings.backend}"
+                    label = f"head_b{batch}{'_' + head_linear if head_linear else ''}_{settings.backend}"
                     self.heads[head_key] = compile_one(head_region, label, (batch, 1))
-                compiled = Regions(kind, self.model, name, compile_one, self.heads[head_key], head_matvec,
-                                   cache=cache, length=dim, attention=attention)
+                compiled = Regions(kind, self.model, name, compile_one, self.heads[head_key], head_linear,
+                                   cache=cache, length=dim, prefill_form=form)
             else:
                 compiled = compile_one(fn, name)
         g = Graph(kind, shape, settings, fn, compiled)

@@ -40,14 +40,15 @@ from .cache import LayerSink, PrefillKV, StaticKVCache
 # ---------------------------------------------------------------------------------------------
 # whole-model steps
 # ---------------------------------------------------------------------------------------------
-def whole_prefill(model, length: int, attention: Optional[str] = None, head_matvec: bool = False) -> Callable:
+def whole_prefill(model, length: int, form: tuple = (None, None, None)) -> Callable:
     """`prefill(input_ids, position_ids, attention_mask) -> (argmax, logits, keys, values)` over a
-    prompt bucket of `length` positions (keys/values per layer, prompt only)."""
+    prompt bucket of `length` positions (keys/values per layer, prompt only); `form` is the engine's
+    (attention, linears, head's linear)."""
     layers = model.config.num_hidden_layers
 
     def prefill(input_ids, position_ids, attention_mask):
         kv = PrefillKV(layers, length)
-        kv.decode_attention, kv.matvec_head = attention, head_matvec
+        kv.decode_attention, kv.linears, kv.head_linear = form
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        kv_cache=kv, logits_to_keep=1).logits[:, -1]
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
@@ -84,16 +85,16 @@ def prefill_layer_region(layer, x, cos, sin, masks, sink):
     return x, sink.key, sink.value
 
 
-def head_region(model, hidden, matvec: bool):
-    """Final norm and `lm_head` on one position per row (`hidden` `[batch, 1, hidden]`; as a reduction
-    when `matvec`), its argmax, and the normalised hidden states. Its shape depends on the batch
+def head_region(model, hidden, how: Optional[str]):
+    """Final norm and `lm_head` on one position per row (`hidden` `[batch, 1, hidden]`; computed `how`,
+    see `modeling.project`), its argmax, and the normalised hidden states. Its shape depends on the batch
     alone, so one head serves every prefill and decode shape of a batch bucket (the engine keeps them).
 
     The normalised states are returned (callers drop them) so that inductor stores them once: a
     pointwise result with one consumer is otherwise inlined into that consumer, and the reduction
     would recompute the norm for each of the vocabulary's rows (bf16 batch-1 head 1.45 -> 1.1 ms)."""
     normed = model.model.norm(hidden)
-    logits = project(model.lm_head, normed, matvec)[:, -1]
+    logits = project(model.lm_head, normed, how)[:, -1]
     return logits.argmax(-1), logits, normed
 
 
@@ -103,17 +104,17 @@ class Regions:
     `checked=`).
 
     `compile_one(fn, name)` compiles one region for this shape; `head` is the compiled `head_region`
-    of the batch bucket, shared with the bucket's other shapes (not counted here) and `head_matvec`
-    its argument. `cache` (decode) is the static cache the step writes; `length` and `attention`
-    (prefill) are the prompt bucket and its attention.
+    of the batch bucket, shared with the bucket's other shapes (not counted here) and `head_linear`
+    its argument. `cache` (decode) is the static cache the step writes; `length` and `prefill_form`
+    (prefill) are the prompt bucket and the engine's formulation of it (attention, linears, head).
 
     A prefill's `prepare` runs eagerly: a handful of small ops once per prompt, where compiling them
     would cost ~1.4 s per prompt bucket for ~0.1 ms saved per call. A decode's runs every step and is
     compiled."""
 
     def __init__(self, kind: str, model, name: str, compile_one: Callable[[Callable, str], CompiledFunction],
-                 head: CompiledFunction, head_matvec: bool, cache: Optional[StaticKVCache] = None,
-                 length: Optional[int] = None, attention: Optional[str] = None):
+                 head: CompiledFunction, head_linear: Optional[str], cache: Optional[StaticKVCache] = None,
+                 length: Optional[int] = None, prefill_form: tuple = (None, None, None)):
         self.model, self.kind = model, kind
         layers = list(model.model.layers)
         windows = dict.fromkeys(layer.self_attn.window for layer in layers)  # distinct, in layer order
@@ -122,7 +123,8 @@ class Regions:
         self.layer = {w: compile_one(region, f"{name}_layer" + ("" if w is None else f"_window{w}")) for w in windows}
         self.head = head
         self.runs = [(layer, layer.self_attn.window) for layer in layers]
-        self.cache, self.sink, self.head_matvec = cache, LayerSink(length or 0, attention), head_matvec
+        self.cache, self.head_linear = cache, head_linear
+        self.sink = LayerSink(length or 0, *prefill_form[:2])
         self.calls = 0
         self.first_call_seconds = 0.0
         # the regions as counted, guarded compiled functions; and as their raw code objects, which
@@ -175,7 +177,7 @@ class Regions:
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, cache, cache_position)
         for (module, window), kv in zip(self.runs, cache.layer_views()):
             x = layer[window](module, x, cos, sin, masks, kv, cache_position)
-        argmax, logits, _ = head(self.model, x, self.head_matvec)
+        argmax, logits, _ = head(self.model, x, self.head_linear)
         return argmax, logits
 
     def _prefill(self, fns: tuple, input_ids, position_ids, attention_mask):
@@ -187,5 +189,5 @@ class Regions:
             keys.append(k)
             values.append(v)
         # canonical strides, as decode passes: the head is shared and Dynamo guards on strides
-        argmax, logits, _ = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_matvec)
+        argmax, logits, _ = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_linear)
         return argmax, logits, tuple(keys), tuple(values)

@@ -1,0 +1,59 @@
+"""Kernels the generation engine calls that compiled graphs cannot reach through PyTorch's own ops.
+
+Why this exists: on the CPU, `F.linear` / `torch.mm` in float32 go to MKL's sgemm, while bfloat16
+goes to oneDNN. On the reference machine (AMD EPYC, Zen 4) oneDNN's float32 matmul is 10-35% faster
+than MKL's for every shape a decoder runs (8 to 1,024 rows, 512-3,072 columns; BENCHMARKS.md), and a
+128-token float32 prefill spends ~80% of its time there. PyTorch exposes that kernel as
+`torch.ops.mkldnn._linear_pointwise`, but inductor lowers that op only when the weight is a frozen
+constant, and our graphs take weights as inputs (one layer graph serves every layer). So it is wrapped
+here as an opaque operator, `staticformers::onednn_linear`, that graphs call like any extern kernel
+(with a shape function for tracing), at ~25 us a call of dispatch, measured against ~0.1-1 ms of work.
+
+The operator is for inference (no autograd formula); `linear` falls back to `F.linear` wherever
+oneDNN is not built in.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+OP = "staticformers::onednn_linear"
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias, "none", [], "")
+
+
+def _define() -> bool:
+    """Define the operator (once, at import) when this PyTorch has oneDNN's linear; whether it did."""
+    global _LIBRARY
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    _LIBRARY = torch.library.Library("staticformers", "DEF")
+    _LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    _LIBRARY.impl("onednn_linear", _onednn_linear, "CPU")
+
+    @torch.library.register_fake(OP)
+    def _shape(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    return True
+
+
+_LIBRARY = None
+ONEDNN = _define()  # a plain flag: read inside traced code
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch has oneDNN's linear (and so the operator)."""
+    return ONEDNN
+
+
+def onednn_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` computed by oneDNN (float32 on the CPU); `layer(x)` itself where oneDNN is absent."""
+    if not ONEDNN:
+        return F.linear(x, layer.weight, layer.bias)
+    return torch.ops.staticformers.onednn_linear(x, layer.weight, layer.bias)
