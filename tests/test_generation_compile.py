@@ -181,3 +181,30 @@ def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
     # prepare, decode layer
     layers = model.config.num_hidden_layers
     assert list(runs.values()) == [layers, 1 + 6, 6, 6 * layers]
+
+
+@pytest.mark.parametrize("how", ["parameter", "module", "in_place_data"])
+def test_weights_replaced_on_a_module_are_seen(tiny_checkpoints, how):
+    """The engine's fingerprint reads the modules' own parameter dicts (and walks the module tree again
+    after any module registration): a parameter or module swapped in, or new data behind a parameter,
+    drops the graphs instead of running them on the old weights."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = engine_for(model, PLAN)
+    ids = torch.randint(3, 128, (1, 5))
+    before = model.generate(ids, max_new_tokens=3, compile_config=CompileConfig(backend="eager"), eos_token_id=None)
+    assert engine.graphs
+    mlp = model.model.layers[0].mlp
+    if how == "parameter":
+        mlp.down_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.down_proj.weight))
+    elif how == "module":
+        fresh = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+        torch.nn.init.zeros_(fresh.weight)
+        mlp.down_proj = fresh
+    else:
+        mlp.down_proj.weight.data = torch.zeros_like(mlp.down_proj.weight)
+    engine.check_weights()
+    assert not engine.graphs  # dropped: rebuilt on demand for the new weights
+    after = model.generate(ids, max_new_tokens=3, compile_config=CompileConfig(backend="eager"), eos_token_id=None)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=3, disable_compile=True, eos_token_id=None)
+    assert torch.equal(after, want) and before.shape == after.shape
