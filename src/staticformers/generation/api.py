@@ -226,8 +226,8 @@ def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Te
                   torch.nn.functional.pad(sub_mask, (0, 0, 0, pad_rows)), model.config.vocab_size, device)
     eos = set(req.eos)
     with torch.no_grad():
-        argmax, logits, cache, full_mask, next_pos = engine.prefill(entry, sub_ids, sub_mask, req.settings)
-        mask_dev = full_mask.to(device)
+        argmax, logits, fill_cache, full_mask, next_pos = engine.prefill(entry, sub_ids, sub_mask, req.settings)
+        mask_dev = None  # the cache is filled and the mask sent after the first token is out
         B = entry.batch
         positions = next_pos.view(B, 1)
         finished = [False] * b
@@ -246,6 +246,9 @@ def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Te
                 streamer.put(torch.tensor(row, dtype=torch.long))
             if all(finished) or step == req.max_new_tokens - 1:
                 break
+            if mask_dev is None:
+                fill_cache()
+                mask_dev = full_mask.to(device)
             tokens = torch.tensor(row + [req.pad] * (B - b), dtype=torch.long).view(B, 1)
             slot = torch.tensor([entry.prompt + step], dtype=torch.long)
             argmax, logits = engine.decode(entry, tokens.to(device), (positions + step).to(device), mask_dev,

@@ -279,10 +279,12 @@ class Engine:
 
     # ---- running one sub-batch ---------------------------------------------------------------------
     def prefill(self, entry: Entry, ids: torch.Tensor, mask: torch.Tensor, settings: CompileSettings):
-        """Run the prompt (host `[b, s]`, left-aligned to the bucket) and fill the static cache.
+        """Run the prompt (host `[b, s]`, left-aligned to the bucket).
 
-        Returns (argmax ids, last logits) on the device, the cache, the host mask over the cache and
-        each row's next RoPE position.
+        Returns (argmax ids, last logits) on the device, `fill_cache` (a call that copies the prompt's
+        keys and values into the entry's static cache and returns it: the caller makes it before the
+        first decode step, so that a first token, or a call that wants only one, never waits for
+        that copy), the host mask over the cache and each row's next RoPE position.
         """
         b, s = ids.shape
         B, L, K = entry.batch, entry.prompt, entry.kv
@@ -295,13 +297,17 @@ class Engine:
         g = self.graph("prefill", B, L, settings)
         checked = self._check(g, (B, L), x)
         argmax, logits, keys, values = g(x.to(device), pos.to(device), m.to(device), checked=checked)
-        cache = self.cache(B, K, settings)
-        cache.load_prefill(_Collected(keys, values))
+
+        def fill_cache() -> StaticKVCache:
+            cache = self.cache(B, K, settings)
+            cache.load_prefill(_Collected(keys, values))
+            return cache
+
         full = torch.zeros(B, K, dtype=torch.bool)
         full[:, :L] = m
         full[:b, L:] = True
         next_pos = m.long().sum(-1)
-        return argmax, logits, cache, full, next_pos
+        return argmax, logits, fill_cache, full, next_pos
 
     def decode(self, entry: Entry, tokens: torch.Tensor, positions: torch.Tensor, mask_dev: torch.Tensor,
                slot: torch.Tensor, settings: CompileSettings):
