@@ -118,3 +118,16 @@ def test_bf16_causal_attention_on_cpu_uses_blocks_and_is_close():
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
     got.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_frozen_graphs_keep_plain_gemms_for_inductor_to_pack(tiny_checkpoints):
+    """Under inductor freezing the GEMMs stay `F.linear` (inductor packs frozen weights for oneDNN
+    itself); otherwise float32 GEMMs on the CPU take oneDNN's operator."""
+    from staticformers.generation.engine import CompileSettings, Engine
+
+    engine = Engine(AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3")))
+    plain = CompileSettings(backend="inductor")
+    frozen = CompileSettings(backend="inductor", options=(("freezing", True),))
+    assert engine._formulation("prefill", 4, frozen) == (None, None, "reduce")
+    assert engine._formulation("prefill", 4, plain)[1] == gemm_kernel(torch.float32, torch.device("cpu"))
+    assert engine._formulation("decode", 16, frozen) == (None, None, None)

@@ -223,11 +223,13 @@ class Engine:
         """(attention, linears, head's linear) of a `kind` step at this batch under `settings`: the one
         measured fastest (`decode_formulation`, `prefill_formulation`) on inductor, else the model's
         plain path. The formulations read weights directly, bypassing tensor parallel's module hooks,
-        so not there."""
+        so not there. With freezing, GEMMs stay `F.linear`: inductor then packs the frozen weights for
+        oneDNN itself, which an opaque operator would prevent."""
         if not self._fast(settings) or self._tensor_parallel():
             return PLAIN
         chooser = decode_formulation if kind == "decode" else prefill_formulation
-        return chooser(batch, self.model.dtype, gemm_kernel(self.model.dtype, self.model.device))
+        gemm = None if settings.freezing else gemm_kernel(self.model.dtype, self.model.device)
+        return chooser(batch, self.model.dtype, gemm)
 
     def _tensor_parallel(self) -> bool:
         return getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
