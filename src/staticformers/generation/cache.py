@@ -58,13 +58,17 @@ class StaticKVCache:
         value.index_copy_(2, cache_position, v)
         return key, value
 
-    def load_prefill(self, prefill: "PrefillKV", batch: Optional[int] = None) -> None:
-        """Copy what a prefill produced into slots [0, prompt_len) (rows [0, batch))."""
-        rows = prefill.keys[0].shape[0] if batch is None else batch
-        length = prefill.keys[0].shape[2]
-        for dst_k, dst_v, k, v in zip(self.keys, self.values, prefill.keys, prefill.values):
-            dst_k[:rows, :, :length].copy_(k[:rows])
-            dst_v[:rows, :, :length].copy_(v[:rows])
+    def load_prefill(self, prefill: "PrefillKV") -> None:
+        """Copy what a prefill produced (every layer's keys and values) into slots [0, prompt_len)."""
+        for i, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+            self.load_layer(i, k, v)
+
+    def load_layer(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy one layer's prompt keys and values (`[batch, kv_heads, prompt_len, head_dim]`) into slots
+        [0, prompt_len)."""
+        length = k.shape[2]
+        self.keys[layer_idx][:, :, :length].copy_(k)
+        self.values[layer_idx][:, :, :length].copy_(v)
 
     @property
     def nbytes(self) -> int:

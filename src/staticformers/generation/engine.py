@@ -134,9 +134,14 @@ class Graph:
     compiled: Optional[Union[CompiledFunction, Regions]]
     calls: int = 0
 
-    def __call__(self, *args, checked: bool = False):
+    def __call__(self, *args, checked: bool = False, into: Optional[StaticKVCache] = None):
+        """Run the step; `into` (regional prefill only, see `Regions`) receives the keys and values."""
         self.calls += 1
-        return self.compiled(*args, checked=checked) if self.compiled is not None else self.fn(*args)
+        if self.compiled is None:
+            return self.fn(*args)
+        if into is not None:
+            return self.compiled(*args, checked=checked, into=into)
+        return self.compiled(*args, checked=checked)
 
 
 # bumped whenever any module anywhere gets a submodule (assigned, added, replaced): the engine's list of
@@ -283,10 +288,12 @@ class Engine:
     def prefill(self, entry: Entry, ids: torch.Tensor, mask: torch.Tensor, settings: CompileSettings):
         """Run the prompt (host `[b, s]`, left-aligned to the bucket).
 
-        Returns (argmax ids, last logits) on the device, `fill_cache` (a call that copies the prompt's
-        keys and values into the entry's static cache and returns it: the caller makes it before the
-        first decode step, so that a first token, or a call that wants only one, never waits for
-        that copy), the host mask over the cache and each row's next RoPE position.
+        Returns (argmax ids, last logits) on the device, `fill_cache` (a call that puts the prompt's
+        keys and values into the entry's static cache and returns it; the caller makes it before the
+        first decode step), the host mask over the cache and each row's next RoPE position. Regional
+        prefills write each layer's keys and values into the cache as the layer finishes (the
+        prompt's keys and values never exist twice); a whole-graph prefill returns them all and
+        `fill_cache` copies them, after the first token is out.
         """
         b, s = ids.shape
         B, L, K = entry.batch, entry.prompt, entry.kv
@@ -298,12 +305,20 @@ class Engine:
         pos = (m.long().cumsum(-1) - 1).clamp(min=0)
         g = self.graph("prefill", B, L, settings)
         checked = self._check(g, (B, L), x)
-        argmax, logits, keys, values = g(x.to(device), pos.to(device), m.to(device), checked=checked)
-
-        def fill_cache() -> StaticKVCache:
+        inputs = (x.to(device), pos.to(device), m.to(device))
+        if isinstance(g.compiled, Regions):
             cache = self.cache(B, K, settings)
-            cache.load_prefill(_Collected(keys, values))
-            return cache
+            argmax, logits, _, _ = g(*inputs, checked=checked, into=cache)
+
+            def fill_cache() -> StaticKVCache:
+                return cache
+        else:
+            argmax, logits, keys, values = g(*inputs, checked=checked)
+
+            def fill_cache() -> StaticKVCache:
+                filled = self.cache(B, K, settings)
+                filled.load_prefill(_Collected(keys, values))
+                return filled
 
         full = torch.zeros(B, K, dtype=torch.bool)
         full[:, :L] = m

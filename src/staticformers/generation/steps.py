@@ -125,6 +125,7 @@ class Regions:
         self.runs = [(layer, layer.self_attn.window) for layer in layers]
         self.cache, self.head_linear = cache, head_linear
         self.sink = LayerSink(length or 0, *prefill_form[:2])
+        self.into: Optional[StaticKVCache] = None  # (prefill) where each layer's keys/values go as they come
         self.calls = 0
         self.first_call_seconds = 0.0
         # the regions as counted, guarded compiled functions; and as their raw code objects, which
@@ -152,7 +153,18 @@ class Regions:
         self.runs, self.cache, self._compiled, self._raw, self._run_only = [], None, None, None, None
         self.own, self._parts = [], []
 
-    def __call__(self, *args, checked: bool = False):
+    def __call__(self, *args, checked: bool = False, into: Optional[StaticKVCache] = None):
+        """Run the step. A prefill given `into` (the static cache its sequences decode over) copies each
+        layer's keys and values there as soon as the layer has run and returns none of them, so the
+        prompt's keys and values of all layers never exist twice (for a long prompt at batch 8 that is
+        the size of the cache itself); without `into` it returns them, as a whole prefill graph does."""
+        self.into = into
+        try:
+            return self._call(args, checked)
+        finally:
+            self.into = None
+
+    def _call(self, args: tuple, checked: bool):
         start = time.perf_counter()
         if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
             # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
@@ -184,10 +196,14 @@ class Regions:
         prepare, layer, head = fns
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, None, None)
         keys, values = [], []
-        for module, window in self.runs:
+        into = self.into
+        for i, (module, window) in enumerate(self.runs):
             x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
-            keys.append(k)
-            values.append(v)
+            if into is not None:
+                into.load_layer(i, k, v)
+            else:
+                keys.append(k)
+                values.append(v)
         # canonical strides, as decode passes: the head is shared and Dynamo guards on strides
         argmax, logits, _ = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_linear)
         return argmax, logits, tuple(keys), tuple(values)
