@@ -125,7 +125,6 @@ class Regions:
         self.runs = [(layer, layer.self_attn.window) for layer in layers]
         self.cache, self.head_linear = cache, head_linear
         self.sink = LayerSink(length or 0, *prefill_form[:2])
-        self.into: Optional[StaticKVCache] = None  # (prefill) where each layer's keys/values go as they come
         self.calls = 0
         self.first_call_seconds = 0.0
         # the regions as counted, guarded compiled functions; and as their raw code objects, which
@@ -158,13 +157,6 @@ class Regions:
         layer's keys and values there as soon as the layer has run and returns none of them, so the
         prompt's keys and values of all layers never exist twice (for a long prompt at batch 8 that is
         the size of the cache itself); without `into` it returns them, as a whole prefill graph does."""
-        self.into = into
-        try:
-            return self._call(args, checked)
-        finally:
-            self.into = None
-
-    def _call(self, args: tuple, checked: bool):
         start = time.perf_counter()
         if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
             # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
@@ -172,16 +164,16 @@ class Regions:
             if self._run_only is None:
                 self._run_only = torch._dynamo.run(self._step)
             with unguarded():
-                out = self._run_only(self._raw, *args)
+                out = self._run_only(self._raw, into, *args)
         else:
-            out = self._step(self._compiled, *args)
+            out = self._step(self._compiled, into, *args)
         if not self.calls:
             self.first_call_seconds = time.perf_counter() - start
         self.calls += 1
         return out
 
-    def _step(self, fns: tuple, *args):
-        return self._decode(fns, *args) if self.kind == "decode" else self._prefill(fns, *args)
+    def _step(self, fns: tuple, into: Optional[StaticKVCache], *args):
+        return self._decode(fns, *args) if self.kind == "decode" else self._prefill(fns, into, *args)
 
     def _decode(self, fns: tuple, input_ids, position_ids, attention_mask, cache_position):
         prepare, layer, head = fns
@@ -192,11 +184,10 @@ class Regions:
         argmax, logits, _ = head(self.model, x, self.head_linear)
         return argmax, logits
 
-    def _prefill(self, fns: tuple, input_ids, position_ids, attention_mask):
+    def _prefill(self, fns: tuple, into: Optional[StaticKVCache], input_ids, position_ids, attention_mask):
         prepare, layer, head = fns
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, None, None)
         keys, values = [], []
-        into = self.into
         for i, (module, window) in enumerate(self.runs):
             x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
             if into is not None:
