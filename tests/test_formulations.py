@@ -131,3 +131,36 @@ def test_frozen_graphs_keep_plain_gemms_for_inductor_to_pack(tiny_checkpoints):
     assert engine._formulation("prefill", 4, frozen) == (None, None, "reduce")
     assert engine._formulation("prefill", 4, plain)[1] == gemm_kernel(torch.float32, torch.device("cpu"))
     assert engine._formulation("decode", 16, frozen) == (None, None, None)
+
+
+def test_wrapped_or_hooked_projections_keep_the_plain_path(tiny_checkpoints):
+    """Reductions and oneDNN read a projection's weight directly: a forward hook or a Linear subclass
+    (LoRA, quantisation) must keep the module's own forward."""
+    from staticformers.generation.engine import PLAIN, CompileSettings, Engine, plain_projections
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine, settings = Engine(model), CompileSettings(backend="inductor")
+    assert plain_projections(model) and engine._formulation("decode", 1, settings) != PLAIN
+    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: o * 2)
+    assert not plain_projections(model) and Engine(model)._formulation("decode", 1, settings) == PLAIN
+    handle.remove()
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model.model.layers[0].self_attn.o_proj = Scaled(64, 64, bias=False)  # a new module: the engine resets
+    engine.check_weights()
+    assert not plain_projections(model) and engine._formulation("prefill", 4, settings) == PLAIN
+
+
+def test_decode_caches_are_kept_per_formulation(tiny_checkpoints):
+    """A cache is formulated once, when created: settings whose decode formulations differ (freezing
+    keeps plain GEMMs) must not share one."""
+    from staticformers.generation.engine import CompileSettings, Engine
+
+    engine = Engine(AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3")))
+    plain = CompileSettings(backend="inductor")
+    frozen = CompileSettings(backend="inductor", options=(("freezing", True),))
+    a, b = engine.cache(4, 64, plain), engine.cache(4, 64, frozen)
+    assert a is not b and b.linears is None and a.linears == gemm_kernel(torch.float32, torch.device("cpu"))

@@ -9,6 +9,7 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
 from staticformers.compile import ShapePlanViolation
 from staticformers.generation.api import engine_for
+from staticformers.generation.engine import PLAIN as PLAIN_FORM
 
 EAGER = CompileConfig(backend="eager")
 PLAN = ShapePlan(batch_sizes=[1, 2], prompt_lengths=[8, 16], kv_lengths=[32], max_model_len=32)
@@ -147,7 +148,7 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     want = model.generate(ids, max_new_tokens=8, disable_compile=True, eos_token_id=None)
     got = model.generate(ids, max_new_tokens=8, compile_config=CompileConfig(backend="inductor"), eos_token_id=None)
     assert torch.equal(got, want)
-    fast = [c for k, c in engine_for(model).caches.items() if k[2]]
+    fast = [c for k, c in engine_for(model).caches.items() if k[2] != PLAIN_FORM]
     assert fast and fast[0].linears == "reduce"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
     assert any(p.is_dir() for p in (tmp_path / "inductor").iterdir())
@@ -182,6 +183,24 @@ def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
     # prepare, decode layer
     layers = model.config.num_hidden_layers
     assert list(runs.values()) == [layers, 1 + 6, 6, 6 * layers]
+
+
+@pytest.mark.parametrize("how", ["deleted", "inserted"])
+def test_layers_removed_or_inserted_are_seen(tiny_checkpoints, how):
+    """`del layers[i]` and `ModuleList.insert` edit the submodule dicts without registering anything:
+    the fingerprint still sees the tree change and drops the graphs built for the old one."""
+    import copy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = engine_for(model, PLAN)
+    model.generate(torch.randint(3, 128, (1, 5)), max_new_tokens=2, compile_config=CompileConfig(backend="eager"))
+    assert engine.graphs
+    if how == "deleted":
+        del model.model.layers[1]
+    else:
+        model.model.layers.insert(0, copy.deepcopy(model.model.layers[0]))
+    engine.check_weights()
+    assert not engine.graphs and not engine.caches
 
 
 @pytest.mark.parametrize("how", ["parameter", "module", "in_place_data"])

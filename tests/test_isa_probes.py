@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 import staticformers.compile as sc
 from staticformers import isa_probes
 
@@ -91,3 +93,28 @@ def test_enabling_the_cache_installs_the_remembering_probe_once(monkeypatch, tmp
     monkeypatch.setattr(sc, "_ENABLED_FOR", None)
     sc.enable_persistent_cache()
     assert VecISA._probe_load is installed  # not wrapped twice
+
+
+@pytest.mark.parametrize("content", ['{"loaded": null}', '{"loaded": 5}', '{"loaded": [[1]]}', '[]', '"x"'])
+def test_a_malformed_record_counts_as_empty(tmp_path, content):
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"x")
+    record = tmp_path / isa_probes.RECORD
+    record.write_text(content)
+    prober = Prober()
+    assert isa_probes.remembering(prober, lambda: str(record))("avx512", str(lib)) is True
+    assert prober.calls == [str(lib)]
+    assert isa_probes.probe_key(str(lib)) in isa_probes.read_record(str(record))  # rewritten, valid
+
+
+def test_the_probe_may_be_called_with_a_keyword(tmp_path):
+    lib = tmp_path / "probe.so"
+    lib.write_bytes(b"x")
+    record = str(tmp_path / isa_probes.RECORD)
+
+    def probe(isa, output_path):
+        return True
+
+    wrapped = isa_probes.remembering(probe, lambda: record)
+    assert wrapped("avx2", output_path=str(lib)) is True
+    assert isa_probes.probe_key(str(lib)) in isa_probes.read_record(record)

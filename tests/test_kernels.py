@@ -34,3 +34,19 @@ def test_onednn_linear_traces_with_the_weight_as_a_graph_input():
         out = fn(x, layer.weight, layer.bias)
         torch.testing.assert_close(out, layer(x).relu(), rtol=1e-5, atol=1e-5)
     assert any("onednn_linear" in str(t) for t in seen[0])
+
+
+def test_onednn_linear_with_a_strided_bias():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 40)
+    with torch.no_grad():
+        layer.bias = torch.nn.Parameter(torch.randn(80)[::2])  # a view with stride 2
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(kernels.onednn_linear(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_linear_keeps_gradients_by_falling_back_to_f_linear():
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 16, requires_grad=True)
+    kernels.onednn_linear(layer, x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None

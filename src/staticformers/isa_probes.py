@@ -47,15 +47,20 @@ def probe_key(library: str) -> str | None:
         st = os.stat(library)
     except OSError:
         return None
-    return f"{os.path.abspath(library)}|{st.st_size}|{st.st_mtime_ns}|{cpu_fingerprint()}|{sys.executable}"
+    import torch
+
+    return (f"{os.path.abspath(library)}|{st.st_size}|{st.st_mtime_ns}|{cpu_fingerprint()}|{sys.executable}"
+            f"|{torch.__file__}")
 
 
 def read_record(path: str) -> set:
+    """The recorded keys; an unreadable or malformed record counts as empty (it costs probes, no more)."""
     try:
         with open(path) as f:
-            return set(json.load(f).get("loaded", []))
+            loaded = json.load(f).get("loaded", [])
     except (OSError, ValueError, AttributeError):
         return set()
+    return {k for k in loaded if isinstance(k, str)} if isinstance(loaded, list) else set()
 
 
 def add_to_record(path: str, key: str) -> None:
@@ -65,10 +70,14 @@ def add_to_record(path: str, key: str) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".isa-probes-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"loaded": sorted(known)}, f, indent=0)
-        os.replace(tmp, path)
-    except OSError:  # a read-only cache: probe every time, as inductor does
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"loaded": sorted(known)}, f, indent=0)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    except OSError:  # a read-only or full cache: probe every time, as inductor does
         pass
 
 
@@ -76,12 +85,13 @@ def remembering(probe: Callable, record_path: Callable[[], str]) -> Callable:
     """`probe(isa, library) -> bool`, answered from the record when it holds this library on this machine."""
 
     @functools.wraps(probe)
-    def probe_load(isa, library: str) -> bool:
-        key = probe_key(library)
+    def probe_load(isa, *args, **kwargs) -> bool:
+        library = args[0] if args else kwargs.get("output_path")
+        key = probe_key(library) if isinstance(library, str) else None
         path = record_path()
         if key is not None and key in read_record(path):
             return True
-        ok = probe(isa, library)
+        ok = probe(isa, *args, **kwargs)
         if ok and key is not None:
             add_to_record(path, key)
         return ok

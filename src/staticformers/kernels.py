@@ -24,6 +24,7 @@ OP = "staticformers::onednn_linear"
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    bias = bias.contiguous() if bias is not None else None
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias, "none", [], "")
 
 
@@ -32,6 +33,8 @@ def _define() -> bool:
     global _LIBRARY
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
+    if hasattr(torch.ops.staticformers, "onednn_linear"):  # another copy of this package defined it
+        return True
     _LIBRARY = torch.library.Library("staticformers", "DEF")
     _LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     _LIBRARY.impl("onednn_linear", _onednn_linear, "CPU")
@@ -53,7 +56,8 @@ def onednn_available() -> bool:
 
 
 def onednn_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` computed by oneDNN (float32 on the CPU); `layer(x)` itself where oneDNN is absent."""
-    if not ONEDNN:
+    """`layer(x)` computed by oneDNN (float32 on the CPU); `F.linear` where oneDNN is absent or a gradient
+    is wanted (the operator has no backward)."""
+    if not ONEDNN or (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)):
         return F.linear(x, layer.weight, layer.bias)
     return torch.ops.staticformers.onednn_linear(x, layer.weight, layer.bias)

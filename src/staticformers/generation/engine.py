@@ -30,7 +30,7 @@ Design choices (the why of this file):
   (`prefill_formulation`). Float32 GEMMs on the CPU run oneDNN's kernel (`gemm_kernel`). Chosen
   through attributes of the cache object; other backends run the model's plain path.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
-  pointer, dtype, device, version counter). A new identity, dtype or device drops graphs and caches;
+  pointer, dtype, device, version counter) and the module tree. A new identity, dtype or device drops graphs and caches;
   an in-place change (training) drops graphs whose weights were frozen into them (inductor freezing).
 - **Bad input loses nothing.** Everything is validated before any device work; caches and graphs are
   only created for shapes the plan declares.
@@ -62,7 +62,8 @@ def gemm_kernel(dtype: torch.dtype, device: torch.device) -> Optional[str]:
     float32 on the CPU, where this PyTorch's MKL sgemm measured 10-35% slower (BENCHMARKS.md: float32
     prefill of 128 tokens 55 -> 47 ms, batch-8 decode step -10%); the module's own everywhere else
     (bfloat16 already runs oneDNN's)."""
-    if dtype == torch.float32 and torch.device(device).type == "cpu" and onednn_available():
+    if (dtype == torch.float32 and torch.device(device).type == "cpu" and onednn_available()
+            and torch.backends.mkldnn.enabled):
         return "onednn"
     return None
 
@@ -144,34 +145,40 @@ class Graph:
         return self.compiled(*args, checked=checked)
 
 
-# bumped whenever any module anywhere gets a submodule (assigned, added, replaced): the engine's list of
-# the model's modules is rebuilt then, and only then (walking the module tree costs ~0.15 ms a call)
-_module_epoch = 0
-
-
-def _module_registered(module, name, submodule) -> None:
-    global _module_epoch
-    _module_epoch += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_module_registered)
-
-
 class _Fingerprint:
     """The parameters' identity (object, data pointer, dtype, device) and version counters, read from the
-    modules' own parameter dicts, so a parameter replaced on a module (assignment, FSDP's swaps) or a
-    tensor moved or converted in place shows, while the module list is walked again only after a
-    module registration somewhere (`_module_epoch`)."""
+    modules' own parameter and submodule dicts: a parameter or module replaced, added or removed
+    anywhere in the tree (assignment, `del`, `ModuleList.insert`, FSDP's swaps), or a tensor moved or
+    converted in place, changes it. The list of modules is walked again only when one of their
+    submodule dicts changed (walking the tree through `model.modules()` costs ~0.15 ms a call)."""
 
     def __init__(self, model):
-        self.model, self.epoch, self.modules = model, -1, []
+        self.model, self.modules, self.children = model, [], None
 
     def __call__(self) -> tuple:
-        if self.epoch != _module_epoch:
-            self.modules, self.epoch = list(self.model.modules()), _module_epoch
+        children = tuple(id(c) for m in self.modules for c in m._modules.values())
+        if children != self.children or not self.modules:
+            self.modules = list(self.model.modules())
+            children = tuple(id(c) for m in self.modules for c in m._modules.values())
+            self.children = children
         params = list({id(p): p for m in self.modules for p in m._parameters.values() if p is not None}.values())
-        ident = tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params)
+        ident = (children, tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params))
         return ident, tuple(p._version for p in params)
+
+
+def plain_projections(model) -> bool:
+    """Whether every projection the formulations may compute themselves is a plain `nn.Linear` with no
+    hooks: reductions and oneDNN read `weight` and `bias` directly, which would skip what a wrapper
+    (LoRA, quantisation) or a forward hook does."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return False
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or m._forward_hooks
+                                               or m._forward_pre_hooks):
+            return False
+    return True
 
 
 class Engine:
@@ -184,6 +191,7 @@ class Engine:
         self.graphs: dict[tuple, Graph] = {}
         self.heads: dict[tuple, CompiledFunction] = {}  # regional layout: one head per (batch, formulation, settings)
         self.retired: list[dict] = []  # stats rows of graphs dropped for new weights (the graphs themselves are freed)
+        self.forms: dict[tuple, tuple] = {}  # (kind, batch, settings) -> formulation, until the weights change
         self._fingerprint = _Fingerprint(model)
         self._ident, self._versions = self._fingerprint()
 
@@ -212,11 +220,12 @@ class Engine:
         self.graphs.clear()
         self.heads.clear()
         self.caches.clear()
+        self.forms.clear()
 
     # ---- caches and graphs -------------------------------------------------------------------------
     def cache(self, batch: int, kv: int, settings: CompileSettings) -> StaticKVCache:
         form = self._formulation("decode", batch, settings)
-        key = (batch, kv, form != PLAIN)
+        key = (batch, kv, form)
         cache = self.caches.get(key)
         if cache is None:
             cache = StaticKVCache.for_model(self.model, batch, kv)
@@ -227,14 +236,21 @@ class Engine:
     def _formulation(self, kind: str, batch: int, settings: CompileSettings) -> tuple:
         """(attention, linears, head's linear) of a `kind` step at this batch under `settings`: the one
         measured fastest (`decode_formulation`, `prefill_formulation`) on inductor, else the model's
-        plain path. The formulations read weights directly, bypassing tensor parallel's module hooks,
-        so not there. With freezing, GEMMs stay `F.linear`: inductor then packs the frozen weights for
-        oneDNN itself, which an opaque operator would prevent."""
-        if not self._fast(settings) or self._tensor_parallel():
-            return PLAIN
-        chooser = decode_formulation if kind == "decode" else prefill_formulation
-        gemm = None if settings.freezing else gemm_kernel(self.model.dtype, self.model.device)
-        return chooser(batch, self.model.dtype, gemm)
+        plain path. The formulations read weights directly, bypassing tensor parallel's module hooks
+        and any wrapper or hook on a projection (`plain_projections`), so not there. With freezing,
+        GEMMs stay `F.linear`: inductor then packs the frozen weights for oneDNN itself, which an
+        opaque operator would prevent."""
+        key = (kind, batch, settings)
+        form = self.forms.get(key)
+        if form is None:
+            if not self._fast(settings) or self._tensor_parallel() or not plain_projections(self.model):
+                form = PLAIN
+            else:
+                chooser = decode_formulation if kind == "decode" else prefill_formulation
+                gemm = None if settings.freezing else gemm_kernel(self.model.dtype, self.model.device)
+                form = chooser(batch, self.model.dtype, gemm)
+            self.forms[key] = form  # once per shape: `plain_projections` walks the module tree
+        return form
 
     def _tensor_parallel(self) -> bool:
         return getattr(getattr(self.model, "parallel_dims", None), "tp", 1) > 1
@@ -314,10 +330,13 @@ class Engine:
                 return cache
         else:
             argmax, logits, keys, values = g(*inputs, checked=checked)
+            produced = [_Collected(keys, values)]  # dropped once copied: the decode must not keep it
+            del keys, values
 
             def fill_cache() -> StaticKVCache:
                 filled = self.cache(B, K, settings)
-                filled.load_prefill(_Collected(keys, values))
+                if produced:
+                    filled.load_prefill(produced.pop())
                 return filled
 
         full = torch.zeros(B, K, dtype=torch.bool)
