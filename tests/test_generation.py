@@ -203,3 +203,14 @@ def test_graphs_dropped_for_new_weights_free_their_caches(tiny_checkpoints):
     gc.collect()
     assert old and all(r() is None for r in old)
     assert any(row["retired"] for row in compile_stats(ours))
+
+
+def test_generation_inside_an_autocast_region_computes_in_the_models_dtype(tiny_checkpoints):
+    """An enclosing `torch.autocast` is switched off for the steps (the static cache holds the model's
+    dtype): the tokens are those of a call outside it."""
+    _, ours = load_pair(tiny_checkpoints("qwen3"))
+    ids = torch.randint(3, 128, (2, 9))
+    want = ours.generate(ids, max_new_tokens=5, disable_compile=True, eos_token_id=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours.generate(ids, max_new_tokens=5, disable_compile=True, eos_token_id=None)
+    assert torch.equal(got, want)

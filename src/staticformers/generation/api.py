@@ -9,6 +9,7 @@ engine (its caches, graphs and plan) exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -214,6 +215,18 @@ def _sub_batches(plan: ShapePlan, ids: torch.Tensor, mask: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # the host loop
 # ---------------------------------------------------------------------------------------------
+def _without_autocast(device: torch.device):
+    """Generation computes in the model's dtype, as its static caches do: an enclosing autocast region
+    is switched off for the steps (under it the cache writes would mix dtypes). Load the model in
+    bfloat16 for bfloat16 generation."""
+    try:
+        if torch.is_autocast_enabled(device.type):
+            return torch.autocast(device.type, enabled=False)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+        pass
+    return contextlib.nullcontext()
+
+
 def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Tensor, streamer) -> torch.Tensor:
     """Generate for one sub-batch; returns the new tokens `[b, steps]` on the CPU."""
     model = engine.model
@@ -225,7 +238,7 @@ def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Te
     sampler.start(torch.nn.functional.pad(sub_ids, (0, 0, 0, pad_rows)),
                   torch.nn.functional.pad(sub_mask, (0, 0, 0, pad_rows)), model.config.vocab_size, device)
     eos = set(req.eos)
-    with torch.no_grad():
+    with torch.no_grad(), _without_autocast(device):
         argmax, logits, fill_cache, full_mask, next_pos = engine.prefill(entry, sub_ids, sub_mask, req.settings)
         mask_dev = None  # the cache is filled and the mask sent after the first token is out
         B = entry.batch
