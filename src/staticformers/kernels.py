@@ -9,8 +9,8 @@ constant, and our graphs take weights as inputs (one layer graph serves every la
 here as an opaque operator, `staticformers::onednn_linear`, that graphs call like any extern kernel
 (with a shape function for tracing), at ~25 us a call of dispatch, measured against ~0.1-1 ms of work.
 
-The operator is for inference (no autograd formula); `linear` falls back to `F.linear` wherever
-oneDNN is not built in.
+The operator is for inference (no autograd formula): `onednn_linear` falls back to `F.linear` where
+oneDNN is not built in or a gradient is wanted.
 """
 
 from __future__ import annotations
