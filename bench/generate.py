@@ -241,6 +241,8 @@ def mixed_case(who: str, dtype_name: str) -> dict:
     if who == "sf":
         stats = model.compile_stats()
         out["sf_graphs"] = [(s["kind"], s["shape"], s["first_call_seconds"]) for s in stats]
+        out["sf_graph_count"] = sum(s["graphs"] for s in stats)  # traced and compiled, or loaded whole
+        out["artifacts_loaded"] = int(counters["staticformers"]["artifacts_loaded"])
     return out
 
 

@@ -152,6 +152,16 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert fast and fast[0].linears == "reduce"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
     assert any(p.is_dir() for p in (tmp_path / "inductor").iterdir())
+    # a second model (as in a new process) loads every region from its precompiled artifact: no trace
+    from torch._dynamo.utils import counters
+
+    traced, saved = counters["stats"]["unique_graphs"], len(os.listdir(tmp_path / "precompiled"))
+    again = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine_for(again, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
+    out = again.generate(ids, max_new_tokens=8, compile_config=CompileConfig(backend="inductor"), eos_token_id=None)
+    assert torch.equal(out, want) and counters["stats"]["unique_graphs"] == traced
+    rows = [r for r in again.compile_stats() if r["graphs"]]
+    assert saved == 4 and sum(r["graphs"] for r in rows) == 4  # prefill layer, decode prepare + layer, head
 
 
 def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):

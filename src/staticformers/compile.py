@@ -29,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import precompiled
+
 logger = logging.getLogger("staticformers")
 
 CACHE_ENV = "STATICFORMERS_CACHE"
@@ -122,18 +124,24 @@ def default_backend(device: torch.device) -> str:
     return os.environ.get(BACKEND_ENV) or compile_backend_for(device)
 
 
+def _inductor_patches(mode: Optional[str], options: Optional[dict]) -> dict:
+    """Inductor's config patches for a mode and options (the options win)."""
+    patches: dict = {}
+    if mode is not None and mode != "default":
+        patches.update(torch._inductor.list_mode_options(mode))
+    if options:
+        patches.update(options)
+    return patches
+
+
 def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) -> Callable:
     """The compiler function behind a backend name, with mode/options applied (inductor only)."""
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        patches: dict = {}
-        if mode is not None and mode != "default":
-            patches.update(torch._inductor.list_mode_options(mode))
-        if options:
-            patches.update(options)
+        patches = _inductor_patches(mode, options)
 
         def inductor(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx  # here: a precompiled graph never needs it
+
             return compile_fx(gm, example_inputs, config_patches=dict(patches))
 
         return inductor
@@ -161,6 +169,7 @@ class GraphRecord:
     name: str
     input_shapes: list
     seconds: float
+    loaded: bool = False  # read from a precompiled artifact (`precompiled.py`), not traced or compiled
 
 
 @dataclass
@@ -176,6 +185,8 @@ class CompiledFunction:
     calls: int = 0
     first_call_seconds: float = 0.0  # wall time of the first call (trace + compile, or a cache hit)
     code: Optional[Callable] = None  # the fresh function whose code object holds Dynamo's cache
+    precompile: Optional[dict] = None  # inductor patches when the graph goes through an artifact
+    aot: Optional[Callable] = None  # the precompiled function (loaded or made), when there is one
 
     def release(self) -> None:
         """Drop the compiled graph and what it holds (a KV cache, weights): Dynamo keeps its cache on the
@@ -184,7 +195,7 @@ class CompiledFunction:
             from torch._dynamo.eval_frame import reset_code
 
             reset_code(self.code.__code__)
-        self.fn = self.compiled = self.code = None
+        self.fn = self.compiled = self.code = self.aot = None
 
     def __call__(self, *args, checked: bool = False):
         """Run the graph. `checked=True` says the caller has verified that the inputs have the declared
@@ -194,8 +205,10 @@ class CompiledFunction:
         them to choose between."""
         if self.calls == 0:
             start = time.perf_counter()
-            out = self.compiled(*args)
+            out = self._first_call(args)
             self.first_call_seconds = time.perf_counter() - start
+        elif self.aot is not None:
+            out = self._call_precompiled(args, checked)
         elif checked and len(self.records) == 1 and SKIP_GUARDS:
             with unguarded():
                 out = self.compiled(*args)
@@ -207,6 +220,61 @@ class CompiledFunction:
     @property
     def graphs(self) -> int:
         return len(self.records)
+
+    @property
+    def raw(self) -> Callable:
+        """What Dynamo's run-only mode calls for this function's one graph: the precompiled function's
+        own body (guards not evaluated), else the fresh code object that holds Dynamo's cache."""
+        return self.aot.fn if self.aot is not None else self.code
+
+    def _first_call(self, args: tuple):
+        """The first call: through a precompiled artifact when this function has one (loaded if an
+        earlier process saved it, else compiled with `aot_compile` and saved), else `torch.compile`."""
+        if self.precompile is None or not precompiled.enabled():
+            return self.compiled(*args)
+        from torch._dynamo.utils import counters
+
+        shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
+        path = precompiled.artifact_path(cache_root(), self.name, sorted(self.precompile.items()), args)
+        start = time.perf_counter()
+        aot = precompiled.load(path)
+        if aot is not None:
+            try:
+                out = aot(*args)  # its guards are checked on this first call
+            except RuntimeError as exc:
+                if "GuardManager check failed" not in str(exc):
+                    raise
+                logger.info("precompiled artifact %s refused this call (%s); compiling", path, exc)
+                precompiled.discard(path)
+            else:
+                self.aot = aot
+                self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start, loaded=True))
+                counters["staticformers"]["artifacts_loaded"] += 1
+                return out
+        try:
+            made = torch.compile(self.code, backend="inductor", options=dict(self.precompile), fullgraph=True,
+                                 dynamic=False).aot_compile((args, {}))
+        except Exception as exc:  # a graph Dynamo's precompile does not support: compile the usual way
+            logger.info("%s cannot be precompiled (%s); compiling without an artifact", self.name, exc)
+            return self.compiled(*args)
+        self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start))
+        precompiled.save(made, path)
+        self.aot = made
+        return made(*args)
+
+    def _call_precompiled(self, args: tuple, checked: bool):
+        """A call of the precompiled graph: guards unevaluated when the engine checked the inputs (one
+        graph, nothing for them to choose), else evaluated; inputs they refuse are outside the plan and
+        go to `torch.compile` (which counts and reports a second graph)."""
+        if checked and SKIP_GUARDS:
+            return self.aot.fn(*args)
+        try:
+            return self.aot(*args)
+        except RuntimeError as exc:
+            if "GuardManager check failed" not in str(exc):
+                raise
+            shape_violation(f"{self.name} (precompiled for {self.shape}) was called with inputs its guards refuse.")
+            return self.compiled(*args)
 
     @property
     def compile_seconds(self) -> float:
@@ -235,12 +303,15 @@ def compile_function(
     options: Optional[dict] = None,
     fullgraph: bool = True,
     dynamic: bool = False,
+    precompile: bool = False,
 ) -> CompiledFunction:
     """Compile `fn` for one declared shape; every real compilation is counted and timed.
 
     `backend="eager"` / `"aot_eager"` still trace one Dynamo graph per shape (what tests count).
     A second compilation of the same function (a guard failed: a shape or a weight object changed)
-    is a violation of the plan: it raises in strict mode and warns otherwise.
+    is a violation of the plan: it raises in strict mode and warns otherwise. `precompile=True` (inductor,
+    full graph, static shapes) saves the compiled function whole under the cache root and loads it in
+    later processes instead of tracing again (`precompiled.py`).
     """
     if backend not in ("eager", "aot_eager"):
         enable_persistent_cache()
@@ -262,6 +333,8 @@ def compile_function(
 
     entry.code = fresh_code(fn, name)
     entry.compiled = torch.compile(entry.code, backend=counting_backend, fullgraph=fullgraph, dynamic=dynamic)
+    if precompile and backend == "inductor" and fullgraph and not dynamic:
+        entry.precompile = _inductor_patches(mode, options)
     return entry
 
 

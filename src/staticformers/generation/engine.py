@@ -283,11 +283,13 @@ class Engine:
         if settings.enabled:
             name = f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
 
+            regional = self.regional(settings)
+
             def compile_one(f: Callable, label: str, at: tuple = shape) -> CompiledFunction:
                 return compile_function(f, label, at, settings.backend, settings.mode, dict(settings.options),
-                                        settings.fullgraph, settings.dynamic)
+                                        settings.fullgraph, settings.dynamic, precompile=regional)
 
-            if self.regional(settings):
+            if regional:
                 head_key = (batch, head_linear, settings)
                 if head_key not in self.heads:
                     label = f"head_b{batch}{'_' + head_linear if head_linear else ''}_{settings.backend}"
@@ -360,21 +362,27 @@ class Engine:
         return True
 
     # ---- ahead of time ------------------------------------------------------------------------------
+    @staticmethod
+    def _cache_answers() -> int:
+        """Graphs the on-disk caches answered so far: inductor's FX-graph cache, precompiled artifacts."""
+        from torch._dynamo.utils import counters
+
+        return counters["inductor"]["fxgraph_cache_hit"] + counters["staticformers"]["artifacts_loaded"]
+
     def precompile(self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None) -> list[dict]:
         """Compile (or load from the on-disk cache) every graph of the plan; one row per graph.
 
         Each row: kind, shape, seconds (first call: trace + compile or cache load), cache hit (inductor's
-        FX-graph cache answered), graphs compiled (a batch bucket's shared head counts with its first shape).
+        FX-graph cache or a precompiled artifact answered), graphs compiled (a batch bucket's shared head
+        counts with its first shape).
         """
-        from torch._dynamo.utils import counters
-
         plan = plan or self.plan
         device = self.model.device
         rows = []
         jobs = [("prefill", b, n) for b, n in plan.prefill_shapes()] + [("decode", b, k) for b, k in plan.decode_shapes()]
         with torch.no_grad():
             for kind, b, n in jobs:
-                hits, before = counters["inductor"]["fxgraph_cache_hit"], self._graph_count()
+                hits, before = self._cache_answers(), self._graph_count()
                 start = time.perf_counter()
                 g = self.graph(kind, b, n, settings)
                 ids = torch.zeros(b, n if kind == "prefill" else 1, dtype=torch.long, device=device)
@@ -385,7 +393,7 @@ class Engine:
                       torch.zeros(1, dtype=torch.long, device=device))
                 g.calls -= 1  # a warm-up, not a use
                 row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
-                       "cache_hit": counters["inductor"]["fxgraph_cache_hit"] > hits,
+                       "cache_hit": self._cache_answers() > hits,
                        "graphs": self._graph_count() - before}  # with a shared head compiled on the way
                 rows.append(row)
                 if progress is not None:

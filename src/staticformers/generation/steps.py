@@ -127,11 +127,11 @@ class Regions:
         self.sink = LayerSink(length or 0, *prefill_form[:2])
         self.calls = 0
         self.first_call_seconds = 0.0
-        # the regions as counted, guarded compiled functions; and as their raw code objects, which
-        # Dynamo's run-only mode maps to the cached graphs without a wrapper per call
+        # the regions as counted, guarded compiled functions; and (once warm) as what Dynamo's run-only
+        # mode calls without a wrapper per call: the code objects that hold the cached graphs, or the
+        # precompiled functions' bodies (`CompiledFunction.raw`)
         self._compiled = (self.prepare or prepare_region, self.layer, self.head)
-        self._raw = (self.prepare.code if self.prepare else prepare_region, {w: f.code for w, f in self.layer.items()},
-                     self.head.code)
+        self._raw: Optional[tuple] = None
         self._run_only: Optional[Callable] = None
         # the regions compiled for this shape alone (the shared head is the engine's); fixed once built,
         # so the per-step warm check below reads a list instead of building one
@@ -162,6 +162,8 @@ class Regions:
             # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
             # for the whole step instead of one per region (~25 us each on this CPU)
             if self._run_only is None:
+                self._raw = (self.prepare.raw if self.prepare else prepare_region,
+                             {w: f.raw for w, f in self.layer.items()}, self.head.raw)
                 self._run_only = torch._dynamo.run(self._step)
             with unguarded():
                 out = self._run_only(self._raw, into, *args)

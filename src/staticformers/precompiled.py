@@ -1,0 +1,127 @@
+"""Dynamo precompile artifacts: a compiled region saved whole, so a later process skips Dynamo's trace.
+
+Why this exists: with inductor's on-disk caches warm, a new process still re-traces every graph with
+Dynamo (~0.16 s a decoder layer here), builds and profiles its guards and looks up the cached kernels:
+~0.3 s a graph, most of a warm start (BENCHMARKS.md). `torch.compile(...).aot_compile(...)` returns
+the traced, compiled function with its guards as one object that `save_compiled_function` writes and
+`AOTCompiledFunction.deserialize` reads back in ~0.04 s, checked by its own guards when called.
+
+The artifact's name is a hash of everything the graph depends on that its guards might not check in
+the same way: this package's source files, torch's and Python's versions, the function and its
+compile settings, and a signature of the call's arguments (every tensor's shape, strides, dtype and
+device; every module's type, plain attributes and parameters; other objects' plain attributes). A
+stale or foreign artifact therefore has another name. One that loads but whose guards refuse the
+call is deleted and the function compiles the usual way (`compile.CompiledFunction`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("staticformers")
+
+FOLDER = "precompiled"
+ENV = "STATICFORMERS_PRECOMPILE"
+
+
+def enabled() -> bool:
+    """Artifacts are used unless `STATICFORMERS_PRECOMPILE=0`."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
+@functools.lru_cache(maxsize=1)
+def package_hash() -> str:
+    """A hash of this package's Python sources: any edit names every artifact anew."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def signature(obj: Any, depth: int = 0) -> Any:
+    """What of `obj` a traced graph may depend on, as a hashable description (see the module docstring)."""
+    if isinstance(obj, torch.Tensor):
+        return ("T", tuple(obj.shape), tuple(obj.stride()), str(obj.dtype), str(obj.device), obj.requires_grad)
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, torch.dtype):
+        return str(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a config
+        return ("C", repr(obj))
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, tuple(signature(o, depth) for o in obj))
+    if isinstance(obj, dict):
+        return ("D", tuple((signature(k, depth), signature(v, depth)) for k, v in obj.items()))
+    if isinstance(obj, torch.nn.Module):
+        parts = []
+        for name, m in obj.named_modules():
+            attrs = tuple((k, signature(v, 2)) for k, v in sorted(vars(m).items())
+                          if not k.startswith("_") and (isinstance(v, _PLAIN) or dataclasses.is_dataclass(v)))
+            tensors = tuple((k, signature(t)) for k, t in list(m._parameters.items()) + list(m._buffers.items())
+                            if t is not None)
+            parts.append((name, type(m).__qualname__, attrs, tensors))
+        return ("M", tuple(parts))
+    if depth < 2 and hasattr(obj, "__dict__"):
+        return ("O", type(obj).__qualname__,
+                tuple((k, signature(v, depth + 1)) for k, v in sorted(vars(obj).items()) if not k.startswith("_")))
+    return ("?", type(obj).__qualname__)
+
+
+def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
+    """Where the artifact of `name` compiled under `settings` for these arguments lives."""
+    h = hashlib.sha256()
+    for part in (package_hash(), torch.__version__, sys.version, name, repr(settings), repr(signature(args)),
+                 str(torch.is_grad_enabled())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return os.path.join(root, FOLDER, f"{name}-{h.hexdigest()[:32]}.bin")
+
+
+def load(path: str) -> Optional[Any]:
+    """The artifact at `path` as a callable, or None (absent, or unreadable: then it is deleted)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        with open(path, "rb") as f:
+            return AOTCompiledFunction.deserialize(f.read())
+    except Exception as exc:  # a truncated file, another torch: compile instead
+        logger.info("precompiled artifact %s could not be loaded (%s); compiling", path, exc)
+        discard(path)
+        return None
+
+
+def save(fn: Any, path: str) -> None:
+    """Write `fn` (an `aot_compile` result) to `path`; a failure only costs the next process a compile."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fn.save_compiled_function(path)
+    except Exception as exc:
+        logger.info("precompiled artifact %s not saved (%s)", path, exc)
+        discard(path)
+
+
+def discard(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,90 @@
+"""precompiled.py and CompiledFunction's artifact path: a compiled function saved whole and loaded by a
+later "process" (a new CompiledFunction) without tracing; stale, corrupt or refused artifacts compile."""
+
+import os
+
+import pytest
+import torch
+
+import staticformers.compile as sc
+from staticformers import precompiled
+from staticformers.generation.cache import LayerSink
+
+
+def test_signatures_follow_what_a_graph_depends_on():
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    sig = precompiled.signature
+    assert sig((a, torch.zeros(2, 4))) == sig((b, torch.ones(2, 4)))  # values do not matter
+    assert sig((a, torch.zeros(2, 4))) != sig((a, torch.zeros(3, 4)))  # shapes do
+    assert sig(torch.zeros(2, 4)) != sig(torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert sig(torch.zeros(4, 2).t()) != sig(torch.zeros(2, 4))  # strides too
+    assert sig(torch.nn.Linear(4, 3)) != sig(torch.nn.Linear(4, 3, bias=False))
+    norm = torch.nn.LayerNorm(4)
+    other = torch.nn.LayerNorm(4, eps=1e-3)
+    assert sig(norm) != sig(other)  # a plain attribute baked into the graph
+    assert sig(LayerSink(8, "matmul")) != sig(LayerSink(8, None)) != sig(LayerSink(16, None))
+
+
+def test_artifact_names_change_with_settings_and_arguments(tmp_path):
+    x = torch.zeros(2, 4)
+    path = precompiled.artifact_path(str(tmp_path), "f", [("a", 1)], (x,))
+    assert path.startswith(str(tmp_path / precompiled.FOLDER))
+    assert path == precompiled.artifact_path(str(tmp_path), "f", [("a", 1)], (torch.ones(2, 4),))
+    assert path != precompiled.artifact_path(str(tmp_path), "f", [("a", 2)], (x,))
+    assert path != precompiled.artifact_path(str(tmp_path), "g", [("a", 1)], (x,))
+    assert path != precompiled.artifact_path(str(tmp_path), "f", [("a", 1)], (torch.zeros(3, 4),))
+
+
+def test_a_corrupt_artifact_is_discarded(tmp_path):
+    bad = tmp_path / "x.bin"
+    bad.write_bytes(b"not an artifact")
+    assert precompiled.load(str(bad)) is None and not bad.exists()
+    assert precompiled.load(str(tmp_path / "absent.bin")) is None
+
+
+def step(x, w):
+    return torch.relu(x @ w) * 2
+
+
+@pytest.mark.inductor
+def test_a_later_function_loads_the_artifact_instead_of_tracing(monkeypatch, tmp_path):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
+    monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
+    x, w = torch.randn(3, 8), torch.randn(8, 5)
+    want = step(x, w)
+
+    first = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)
+    torch.testing.assert_close(first(x, w), want)
+    assert first.aot is not None and first.graphs == 1 and not first.records[0].loaded
+    (saved,) = os.listdir(tmp_path / precompiled.FOLDER)
+
+    traced = counters["stats"]["unique_graphs"]
+    later = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)  # as a new process would
+    torch.testing.assert_close(later(x, w), want)
+    assert later.records[0].loaded and counters["stats"]["unique_graphs"] == traced  # nothing traced
+    torch.testing.assert_close(later(x * 2, w, checked=True), step(x * 2, w))  # guards skipped when checked
+    assert later.raw is later.aot.fn
+
+    # an artifact whose guards refuse the call (forced onto another shape's name) is discarded, and the
+    # function compiles the usual way
+    path = str(tmp_path / precompiled.FOLDER / saved)
+    monkeypatch.setattr(precompiled, "artifact_path", lambda *a: path)
+    other = sc.compile_function(step, "pc_step", (4, 8), "inductor", precompile=True)
+    y = torch.randn(4, 8)
+    torch.testing.assert_close(other(y, w), step(y, w))
+    assert not other.records[0].loaded
+
+
+@pytest.mark.inductor
+def test_off_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
+    monkeypatch.setenv("STATICFORMERS_PRECOMPILE", "0")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
+    f = sc.compile_function(step, "pc_off", (3, 8), "inductor", precompile=True)
+    f(torch.randn(3, 8), torch.randn(8, 5))
+    assert f.aot is None and not (tmp_path / precompiled.FOLDER).exists()
