@@ -13,6 +13,9 @@ recompile limit, never a silent fallback to eager). This module gives both:
   points inductor's FX-graph / AOTAutograd caches (and the Neuron compiler's cache) there, unless the
   user already chose a place, so a second process compiles nothing it compiled before; inductor's
   per-process CPU instruction-set probes are remembered there too (`isa_probes.py`, ~1 s a process).
+- `compile_function(..., precompile=True)` (inductor) compiles through Dynamo's `aot_compile` and saves
+  the result whole under the cache root, so a later process loads the graph instead of tracing it
+  again (`precompiled.py`).
 """
 
 from __future__ import annotations
