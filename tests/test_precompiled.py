@@ -88,3 +88,42 @@ def test_off_switch(monkeypatch, tmp_path):
     f = sc.compile_function(step, "pc_off", (3, 8), "inductor", precompile=True)
     f(torch.randn(3, 8), torch.randn(8, 5))
     assert f.aot is None and not (tmp_path / precompiled.FOLDER).exists()
+
+
+def test_hooks_and_closures_keep_a_call_off_artifacts():
+    """Dynamo does not guard a hook's absence and bakes closure values in: such calls trace as usual."""
+    layer = torch.nn.Linear(4, 4)
+    assert precompiled.usable(step, (layer, torch.zeros(1, 4)))
+    handle = layer.register_forward_hook(lambda m, i, o: o + 1)
+    assert not precompiled.usable(step, (layer, torch.zeros(1, 4)))
+    handle.remove()
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+    try:
+        assert not precompiled.usable(step, (layer,))
+    finally:
+        pre.remove()
+    k = 3
+    assert not precompiled.usable(lambda x: x * k, (torch.zeros(2),))
+
+
+@pytest.mark.inductor
+def test_a_loaded_artifact_that_fails_is_discarded_and_the_function_compiles(monkeypatch, tmp_path):
+    monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
+    x, w = torch.randn(3, 8), torch.randn(8, 5)
+    path = tmp_path / "bad.bin"
+    path.write_bytes(b"stand-in")
+
+    class Broken:
+        def guard_check(self, *args):
+            return True
+
+        def fn(self, *args):
+            raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(precompiled, "artifact_path", lambda *a: str(path))
+    monkeypatch.setattr(precompiled, "load", lambda p: Broken())
+    f = sc.compile_function(step, "pc_broken", (3, 8), "inductor", precompile=True)
+    torch.testing.assert_close(f(x, w), step(x, w))
+    assert f.graphs == 1 and not f.records[0].loaded and f.aot is not None and path.exists()  # rewritten

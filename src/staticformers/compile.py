@@ -232,52 +232,51 @@ class CompiledFunction:
 
     def _first_call(self, args: tuple):
         """The first call: through a precompiled artifact when this function has one (loaded if an
-        earlier process saved it, else compiled with `aot_compile` and saved), else `torch.compile`."""
-        if self.precompile is None or not precompiled.enabled():
+        earlier process saved it, else compiled with `aot_compile` and saved), else `torch.compile`.
+        A graph is recorded once the call has succeeded, so a first call that failed (and is made
+        again) does not count two."""
+        if self.precompile is None or not precompiled.enabled() or not precompiled.usable(self.fn, args):
             return self.compiled(*args)
         from torch._dynamo.utils import counters
 
         shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
         path = precompiled.artifact_path(cache_root(), self.name, sorted(self.precompile.items()), args)
         start = time.perf_counter()
-        aot = precompiled.load(path)
-        if aot is not None:
+        loaded = self.aot is None and precompiled.load(path)
+        if loaded:
             try:
-                out = aot(*args)  # its guards are checked on this first call
-            except RuntimeError as exc:
-                if "GuardManager check failed" not in str(exc):
-                    raise
-                logger.info("precompiled artifact %s refused this call (%s); compiling", path, exc)
+                if not loaded.guard_check(*args):
+                    raise RuntimeError("its guards refuse this call")
+                out = loaded.fn(*args)
+            except Exception as exc:  # refused, or failing here: never again, compile instead
+                logger.info("precompiled artifact %s not used (%s); compiling", path, exc)
                 precompiled.discard(path)
             else:
-                self.aot = aot
+                self.aot = loaded
                 self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start, loaded=True))
                 counters["staticformers"]["artifacts_loaded"] += 1
                 return out
-        try:
-            made = torch.compile(self.code, backend="inductor", options=dict(self.precompile), fullgraph=True,
-                                 dynamic=False).aot_compile((args, {}))
-        except Exception as exc:  # a graph Dynamo's precompile does not support: compile the usual way
-            logger.info("%s cannot be precompiled (%s); compiling without an artifact", self.name, exc)
-            return self.compiled(*args)
+        if self.aot is None:
+            try:
+                self.aot = torch.compile(self.code, backend="inductor", options=dict(self.precompile),
+                                         fullgraph=True, dynamic=False).aot_compile((args, {}))
+            except Exception as exc:  # a graph Dynamo's precompile does not support: compile the usual way
+                logger.info("%s cannot be precompiled (%s); compiling without an artifact", self.name, exc)
+                return self.compiled(*args)
+            precompiled.save(self.aot, path)
+        out = self.aot(*args)
         self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start))
-        precompiled.save(made, path)
-        self.aot = made
-        return made(*args)
+        return out
 
     def _call_precompiled(self, args: tuple, checked: bool):
-        """A call of the precompiled graph: guards unevaluated when the engine checked the inputs (one
-        graph, nothing for them to choose), else evaluated; inputs they refuse are outside the plan and
-        go to `torch.compile` (which counts and reports a second graph)."""
-        if checked and SKIP_GUARDS:
+        """A call of the precompiled graph: guards unevaluated when the engine checked the inputs and the
+        function has its one graph (nothing for them to choose), else evaluated; inputs they refuse are
+        outside the plan and go to `torch.compile`, which counts and reports the extra graph once."""
+        if checked and SKIP_GUARDS and len(self.records) == 1:
             return self.aot.fn(*args)
-        try:
-            return self.aot(*args)
-        except RuntimeError as exc:
-            if "GuardManager check failed" not in str(exc):
-                raise
-            shape_violation(f"{self.name} (precompiled for {self.shape}) was called with inputs its guards refuse.")
-            return self.compiled(*args)
+        if self.aot.guard_check(*args):
+            return self.aot.fn(*args)
+        return self.compiled(*args)
 
     @property
     def compile_seconds(self) -> float:

@@ -85,11 +85,37 @@ def signature(obj: Any, depth: int = 0) -> Any:
     return ("?", type(obj).__qualname__)
 
 
+def usable(fn: Any, args: tuple) -> bool:
+    """Whether a call may go through an artifact: no closure (its values would be baked in) and no forward
+    or backward hooks on any module argument or globally (Dynamo does not guard their absence, so a
+    loaded artifact would skip a hook added since; such calls trace as usual)."""
+    from torch.nn.modules import module as nn_module
+
+    if getattr(fn, "__closure__", None):
+        return False
+    if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                        "_global_backward_hooks", "_global_backward_pre_hooks")):
+        return False
+    for arg in args:
+        if isinstance(arg, torch.nn.Module):
+            for m in arg.modules():
+                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                    return False
+    return True
+
+
 def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
-    """Where the artifact of `name` compiled under `settings` for these arguments lives."""
+    """Where the artifact of `name` compiled under `settings` for these arguments lives: the name hashes
+    what the artifact's guards do not all check (sources, versions, this CPU, thread count, inductor's
+    global config) with the settings and the arguments' signature."""
+    from torch._inductor import config as inductor_config
+
+    from .isa_probes import cpu_fingerprint
+
     h = hashlib.sha256()
-    for part in (package_hash(), torch.__version__, sys.version, name, repr(settings), repr(signature(args)),
-                 str(torch.is_grad_enabled())):
+    for part in (package_hash(), torch.__version__, sys.version, cpu_fingerprint(), str(torch.get_num_threads()),
+                 repr(sorted(inductor_config.save_config_portable().items())), name, repr(settings),
+                 repr(signature(args)), str(torch.is_grad_enabled())):
         h.update(part.encode())
         h.update(b"\0")
     return os.path.join(root, FOLDER, f"{name}-{h.hexdigest()[:32]}.bin")
