@@ -437,6 +437,25 @@ class DecoderModel(nn.Module):
         return x
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+_BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
+
+
+def global_hooks(backward: bool = False) -> bool:
+    """Whether hooks registered for every module are set (forward, and with `backward` backward ones)."""
+    from torch.nn.modules import module as nn_module
+
+    names = _HOOKS + (_BACKWARD_HOOKS if backward else ())
+    return any(getattr(nn_module, "_global" + name, None) for name in names)
+
+
+def hooked(module: nn.Module, backward: bool = False) -> bool:
+    """Whether `module` itself has forward hooks (and with `backward` backward ones): code that reads its
+    weights directly, or a graph saved without them, would skip what they do."""
+    names = _HOOKS + (_BACKWARD_HOOKS if backward else ())
+    return any(getattr(module, name, None) for name in names)
+
+
 def has_decoder_layout(model) -> bool:
     """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
     `lm_head`): what the compiled single-layer regions of the Trainer and the engine need."""

@@ -89,19 +89,12 @@ def usable(fn: Any, args: tuple) -> bool:
     """Whether a call may go through an artifact: no closure (its values would be baked in) and no forward
     or backward hooks on any module argument or globally (Dynamo does not guard their absence, so a
     loaded artifact would skip a hook added since; such calls trace as usual)."""
-    from torch.nn.modules import module as nn_module
+    from .modeling import global_hooks, hooked
 
-    if getattr(fn, "__closure__", None):
+    if getattr(fn, "__closure__", None) or global_hooks(backward=True):
         return False
-    if any(getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
-                                                        "_global_backward_hooks", "_global_backward_pre_hooks")):
-        return False
-    for arg in args:
-        if isinstance(arg, torch.nn.Module):
-            for m in arg.modules():
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                    return False
-    return True
+    return not any(hooked(m, backward=True) for arg in args if isinstance(arg, torch.nn.Module)
+                   for m in arg.modules())
 
 
 def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:

@@ -47,7 +47,7 @@ import torch
 
 from ..compile import CompiledFunction, compile_function, shape_violation
 from ..kernels import onednn_available
-from ..modeling import has_decoder_layout
+from ..modeling import global_hooks, has_decoder_layout, hooked
 from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
 from .steps import Regions, head_region, whole_decode, whole_prefill
@@ -170,15 +170,10 @@ def plain_projections(model) -> bool:
     """Whether every projection the formulations may compute themselves is a plain `nn.Linear` with no
     hooks: reductions and oneDNN read `weight` and `bias` directly, which would skip what a wrapper
     (LoRA, quantisation) or a forward hook does."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+    if global_hooks():
         return False
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or m._forward_hooks
-                                               or m._forward_pre_hooks):
-            return False
-    return True
+    return not any(isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or hooked(m))
+                   for m in model.modules())
 
 
 class Engine:
