@@ -189,10 +189,11 @@ def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
     got = model.generate(ids, max_new_tokens=7, compile_config=CompileConfig(backend="sf_test_counting"),
                          eos_token_id=None)
     assert torch.equal(got, want)
-    # graphs in order of compilation: prefill layer, the batch's head (prefill's and decode's), decode
-    # prepare, decode layer
+    # graphs in order of compilation: prefill layer (every layer but the last), then what the prompt's
+    # last position runs through the last layer, the decode's: prepare, layer, the batch's head (shared
+    # by prefill and decode); then six decode steps
     layers = model.config.num_hidden_layers
-    assert list(runs.values()) == [layers, 1 + 6, 6, 6 * layers]
+    assert list(runs.values()) == [layers - 1, 1 + 6, 1 + 6 * layers, 1 + 6]
 
 
 @pytest.mark.parametrize("how", ["deleted", "inserted"])

@@ -282,16 +282,24 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def keys_values(self, x, cos, sin, how: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
+        s, head_dim]`, as `forward` computes them; `how` as `project`'s."""
+        b, s, _ = x.shape
+        k = project(self.k_proj, x, how).view(b, s, -1, self.head_dim)
+        v = project(self.v_proj, x, how).view(b, s, -1, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
     def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None):
         b, s, _ = x.shape
         mv = getattr(kv_cache, "linears", None)
         q = project(self.q_proj, x, mv).view(b, s, -1, self.head_dim)
-        k = project(self.k_proj, x, mv).view(b, s, -1, self.head_dim)
-        v = project(self.v_proj, x, mv).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k, v = self.keys_values(x, cos, sin, mv)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
         how = getattr(kv_cache, "decode_attention", None)

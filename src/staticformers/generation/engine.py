@@ -17,6 +17,11 @@ Design choices (the why of this file):
 - **Prefill does not depend on the KV length.** It attends over the prompt bucket only and returns
   each layer's keys/values; the engine copies them into the `[B, K]` static cache. So prefill graphs
   number `len(batch) * len(prompt)`, not times `len(kv)`.
+- **Only the last position leaves the last layer.** Logits are wanted at the prompt's last position
+  alone, so a regional prefill computes the last layer's keys and values over the prompt and its
+  attention and MLP at that position only, through the decode step's own graphs for `[B, K]`
+  (`Regions.last_position`): one layer's worth of prompt GEMMs saved (an eighth on the reference
+  model), no graph added.
 - **Host bookkeeping, device math.** Generated ids, the stop flags and the output live on the host.
   Per step the device receives `[B, 1]` token ids, `[B, 1]` RoPE positions and a `[1]` slot index;
   the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
@@ -50,7 +55,7 @@ from ..kernels import onednn_available
 from ..modeling import global_hooks, has_decoder_layout, hooked
 from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
-from .steps import Regions, head_region, whole_decode, whole_prefill
+from .steps import Continuation, Regions, head_region, whole_decode, whole_prefill
 
 # the largest batch bucket whose decode uses the reduction formulation (see Engine.cache)
 FAST_DECODE_MAX_BATCH = 8
@@ -135,8 +140,8 @@ class Graph:
     compiled: Optional[Union[CompiledFunction, Regions]]
     calls: int = 0
 
-    def __call__(self, *args, checked: bool = False, into: Optional[StaticKVCache] = None):
-        """Run the step; `into` (regional prefill only, see `Regions`) receives the keys and values."""
+    def __call__(self, *args, checked: bool = False, into: Optional[Continuation] = None):
+        """Run the step; `into` (regional prefill only, see `Regions`): the decode that follows."""
         self.calls += 1
         if self.compiled is None:
             return self.fn(*args)
@@ -316,12 +321,20 @@ class Engine:
         x[:b, L - s:] = ids
         m[:b, L - s:] = mask
         pos = (m.long().cumsum(-1) - 1).clamp(min=0)
+        full = torch.zeros(B, K, dtype=torch.bool)
+        full[:, :L] = m
+        full[:b, L:] = True
         g = self.graph("prefill", B, L, settings)
         checked = self._check(g, (B, L), x)
         inputs = (x.to(device), pos.to(device), m.to(device))
         if isinstance(g.compiled, Regions):
+            # the last layer's attention and MLP run at the last position alone, as the decode step does
             cache = self.cache(B, K, settings)
-            argmax, logits, _, _ = g(*inputs, checked=checked, into=cache)
+            decode = self.graph("decode", B, K, settings).compiled
+            last = (x[:, -1:].clone(memory_format=torch.contiguous_format).to(device),
+                    pos[:, -1:].clone(memory_format=torch.contiguous_format).to(device), full.to(device),
+                    torch.tensor([L - 1], dtype=torch.long).to(device))  # the decode's (canonical) strides
+            argmax, logits = g(*inputs, checked=checked, into=Continuation(cache, decode, last))
 
             def fill_cache() -> StaticKVCache:
                 return cache
@@ -336,9 +349,6 @@ class Engine:
                     filled.load_prefill(produced.pop())
                 return filled
 
-        full = torch.zeros(B, K, dtype=torch.bool)
-        full[:, :L] = m
-        full[:b, L:] = True
         next_pos = m.long().sum(-1)
         return argmax, logits, fill_cache, full, next_pos
 

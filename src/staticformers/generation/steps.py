@@ -17,6 +17,11 @@ Every step function has one declared shape (`engine.py`) and comes in one of two
   of a per-layer one). The same regional layout makes the Trainer's first step short
   (`training/compiled.py`).
 
+A regional prefill followed by a decode (the engine's, `Continuation`) stops one layer early: of the
+last layer it computes the keys and values over the prompt (eagerly: two GEMMs and a few small
+operations), and the prompt's last position goes through that layer and the head as a decode step
+would, with the decode's compiled regions over the static cache its keys and values were written to.
+
 A region's graph is traced on its first call and checked like any other compiled function
 (`compile.CompiledFunction`): a second graph for one region is a plan violation. Once every region
 has run, a step whose input shape the engine checked runs them all without Dynamo's guard
@@ -30,6 +35,7 @@ processes without a trace, and then the warmed step calls its compiled body dire
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -154,11 +160,12 @@ class Regions:
         self.runs, self.cache, self._compiled, self._raw, self._run_only = [], None, None, None, None
         self.own, self._parts = [], []
 
-    def __call__(self, *args, checked: bool = False, into: Optional[StaticKVCache] = None):
-        """Run the step. A prefill given `into` (the static cache its sequences decode over) copies each
-        layer's keys and values there as soon as the layer has run and returns none of them, so the
-        prompt's keys and values of all layers never exist twice (for a long prompt at batch 8 that is
-        the size of the cache itself); without `into` it returns them, as a whole prefill graph does."""
+    def __call__(self, *args, checked: bool = False, into: Optional["Continuation"] = None):
+        """Run the step. A prefill given `into` (the decode that follows it, see `Continuation`) copies
+        each layer's keys and values into that decode's static cache as soon as the layer has run and
+        returns none of them, so the prompt's keys and values of all layers never exist twice (for a
+        long prompt at batch 8 that is the size of the cache itself); without `into` it returns them,
+        as a whole prefill graph does."""
         start = time.perf_counter()
         if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
             # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
@@ -174,9 +181,11 @@ class Regions:
         if not self.calls:
             self.first_call_seconds = time.perf_counter() - start
         self.calls += 1
+        if into is not None:  # the prompt's last position through the last layer, as a decode step
+            return into.decode.last_position(out, into.last, checked)
         return out
 
-    def _step(self, fns: tuple, into: Optional[StaticKVCache], *args):
+    def _step(self, fns: tuple, into: Optional["Continuation"], *args):
         return self._decode(fns, *args) if self.kind == "decode" else self._prefill(fns, into, *args)
 
     def _decode(self, fns: tuple, input_ids, position_ids, attention_mask, cache_position):
@@ -188,17 +197,58 @@ class Regions:
         argmax, logits, _ = head(self.model, x, self.head_linear)
         return argmax, logits
 
-    def _prefill(self, fns: tuple, into: Optional[StaticKVCache], input_ids, position_ids, attention_mask):
+    def _prefill(self, fns: tuple, into: Optional["Continuation"], input_ids, position_ids, attention_mask):
         prepare, layer, head = fns
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, attention_mask, None, None)
+        if into is not None:
+            # every layer but the last over the whole prompt; of the last, only the keys and values
+            # (the cache needs them): its attention and MLP are wanted at the last position alone,
+            # which `Regions.last_position` computes after this (1/layers of the prompt's GEMMs saved)
+            *layers, (last, _) = self.runs
+            for i, (module, window) in enumerate(layers):
+                x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
+                into.cache.load_layer(i, k, v)
+            k, v = prompt_keys_values(last, x, cos, sin, self.sink.linears)
+            into.cache.load_layer(len(layers), k, v)
+            return x[:, -1:].clone(memory_format=torch.contiguous_format)  # the decode's layout
         keys, values = [], []
-        for i, (module, window) in enumerate(self.runs):
+        for module, window in self.runs:
             x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
-            if into is not None:
-                into.load_layer(i, k, v)
-            else:
-                keys.append(k)
-                values.append(v)
+            keys.append(k)
+            values.append(v)
         # canonical strides, as decode passes: the head is shared and Dynamo guards on strides
         argmax, logits, _ = head(self.model, x[:, -1:].clone(memory_format=torch.contiguous_format), self.head_linear)
         return argmax, logits, tuple(keys), tuple(values)
+
+    def last_position(self, x, last: tuple, checked: bool):
+        """A decode step's last layer and head over one position whose keys and values of every layer
+        are already in the cache (a prompt's last position; the layer rewrites its own): `x` `[batch, 1,
+        hidden]` is that layer's input, `last` the step's `(input_ids, position_ids, attention_mask,
+        cache_position)`. Returns `(argmax, logits)`. It runs this step's compiled regions (the
+        embedding `prepare` computes is not used), so it adds no graph to the plan's."""
+        input_ids, position_ids, attention_mask, cache_position = last
+        module, window = self.runs[-1]
+        _, cos, sin, masks = self.prepare(self.model, input_ids, position_ids, attention_mask, self.cache,
+                                          cache_position, checked=checked)
+        x = self.layer[window](module, x, cos, sin, masks, self.cache.layer_views()[-1], cache_position,
+                               checked=checked)
+        argmax, logits, _ = self.head(self.model, x, self.head_linear, checked=checked)
+        return argmax, logits
+
+
+def prompt_keys_values(layer, x, cos, sin, how: Optional[str]):
+    """A decoder layer's keys and values over a prompt (`x` the layer's input), computed eagerly: a few
+    small operations and two GEMMs, where compiling them would be one more graph per prompt bucket."""
+    return layer.self_attn.keys_values(layer.input_layernorm(x), cos, sin, how)
+
+
+@dataclass
+class Continuation:
+    """What a regional prefill needs when a decode follows it (see `Regions.__call__`): the decode's
+    static `cache` (each layer's keys and values go there), its step `decode` (a `Regions`), and `last`,
+    the prompt's last position as that step's inputs `(input_ids [B, 1], position_ids [B, 1],
+    attention_mask [B, kv], cache_position [1])`."""
+
+    cache: StaticKVCache
+    decode: Regions
+    last: tuple
