@@ -226,8 +226,9 @@ class CompiledFunction:
 
     @property
     def raw(self) -> Callable:
-        """What Dynamo's run-only mode calls for this function's one graph: the precompiled function's
-        own body (guards not evaluated), else the fresh code object that holds Dynamo's cache."""
+        """What a warmed step calls for this function's one graph: the precompiled function's own body
+        (a plain function; guards not evaluated), else the fresh code object that holds Dynamo's cache
+        (called under Dynamo's run-only mode)."""
         return self.aot.fn if self.aot is not None else self.code
 
     def _first_call(self, args: tuple):

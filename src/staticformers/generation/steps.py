@@ -29,7 +29,8 @@ evaluation (each region has exactly one graph to choose) and through one Dynamo 
 the regions' own code objects are called under Dynamo's run-only mode, which maps each to its cached
 graph, instead of through `torch.compile`'s wrapper per region (~25 us a call here, 10 calls a step).
 On inductor each region is also precompiled (`precompiled.py`): saved whole and loaded by later
-processes without a trace, and then the warmed step calls its compiled body directly.
+processes without a trace, and then the warmed step calls the compiled bodies as plain functions,
+without the run-only entry.
 """
 
 from __future__ import annotations
@@ -135,12 +136,12 @@ class Regions:
         self.sink = LayerSink(length or 0, *prefill_form[:2])
         self.calls = 0
         self.first_call_seconds = 0.0
-        # the regions as counted, guarded compiled functions; and (once warm) as what Dynamo's run-only
-        # mode calls without a wrapper per call: the code objects that hold the cached graphs, or the
-        # precompiled functions' bodies (`CompiledFunction.raw`)
+        # the regions as counted, guarded compiled functions; and (once warm) as what a warmed step calls
+        # without a wrapper per call: the code objects that hold the cached graphs (under Dynamo's
+        # run-only mode), or the precompiled functions' bodies (`CompiledFunction.raw`)
         self._compiled = (self.prepare or prepare_region, self.layer, self.head)
         self._raw: Optional[tuple] = None
-        self._run_only: Optional[Callable] = None
+        self._warm_step: Optional[Callable] = None
         # the regions compiled for this shape alone (the shared head is the engine's); fixed once built,
         # so the per-step warm check below reads a list instead of building one
         self.own: list[CompiledFunction] = ([self.prepare] if self.prepare else []) + list(self.layer.values())
@@ -157,7 +158,7 @@ class Regions:
     def release(self) -> None:
         for p in self.own:
             p.release()
-        self.runs, self.cache, self._compiled, self._raw, self._run_only = [], None, None, None, None
+        self.runs, self.cache, self._compiled, self._raw, self._warm_step = [], None, None, None, None
         self.own, self._parts = [], []
 
     def __call__(self, *args, checked: bool = False, into: Optional["Continuation"] = None):
@@ -168,14 +169,10 @@ class Regions:
         as a whole prefill graph does."""
         start = time.perf_counter()
         if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
-            # warmed, one graph each, inputs checked by the engine: no guards, and one Dynamo entry
-            # for the whole step instead of one per region (~25 us each on this CPU)
-            if self._run_only is None:
-                self._raw = (self.prepare.raw if self.prepare else prepare_region,
-                             {w: f.raw for w, f in self.layer.items()}, self.head.raw)
-                self._run_only = torch._dynamo.run(self._step)
-            with unguarded():
-                out = self._run_only(self._raw, into, *args)
+            # warmed, one graph each, inputs checked by the engine: no guards, no wrapper per region
+            if self._warm_step is None:
+                self._warm_step = self._warmed()
+            out = self._warm_step(self._raw, into, *args)
         else:
             out = self._step(self._compiled, into, *args)
         if not self.calls:
@@ -184,6 +181,23 @@ class Regions:
         if into is not None:  # the prompt's last position through the last layer, as a decode step
             return into.decode.last_position(out, into.last, checked)
         return out
+
+    def _warmed(self) -> Callable:
+        """The step over the regions' raw forms. Precompiled bodies are plain functions, called as they
+        are (2-3% of a batch-1 decode step saved against the run-only entry); code objects that hold
+        Dynamo's cached graphs run under one Dynamo run-only entry for the whole step, guards
+        unevaluated, instead of `torch.compile`'s wrapper per region (~25 us each on this CPU)."""
+        self._raw = (self.prepare.raw if self.prepare else prepare_region,
+                     {w: f.raw for w, f in self.layer.items()}, self.head.raw)
+        if all(p.aot is not None for p in self._parts):
+            return self._step
+        run_only = torch._dynamo.run(self._step)
+
+        def step(*args):
+            with unguarded():
+                return run_only(*args)
+
+        return step
 
     def _step(self, fns: tuple, into: Optional["Continuation"], *args):
         return self._decode(fns, *args) if self.kind == "decode" else self._prefill(fns, into, *args)
