@@ -1,7 +1,9 @@
 """precompiled.py and CompiledFunction's artifact path: a compiled function saved whole and loaded by a
 later "process" (a new CompiledFunction) without tracing; stale, corrupt or refused artifacts compile."""
 
+import logging
 import os
+import time
 
 import pytest
 import torch
@@ -42,6 +44,36 @@ def test_a_corrupt_artifact_is_discarded(tmp_path):
     assert precompiled.load(str(tmp_path / "absent.bin")) is None
 
 
+def test_prune_deletes_unused_artifacts_and_abandoned_writes(tmp_path, monkeypatch, caplog):
+    now = time.time()
+    ages = {"unused-1.bin": 31 * 86400, "recent-2.bin": 86400, "tmpab12": 7200, "tmpcd34": 60,
+            "notes.txt": 90 * 86400}
+    for name, age in ages.items():
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (now - age, now - age))
+    monkeypatch.delenv(precompiled.MAX_AGE_ENV, raising=False)
+    assert sorted(precompiled.prune(str(tmp_path), now)) == ["tmpab12", "unused-1.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "recent-2.bin", "tmpcd34"]  # not ours: kept
+    monkeypatch.setenv(precompiled.MAX_AGE_ENV, "0.5")
+    assert precompiled.prune(str(tmp_path), now) == ["recent-2.bin"]
+    monkeypatch.setenv(precompiled.MAX_AGE_ENV, "0")  # forever
+    (tmp_path / "ancient-3.bin").write_bytes(b"x")
+    os.utime(tmp_path / "ancient-3.bin", (now - 10**8, now - 10**8))
+    assert precompiled.prune(str(tmp_path), now) == []
+    assert precompiled.prune(str(tmp_path / "absent"), now) == []
+
+
+@pytest.mark.parametrize("raw", ["soon", "-3", "nan"])
+def test_a_bad_max_age_says_so_and_keeps_the_default(monkeypatch, caplog, raw):
+    monkeypatch.setenv(precompiled.MAX_AGE_ENV, raw)
+    precompiled._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="staticformers"):
+        assert precompiled.max_age_days() == precompiled.DEFAULT_MAX_AGE_DAYS
+        assert precompiled.max_age_days() == precompiled.DEFAULT_MAX_AGE_DAYS
+    said = [r.getMessage() for r in caplog.records if precompiled.MAX_AGE_ENV in r.getMessage()]
+    assert len(said) == 1 and repr(raw) in said[0]  # once, naming the value
+
+
 def step(x, w):
     return torch.relu(x @ w) * 2
 
@@ -56,16 +88,23 @@ def test_a_later_function_loads_the_artifact_instead_of_tracing(monkeypatch, tmp
     monkeypatch.setattr(sc, "_ENABLED_FOR", None)
     x, w = torch.randn(3, 8), torch.randn(8, 5)
     want = step(x, w)
+    folder = tmp_path / precompiled.FOLDER
+    folder.mkdir()
+    unused = folder / "old_step-0123.bin"  # an earlier version's artifact, unused for 60 days
+    unused.write_bytes(b"x")
+    os.utime(unused, (time.time() - 60 * 86400,) * 2)
 
     first = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)
     torch.testing.assert_close(first(x, w), want)
     assert first.aot is not None and first.graphs == 1 and not first.records[0].loaded
-    (saved,) = os.listdir(tmp_path / precompiled.FOLDER)
+    (saved,) = os.listdir(folder)  # saving pruned the unused one
 
     traced = counters["stats"]["unique_graphs"]
+    os.utime(folder / saved, (time.time() - 10 * 86400,) * 2)
     later = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)  # as a new process would
     torch.testing.assert_close(later(x, w), want)
     assert later.records[0].loaded and counters["stats"]["unique_graphs"] == traced  # nothing traced
+    assert time.time() - os.path.getmtime(folder / saved) < 3600  # a load marks it used
     torch.testing.assert_close(later(x * 2, w, checked=True), step(x * 2, w))  # guards skipped when checked
     assert later.raw is later.aot.fn
 

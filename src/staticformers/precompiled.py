@@ -12,6 +12,11 @@ compile settings, and a signature of the call's arguments (every tensor's shape,
 device; every module's type, plain attributes and parameters; other objects' plain attributes). A
 stale or foreign artifact therefore has another name. One that loads but whose guards refuse the
 call is deleted and the function compiles the usual way (`compile.CompiledFunction`).
+
+Artifacts that no process has loaded for `STATICFORMERS_PRECOMPILED_MAX_AGE_DAYS` days (default 30;
+0 keeps them forever) are deleted whenever a new one is saved: a load marks its artifact used, and
+every upgrade or source edit of this package names all artifacts anew, so without this the folder
+would only grow. Files a killed write left behind go too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import torch
@@ -30,6 +36,10 @@ logger = logging.getLogger("staticformers")
 
 FOLDER = "precompiled"
 ENV = "STATICFORMERS_PRECOMPILE"
+MAX_AGE_ENV = "STATICFORMERS_PRECOMPILED_MAX_AGE_DAYS"
+DEFAULT_MAX_AGE_DAYS = 30.0
+SUFFIX = ".bin"
+LEFTOVER_SECONDS = 3600.0  # a write's temporary file older than this was abandoned
 
 
 def enabled() -> bool:
@@ -111,7 +121,7 @@ def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
                  repr(signature(args)), str(torch.is_grad_enabled())):
         h.update(part.encode())
         h.update(b"\0")
-    return os.path.join(root, FOLDER, f"{name}-{h.hexdigest()[:32]}.bin")
+    return os.path.join(root, FOLDER, f"{name}-{h.hexdigest()[:32]}{SUFFIX}")
 
 
 def load(path: str) -> Optional[Any]:
@@ -122,11 +132,16 @@ def load(path: str) -> Optional[Any]:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         with open(path, "rb") as f:
-            return AOTCompiledFunction.deserialize(f.read())
+            fn = AOTCompiledFunction.deserialize(f.read())
     except Exception as exc:  # a truncated file, another torch: compile instead
         logger.info("precompiled artifact %s could not be loaded (%s); compiling", path, exc)
         discard(path)
         return None
+    try:
+        os.utime(path)  # used now: `prune` keeps it
+    except OSError:
+        pass
+    return fn
 
 
 def save(fn: Any, path: str) -> None:
@@ -137,6 +152,59 @@ def save(fn: Any, path: str) -> None:
     except Exception as exc:
         logger.info("precompiled artifact %s not saved (%s)", path, exc)
         discard(path)
+        return
+    prune(os.path.dirname(path))
+
+
+def max_age_days() -> float:
+    """`STATICFORMERS_PRECOMPILED_MAX_AGE_DAYS`, or the default when unset or not a number (said once)."""
+    raw = os.environ.get(MAX_AGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_AGE_DAYS
+    try:
+        days = float(raw)
+        if days < 0 or days != days:
+            raise ValueError
+        return days
+    except ValueError:
+        _warn_once(f"{MAX_AGE_ENV}={raw!r} is not a number of days >= 0; using {DEFAULT_MAX_AGE_DAYS:g} "
+                   f"(set it to a number of days, or 0 to keep artifacts forever).")
+        return DEFAULT_MAX_AGE_DAYS
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def prune(folder: str, now: Optional[float] = None) -> list[str]:
+    """Delete the artifacts in `folder` unused for longer than `max_age_days()` and the temporary files of
+    writes abandoned over an hour ago; returns the names deleted. Another process may be reading a
+    file: it holds its bytes already (`load` reads it whole), and a missing artifact is compiled."""
+    days = max_age_days()
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if entry.name.endswith(SUFFIX):
+            stale = days > 0 and age > days * 86400
+        else:
+            stale = entry.name.startswith("tmp") and age > LEFTOVER_SECONDS
+        if stale:
+            discard(entry.path)
+            removed.append(entry.name)
+    if removed:
+        logger.info("pruned %d unused precompiled file(s) from %s", len(removed), folder)
+    return removed
 
 
 def discard(path: str) -> None:
