@@ -162,6 +162,23 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert torch.equal(out, want) and counters["stats"]["unique_graphs"] == traced
     rows = [r for r in again.compile_stats() if r["graphs"]]
     assert saved == 4 and sum(r["graphs"] for r in rows) == 4  # prefill layer, decode prepare + layer, head
+    # `staticformers compile` (Engine.precompile) warms the decode from its first layer, a prompt's last
+    # position warms it from its last: either way the artifacts are the same ones
+    from staticformers.generation.api import _compile_settings
+    from staticformers.generation.config import GenerationConfig
+
+    for p in (tmp_path / "precompiled").iterdir():
+        p.unlink()
+    ahead = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = engine_for(ahead, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
+    engine.precompile(_compile_settings(ahead, GenerationConfig(), CompileConfig(backend="inductor")))
+    assert len(os.listdir(tmp_path / "precompiled")) == 4
+    traced = counters["stats"]["unique_graphs"]
+    later = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine_for(later, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
+    out = later.generate(ids, max_new_tokens=8, compile_config=CompileConfig(backend="inductor"), eos_token_id=None)
+    assert torch.equal(out, want) and counters["stats"]["unique_graphs"] == traced
+    assert len(os.listdir(tmp_path / "precompiled")) == 4
 
 
 def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
@@ -239,3 +256,52 @@ def test_weights_replaced_on_a_module_are_seen(tiny_checkpoints, how):
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=3, disable_compile=True, eos_token_id=None)
     assert torch.equal(after, want) and before.shape == after.shape
+
+
+def test_forward_hooks_added_or_removed_after_warm_up_are_honoured(tiny_checkpoints, strict):
+    """Warmed steps skip Dynamo's guards, which would have seen a new hook: the engine sees it instead and
+    rebuilds its graphs, whole-model while hooks are set (a layer graph shared by every layer cannot
+    carry one layer's hook), so compiled steps give what the model with its hook gives eagerly."""
+    from staticformers.generation.steps import Regions
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    engine = engine_for(model, PLAN)
+    ids = torch.randint(3, 128, (2, 6))
+    config = CompileConfig(backend="eager")
+    for _ in range(2):  # warmed
+        plain = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
+    assert all(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out.flip(-1) * 20)
+    want = model.generate(ids, max_new_tokens=6, disable_compile=True, eos_token_id=None)
+    assert not torch.equal(want, plain)
+    hooked = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
+    assert torch.equal(hooked, want)
+    assert not any(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+    handle.remove()
+    again = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
+    assert torch.equal(plain, again)
+    assert all(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+
+
+@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention", "sliding_attention", "full_attention"]])
+def test_prefill_warms_when_only_the_last_layer_has_its_window(strict, layer_types):
+    """A prefill continued by its decode runs the layer regions of all layers but the last: a window only
+    the last layer has (or a one-layer model) must not keep the step off its warmed path."""
+    from staticformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, use_sliding_window=True, sliding_window=4, layer_types=layer_types)
+    model = AutoModelForCausalLM.from_config(cfg, seed=0)
+    engine = engine_for(model, PLAN)
+    ids = torch.randint(3, 128, (1, 6))
+    want = model.generate(ids, max_new_tokens=3, disable_compile=True, eos_token_id=None)
+    for _ in range(3):
+        got = model.generate(ids, max_new_tokens=3, compile_config=CompileConfig(backend="eager"), eos_token_id=None)
+        assert torch.equal(got, want)
+    (prefill,) = [g.compiled for k, g in engine.graphs.items() if k[0] == "prefill" and g.compiled is not None]
+    assert True in prefill._warm  # the continued prefill ran warmed
+    (decode,) = [g.compiled for k, g in engine.graphs.items() if k[0] == "decode" and g.compiled is not None]
+    # the prefill's first call traced the decode's regions on the way: its time includes theirs
+    traced = sum(p.first_call_seconds for p in decode.own)
+    assert traced > 0 and prefill.first_call_seconds >= traced

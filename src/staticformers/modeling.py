@@ -457,6 +457,14 @@ def global_hooks(backward: bool = False) -> bool:
     return any(getattr(nn_module, "_global" + name, None) for name in names)
 
 
+def global_hook_ids() -> tuple:
+    """The handles of the forward hooks registered for every module (they change with each registration
+    or removal)."""
+    from torch.nn.modules import module as nn_module
+
+    return tuple(tuple(getattr(nn_module, "_global" + name, None) or ()) for name in _HOOKS)
+
+
 def hooked(module: nn.Module, backward: bool = False) -> bool:
     """Whether `module` itself has forward hooks (and with `backward` backward ones): code that reads its
     weights directly, or a graph saved without them, would skip what they do."""

@@ -64,6 +64,11 @@ def package_hash() -> str:
 
 
 _PLAIN = (bool, int, float, str, type(None))
+# plain attributes no region graph depends on: the caches a layer region takes ignore a layer's index,
+# so one artifact serves every layer whichever layer made the first call (`staticformers compile` warms a
+# decode step from its first layer, a prefill's last position from its last); were a graph to read one,
+# Dynamo's guards would refuse the artifact for another value and the region would compile as usual
+_UNREAD = frozenset({"layer_idx"})
 
 
 def signature(obj: Any, depth: int = 0) -> Any:
@@ -84,7 +89,8 @@ def signature(obj: Any, depth: int = 0) -> Any:
         parts = []
         for name, m in obj.named_modules():
             attrs = tuple((k, signature(v, 2)) for k, v in sorted(vars(m).items())
-                          if not k.startswith("_") and (isinstance(v, _PLAIN) or dataclasses.is_dataclass(v)))
+                          if not k.startswith("_") and k not in _UNREAD
+                          and (isinstance(v, _PLAIN) or dataclasses.is_dataclass(v)))
             tensors = tuple((k, signature(t)) for k, t in list(m._parameters.items()) + list(m._buffers.items())
                             if t is not None)
             parts.append((name, type(m).__qualname__, attrs, tensors))

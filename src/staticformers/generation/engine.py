@@ -12,16 +12,17 @@ Design choices (the why of this file):
   one decoder layer that every layer runs, and for decode the embedding and masks; one head per
   batch bucket serves all its shapes. The compiler's work stops growing with depth (a batch-1 decode
   shape of the 8-layer reference model: ~4-6 s instead of ~21 s) and steps run as fast. Elsewhere,
-  with weight freezing, or for a tensor-parallel or foreign model, a shape is one whole-model
-  graph. `CompileConfig(regional=...)` chooses explicitly.
-- **Prefill does not depend on the KV length.** It attends over the prompt bucket only and returns
-  each layer's keys/values; the engine copies them into the `[B, K]` static cache. So prefill graphs
-  number `len(batch) * len(prompt)`, not times `len(kv)`.
+  with weight freezing, for a tensor-parallel or foreign model, or while forward hooks are set (one
+  layer graph for every layer cannot carry one layer's hook), a shape is one whole-model graph.
+  `CompileConfig(regional=...)` chooses explicitly.
+- **Prefill graphs do not depend on the KV length.** They attend over the prompt bucket only and give
+  each layer's keys/values, which go into the `[B, K]` static cache. So prefill graphs number
+  `len(batch) * len(prompt)`, not times `len(kv)`.
 - **Only the last position leaves the last layer.** Logits are wanted at the prompt's last position
   alone, so a regional prefill computes the last layer's keys and values over the prompt and its
   attention and MLP at that position only, through the decode step's own graphs for `[B, K]`
   (`Regions.last_position`): one layer's worth of prompt GEMMs saved (an eighth on the reference
-  model), no graph added.
+  model), no graph added to the plan. (So a one-token call compiles its shape's decode graphs too.)
 - **Host bookkeeping, device math.** Generated ids, the stop flags and the output live on the host.
   Per step the device receives `[B, 1]` token ids, `[B, 1]` RoPE positions and a `[1]` slot index;
   the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
@@ -52,7 +53,7 @@ import torch
 
 from ..compile import CompiledFunction, compile_function, shape_violation
 from ..kernels import onednn_available
-from ..modeling import global_hooks, has_decoder_layout, hooked
+from ..modeling import global_hook_ids, global_hooks, has_decoder_layout, hooked
 from .cache import StaticKVCache
 from .plan import Entry, ShapePlan
 from .steps import Continuation, Regions, head_region, whole_decode, whole_prefill
@@ -155,7 +156,11 @@ class _Fingerprint:
     modules' own parameter and submodule dicts: a parameter or module replaced, added or removed
     anywhere in the tree (assignment, `del`, `ModuleList.insert`, FSDP's swaps), or a tensor moved or
     converted in place, changes it. The list of modules is walked again only when one of their
-    submodule dicts changed (walking the tree through `model.modules()` costs ~0.15 ms a call)."""
+    submodule dicts changed (walking the tree through `model.modules()` costs ~0.15 ms a call).
+
+    Forward hooks registered or removed (on a module or globally) change it too: warmed steps run their
+    graphs without Dynamo's guards, which would otherwise notice, so a hook added after the first call
+    would be skipped silently; graphs are rebuilt with it instead."""
 
     def __init__(self, model):
         self.model, self.modules, self.children = model, [], None
@@ -167,7 +172,9 @@ class _Fingerprint:
             children = tuple(id(c) for m in self.modules for c in m._modules.values())
             self.children = children
         params = list({id(p): p for m in self.modules for p in m._parameters.values() if p is not None}.values())
-        ident = (children, tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params))
+        hooks = tuple((i, tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+                      for i, m in enumerate(self.modules) if m._forward_hooks or m._forward_pre_hooks)
+        ident = (children, tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params), hooks, global_hook_ids())
         return ident, tuple(p._version for p in params)
 
 
@@ -257,10 +264,13 @@ class Engine:
 
     def regional(self, settings: CompileSettings) -> bool:
         """Whether graphs under `settings` are compiled as regions (`steps.py`): asked for, and the model
-        is our decoder, unsharded, and its weights are not frozen into graphs (a layer graph that every
-        layer shares must take its weights as inputs)."""
+        is our decoder, unsharded, its weights are not frozen into graphs (a layer graph that every
+        layer shares must take its weights as inputs) and no forward hook is set (a hook on one layer
+        cannot be in a graph every layer runs, and a prefill's last layer would show hooks one
+        position). Hooks registered or removed later rebuild the graphs (`_Fingerprint`)."""
         return (settings.enabled and settings.regional and not settings.freezing
-                and has_decoder_layout(self.model) and not self._tensor_parallel())
+                and has_decoder_layout(self.model) and not self._tensor_parallel()
+                and not global_hooks() and not any(hooked(m) for m in self.model.modules()))
 
     @staticmethod
     def _fast(settings: CompileSettings) -> bool:
@@ -310,8 +320,9 @@ class Engine:
         keys and values into the entry's static cache and returns it; the caller makes it before the
         first decode step), the host mask over the cache and each row's next RoPE position. Regional
         prefills write each layer's keys and values into the cache as the layer finishes (the
-        prompt's keys and values never exist twice); a whole-graph prefill returns them all and
-        `fill_cache` copies them, after the first token is out.
+        prompt's keys and values never exist twice) and finish the last position with the decode's
+        regions (module docstring); a whole-graph prefill returns them all and `fill_cache` copies
+        them, after the first token is out.
         """
         b, s = ids.shape
         B, L, K = entry.batch, entry.prompt, entry.kv
@@ -329,12 +340,12 @@ class Engine:
         inputs = (x.to(device), pos.to(device), m.to(device))
         if isinstance(g.compiled, Regions):
             # the last layer's attention and MLP run at the last position alone, as the decode step does
-            cache = self.cache(B, K, settings)
             decode = self.graph("decode", B, K, settings).compiled
+            cache = decode.cache
             last = (x[:, -1:].clone(memory_format=torch.contiguous_format).to(device),
                     pos[:, -1:].clone(memory_format=torch.contiguous_format).to(device), full.to(device),
                     torch.tensor([L - 1], dtype=torch.long).to(device))  # the decode's (canonical) strides
-            argmax, logits = g(*inputs, checked=checked, into=Continuation(cache, decode, last))
+            argmax, logits = g(*inputs, checked=checked, into=Continuation(decode, last))
 
             def fill_cache() -> StaticKVCache:
                 return cache

@@ -140,12 +140,14 @@ class Regions:
         # without a wrapper per call: the code objects that hold the cached graphs (under Dynamo's
         # run-only mode), or the precompiled functions' bodies (`CompiledFunction.raw`)
         self._compiled = (self.prepare or prepare_region, self.layer, self.head)
-        self._raw: Optional[tuple] = None
-        self._warm_step: Optional[Callable] = None
+        self._warm: dict[bool, tuple] = {}  # continued (prefill with `into`) or not -> (step, raw regions)
         # the regions compiled for this shape alone (the shared head is the engine's); fixed once built,
         # so the per-step warm check below reads a list instead of building one
         self.own: list[CompiledFunction] = ([self.prepare] if self.prepare else []) + list(self.layer.values())
-        self._parts = self.own + [self.head]  # every region a step runs
+        # every region a step runs; a continued prefill runs the layer regions of all layers but the
+        # last (and no head), so a window only the last layer has is not among them
+        self._parts = {False: self.own + [self.head],
+                       True: list({id(self.layer[w]): self.layer[w] for _, w in self.runs[:-1]}.values())}
 
     @property
     def graphs(self) -> int:
@@ -158,46 +160,49 @@ class Regions:
     def release(self) -> None:
         for p in self.own:
             p.release()
-        self.runs, self.cache, self._compiled, self._raw, self._warm_step = [], None, None, None, None
-        self.own, self._parts = [], []
+        self.runs, self.cache, self._compiled, self._warm = [], None, None, {}
+        self.own, self._parts = [], {False: [], True: []}
 
     def __call__(self, *args, checked: bool = False, into: Optional["Continuation"] = None):
         """Run the step. A prefill given `into` (the decode that follows it, see `Continuation`) copies
-        each layer's keys and values into that decode's static cache as soon as the layer has run and
-        returns none of them, so the prompt's keys and values of all layers never exist twice (for a
-        long prompt at batch 8 that is the size of the cache itself); without `into` it returns them,
-        as a whole prefill graph does."""
+        each layer's keys and values into that decode's static cache as soon as the layer has run, so
+        the prompt's keys and values of all layers never exist twice (for a long prompt at batch 8 that
+        is the size of the cache itself), and returns `(argmax, logits)` of the last position; without
+        `into` it also returns every layer's keys and values, as a whole prefill graph does."""
         start = time.perf_counter()
-        if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts):
+        continued = into is not None
+        if checked and SKIP_GUARDS and self.calls and all(len(p.records) == 1 for p in self._parts[continued]):
             # warmed, one graph each, inputs checked by the engine: no guards, no wrapper per region
-            if self._warm_step is None:
-                self._warm_step = self._warmed()
-            out = self._warm_step(self._raw, into, *args)
+            warm = self._warm.get(continued) or self._warmed(continued)
+            out = warm[0](warm[1], into, *args)
         else:
             out = self._step(self._compiled, into, *args)
-        if not self.calls:
+        if continued:  # the prompt's last position through the last layer, as a decode step
+            out = into.decode.last_position(out, into.last, checked)
+        if not self.calls:  # the first call's wall time, a decode's regions compiled on the way included
             self.first_call_seconds = time.perf_counter() - start
         self.calls += 1
-        if into is not None:  # the prompt's last position through the last layer, as a decode step
-            return into.decode.last_position(out, into.last, checked)
         return out
 
-    def _warmed(self) -> Callable:
-        """The step over the regions' raw forms. Precompiled bodies are plain functions, called as they
-        are (2-3% of a batch-1 decode step saved against the run-only entry); code objects that hold
-        Dynamo's cached graphs run under one Dynamo run-only entry for the whole step, guards
-        unevaluated, instead of `torch.compile`'s wrapper per region (~25 us each on this CPU)."""
-        self._raw = (self.prepare.raw if self.prepare else prepare_region,
-                     {w: f.raw for w, f in self.layer.items()}, self.head.raw)
-        if all(p.aot is not None for p in self._parts):
-            return self._step
-        run_only = torch._dynamo.run(self._step)
+    def _warmed(self, continued: bool) -> tuple:
+        """The step over the regions' raw forms, and those forms (fixed once each region the step runs
+        has its one graph). Precompiled bodies are plain functions, called as they are (0.4-3% of a
+        batch-1 decode step saved against the run-only entry); code objects that hold Dynamo's cached
+        graphs run under one Dynamo run-only entry for the whole step, guards unevaluated, instead of
+        `torch.compile`'s wrapper per region (~25 us each on this CPU)."""
+        raw = (self.prepare.raw if self.prepare else prepare_region,
+               {w: f.raw for w, f in self.layer.items()}, self.head.raw)
+        if all(p.aot is not None for p in self._parts[continued]):
+            step = self._step
+        else:
+            run_only = torch._dynamo.run(self._step)
 
-        def step(*args):
-            with unguarded():
-                return run_only(*args)
+            def step(*args):
+                with unguarded():
+                    return run_only(*args)
 
-        return step
+        self._warm[continued] = (step, raw)
+        return step, raw
 
     def _step(self, fns: tuple, into: Optional["Continuation"], *args):
         return self._decode(fns, *args) if self.kind == "decode" else self._prefill(fns, into, *args)
@@ -219,11 +224,12 @@ class Regions:
             # (the cache needs them): its attention and MLP are wanted at the last position alone,
             # which `Regions.last_position` computes after this (1/layers of the prompt's GEMMs saved)
             *layers, (last, _) = self.runs
+            cache = into.decode.cache
             for i, (module, window) in enumerate(layers):
                 x, k, v = layer[window](module, x, cos, sin, masks, self.sink)
-                into.cache.load_layer(i, k, v)
+                cache.load_layer(i, k, v)
             k, v = prompt_keys_values(last, x, cos, sin, self.sink.linears)
-            into.cache.load_layer(len(layers), k, v)
+            cache.load_layer(len(layers), k, v)
             return x[:, -1:].clone(memory_format=torch.contiguous_format)  # the decode's layout
         keys, values = [], []
         for module, window in self.runs:
@@ -258,11 +264,10 @@ def prompt_keys_values(layer, x, cos, sin, how: Optional[str]):
 
 @dataclass
 class Continuation:
-    """What a regional prefill needs when a decode follows it (see `Regions.__call__`): the decode's
-    static `cache` (each layer's keys and values go there), its step `decode` (a `Regions`), and `last`,
-    the prompt's last position as that step's inputs `(input_ids [B, 1], position_ids [B, 1],
-    attention_mask [B, kv], cache_position [1])`."""
+    """What a regional prefill needs when a decode follows it (see `Regions.__call__`): the decode step
+    `decode` (a `Regions`: each layer's keys and values go to its static cache) and `last`, the prompt's
+    last position as that step's inputs `(input_ids [B, 1], position_ids [B, 1], attention_mask [B, kv],
+    cache_position [1])`."""
 
-    cache: StaticKVCache
     decode: Regions
     last: tuple
