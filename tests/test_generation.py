@@ -25,6 +25,17 @@ def load_pair(path):
     return hf, ours
 
 
+def left_padded(lengths):
+    """Random prompts of these lengths, left-padded to the longest: (ids, mask)."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, 128, (n,))
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
 def hf_generate(hf, ids, mask=None, **kw):
     mask = torch.ones_like(ids) if mask is None else mask
     return hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kw)
@@ -45,13 +56,7 @@ def test_greedy_parity_single_prompts_around_bucket_edges(tiny_checkpoints, fami
 def test_greedy_parity_left_padded_batches_and_split(tiny_checkpoints, family):
     hf, ours = load_pair(tiny_checkpoints(family))
     torch.manual_seed(2)
-    lengths = [5, 20, 13, 1, 9, 17]  # 6 rows: split into 4 + 2 by the plan
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 128, (n,))
-        mask[i, width - n:] = 1
+    ids, mask = left_padded([5, 20, 13, 1, 9, 17])  # 6 rows: split into 4 + 2 by the plan
     ref = hf_generate(hf, ids, mask, max_new_tokens=10, eos_token_id=None)
     out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                         disable_compile=True, pad_token_id=0, eos_token_id=None)
@@ -68,13 +73,8 @@ def test_greedy_parity_of_compiled_regions_on_padded_batches(tiny_checkpoints, f
 
     hf, ours = load_pair(tiny_checkpoints(family))
     torch.manual_seed(3)
-    lengths = [5, 20, 13, 1, 9, 17, 8]
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 128, (n,))
-        mask[i, width - n:] = 1
+    ids, mask = left_padded([5, 20, 13, 1, 9, 17, 8])
+    width = ids.shape[1]
     ref = hf_generate(hf, ids, mask, max_new_tokens=8, eos_token_id=None)
     config = CompileConfig(backend="eager")
     out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
