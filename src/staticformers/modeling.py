@@ -449,20 +449,18 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 _BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
 
 
-def global_hooks(backward: bool = False) -> bool:
-    """Whether hooks registered for every module are set (forward, and with `backward` backward ones)."""
+def global_hook_ids(backward: bool = False) -> tuple:
+    """The handles of the hooks registered for every module, per kind (forward, and with `backward`
+    backward ones); they change with each registration or removal."""
     from torch.nn.modules import module as nn_module
 
     names = _HOOKS + (_BACKWARD_HOOKS if backward else ())
-    return any(getattr(nn_module, "_global" + name, None) for name in names)
+    return tuple(tuple(getattr(nn_module, "_global" + name, None) or ()) for name in names)
 
 
-def global_hook_ids() -> tuple:
-    """The handles of the forward hooks registered for every module (they change with each registration
-    or removal)."""
-    from torch.nn.modules import module as nn_module
-
-    return tuple(tuple(getattr(nn_module, "_global" + name, None) or ()) for name in _HOOKS)
+def global_hooks(backward: bool = False) -> bool:
+    """Whether hooks registered for every module are set (forward, and with `backward` backward ones)."""
+    return any(global_hook_ids(backward))
 
 
 def hooked(module: nn.Module, backward: bool = False) -> bool:
