@@ -82,6 +82,8 @@ class CompileConfig:
     not transformers') chooses the layout of each shape's graphs: True compiles the embedding, one
     decoder layer (shared by every layer) and the head as separate functions, False the whole model as
     one graph, None (default) regions on the CPU and whole graphs elsewhere (`generation/steps.py`).
+    Regions need weights as graph inputs and no forward hooks: with weight freezing, tensor parallel or
+    hooks set, a shape is one whole-model graph whatever `regional` says.
     """
 
     backend: Optional[str] = None

@@ -207,7 +207,9 @@ class Engine:
         """Drop whatever could run with stale weights (see the module docstring)."""
         ident, versions = self._fingerprint()
         if ident != self._ident:
-            logger.info("model weights were replaced (new tensors, dtype or device): dropping graphs and caches")
+            what = ("model weights or modules were replaced (new tensors, dtype, device or layers)"
+                    if ident[:2] != self._ident[:2] else "forward hooks were registered or removed")
+            logger.info("%s: dropping graphs and caches", what)
             self.reset()
         elif versions != self._versions:
             frozen = [k for k, g in self.graphs.items() if g.settings.freezing]
