@@ -119,6 +119,30 @@ def test_logits_to_keep(tiny_checkpoints):
     torch.testing.assert_close(picked, full[:, [0, 5]])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral-window"])
+def test_kept_positions_skip_the_last_layer_elsewhere_and_match_transformers(family, tiny_checkpoints):
+    """`logits_to_keep=n`: the last layer computes its output at those n positions only (keys and values
+    at all of them), with and without padding, windows and a cache; logits and gradients unchanged."""
+    path = tiny_checkpoints(family)
+    ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    ids, mask = _inputs()
+    seen = []
+    ours.model.layers[-1].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        for keep in (1, 3):
+            for kwargs in ({"attention_mask": mask}, {}):
+                a = ours(input_ids=ids, logits_to_keep=keep, **kwargs).logits
+                b = ref(input_ids=ids, logits_to_keep=keep, **kwargs).logits
+                rows = mask[:, -keep:].bool() if kwargs else torch.ones(3, keep, dtype=torch.bool)
+                torch.testing.assert_close(a[rows], b[rows], rtol=0, atol=1e-5)
+    assert seen == [1, 1, 3, 3]
+    full = ours(input_ids=ids, attention_mask=mask)
+    kept = ours(input_ids=ids, attention_mask=mask, logits_to_keep=2)
+    grads = [torch.autograd.grad(out.logits[:, -2:].square().sum(), ours.model.layers[0].mlp.up_proj.weight)[0]
+             for out in (full, kept)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
 def test_output_access_like_transformers(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     ids, _ = _inputs(left_pad=False)

@@ -264,6 +264,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def last_rows(mask: Optional[torch.Tensor], keep: int, kv_len: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of a self-attention mask `[b, 1, q, kv]` for the last `keep` queries. None (plain causal
+    attention) stays None for the last query alone, which sees every key; for more, their causal rows
+    are built (SDPA's `is_causal` aligns a shorter query block to the first keys, not the last)."""
+    if mask is not None:
+        return mask[:, :, -keep:]
+    if keep == 1:
+        return None
+    return torch.ones(keep, kv_len, dtype=torch.bool, device=device).tril(kv_len - keep)[None, None]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -292,16 +303,20 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None):
-        b, s, _ = x.shape
+    def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None, keep: int = 0):
+        """Self-attention of `x` (the layer's normalised input); `keep` > 0: the output at the last
+        `keep` positions only, the keys and values (and the cache) at every position."""
         mv = getattr(kv_cache, "linears", None)
+        k, v = self.keys_values(x, cos, sin, mv)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
+        if keep:
+            x, cos, sin, mask = x[:, -keep:], cos[:, -keep:], sin[:, -keep:], last_rows(mask, keep, k.shape[2], k.device)
+        b, s, _ = x.shape
         q = project(self.q_proj, x, mv).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        k, v = self.keys_values(x, cos, sin, mv)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
         how = getattr(kv_cache, "decode_attention", None)
         if how == "reduce" and s == 1:
             out = attend_decode(q, k, v, mask, self.scale)
@@ -333,9 +348,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None):
+    def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None, keep: int = 0):
+        """`keep` > 0: the output at the last `keep` positions only (see `Attention.forward`)."""
         mask = masks[self.self_attn.window]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position, keep)
+        x = (x[:, -keep:] if keep else x) + attn
         return x + self.mlp(self.post_attention_layernorm(x), getattr(kv_cache, "linears", None))
 
 
@@ -426,22 +443,28 @@ class DecoderModel(nn.Module):
         return x, cos, sin, masks
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
-                inputs_embeds=None):
+                inputs_embeds=None, keep: int = 0):
+        """The final hidden states; `keep` > 0: at the last `keep` positions only (`run_layers`)."""
         x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, cache_position,
                                           inputs_embeds)
-        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, cache_position))
+        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, cache_position, keep=keep))
 
-    def run_layers(self, x, cos, sin, masks, kv_cache=None, cache_position=None, call=None):
+    def run_layers(self, x, cos, sin, masks, kv_cache=None, cache_position=None, call=None, keep: int = 0):
         """Every layer in turn (checkpointed when gradient checkpointing is on and training);
         `call(layer, x, cos, sin, masks, kv_cache, cache_position)` runs one (default: the layer
-        itself; the Trainer passes its compiled layer region)."""
+        itself; the Trainer passes its compiled layer region). `keep` > 0 (the default `call` only):
+        the last layer computes its output at the last `keep` positions alone, its keys and values at
+        all of them; its output elsewhere feeds nothing, so that is one layer's attention and MLP
+        saved over a prompt whose logits are wanted at its end."""
         call = call or _call_layer
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            kept = {"keep": keep} if 0 < keep < x.shape[1] and i == last else {}
             if self.gradient_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, cache_position,
-                                                      use_reentrant=False)
+                                                      use_reentrant=False, **kept)
             else:
-                x = call(layer, x, cos, sin, masks, kv_cache, cache_position)
+                x = call(layer, x, cos, sin, masks, kv_cache, cache_position, **kept)
         return x
 
 
@@ -477,8 +500,8 @@ def has_decoder_layout(model) -> bool:
     return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and hasattr(model, "lm_head")
 
 
-def _call_layer(layer, x, cos, sin, masks, kv_cache=None, cache_position=None):
-    return layer(x, cos, sin, masks, kv_cache, cache_position)
+def _call_layer(layer, x, cos, sin, masks, kv_cache=None, cache_position=None, keep: int = 0):
+    return layer(x, cos, sin, masks, kv_cache, cache_position, keep)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
@@ -586,7 +609,9 @@ class CausalLM(nn.Module):
     ) -> CausalLMOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, cache_position, inputs_embeds)
+        keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, cache_position, inputs_embeds,
+                            keep=keep)  # the last layer computes the kept positions only
         if isinstance(logits_to_keep, int):
             if logits_to_keep > 0:
                 hidden = hidden[:, -logits_to_keep:]

@@ -23,6 +23,8 @@ Design choices (the why of this file):
   attention and MLP at that position only, through the decode step's own graphs for `[B, K]`
   (`Regions.last_position`): one layer's worth of prompt GEMMs saved (an eighth on the reference
   model), no graph added to the plan. (So a one-token call compiles its shape's decode graphs too.)
+  Whole-graph and eager prefills do the same inside the model: `logits_to_keep=1` makes the last
+  layer compute its output at the last position only (`DecoderModel.run_layers(keep=...)`).
 - **Host bookkeeping, device math.** Generated ids, the stop flags and the output live on the host.
   Per step the device receives `[B, 1]` token ids, `[B, 1]` RoPE positions and a `[1]` slot index;
   the `[B, K]` mask over the cache is sent once per call (future slots are hidden by causality).
