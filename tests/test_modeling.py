@@ -122,12 +122,15 @@ def test_logits_to_keep(tiny_checkpoints):
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral-window"])
 def test_kept_positions_skip_the_last_layer_elsewhere_and_match_transformers(family, tiny_checkpoints):
     """`logits_to_keep=n`: the last layer computes its output at those n positions only (keys and values
-    at all of them), with and without padding, windows and a cache; logits and gradients unchanged."""
+    at all of them), with and without padding and windows; logits and gradients unchanged. A forward
+    hook on that layer sees every position, as with transformers."""
     path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
     ids, mask = _inputs()
     seen = []
-    ours.model.layers[-1].mlp.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    mlp = ours.model.layers[-1].mlp
+    mlp_forward = mlp.forward
+    mlp.forward = lambda x, how=None: seen.append(x.shape[1]) or mlp_forward(x, how)  # not a hook: watched
     with torch.no_grad():
         for keep in (1, 3):
             for kwargs in ({"attention_mask": mask}, {}):
@@ -136,6 +139,13 @@ def test_kept_positions_skip_the_last_layer_elsewhere_and_match_transformers(fam
                 rows = mask[:, -keep:].bool() if kwargs else torch.ones(3, keep, dtype=torch.bool)
                 torch.testing.assert_close(a[rows], b[rows], rtol=0, atol=1e-5)
     assert seen == [1, 1, 3, 3]
+    hooked = []
+    handle = mlp.register_forward_hook(lambda m, args, out: hooked.append(args[0].shape[1]))
+    with torch.no_grad():
+        hooked_logits = ours(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    handle.remove()
+    assert hooked == [12]
+    torch.testing.assert_close(hooked_logits, ours(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits)
     full = ours(input_ids=ids, attention_mask=mask)
     kept = ours(input_ids=ids, attention_mask=mask, logits_to_keep=2)
     grads = [torch.autograd.grad(out.logits[:, -2:].square().sum(), ours.model.layers[0].mlp.up_proj.weight)[0]

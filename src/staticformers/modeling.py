@@ -452,12 +452,15 @@ class DecoderModel(nn.Module):
     def run_layers(self, x, cos, sin, masks, kv_cache=None, cache_position=None, call=None, keep: int = 0):
         """Every layer in turn (checkpointed when gradient checkpointing is on and training);
         `call(layer, x, cos, sin, masks, kv_cache, cache_position)` runs one (default: the layer
-        itself; the Trainer passes its compiled layer region). `keep` > 0 (the default `call` only):
-        the last layer computes its output at the last `keep` positions alone, its keys and values at
-        all of them; its output elsewhere feeds nothing, so that is one layer's attention and MLP
-        saved over a prompt whose logits are wanted at its end."""
+        itself; the Trainer passes its compiled layer region). `keep` > 0 (passed to the last layer's
+        `call`): the last layer computes its output at the last `keep` positions alone, its keys and
+        values at all of them; its output elsewhere feeds nothing, so that is one layer's attention and
+        MLP saved over a prompt whose logits are wanted at its end. Not while forward hooks watch that
+        layer: they see every position, as with transformers."""
         call = call or _call_layer
         last = len(self.layers) - 1
+        if keep and (global_hooks() or any(hooked(m) for m in self.layers[last].modules())):
+            keep = 0
         for i, layer in enumerate(self.layers):
             kept = {"keep": keep} if 0 < keep < x.shape[1] and i == last else {}
             if self.gradient_checkpointing and self.training:
