@@ -215,7 +215,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     qg = q.reshape(b, kvh, g * s, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
     if mask is None:
-        mask = torch.ones(s, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - s)[None, None]
+        mask = causal_rows(s, kv_len, q.device)
     mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -272,7 +272,12 @@ def last_rows(mask: Optional[torch.Tensor], keep: int, kv_len: int, device: torc
         return mask[:, :, -keep:]
     if keep == 1:
         return None
-    return torch.ones(keep, kv_len, dtype=torch.bool, device=device).tril(kv_len - keep)[None, None]
+    return causal_rows(keep, kv_len, device)
+
+
+def causal_rows(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """The causal mask `[1, 1, q_len, kv_len]` of the last `q_len` positions over all `kv_len` keys."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
 
 
 class Attention(nn.Module):
