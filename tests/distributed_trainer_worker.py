@@ -71,6 +71,7 @@ def main(path: str, out: str) -> None:
     trainer.train()
     result["tp2_fsdp2"] = history(trainer)
     result["trainer_class"] = type(trainer).__name__
+    result["distributed"] = type(trainer.distributed).__name__
     result["eval_loss"] = trainer.evaluate(eval_dataset=docs(model.config.vocab_size, n=10, seed=1))["eval_loss"]
     trainer.save_model(os.path.join(out, "final"))
     del trainer, model

@@ -55,7 +55,7 @@ def test_one_graph_per_function_and_second_shape_is_a_violation(monkeypatch):
     assert a.compiled is not b.compiled
     assert torch.equal(a(torch.ones(2)), torch.full((2,), 3.0)) and b(torch.ones(3)).shape == (3,)
     assert a.graphs == 1 and b.graphs == 1  # separate code objects: separate caches and limits
-    with pytest.raises(Exception, match="second graph"):
+    with pytest.raises(Exception, match="compile graph 2"):
         a(torch.ones(5))
 
 
@@ -70,35 +70,15 @@ def test_neuron_backend_is_neuron(fake_neuron):
     assert sc.default_backend("neuron") == "neuron"
 
 
-def test_guards_are_skipped_only_for_checked_calls_of_a_single_graph(monkeypatch):
-    """`checked=True` (the engine verified the declared shape) skips Dynamo's guard evaluation once the
-    one graph exists; an unchecked call keeps the guards, so a wrong shape recompiles (and is reported)
-    instead of running a graph built for another shape."""
-    stances = []
-    real = torch.compiler.set_stance
-
-    def spy(*args, **kwargs):
-        stances.append(kwargs.get("skip_guard_eval_unsafe", False))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.compiler, "set_stance", spy)
-    monkeypatch.delenv("STATICFORMERS_STRICT_SHAPES", raising=False)
-    f = sc.compile_function(lambda x: x * 2 + 1, "step_guards", (3,), "eager")
-    x = torch.arange(3.0)
-    assert torch.equal(f(x, checked=True), x * 2 + 1) and stances == []  # the first call compiles, guarded
-    assert torch.equal(f(x + 1, checked=True), (x + 1) * 2 + 1) and stances == [True]
-    assert torch.equal(f(x, checked=False), x * 2 + 1) and stances == [True]
-    with pytest.warns(RuntimeWarning, match="second graph"):
-        assert f(torch.ones(5)).shape == (5,)  # unchecked: the guards catch the new shape
-    assert f.graphs == 2 and torch.equal(f(torch.ones(5), checked=True), torch.full((5,), 3.0))
-    assert stances == [True]  # two graphs now: the guards choose between them again
-
-
-def test_guard_skipping_can_be_turned_off(monkeypatch):
-    monkeypatch.setattr(sc, "SKIP_GUARDS", False)
-    calls = []
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: calls.append(k))
-    f = sc.compile_function(lambda x: x - 1, "step_no_skip", (2,), "eager")
-    f(torch.ones(2), checked=True)
-    f(torch.ones(2), checked=True)
-    assert calls == [] and f.calls == 2
+def test_module_calls_compile_each_under_its_own_code_and_counter():
+    """`compile_module_calls` (FSDP2's per-block compile) counts each module's graphs and keeps them apart:
+    modules of one class do not share one code object (nor its recompile limit)."""
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    counters = sc.compile_module_calls(layers, "blk", "eager")
+    x = torch.randn(2, 4)
+    for layer in layers:
+        assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert [c.graphs for c in counters] == [1, 1, 1]
+    with torch.no_grad():
+        layers[0](x)  # another grad mode: one more graph, counted
+    assert [c.graphs for c in counters] == [2, 1, 1]

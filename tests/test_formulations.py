@@ -1,6 +1,6 @@
-"""The formulations picked per shape give the plain path's results: the engine's decode formulations
-(reductions, grouped matmuls) for every family with left padding and a sliding window, and the CPU's
-blocked causal attention (training in bf16) against SDPA with and without masks."""
+"""The CPU backend's formulations (backends/cpu/ops.py) give the plain path's results: the decode
+formulations (reductions, grouped matmuls) for every family with rows of different lengths and a
+sliding window, and the blocked causal attention (training in bf16) against SDPA with and without masks."""
 
 from __future__ import annotations
 
@@ -10,33 +10,35 @@ import torch
 import torch.nn.functional as F
 
 from staticformers import AutoModelForCausalLM
-from staticformers.modeling import attend, attend_blocks, packed_segments
-from staticformers.generation.cache import StaticKVCache
-from staticformers.generation.engine import decode_formulation, gemm_kernel, prefill_formulation
-from staticformers.kernels import onednn_available
+from staticformers.backends.cpu import plain_projections
+from staticformers.backends.cpu.onednn import onednn_available
+from staticformers.backends.cpu.ops import (PLAIN_CPU, CPUOps, attend, attend_blocks, decode_formulation, gemm_kernel,
+                                            prefill_formulation)
+from staticformers.generation.cache import KVCache
+from staticformers.modeling import packed_segments
 
 FORMS = [("reduce", "reduce", "reduce"), ("reduce", None, None), ("matmul", None, None), ("matmul", None, "reduce"),
          (None, None, "reduce"), (None, "onednn", "onednn"), ("reduce", "onednn", "reduce")]
 
 
 def run(model, ids, mask, kv_len, form):
-    """Prefill then three decode steps over one static cache; the logits of every step."""
-    b, s = ids.shape
-    cache = StaticKVCache.for_model(model, b, kv_len)
-    if form is not None:
-        cache.formulate(*form)
-    full = torch.zeros(b, kv_len, dtype=torch.bool)
-    full[:, :s] = mask
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = [model(input_ids=ids, attention_mask=full, position_ids=pos, kv_cache=cache,
-                 cache_position=torch.arange(s)).logits[:, -1]]
-    nxt, at = pos[:, -1:] + 1, s
+    """Each row's prompt (the tokens its mask keeps) written at positions 0..n-1 of its cache row, then
+    three decode steps at each row's own position; the logits of every step."""
+    b = ids.shape[0]
+    ops = form if isinstance(form, CPUOps) else CPUOps(*form) if form is not None else PLAIN_CPU
+    cache = KVCache.for_model(model, b, kv_len)
+    lengths = mask.sum(-1)
+    prompt = torch.zeros_like(ids)
+    for i in range(b):
+        prompt[i, :lengths[i]] = ids[i][mask[i]]
+    pos = torch.arange(ids.shape[1]).expand(b, -1).contiguous()
+    logits = model(input_ids=prompt, position_ids=pos, kv_cache=cache, ops=ops).logits
+    out = [logits[torch.arange(b), lengths - 1]]
+    at = lengths.view(b, 1).clone()
     for _ in range(3):
         token = out[-1].argmax(-1, keepdim=True)
-        full[:, at] = True
-        out.append(model(input_ids=token, attention_mask=full, position_ids=nxt, kv_cache=cache,
-                         cache_position=torch.tensor([at])).logits[:, -1])
-        nxt, at = nxt + 1, at + 1
+        out.append(model(input_ids=token, position_ids=at, kv_cache=cache, ops=ops).logits[:, -1])
+        at = at + 1
     return torch.stack(out)
 
 
@@ -47,8 +49,8 @@ def test_formulation_matches_plain_path(tiny_checkpoints, family, form):
     torch.manual_seed(0)
     ids = torch.randint(3, 128, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.bool)
-    mask[1, :4] = False  # left padding
-    mask[2, :7] = False
+    mask[1, :4] = False  # shorter rows
+    mask[2, 2:] = False
     with torch.no_grad():
         want = run(model, ids, mask, 16, None)
         got = run(model, ids, mask, 16, form)
@@ -67,25 +69,28 @@ def test_formulation_in_bf16_is_close(tiny_checkpoints):
 
 
 def test_policy_per_shape():
-    assert decode_formulation(1, torch.float32, "onednn") == ("reduce", "reduce", "reduce")
-    assert decode_formulation(1, torch.bfloat16) == ("reduce", "reduce", "reduce")
+    def form(ops):
+        return ops.attention_kind, ops.linears, ops.head_linear
+
+    assert form(decode_formulation(1, torch.float32, "onednn")) == ("reduce", "reduce", "reduce")
+    assert form(decode_formulation(1, torch.bfloat16)) == ("reduce", "reduce", "reduce")
     # fp32 GEMMs with 2-8 rows are slow for the 32,000-row head: a reduction there
-    assert decode_formulation(8, torch.float32, "onednn") == (None, "onednn", "reduce")
-    assert decode_formulation(2, torch.bfloat16) == ("reduce", None, "reduce")
-    assert decode_formulation(4, torch.bfloat16) == ("reduce", None, None)
-    assert decode_formulation(16, torch.float32, "onednn") == (None, "onednn", "onednn")
-    assert decode_formulation(16, torch.bfloat16) == (None, None, None)
-    assert prefill_formulation(1, torch.bfloat16) == ("matmul", None, "reduce")
-    assert prefill_formulation(1, torch.float32, "onednn") == (None, "onednn", "reduce")
-    assert prefill_formulation(8, torch.bfloat16) == (None, None, None)
-    assert prefill_formulation(16, torch.float32, "onednn") == (None, "onednn", "onednn")
+    assert form(decode_formulation(8, torch.float32, "onednn")) == (None, "onednn", "reduce")
+    assert form(decode_formulation(2, torch.bfloat16)) == ("reduce", None, "reduce")
+    assert form(decode_formulation(4, torch.bfloat16)) == ("reduce", None, None)
+    assert form(decode_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
+    assert form(decode_formulation(16, torch.bfloat16)) == (None, None, None)
+    assert form(prefill_formulation(1, torch.bfloat16)) == ("matmul", None, "reduce")
+    assert form(prefill_formulation(1, torch.float32, "onednn")) == (None, "onednn", "reduce")
+    assert form(prefill_formulation(8, torch.bfloat16)) == (None, None, None)
+    assert form(prefill_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
+    assert decode_formulation(1, torch.float32) == CPUOps("reduce", "reduce", "reduce")  # compared by key
 
 
 def test_onednn_gemm_only_for_float32_on_the_cpu():
     want = "onednn" if onednn_available() else None
-    assert gemm_kernel(torch.float32, torch.device("cpu")) == want
-    assert gemm_kernel(torch.bfloat16, torch.device("cpu")) is None
-    assert gemm_kernel(torch.float32, torch.device("meta")) is None
+    assert gemm_kernel(torch.float32) == want
+    assert gemm_kernel(torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])
@@ -120,6 +125,10 @@ def test_bf16_causal_attention_on_cpu_uses_blocks_and_is_close():
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+def _ops(engine, kind, batch, settings):
+    return engine.backend.ops(engine, kind, batch, settings)
+
+
 def test_frozen_graphs_keep_plain_gemms_for_inductor_to_pack(tiny_checkpoints):
     """Under inductor freezing the GEMMs stay `F.linear` (inductor packs frozen weights for oneDNN
     itself); otherwise float32 GEMMs on the CPU take oneDNN's operator."""
@@ -128,21 +137,21 @@ def test_frozen_graphs_keep_plain_gemms_for_inductor_to_pack(tiny_checkpoints):
     engine = Engine(AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3")))
     plain = CompileSettings(backend="inductor")
     frozen = CompileSettings(backend="inductor", options=(("freezing", True),))
-    assert engine._formulation("prefill", 4, frozen) == (None, None, "reduce")
-    assert engine._formulation("prefill", 4, plain)[1] == gemm_kernel(torch.float32, torch.device("cpu"))
-    assert engine._formulation("decode", 16, frozen) == (None, None, None)
+    assert _ops(engine, "prefill", 4, frozen) == CPUOps(None, None, "reduce")
+    assert _ops(engine, "prefill", 4, plain).linears == gemm_kernel(torch.float32)
+    assert _ops(engine, "decode", 16, frozen) == CPUOps(None, None, None)
 
 
 def test_wrapped_or_hooked_projections_keep_the_plain_path(tiny_checkpoints):
     """Reductions and oneDNN read a projection's weight directly: a forward hook or a Linear subclass
     (LoRA, quantisation) must keep the module's own forward."""
-    from staticformers.generation.engine import PLAIN, CompileSettings, Engine, plain_projections
+    from staticformers.generation.engine import CompileSettings, Engine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine, settings = Engine(model), CompileSettings(backend="inductor")
-    assert plain_projections(model) and engine._formulation("decode", 1, settings) != PLAIN
+    assert plain_projections(model) and _ops(engine, "decode", 1, settings) != PLAIN_CPU
     handle = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: o * 2)
-    assert not plain_projections(model) and Engine(model)._formulation("decode", 1, settings) == PLAIN
+    assert not plain_projections(model) and _ops(Engine(model), "decode", 1, settings) == PLAIN_CPU
     handle.remove()
 
     class Scaled(torch.nn.Linear):
@@ -151,16 +160,4 @@ def test_wrapped_or_hooked_projections_keep_the_plain_path(tiny_checkpoints):
 
     model.model.layers[0].self_attn.o_proj = Scaled(64, 64, bias=False)  # a new module: the engine resets
     engine.check_weights()
-    assert not plain_projections(model) and engine._formulation("prefill", 4, settings) == PLAIN
-
-
-def test_decode_caches_are_kept_per_formulation(tiny_checkpoints):
-    """A cache is formulated once, when created: settings whose decode formulations differ (freezing
-    keeps plain GEMMs) must not share one."""
-    from staticformers.generation.engine import CompileSettings, Engine
-
-    engine = Engine(AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3")))
-    plain = CompileSettings(backend="inductor")
-    frozen = CompileSettings(backend="inductor", options=(("freezing", True),))
-    a, b = engine.cache(4, 64, plain), engine.cache(4, 64, frozen)
-    assert a is not b and b.linears is None and a.linears == gemm_kernel(torch.float32, torch.device("cpu"))
+    assert not plain_projections(model) and _ops(engine, "prefill", 4, settings) == PLAIN_CPU

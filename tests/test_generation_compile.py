@@ -9,7 +9,7 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
 from staticformers.compile import ShapePlanViolation
 from staticformers.generation.api import engine_for
-from staticformers.generation.engine import PLAIN as PLAIN_FORM
+
 
 EAGER = CompileConfig(backend="eager")
 PLAN = ShapePlan(batch_sizes=[1, 2], prompt_lengths=[8, 16], kv_lengths=[32], max_model_len=32)
@@ -76,26 +76,24 @@ def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
     regional, whole = Engine(model, PLAN), Engine(model, PLAN)
     r_settings = CompileSettings(backend="aot_eager", regional=True)
     w_settings = CompileSettings(backend="aot_eager", regional=False)
-    assert regional.regional(r_settings) and not whole.regional(w_settings)
-    ids = torch.randint(3, 128, (2, 7))
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    mask[1, :3] = False
+    assert regional.backend.regional(regional, r_settings) and not whole.backend.regional(whole, w_settings)
+    prompts = [torch.randint(3, 128, (7,)).tolist(), torch.randint(3, 128, (4,)).tolist()]
     with torch.no_grad():
-        entry = PLAN.choose(2, 7, 4)
-        out_r, out_w = regional.prefill(entry, ids, mask, r_settings), whole.prefill(entry, ids, mask, w_settings)
-        for a, b in zip(out_r[:2], out_w[:2]):
+        caches = [e.cache(2, 32) for e in (regional, whole)]
+        out_r = regional.prefill(r_settings, prompts, caches[0], [1, 0])  # into slots 1 and 0
+        out_w = whole.prefill(w_settings, prompts, caches[1], [1, 0])
+        for a, b in zip(out_r, out_w):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        cache_r, cache_w = out_r[2](), out_w[2]()  # fill each engine's static cache from its prefill
-        for a, b in zip(cache_r.keys + cache_r.values, cache_w.keys + cache_w.values):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        tokens = out_r[0].view(2, 1)
-        positions = out_r[4].view(2, 1)
-        slot = torch.tensor([entry.prompt])
-        steps = [e.decode(entry, tokens, positions, out[3], slot, s)
-                 for e, out, s in ((regional, out_r, r_settings), (whole, out_w, w_settings))]
+        for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+            torch.testing.assert_close(a[:, :, :7], b[:, :, :7], rtol=0, atol=1e-5)  # what the rows wrote
+        tokens = torch.stack([out_r[0][1], out_r[0][0]]).view(2, 1)
+        positions = torch.tensor([[4], [7]])
+        steps = [e.decode(s, c, tokens, positions) for e, s, c in ((regional, r_settings, caches[0]),
+                                                                    (whole, w_settings, caches[1]))]
         torch.testing.assert_close(steps[0][1], steps[1][1], rtol=0, atol=1e-5)
     rows = {(r["kind"], tuple(r["shape"])): r for r in regional.stats()}
-    assert rows["prefill", (2, 8)]["functions"] == 2 and rows["decode", (2, 1, 32)]["functions"] == 3  # 2 windows
+    # the prefill's layer region per window of the layers but the last; decode: prepare + one per window
+    assert rows["prefill", (2, 8)]["functions"] == 2 and rows["decode", (2, 1, 32)]["functions"] == 3
     assert rows["head", (2, 1)]["graphs"] == 1
     assert all(r["graphs"] == r["functions"] for r in rows.values())
 
@@ -105,7 +103,7 @@ def test_shape_outside_the_plan_raises_in_strict_mode(tiny_checkpoints, strict):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine = Engine(model, PLAN)
-    graph = engine.graph("decode", 1, 32, CompileSettings(backend="eager"))
+    graph = engine.step("decode", 1, 32, CompileSettings(backend="eager"))
     with pytest.raises(ShapePlanViolation, match="outside the plan"):
         engine._check(graph, (1, 1), torch.zeros(2, 1))
 
@@ -116,7 +114,7 @@ def test_warns_outside_strict_mode(tiny_checkpoints, monkeypatch):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine = Engine(model, PLAN)
-    graph = engine.graph("prefill", 1, 8, CompileSettings(enabled=False))
+    graph = engine.step("prefill", 1, 8, CompileSettings(enabled=False))
     with pytest.warns(RuntimeWarning, match="outside the plan"):
         engine._check(graph, (1, 8), torch.zeros(1, 9))
 
@@ -148,8 +146,8 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     want = model.generate(ids, max_new_tokens=8, disable_compile=True, eos_token_id=None)
     got = model.generate(ids, max_new_tokens=8, compile_config=CompileConfig(backend="inductor"), eos_token_id=None)
     assert torch.equal(got, want)
-    fast = [c for k, c in engine_for(model).caches.items() if k[2] != PLAIN_FORM]
-    assert fast and fast[0].linears == "reduce"
+    decode = [g.step for k, g in engine_for(model).graphs.items() if k[0] == "decode" and g.settings.enabled]
+    assert decode and decode[0].ops.linears == "reduce"  # the batch-1 weight-streaming formulation
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
     assert any(p.is_dir() for p in (tmp_path / "inductor").iterdir())
     # a second model (as in a new process) loads every region from its precompiled artifact: no trace
@@ -164,14 +162,14 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert saved == 4 and sum(r["graphs"] for r in rows) == 4  # prefill layer, decode prepare + layer, head
     # `staticformers compile` (Engine.precompile) warms the decode from its first layer, a prompt's last
     # position warms it from its last: either way the artifacts are the same ones
-    from staticformers.generation.api import _compile_settings
+    from staticformers.generation.api import compile_settings
     from staticformers.generation.config import GenerationConfig
 
     for p in (tmp_path / "precompiled").iterdir():
         p.unlink()
     ahead = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine = engine_for(ahead, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
-    engine.precompile(_compile_settings(ahead, GenerationConfig(), CompileConfig(backend="inductor")))
+    engine.precompile(compile_settings(ahead, GenerationConfig(), CompileConfig(backend="inductor")))
     assert len(os.listdir(tmp_path / "precompiled")) == 4
     traced = counters["stats"]["unique_graphs"]
     later = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
@@ -262,7 +260,9 @@ def test_forward_hooks_added_or_removed_after_warm_up_are_honoured(tiny_checkpoi
     """Warmed steps skip Dynamo's guards, which would have seen a new hook: the engine sees it instead and
     rebuilds its graphs, whole-model while hooks are set (a layer graph shared by every layer cannot
     carry one layer's hook), so compiled steps give what the model with its hook gives eagerly."""
-    from staticformers.generation.steps import Regions
+    from staticformers.backends.cpu.regions import RegionalDecode, RegionalPrefill
+
+    Regions = (RegionalDecode, RegionalPrefill)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine = engine_for(model, PLAN)
@@ -270,17 +270,17 @@ def test_forward_hooks_added_or_removed_after_warm_up_are_honoured(tiny_checkpoi
     config = CompileConfig(backend="eager")
     for _ in range(2):  # warmed
         plain = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
-    assert all(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+    assert all(isinstance(g.step, Regions) for g in engine.graphs.values())
     handle = model.model.layers[0].mlp.register_forward_hook(lambda m, args, out: out.flip(-1) * 20)
     want = model.generate(ids, max_new_tokens=6, disable_compile=True, eos_token_id=None)
     assert not torch.equal(want, plain)
     hooked = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
     assert torch.equal(hooked, want)
-    assert not any(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+    assert not any(isinstance(g.step, Regions) for g in engine.graphs.values())
     handle.remove()
     again = model.generate(ids, max_new_tokens=6, compile_config=config, eos_token_id=None)
     assert torch.equal(plain, again)
-    assert all(isinstance(g.compiled, Regions) for g in engine.graphs.values())
+    assert all(isinstance(g.step, Regions) for g in engine.graphs.values())
 
 
 @pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention", "sliding_attention", "full_attention"]])
@@ -299,9 +299,9 @@ def test_prefill_warms_when_only_the_last_layer_has_its_window(strict, layer_typ
     for _ in range(3):
         got = model.generate(ids, max_new_tokens=3, compile_config=CompileConfig(backend="eager"), eos_token_id=None)
         assert torch.equal(got, want)
-    (prefill,) = [g.compiled for k, g in engine.graphs.items() if k[0] == "prefill" and g.compiled is not None]
-    assert True in prefill._warm  # the continued prefill ran warmed
-    (decode,) = [g.compiled for k, g in engine.graphs.items() if k[0] == "decode" and g.compiled is not None]
+    (prefill,) = [g.step for k, g in engine.graphs.items() if k[0] == "prefill" and g.settings.enabled]
+    assert "prefill" in prefill._warm  # the prefill ran warmed
+    (decode,) = [g.step for k, g in engine.graphs.items() if k[0] == "decode" and g.settings.enabled]
     # the prefill's first call traced the decode's regions for the last layer on the way: its time
     # includes theirs
     traced = decode.prepare.first_call_seconds + decode.layer[model.model.layers[-1].self_attn.window].first_call_seconds

@@ -13,7 +13,7 @@ import pytest
 PROBE = r"""
 import resource, sys
 import torch
-from staticformers.training.host_memory import keep_freed_host_memory
+from staticformers.backends.cpu.host_memory import keep_freed_host_memory
 print("tuned", keep_freed_host_memory())
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import staticformers.compile as sc
-from staticformers import isa_probes
+from staticformers.backends.cpu import isa_probes
 
 
 class Prober:
@@ -81,17 +81,22 @@ def test_an_unwritable_or_corrupt_record_only_costs_the_probe(tmp_path):
     assert len(prober.calls) == 2
 
 
-def test_enabling_the_cache_installs_the_remembering_probe_once(monkeypatch, tmp_path):
+def test_the_cpu_backend_installs_the_remembering_probe_once(monkeypatch, tmp_path):
+    """The CPU backend installs it before its first inductor compile (the generic path never does)."""
     from torch._inductor.cpu_vec_isa import VecISA
+
+    from staticformers.backends import for_device
+    from staticformers.generation.engine import CompileSettings
 
     monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
     monkeypatch.setattr(sc, "_ENABLED_FOR", None)
     monkeypatch.setattr(VecISA, "_probe_load", VecISA._probe_load)  # restored after the test
     sc.enable_persistent_cache()
+    backend = for_device("cpu")
+    backend.before_compile(CompileSettings(backend="inductor"))
     installed = VecISA._probe_load
     assert getattr(installed, "remembers_probes", False)
-    monkeypatch.setattr(sc, "_ENABLED_FOR", None)
-    sc.enable_persistent_cache()
+    backend.before_compile(CompileSettings(backend="inductor"))
     assert VecISA._probe_load is installed  # not wrapped twice
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from staticformers import kernels
+from staticformers.backends.cpu import onednn as kernels
 
 pytestmark = pytest.mark.skipif(not kernels.onednn_available(), reason="this PyTorch has no oneDNN")
 

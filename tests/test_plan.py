@@ -27,7 +27,9 @@ def test_first_fit_and_kv_need():
     plan = ShapePlan(max_model_len=512, max_batch_size=4)
     assert plan.choose(3, 17, 10) == Entry(4, 32, 256)
     assert plan.choose(1, 16, 1) == Entry(1, 16, 256)
-    assert plan.choose(1, 200, 100) == Entry(1, 256, 512)  # 256 + 99 slots
+    assert plan.choose(1, 200, 100) == Entry(1, 256, 512)  # 200 + 99 positions
+    assert plan.choose(1, 197, 4) == Entry(1, 256, 256)  # the prompt's bucket costs no positions
+    assert plan.choose(1, 255, 1) == Entry(1, 256, 256)
 
 
 def test_split_large_batches():
@@ -39,10 +41,10 @@ def test_split_large_batches():
 @pytest.mark.parametrize("args,match", [
     ((1, 600, 1), "more than the largest prompt bucket"),
     ((1, 500, 20), "exceed max_model_len=512"),
-    ((1, 300, 200), "needs 711 cache slots"),
+    ((1, 300, 200), "needs 499 cache positions, more than the largest KV length \\(256\\)"),
 ])
 def test_refusals_are_one_sentence(args, match):
-    plan = ShapePlan(max_model_len=512)
+    plan = ShapePlan(max_model_len=512, kv_lengths=[128, 256])
     with pytest.raises(PlanError, match=match) as err:
         plan.choose(*args)
     assert str(err.value).count(". ") == 0  # one sentence

@@ -1,5 +1,6 @@
-"""precompiled.py and CompiledFunction's artifact path: a compiled function saved whole and loaded by a
-later "process" (a new CompiledFunction) without tracing; stale, corrupt or refused artifacts compile."""
+"""The CPU backend's saved regions (backends/cpu/precompiled.py, compiled.py): a compiled function saved whole
+and loaded by a later "process" (a new CPUCompiledFunction) without tracing; stale, corrupt or refused
+artifacts compile; and its unguarded calls."""
 
 import logging
 import os
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 import staticformers.compile as sc
-from staticformers import precompiled
-from staticformers.generation.cache import LayerSink
+from staticformers.backends.cpu import compiled as cpu_compiled
+from staticformers.backends.cpu import precompiled
+from staticformers.backends.cpu.compiled import CPUCompiledFunction, compile_region
+from staticformers.backends.cpu.regions import LayerSink
 
 
 def test_signatures_follow_what_a_graph_depends_on():
@@ -24,7 +27,7 @@ def test_signatures_follow_what_a_graph_depends_on():
     norm = torch.nn.LayerNorm(4)
     other = torch.nn.LayerNorm(4, eps=1e-3)
     assert sig(norm) != sig(other)  # a plain attribute baked into the graph
-    assert sig(LayerSink(8, "matmul")) != sig(LayerSink(8, None)) != sig(LayerSink(16, None))
+    assert sig(LayerSink(8)) != sig(LayerSink(16))
 
 
 def test_artifact_names_change_with_settings_and_arguments(tmp_path):
@@ -94,14 +97,14 @@ def test_a_later_function_loads_the_artifact_instead_of_tracing(monkeypatch, tmp
     unused.write_bytes(b"x")
     os.utime(unused, (time.time() - 60 * 86400,) * 2)
 
-    first = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)
+    first = compile_region(step, "pc_step", (3, 8))
     torch.testing.assert_close(first(x, w), want)
     assert first.aot is not None and first.graphs == 1 and not first.records[0].loaded
     (saved,) = os.listdir(folder)  # saving pruned the unused one
 
     traced = counters["stats"]["unique_graphs"]
     os.utime(folder / saved, (time.time() - 10 * 86400,) * 2)
-    later = sc.compile_function(step, "pc_step", (3, 8), "inductor", precompile=True)  # as a new process would
+    later = compile_region(step, "pc_step", (3, 8))  # as a new process would
     torch.testing.assert_close(later(x, w), want)
     assert later.records[0].loaded and counters["stats"]["unique_graphs"] == traced  # nothing traced
     assert time.time() - os.path.getmtime(folder / saved) < 3600  # a load marks it used
@@ -112,7 +115,7 @@ def test_a_later_function_loads_the_artifact_instead_of_tracing(monkeypatch, tmp
     # function compiles the usual way
     path = str(tmp_path / precompiled.FOLDER / saved)
     monkeypatch.setattr(precompiled, "artifact_path", lambda *a: path)
-    other = sc.compile_function(step, "pc_step", (4, 8), "inductor", precompile=True)
+    other = compile_region(step, "pc_step", (4, 8))
     y = torch.randn(4, 8)
     torch.testing.assert_close(other(y, w), step(y, w))
     assert not other.records[0].loaded
@@ -124,7 +127,7 @@ def test_off_switch(monkeypatch, tmp_path):
     monkeypatch.setenv("STATICFORMERS_PRECOMPILE", "0")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(sc, "_ENABLED_FOR", None)
-    f = sc.compile_function(step, "pc_off", (3, 8), "inductor", precompile=True)
+    f = compile_region(step, "pc_off", (3, 8))
     f(torch.randn(3, 8), torch.randn(8, 5))
     assert f.aot is None and not (tmp_path / precompiled.FOLDER).exists()
 
@@ -163,6 +166,40 @@ def test_a_loaded_artifact_that_fails_is_discarded_and_the_function_compiles(mon
 
     monkeypatch.setattr(precompiled, "artifact_path", lambda *a: str(path))
     monkeypatch.setattr(precompiled, "load", lambda p: Broken())
-    f = sc.compile_function(step, "pc_broken", (3, 8), "inductor", precompile=True)
+    f = compile_region(step, "pc_broken", (3, 8))
     torch.testing.assert_close(f(x, w), step(x, w))
     assert f.graphs == 1 and not f.records[0].loaded and f.aot is not None and path.exists()  # rewritten
+
+
+def test_guards_are_skipped_only_for_checked_calls_of_a_single_graph(monkeypatch):
+    """`checked=True` (the engine verified the declared shape) skips Dynamo's guard evaluation once the
+    one graph exists; an unchecked call keeps the guards, so a wrong shape recompiles (and is reported)
+    instead of running a graph built for another shape."""
+    stances = []
+    real = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        stances.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    monkeypatch.delenv("STATICFORMERS_STRICT_SHAPES", raising=False)
+    f = sc.compile_function(lambda x: x * 2 + 1, "step_guards", (3,), "eager", function_class=CPUCompiledFunction)
+    x = torch.arange(3.0)
+    assert torch.equal(f(x, checked=True), x * 2 + 1) and stances == []  # the first call compiles, guarded
+    assert torch.equal(f(x + 1, checked=True), (x + 1) * 2 + 1) and stances == [True]
+    assert torch.equal(f(x, checked=False), x * 2 + 1) and stances == [True]
+    with pytest.warns(RuntimeWarning, match="compile graph 2"):
+        assert f(torch.ones(5)).shape == (5,)  # unchecked: the guards catch the new shape
+    assert f.graphs == 2 and torch.equal(f(torch.ones(5), checked=True), torch.full((5,), 3.0))
+    assert stances == [True]  # two graphs now: the guards choose between them again
+
+
+def test_guard_skipping_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(cpu_compiled, "SKIP_GUARDS", False)
+    calls = []
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: calls.append(k))
+    f = sc.compile_function(lambda x: x - 1, "step_no_skip", (2,), "eager", function_class=CPUCompiledFunction)
+    f(torch.ones(2), checked=True)
+    f(torch.ones(2), checked=True)
+    assert calls == [] and f.calls == 2

@@ -118,7 +118,7 @@ def test_regional_and_whole_graph_compile_train_alike(tmp_path, monkeypatch):
     for name, regional, checkpointing in (("eager", None, False), ("regional", True, True),
                                           ("whole", False, False)):
         if regional is not None:
-            monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (regional,))
+            monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (regional, compiled.PLAIN))
         model = tiny_model(**WINDOW_LAYERS)
         args = args_for(tmp_path / name, max_steps=3, torch_compile=regional is not None,
                         torch_compile_backend="aot_eager" if regional is not None else None,

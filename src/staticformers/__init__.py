@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "AutoModelForCausalLM": "staticformers.loading",
+    "AutoModelForCausalLM": "staticformers.auto",
+    "ModelForCausalLM": "staticformers.auto",
     "CausalLM": "staticformers.modeling",
     "CausalLMOutput": "staticformers.modeling",
     "AutoConfig": "staticformers.config",
@@ -29,6 +30,9 @@ _EXPORTS = {
     "GenerationConfig": "staticformers.generation.config",
     "CompileConfig": "staticformers.generation.config",
     "ShapePlan": "staticformers.generation.plan",
+    "GenerationLoop": "staticformers.generation.loop",
+    "GenerationRequest": "staticformers.generation.loop",
+    "SamplingParams": "staticformers.generation.sampling",
     "pipeline": "staticformers.generation.pipeline",
     "TrainingArguments": "staticformers.training.arguments",
     "Trainer": "staticformers.training.trainer",

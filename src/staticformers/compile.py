@@ -1,29 +1,30 @@
-"""Compiling for a device that compiles one graph per shape: backend choice, graph counting, and the
-persistent on-disk compile cache. Shared by the generation engine and the trainer.
+"""The one compile path: backend choice, graph counting, strict shapes and the persistent on-disk cache.
 
-Why a module of its own: every compiled function in staticformers must be *countable* (how many graphs,
-for which shapes, how many seconds each) and *bounded* (one graph per declared shape, never PyTorch's
-recompile limit, never a silent fallback to eager). This module gives both:
+Every compiled function in staticformers, the generation engine's steps, the Trainer's regions and the
+distributed layer's per-block compile alike, goes through here, because each must be *countable* (how
+many graphs, for which shapes, how many seconds each) and *bounded* (one graph per declared shape,
+never PyTorch's recompile limit, never a silent fallback to eager):
 
-- `compile_function(fn, name, ...)` returns a `CompiledFunction`: a fresh code object per declared shape
-  (so Dynamo's per-code recompile limit can never be reached by our own shapes), a counting backend that
-  records each real compilation (seconds, example shapes), and a check that raises in strict mode (tests,
-  `STATICFORMERS_STRICT_SHAPES=1`) or warns in production when a second graph appears for one shape.
+- `compile_function(fn, name, shape, ...)` returns a `CompiledFunction`: a fresh code object per
+  declared shape (so Dynamo's per-code recompile limit can never be reached by our own shapes), a
+  counting backend (`GraphCounter`) that records each real compilation (seconds, example shapes),
+  and a check that raises in strict mode (tests, `STATICFORMERS_STRICT_SHAPES=1`) or warns in
+  production when a second graph appears for one shape.
+- `compile_module_calls(modules, ...)` compiles each module's call (hooks included, as
+  `nn.Module.compile` does) under its own code object and counter: what FSDP2's per-block compile needs.
 - `cache_root()` is `~/.cache/staticformers` or `$STATICFORMERS_CACHE`; `enable_persistent_cache()`
   points inductor's FX-graph / AOTAutograd caches (and the Neuron compiler's cache) there, unless the
-  user already chose a place, so a second process compiles nothing it compiled before; inductor's
-  per-process CPU instruction-set probes are remembered there too (`isa_probes.py`, ~1 s a process).
-- `compile_function(..., precompile=True)` (inductor) compiles through Dynamo's `aot_compile` and saves
-  the result whole under the cache root, so a later process loads the graph instead of tracing it
-  again (`precompiled.py`).
+  user already chose a place, so a second process compiles nothing it compiled before.
+
+What a device's backend adds (for instance the CPU's saved whole graphs and unguarded warm calls)
+lives in `staticformers.backends`, which builds on the classes here.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import os
-import threading
 import time
 import types
 import warnings
@@ -32,12 +33,11 @@ from typing import Callable, Optional
 
 import torch
 
-from . import precompiled
-
 logger = logging.getLogger("staticformers")
 
 CACHE_ENV = "STATICFORMERS_CACHE"
 STRICT_ENV = "STATICFORMERS_STRICT_SHAPES"
+BACKEND_ENV = "STATICFORMERS_COMPILE_BACKEND"
 
 
 class ShapePlanViolation(RuntimeError):
@@ -107,9 +107,6 @@ def enable_persistent_cache() -> str:
         functorch_config.enable_autograd_cache = True
     except Exception:  # pragma: no cover - a torch without inductor
         pass
-    from .isa_probes import RECORD, remember_isa_probes
-
-    remember_isa_probes(lambda: os.path.join(cache_root(), RECORD))
     _ENABLED_FOR = root
     return root
 
@@ -117,9 +114,6 @@ def enable_persistent_cache() -> str:
 # ---------------------------------------------------------------------------------------------
 # backends
 # ---------------------------------------------------------------------------------------------
-BACKEND_ENV = "STATICFORMERS_COMPILE_BACKEND"
-
-
 def default_backend(device: torch.device) -> str:
     """`$STATICFORMERS_COMPILE_BACKEND` when set (e.g. "eager" to debug), else the device's own."""
     from .devices import compile_backend_for
@@ -127,7 +121,7 @@ def default_backend(device: torch.device) -> str:
     return os.environ.get(BACKEND_ENV) or compile_backend_for(device)
 
 
-def _inductor_patches(mode: Optional[str], options: Optional[dict]) -> dict:
+def inductor_patches(mode: Optional[str], options: Optional[dict]) -> dict:
     """Inductor's config patches for a mode and options (the options win)."""
     patches: dict = {}
     if mode is not None and mode != "default":
@@ -137,13 +131,16 @@ def _inductor_patches(mode: Optional[str], options: Optional[dict]) -> dict:
     return patches
 
 
-def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) -> Callable:
-    """The compiler function behind a backend name, with mode/options applied (inductor only)."""
+def real_backend(backend, mode: Optional[str] = None, options: Optional[dict] = None) -> Callable:
+    """The compiler function behind a backend name (or a callable backend), with mode/options applied
+    (inductor only)."""
+    if callable(backend):
+        return backend
     if backend == "inductor":
-        patches = _inductor_patches(mode, options)
+        patches = inductor_patches(mode, options)
 
         def inductor(gm, example_inputs):
-            from torch._inductor.compile_fx import compile_fx  # here: a precompiled graph never needs it
+            from torch._inductor.compile_fx import compile_fx  # here: a saved graph never needs it
 
             return compile_fx(gm, example_inputs, config_patches=dict(patches))
 
@@ -153,18 +150,6 @@ def _real_backend(backend: str, mode: Optional[str], options: Optional[dict]) ->
     return torch._dynamo.lookup_backend(backend)
 
 
-SKIP_GUARDS = os.environ.get("STATICFORMERS_SKIP_GUARDS", "1") != "0"
-
-
-def unguarded():
-    """A context in which compiled functions run their cached graph without evaluating Dynamo's guards
-    (for functions that have exactly one graph and inputs the caller has checked; see
-    `CompiledFunction.__call__`). A no-op context when `STATICFORMERS_SKIP_GUARDS=0`."""
-    if not SKIP_GUARDS:
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-
-
 @dataclass
 class GraphRecord:
     """One real compilation: what was compiled, from which shapes, and how long it took."""
@@ -172,7 +157,41 @@ class GraphRecord:
     name: str
     input_shapes: list
     seconds: float
-    loaded: bool = False  # read from a precompiled artifact (`precompiled.py`), not traced or compiled
+    loaded: bool = False  # read from a saved artifact (a backend's), not traced or compiled
+
+
+class GraphCounter:
+    """A `torch.compile` backend that records every graph it is handed (seconds, shapes) and delegates to
+    the real one. With `limit`, a graph beyond it is a violation of the plan (strict: raises; else warns)."""
+
+    def __init__(self, name: str, backend, mode: Optional[str] = None, options: Optional[dict] = None,
+                 limit: Optional[int] = 1, shape: tuple = ()):
+        self.name, self.limit, self.shape = name, limit, tuple(shape)
+        self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
+        self.real = real_backend(backend, mode, options)
+        self.records: list[GraphRecord] = []
+
+    def __call__(self, gm, example_inputs):
+        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        if self.limit is not None and len(self.records) >= self.limit:
+            shape_violation(
+                f"{self.name} was about to compile graph {len(self.records) + 1} (inputs {shapes[:4]}...) although "
+                f"its plan declares {self.limit} for shape {self.shape}: something outside the plan reached it."
+            )
+        start = time.perf_counter()
+        out = self.real(gm, example_inputs)
+        self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start))
+        logger.info("compiled %s %s with %s in %.2f s", self.name, self.shape, self.backend_name,
+                    self.records[-1].seconds)
+        return out
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
 
 
 @dataclass
@@ -184,12 +203,29 @@ class CompiledFunction:
     backend: str
     fn: Callable
     compiled: Callable
-    records: list = field(default_factory=list)
+    counter: Optional[GraphCounter] = None
     calls: int = 0
     first_call_seconds: float = 0.0  # wall time of the first call (trace + compile, or a cache hit)
     code: Optional[Callable] = None  # the fresh function whose code object holds Dynamo's cache
-    precompile: Optional[dict] = None  # inductor patches when the graph goes through an artifact
-    aot: Optional[Callable] = None  # the precompiled function (loaded or made), when there is one
+    extra_records: list = field(default_factory=list)  # graphs a backend added (saved artifacts)
+
+    @property
+    def records(self) -> list:
+        return (self.counter.records if self.counter is not None else []) + self.extra_records
+
+    @property
+    def graphs(self) -> int:
+        return len(self.records)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
+
+    @property
+    def raw(self) -> Callable:
+        """The fresh code object that holds Dynamo's cache (what a backend may run under Dynamo's
+        run-only mode once the one graph exists)."""
+        return self.code
 
     def release(self) -> None:
         """Drop the compiled graph and what it holds (a KV cache, weights): Dynamo keeps its cache on the
@@ -198,93 +234,25 @@ class CompiledFunction:
             from torch._dynamo.eval_frame import reset_code
 
             reset_code(self.code.__code__)
-        self.fn = self.compiled = self.code = self.aot = None
+        self.fn = self.compiled = self.code = None
 
     def __call__(self, *args, checked: bool = False):
-        """Run the graph. `checked=True` says the caller has verified that the inputs have the declared
-        shape, dtype and device (the plan's contract): once the one graph exists, Dynamo's guards are
-        then not evaluated (~0.3 ms per call on the 41.6M reference model's decode step, every
-        parameter being a guarded input), since with one graph per function there is nothing for
-        them to choose between."""
+        """Run the graph. `checked=True` says the caller verified the inputs' declared shape; backends that
+        can use that (skipping guard evaluation) override `run`."""
         if self.calls == 0:
             start = time.perf_counter()
-            out = self._first_call(args)
+            out = self.first_call(args)
             self.first_call_seconds = time.perf_counter() - start
-        elif self.aot is not None:
-            out = self._call_precompiled(args, checked)
-        elif checked and len(self.records) == 1 and SKIP_GUARDS:
-            with unguarded():
-                out = self.compiled(*args)
         else:
-            out = self.compiled(*args)
+            out = self.run(args, checked)
         self.calls += 1
         return out
 
-    @property
-    def graphs(self) -> int:
-        return len(self.records)
-
-    @property
-    def raw(self) -> Callable:
-        """What a warmed step calls for this function's one graph: the precompiled function's own body
-        (a plain function; guards not evaluated), else the fresh code object that holds Dynamo's cache
-        (called under Dynamo's run-only mode)."""
-        return self.aot.fn if self.aot is not None else self.code
-
-    def _first_call(self, args: tuple):
-        """The first call: through a precompiled artifact when this function has one (loaded if an
-        earlier process saved it, else compiled with `aot_compile` and saved), else `torch.compile`.
-        A graph is recorded once the call has succeeded, so a first call that failed (and is made
-        again) does not count two."""
-        if self.precompile is None or not precompiled.enabled() or not precompiled.usable(self.fn, args):
-            return self.compiled(*args)
-        from torch._dynamo.utils import counters
-
-        shapes = [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)]
-        path = precompiled.artifact_path(cache_root(), self.name, sorted(self.precompile.items()), args)
-        start = time.perf_counter()
-        loaded = self.aot is None and precompiled.load(path)
-        if loaded:
-            try:
-                if not loaded.guard_check(*args):
-                    raise RuntimeError("its guards refuse this call")
-                out = loaded.fn(*args)
-            except Exception as exc:  # refused, or failing here: never again, compile instead
-                logger.info("precompiled artifact %s not used (%s); compiling", path, exc)
-                precompiled.discard(path)
-            else:
-                self.aot = loaded
-                self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start, loaded=True))
-                counters["staticformers"]["artifacts_loaded"] += 1
-                return out
-        if self.aot is None:
-            try:
-                self.aot = torch.compile(self.code, backend="inductor", options=dict(self.precompile),
-                                         fullgraph=True, dynamic=False).aot_compile((args, {}))
-            except Exception as exc:  # a graph Dynamo's precompile does not support: compile the usual way
-                logger.info("%s cannot be precompiled (%s); compiling without an artifact", self.name, exc)
-                return self.compiled(*args)
-            precompiled.save(self.aot, path)
-        out = self.aot(*args)
-        self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start))
-        return out
-
-    def _call_precompiled(self, args: tuple, checked: bool):
-        """A call of the precompiled graph: guards unevaluated when the engine checked the inputs and the
-        function has its one graph (nothing for them to choose), else evaluated; inputs they refuse are
-        outside the plan and go to `torch.compile`, which counts and reports the extra graph once."""
-        if checked and SKIP_GUARDS and len(self.records) == 1:
-            return self.aot.fn(*args)
-        if self.aot.guard_check(*args):
-            return self.aot.fn(*args)
+    def first_call(self, args: tuple):
         return self.compiled(*args)
 
-    @property
-    def compile_seconds(self) -> float:
-        return sum(r.seconds for r in self.records)
-
-
-_lock = threading.Lock()
+    def run(self, args: tuple, checked: bool):
+        return self.compiled(*args)
 
 
 def fresh_code(fn: Callable, name: str) -> Callable:
@@ -301,44 +269,49 @@ def compile_function(
     fn: Callable,
     name: str,
     shape: tuple,
-    backend: str,
+    backend,
     mode: Optional[str] = None,
     options: Optional[dict] = None,
     fullgraph: bool = True,
     dynamic: bool = False,
-    precompile: bool = False,
+    function_class: type = CompiledFunction,
+    **extra,
 ) -> CompiledFunction:
     """Compile `fn` for one declared shape; every real compilation is counted and timed.
 
     `backend="eager"` / `"aot_eager"` still trace one Dynamo graph per shape (what tests count).
     A second compilation of the same function (a guard failed: a shape or a weight object changed)
-    is a violation of the plan: it raises in strict mode and warns otherwise. `precompile=True` (inductor,
-    full graph, static shapes) saves the compiled function whole under the cache root and loads it in
-    later processes instead of tracing again (`precompiled.py`).
+    is a violation of the plan: it raises in strict mode and warns otherwise. `function_class` (a
+    `CompiledFunction` subclass a backend provides) and `extra` (its own fields) let a backend add
+    behaviour to the call, never to what is counted.
     """
-    if backend not in ("eager", "aot_eager"):
+    if backend not in ("eager", "aot_eager") and not callable(backend):
         enable_persistent_cache()
-    real = _real_backend(backend, mode, options)
-    entry = CompiledFunction(name=name, shape=tuple(shape), backend=backend, fn=fn, compiled=None)
+    counter = GraphCounter(name, backend, mode, options, limit=1, shape=shape)
+    code = fresh_code(fn, name)
+    compiled = torch.compile(code, backend=counter, fullgraph=fullgraph, dynamic=dynamic)
+    return function_class(name=name, shape=tuple(shape), backend=counter.backend_name, fn=fn, compiled=compiled,
+                          counter=counter, code=code, **extra)
 
-    def counting_backend(gm, example_inputs):
-        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
-        if entry.records:
-            shape_violation(
-                f"{name} was about to compile a second graph (inputs {shapes[:4]}...) although its plan "
-                f"declares one shape {entry.shape}: something outside the plan reached it."
-            )
-        start = time.perf_counter()
-        out = real(gm, example_inputs)
-        entry.records.append(GraphRecord(name, shapes, time.perf_counter() - start))
-        logger.info("compiled %s %s with %s in %.2f s", name, entry.shape, backend, entry.records[-1].seconds)
-        return out
 
-    entry.code = fresh_code(fn, name)
-    entry.compiled = torch.compile(entry.code, backend=counting_backend, fullgraph=fullgraph, dynamic=dynamic)
-    if precompile and backend == "inductor" and fullgraph and not dynamic:
-        entry.precompile = _inductor_patches(mode, options)
-    return entry
+def _module_call(module, *args, **kwargs):
+    return module._call_impl(*args, **kwargs)
+
+
+def compile_module_calls(modules, name: str, backend, limit: Optional[int] = None, **kwargs) -> list[GraphCounter]:
+    """Compile each module's call in place (its hooks inside the graph, as `nn.Module.compile` does), each
+    under its own code object and `GraphCounter`, so that the graphs are counted and no module shares
+    Dynamo's per-code recompile limit with the others (`nn.Module.compile` puts every module of one class
+    on one code object, and past that limit they would silently run eagerly). Returns the counters."""
+    counters = []
+    for i, module in enumerate(modules):
+        counter = GraphCounter(f"{name}_{i}", backend, limit=limit)
+        if not callable(backend) and backend not in ("eager", "aot_eager"):
+            enable_persistent_cache()
+        compiled = torch.compile(fresh_code(_module_call, f"{name}_{i}"), backend=counter, **kwargs)
+        module._compiled_call_impl = functools.partial(compiled, module)
+        counters.append(counter)
+    return counters
 
 
 def dynamo_counters() -> dict:

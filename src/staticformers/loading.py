@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from .config import ModelConfig, dtype_name, parse_dtype
-from .devices import resolve_device
 from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
@@ -171,26 +171,32 @@ def _names(names: list[str], limit: int = 8) -> str:
 _KNOWN_IGNORED_KWARGS = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors"}
 
 
-def from_pretrained(
+@dataclass
+class Resolved:
+    """What `from_pretrained` found before building anything: the path, config, weight files and dtype."""
+
+    path: str
+    config: ModelConfig
+    files: list
+    dtype: torch.dtype
+    hub: dict
+
+
+def resolve(
     pretrained_model_name_or_path: Union[str, os.PathLike],
     *,
     dtype: Union[str, torch.dtype, None] = None,
-    device_map: Union[str, int, torch.device, None] = None,
     revision: Optional[str] = None,
     cache_dir: Optional[str] = None,
     local_files_only: bool = False,
     token: Optional[str] = None,
     config: Optional[ModelConfig] = None,
     torch_dtype: Union[str, torch.dtype, None] = None,
-    distributed_config=None,
     **kwargs,
-) -> CausalLM:
-    """Load a causal LM from a folder or Hub id (see the module docstring).
+) -> Resolved:
+    """Check the arguments of `from_pretrained` and find the checkpoint's config, files and target dtype.
 
-    `dtype`: None or "auto" keeps the checkpoint's dtype; "bfloat16", torch.float32, ... convert.
-    `device_map`: "auto" (Neuron first), "neuron", "cuda:N", "cpu", an index or a torch.device;
-    None loads on the CPU, as transformers does.
-    """
+    `dtype`: None or "auto" keeps the checkpoint's dtype; "bfloat16", torch.float32, ... convert."""
     unknown = set(kwargs) - _KNOWN_IGNORED_KWARGS
     if unknown:
         raise TypeError(
@@ -206,19 +212,22 @@ def from_pretrained(
     if config is None:
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
-    target_dtype = resolve_dtype(dtype, config, files)
-    device = resolve_device(device_map) if device_map is not None else torch.device("cpu")
-    if distributed_config is not None:
-        from .distributed.loading import load_distributed
+    return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub)
 
-        model = load_distributed(config, files, target_dtype, distributed_config, device_map)
-    else:
-        with torch.device("meta"):
-            model = CausalLM(config)
-        load_weights(model, files, device, target_dtype)
-    model.config.dtype = target_dtype
-    model.name_or_path = path
-    model.generation_config = load_generation_config(path, **hub)
+
+def load_model(resolved: Resolved, device: torch.device, model_class: type = CausalLM) -> CausalLM:
+    """A model of `model_class` built on the meta device and filled from the files, in one process."""
+    with torch.device("meta"):
+        model = model_class(resolved.config)
+    load_weights(model, resolved.files, device, resolved.dtype)
+    return model
+
+
+def finish_loading(model: CausalLM, resolved: Resolved) -> CausalLM:
+    """What every loaded model gets last: its dtype, name, generation config, eval mode."""
+    model.config.dtype = resolved.dtype
+    model.name_or_path = resolved.path
+    model.generation_config = load_generation_config(resolved.path, **resolved.hub)
     model.eval()
     return model
 
@@ -307,26 +316,5 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
         model.generation_config.save_pretrained(directory)
 
 
-class AutoModelForCausalLM:
-    """transformers' entry point: `AutoModelForCausalLM.from_pretrained(path, dtype=..., device_map=...)`."""
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError("Use AutoModelForCausalLM.from_pretrained(path) or AutoModelForCausalLM.from_config(config).")
-
-    @staticmethod
-    def from_pretrained(pretrained_model_name_or_path, *args, **kwargs) -> CausalLM:
-        if args:
-            raise TypeError("from_pretrained takes the path or Hub id as its only positional argument; pass the rest by name.")
-        return from_pretrained(pretrained_model_name_or_path, **kwargs)
-
-    @staticmethod
-    def from_config(config: Union[ModelConfig, dict], dtype=None, seed: Optional[int] = None, **kwargs) -> CausalLM:
-        if isinstance(config, dict):
-            config = ModelConfig.from_dict(config, source="from_config(dict)")
-        if kwargs:
-            raise TypeError(f"from_config() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
-        return CausalLM.from_config(config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None, seed=seed)
-
-
-__all__ = ["AutoModelForCausalLM", "from_pretrained", "save_pretrained", "load_weights", "check_checkpoint", "weight_files",
+__all__ = ["resolve", "load_model", "finish_loading", "save_pretrained", "load_weights", "check_checkpoint", "weight_files",
            "export_state_dict", "dtype_name", "is_local"]

@@ -4,24 +4,27 @@ Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE
 embeddings, sliding window). Module and parameter names mirror transformers' (`model.layers.0.
 self_attn.q_proj.weight`), so a Hugging Face state dict loads with no renaming and ours saves back.
 
-Design choices, so that the generation engine, the trainer and tensor parallelism can use it as it is:
-- Attention takes an optional `kv_cache` object with `update(layer_idx, k, v, cache_position) ->
-  (keys, values)`: a preallocated cache is written in place by the engine's cache, never here.
-- Masks are built once per forward as booleans `[batch, 1, queries, keys]` from a 2-D padding mask
-  over the keys (the static cache's whole length), the queries' cache positions, per-layer sliding
-  windows and, for packed training rows, document boundaries found in `position_ids` (a position that
-  does not follow its left neighbour starts a new document, as transformers does). A row of queries
-  that may see nothing (left padding) is opened fully so that no NaN leaks; its output is never used.
-- Heads are read from the weights' shapes at run time (`-1` in views), so a tensor-parallel plan that
-  shards q/k/v column-wise needs nothing from this file.
-- No parallelism, no device logic, no compile calls here.
-- A cache object may also choose the formulation of its forward (`kv_cache.linears`,
-  `kv_cache.head_linear`, `kv_cache.decode_attention`; the plain path when absent): the generation
-  engine's compiled steps can read every weight once as a multiply-and-sum reduction ("reduce"),
-  run the GEMMs through oneDNN ("onednn", `kernels.py`), and attend with fused reductions ("reduce",
-  one query per row) or grouped matmuls ("matmul"), query heads reshaped per KV head with no KV
-  copy, which inductor turns into weight-streaming loops. Same math, same dtypes out; without such
-  a cache `model(...)` is unchanged.
+This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
+no compile calls, no loading or generation. What callers may change comes in through two arguments:
+
+- `ops` (`ops.Ops`): how projections and attention are computed. The plain path (the modules
+  themselves, PyTorch's SDPA) is the default; a backend passes its own formulation per shape.
+- `kv_cache`: an object with `max_length` and `update(layer_idx, k, v, position_ids) -> (keys,
+  values)`. The generation engine's cache writes each row's keys and values at that row's own
+  positions (`generation/cache.py`); its index *is* the position, so masks over a cache follow
+  from `position_ids` alone.
+
+Masks are booleans `[batch, 1, queries, keys]`, one per distinct sliding window, built once per
+forward: causal over a cache from each row's positions; without a cache from the sequence index, the
+2-D padding mask when one is given, and, for packed training rows, document boundaries found in
+`position_ids` (a position that does not follow its left neighbour starts a document, as
+transformers does). A row of queries that may see nothing (left padding) is opened fully so that no
+NaN leaks; its output is never used. Heads are read from the weights' shapes at run time (`-1` in
+views), so a tensor-parallel plan that shards q/k/v column-wise needs nothing from this file.
+
+`keep` (an int, or per-row indices `[batch, n]`) asks for the output at some positions only: the
+last layer then computes its keys and values everywhere and its attention and MLP at those positions
+(a prompt's logits are wanted at its end), one layer of prompt work saved.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import onednn_linear
+from .module_hooks import global_hooks, hooked
+from .ops import PLAIN, Ops
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,104 +179,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> torch.Tensor:
-    """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
-    as a float32 multiply-and-sum over the weight rows (`"reduce"`).
-
-    The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
-    loop inductor generates reads each weight row once for all the tokens of a small decode batch."""
-    if how is None:
-        return layer(x)
-    if how == "onednn":
-        return onednn_linear(layer, x)
-    lead, k = x.shape[:-1], x.shape[-1]
-    y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
-    if layer.bias is not None:
-        y = y + layer.bias.float()
-    return y.reshape(*lead, -1).to(x.dtype)
+# ---------------------------------------------------------------------------------------------
+# keeping some positions only
+# ---------------------------------------------------------------------------------------------
+Keep = Union[int, torch.Tensor]  # the last n positions, or per-row indices [batch, n]
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
-    grouped per KV head, which inductor fuses into loops reading each cached key and value once
-    (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`."""
-    b, h, s, d = q.shape
-    kvh = k.shape[1]
-    qg = q.reshape(b, kvh, h // kvh, 1, d).float()
-    scores = (qg * k.unsqueeze(2).float()).sum(-1) * scale  # [b, kvh, g, L]
-    if mask is not None:
-        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kvh, g, d]
-    return out.reshape(b, h, s, d).to(v.dtype)
+def take(t: torch.Tensor, keep: Keep, dim: int = 1) -> torch.Tensor:
+    """`t` at the kept positions along `dim`: the sequence of `[b, s, ...]` (dim 1) or a mask's queries
+    `[b, 1, q, kv]` (dim 2)."""
+    if isinstance(keep, int):
+        return t.narrow(dim, t.shape[dim] - keep, keep)
+    b, n = keep.shape
+    shape = [b, *t.shape[1:]]
+    shape[dim] = n
+    index = keep.view(b, *([1] * (dim - 1)), n, *([1] * (t.dim() - dim - 1)))
+    return t.expand(b, *t.shape[1:]).gather(dim, index.expand(shape))
 
 
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head."""
-    b, h, s, d = q.shape
-    kvh, kv_len = k.shape[1], k.shape[2]
-    g = h // kvh
-    qg = q.reshape(b, kvh, g * s, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
-    if mask is None:
-        mask = causal_rows(s, kv_len, q.device)
-    mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, h, s, d)
-
-
-CPU_BLOCK = 128  # query block of `attend_blocks`
-
-
-def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                  block: int = CPU_BLOCK) -> torch.Tensor:
-    """Causal self-attention (queries = keys) in query blocks: block i attends to the keys up to its
-    end only, each as matmul + float32 softmax + matmul (KV heads repeated per query head). It skips
-    most of the masked upper triangle; on a CPU in bf16 it runs about 2.4x faster (forward and
-    backward, 256 positions) than the CPU SDPA kernel. `mask` (packed documents, padding, windows)
-    already contains causality; without one it is built from positions."""
-    b, h, s, d = q.shape
-    g = h // k.shape[1]
-    if g > 1:
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    outs = []
-    for start in range(0, s, block):
-        end = min(start + block, s)
-        scores = torch.matmul(q[:, :, start:end], k[:, :, :end].transpose(-1, -2)).float() * scale
-        if mask is None:
-            rows = torch.arange(start, end, device=q.device)[:, None]
-            hidden = torch.arange(end, device=q.device)[None, :] > rows
-        else:
-            hidden = ~mask[:, :, start:end, :end]
-        scores = scores.masked_fill(hidden, float("-inf"))
-        outs.append(torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v[:, :, :end]))
-    return torch.cat(outs, 2)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Scaled dot-product attention with grouped KV heads; mask is boolean (True = may attend).
-
-    Causal self-attention of bf16/fp16 on a CPU over at least two query blocks runs `attend_blocks`."""
-    s = q.shape[2]
-    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and s == k.shape[2]
-            and s >= 2 * CPU_BLOCK):
-        return attend_blocks(q, k, v, mask, scale)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def last_rows(mask: Optional[torch.Tensor], keep: int, kv_len: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The rows of a self-attention mask `[b, 1, q, kv]` for the last `keep` queries. None (plain causal
-    attention) stays None for the last query alone, which sees every key; for more, their causal rows
+def kept_rows(mask: Optional[torch.Tensor], keep: Keep, kv_len: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of a self-attention mask `[b, 1, q, kv]` for the kept queries. None (plain causal
+    attention) stays None for the last query alone, which sees every key; otherwise their causal rows
     are built (SDPA's `is_causal` aligns a shorter query block to the first keys, not the last)."""
     if mask is not None:
-        return mask[:, :, -keep:]
-    if keep == 1:
-        return None
-    return causal_rows(keep, kv_len, device)
+        return take(mask, keep, dim=2)
+    if isinstance(keep, int):
+        return None if keep == 1 else causal_rows(keep, kv_len, device)
+    k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return k_pos <= keep.view(keep.shape[0], 1, keep.shape[1], 1)
 
 
 def causal_rows(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -280,6 +214,18 @@ def causal_rows(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
 
 
+def _kept(keep: Optional[Keep], seq: int) -> Optional[Keep]:
+    """`keep` when it selects fewer positions than there are, else None (everything is wanted)."""
+    if keep is None:
+        return None
+    if isinstance(keep, int):
+        return keep if 0 < keep < seq else None
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers
+# ---------------------------------------------------------------------------------------------
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -298,38 +244,32 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def keys_values(self, x, cos, sin, how: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
-        s, head_dim]`, as `forward` computes them; `how` as `project`'s."""
+        s, head_dim]`, as `forward` computes them."""
         b, s, _ = x.shape
-        k = project(self.k_proj, x, how).view(b, s, -1, self.head_dim)
-        v = project(self.v_proj, x, how).view(b, s, -1, self.head_dim)
+        k = ops.linear(self.k_proj, x).view(b, s, -1, self.head_dim)
+        v = ops.linear(self.v_proj, x).view(b, s, -1, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, cache_position=None, keep: int = 0):
-        """Self-attention of `x` (the layer's normalised input); `keep` > 0: the output at the last
-        `keep` positions only, the keys and values (and the cache) at every position."""
-        mv = getattr(kv_cache, "linears", None)
-        k, v = self.keys_values(x, cos, sin, mv)
+    def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                keep: Optional[Keep] = None):
+        """Self-attention of `x` (the layer's normalised input); `keep`: the output at the kept positions
+        only, the keys and values (and the cache) at every position."""
+        k, v = self.keys_values(x, cos, sin, ops)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v, cache_position)
-        if keep:
-            x, cos, sin, mask = x[:, -keep:], cos[:, -keep:], sin[:, -keep:], last_rows(mask, keep, k.shape[2], k.device)
+            k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
+        if keep is not None:
+            x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
         b, s, _ = x.shape
-        q = project(self.q_proj, x, mv).view(b, s, -1, self.head_dim)
+        q = ops.linear(self.q_proj, x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        how = getattr(kv_cache, "decode_attention", None)
-        if how == "reduce" and s == 1:
-            out = attend_decode(q, k, v, mask, self.scale)
-        elif how is not None:
-            out = attend_grouped(q, k, v, mask, self.scale)
-        else:
-            out = attend(q, k, v, mask, self.scale)
-        return project(self.o_proj, out.transpose(1, 2).reshape(b, s, -1), mv)
+        out = ops.attention(q, k, v, mask, self.scale)
+        return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -340,9 +280,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
 
-    def forward(self, x, how: Optional[str] = None):
-        """`how`: how the three linears compute (`project`); the plain modules when None."""
-        return project(self.down_proj, F.silu(project(self.gate_proj, x, how)) * project(self.up_proj, x, how), how)
+    def forward(self, x, ops: Ops = PLAIN):
+        return ops.linear(self.down_proj, F.silu(ops.linear(self.gate_proj, x)) * ops.linear(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -353,12 +292,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, masks, kv_cache=None, cache_position=None, keep: int = 0):
-        """`keep` > 0: the output at the last `keep` positions only (see `Attention.forward`)."""
+    def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                keep: Optional[Keep] = None):
+        """`keep`: the output at the kept positions only (see `Attention.forward`)."""
         mask = masks[self.self_attn.window]
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_position, keep)
-        x = (x[:, -keep:] if keep else x) + attn
-        return x + self.mlp(self.post_attention_layernorm(x), getattr(kv_cache, "linears", None))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
+        x = (take(x, keep) if keep is not None else x) + attn
+        return x + self.mlp(self.post_attention_layernorm(x), ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,21 +317,23 @@ def build_masks(
     q_len: int,
     kv_len: int,
     device: torch.device,
-    attention_mask: Optional[torch.Tensor],
-    cache_position: Optional[torch.Tensor],
-    segments: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor] = None,
+    q_positions: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
 ) -> dict:
     """One boolean mask `[batch, 1, q_len, kv_len]` per distinct sliding window (None = full).
 
-    Returns {window: None} when plain causal attention over a cache-less input suffices, so SDPA
-    can take its `is_causal` path.
+    `q_positions` `[batch, q_len]`: each query's index in the keys (a cache's index is the position);
+    None: the sequence index. Returns {window: None} when plain causal attention without a cache
+    suffices, so SDPA can take its `is_causal` path.
     """
-    plain = attention_mask is None and segments is None and cache_position is None and q_len == kv_len
+    plain = attention_mask is None and segments is None and q_positions is None and q_len == kv_len
     if plain and windows == {None}:
         return {None: None}
-    if cache_position is None:
-        cache_position = torch.arange(q_len, device=device)
-    q_pos = cache_position.view(1, 1, q_len, 1)
+    if q_positions is None:
+        q_pos = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    else:
+        q_pos = q_positions.view(q_positions.shape[0], 1, q_len, 1)
     k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
     base = k_pos <= q_pos
     if attention_mask is not None:
@@ -421,7 +363,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         # built without nn.Embedding's own init (init_weights does it): on the meta device, normal_
-        # pages in ~70 MB of kernels that a load never needs
+        # pages in kernels that a load never needs
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -430,86 +372,70 @@ class DecoderModel(nn.Module):
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.gradient_checkpointing = False
 
-    def prepare(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
-                inputs_embeds=None):
+    def prepare(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None):
         """What every layer takes besides the hidden states: `(x, cos, sin, masks)` (embedded input,
         rotary tables, one mask per sliding window)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s = x.shape[:2]
-        segments = None
+        segments = q_positions = None
         if position_ids is None:
-            start = cache_position if cache_position is not None else torch.arange(s, device=x.device)
-            position_ids = start.view(1, s).expand(b, s)
-        elif attention_mask is None and kv_cache is None:
-            segments = packed_segments(position_ids)
+            rope_positions = torch.arange(s, device=x.device).view(1, s).expand(b, s)
+        else:
+            rope_positions = position_ids
+            if kv_cache is not None:
+                q_positions = position_ids  # each row's own positions are its cache indices
+            elif attention_mask is None:
+                segments = packed_segments(position_ids)
         kv_len = kv_cache.max_length if kv_cache is not None else s
-        masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, cache_position, segments)
-        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, q_positions, segments)
+        cos, sin = self.rotary_emb(rope_positions, x.dtype)
         return x, cos, sin, masks
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, cache_position=None,
-                inputs_embeds=None, keep: int = 0):
-        """The final hidden states; `keep` > 0: at the last `keep` positions only (`run_layers`)."""
-        x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, cache_position,
-                                          inputs_embeds)
-        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, cache_position, keep=keep))
+    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None,
+                keep: Optional[Keep] = None, ops: Ops = PLAIN):
+        """The final hidden states; `keep`: at the kept positions only (`run_layers`)."""
+        x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds)
+        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops))
 
-    def run_layers(self, x, cos, sin, masks, kv_cache=None, cache_position=None, call=None, keep: int = 0):
+    def effective_keep(self, keep: Optional[Keep], seq: int) -> Optional[Keep]:
+        """`keep` as `run_layers` applies it: None when it keeps every position, or while forward hooks
+        watch the last layer (they see every position, as with transformers)."""
+        keep = _kept(keep, seq)
+        if keep is not None and (global_hooks() or any(hooked(m) for m in self.layers[-1].modules())):
+            return None
+        return keep
+
+    def run_layers(self, x, cos, sin, masks, kv_cache=None, position_ids=None, call=None,
+                   keep: Optional[Keep] = None, ops: Ops = PLAIN):
         """Every layer in turn (checkpointed when gradient checkpointing is on and training);
-        `call(layer, x, cos, sin, masks, kv_cache, cache_position)` runs one (default: the layer
-        itself; the Trainer passes its compiled layer region). `keep` > 0 (passed to the last layer's
-        `call`): the last layer computes its output at the last `keep` positions alone, its keys and
-        values at all of them; its output elsewhere feeds nothing, so that is one layer's attention and
-        MLP saved over a prompt whose logits are wanted at its end. Not while forward hooks watch that
-        layer: they see every position, as with transformers."""
-        call = call or _call_layer
+        `call(layer, x, cos, sin, masks, kv_cache, position_ids, ops)` runs one (default: the layer
+        itself; the Trainer passes its compiled layer region). `keep` (see `effective_keep`; passed to
+        the last layer's `call`): the last layer computes its output at the kept positions alone, its
+        keys and values at all of them."""
+        call = call or call_layer
         last = len(self.layers) - 1
-        if keep and (global_hooks() or any(hooked(m) for m in self.layers[last].modules())):
-            keep = 0
+        keep = self.effective_keep(keep, x.shape[1])
         for i, layer in enumerate(self.layers):
-            kept = {"keep": keep} if 0 < keep < x.shape[1] and i == last else {}
+            kept = {"keep": keep} if keep is not None and i == last else {}
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, cache_position,
+                x = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, position_ids, ops,
                                                       use_reentrant=False, **kept)
             else:
-                x = call(layer, x, cos, sin, masks, kv_cache, cache_position, **kept)
+                x = call(layer, x, cos, sin, masks, kv_cache, position_ids, ops, **kept)
         return x
-
-
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
-_BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
-
-
-def global_hook_ids(backward: bool = False) -> tuple:
-    """The handles of the hooks registered for every module, per kind (forward, and with `backward`
-    backward ones); they change with each registration or removal."""
-    from torch.nn.modules import module as nn_module
-
-    names = _HOOKS + (_BACKWARD_HOOKS if backward else ())
-    return tuple(tuple(getattr(nn_module, "_global" + name, None) or ()) for name in names)
-
-
-def global_hooks(backward: bool = False) -> bool:
-    """Whether hooks registered for every module are set (forward, and with `backward` backward ones)."""
-    return any(global_hook_ids(backward))
-
-
-def hooked(module: nn.Module, backward: bool = False) -> bool:
-    """Whether `module` itself has forward hooks (and with `backward` backward ones): code that reads its
-    weights directly, or a graph saved without them, would skip what they do."""
-    names = _HOOKS + (_BACKWARD_HOOKS if backward else ())
-    return any(getattr(module, name, None) for name in names)
 
 
 def has_decoder_layout(model) -> bool:
     """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
-    `lm_head`): what the compiled single-layer regions of the Trainer and the engine need."""
+    `lm_head`): what compiled single-layer regions need."""
     decoder = getattr(model, "model", None)
     return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and hasattr(model, "lm_head")
 
 
-def _call_layer(layer, x, cos, sin, masks, kv_cache=None, cache_position=None, keep: int = 0):
-    return layer(x, cos, sin, masks, kv_cache, cache_position, keep)
+def call_layer(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+               keep: Optional[Keep] = None):
+    """One decoder layer: what `run_layers` calls by default (and what compiled layer regions compile)."""
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
@@ -530,7 +456,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
 
 
 class CausalLM(nn.Module):
-    """A causal language model: `.model` (the decoder) and `.lm_head`, transformers' layout."""
+    """A causal language model: `.model` (the decoder) and `.lm_head`, transformers' layout.
+
+    The architecture alone; `staticformers.auto.ModelForCausalLM` (what `from_pretrained` returns)
+    adds loading, saving and generation. `parallel_dims` is the layout a model was partitioned with
+    (`staticformers.distributed.mesh.ParallelDims`, set by `distributed.parallelize`), None in one process.
+    """
+
+    parallel_dims: Any = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -541,22 +474,17 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.generation_config = None  # set by loading (generation_config.json) or by the engine
         self.name_or_path = None
+        self.parallel_dims = None
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None, seed: Optional[int] = None) -> "CausalLM":
+    def from_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None, seed: Optional[int] = None):
         """A randomly initialised model (transformers' init: normal(0, initializer_range), norms at 1)."""
         if seed is not None:
             torch.manual_seed(seed)
         model = cls(config)
         model.init_weights()
         return model.to(dtype) if dtype is not None else model
-
-    @classmethod
-    def from_pretrained(cls, *args, **kwargs) -> "CausalLM":
-        from .loading import from_pretrained
-
-        return from_pretrained(*args, **kwargs)
 
     def init_weights(self) -> None:
         std = float(self.config.extra.get("initializer_range", 0.02))
@@ -608,41 +536,35 @@ class CausalLM(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         kv_cache: Any = None,
-        cache_position: Optional[torch.Tensor] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,  # accepted for transformers compatibility; the cache is the engine's
         return_dict: Optional[bool] = None,
+        ops: Optional[Ops] = None,
+        keep_index: Optional[torch.Tensor] = None,
     ) -> CausalLMOutput:
+        """transformers' forward. `logits_to_keep`: an int (the last n positions) or 1-D indices shared by
+        every row; `keep_index` (ours) `[batch, n]`: per-row indices of the positions whose logits are
+        wanted (a right-padded batch's last tokens). `ops`: how projections and attention compute."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else 0
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, cache_position, inputs_embeds,
-                            keep=keep)  # the last layer computes the kept positions only
-        if isinstance(logits_to_keep, int):
-            if logits_to_keep > 0:
-                hidden = hidden[:, -logits_to_keep:]
+        ops = ops if ops is not None else PLAIN
+        seq = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if keep_index is not None:
+            keep: Optional[Keep] = keep_index
+        elif isinstance(logits_to_keep, int):
+            keep = logits_to_keep if logits_to_keep > 0 else None
         else:
-            hidden = hidden.index_select(1, logits_to_keep.to(hidden.device))
-        logits = project(self.lm_head, hidden, getattr(kv_cache, "head_linear", None))
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            keep = logits_to_keep.to(self.device).view(1, -1).expand(batch, -1)
+        trimmed = self.model.effective_keep(keep, seq)  # what the last layer computes; the rest is taken here
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds, keep=trimmed, ops=ops)
+        wanted = _kept(keep, seq)
+        if wanted is not None and trimmed is None:
+            hidden = take(hidden, wanted)
+        logits = ops.head(self.lm_head, hidden)
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)
         return CausalLMOutput(logits=logits, loss=loss)
-
-    # ---- saving and generating (implemented in their own modules) ------------------------------
-    def save_pretrained(self, save_directory: str, max_shard_size: Union[int, str] = "5GB", **kwargs) -> None:
-        from .loading import save_pretrained
-
-        save_pretrained(self, save_directory, max_shard_size=max_shard_size, **kwargs)
-
-    def generate(self, *args, **kwargs):
-        from .generation.api import generate
-
-        return generate(self, *args, **kwargs)
-
-    def compile_stats(self):
-        from .generation.api import compile_stats
-
-        return compile_stats(self)

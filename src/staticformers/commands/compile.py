@@ -33,17 +33,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..compile import cache_root
-    from ..generation.api import _compile_settings, engine_for
+    from ..generation.api import compile_settings, engine_for
     from ..generation.config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
-    from ..loading import from_pretrained
+    from ..auto import from_pretrained
 
     model = from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
     plan = ShapePlan(batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths, kv_lengths=args.kv_lengths,
                      max_model_len=args.max_model_len)
     plan = plan.bind(model.config.max_position_embeddings)
     engine = engine_for(model, plan)
-    settings = _compile_settings(model, GenerationConfig(), CompileConfig(backend=args.backend))
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend=args.backend))
     print(plan)
     print(f"device {model.device}, backend {settings.backend}, cache {cache_root()}")
     if args.dry_run:

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generation.config import CompileConfig
     from ..generation.plan import ShapePlan
     from ..generation.streamers import TextStreamer
-    from ..loading import from_pretrained
+    from ..auto import from_pretrained
     from ..tokenizer import AutoTokenizer
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()

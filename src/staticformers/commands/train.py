@@ -95,7 +95,7 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
 
 def load_model(path: str, seed: int):
     from ..config import ModelConfig
-    from ..loading import AutoModelForCausalLM
+    from ..auto import AutoModelForCausalLM
 
     config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):

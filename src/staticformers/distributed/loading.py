@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,6 @@ from ..config import ModelConfig
 from ..devices import dist_backend_for
 from ..loading import CheckpointError, check_checkpoint, load_weights
 from ..modeling import CausalLM
-from .checkpoint import save_pretrained_distributed
 from .config import DistributedConfig, started_by_torchrun
 from .mesh import build_mesh, init_distributed, local_device
 from .parallelize import parallelize
@@ -46,8 +44,9 @@ def read_sharded(model: CausalLM, files: list[str]) -> None:
 
 
 def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
-                     distributed_config: DistributedConfig, device_map=None) -> CausalLM:
-    """The model of `config`, partitioned by `distributed_config` over this torchrun job, weights loaded."""
+                     distributed_config: DistributedConfig, device_map=None, model_class: type = CausalLM) -> CausalLM:
+    """The model of `config` (a `model_class`), partitioned by `distributed_config` over this torchrun job,
+    weights loaded. Its `parallel_dims` says how; saving and training read it from there."""
     if not isinstance(distributed_config, DistributedConfig):
         raise TypeError(f"distributed_config must be a staticformers DistributedConfig, not {type(distributed_config).__name__}.")
     layout = distributed_config.resolved()
@@ -56,13 +55,13 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     if layout.tp_size * layout.dp_size == 1 and not dist.is_initialized() and not started_by_torchrun():
         logger.info("DistributedConfig with one rank outside torchrun: loading the model whole on %s", device)
         with torch.device("meta"):
-            model = CausalLM(config)
+            model = model_class(config)
         load_weights(model, files, device, dtype)
         return model
     init_distributed(device)
     dims = build_mesh(layout, device)
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = model_class(config).to(dtype)
     check_checkpoint(model, files)
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
@@ -70,8 +69,6 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
         model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
     read_sharded(model, files)
     model.model.rotary_emb.reset_parameters(device)
-    # every rank calls save_pretrained (collectives); rank 0 alone writes
-    model.save_pretrained = types.MethodType(save_pretrained_distributed, model)
     return model
 
 

@@ -1,7 +1,9 @@
-"""`DistributedTrainer`: the Trainer's hooks for a model partitioned by `DistributedConfig`.
+"""`DistributedTraining`: what the Trainer does differently for a model partitioned by `DistributedConfig`.
 
-The Trainer keeps every distributed decision in overridable methods; this subclass fills them in
-when the model carries `parallel_dims` (set by `from_pretrained(..., distributed_config=...)`):
+The Trainer keeps every distributed decision in hook methods; when the model carries `parallel_dims`
+(set by `from_pretrained(..., distributed_config=...)`), the Trainer holds one of these
+(`trainer.distributed`) and its hooks delegate to it. This module imports the training package's
+pieces, never the Trainer itself:
 
 - data: each data-parallel rank (dp_replicate x fsdp) takes its own slice of every global batch
   (the Trainer's `StaticBatchSampler` with this rank and size); tp ranks of one shard share it;
@@ -16,7 +18,8 @@ when the model carries `parallel_dims` (set by `from_pretrained(..., distributed
 - compile (`torch_compile=True`): each decoder block is compiled with the device's backend, the
   unit FSDP2 gathers; the step itself runs eagerly around them. With tp_size > 1 the blocks stay
   eager (a warning says so): on torch 2.13 AOTAutograd over blocks that hold tensor-parallel hooks
-  gave wrong gradients at tp2 x fsdp2 and failed in DTensor's backward at tp4;
+  gave wrong gradients at tp2 x fsdp2 and failed in DTensor's backward at tp4. The blocks' graphs are
+  counted like every other compiled function (`compile.compile_module_calls`);
 - checkpoints: model and optimizer through `torch.distributed.checkpoint` (every rank writes its
   shards into the same atomic folder; rank 0 adds scheduler, RNG and trainer state last), so they
   resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0.
@@ -33,12 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..training import checkpoint as ckpt
-from ..training.compiled import StepFunction
 from ..training.optim import MasterWeights
 from ..training.state import TrainerState
-from ..training.trainer import Trainer
-from .checkpoint import load_checkpoint, save_checkpoint
-from .training import clip_grad_norm_, compile_blocks, parallel_dims
+from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained_distributed
+from .training import clip_grad_norm_, compile_blocks
 
 logger = logging.getLogger("staticformers")
 
@@ -58,17 +59,19 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-class DistributedTrainer(Trainer):
-    """The Trainer for a model loaded with `distributed_config` (see the module docstring)."""
+class DistributedTraining:
+    """The distributed side of one Trainer (see the module docstring); `trainer` is the Trainer it serves."""
 
-    def __init__(self, model: Optional[nn.Module] = None, *args, **kwargs):
-        if parallel_dims(model) is None:
-            raise ValueError("DistributedTrainer needs a model loaded with from_pretrained(..., distributed_config=...).")
-        super().__init__(model, *args, **kwargs)
-        self.dims = parallel_dims(model)
-        # compile per block (prepare_model); the step around the blocks stays eager
-        self.train_step = StepFunction("train", False, self.args.torch_compile_backend)
-        self.eval_step = StepFunction("eval", False, self.args.torch_compile_backend)
+    def __init__(self, trainer):
+        model = trainer.model
+        if model.parallel_dims is None:
+            raise ValueError("DistributedTraining needs a model loaded with from_pretrained(..., distributed_config=...).")
+        self.trainer, self.model, self.dims = trainer, model, model.parallel_dims
+        self.block_counters: list = []  # the compiled blocks' graph counters (compile_blocks)
+
+    @property
+    def args(self):
+        return self.trainer.args
 
     # ---- where and who -------------------------------------------------------------------------
     def setup_device(self) -> torch.device:
@@ -92,7 +95,7 @@ class DistributedTrainer(Trainer):
                            "DistributedConfig(fsdp_mixed_precision=True) for bf16 compute over fp32 shards.")
         if a.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        if a.torch_compile and not getattr(model, "_blocks_compiled", False):
+        if a.torch_compile and not self.block_counters:
             if self.dims.tp > 1:
                 # measured on torch 2.13: AOTAutograd over blocks holding TP hooks gives wrong gradients
                 # (tp2 x fsdp2) or fails in DTensor's backward (tp4); FSDP-only layouts compile exactly
@@ -100,8 +103,7 @@ class DistributedTrainer(Trainer):
                                "tensor-parallel blocks for training is not reliable in this PyTorch); "
                                "FSDP/HSDP layouts compile per block.", self.dims.tp)
             else:
-                compile_blocks(model, a.torch_compile_backend)
-            model._blocks_compiled = True
+                self.block_counters = compile_blocks(model, a.torch_compile_backend)
         model.train()
         return model
 
@@ -116,48 +118,51 @@ class DistributedTrainer(Trainer):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.dims.dp_group())
         return out
 
-    def compute_loss(self, model: nn.Module, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
-        loss = super().compute_loss(model, batch, num_items_in_batch)
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch loss whose gradient undoes FSDP2's average over the data-parallel ranks."""
         return _ScaleGrad.apply(loss, float(self.dims.dp)) if self.dims.dp > 1 and loss.requires_grad else loss
 
     def clip_gradients(self) -> torch.Tensor:
         max_norm = self.args.max_grad_norm
-        return clip_grad_norm_(self.master.master, max_norm if max_norm else float("inf"))
+        return clip_grad_norm_(self.trainer.master.master, max_norm if max_norm else float("inf"))
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint_files(self, directory: str) -> None:
         """Every rank: DCP shards of model and optimizer; then rank 0 writes the rest, trainer_state.json last."""
-        save_checkpoint(os.path.join(directory, DCP_FOLDER), self.model, self.optimizer)
+        t = self.trainer
+        save_checkpoint(os.path.join(directory, DCP_FOLDER), self.model, t.optimizer)
         if self.is_world_process_zero():
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
-            torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
+            torch.save(t.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
+            torch.save(ckpt.capture_rng_state(t.device), os.path.join(directory, ckpt.RNG_STATE))
             with open(os.path.join(directory, ckpt.TRAINING_ARGS), "w", encoding="utf-8") as f:
                 f.write(self.args.to_json_string())
             self.model.config.save_pretrained(directory)
-            self.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
+            t.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
 
     def load_checkpoint_files(self, directory: str) -> None:
         dcp_dir = os.path.join(directory, DCP_FOLDER)
         if not os.path.isdir(dcp_dir):
             raise ValueError(f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
                              f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead.")
-        load_checkpoint(dcp_dir, self.model, self.optimizer)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
-        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), self.device)
-        self.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        t = self.trainer
+        load_checkpoint(dcp_dir, self.model, t.optimizer)
+        t.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
+        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), t.device)
+        t.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
 
-    def _save_checkpoint(self) -> str:
+    def save_checkpoint(self) -> str:
         """The Trainer's atomic folder, opened by rank 0 and written into by every rank."""
-        step = self.state.global_step
+        t = self.trainer
+        step = t.state.global_step
         path = ckpt.checkpoint_path(self.args.output_dir, step)
-        self.state.last_checkpoint = path
+        t.state.last_checkpoint = path
         main = self.is_world_process_zero()
         context = ckpt.atomic_checkpoint(self.args.output_dir, step) if main else None
         shared = [context.__enter__() if main else None]
         dist.broadcast_object_list(shared, src=0)
         failure = None
         try:
-            self.save_checkpoint_files(shared[0])
+            t.save_checkpoint_files(shared[0])
         except BaseException as err:  # every rank must still reach the barrier below
             failure = err
         if main:
@@ -166,7 +171,7 @@ class DistributedTrainer(Trainer):
             else:
                 context.__exit__(type(failure), failure, failure.__traceback__)  # removes the folder
             if failure is None:
-                self.save_tokenizer(path)
+                t.save_tokenizer(path)
                 ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
         dist.barrier()
         if failure is not None:
@@ -181,10 +186,10 @@ class DistributedTrainer(Trainer):
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Every rank calls it; rank 0 writes one Hugging Face checkpoint (and the tokenizer)."""
         output_dir = output_dir or self.args.output_dir
-        self.model.save_pretrained(output_dir)  # the distributed save_pretrained: gathers to rank 0
-        self.save_tokenizer(output_dir)
+        save_pretrained_distributed(self.model, output_dir)  # gathers to rank 0
+        self.trainer.save_tokenizer(output_dir)
         dist.barrier()
         return output_dir
 
 
-__all__ = ["DistributedTrainer"]
+__all__ = ["DistributedTraining"]

@@ -9,7 +9,7 @@ overridable pieces; these are the distributed versions it calls when `model.para
 - `clip_grad_norm_`: clipping that is correct when gradients live on different meshes (2-D
   TP x FSDP weights beside 1-D FSDP-only weights, see DESIGN.md): the norm is computed per
   (mesh, placements) group with DTensor, combined, and the gradients' local shards are scaled.
-- `compile_blocks`: `torch.compile` per decoder block with the device's backend (FSDP2's unit).
+- `compile_blocks`: `torch.compile` per decoder block with the device's backend (FSDP2's unit), counted.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import nn
 
 
 def parallel_dims(model: nn.Module):
-    """The model's ParallelDims, or None for a single-process model."""
-    return getattr(model, "parallel_dims", None)
+    """The model's ParallelDims (its declared `parallel_dims`), or None for a single-process model."""
+    return model.parallel_dims
 
 
 def is_distributed(model: nn.Module) -> bool:
@@ -116,15 +116,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     return total
 
 
-def compile_blocks(model: nn.Module, backend: Optional[str] = None, **kwargs) -> nn.Module:
-    """Compile each decoder block in place (the unit FSDP2 gathers), with the device's backend by default."""
+def compile_blocks(model: nn.Module, backend: Optional[str] = None, **kwargs) -> list:
+    """Compile each decoder block's call in place (the unit FSDP2 gathers, its hooks inside the graph) with
+    the device's backend by default, through the one compile path (`compile.compile_module_calls`): each
+    block has its own code object and graph counter (FSDP2's hooks may split a block into a few graphs,
+    which are counted like the others). Returns the counters."""
+    from ..compile import compile_module_calls
     from ..devices import compile_backend_for
 
     if backend is None:
         backend = compile_backend_for(next(iter(model.parameters())).device)
-    for layer in model.model.layers:
-        layer.compile(backend=backend, **kwargs)
-    return model
+    return compile_module_calls(list(model.model.layers), "block", backend, limit=None, fullgraph=False, **kwargs)
 
 
 __all__ = ["parallel_dims", "is_distributed", "data_parallel_info", "distributed_sampler", "reduce_mean", "reduce_sum",

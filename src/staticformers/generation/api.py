@@ -1,25 +1,28 @@
-"""`model.generate(...)` and `model.compile_stats()`: transformers' argument names over the engine.
+"""`model.generate(...)` and `model.compile_stats()`: transformers' argument names over the generation loop.
 
-This module turns a call into validated settings (generation options, compile settings, the plan),
-splits the batch into plan-sized sub-batches, runs the host loop around the engine's compiled
-prefill and decode, and assembles the output `[batch, prompt + new]` (pad after EOS) on the inputs'
-device. Everything that can be refused is refused before any device work, so a bad call leaves the
-engine (its caches, graphs and plan) exactly as it was.
+This module turns a call into validated settings (generation options, compile settings, the plan)
+and one `GenerationRequest` per row, drives the loop (`loop.py`) until every row has finished, and
+assembles the output `[batch, prompt + new]` (pad after EOS) on the inputs' device. Each row's prompt
+is the tokens its attention mask keeps, so left- and right-padded batches give the same continuations.
+Everything that can be refused is refused before any device work, so a bad call leaves the engine
+(its caches, graphs and plan) exactly as it was. Calls from several threads on one model run one
+after the other (the engine's lock), each with its own rows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ..compile import default_backend
 from .config import CompileConfig, GenerationConfig
 from .engine import CompileSettings, Engine
+from .loop import GenerationLoop, GenerationRequest
 from .plan import ShapePlan
-from .sampling import Sampler, check_options
+from .sampling import SamplingParams
 
 logger = logging.getLogger("staticformers")
 
@@ -30,7 +33,7 @@ _ENGINE_ATTR = "_staticformers_engine"
 
 
 def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
-    """The model's engine (created on first use); `plan` replaces its plan when given."""
+    """The model's engine (created on first use, kept in the model's `__dict__`); `plan` replaces its plan."""
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is None:
         engine = Engine(model, plan)
@@ -54,25 +57,14 @@ def compile_stats(model) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------
-# Inductor options for the engine's graphs (options given in CompileConfig win):
-# - no size/stride/alignment asserts on every call: the engine checks its inputs' shapes itself (token
-#   ids, positions, masks), owns the cache buffers and fingerprints the weights before each call, and
-#   Dynamo's guards check the same when they run (~0.05-0.1 ms a decode step on this CPU, A/B);
-# - realize a pointwise result read by two or more consumers (default: more than four): otherwise
-#   the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming reduction,
-#   for every weight row (in bf16 two more loads and conversions per weight element); batch-1 bf16
-#   decode 4.04 -> 3.76 ms a token, A/B in one process, other cases unchanged (BENCHMARKS.md).
-INDUCTOR_DEFAULTS = {"size_asserts": False, "alignment_asserts": False, "realize_reads_threshold": 2}
-
-
-def _compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig]) -> CompileSettings:
-    from ..compile import default_backend
-
+def compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig] = None) -> CompileSettings:
+    """The engine's compile settings for a call: the config's, the device's backend and its defaults."""
     cc = compile_config if compile_config is not None else CompileConfig()
     if not isinstance(cc, CompileConfig):
         raise TypeError(f"compile_config must be a staticformers.CompileConfig, got {type(cc).__name__}.")
+    engine = engine_for(model)
     backend = cc.backend or default_backend(model.device)
-    options = {**(INDUCTOR_DEFAULTS if backend == "inductor" else {}), **(cc.options or {})}
+    options = {**(engine.backend.inductor_defaults() if backend == "inductor" else {}), **(cc.options or {})}
     return CompileSettings(
         enabled=not config.disable_compile,
         backend=backend,
@@ -81,7 +73,7 @@ def _compile_settings(model, config: GenerationConfig, compile_config: Optional[
         fullgraph=cc.fullgraph,
         dynamic=cc.dynamic,
         fast_decode=bool(getattr(cc, "fast_decode", True)),
-        regional=bool(cc.regional) if cc.regional is not None else model.device.type == "cpu",
+        regional=bool(cc.regional) if cc.regional is not None else engine.backend.default_regional(),
     )
 
 
@@ -95,7 +87,7 @@ def _as_list(x) -> list[int]:
     return [int(v) for v in x]
 
 
-def _merged_config(model, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
+def merged_config(model, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise TypeError(f"generation_config must be a staticformers.GenerationConfig, got {type(generation_config).__name__}.")
     base = generation_config or model.generation_config or GenerationConfig()
@@ -107,40 +99,20 @@ def _merged_config(model, generation_config: Optional[GenerationConfig], kwargs:
     return config
 
 
-@dataclass
-class Request:
-    """A validated call: host ids and mask, limits, stop ids, the sampler and compile settings."""
-
-    ids: torch.Tensor  # [batch, seq] int64 on the CPU
-    mask: torch.Tensor  # [batch, seq] bool on the CPU
-    out_device: torch.device
-    max_new_tokens: int
-    eos: list
-    pad: int
-    sampler_args: dict
-    settings: CompileSettings
-    plan: ShapePlan
-    generator: Optional[torch.Generator]
-
-
-def _prepare(model, engine: Engine, input_ids, attention_mask, config: GenerationConfig,
-             compile_config, shape_plan, generator, seed, no_eos: bool = False) -> Request:
+def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[list[int]], torch.device]:
+    """The host ids as given, each row's prompt (the tokens its mask keeps) and the output device."""
     if input_ids is None:
         raise ValueError("generate() needs input_ids (token ids of the prompt, [batch, length]).")
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.as_tensor(input_ids)
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
-    if input_ids.dim() != 2 or input_ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids of shape [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}.")
     out_device = input_ids.device
     ids = input_ids.detach().to("cpu", torch.long)
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise ValueError("The prompt is empty: pass at least one token id per sequence.")
-    vocab = model.config.vocab_size
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): "
-                         f"found {int(ids.min())}..{int(ids.max())}.")
     if attention_mask is None:
         mask = torch.ones_like(ids, dtype=torch.bool)
     else:
@@ -152,31 +124,32 @@ def _prepare(model, engine: Engine, input_ids, attention_mask, config: Generatio
     if empty:
         raise ValueError(f"The prompt is empty for sequence(s) {empty[:8]} (attention_mask is all zeros): "
                          f"pass at least one token per sequence.")
+    kept = ids[mask]
+    vocab = model.config.vocab_size
+    if int(kept.min()) < 0 or int(kept.max()) >= vocab:
+        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): "
+                         f"found {int(kept.min())}..{int(kept.max())}.")
+    return ids, [row[m].tolist() for row, m in zip(ids, mask)], out_device
 
-    if config.cache_implementation not in (None, "static"):
-        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not available: staticformers' "
-                         f"cache is always static (pass None or \"static\").")
+
+def _max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
     if config.max_new_tokens is not None:
         max_new = config.max_new_tokens
     elif config.max_length is not None:
-        max_new = config.max_length - ids.shape[1]
+        if not isinstance(config.max_length, int) or isinstance(config.max_length, bool):
+            raise ValueError(f"max_length={config.max_length!r} must be a positive integer.")
+        max_new = config.max_length - prompt_width
         if max_new < 1:
-            raise ValueError(f"max_length={config.max_length} leaves no room after a prompt of {ids.shape[1]} tokens: "
+            raise ValueError(f"max_length={config.max_length} leaves no room after a prompt of {prompt_width} tokens: "
                              f"pass max_new_tokens instead.")
     else:
         max_new = _DEFAULT_MAX_NEW_TOKENS
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
         raise ValueError(f"max_new_tokens={max_new!r} must be a positive integer.")
-    if config.min_new_tokens is not None and (not isinstance(config.min_new_tokens, int) or config.min_new_tokens < 0):
-        raise ValueError(f"min_new_tokens={config.min_new_tokens!r} must be a non-negative integer.")
-    check_options(config.do_sample, config.temperature, config.top_k, config.top_p, config.min_p,
-                  config.repetition_penalty)
+    return max_new
 
-    plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else engine.plan
-    # the longest sub-batch decides nothing: each sub-batch is checked, all before any work
-    for sub_ids, sub_mask in _sub_batches(plan, ids, mask):
-        plan.choose(sub_ids.shape[0], sub_ids.shape[1], max_new)
 
+def _pad_and_eos(model, config: GenerationConfig, no_eos: bool) -> tuple[list[int], int]:
     eos = _as_list(config.eos_token_id)
     if not eos and not no_eos:  # eos_token_id=None passed explicitly means "never stop early", as in transformers
         eos = _as_list(getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None) \
@@ -190,31 +163,21 @@ def _prepare(model, engine: Engine, input_ids, attention_mask, config: Generatio
         pad = pad[0] if pad else None
     if pad is None:
         pad = eos[0] if eos else 0
-
-    if generator is not None and seed is not None:
-        raise ValueError("Pass generator or seed, not both.")
-    if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(int(seed))
-    settings = _compile_settings(model, config, compile_config)
-    sampler_args = dict(do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
-                        top_p=config.top_p, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
-                        min_new_tokens=config.min_new_tokens, eos_token_ids=eos)
-    return Request(ids, mask, out_device, max_new, eos, int(pad), sampler_args, settings, plan, generator)
+    return eos, int(pad)
 
 
-def _sub_batches(plan: ShapePlan, ids: torch.Tensor, mask: torch.Tensor):
-    """Plan-sized chunks of the batch, each without the leading columns that are padding in every row."""
-    start = 0
-    for size in plan.split(ids.shape[0]):
-        sub_ids, sub_mask = ids[start:start + size], mask[start:start + size]
-        first = int(sub_mask.any(0).long().argmax())
-        yield sub_ids[:, first:], sub_mask[:, first:]
-        start += size
+def _sampling(config: GenerationConfig, eos: list[int], row: int, seed: Optional[int],
+              generator: Optional[torch.Generator]) -> SamplingParams:
+    """Row `row`'s settings: with `seed`, its own generator seeded `seed + row`, so each row of a batch
+    samples what it samples alone with that seed."""
+    return SamplingParams(
+        do_sample=bool(config.do_sample), temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+        min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+        min_new_tokens=config.min_new_tokens if config.min_new_tokens is not None else 0,
+        eos_token_ids=eos, seed=(seed + row) if seed is not None else None,
+        generator=generator if seed is None else None)
 
 
-# ---------------------------------------------------------------------------------------------
-# the host loop
-# ---------------------------------------------------------------------------------------------
 def _without_autocast(device: torch.device):
     """Generation computes in the model's dtype, as its static caches do: an enclosing autocast region
     is switched off for the steps (under it the cache writes would mix dtypes). Load the model in
@@ -225,48 +188,6 @@ def _without_autocast(device: torch.device):
     except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
         pass
     return contextlib.nullcontext()
-
-
-def _run(engine: Engine, req: Request, sub_ids: torch.Tensor, sub_mask: torch.Tensor, streamer) -> torch.Tensor:
-    """Generate for one sub-batch; returns the new tokens `[b, steps]` on the CPU."""
-    model = engine.model
-    device = model.device
-    b = sub_ids.shape[0]
-    entry = req.plan.choose(b, sub_ids.shape[1], req.max_new_tokens)
-    sampler = Sampler(generator=req.generator, **req.sampler_args)
-    pad_rows = entry.batch - b  # the graphs' logits have the bucket's rows; filler rows see nothing
-    sampler.start(torch.nn.functional.pad(sub_ids, (0, 0, 0, pad_rows)),
-                  torch.nn.functional.pad(sub_mask, (0, 0, 0, pad_rows)), model.config.vocab_size, device)
-    eos = set(req.eos)
-    with torch.no_grad(), _without_autocast(device):
-        argmax, logits, fill_cache, full_mask, next_pos = engine.prefill(entry, sub_ids, sub_mask, req.settings)
-        mask_dev = None  # the cache is filled and the mask sent after the first token is out
-        B = entry.batch
-        positions = next_pos.view(B, 1)
-        finished = [False] * b
-        steps: list[list[int]] = []
-        for step in range(req.max_new_tokens):
-            chosen = sampler(logits, step) if sampler.needs_logits else argmax
-            sampler.observe(chosen)
-            row = chosen.tolist()[:b]
-            for i in range(b):
-                if finished[i]:
-                    row[i] = req.pad
-                elif row[i] in eos:
-                    finished[i] = True
-            steps.append(row)
-            if streamer is not None:
-                streamer.put(torch.tensor(row, dtype=torch.long))
-            if all(finished) or step == req.max_new_tokens - 1:
-                break
-            if mask_dev is None:
-                fill_cache()
-                mask_dev = full_mask.to(device)
-            tokens = torch.tensor(row + [req.pad] * (B - b), dtype=torch.long).view(B, 1)
-            slot = torch.tensor([entry.prompt + step], dtype=torch.long)
-            argmax, logits = engine.decode(entry, tokens.to(device), (positions + step).to(device), mask_dev,
-                                           slot.to(device), req.settings)
-    return torch.tensor(steps, dtype=torch.long).T.reshape(b, len(steps))
 
 
 def generate(
@@ -289,27 +210,54 @@ def generate(
     `top_k`, `top_p`, `min_p`, `repetition_penalty`, `eos_token_id`, `pad_token_id`,
     `cache_implementation`, `disable_compile`, ...) and default to the checkpoint's
     generation_config.json. `compile_config` chooses the backend (default: the device's);
-    `shape_plan` replaces the plan for this call; `seed` or `generator` makes sampling reproducible.
+    `shape_plan` replaces the plan for this call; `seed` (row i of the batch samples with seed + i) or
+    `generator` (shared by the rows) makes sampling reproducible.
     """
     if inputs is not None and input_ids is not None:
         raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
     input_ids = inputs if input_ids is None else input_ids
     no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
-    config = _merged_config(model, generation_config, kwargs)
+    config = merged_config(model, generation_config, kwargs)
     engine = engine_for(model)
-    req = _prepare(model, engine, input_ids, attention_mask, config, compile_config, shape_plan, generator, seed,
-                   no_eos)
-    engine.check_weights()
-    if streamer is not None:
-        if req.ids.shape[0] != 1:
-            raise ValueError(f"A streamer follows one sequence; this batch has {req.ids.shape[0]}: stream batch 1.")
-        streamer.put(req.ids.clone())
-    try:
-        news = [_run(engine, req, si, sm, streamer) for si, sm in _sub_batches(req.plan, req.ids, req.mask)]
-    finally:
+    ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
+    if config.cache_implementation not in (None, "static"):
+        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not available: staticformers' "
+                         f"cache is always static (pass None or \"static\").")
+    max_new = _max_new_tokens(config, ids.shape[1])
+    if generator is not None and seed is not None:
+        raise ValueError("Pass generator or seed, not both.")
+    eos, pad = _pad_and_eos(model, config, no_eos)
+    requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i)
+                for i, p in enumerate(prompts)]
+    settings = compile_settings(model, config, compile_config)
+    plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
+    new: list[list[int]] = [[] for _ in prompts]
+    with engine.lock:
+        loop = GenerationLoop(engine, settings, plan)
+        for request in requests:  # every request is checked before any device work
+            loop.validate(request)
+        engine.check_weights()
+        for request in requests:
+            loop.add(request)
         if streamer is not None:
-            streamer.end()
-    longest = max(n.shape[1] for n in news)
-    new = torch.cat([torch.nn.functional.pad(n, (0, longest - n.shape[1]), value=req.pad) for n in news])
-    return torch.cat([req.ids, new], dim=1).to(req.out_device)
-
+            streamer.put(ids.clone())
+        try:
+            with _without_autocast(model.device):
+                while not loop.idle:
+                    for event in loop.step():
+                        if event.error is not None:
+                            raise event.error
+                        new[event.request_id].append(event.token)
+                        if streamer is not None:
+                            streamer.put(torch.tensor([event.token], dtype=torch.long))
+        finally:
+            loop.close()
+            if streamer is not None:
+                streamer.end()
+    longest = max(len(n) for n in new)
+    out = torch.full((len(new), longest), pad, dtype=torch.long)
+    for i, tokens in enumerate(new):
+        out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return torch.cat([ids, out], dim=1).to(out_device)

@@ -1,21 +1,25 @@
-"""The static KV cache: preallocated once per (batch bucket, KV length), updated in place, reused.
+"""The static KV cache: one row per slot, each row at its own positions.
 
-The decoder (`modeling.py`) asks any `kv_cache` object for `max_length` and calls
-`update(layer_idx, k, v, cache_position)`; this module provides two such objects:
+`KVCache` holds, per layer, keys and values `[slots, kv_heads, length, head_dim]`, allocated once per
+(batch bucket, KV length) and updated in place. Row `i` is slot `i`: a sequence's prompt occupies
+positions `0..n-1` of its row and each decode step writes the next position of every row, so a
+row's cache index *is* its token's position and the attention mask follows from each row's position
+alone (`modeling.build_masks`). No host mask crosses to the device, and positions a row has not
+written (padding of a prefill bucket, what an earlier sequence left in a reused slot) are hidden by
+that mask until the row writes them.
 
-- `StaticKVCache`: per layer a key and a value buffer `[batch, kv_heads, max_length, head_dim]` in the
-  model's dtype on the model's device. `update` writes the new keys/values at `cache_position` with
-  `index_copy_` (an in-place scatter that compilers keep in place) and returns the whole buffers.
-  Decode graphs take it; its shapes never change, so neither do theirs. `layer_views()` gives one
-  `LayerKV` per layer (that layer's two buffers), which a compiled single-layer region takes, so that
-  one graph serves every layer (`steps.py`).
-- `PrefillKV`: a cache over the prompt alone (`max_length` = the prompt bucket). It keeps what each
-  layer produced so that the engine can copy it into a `StaticKVCache` of any length after the
-  prefill graph ran. Prefill graphs therefore depend on `[batch, prompt]` only, not on the KV length:
-  fewer graphs to compile. `LayerSink` is the same for one layer (the single-layer prefill region).
+- `update(layer, k, v, position_ids)` (what the model calls) writes each row's keys and values at its
+  own positions (`position_ids` `[slots, s]`) with one scatter per tensor.
+- `insert(slots, layer, k, v)` puts a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into
+  positions `0..L-1` of the rows `slots`, leaving the other rows as they are: a request joins a running
+  batch between two decode steps (`loop.py`).
+- `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
+  or KV length, `loop.py`).
 
-Stale slots need no clearing: the engine's attention mask over the cache hides every slot a call has
-not written.
+`PrefillKV` is the cache a prefill runs with: it keeps each layer's keys and values and returns them
+unchanged, so a prefill graph depends on `[batch, prompt]` only, not on the KV length, and its keys
+and values are inserted afterwards. `LayerKV` is one layer's view of a `KVCache`, whose `update`
+ignores the layer index: a region compiled for one layer runs every layer.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Optional
 import torch
 
 
-class StaticKVCache:
+class KVCache:
     """Preallocated key/value buffers for every layer (see the module docstring)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
@@ -34,74 +38,67 @@ class StaticKVCache:
         shape = (self.batch, kv_heads, self.max_length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.formulate(None, None, None)
+        self._views = [LayerKV(self, i) for i in range(num_layers)]
 
-    def formulate(self, attention: Optional[str], linears: Optional[str], head_linear: Optional[str]) -> None:
-        """How a decode over this cache computes (read by `modeling.py`; see `engine.decode_formulation`)."""
-        self.decode_attention, self.linears, self.head_linear = attention, linears, head_linear
-        self._views = [LayerKV(self, i) for i in range(len(self.keys))]
+    @classmethod
+    def for_model(cls, model, batch: int, max_length: int) -> "KVCache":
+        c = model.config
+        # a tensor-parallel rank computes num_key_value_heads / tp heads (staticformers.distributed)
+        tp = model.parallel_dims.tp if model.parallel_dims is not None else 1
+        return cls(c.num_hidden_layers, batch, c.num_key_value_heads // tp, max_length, c.head_dim, model.dtype,
+                   model.device)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.batch, self.max_length
 
     def layer_views(self) -> list["LayerKV"]:
         return self._views
 
-    @classmethod
-    def for_model(cls, model, batch: int, max_length: int) -> "StaticKVCache":
-        c = model.config
-        # a tensor-parallel rank computes num_key_value_heads / tp heads (staticformers.distributed)
-        dims = getattr(model, "parallel_dims", None)
-        kv_heads = c.num_key_value_heads // (dims.tp if dims is not None else 1)
-        return cls(c.num_hidden_layers, batch, kv_heads, max_length, c.head_dim, model.dtype, model.device)
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        return write_rows(self.keys[layer_idx], self.values[layer_idx], k, v, position_ids)
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
-        key, value = self.keys[layer_idx], self.values[layer_idx]
-        key.index_copy_(2, cache_position, k)
-        value.index_copy_(2, cache_position, v)
-        return key, value
+    def insert(self, slots: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into positions `0..L-1` of the
+        rows `slots` (`[n]`, on the cache's device); positions past the cache's length are dropped (they
+        are padding of the prompt bucket: a row's prompt always fits)."""
+        length = min(k.shape[2], self.max_length)
+        self.keys[layer_idx][:, :, :length].index_copy_(0, slots, k[:, :, :length])
+        self.values[layer_idx][:, :, :length].index_copy_(0, slots, v[:, :, :length])
 
-    def load_prefill(self, prefill: "PrefillKV") -> None:
-        """Copy what a prefill produced (every layer's keys and values) into slots [0, prompt_len)."""
-        for i, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
-            self.load_layer(i, k, v)
-
-    def load_layer(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy one layer's prompt keys and values (`[batch, kv_heads, prompt_len, head_dim]`) into slots
-        [0, prompt_len)."""
-        length = k.shape[2]
-        self.keys[layer_idx][:, :, :length].copy_(k)
-        self.values[layer_idx][:, :, :length].copy_(v)
+    def copy_rows(self, source: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows `src` of `source` into rows `dst` of this cache (as many positions as both hold)."""
+        length = min(source.max_length, self.max_length)
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for m, t in zip(mine, theirs):
+                m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-class LayerKV:
-    """One layer's slice of a `StaticKVCache` (its key and value buffers and the cache's formulation):
-    `update` ignores the layer index, so a region compiled for one layer runs every layer."""
+def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write `k`/`v` (`[b, kv_heads, s, head_dim]`) into `key`/`value` at each row's positions
+    (`position_ids` `[b, s]`) in place; returns the buffers."""
+    b, h, s, d = k.shape
+    index = position_ids.view(b, 1, s, 1).expand(b, h, s, d)
+    key.scatter_(2, index, k)
+    value.scatter_(2, index, v)
+    return key, value
 
-    def __init__(self, cache: StaticKVCache, layer_idx: int):
+
+class LayerKV:
+    """One layer's slice of a `KVCache`: `update` ignores the layer index, so a region compiled for one
+    layer runs every layer."""
+
+    def __init__(self, cache: KVCache, layer_idx: int):
         self.key, self.value = cache.keys[layer_idx], cache.values[layer_idx]
         self.max_length = cache.max_length
-        self.decode_attention, self.linears = cache.decode_attention, cache.linears
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
-        self.key.index_copy_(2, cache_position, k)
-        self.value.index_copy_(2, cache_position, v)
-        return self.key, self.value
-
-
-class LayerSink:
-    """One layer's prefill keys and values, kept as they are produced (the prompt-only cache of one
-    layer); `decode_attention` and `linears` are the prefill formulation (`engine.prefill_formulation`)."""
-
-    def __init__(self, max_length: int, decode_attention: Optional[str] = None, linears: Optional[str] = None):
-        self.max_length = int(max_length)
-        self.decode_attention, self.linears = decode_attention, linears
-        self.key = self.value = None
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
-        self.key, self.value = k, v
-        return k, v
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        return write_rows(self.key, self.value, k, v, position_ids)
 
 
 class PrefillKV:
@@ -112,6 +109,6 @@ class PrefillKV:
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache_position: torch.Tensor):
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]):
         self.keys[layer_idx], self.values[layer_idx] = k, v
         return k, v

@@ -117,7 +117,7 @@ def pipeline(
     from ..tokenizer import AutoTokenizer
 
     if isinstance(model, str):
-        from ..loading import from_pretrained
+        from ..auto import from_pretrained
 
         path = model
         model = from_pretrained(path, dtype=dtype, device_map=place)

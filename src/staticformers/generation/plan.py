@@ -4,12 +4,14 @@ A device that compiles one graph per input shape must never meet a shape it did 
 lists three sets of buckets and the engine pads every request up to the smallest bucket that fits
 ("first fit", as NxD Inference does):
 
-- batch buckets (default 1, 2, 4, 8): a batch larger than the largest bucket is split, not refused;
+- batch buckets (default 1, 2, 4, 8): the decode slots; more sequences than the largest bucket wait
+  for a free slot (`loop.py`), none is refused;
 - prompt-length buckets (default powers of two from 16 up to `max_model_len`): prefill graphs are
-  `[batch_bucket, prompt_bucket]`;
+  `[batch_bucket, prompt_bucket]`, the prompt at the start of each row and padding after it;
 - KV-cache lengths (default powers of two from 256 up to `max_model_len`): decode graphs are
-  `[batch_bucket, 1]` over a cache of one of these lengths, so memory follows what a call needs and
-  never `max_position_embeddings` blindly (Qwen3's 40,960 positions would cost gigabytes a sequence).
+  `[batch_bucket, 1]` over a cache of one of these lengths, the smallest that holds every row's prompt
+  and new tokens (`positions_needed`), so memory follows what a call needs and never
+  `max_position_embeddings` blindly (Qwen3's 40,960 positions would cost gigabytes a sequence).
 
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
 of shapes is `len(batch) * (len(prompt) + len(kv))`, printed by `str(plan)` and by
@@ -158,29 +160,35 @@ class ShapePlan:
         biggest = self.batch_sizes[-1]
         return [biggest] * (n // biggest) + ([n % biggest] if n % biggest else [])
 
-    def choose(self, batch: int, prompt_len: int, max_new_tokens: int) -> Entry:
-        """The entry a (sub-)batch of `batch` prompts of `prompt_len` tokens runs at, or a PlanError.
+    def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a sequence needs: its prompt at positions `0..n-1`, then one per new token but
+        the last (the last token is returned, never fed back); raises when it cannot fit.
 
-        The prompt is left-padded to its bucket L and fills cache slots [0, L); decode writes one slot
-        per new token after the first, so the cache needs L + max_new_tokens - 1 slots.
-        """
+        The prompt's bucket costs no positions: padding inside a prefill bucket sits after the prompt,
+        is masked, and decode writes over it."""
         self._need_bound()
-        length = self.prompt_bucket(prompt_len)
-        if prompt_len + max_new_tokens > self.max_model_len:
+        self.prompt_bucket(prompt_len)
+        total = prompt_len + max_new_tokens
+        if total > self.max_model_len:
             raise PlanError(
-                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {prompt_len + max_new_tokens} "
-                f"positions exceed max_model_len={self.max_model_len}; lower max_new_tokens to at most "
+                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {total} positions exceed "
+                f"max_model_len={self.max_model_len}; lower max_new_tokens to at most "
                 f"{max(self.max_model_len - prompt_len, 0)} or raise max_model_len."
             )
-        need = length + max_new_tokens - 1
+        need = max(prompt_len + max_new_tokens - 1, 1)
         if need > self.kv_lengths[-1]:
             raise PlanError(
-                f"The prompt has {prompt_len} tokens (padded to its bucket {length}) and max_new_tokens="
-                f"{max_new_tokens} needs {need} cache slots, more than the largest KV length "
-                f"({self.kv_lengths[-1]}): lower max_new_tokens to at most {self.kv_lengths[-1] - length + 1} "
-                f"or raise max_model_len."
+                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens} needs {need} cache "
+                f"positions, more than the largest KV length ({self.kv_lengths[-1]}): lower max_new_tokens to at "
+                f"most {self.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan."
             )
-        return Entry(self.batch_bucket(batch), length, self.kv_bucket(max(need, 1)))
+        return need
+
+    def choose(self, batch: int, prompt_len: int, max_new_tokens: int) -> Entry:
+        """The entry a batch of `batch` prompts of at most `prompt_len` tokens runs at, or a PlanError: the
+        prompt bucket holds the longest prompt, the KV length its `positions_needed`."""
+        need = self.positions_needed(prompt_len, max_new_tokens)
+        return Entry(self.batch_bucket(batch), self.prompt_bucket(prompt_len), self.kv_bucket(need))
 
     # ---- the graphs it implies -----------------------------------------------------------------
     def prefill_shapes(self) -> list[tuple[int, int]]:

@@ -24,12 +24,15 @@ Design choices:
 - **A NaN or inf loss (or gradient norm)** stops training before the optimizer step, with a
   sentence naming the step; no checkpoint is written after it.
 
-Hooks for the distributed layer, each a method to override (nothing else needs to change):
-`setup_device`, `data_parallel_info` (rank, world size), `is_world_process_zero`,
-`prepare_model` (apply tensor parallel / FSDP2 here), `create_master_weights`,
-`create_optimizer`, `create_scheduler`, `get_train_sampler` (shards by rank), `reduce_sum`
-(loss, token counts and eval sums across ranks), `clip_gradients` (per-mesh-group norm),
-`save_checkpoint_files` / `load_checkpoint_files` (torch.distributed.checkpoint), `save_model`.
+Every decision that depends on the process layout is a hook method: `setup_device`,
+`data_parallel_info` (rank, world size), `is_world_process_zero`, `compute_dtype`, `prepare_model`,
+`create_master_weights`, `create_optimizer`, `create_scheduler`, `get_train_sampler` (shards by
+rank), `reduce_sum` (loss, token counts and eval sums across ranks), `compute_loss`,
+`clip_gradients`, `save_checkpoint_files` / `load_checkpoint_files`, `save_model`. For a model
+partitioned at load time (`model.parallel_dims` set), the Trainer holds a
+`distributed.trainer.DistributedTraining` (`self.distributed`) and these hooks delegate to it; a
+subclass may override any of them. What the device changes (the CPU's query-blocked attention, its
+host-memory setting, the compile caches) comes from the device's backend (`staticformers.backends`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..backends import for_device
+from ..modeling import CausalLM
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
-from .host_memory import keep_freed_host_memory
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
@@ -73,16 +77,6 @@ def set_seed(seed: int) -> None:
 
 class Trainer:
     """Trains a causal LM on fixed-shape batches; see the module docstring."""
-
-    def __new__(cls, *args, **kwargs):
-        # a model partitioned by from_pretrained(..., distributed_config=...) trains with the distributed
-        # layer's hooks (staticformers.distributed.trainer.DistributedTrainer, a subclass of this class)
-        model = kwargs.get("model", args[0] if args else None)
-        if cls is Trainer and getattr(model, "parallel_dims", None) is not None:
-            from ..distributed.trainer import DistributedTrainer
-
-            cls = DistributedTrainer
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -111,11 +105,20 @@ class Trainer:
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
         self._user_optimizer = self.optimizer is not None
+        self.distributed = None  # a DistributedTraining for a partitioned model
+        if isinstance(model, CausalLM) and model.parallel_dims is not None:  # loaded with distributed_config
+            from ..distributed.trainer import DistributedTraining
+
+            self.distributed = DistributedTraining(self)
         self.device = self.setup_device()
+        self.backend = for_device(self.device)
         self.state = TrainerState()
         self.master: Optional[MasterWeights] = None
-        self.train_step = StepFunction("train", self.args.torch_compile, self.args.torch_compile_backend)
-        self.eval_step = StepFunction("eval", self.args.torch_compile, self.args.torch_compile_backend)
+        # a partitioned model compiles per block (DistributedTraining.prepare_model); the step stays eager
+        compiled = self.args.torch_compile and self.distributed is None
+        ops = self.backend.training_ops(self.compute_dtype())
+        self.train_step = StepFunction("train", compiled, self.args.torch_compile_backend, ops=ops)
+        self.eval_step = StepFunction("eval", compiled, self.args.torch_compile_backend, ops=ops)
         self._train_rows: Optional[RowTable] = None
         self._eval_rows: list[tuple[Any, RowTable]] = []  # (dataset, rows), matched by identity
         self._reporter: Optional[MetricsReporter] = None
@@ -127,24 +130,32 @@ class Trainer:
     # =============================================================================================
     def setup_device(self) -> torch.device:
         """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU)."""
+        if self.distributed is not None:
+            return self.distributed.setup_device()
         return self.args.device
 
     def data_parallel_info(self) -> tuple[int, int]:
         """(data-parallel rank, data-parallel world size); one process here."""
+        if self.distributed is not None:
+            return self.distributed.data_parallel_info()
         return 0, 1
 
     def is_world_process_zero(self) -> bool:
         """Whether this process writes files (checkpoints, metrics, plots)."""
+        if self.distributed is not None:
+            return self.distributed.is_world_process_zero()
         return True
 
     def compute_dtype(self) -> torch.dtype:
+        if self.distributed is not None:
+            return self.distributed.compute_dtype()
         return torch.bfloat16 if self.args.bf16 else torch.float32
 
     def prepare_model(self) -> nn.Module:
-        """Put the model on the device in the compute dtype (in place) and in train mode.
-
-        The distributed layer applies tensor parallel and FSDP2 here, after calling this.
-        """
+        """Put the model on the device in the compute dtype (in place) and in train mode (a partitioned
+        model: compiled per block when asked, `DistributedTraining.prepare_model`)."""
+        if self.distributed is not None:
+            return self.distributed.prepare_model()
         model = self.model
         model.to(self.device)
         dtype = self.compute_dtype()
@@ -159,6 +170,8 @@ class Trainer:
 
     def create_master_weights(self, model: nn.Module) -> MasterWeights:
         """fp32 master copies of low-precision parameters (none when the model trains in fp32)."""
+        if self.distributed is not None:
+            return self.distributed.create_master_weights(model)
         if self._user_optimizer:
             return MasterWeights(model, copies=False)
         return MasterWeights(model)
@@ -216,18 +229,25 @@ class Trainer:
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over data-parallel ranks (identity with one process)."""
+        if self.distributed is not None:
+            return self.distributed.reduce_sum(value)
         return value
 
     def compute_loss(self, model: nn.Module, batch: dict, num_items_in_batch: torch.Tensor) -> torch.Tensor:
         """The (compiled) forward and loss of one micro-batch."""
-        return self.train_step(model, batch, num_items_in_batch)
+        loss = self.train_step(model, batch, num_items_in_batch)
+        return self.distributed.scale_loss(loss) if self.distributed is not None else loss
 
     def clip_gradients(self) -> torch.Tensor:
         """Global gradient norm of the master gradients, clipped to `max_grad_norm` (fp32)."""
+        if self.distributed is not None:
+            return self.distributed.clip_gradients()
         return clip_grad_norm(self.master.grads(), self.args.max_grad_norm)
 
     def model_state_for_saving(self) -> dict[str, torch.Tensor]:
         """Weights to write (transformers' names, CPU): the fp32 master weights while training."""
+        if self.distributed is not None:
+            return self.distributed.model_state_for_saving()
         if self.master is not None:
             return {n: m.detach().to("cpu").contiguous() for n, m in self.master.by_name().items()}
         from ..loading import export_state_dict
@@ -236,6 +256,8 @@ class Trainer:
 
     def save_checkpoint_files(self, directory: str) -> None:
         """Write one checkpoint's files into `directory` (a temporary folder; trainer_state.json last)."""
+        if self.distributed is not None:
+            return self.distributed.save_checkpoint_files(directory)
         from ..loading import save_pretrained
 
         save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
@@ -248,6 +270,8 @@ class Trainer:
 
     def load_checkpoint_files(self, directory: str) -> None:
         """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder."""
+        if self.distributed is not None:
+            return self.distributed.load_checkpoint_files(directory)
         from safetensors.torch import load_file
 
         from ..loading import weight_files
@@ -269,11 +293,17 @@ class Trainer:
     # training
     # =============================================================================================
     def compile_stats(self) -> dict:
-        """Graphs compiled (and seconds spent) by the training and evaluation functions."""
-        return {"backend": self.args.torch_compile_backend if self.args.torch_compile else None,
-                "train_graphs": self.train_step.graphs, "eval_graphs": self.eval_step.graphs,
-                "train_compile_seconds": round(self.train_step.compile_seconds, 3),
-                "eval_compile_seconds": round(self.eval_step.compile_seconds, 3)}
+        """Graphs compiled (and seconds spent) by the training and evaluation functions (for a partitioned
+        model, by its compiled blocks, training and evaluation together)."""
+        stats = {"backend": self.args.torch_compile_backend if self.args.torch_compile else None,
+                 "train_graphs": self.train_step.graphs, "eval_graphs": self.eval_step.graphs,
+                 "train_compile_seconds": round(self.train_step.compile_seconds, 3),
+                 "eval_compile_seconds": round(self.eval_step.compile_seconds, 3)}
+        if self.distributed is not None and self.distributed.block_counters:
+            counters = self.distributed.block_counters
+            stats["block_graphs"] = sum(c.graphs for c in counters)
+            stats["block_compile_seconds"] = round(sum(c.seconds for c in counters), 3)
+        return stats
 
     def _plan(self, batches_per_epoch: int) -> tuple[int, int]:
         """(optimizer steps per epoch, total optimizer steps)."""
@@ -315,8 +345,7 @@ class Trainer:
         original_dtypes = {k: t.dtype for k, t in originals.items()}
         self.model.zero_grad(set_to_none=True)
         model = self.prepare_model()
-        if self.device.type == "cpu":
-            keep_freed_host_memory()
+        self.backend.before_training()
         try:
             self.master = self.create_master_weights(model)
             self.master.adopt(originals)
@@ -473,6 +502,8 @@ class Trainer:
             f"then resume_from_checkpoint.")
 
     def _save_checkpoint(self) -> str:
+        if self.distributed is not None:
+            return self.distributed.save_checkpoint()
         step = self.state.global_step
         path = ckpt.checkpoint_path(self.args.output_dir, step)
         if self.is_world_process_zero():
@@ -544,6 +575,8 @@ class Trainer:
 
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """The model (and tokenizer) in Hugging Face format, which transformers loads."""
+        if self.distributed is not None:
+            return self.distributed.save_model(output_dir)
         from ..loading import save_pretrained
 
         output_dir = output_dir or self.args.output_dir

@@ -1,17 +1,18 @@
 """Dynamo precompile artifacts: a compiled region saved whole, so a later process skips Dynamo's trace.
 
 Why this exists: with inductor's on-disk caches warm, a new process still re-traces every graph with
-Dynamo (~0.16 s a decoder layer here), builds and profiles its guards and looks up the cached kernels:
-~0.3 s a graph, most of a warm start (BENCHMARKS.md). `torch.compile(...).aot_compile(...)` returns
+Dynamo, builds and profiles its guards and looks up the cached kernels: most of a warm start
+(BENCHMARKS.md). `torch.compile(...).aot_compile(...)` returns
 the traced, compiled function with its guards as one object that `save_compiled_function` writes and
-`AOTCompiledFunction.deserialize` reads back in ~0.04 s, checked by its own guards when called.
+`AOTCompiledFunction.deserialize` reads back far faster than a trace, checked by its own guards when
+called.
 
 The artifact's name is a hash of everything the graph depends on that its guards might not check in
 the same way: this package's source files, torch's and Python's versions, the function and its
 compile settings, and a signature of the call's arguments (every tensor's shape, strides, dtype and
 device; every module's type, plain attributes and parameters; other objects' plain attributes). A
 stale or foreign artifact therefore has another name. One that loads but whose guards refuse the
-call is deleted and the function compiles the usual way (`compile.CompiledFunction`).
+call is deleted and the function compiles the usual way (`compiled.CPUCompiledFunction`).
 
 Artifacts that no process has loaded for `STATICFORMERS_PRECOMPILED_MAX_AGE_DAYS` days (default 30;
 0 keeps them forever) are deleted whenever a new one is saved: a load marks its artifact used, and
@@ -50,7 +51,7 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=1)
 def package_hash() -> str:
     """A hash of this package's Python sources: any edit names every artifact anew."""
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     h = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
@@ -105,7 +106,7 @@ def usable(fn: Any, args: tuple) -> bool:
     """Whether a call may go through an artifact: no closure (its values would be baked in) and no forward
     or backward hooks on any module argument or globally (Dynamo does not guard their absence, so a
     loaded artifact would skip a hook added since; such calls trace as usual)."""
-    from .modeling import global_hooks, hooked
+    from ...module_hooks import global_hooks, hooked
 
     if getattr(fn, "__closure__", None) or global_hooks(backward=True):
         return False

@@ -1,0 +1,124 @@
+"""Everything tuned for running on the CPU under inductor, behind one `Backend` (`backends.for_device`).
+
+Nothing outside `staticformers.backends` imports this package, so CUDA and Neuron never load it. It
+holds the formulations measured fastest per shape (`ops.py`: weight-streaming reductions, oneDNN's
+float32 GEMM in `onednn.py`, grouped and blocked attention), the per-layer regions of the generation
+steps and the prefill that stops one layer early (`regions.py`), compiled functions saved whole
+between processes and run without guard evaluation once warm (`compiled.py`, `precompiled.py`),
+inductor's instruction-set probes remembered across processes (`isa_probes.py`) and the host-memory
+setting of a training process (`host_memory.py`). Every choice is measured in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ...compile import cache_root
+from ...modeling import has_decoder_layout
+from ...module_hooks import any_hooked, global_hooks, hooked
+from .. import Backend, step_name
+from .compiled import CPUCompiledFunction, compile_region
+from .host_memory import keep_freed_host_memory
+from .isa_probes import RECORD, remember_isa_probes
+from .ops import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
+from .regions import RegionalDecode, RegionalPrefill, head_region
+
+
+def plain_projections(model) -> bool:
+    """Whether every projection a formulation may compute itself is a plain `nn.Linear` with no hooks:
+    reductions and oneDNN read `weight` and `bias` directly, which would skip what a wrapper (LoRA,
+    quantisation) or a forward hook does."""
+    if global_hooks():
+        return False
+    return not any(isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or hooked(m))
+                   for m in model.modules())
+
+
+def tensor_parallel(model) -> bool:
+    dims = getattr(model, "parallel_dims", None)
+    return dims is not None and dims.tp > 1
+
+
+class CPUBackend(Backend):
+    """The CPU's answers (see the module docstring and `backends.Backend`)."""
+
+    name = "cpu"
+
+    def default_regional(self) -> bool:
+        return True
+
+    def inductor_defaults(self) -> dict:
+        # realize a pointwise result read by two or more consumers (inductor's default: more than four):
+        # otherwise the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming
+        # reduction, for every weight row (BENCHMARKS.md)
+        return {**super().inductor_defaults(), "realize_reads_threshold": 2}
+
+    def training_ops(self, dtype: torch.dtype) -> CPUOps:
+        return PLAIN_CPU  # causal bf16 attention in query blocks
+
+    def before_training(self) -> None:
+        keep_freed_host_memory()
+
+    # ---- generation --------------------------------------------------------------------------------
+    def ops(self, engine, kind: str, batch: int, settings) -> CPUOps:
+        """The formulation measured fastest for this step under inductor; the modules' own path (with
+        query-blocked attention) otherwise, and wherever the formulations would bypass something:
+        tensor parallel's module hooks, wrappers or hooks on a projection (`plain_projections`). With
+        freezing, GEMMs stay `F.linear`: inductor then packs the frozen weights for oneDNN itself."""
+        key = ("ops", kind, batch, settings)
+        ops = engine.memo.get(key)
+        if ops is None:
+            model = engine.model
+            fast = settings.enabled and settings.backend == "inductor" and settings.fast_decode
+            if not fast or tensor_parallel(model) or not plain_projections(model):
+                ops = PLAIN_CPU
+            else:
+                chooser = decode_formulation if kind == "decode" else prefill_formulation
+                ops = chooser(batch, model.dtype, None if settings.freezing else gemm_kernel(model.dtype))
+            engine.memo[key] = ops  # once per shape: `plain_projections` walks the module tree
+        return ops
+
+    def regional(self, engine, settings) -> bool:
+        """Whether steps under `settings` are regions: asked for, and the model is our decoder, unsharded,
+        its weights not frozen into graphs (a layer graph every layer shares takes weights as inputs) and
+        no forward hook set (a hook on one layer cannot be in a graph every layer runs). Hooks registered
+        or removed later rebuild the steps (the engine's fingerprint)."""
+        model = engine.model
+        return (settings.enabled and settings.regional and not settings.freezing and has_decoder_layout(model)
+                and not tensor_parallel(model) and not any_hooked(model))
+
+    def before_compile(self, settings) -> None:
+        super().before_compile(settings)
+        if settings.backend == "inductor":
+            remember_isa_probes(lambda: os.path.join(cache_root(), RECORD))
+
+    def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CPUCompiledFunction:
+        self.before_compile(settings)
+        return compile_region(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
+                              settings.fullgraph, settings.dynamic, precompile)
+
+    def build_step(self, engine, kind: str, batch: int, dim: int, settings):
+        if not self.regional(engine, settings):
+            return super().build_step(engine, kind, batch, dim, settings)
+        ops = self.ops(engine, kind, batch, settings)
+        name = step_name(kind, batch, dim, settings)
+
+        def compile_one(fn, label):
+            return self.compile_one(fn, label, (batch, 1 if kind == "decode" else dim), settings, precompile=True)
+
+        if kind == "prefill":
+            def decode_for(cache):  # the decode step of the cache a prefill fills finishes its last tokens
+                return engine.step("decode", cache.batch, cache.max_length, settings).step
+
+            return RegionalPrefill(engine.model, dim, name, compile_one, ops, decode_for)
+        head_key = ("head", batch, ops.head_linear, settings)
+        if head_key not in engine.shared:  # one per batch bucket and head formulation: every KV length shares it
+            label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
+            engine.shared[head_key] = self.compile_one(head_region, label, (batch, 1), settings, precompile=True)
+        return RegionalDecode(engine.model, engine.cache(batch, dim), name, compile_one, engine.shared[head_key],
+                              CPUOps(None, None, ops.head_linear), ops)
+
+
+__all__ = ["CPUBackend", "plain_projections"]

@@ -1,0 +1,353 @@
+"""The one generation loop: requests join and leave a batch of slots between decode steps.
+
+    loop = GenerationLoop(engine, settings)
+    loop.add(GenerationRequest(prompt_ids, max_new_tokens=64, sampling=SamplingParams(...)))
+    while not loop.idle:
+        for event in loop.step():      # TokenEvent: request id, token id, finish reason
+            ...
+
+`generate()`, `pipeline`, `staticformers generate` and the server all drive this loop.
+
+Design choices:
+
+- **Slots.** The batch is the rows of one `[B, K]` static cache (`cache.py`), B a batch bucket of the
+  plan, K one of its KV lengths. A request owns one row (its slot) from its prefill to its last token.
+  Its prompt is inserted into positions `0..n-1` of that row while the other rows keep their state;
+  each decode step feeds every row its last token at its own position. Empty rows ride along (masked,
+  their outputs dropped), so a decode step is always the one `[B, 1]` graph of the cache's shape.
+- **One device call per `step()`.** A step either prefills waiting requests into free slots (all that
+  fit, as one prefill batch, first come first served) or runs one decode step over the running rows.
+  A prefill never follows a prefill while rows are running: between two decode steps there is at most
+  one prefill, as in the Neuron serving stacks. A running request's inter-token latency therefore grows
+  by at most one prefill (of at most the largest batch bucket of prompts) when others join; a joining
+  request waits at most one decode step before its prefill.
+- **KV length follows the requests.** A row needs `prompt + max_new_tokens - 1` positions
+  (`ShapePlan.positions_needed`); the cache's K is the smallest KV length holding every row's need, and
+  B the smallest batch bucket holding every row. When a joining request needs more (a longer answer,
+  one row too many), the batch *moves*: the running rows are copied into the engine's cache of the
+  larger shape (`KVCache.copy_rows`, one copy of the rows' keys and values, i.e. of the old cache at
+  most) and decoding continues there with that shape's graph. When rows leave and a smaller shape would
+  do, the batch moves down only if that shape's decode graph is already built, so a move never
+  compiles; when the last row leaves, the next request starts from the smallest shape it needs.
+- **Sampling per row on the device** (`sampling.RowSampler`): each request has its own settings and
+  seed; only the chosen ids (and log-probabilities when asked) come back to the host.
+- **One loop per engine at a time.** The loop holds the engine's lock from its first step until it is
+  idle again, so caches are never shared by two loops; `add` and `cancel` may be called from other
+  threads.
+- **Failures stay inside the step.** An exception in a prefill or decode ends the requests of that
+  call with an event whose `error` is set (their slots are freed); the loop itself keeps working.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .cache import KVCache
+from .engine import CompileSettings, Engine
+from .plan import ShapePlan
+from .sampling import RowSampler, SamplingParams
+
+logger = logging.getLogger("staticformers")
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to continue: its prompt's token ids, how many new tokens at most, how to choose them."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: Any = None
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request: a token (or an error), and whether the request ended.
+
+    `finish_reason`: "stop" (a stop id: EOS), "length" (`max_new_tokens` reached), "error" (`error`
+    holds the exception; `token` is None), None while it runs."""
+
+    request_id: Any
+    token: Optional[int]
+    index: int
+    finish_reason: Optional[str] = None
+    logprob: Optional[float] = None
+    top_logprobs: Optional[list] = None  # [(token id, log-probability)] most likely first
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class _Row:
+    request: GenerationRequest
+    need: int  # cache positions it may use
+    length: int = 0  # positions written in its row
+    generated: int = 0
+    last: int = 0  # the last token, fed to the next decode step
+    cancelled: bool = False
+
+
+class GenerationLoop:
+    """Continuous batching over the slots of the engine's static caches (see the module docstring)."""
+
+    def __init__(self, engine: Engine, settings: CompileSettings, plan: Optional[ShapePlan] = None,
+                 max_batch_size: Optional[int] = None):
+        self.engine, self.settings = engine, settings
+        self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
+        largest = self.plan.batch_sizes[-1]
+        self.max_slots = min(int(max_batch_size), largest) if max_batch_size else largest
+        self.vocab = engine.model.config.vocab_size
+        self.waiting: deque = deque()
+        self.rows: dict[int, _Row] = {}
+        self.cache: Optional[KVCache] = None
+        self.sampler: Optional[RowSampler] = None
+        self.moves = 0  # batch moves to another shape (reported)
+        self._cancelled: set = set()
+        self._mutex = threading.Lock()  # guards `waiting` and `_cancelled` against other threads
+        self._last_was_prefill = False
+        self._holding = False
+        self._ids = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def validate(self, request: GenerationRequest) -> int:
+        """Check a request against the model and the plan before any work; returns the positions it needs."""
+        prompt = request.prompt
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("The prompt is empty: pass at least one token id.")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError("The prompt must be a list of integer token ids.")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= self.vocab:
+            raise ValueError(f"The prompt holds ids outside the vocabulary [0, {self.vocab}): found {low}..{high}.")
+        n = request.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"max_new_tokens={n!r} must be a positive integer.")
+        if not isinstance(request.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
+        request.prompt = list(prompt)
+        return self.plan.positions_needed(len(prompt), n)
+
+    def add(self, request: GenerationRequest) -> Any:
+        """Queue a request (validated now; see `validate`); returns its id (given, or a new integer)."""
+        need = self.validate(request)
+        if request.request_id is None:
+            request.request_id = next(self._ids)
+        with self._mutex:
+            self.waiting.append(_Row(request, need))
+        return request.request_id
+
+    def cancel(self, request_id: Any) -> bool:
+        """Stop a request: dropped if waiting, its slot freed before the next step if running. Whether
+        it was found."""
+        with self._mutex:
+            for row in self.waiting:
+                if row.request.request_id == request_id:
+                    self.waiting.remove(row)
+                    return True
+            if any(r.request.request_id == request_id for r in list(self.rows.values())):
+                self._cancelled.add(request_id)
+                return True
+        return False
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.rows
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def padding_slots(self) -> int:
+        """Rows of the current batch that carry no request (computed and dropped each decode step)."""
+        return (self.cache.batch - len(self.rows)) if self.cache is not None else 0
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """One device call: a prefill of waiting requests into free slots, or a decode step (see the module
+        docstring); returns the events it produced."""
+        if not self._holding:
+            self.engine.lock.acquire()
+            self._holding = True
+        try:
+            self._reap()
+            with self._mutex:
+                admit = bool(self.waiting) and len(self.rows) < self.max_slots and \
+                    (not self.rows or not self._last_was_prefill)
+            if admit:
+                events = self._admit()
+                self._last_was_prefill = True
+            elif self.rows:
+                events = self._decode()
+                self._last_was_prefill = False
+            else:
+                events = []
+            self._maybe_shrink()
+            return events
+        finally:
+            if self.idle:
+                self.close()
+
+    def close(self) -> None:
+        """Drop the batch and let other loops use the engine (called by `step` when idle)."""
+        self.cache, self.sampler = None, None
+        if self._holding:
+            self._holding = False
+            self.engine.lock.release()
+
+    def _reap(self) -> None:
+        with self._mutex:
+            cancelled, self._cancelled = self._cancelled, set()
+        for slot in [s for s, r in self.rows.items() if r.request.request_id in cancelled]:
+            self._free(slot)
+
+    def _free(self, slot: int) -> None:
+        self.rows.pop(slot)
+        if self.sampler is not None:
+            self.sampler.clear_row(slot)
+        if not self.rows:
+            self.cache, self.sampler = None, None
+
+    # ---- prefill -----------------------------------------------------------------------------------
+    def _admit(self) -> list[TokenEvent]:
+        with self._mutex:
+            room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
+            joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        try:
+            self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
+            slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
+            for slot, row in zip(slots, joining):
+                self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
+            with torch.no_grad():
+                argmax, logits = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
+                                                     slots)
+                choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
+                self.sampler.observe(slots, choice.ids)
+            tokens = choice.ids.tolist()
+        except Exception as exc:  # the joining requests fail; the running ones are untouched
+            logger.exception("prefill failed for %d request(s)", len(joining))
+            for slot in [s for s in range(self.cache.batch if self.cache else 0) if s not in self.rows]:
+                if self.sampler is not None:
+                    self.sampler.clear_row(slot)
+            if not self.rows:
+                self.cache, self.sampler = None, None
+            return [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
+        events = []
+        for i, (slot, row) in enumerate(zip(slots, joining)):
+            row.length = len(row.request.prompt)
+            self.rows[slot] = row
+            events.append(self._emit(slot, row, tokens[i], choice, i))
+        return events
+
+    # ---- decode ------------------------------------------------------------------------------------
+    def _decode(self) -> list[TokenEvent]:
+        cache = self.cache
+        slots = sorted(self.rows)
+        tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
+        positions = torch.zeros(cache.batch, 1, dtype=torch.long)
+        for slot in slots:
+            tokens[slot, 0] = self.rows[slot].last
+            positions[slot, 0] = self.rows[slot].length
+        device = self.engine.model.device
+        try:
+            with torch.no_grad():
+                argmax, logits = self.engine.decode(self.settings, cache, tokens.to(device), positions.to(device))
+                if len(slots) == cache.batch:
+                    mine_argmax, mine_logits = argmax, logits
+                else:
+                    index = torch.tensor(slots, dtype=torch.long).to(device)
+                    mine_argmax = argmax.index_select(0, index)
+                    mine_logits = logits.index_select(0, index) if self.sampler.needs_logits(slots) else logits
+                choice = self.sampler.choose(mine_logits, mine_argmax, slots, [self.rows[s].generated for s in slots])
+                self.sampler.observe(slots, choice.ids)
+            chosen = choice.ids.tolist()
+        except Exception as exc:  # every running request was in this step
+            logger.exception("decode step failed for %d request(s)", len(slots))
+            events = [TokenEvent(self.rows[s].request.request_id, None, self.rows[s].generated, "error", error=exc)
+                      for s in slots]
+            self.rows.clear()
+            self.cache, self.sampler = None, None
+            return events
+        events = []
+        for i, slot in enumerate(slots):
+            row = self.rows[slot]
+            row.length += 1  # its last token is now in the cache
+            events.append(self._emit(slot, row, chosen[i], choice, i))
+        return events
+
+    def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
+        """Record the row's new token and build its event; a finished row frees its slot."""
+        index = row.generated
+        row.generated += 1
+        row.last = token
+        params = row.request.sampling
+        reason = None
+        if token in params.eos_token_ids and row.generated > params.min_new_tokens:
+            reason = "stop"
+        elif row.generated >= row.request.max_new_tokens:
+            reason = "length"
+        event = TokenEvent(row.request.request_id, token, index, reason)
+        if choice.logprobs is not None and params.logprobs is not None:
+            event.logprob = float(choice.logprobs[i])
+            if params.logprobs > 0 and choice.top_ids is not None:
+                ids, lps = choice.top_ids[i, :params.logprobs].tolist(), choice.top_logprobs[i, :params.logprobs].tolist()
+                event.top_logprobs = list(zip(ids, lps))
+        if reason is not None:
+            self._free(slot)
+        return event
+
+    # ---- the batch's shape -------------------------------------------------------------------------
+    def _fit(self, count: int, need: int) -> None:
+        """Make the batch hold `count` rows and a row of `need` positions: allocate it, or move it to a
+        larger shape (the running rows keep their slots)."""
+        batch, kv = self.plan.batch_bucket(count), self.plan.kv_bucket(need)
+        device = self.engine.model.device
+        if self.cache is None:
+            self.cache = self.engine.cache(batch, kv)
+            self.sampler = RowSampler(batch, self.vocab, device)
+            return
+        if batch <= self.cache.batch and kv <= self.cache.max_length:
+            return
+        batch, kv = max(batch, self.cache.batch), max(kv, self.cache.max_length)
+        slots = sorted(self.rows)
+        self._move(batch, kv, slots, slots)
+
+    def _maybe_shrink(self) -> None:
+        """Move to a smaller shape when the running rows fit one whose decode graph is already built."""
+        if not self.rows or self.waiting:
+            return
+        batch = self.plan.batch_bucket(len(self.rows))
+        kv = self.plan.kv_bucket(max(r.need for r in self.rows.values()))
+        if (batch, kv) == (self.cache.batch, self.cache.max_length) or batch > self.cache.batch or \
+                kv > self.cache.max_length:
+            return
+        if not self.engine.warm("decode", batch, kv, self.settings):
+            return
+        slots = sorted(self.rows)
+        self._move(batch, kv, slots, list(range(len(slots))))
+
+    def _move(self, batch: int, kv: int, src: list, dst: list) -> None:
+        target = self.engine.cache(batch, kv)
+        if src:
+            device = target.keys[0].device
+            target.copy_rows(self.cache, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        self.sampler.resize(batch, src, dst)
+        self.rows = {d: self.rows[s] for s, d in zip(src, dst)}
+        logger.debug("batch moved from %s to %s", self.cache.shape, target.shape)
+        self.cache = target
+        self.moves += 1
+
+
+__all__ = ["GenerationLoop", "GenerationRequest", "TokenEvent"]

@@ -1,0 +1,65 @@
+"""The decoder's one seam: how its projections and its attention are computed.
+
+The model (`modeling.py`) describes the architecture and nothing else. Where a device or a compiled
+shape is faster with another formulation of the same math (a weight-streaming reduction for one
+decode row on a CPU, an operator the compiler cannot reach, attention in query blocks), the caller
+passes an `Ops` object to `model(..., ops=...)`; the model calls
+
+- `ops.linear(layer, x)` for every projection inside a decoder layer,
+- `ops.head(layer, x)` for the `lm_head`,
+- `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
+
+and never asks which device it runs on. `Ops()` is the plain path: the module itself (so hooks and
+wrappers such as LoRA layers run) and PyTorch's SDPA. Backends (`staticformers.backends`) subclass it.
+An `Ops` is compared and hashed by its `key`, so compiled graphs can be keyed on the formulation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Scaled dot-product attention; `mask` is boolean `[b, 1, q, kv]` (True = may attend) or None for plain
+    causal self-attention. q `[b, heads, q, d]`, k/v `[b, kv_heads, kv, d]`."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+class Ops:
+    """The plain formulation (see the module docstring); subclasses override what they change."""
+
+    name = "plain"
+
+    @property
+    def key(self) -> tuple:
+        """What distinguishes this formulation from another (part of every compiled graph's key)."""
+        return (type(self).__qualname__,)
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  scale: float) -> torch.Tensor:
+        return sdpa(q, k, v, mask, scale)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Ops) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self.key[1:] if len(self.key) > 1 else ''}"
+
+
+PLAIN = Ops()
