@@ -32,12 +32,6 @@ def test_first_fit_and_kv_need():
     assert plan.choose(1, 255, 1) == Entry(1, 256, 256)
 
 
-def test_split_large_batches():
-    plan = ShapePlan(max_model_len=64, max_batch_size=4)
-    assert plan.split(10) == [4, 4, 2]
-    assert plan.split(4) == [4]
-
-
 @pytest.mark.parametrize("args,match", [
     ((1, 600, 1), "more than the largest prompt bucket"),
     ((1, 500, 20), "exceed max_model_len=512"),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ from torch import nn
 from .config import ModelConfig
 from .module_hooks import global_hooks, hooked
 from .ops import PLAIN, Ops
+
+if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
+    from .distributed.mesh import ParallelDims
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +154,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        # computed on the CPU even under a meta-device context: pow on meta pages in ~70 MB of kernels
+        # computed on the CPU even under a meta-device context: pow on meta pages in kernels a load never needs
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
         self.attention_factor = rope_attention_factor(config)
 
@@ -463,7 +466,7 @@ class CausalLM(nn.Module):
     (`staticformers.distributed.mesh.ParallelDims`, set by `distributed.parallelize`), None in one process.
     """
 
-    parallel_dims: Any = None
+    parallel_dims: Optional["ParallelDims"] = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()

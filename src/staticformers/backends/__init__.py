@@ -86,8 +86,9 @@ def _for_kind(kind: str) -> Backend:
 
 
 def for_device(device) -> Backend:
-    """The backend of a device (`torch.device` or string)."""
-    return _for_kind(torch.device(device).type)
+    """The backend of a device (`torch.device`, or a string such as "cpu", "cuda:1", "neuron")."""
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return _for_kind(kind)
 
 
 __all__ = ["Backend", "for_device", "step_name"]

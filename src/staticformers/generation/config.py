@@ -81,7 +81,8 @@ class CompileConfig:
     backend None means the device's own ("neuron" on Neuron, "inductor" elsewhere). `regional` (ours,
     not transformers') chooses the layout of each shape's graphs: True compiles the embedding, one
     decoder layer (shared by every layer) and the head as separate functions, False the whole model as
-    one graph, None (default) regions on the CPU and whole graphs elsewhere (`generation/steps.py`).
+    one graph, None (default) the device backend's choice: regions on the CPU (`backends/cpu/regions.py`),
+    whole graphs elsewhere (`generation/steps.py`).
     Regions need weights as graph inputs and no forward hooks: with weight freezing, tensor parallel or
     hooks set, a shape is one whole-model graph whatever `regional` says.
     """

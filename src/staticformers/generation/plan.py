@@ -153,13 +153,6 @@ class ShapePlan:
                 return length
         raise PlanError(f"{n} cache slots are more than the largest KV length ({self.kv_lengths[-1]}).")
 
-    def split(self, n: int) -> list[int]:
-        """Sizes of the sub-batches a batch of `n` runs as: chunks of the largest bucket, then the rest."""
-        if n < 1:
-            raise PlanError(f"A batch needs at least one sequence, got {n}.")
-        biggest = self.batch_sizes[-1]
-        return [biggest] * (n // biggest) + ([n % biggest] if n % biggest else [])
-
     def positions_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a sequence needs: its prompt at positions `0..n-1`, then one per new token but
         the last (the last token is returned, never fed back); raises when it cannot fit.

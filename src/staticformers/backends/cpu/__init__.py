@@ -37,7 +37,7 @@ def plain_projections(model) -> bool:
 
 
 def tensor_parallel(model) -> bool:
-    dims = getattr(model, "parallel_dims", None)
+    dims = model.parallel_dims
     return dims is not None and dims.tp > 1
 
 

@@ -3,9 +3,8 @@
 Why: glibc's malloc serves every block above its mmap threshold (128 KiB, adapting up to 32 MiB)
 with a fresh `mmap` and gives it back to the kernel on `free`. A training step allocates and frees
 the same hundreds of megabytes each time (activations, the `[batch, seq, vocab]` logits and their
-gradient, the gradients), so every step pays a page fault for each 4 KiB page of them again. On the
-2-core reference machine that was about a fifth of a bf16 step of the 41.6M reference model
-(`BENCHMARKS.md`). With the thresholds raised, freed blocks stay in the heap and the next step
+gradient, the gradients), so every step pays a page fault for each 4 KiB page of them again, a
+measurable share of a step (`BENCHMARKS.md`). With the thresholds raised, freed blocks stay in the heap and the next step
 reuses them already mapped. The cost is that the process keeps its peak footprint until it exits,
 which is what a training process reaches every step anyway.
 

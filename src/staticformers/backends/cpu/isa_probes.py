@@ -3,9 +3,9 @@
 Why this exists: before inductor builds or loads any CPU kernel in a process, it checks every vector
 instruction set the CPU advertises (AVX2, AVX-512 and its VNNI and BF16 extensions) by building a tiny
 library once and then, in *every new process*, spawning a child Python that loads it (a library built
-for instructions the machine cannot run would kill the process that loads it). On the 2-core reference
-machine that is six child processes, about 1 s, paid again by each `staticformers generate` and by
-every warm-cache run, although the answer for one library on one machine never changes.
+for instructions the machine cannot run would kill the process that loads it). That is several child
+processes (BENCHMARKS.md has their cost), paid again by each `staticformers generate` and by every
+warm-cache run, although the answer for one library on one machine never changes.
 
 `remember_isa_probes()` wraps inductor's probe so that a successful load is recorded under the compile
 cache (`isa-probes.json`), keyed by the library's path, size and modification time, this machine's CPU

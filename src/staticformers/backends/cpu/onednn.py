@@ -1,13 +1,12 @@
-"""Kernels the generation engine calls that compiled graphs cannot reach through PyTorch's own ops.
+"""oneDNN's float32 GEMM as an operator the CPU's compiled graphs can call.
 
 Why this exists: on the CPU, `F.linear` / `torch.mm` in float32 go to MKL's sgemm, while bfloat16
-goes to oneDNN. On the reference machine (AMD EPYC, Zen 4) oneDNN's float32 matmul is 10-35% faster
-than MKL's for every shape a decoder runs (8 to 1,024 rows, 512-3,072 columns; BENCHMARKS.md), and a
-128-token float32 prefill spends ~80% of its time there. PyTorch exposes that kernel as
+goes to oneDNN, and oneDNN's float32 matmul measured faster than MKL's for every shape a decoder runs
+(BENCHMARKS.md), where a float32 prefill spends most of its time. PyTorch exposes that kernel as
 `torch.ops.mkldnn._linear_pointwise`, but inductor lowers that op only when the weight is a frozen
 constant, and our graphs take weights as inputs (one layer graph serves every layer). So it is wrapped
 here as an opaque operator, `staticformers::onednn_linear`, that graphs call like any extern kernel
-(with a shape function for tracing), at ~25 us a call of dispatch, measured against ~0.1-1 ms of work.
+(with a shape function for tracing); its dispatch cost is small against the GEMMs it runs.
 
 The operator is for inference (no autograd formula): `onednn_linear` falls back to `F.linear` where
 oneDNN is not built in or a gradient is wanted.

@@ -125,11 +125,13 @@ class _Regions:
     def _ready(parts: list, checked: bool) -> bool:
         return checked and SKIP_GUARDS and all(p.graphs == 1 for p in parts)
 
-    def _warm_step(self, key, parts: list, body: Callable, raw: tuple) -> Callable:
-        """`body(raw, *args)` as a warmed step (see the module docstring): plain when every part is a saved
-        function, else under Dynamo's run-only mode with guards unevaluated. Built once per key."""
+    def _warm_step(self, key, parts: list, body: Callable, raw: Callable[[], tuple]) -> Callable:
+        """`body(raw(), *args)` as a warmed step (see the module docstring): plain when every part is a saved
+        function, else under Dynamo's run-only mode with guards unevaluated. Built once per key (the raw
+        forms are fixed once each part has its one graph)."""
         step = self._warm.get(key)
         if step is None:
+            raw = raw()
             if all(getattr(p, "aot", None) is not None for p in parts):
                 def step(*args):
                     return body(raw, *args)
@@ -170,7 +172,7 @@ class RegionalDecode(_Regions):
     def __call__(self, input_ids, position_ids, checked: bool = False):
         start = time.perf_counter()
         if self.calls and self._ready(self._parts, checked):
-            raw = (self.prepare.raw, {w: f.raw for w, f in self.layer.items()}, self.head.raw)
+            raw = lambda: (self.prepare.raw, {w: f.raw for w, f in self.layer.items()}, self.head.raw)  # noqa: E731
             out = self._warm_step("decode", self._parts, self._body, raw)(input_ids, position_ids)
         else:
             out = self._body(self._fns, input_ids, position_ids)  # guarded: each layer's first call checks
@@ -224,7 +226,7 @@ class RegionalPrefill(_Regions):
         logits at each inserted row's last token (`last_index` `[b]`), `[n]` and `[n, vocab]`."""
         start = time.perf_counter()
         if self.calls and self._ready(self._parts, checked):
-            raw = {w: f.raw for w, f in self.layer.items()}
+            raw = lambda: {w: f.raw for w, f in self.layer.items()}  # noqa: E731
             x = self._warm_step("prefill", self._parts, self._body, raw)(input_ids, cache, slots)
         else:
             x = self._body(self.layer, input_ids, cache, slots)

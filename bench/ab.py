@@ -1,0 +1,115 @@
+"""A/B of two source trees on the reference model: generation decode and time to first token, interleaved.
+
+A refactor must prove it costs nothing. This runs the same measurement in fresh processes, alternating
+the trees (A B A B ...), each process importing its tree's `src/` (PYTHONPATH), on the 41.6M reference
+checkpoint (`reference.py`): per (dtype, batch), time to first token (`generate(max_new_tokens=1)`)
+and the decode step ((128-token generate - 1-token generate) / 127), medians over repeats inside a
+process, then medians over processes. The ceiling is measured in the same run on the same bytes: a
+GEMV (`torch.mv`) over a matrix the size of the weights (81,250 x 512 for the reference model), which
+fits the same cache levels as the weights do. Prints one JSON object.
+
+    python bench/ab.py --a ../base --b . --rounds 3 --dtypes float32 bfloat16 --batches 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+PROMPT, NEW = 128, 128
+
+CHILD = r"""
+import json, statistics, sys, time, torch
+from staticformers import AutoModelForCausalLM
+ref, dtype, batch, repeats = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(1)
+ids = torch.randint(1, 32000, (batch, %d))
+model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
+def run(n):
+    t = time.perf_counter()
+    out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False)
+    assert out.shape == (batch, %d + n)
+    return time.perf_counter() - t
+start = time.perf_counter()
+run(%d); run(1); run(%d); run(1)
+warm = time.perf_counter() - start
+ttft, total = [], []
+for _ in range(repeats):
+    ttft.append(run(1))
+    total.append(run(%d))
+t1, tn = statistics.median(ttft), statistics.median(total)
+print(json.dumps({"ttft_ms": t1 * 1e3, "step_ms": (tn - t1) / %d * 1e3, "warm_s": warm}))
+""" % (PROMPT, PROMPT, NEW, NEW, NEW, NEW - 1)
+
+
+def gemv_ms(dtype_name: str, rows: int = 81_250, cols: int = 512, repeats: int = 21) -> float:
+    """Median milliseconds of `torch.mv` over a `rows x cols` matrix: the bytes of the weights, read once."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    w = torch.randn(rows, cols).to(dtype)
+    x = torch.randn(cols).to(dtype)
+    for _ in range(3):
+        torch.mv(w, x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
+    out = subprocess.run([sys.executable, "-c", CHILD, ref, dtype, str(batch), str(repeats)], env=env,
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from reference import DEFAULT_DIR, build_reference, pressure
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--a", required=True, help="the tree before (its src/ is imported)")
+    p.add_argument("--b", required=True, help="the tree after")
+    p.add_argument("--rounds", type=int, default=3, help="A B pairs of processes per case")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per process")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    args = p.parse_args()
+    ref = build_reference(DEFAULT_DIR)
+    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "pressure_before": pressure(),
+              "ceiling_gemv_ms": {d: round(gemv_ms(d), 3) for d in args.dtypes}, "cases": []}
+    for dtype in args.dtypes:
+        for batch in args.batches:
+            runs = {"a": [], "b": []}
+            for _ in range(args.rounds):
+                for side in ("a", "b"):
+                    runs[side].append(child(getattr(args, side), ref, dtype, batch, args.repeats))
+            case = {"dtype": dtype, "batch": batch, "pressure_after": pressure()}
+            for side, rs in runs.items():
+                case[side] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("ttft_ms", "step_ms")}
+                case[side]["all_step_ms"] = [round(r["step_ms"], 3) for r in rs]
+            case["b_over_a_step"] = round(case["b"]["step_ms"] / case["a"]["step_ms"], 3)
+            case["b_over_a_ttft"] = round(case["b"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
+            if batch == 1:
+                case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype] / case["b"]["step_ms"], 3)
+            result["cases"].append(case)
+            print(json.dumps(case), file=sys.stderr, flush=True)
+    result["ceiling_gemv_ms_after"] = {d: round(gemv_ms(d), 3) for d in args.dtypes}
+    result["pressure_after"] = pressure()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
