@@ -7,7 +7,6 @@ loss on our batches (same ids, same labels) is the expected loss, padded and pac
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 
 import pytest
@@ -328,3 +327,60 @@ def test_loss_token_share_in_logs_metrics_and_jsonl(tok, tmp_path, tiny_checkpoi
     assert f"tokens with loss {100 * share:.2f}%" in caplog.text and "padding waste" in caplog.text
     last = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][-1]
     assert last["train_loss_token_share"] == share and "train_padding_waste" in last
+
+
+# ---------------------------------------------------------------------------------------------
+# learning
+# ---------------------------------------------------------------------------------------------
+COLORS = {"sky": "blue", "grass": "green", "sun": "yellow", "snow": "white", "night": "black", "fire": "red"}
+
+
+def color_question(thing, rng):
+    return f"Question {rng.randint(100, 999)}: what color is the {thing}?"  # the number is noise no one can learn
+
+
+def test_a_tiny_model_learns_a_question_format_from_the_assistant_turns_only(tok, tmp_path):
+    import random
+
+    from staticformers import AutoConfig, AutoModelForCausalLM
+
+    rng = random.Random(0)
+    data = [{"messages": [{"role": "user", "content": color_question(thing, rng)},
+                          {"role": "assistant", "content": color}]} for _ in range(8) for thing, color in COLORS.items()]
+    config = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                  eos_token_id=tok.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, seed=0)
+    args = args_for(tmp_path, max_length=64, per_device_train_batch_size=8, max_steps=60, logging_steps=10,
+                    learning_rate=3e-3, lr_scheduler_type="constant_with_warmup", warmup_steps=2, packing=True,
+                    assistant_only_loss=True, torch_compile=True, torch_compile_backend="aot_eager")
+    trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    out = trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert losses[-1] < 0.1 * losses[0], losses
+    assert 0 < out.metrics["train_loss_token_share"] < 0.3  # the question turns carry no loss
+
+    # the loss the model trained on falls on the assistant's tokens; the user's it never learned
+    model.eval()
+    assistant = build_rows(data, tok, 64, False, assistant_only_loss=True)
+    everything = build_rows(data, tok, 64, False)
+    with torch.no_grad():
+        logits = model(input_ids=assistant.input_ids).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), everything.labels[:, 1:], reduction="none")
+    said = assistant.labels[:, 1:] != IGNORE_INDEX
+    asked = (everything.labels[:, 1:] != IGNORE_INDEX) & ~said
+    assert ce[said].mean() < 0.5 and ce[asked].mean() > 4.0, (ce[said].mean(), ce[asked].mean())
+
+    # new questions, answered through the chat template
+    right = 0
+    for thing, color in COLORS.items():
+        ids = tok.apply_chat_template([{"role": "user", "content": color_question(thing, rng)}],
+                                      add_generation_prompt=True, return_tensors="pt")
+        answer = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False, disable_compile=True)[0, ids.shape[1]:])
+        right += answer == f"<think>\n\n</think>\n\n{color}<|im_end|>"
+    assert right >= 5, right
+
+    trainer.evaluate(data)
+    trainer.evaluate(data)
+    stats = trainer.compile_stats()
+    assert stats["train_graphs"] == 2 and stats["eval_graphs"] == 2, stats  # 60 steps, two evaluations: no new shape
