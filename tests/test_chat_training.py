@@ -384,3 +384,11 @@ def test_a_tiny_model_learns_a_question_format_from_the_assistant_turns_only(tok
     trainer.evaluate(data)
     stats = trainer.compile_stats()
     assert stats["train_graphs"] == 2 and stats["eval_graphs"] == 2, stats  # 60 steps, two evaluations: no new shape
+
+
+def test_a_template_that_leaves_the_end_of_turn_out_of_the_mask_is_named(tok, caplog):
+    build_rows(dataset(), tok, 512, False, assistant_only_loss=True)
+    assert "never learns to stop" not in caplog.text  # <|im_end|> is inside the Qwen3 training template's blocks
+    tok.chat_template = PLAIN_TRAINING_TEMPLATE
+    build_rows(dataset(), tok, 512, False, assistant_only_loss=True)
+    assert caplog.text.count("never learns to stop") == 1  # once per dataset

@@ -68,6 +68,7 @@ class ChatEncoder:
         self.completion_only_loss = completion_only_loss
         self.prompt_completion_examples = 0
         self._warned_prefix = False
+        self._checked_stop = False
         self._text: Optional[TextEncoder] = None
         self._prompt_text: Optional[TextEncoder] = None
 
@@ -126,7 +127,7 @@ class ChatEncoder:
         extra = example.get("chat_template_kwargs") or {}
         if not isinstance(extra, Mapping):
             raise ValueError(f"Example {index} has 'chat_template_kwargs' that are not a dict: fix that example.")
-        return {"tools": tools or None, **extra}
+        return {"tools": tools, **extra}
 
     def _apply(self, messages: list, kwargs: dict, index: int, **flags: Any) -> Any:
         tok = self._chat_tokenizer(index)
@@ -149,7 +150,22 @@ class ChatEncoder:
                 f"Example {index} has no assistant tokens under assistant_only_loss=True: it has no assistant turn, "
                 f"or the chat template marks none (it needs {{% generation %}} blocks; pass "
                 f"TrainingArguments(chat_template_path=...) a training template).")
+        if not self._checked_stop:
+            self._checked_stop = True
+            self._warn_if_stop_token_untrained(ids, assistant)
         return ids, assistant
+
+    def _warn_if_stop_token_untrained(self, ids: list, assistant: list) -> None:
+        """TRL's check: the last marked token (whitespace aside) must be an added token such as the end of turn."""
+        tok = self.tokenizer
+        added = set(getattr(tok, "added_tokens_decoder", {}) or {})
+        for t in reversed([t for t, m in zip(ids, assistant) if m]):
+            if tok.decode([t]).strip():
+                if t not in added:
+                    logger.warning("The chat template's {%% generation %%} blocks end on %r, not on an end-of-turn "
+                                   "token, so under assistant_only_loss the model never learns to stop: put the "
+                                   "end-of-turn token inside the block.", tok.decode([t]))
+                return
 
     def _encode_chat_pair(self, prompt: list, completion: list, example: Mapping, index: int) -> Document:
         kwargs = self._template_kwargs(example, index)
