@@ -58,7 +58,7 @@ def test_text_with_a_tokenizers_tokenizer_and_columns():
     assert [d.input_ids for d in tokenize_dataset(["a b"], tok)] == [[1, 2]]
     with pytest.raises(ValueError, match="processing_class"):
         tokenize_dataset([{"text": "a"}], None)
-    with pytest.raises(ValueError, match="neither 'input_ids' nor 'text'"):
+    with pytest.raises(ValueError, match="none of 'input_ids', 'text', 'messages' or 'prompt'/'completion'"):
         tokenize_dataset([{"ids": [1]}], None)
 
 

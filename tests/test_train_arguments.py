@@ -13,6 +13,8 @@ def test_defaults_on_this_machine(tmp_path):
     assert args.dataloader_drop_last is True  # differs from transformers on purpose: no ragged batch
     assert args.report_to == [] and args.max_length == 1024 and args.packing is False
     assert args.per_device_train_batch_size == 8 and args.lr_scheduler_type == "linear"
+    # TRL SFTConfig's defaults: full loss, except the completion only for prompt-completion data
+    assert args.assistant_only_loss is False and args.completion_only_loss is None and args.chat_template_path is None
 
 
 def test_seed_snippets_detect_neuron(fake_neuron, tmp_path):
@@ -40,6 +42,9 @@ def test_backend_given_turns_compile_on(tmp_path):
     (dict(num_train_epochs=0), "trains nothing"),
     (dict(report_to="wandb"), "tensorboard"),
     (dict(packing_strategy="ffd"), "bfd"),
+    (dict(assistant_only_loss="yes"), "must be True or False"),
+    (dict(completion_only_loss=1), "must be True, False or None"),
+    (dict(chat_template_path="no/such/template.jinja"), "does not exist: give a .jinja file"),
     (dict(adam_beta2=1.0), "[0, 1)"),
     (dict(max_grad_norm=-1.0), "negative"),
 ])

@@ -62,3 +62,30 @@ def test_data_formats_and_refusals(tmp_path, capsys):
         read_documents(str(tmp_path / "bad.jsonl"))
     rc = main(["train", str(tmp_path / "nowhere"), "--data", str(tmp_path / "a.txt")])
     assert rc == 2 and "config.json" in capsys.readouterr().err
+
+
+def test_train_on_conversations_with_assistant_only_loss_and_a_chat_template(tmp_path, capsys):
+    from chat_fixtures import CONVERSATIONS, QWEN_TRAINING_TEMPLATE
+    from tokenizer_fixtures import build_qwen
+
+    from staticformers import AutoTokenizer
+
+    folder = build_qwen(tmp_path / "tok")
+    config = json.loads(open(tiny_config(tmp_path / "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 640}))
+    rows = [{"messages": c} for c in CONVERSATIONS] + [
+        {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Hello."}]}]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+    (tmp_path / "train.jinja").write_text(QWEN_TRAINING_TEMPLATE)
+    out = tmp_path / "out"
+    base = ["train", str(tmp_path / "config.json"), "--tokenizer", str(folder), "--data", str(tmp_path / "chats.jsonl"),
+            "--output-dir", str(out), "--max-length", "64", "--max-steps", "2", "--batch-size", "4", "--no-save", "--quiet"]
+    rc = main(base + ["--assistant-only-loss", "--chat-template", str(tmp_path / "train.jinja"), "--packing"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["global_step"] == 2 and 0 < summary["loss_token_share"] < 1 - summary["padding_waste"] - 0.2
+    assert AutoTokenizer.from_pretrained(out).chat_template == QWEN_TRAINING_TEMPLATE  # saved with the model
+    full = main(base)  # the tokenizer's own template and the whole conversation: more tokens carry loss
+    assert full == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss_token_share"] > 0.5
+    rc = main(base + ["--assistant-only-loss"])  # the fixture's own template has no {% generation %} blocks
+    assert rc == 2 and "chat_template_path" in capsys.readouterr().err

@@ -5,7 +5,11 @@ Chat templates come from the Hub and are untrusted code, so they run in jinja2's
 settings and helpers that templates are written against: `trim_blocks`, `lstrip_blocks`, the
 `loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` filter that does not escape
 HTML (Jinja's own does), a `dict` constructor and a `namespace` that refuses dunder attributes.
-`{% generation %}` blocks (used for assistant-token masks) render their body unchanged.
+`{% generation %}` blocks render their body unchanged; while `render(..., return_spans=True)` runs, each
+block also records the character span of its body in the output, measured as transformers measures it
+(the length of the text the template had yielded when the block finished), so assistant-token masks
+built from the spans (`assistant_masks.py`) equal transformers', edge cases included. The recording
+state lives in a context variable, so threads rendering at once never see each other's spans.
 
 Everything a template sees is rebuilt from plain JSON-like data first, so a template cannot reach the
 methods of rich objects the caller put in a message. The rendered text is what
@@ -17,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -29,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 # Names a message's reasoning is passed under; templates read the first one.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# While a render records spans: (the chunks the template has yielded so far, the spans found so far).
+_SPANS: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("generation_spans", default=None)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -40,7 +47,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: rendered as its body (no assistant-mask tracking)."""
+    """`{% generation %}...{% endgeneration %}`: rendered as its body, its span recorded while spans are asked for."""
 
     tags = {"generation"}
 
@@ -50,7 +57,13 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
 
     def _render_body(self, caller: Any) -> str:
-        return caller()
+        body = caller()
+        recording = _SPANS.get()
+        if recording is not None:
+            chunks, spans = recording
+            start = sum(len(chunk) for chunk in chunks)
+            spans.append((start, start + len(body)))
+        return body
 
 
 def _raise_exception(message: str) -> None:
@@ -183,8 +196,13 @@ def render(
     add_generation_prompt: bool = False,
     continue_final_message: bool | str = False,
     template_kwargs: dict[str, Any] | None = None,
-) -> list[str]:
-    """Render each conversation with `template`; returns one string per conversation."""
+    return_spans: bool = False,
+) -> list[str] | tuple[list[str], list[list[tuple[int, int]]]]:
+    """Render each conversation with `template`; returns one string per conversation.
+
+    With `return_spans=True` it returns `(texts, spans)`: for each conversation the `(start, end)`
+    character spans of its `{% generation %}` blocks, in the order they were rendered.
+    """
     compiled = compile_template(template)
     if documents is not None and not all(isinstance(d, Mapping) for d in documents):
         raise TypeError("Documents must be a list of dicts with 'title' and 'text' keys.")
@@ -192,7 +210,7 @@ def render(
     documents = plain_data(documents)
     kwargs = plain_data(dict(template_kwargs or {}))
 
-    rendered = []
+    rendered, all_spans = [], []
     for chat in conversations:
         chat = plain_data(list(chat))
         for message in chat:
@@ -224,9 +242,13 @@ def render(
             else:
                 for f in fields:
                     chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
-        text = compiled.render(
-            messages=chat, tools=tool_schemas, documents=documents, add_generation_prompt=add_generation_prompt, **kwargs
-        )
+        variables = dict(messages=chat, tools=tool_schemas, documents=documents,
+                         add_generation_prompt=add_generation_prompt, **kwargs)
+        if return_spans:
+            text, spans = _render_recording_spans(compiled, variables)
+            all_spans.append(spans)
+        else:
+            text = compiled.render(**variables)
         if continue_final_message:
             if final_text.strip() not in text or _CONTINUE_TAG.strip() not in text:
                 raise ValueError(
@@ -236,4 +258,16 @@ def render(
             at = text.rindex(_CONTINUE_TAG.strip())
             text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         rendered.append(text)
-    return rendered
+    return (rendered, all_spans) if return_spans else rendered
+
+
+def _render_recording_spans(compiled: jinja2.Template, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    chunks: list[str] = []
+    spans: list[tuple[int, int]] = []
+    token = _SPANS.set((chunks, spans))
+    try:
+        for chunk in compiled.generate(**variables):
+            chunks.append(chunk)
+    finally:
+        _SPANS.reset(token)
+    return "".join(chunks), spans

@@ -27,6 +27,7 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as RustTokenizer
 
+from staticformers import assistant_masks as _masks
 from staticformers import chat_template as _chat
 from staticformers.tokenizer_files import SPECIAL_TOKEN_NAMES, read_folder, resolve_folder, write_folder
 
@@ -470,6 +471,19 @@ class FastTokenizer:
                  return_token_type_ids: bool | None = None, split_special_tokens: bool | None = None,
                  verbose: bool = True, stride: int = 0, **unsupported: Any) -> BatchEncoding:
         """Encode one text, a batch, or pairs; pad and truncate like transformers; lists or tensors."""
+        return self._encode(text, text_pair, add_special_tokens=add_special_tokens, padding=padding,
+                            truncation=truncation, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                            padding_side=padding_side, return_tensors=return_tensors,
+                            return_attention_mask=return_attention_mask, return_token_type_ids=return_token_type_ids,
+                            split_special_tokens=split_special_tokens, stride=stride, **unsupported)[0]
+
+    def _encode(self, text: Any, text_pair: Any = None, *, add_special_tokens: bool = True, padding: bool | str = False,
+                truncation: bool | str | None = None, max_length: int | None = None,
+                pad_to_multiple_of: int | None = None, padding_side: str | None = None,
+                return_tensors: str | None = None, return_attention_mask: bool | None = None,
+                return_token_type_ids: bool | None = None, split_special_tokens: bool | None = None, stride: int = 0,
+                with_offsets: bool = False, **unsupported: Any) -> tuple[BatchEncoding, list]:
+        """`__call__`'s work; also returns the backend's encodings (with character offsets if asked)."""
         if unsupported:
             raise TypeError(f"The tokenizer call got unsupported argument(s) {sorted(unsupported)}; "
                             "see the docstring of staticformers' tokenizer __call__ for what it accepts.")
@@ -487,7 +501,8 @@ class FastTokenizer:
         with self._lock:
             self._configure(pad, max_length, pad_to_multiple_of, trunc, side, split, max_length)
             try:
-                encodings = self._backend.encode_batch_fast(inputs, add_special_tokens=add_special_tokens)
+                encode = self._backend.encode_batch if with_offsets else self._backend.encode_batch_fast
+                encodings = encode(inputs, add_special_tokens=add_special_tokens)
             except Exception as err:  # Rust errors (e.g. max_length shorter than the special tokens)
                 raise ValueError(f"Tokenizing failed: {err}; check max_length and truncation.") from err
         out = BatchEncoding()
@@ -497,11 +512,11 @@ class FastTokenizer:
         if return_attention_mask or (return_attention_mask is None and "attention_mask" in self.model_input_names):
             out["attention_mask"] = [e.attention_mask for e in encodings]
         if return_tensors is not None:
-            return out.convert_to_tensors(return_tensors)
+            return out.convert_to_tensors(return_tensors), encodings
         if not batched:
             for key in out:
                 out[key] = out[key][0]
-        return out
+        return out, encodings
 
     @staticmethod
     def _batch_inputs(text: Any, text_pair: Any) -> tuple[bool, list]:
@@ -627,14 +642,23 @@ class FastTokenizer:
                             max_length: int | None = None, return_tensors: str | None = None,
                             return_dict: bool = False, tokenizer_kwargs: dict | None = None,
                             return_assistant_tokens_mask: bool = False, **template_kwargs: Any) -> Any:
-        """Render messages with the chat template (and tokenize them), with transformers' output."""
-        if return_assistant_tokens_mask:
-            raise ValueError("return_assistant_tokens_mask=True is not supported by staticformers' tokenizer; "
-                             "compute the masks from the rendered text instead.")
+        """Render messages with the chat template (and tokenize them), with transformers' output.
+
+        `return_assistant_tokens_mask=True` (with `return_dict=True`) adds `assistant_masks`: 1 on the
+        tokens the template's `{% generation %}` blocks mark as the assistant's (see assistant_masks.py).
+        """
+        if return_assistant_tokens_mask and not (return_dict and tokenize):
+            raise ValueError("return_assistant_tokens_mask=True needs return_dict=True and tokenize=True: the masks "
+                             "come back next to input_ids in the returned dict.")
+        if return_assistant_tokens_mask and continue_final_message:
+            raise ValueError("continue_final_message cannot be combined with return_assistant_tokens_mask=True: the "
+                             "last message is left open, so its assistant span has no end; drop one of them.")
         if template_kwargs.pop("sanitize_control_tokens", False):
             raise ValueError("sanitize_control_tokens=True is not supported by staticformers' tokenizer; strip "
                              "control tokens from user text before rendering.")
         template = self.get_chat_template(chat_template, tools)
+        if return_assistant_tokens_mask and not _masks.has_generation_blocks(template):
+            raise ValueError(_masks.no_generation_blocks_message())
         if not isinstance(conversation, (list, tuple)) or len(conversation) == 0:
             raise ValueError("The conversation must be a non-empty list of {'role': ..., 'content': ...} dicts.")
         batched = isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")
@@ -654,12 +678,19 @@ class FastTokenizer:
         kwargs = {**self.special_tokens_map, **template_kwargs}
         rendered = _chat.render(template, cleaned, tools=tools, documents=documents,
                                 add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message, template_kwargs=kwargs)
+                                continue_final_message=continue_final_message, template_kwargs=kwargs,
+                                return_spans=return_assistant_tokens_mask)
+        if return_assistant_tokens_mask:
+            rendered, spans = rendered
         if not tokenize:
             return rendered if batched else rendered[0]
-        out = self(rendered if batched else rendered[0], add_special_tokens=False, padding=padding,
-                   truncation=truncation, max_length=max_length, return_tensors=return_tensors,
-                   **(tokenizer_kwargs or {}))
+        out, encodings = self._encode(rendered if batched else rendered[0], add_special_tokens=False, padding=padding,
+                                      truncation=truncation, max_length=max_length, return_tensors=return_tensors,
+                                      with_offsets=return_assistant_tokens_mask, **(tokenizer_kwargs or {}))
+        if return_assistant_tokens_mask:
+            masks = _masks.token_masks(encodings, spans)
+            out["assistant_masks"] = _to_tensor(masks, return_tensors, "assistant_masks") if return_tensors else (
+                masks if batched else masks[0])
         return out if return_dict else out["input_ids"]
 
     # ----- misc ---------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 PATH is a checkpoint folder (fine-tune it), or a `config.json` / a folder holding only one (train
 from scratch, random init with `--seed`). Data is a `.txt` file (documents separated by blank lines;
 `--txt-documents line` for one per line, `file` for one per file), a `.jsonl` file (objects with
-`text` or `input_ids`), or a folder of such files (a `datasets` `save_to_disk` folder when the
-`datasets` package is installed). Text is tokenised with `--tokenizer` or the tokenizer in PATH.
+`text`, `input_ids`, `messages` (conversations, optional `tools`) or `prompt`/`completion`), or a
+folder of such files (a `datasets` `save_to_disk` folder when the `datasets` package is installed).
+Text and conversations are tokenised with `--tokenizer` or the tokenizer in PATH (its chat template,
+or `--chat-template FILE`); `--assistant-only-loss` puts the loss on the assistant's tokens only.
 The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-HELP = "train or fine-tune a causal LM on text with fixed shapes (padding or packing)"
+HELP = "train or fine-tune a causal LM on text or conversations with fixed shapes (padding or packing)"
 
 
 def add_arguments(parser) -> None:
@@ -26,6 +28,11 @@ def add_arguments(parser) -> None:
                         help="how .txt files split into documents (default: blank-line separated paragraphs)")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--packing", action="store_true", help="pack documents into full rows (default: pad each)")
+    parser.add_argument("--assistant-only-loss", action="store_true",
+                        help="loss only on the assistant's tokens of `messages` conversations (the chat template's "
+                             "{%% generation %%} blocks)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a .jinja chat template (or a tokenizer folder) replacing the tokenizer's (chat_template_path)")
     parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
     parser.add_argument("--eval-batch-size", type=int, default=8)
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -136,13 +143,15 @@ def run(args) -> int:
         save_strategy="no" if args.no_save else "steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         bf16=args.bf16, torch_compile=args.compile or args.backend is not None, torch_compile_backend=args.backend,
         gradient_checkpointing=args.gradient_checkpointing, use_cpu=args.use_cpu, report_to=args.report_to, seed=args.seed,
-        max_length=args.max_length, packing=args.packing, disable_tqdm=args.quiet)
+        max_length=args.max_length, packing=args.packing, disable_tqdm=args.quiet,
+        assistant_only_loss=args.assistant_only_loss, chat_template_path=args.chat_template)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
     summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
                "device": str(targs.device), **trainer.compile_stats(),
-               "padding_waste": round(out.metrics["train_padding_waste"], 4)}
+               "padding_waste": round(out.metrics["train_padding_waste"], 4),
+               "loss_token_share": round(out.metrics["train_loss_token_share"], 4)}
     if evaluation is not None:
         summary.update({k: v for k, v in trainer.evaluate().items() if k in ("eval_loss", "eval_perplexity")})
     print(json.dumps(summary))

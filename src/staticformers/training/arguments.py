@@ -1,4 +1,5 @@
-"""`TrainingArguments`: transformers' names and meanings, plus TRL's `max_length` and `packing`.
+"""`TrainingArguments`: transformers' names and meanings, plus TRL's `max_length`, `packing`,
+`assistant_only_loss`, `completion_only_loss` and `chat_template_path` (SFTConfig's meanings and defaults).
 
 What differs from transformers, on purpose:
 - The device is found by `staticformers.devices.resolve_device("auto")`: Neuron first, then CUDA,
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -75,6 +77,9 @@ class TrainingArguments:
     max_length: int = 1024
     packing: bool = False
     packing_strategy: str = "bfd"  # best-fit decreasing (documents kept whole) or "wrapped" (split at row ends)
+    assistant_only_loss: bool = False  # loss only on the tokens the chat template's {% generation %} blocks mark
+    completion_only_loss: Optional[bool] = None  # None: loss on the completion only for prompt-completion data
+    chat_template_path: Optional[str] = None  # a .jinja file or a tokenizer folder whose chat template replaces the tokenizer's
     # staticformers: what padding mode does with a document longer than max_length
     long_documents: str = "split"  # "split" into max_length pieces, or "truncate" (keep the start)
 
@@ -91,8 +96,6 @@ class TrainingArguments:
             if not supports_bf16(self.device):
                 raise ValueError(f"bf16=True but {self.device} does not support bfloat16: pass bf16=False (or use_cpu=True).")
         if self.logging_dir is None:
-            import os
-
             self.logging_dir = os.path.join(self.output_dir, "runs")
 
     # ---- validation --------------------------------------------------------------------------
@@ -147,6 +150,14 @@ class TrainingArguments:
             raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1, or None to keep every checkpoint.")
         if self.packing_strategy not in PACKING_STRATEGIES:
             raise ValueError(f"packing_strategy={self.packing_strategy!r} is not supported: use one of {', '.join(PACKING_STRATEGIES)}.")
+        if not isinstance(self.assistant_only_loss, bool):
+            raise ValueError(f"assistant_only_loss={self.assistant_only_loss!r} must be True or False.")
+        if self.completion_only_loss is not None and not isinstance(self.completion_only_loss, bool):
+            raise ValueError(f"completion_only_loss={self.completion_only_loss!r} must be True, False or None "
+                             "(None: the completion only, for prompt-completion data).")
+        if self.chat_template_path is not None and not os.path.exists(self.chat_template_path):
+            raise ValueError(f"chat_template_path={self.chat_template_path!r} does not exist: give a .jinja file or a "
+                             "local tokenizer folder with a chat template.")
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"long_documents={self.long_documents!r} is not supported: use \"split\" or \"truncate\".")
         if self.torch_compile_backend is not None and not self.torch_compile and not isinstance(self.torch_compile_backend, str):

@@ -1,8 +1,10 @@
 """Static-shape training data: every batch is exactly `[batch_size, max_length]`.
 
 A dataset (a `datasets.Dataset`, a list of dicts, a dict of columns, or a torch dataset) with
-`input_ids` (optionally `labels`) or `text` (tokenised with the `processing_class`) becomes a
-fixed table of rows once, before training, in one of two modes:
+`input_ids` (optionally `labels`), `text` (tokenised with the `processing_class`), or TRL's
+conversational `messages` and `prompt`/`completion` examples (`chat_data.py`: the chat template,
+assistant-only and completion-only labels) becomes a fixed table of rows once, before training, in
+one of two modes (each document keeps its own labels in both):
 
 - **padding** (`packing=False`): one document per row, right-padded to `max_length`; labels are
   -100 on padding. A document longer than `max_length` is split into `max_length` pieces
@@ -18,116 +20,42 @@ fixed table of rows once, before training, in one of two modes:
 `StaticBatchSampler` orders the rows (a seeded shuffle per epoch) and groups them into batches;
 the distributed layer shards it by data-parallel rank (`rank`, `world_size`). A batch short of
 rows (the last one, when not dropped) is filled with empty rows (labels all -100), so the shape
-never changes. `RowTable.padding_waste` is the fraction of positions that hold no document token.
+never changes. `RowTable.padding_waste` is the fraction of positions that hold no document token,
+`RowTable.loss_token_share` the fraction whose token carries loss.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-IGNORE_INDEX = -100
+from .chat_data import ChatEncoder, is_chat_example
+from .documents import IGNORE_INDEX, Document, TextEncoder, as_list, iter_examples, pad_token_id_of
+
+logger = logging.getLogger("staticformers")
+
 EMPTY_ROW = -1  # sampler index of a filler row (labels all -100)
 
 
 # ---------------------------------------------------------------------------------------------
 # documents
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Document:
-    """One tokenised example: `input_ids` and, when the dataset gave them, `labels` (same length)."""
+def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 1000, assistant_only_loss: bool = False,
+                     completion_only_loss: Optional[bool] = None) -> list[Document]:
+    """Every example as a Document; text is tokenised in chunks of `chunk` examples.
 
-    input_ids: list
-    labels: Optional[list] = None
-
-
-def _as_list(x: Any) -> list:
-    if isinstance(x, torch.Tensor):
-        return x.reshape(-1).tolist()
-    if hasattr(x, "tolist"):  # numpy
-        return list(x.tolist())
-    return list(x)
-
-
-def iter_examples(dataset: Any) -> Iterator[Any]:
-    """Rows of any dataset kind: a dict of columns, a sequence (list, torch or `datasets` dataset) or an iterable."""
-    if isinstance(dataset, dict):
-        columns = list(dataset)
-        if not columns:
-            return
-        for values in zip(*(dataset[c] for c in columns)):
-            yield dict(zip(columns, values))
-        return
-    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        for i in range(len(dataset)):
-            yield dataset[i]
-        return
-    yield from dataset
-
-
-class TextEncoder:
-    """Text -> token ids with whatever tokenizer the user passed (`processing_class`).
-
-    Accepts staticformers' or transformers' tokenizers (callable, returning `input_ids`), a
-    `tokenizers.Tokenizer` (`encode_batch`), or any object with `encode(text) -> ids`. An EOS token
-    is appended to every document when the tokenizer has one, as TRL does, so a model learns to stop.
+    Conversational (`messages`) and prompt-completion (`prompt`/`completion`) examples go through
+    `chat_data.ChatEncoder`, which sets the labels that `assistant_only_loss` / `completion_only_loss` ask for.
     """
-
-    def __init__(self, tokenizer: Any, add_eos: bool = True):
-        if tokenizer is None:
-            raise ValueError("The dataset has text but no tokenizer was given: pass processing_class=tokenizer to Trainer.")
-        self.tokenizer = tokenizer
-        self.eos_token_id = _token_id(tokenizer, "eos") if add_eos else None
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list]:
-        tok = self.tokenizer
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # pragma: no cover - tokenizers is a dependency
-            Tokenizer = ()
-        if isinstance(tok, Tokenizer):
-            ids = [enc.ids for enc in tok.encode_batch(list(texts))]
-        elif callable(tok):
-            out = tok(list(texts))
-            ids = [_as_list(x) for x in out["input_ids"]]
-        elif hasattr(tok, "encode"):
-            ids = [_encoded_ids(tok.encode(t)) for t in texts]
-        else:
-            raise TypeError(f"processing_class {type(tok).__name__} cannot tokenise text: pass a tokenizer.")
-        if self.eos_token_id is not None:
-            ids = [x if (x and x[-1] == self.eos_token_id) else x + [self.eos_token_id] for x in ids]
-        return ids
-
-
-def _encoded_ids(encoded: Any) -> list:
-    return list(encoded.ids) if hasattr(encoded, "ids") else _as_list(encoded)
-
-
-def _token_id(tokenizer: Any, name: str) -> Optional[int]:
-    value = getattr(tokenizer, f"{name}_token_id", None)
-    if isinstance(value, int):
-        return value
-    return None
-
-
-def pad_token_id_of(tokenizer: Any) -> int:
-    """The id written into padding positions (its value never matters: padding has no labels)."""
-    for name in ("pad", "eos"):
-        value = _token_id(tokenizer, name) if tokenizer is not None else None
-        if value is not None:
-            return value
-    return 0
-
-
-def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 1000) -> list[Document]:
-    """Every example as a Document; text is tokenised in chunks of `chunk` examples."""
     docs: list[Document] = []
     pending: list[str] = []
     encoder: Optional[TextEncoder] = None
+    chat = ChatEncoder(processing_class, assistant_only_loss, completion_only_loss)
 
     def flush() -> None:
         nonlocal encoder
@@ -138,28 +66,37 @@ def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 10
 
     for i, example in enumerate(iter_examples(dataset)):
         if isinstance(example, str):
+            chat.check_plain(i, "text")
             pending.append(example)
         elif isinstance(example, dict) or hasattr(example, "keys"):
             if "input_ids" in example:
+                chat.check_plain(i, "token ids")
                 flush()
-                ids = _as_list(example["input_ids"])
-                labels = _as_list(example["labels"]) if example.get("labels") is not None else None
+                ids = as_list(example["input_ids"])
+                labels = as_list(example["labels"]) if example.get("labels") is not None else None
                 if labels is not None and len(labels) != len(ids):
                     raise ValueError(f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.")
                 docs.append(Document(ids, labels))
+            elif is_chat_example(example):
+                flush()
+                docs.append(chat.encode(example, i))
             elif "text" in example:
+                chat.check_plain(i, "text")
                 pending.append(example["text"])
             else:
-                raise ValueError(f"Example {i} has neither 'input_ids' nor 'text' (keys: {', '.join(map(str, example.keys()))}): "
-                                 f"give each example one of them.")
+                raise ValueError(f"Example {i} has none of 'input_ids', 'text', 'messages' or 'prompt'/'completion' "
+                                 f"(keys: {', '.join(map(str, example.keys()))}): give each example one of them.")
         elif isinstance(example, (list, tuple, torch.Tensor)):
+            chat.check_plain(i, "token ids")
             flush()
-            docs.append(Document(_as_list(example)))
+            docs.append(Document(as_list(example)))
         else:
-            raise ValueError(f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids' or 'text', or strings.")
+            raise ValueError(f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids', 'text', "
+                             f"'messages' or 'prompt'/'completion', or strings.")
         if len(pending) >= chunk:
             flush()
     flush()
+    chat.finish()
     return [d for d in docs if len(d.input_ids) > 0]
 
 
@@ -196,9 +133,22 @@ class RowTable:
         total = self.input_ids.numel()
         return 0.0 if total == 0 else 1.0 - self.real_tokens / total
 
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens the loss is computed on (labels not -100 after the causal shift)."""
+        return count_label_tokens(self.labels)
+
+    @property
+    def loss_token_share(self) -> float:
+        """Fraction of row positions whose token carries loss: at most 1 - padding_waste, lower when labels
+        are masked (assistant-only or completion-only loss, a document's first token)."""
+        total = self.input_ids.numel()
+        return 0.0 if total == 0 else self.loss_tokens / total
+
     def stats(self) -> dict:
         return {"rows": self.num_rows, "documents": self.documents, "max_length": self.max_length,
                 "real_tokens": self.real_tokens, "padding_waste": round(self.padding_waste, 6),
+                "loss_tokens": self.loss_tokens, "loss_token_share": round(self.loss_token_share, 6),
                 "mode": "packing" if self.packed else "padding"}
 
     def batch(self, indices: Sequence[int]) -> dict:
@@ -307,13 +257,25 @@ def pack_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, 
 
 
 def build_rows(dataset: Any, processing_class: Any, max_length: int, packing: bool,
-               packing_strategy: str = "bfd", long_documents: str = "split") -> RowTable:
+               packing_strategy: str = "bfd", long_documents: str = "split", assistant_only_loss: bool = False,
+               completion_only_loss: Optional[bool] = None) -> RowTable:
     """A dataset as a RowTable (see the module docstring)."""
     if isinstance(dataset, RowTable):
         return dataset
-    docs = tokenize_dataset(dataset, processing_class)
+    docs = tokenize_dataset(dataset, processing_class, assistant_only_loss=assistant_only_loss,
+                            completion_only_loss=completion_only_loss)
     if not docs:
         raise ValueError("The dataset holds no tokens: give it at least one non-empty example.")
+    long = sum(len(d.input_ids) > max_length for d in docs)
+    if long:
+        if packing and packing_strategy == "wrapped":
+            rule = "split at row ends"
+        elif not packing and long_documents == "truncate":
+            rule = "cut to their first max_length tokens"
+        else:
+            rule = "split into max_length pieces"
+        logger.info("%d of %d documents are longer than max_length=%d: %s (a piece never sees the one before it).",
+                    long, len(docs), max_length, rule)
     pad = pad_token_id_of(processing_class)
     if packing:
         return pack_rows(docs, max_length, pad, packing_strategy)

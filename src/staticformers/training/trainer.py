@@ -53,6 +53,7 @@ from ..modeling import CausalLM
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
+from .chat_data import use_chat_template_file
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
@@ -101,6 +102,8 @@ class Trainer:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy=\"no\".")
         self.model = model
         self.processing_class = processing_class if processing_class is not None else tokenizer
+        if self.args.chat_template_path is not None:  # as TRL: the tokenizer (and what save_model writes) gets it
+            use_chat_template_file(self.processing_class, self.args.chat_template_path)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
@@ -198,7 +201,8 @@ class Trainer:
                 raise ValueError("Trainer.train() needs a train_dataset.")
             a = self.args
             self._train_rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
-                                          a.packing_strategy, a.long_documents)
+                                          a.packing_strategy, a.long_documents, a.assistant_only_loss,
+                                          a.completion_only_loss)
         return self._train_rows
 
     def get_eval_rows(self, eval_dataset: Any = None) -> RowTable:
@@ -210,7 +214,7 @@ class Trainer:
                 return rows
         a = self.args
         rows = build_rows(dataset, self.processing_class, a.max_length, a.packing, a.packing_strategy,
-                          a.long_documents)
+                          a.long_documents, a.assistant_only_loss, a.completion_only_loss)
         self._eval_rows = self._eval_rows[-3:] + [(dataset, rows)]
         return rows
 
@@ -376,9 +380,10 @@ class Trainer:
         main = self.is_world_process_zero()
         self._reporter = MetricsReporter(a.output_dir, a.report_to, a.logging_dir, is_main=main)
         stats = rows.stats()
-        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, %d steps of %d x %d x %d accumulation.",
+        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, tokens with loss %.2f%%, "
+                    "%d steps of %d x %d x %d accumulation.",
                     self.device, stats["rows"], stats["max_length"], stats["mode"], 100 * stats["padding_waste"],
-                    max_steps, a.per_device_train_batch_size, a.max_length, ga)
+                    100 * stats["loss_token_share"], max_steps, a.per_device_train_batch_size, a.max_length, ga)
 
         start_step = state.global_step
         bar = progress_bar(max_steps, start_step, disable=a.disable_tqdm or not main)
@@ -473,6 +478,7 @@ class Trainer:
             "train_first_step_seconds": round(self.first_step_seconds or 0.0, 4),
             "train_loss": total_loss / max(total_steps, 1),
             "train_padding_waste": stats["padding_waste"],
+            "train_loss_token_share": stats["loss_token_share"],
             **{k: v for k, v in self.compile_stats().items() if k != "backend"},
         }
         self.log(metrics)
