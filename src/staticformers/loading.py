@@ -22,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig, dtype_name, parse_dtype
 from .devices import resolve_device
+from .contained import OutsideFolderError
 from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
@@ -49,20 +50,16 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
     """Local paths of the checkpoint's safetensors files (every shard, in index order)."""
     index = resolve_file(name_or_path, SAFE_INDEX, required=False, **hub)
     if index is not None:
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({err!r}): restore it from the source.") from None
-        shards = list(dict.fromkeys(weight_map.values()))
         paths = []
-        for shard in shards:
+        for shard in _index_shards(index):
             try:
-                paths.append(resolve_file(name_or_path, shard, **hub))
+                paths.append(resolve_file(name_or_path, shard, listed_in=f"{SAFE_INDEX} of {name_or_path}", **hub))
             except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(
                     f"Shard {shard} listed in {SAFE_INDEX} is missing from {name_or_path}: download the complete checkpoint."
                 ) from None
+            except OutsideFolderError as err:
+                raise CheckpointError(str(err)) from None
         return paths
     single = resolve_file(name_or_path, SAFE_WEIGHTS, required=False, **hub)
     if single is not None:
@@ -76,9 +73,32 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
     raise CheckpointNotFoundError(f"{name_or_path} has no {SAFE_WEIGHTS} and no {SAFE_INDEX}: it holds no weights we can load.")
 
 
+def open_weights(path: str) -> SafetensorsFile:
+    """A safetensors file with its header checked; a bad one is a `CheckpointError` naming the file."""
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsFormatError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard file names of a safetensors index, in order, each once; a malformed index is refused."""
+    from .jsonfile import read_json_object
+
+    data = read_json_object(index, "restore it from the checkpoint's source", CheckpointError)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no \"weight_map\" object naming each weight's shard: restore it from the source.")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{index} maps weight {bad[0]!r} to {weight_map[bad[0]]!r}, not to a shard file name: "
+                              f"restore it from the source.")
+    return list(dict.fromkeys(weight_map.values()))
+
+
 def _checkpoint_dtype(files: list[str]) -> Optional[torch.dtype]:
     """The dtype of the first floating tensor in the first shard, read from its header alone."""
-    with SafetensorsFile(files[0]) as f:
+    with open_weights(files[0]) as f:
         for name in f.keys():
             if f.dtype(name).is_floating_point:
                 return f.dtype(name)
@@ -118,11 +138,7 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
     where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
-        try:
-            handle = SafetensorsFile(path)
-        except SafetensorsFormatError as err:
-            raise CheckpointError(str(err)) from None
-        with handle as f:
+        with open_weights(path) as f:
             for name in f.keys():
                 if name not in expected:
                     if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
@@ -130,6 +146,11 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
                     continue
                 if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
+                if not f.dtype(name).is_floating_point:
+                    raise CheckpointError(
+                        f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(f.dtype(name))}, but this "
+                        f"model's weights are floating point: the file holds another kind of checkpoint (quantized?); "
+                        f"export it in float32, bfloat16 or float16.")
                 if f.shape(name) != expected[name]:
                     raise CheckpointError(
                         f"Weight {name} in {os.path.basename(path)} has shape {list(f.shape(name))} but config.json "
@@ -148,6 +169,28 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
             f"a shard may be missing or the config may not match the weights."
         )
     return where
+
+
+def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
+    """transformers' rule for a config that ties lm_head to embed_tokens while the checkpoint stores its
+    own lm_head.weight with other values: keep the stored head (untie, in `config`) and warn."""
+    if not config.tie_word_embeddings:
+        return
+    found = {}
+    for path in files:
+        with open_weights(path) as f:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.tensors:
+                    found[name] = path
+    if "lm_head.weight" not in found or "model.embed_tokens.weight" not in found:
+        return
+    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as embed:
+        if head.same_values("lm_head.weight", embed, "model.embed_tokens.weight"):
+            return
+    logger.warning("config.json ties lm_head.weight to model.embed_tokens.weight, but the checkpoint stores both with "
+                   "different values, so they are NOT tied (as transformers does): set tie_word_embeddings=false in "
+                   "config.json to silence this warning.")
+    config.tie_word_embeddings = False
 
 
 def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype) -> None:
@@ -206,6 +249,7 @@ def from_pretrained(
     if config is None:
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
+    untie_stored_head(config, files)
     target_dtype = resolve_dtype(dtype, config, files)
     device = resolve_device(device_map) if device_map is not None else torch.device("cpu")
     if distributed_config is not None:
