@@ -298,10 +298,11 @@ class ModelConfig:
         return out
 
     def save_pretrained(self, directory: str) -> None:
+        """Write config.json, replacing an older one in one rename (a kill leaves the old or the new)."""
+        from .atomic_files import write_text_atomic
+
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=False)
-            f.write("\n")
+        write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
 
 
 def _architecture(d: dict, source: str) -> str:

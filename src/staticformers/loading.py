@@ -26,11 +26,10 @@ from .contained import OutsideFolderError
 from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
+from .weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
 
 logger = logging.getLogger("staticformers")
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 GENERATION_CONFIG = "generation_config.json"
 
@@ -310,9 +309,11 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                     state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
-    """Write config.json, the safetensors weights (sharded above `max_shard_size`) and generation_config.json."""
-    from safetensors.torch import save_file
+    """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
 
+    Into a folder that holds a model already, a kill at any moment leaves one that loads, the old model or
+    the new one (`weights_writer.py`; config files are replaced in one rename each).
+    """
     if not safe_serialization:
         raise ValueError("staticformers saves safetensors only: drop safe_serialization=False.")
     directory = os.fspath(save_directory)
@@ -330,21 +331,7 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    for stale in os.listdir(directory):
-        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale):
-            os.remove(os.path.join(directory, stale))
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, SAFE_WEIGHTS), metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
-            for name, tensor in shard.items():
-                weight_map[name] = fname
-                total += tensor.numel() * tensor.element_size()
-        with open(os.path.join(directory, SAFE_INDEX), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_weights(directory, shards, metadata={"format": "pt"})  # the old weights stay until the new ones are in
     model.config.dtype = next(iter(tensors.values())).dtype if tensors else model.config.dtype
     model.config.save_pretrained(directory)
     if model.generation_config is not None:

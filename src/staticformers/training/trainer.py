@@ -49,19 +49,17 @@ from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
+from .guards import TrainingDivergedError, check_finite_weights, check_max_length, check_step_memory, check_token_ids
 from .host_memory import keep_freed_host_memory
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
+from .state_files import apply_file, read_weights
 
 logger = logging.getLogger("staticformers")
 
 LOSS_CURVE = "loss_curve.png"
-
-
-class TrainingDivergedError(RuntimeError):
-    """The loss or the gradient norm stopped being finite."""
 
 
 def set_seed(seed: int) -> None:
@@ -103,6 +101,7 @@ class Trainer:
             logger.warning("data_collator is not used: staticformers builds fixed-shape batches itself "
                            "(TrainingArguments.max_length, packing).")
         self.args = args if args is not None else TrainingArguments()
+        check_max_length(self.args.max_length, getattr(model, "config", None))
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy=\"no\".")
         self.model = model
@@ -184,9 +183,16 @@ class Trainer:
             if self.train_dataset is None:
                 raise ValueError("Trainer.train() needs a train_dataset.")
             a = self.args
-            self._train_rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
-                                          a.packing_strategy, a.long_documents)
+            rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
+                              a.packing_strategy, a.long_documents)
+            self._check_rows(rows, "training data")
+            self._train_rows = rows
         return self._train_rows
+
+    def _check_rows(self, rows: RowTable, what: str) -> None:
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None:
+            check_token_ids(rows, vocab, what)
 
     def get_eval_rows(self, eval_dataset: Any = None) -> RowTable:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -198,6 +204,7 @@ class Trainer:
         a = self.args
         rows = build_rows(dataset, self.processing_class, a.max_length, a.packing, a.packing_strategy,
                           a.long_documents)
+        self._check_rows(rows, "evaluation data")
         self._eval_rows = self._eval_rows[-3:] + [(dataset, rows)]
         return rows
 
@@ -247,23 +254,16 @@ class Trainer:
         self.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
 
     def load_checkpoint_files(self, directory: str) -> None:
-        """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder."""
-        from safetensors.torch import load_file
-
-        from ..loading import weight_files
-
-        tensors = {}
-        for path in weight_files(directory):
-            tensors.update(load_file(path))
-        missing = [n for n in self.master.names if n not in tensors]
-        if missing:
-            raise ValueError(f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to another model.")
-        self.master.load(tensors)
-        self.optimizer.load_state_dict(torch.load(os.path.join(directory, ckpt.OPTIMIZER), map_location=self.device,
-                                                  weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
-        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), self.device)
-        self.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder; every file is read
+        through the checked readers of `state_files` (one sentence naming a damaged or foreign file)."""
+        state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
+        self.master.load(read_weights(directory, expected))
+        apply_file(os.path.join(directory, ckpt.OPTIMIZER), "optimizer", self.optimizer.load_state_dict, self.device)
+        apply_file(os.path.join(directory, ckpt.SCHEDULER), "learning-rate scheduler", self.lr_scheduler.load_state_dict)
+        apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",
+                   lambda rng: ckpt.restore_rng_state(rng, self.device))
+        self.state = state
 
     # =============================================================================================
     # training
@@ -310,6 +310,8 @@ class Trainer:
                 raise ValueError(
                     f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
                     f"resume with the same dataset, max_length and packing, or start a new run.")
+        check_step_memory(getattr(self.model, "config", None), a.per_device_train_batch_size, a.max_length, self.compute_dtype(),
+                          a.gradient_checkpointing, self.device)
         # the caller's tensors, kept until set-up succeeds: a refusal below gives the model back as it was
         originals = {id(p): p.detach() for p in self.model.parameters()}
         original_dtypes = {k: t.dtype for k, t in originals.items()}
@@ -465,21 +467,27 @@ class Trainer:
 
     def _diverged(self, step: int, loss: float, norm: float) -> None:
         what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
-        last = ckpt.last_checkpoint(self.args.output_dir)
+        last = ckpt.last_good_checkpoint(self.args.output_dir)
         self.log({"diverged_at_step": step, "loss": loss if math.isfinite(loss) else None})
         raise TrainingDivergedError(
             f"Training stopped at step {step}: {what}; that step was not applied and no checkpoint was written after it "
             f"(the last good checkpoint is {last or 'none'}). Lower learning_rate, check the data, or use bf16=False, "
             f"then resume_from_checkpoint.")
 
+    def check_weights_finite(self) -> None:
+        """Before a checkpoint: every master weight finite (on every rank), else stop; never a NaN checkpoint."""
+        check_finite_weights(self.master.by_name().items(), self.state.global_step,
+                             lambda: ckpt.last_good_checkpoint(self.args.output_dir), self.device)
+
     def _save_checkpoint(self) -> str:
         step = self.state.global_step
         path = ckpt.checkpoint_path(self.args.output_dir, step)
+        self.check_weights_finite()
         if self.is_world_process_zero():
             with ckpt.atomic_checkpoint(self.args.output_dir, step) as tmp:
                 self.state.last_checkpoint = path
                 self.save_checkpoint_files(tmp)
-            self.save_tokenizer(path)
+                self.save_tokenizer(tmp)  # inside: the rename commits everything the checkpoint holds
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
         self.state.last_checkpoint = path
         return path

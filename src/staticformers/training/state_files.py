@@ -1,0 +1,139 @@
+"""Reading the files of a training checkpoint at resume: each failure one sentence naming the file.
+
+A resumed run reads `model.safetensors` (or its shards), `optimizer.pt`, `scheduler.pt`,
+`rng_state.pth` and `trainer_state.json`. Any of them can be truncated by a full disk, damaged, or
+replaced by someone else's file. Here:
+
+- weights go through the checked safetensors reader (`loading.open_weights`: header, sizes and
+  truncation checked; names inside the folder), each tensor's name and shape must match, and every
+  value must be finite;
+- `.pt` / `.pth` files are read with `torch.load(weights_only=True)`, which builds only tensors and
+  plain Python values and never runs code from the file (a pickle payload is refused), and a file
+  that does not fit the optimizer, scheduler or RNG is refused too;
+- every failure is a `CorruptCheckpointError` (a `FileNotFoundError` for a missing file) whose
+  sentence names the file and says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+RESUME_ADVICE = "resume from another checkpoint-N folder, or start without resuming"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that cannot be read back, or does not fit the run being resumed."""
+
+
+def _missing(path: str) -> FileNotFoundError:
+    return FileNotFoundError(f"{path} is missing, so the checkpoint is incomplete: {RESUME_ADVICE}.")
+
+
+def zip_damage(path: str) -> Optional[str]:
+    """Why the `torch.save` file at `path` is damaged (not a zip, or a member whose checksum fails), or None.
+    torch.load itself reads a file with flipped bytes without noticing."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"{path} is damaged or truncated ({err})"
+    return f"{path} is damaged (member {bad} fails its checksum)" if bad else None
+
+
+def load_torch_file(path: str, map_location: Any = None) -> Any:
+    """`torch.load(path, weights_only=True)`, with one sentence for a missing, damaged or unsafe file."""
+    if not os.path.isfile(path):
+        raise _missing(path)
+    damage = zip_damage(path)
+    if damage:
+        raise CorruptCheckpointError(f"{damage}: {RESUME_ADVICE}.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # UnpicklingError (a payload), RuntimeError (a damaged zip), EOFError, ...
+        reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise CorruptCheckpointError(
+            f"{path} cannot be read ({reason}): it is damaged or holds more than tensors and plain values "
+            f"(nothing in it was run); {RESUME_ADVICE}.") from None
+
+
+def apply_file(path: str, what: str, apply: Callable[[Any], None], map_location: Any = None) -> None:
+    """Load `path` and hand it to `apply` (a `load_state_dict`); a state that does not fit is refused."""
+    state = load_torch_file(path, map_location)
+    try:
+        apply(state)
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as err:
+        raise CorruptCheckpointError(
+            f"{path} does not fit this run's {what} ({type(err).__name__}: {str(err)[:160]}): it belongs to another "
+            f"run or is damaged; {RESUME_ADVICE}.") from None
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    if hasattr(tensor, "to_local"):  # a DTensor: this rank's shard
+        tensor = tensor.to_local()
+    if not tensor.is_floating_point():
+        return True
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24))  # bounded temporaries
+
+
+def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity."""
+    return [name for name, tensor in named if not _finite(tensor)]
+
+
+def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The weights of checkpoint `directory` named in `expected` (name -> shape), checked (see the module
+    docstring) before any is used."""
+    from ..loading import CheckpointError, open_weights, weight_files
+
+    try:
+        files = weight_files(directory)
+    except (CheckpointError, FileNotFoundError) as err:
+        raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with open_weights(path) as f:
+                for name in f.keys():
+                    if name not in expected:
+                        continue
+                    if tuple(f.shape(name)) != tuple(expected[name]):
+                        raise CorruptCheckpointError(
+                            f"Weight {name} in {path} has shape {list(f.shape(name))}, not {list(expected[name])}: "
+                            f"the checkpoint belongs to another model; {RESUME_ADVICE}.")
+                    tensors[name] = f.read(name)
+        except CheckpointError as err:
+            raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise CorruptCheckpointError(f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to "
+                                     f"another model; {RESUME_ADVICE}.")
+    bad = nonfinite(tensors.items())
+    if bad:
+        raise CorruptCheckpointError(f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
+                                     f"it is not a good checkpoint; {RESUME_ADVICE}.")
+    return tensors
+
+
+def verify_weights(directory: str) -> Optional[str]:
+    """Why the weights of `directory` cannot be resumed from (damaged, truncated, non-finite), or None.
+    Reads one tensor at a time."""
+    from ..loading import CheckpointError, open_weights, weight_files
+
+    try:
+        for path in weight_files(directory):
+            with open_weights(path) as f:
+                for name in f.keys():
+                    if not _finite(f.read(name)):
+                        return f"weight {name} in {os.path.basename(path)} is NaN or infinite"
+    except (CheckpointError, FileNotFoundError, OSError) as err:
+        return str(err)
+    return None
+
+
+__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_file", "read_weights", "verify_weights", "nonfinite",
+           "RESUME_ADVICE"]
