@@ -24,6 +24,7 @@ from .config import ModelConfig, dtype_name, parse_dtype
 from .devices import resolve_device
 from .contained import OutsideFolderError
 from .hub import CheckpointNotFoundError, is_local, resolve_file
+from .memory_check import check_fits
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
 from .weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
@@ -356,6 +357,9 @@ class AutoModelForCausalLM:
             config = ModelConfig.from_dict(config, source="from_config(dict)")
         if kwargs:
             raise TypeError(f"from_config() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
+        width = parse_dtype(dtype).itemsize if dtype not in (None, "auto") else 4
+        check_fits(config.num_parameters * width, "cpu", f"A model of {config.num_parameters:,} parameters",
+                   "check vocab_size, hidden_size, intermediate_size and num_hidden_layers")
         return CausalLM.from_config(config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None, seed=seed)
 
 

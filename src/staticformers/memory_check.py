@@ -44,7 +44,7 @@ def available_bytes(device: Union[str, torch.device, None] = None) -> Optional[i
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.3g} GiB" if n >= GIB / 100 else f"{n / 2**20:.3g} MiB"
+    return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
 
 
 def check_fits(nbytes: int, device: Union[str, torch.device, None], what: str, fix: str) -> None:

@@ -265,6 +265,21 @@ def resolve_resume_path(resume_from_checkpoint, output_dir: str) -> Optional[str
     return path
 
 
+def previous_good_checkpoint(output_dir: str, than: str) -> Optional[str]:
+    """The newest checkpoint older than `than` that `verify_checkpoint` accepts."""
+    older = [path for step, path in list_checkpoints(output_dir)
+             if os.path.abspath(path) != os.path.abspath(than) and step < _step_of(than)]
+    for path in reversed(older):
+        if verify_checkpoint(path) is None:
+            return path
+    return None
+
+
+def _step_of(path: str) -> int:
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else 0
+
+
 def last_good_checkpoint(output_dir: str) -> Optional[str]:
     """The newest checkpoint in `output_dir` that `verify_checkpoint` accepts (finite weights included)."""
     for _, path in reversed(list_checkpoints(output_dir)):
@@ -275,5 +290,5 @@ def last_good_checkpoint(output_dir: str) -> Optional[str]:
 
 __all__ = ["atomic_checkpoint", "list_checkpoints", "last_checkpoint", "rotate_checkpoints", "checkpoint_path",
            "capture_rng_state", "restore_rng_state", "resolve_resume_path", "remove_stale_temporaries",
-           "recover_leftovers", "verify_checkpoint", "last_good_checkpoint",
+           "recover_leftovers", "verify_checkpoint", "last_good_checkpoint", "previous_good_checkpoint",
            "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "RNG_STATE", "TRAINING_ARGS"]

@@ -60,15 +60,19 @@ def load_torch_file(path: str, map_location: Any = None) -> Any:
             f"(nothing in it was run); {RESUME_ADVICE}.") from None
 
 
-def apply_file(path: str, what: str, apply: Callable[[Any], None], map_location: Any = None) -> None:
-    """Load `path` and hand it to `apply` (a `load_state_dict`); a state that does not fit is refused."""
-    state = load_torch_file(path, map_location)
+def apply_state(path: str, what: str, apply: Callable[[Any], None], state: Any) -> None:
+    """Hand `state` (read from `path`) to `apply` (a `load_state_dict`); a state that does not fit is refused."""
     try:
         apply(state)
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as err:
         raise CorruptCheckpointError(
             f"{path} does not fit this run's {what} ({type(err).__name__}: {str(err)[:160]}): it belongs to another "
             f"run or is damaged; {RESUME_ADVICE}.") from None
+
+
+def apply_file(path: str, what: str, apply: Callable[[Any], None], map_location: Any = None) -> None:
+    """Load `path` and hand it to `apply`, both checked."""
+    apply_state(path, what, apply, load_torch_file(path, map_location))
 
 
 def _finite(tensor: torch.Tensor) -> bool:
@@ -135,5 +139,5 @@ def verify_weights(directory: str) -> Optional[str]:
     return None
 
 
-__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_file", "read_weights", "verify_weights", "nonfinite",
+__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_state", "apply_file", "read_weights", "verify_weights", "nonfinite",
            "RESUME_ADVICE"]

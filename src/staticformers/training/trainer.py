@@ -55,7 +55,7 @@ from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
-from .state_files import apply_file, read_weights
+from .state_files import CorruptCheckpointError, apply_state, load_torch_file, read_weights
 
 logger = logging.getLogger("staticformers")
 
@@ -256,13 +256,18 @@ class Trainer:
     def load_checkpoint_files(self, directory: str) -> None:
         """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder; every file is read
         through the checked readers of `state_files` (one sentence naming a damaged or foreign file)."""
+        # everything is read and checked before anything is applied: a refusal leaves the model as it was
         state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
         expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
-        self.master.load(read_weights(directory, expected))
-        apply_file(os.path.join(directory, ckpt.OPTIMIZER), "optimizer", self.optimizer.load_state_dict, self.device)
-        apply_file(os.path.join(directory, ckpt.SCHEDULER), "learning-rate scheduler", self.lr_scheduler.load_state_dict)
-        apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",
-                   lambda rng: ckpt.restore_rng_state(rng, self.device))
+        weights = read_weights(directory, expected)
+        files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
+        loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
+        apply_state(files[ckpt.SCHEDULER], "learning-rate scheduler", self.lr_scheduler.load_state_dict,
+                    loaded[ckpt.SCHEDULER])
+        apply_state(files[ckpt.RNG_STATE], "random number generators", lambda rng: ckpt.restore_rng_state(rng, self.device),
+                    loaded[ckpt.RNG_STATE])
+        self.master.load(weights)
         self.state = state
 
     # =============================================================================================
@@ -331,7 +336,7 @@ class Trainer:
                 save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
                 gradient_accumulation_steps=ga, train_rows=rows.num_rows)
             if resume_path is not None:
-                self.load_checkpoint_files(resume_path)
+                resume_path = self._load_resume(resume_path, auto=resume_from_checkpoint is True)
         except BaseException:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -454,6 +459,20 @@ class Trainer:
         if self._reporter is not None:
             self._reporter.close()
         return TrainOutput(state.global_step, metrics["train_loss"], metrics)
+
+    def _load_resume(self, path: str, auto: bool) -> str:
+        """Load checkpoint `path`; with resume_from_checkpoint=True a checkpoint that fails to load is
+        skipped for the next older good one, with a warning saying why. Returns the one loaded."""
+        while True:
+            try:
+                self.load_checkpoint_files(path)
+                return path
+            except CorruptCheckpointError as err:
+                older = ckpt.previous_good_checkpoint(self.args.output_dir, path) if auto else None
+                if older is None:
+                    raise
+                logger.warning("Checkpoint %s cannot be resumed from (%s); resuming from %s instead.", path, err, older)
+                path = older
 
     def _restore_dtypes(self, original: dict) -> None:
         """Give each parameter back its original dtype, holding the fp32 master value."""
