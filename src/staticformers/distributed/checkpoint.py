@@ -58,7 +58,7 @@ def load_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
         set_state_dict,
     )
 
-    from .dcp_safety import SafeFileSystemReader, SafeLoadPlanner, check_checkpoint_folder
+    from .dcp_safety import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, check_checkpoint_folder
 
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise FileNotFoundError(
@@ -69,7 +69,15 @@ def load_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
     check_checkpoint_folder(checkpoint_dir)  # a refusal here is one sentence (inside dcp.load it is wrapped)
 
     def read(state: dict) -> None:  # never PyTorch's default reader: it unpickles (dcp_safety.py)
-        dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=SafeLoadPlanner())
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=SafeLoadPlanner())
+        except CheckpointException as err:  # DCP wraps each rank's error with its traceback: give ours back
+            ours = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+            if ours:
+                raise ours[0] from None
+            raise
 
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
