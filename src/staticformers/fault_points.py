@@ -24,11 +24,13 @@ def reached(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    target, _, nth = spec.partition(":")
+    target, _, nth = spec.rpartition(":")
+    if not nth.isdigit():  # no count given: the name is the whole spec
+        target, nth = spec, "1"
     if target != name:
         return
     _hits[name] += 1
-    if _hits[name] >= int(nth or 1):
+    if _hits[name] >= int(nth):
         os.kill(os.getpid(), signal.SIGKILL)
 
 

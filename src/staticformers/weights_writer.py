@@ -29,13 +29,20 @@ from typing import Optional
 
 import torch
 
-from .atomic_files import fsync_dir, fsync_file, temp_path, write_text_atomic
+from .atomic_files import fsync_dir, fsync_file, write_text_atomic
 from .fault_points import reached
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
-_OUR_TEMPORARIES = re.compile(r"\.(model.*|config\.json|generation_config\.json)\.tmp-\d+")
+_OUR_TEMPORARIES = re.compile(r"\.model.*\.tmp-\d+\.safetensors|\.(model.*|config\.json|generation_config\.json)\.tmp-\d+")
+
+
+def _staged(final: str) -> str:
+    """A new weight file's temporary path: hidden, with the pid, and still ending in .safetensors (transformers
+    picks the reader by the extension when an index names the file)."""
+    folder, name = os.path.split(final)
+    return os.path.join(folder, f".{name.removesuffix('.safetensors')}.tmp-{os.getpid()}.safetensors")
 
 
 def shard_names(count: int) -> list[str]:
@@ -103,7 +110,7 @@ def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadat
     staged = []
     for name, shard in zip(names, shards):
         final = os.path.join(directory, name)
-        tmp = temp_path(final)
+        tmp = _staged(final)
         save_file(shard, tmp, metadata=metadata)
         os.chmod(tmp, mode)
         fsync_file(tmp)
@@ -125,7 +132,7 @@ def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadat
                 weight_map[key] = os.path.basename(final)
                 total += tensor.numel() * tensor.element_size()
         if any(os.path.lexists(final) for _, final in staged):  # the old shards hold these names
-            _write_index(directory, {k: os.path.basename(temp_path(os.path.join(directory, v)))
+            _write_index(directory, {k: os.path.basename(_staged(os.path.join(directory, v)))
                                      for k, v in weight_map.items()}, total)
             reached("save_pretrained:index-on-temporaries")
             for tmp, final in staged:
@@ -146,6 +153,7 @@ def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadat
     for name in os.listdir(directory):
         if _WEIGHT_FILE.fullmatch(name) and name not in new:
             os.remove(os.path.join(directory, name))
+    remove_leftovers(directory)  # a killed save's files the old index named are unreferenced now
     fsync_dir(directory)
     reached("save_pretrained:weights-committed")
     return sorted(new)
