@@ -274,3 +274,18 @@ def test_tokenizer_config_values(tok_folder, changes, match):
         path.write_text(json.dumps(config))
         with pytest.raises(ValueError, match=match):
             AutoTokenizer.from_pretrained(tok_folder, model_max_length=changes["model_max_length"])
+
+
+# ---- sampling options, from a call or from generation_config.json ----------------------------------
+@pytest.mark.parametrize("key,value", [("temperature", "0.7"), ("temperature", float("nan")), ("temperature", True),
+                                       ("top_p", "0.9"), ("min_p", float("inf")), ("repetition_penalty", "1.1"),
+                                       ("do_sample", "true")])
+def test_sampling_options_of_the_wrong_type(ckpt, key, value):
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=rf"{key}={value!r} must be (a finite number|True or False)"):
+        model.generate(prompt, max_new_tokens=2, disable_compile=True, **{"do_sample": True, key: value})
+    (ckpt / "generation_config.json").write_text(json.dumps({"do_sample": True, key: value}))
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    with pytest.raises(ValueError, match=rf"{key}=.* must be (a finite number|True or False)"):
+        model.generate(prompt, max_new_tokens=2, disable_compile=True)

@@ -113,6 +113,18 @@ def recover_leftovers(output_dir: str) -> list[str]:
     return done
 
 
+def _recover_on_rank_zero(output_dir: str) -> None:
+    """`recover_leftovers` by one process only (every rank of a distributed run resolves the resume path:
+    they must not rename the same folder at once), the others waiting until it is done."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        recover_leftovers(output_dir)
+    if distributed:
+        dist.barrier()
+
+
 def remove_stale_temporaries(output_dir: str) -> list[str]:
     """The leftovers of killed saves, handled by `recover_leftovers` (kept under its old name)."""
     return recover_leftovers(output_dir)
@@ -240,7 +252,7 @@ def resolve_resume_path(resume_from_checkpoint, output_dir: str) -> Optional[str
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint is True:
-        recover_leftovers(output_dir)
+        _recover_on_rank_zero(output_dir)
         found = [path for _, path in list_checkpoints(output_dir)]
         if not found:
             raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint: "
