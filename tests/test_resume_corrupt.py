@@ -94,7 +94,13 @@ CASES = {
     "optimizer-garbage": ("optimizer.pt", garbage),
     "optimizer-payload": ("optimizer.pt", "payload"),
     "optimizer-foreign": ("optimizer.pt", lambda p: torch.save({"state": {}, "param_groups": [{"params": [0]}]}, p)),
+    "optimizer-wrong-shape": ("optimizer.pt", "wrong-shape"),
+    "optimizer-nan-lr": ("optimizer.pt", "nan-lr"),
+    "optimizer-nan-moment": ("optimizer.pt", "nan-moment"),
     "scheduler-truncated": ("scheduler.pt", truncate),
+    "scheduler-foreign-values": ("scheduler.pt", lambda p: torch.save({"base_lrs": ["x"], "last_epoch": 3,
+                                                                       "lr_lambdas": [None]}, p)),
+    "scheduler-negative-epoch": ("scheduler.pt", lambda p: torch.save({**torch.load(p), "last_epoch": -7}, p)),
     "scheduler-payload": ("scheduler.pt", "payload"),
     "rng-truncated": ("rng_state.pth", truncate),
     "rng-flipped-byte": ("rng_state.pth", flip),
@@ -122,6 +128,16 @@ def test_damaged_newest_checkpoint(runs, tmp_path, case, caplog):
     if damage == "payload":
         with open(target, "wb") as f:
             pickle.dump(Payload(marker), f)
+    elif damage in ("wrong-shape", "nan-lr", "nan-moment"):
+        state = torch.load(target)
+        first = next(iter(state["state"].values()))
+        if damage == "wrong-shape":
+            first["exp_avg"] = first["exp_avg"].reshape(-1)[:3].clone()
+        elif damage == "nan-lr":
+            state["param_groups"][0]["lr"] = float("nan")
+        else:
+            first["exp_avg_sq"][..., 0] = float("nan")
+        torch.save(state, target)
     else:
         damage(target)
 

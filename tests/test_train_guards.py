@@ -218,3 +218,13 @@ def test_a_nonfinite_checkpoint_is_never_called_good(tmp_path, caplog):
     assert "checkpoint-3 cannot be resumed from (weight model.norm.weight in model.safetensors is NaN or infinite)" in caplog.text
     assert "resuming from" in caplog.text and out.global_step == 4
     assert math.isfinite(out.training_loss)
+
+
+@pytest.mark.parametrize("seed", [2**70, -1, "7", 1.5, True])
+def test_seed_out_of_range_everywhere(seed):
+    from staticformers.training.trainer import set_seed
+
+    with pytest.raises(ValueError, match=r"seed=.* must be an integer from 0 to 2\*\*64 - 1\."):
+        set_seed(seed)
+    with pytest.raises(ValueError, match=r"seed=.* must be an integer from 0 to 2\*\*64 - 1\."):
+        tiny_model().generate(torch.tensor([[1, 2]]), max_new_tokens=1, do_sample=True, seed=seed, disable_compile=True)

@@ -36,7 +36,8 @@ from ..training import checkpoint as ckpt
 from ..training.compiled import StepFunction
 from ..training.optim import MasterWeights
 from ..training.state import TrainerState
-from ..training.state_files import apply_file
+from ..training.state_files import (apply_file, apply_state, check_optimizer_state, check_scheduler_state,
+                                    load_torch_file)
 from ..training.trainer import Trainer
 from .checkpoint import load_checkpoint, save_checkpoint
 from .training import clip_grad_norm_, compile_blocks, parallel_dims
@@ -143,8 +144,12 @@ class DistributedTrainer(Trainer):
             raise ValueError(f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
                              f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead.")
         state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        scheduler_file = os.path.join(directory, ckpt.SCHEDULER)
+        scheduler = load_torch_file(scheduler_file)
+        check_scheduler_state(scheduler, scheduler_file, len(self.optimizer.param_groups))
         load_checkpoint(dcp_dir, self.model, self.optimizer)  # DCP metadata unpickled safely (dcp_safety.py)
-        apply_file(os.path.join(directory, ckpt.SCHEDULER), "learning-rate scheduler", self.lr_scheduler.load_state_dict)
+        check_optimizer_state(self.optimizer, os.path.join(dcp_dir, ".metadata"))
+        apply_state(scheduler_file, "learning-rate scheduler", self.lr_scheduler.load_state_dict, scheduler)
         apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",
                    lambda rng: ckpt.restore_rng_state(rng, self.device))
         self.state = state

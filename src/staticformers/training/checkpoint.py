@@ -215,11 +215,18 @@ def capture_rng_state(device: Optional[torch.device] = None) -> dict:
 
 
 def restore_rng_state(state: dict, device: Optional[torch.device] = None) -> None:
+    """Set every generator from `capture_rng_state`'s dict; its parts are all converted (and so checked)
+    before the first generator is set."""
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    python = (version, tuple(internal), gauss)
     name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.random.set_rng_state(state["cpu"])
+    numpy_state = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    cpu = state["cpu"]
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+        raise TypeError(f"the CPU generator state is a {type(cpu).__name__}, not a uint8 tensor")
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.random.set_rng_state(cpu)
     if "cuda" in state and device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"], device)
 

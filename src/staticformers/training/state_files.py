@@ -16,6 +16,7 @@ replaced by someone else's file. Here:
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from typing import Any, Callable, Iterable, Optional
@@ -73,6 +74,55 @@ def apply_state(path: str, what: str, apply: Callable[[Any], None], state: Any) 
 def apply_file(path: str, what: str, apply: Callable[[Any], None], map_location: Any = None) -> None:
     """Load `path` and hand it to `apply`, both checked."""
     apply_state(path, what, apply, load_torch_file(path, map_location))
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = float(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, path: str) -> None:
+    """After `load_state_dict`: the hyper-parameters the file brought are finite and in range, and every
+    per-parameter state tensor has its parameter's shape and finite values (torch checks only counts)."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path} does not fit this run's optimizer ({why}): it belongs to another run or "
+                                      f"is damaged; {RESUME_ADVICE}.")
+
+    for i, group in enumerate(optimizer.param_groups):
+        for key in ("lr", "initial_lr", "eps", "weight_decay"):
+            if key in group and not (_number(group[key]) and float(group[key]) >= 0):
+                raise bad(f"group {i} has {key}={group[key]!r}")
+        betas = group.get("betas")
+        if betas is not None and not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                                      and all(_number(b) and 0 <= float(b) < 1 for b in betas)):
+            raise bad(f"group {i} has betas={betas!r}")
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.ndim > 0 and tuple(value.shape) != tuple(p.shape):
+                    raise bad(f"its {name} has shape {list(value.shape)} for a parameter of shape {list(p.shape)}")
+                if not _finite(value):
+                    raise bad(f"its {name} holds NaN or infinite values")
+
+
+def check_scheduler_state(state: Any, path: str, groups: int) -> None:
+    """The values a learning-rate scheduler's state holds, checked before `load_state_dict` applies them."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path} does not fit this run's learning-rate scheduler ({why}): it belongs to "
+                                      f"another run or is damaged; {RESUME_ADVICE}.")
+
+    if not isinstance(state, dict):
+        raise bad(f"it holds a {type(state).__name__}, not a state dict")
+    for key in ("base_lrs", "_last_lr"):
+        if key in state and not (isinstance(state[key], list) and len(state[key]) == groups
+                                 and all(_number(v) and float(v) >= 0 for v in state[key])):
+            raise bad(f"{key}={state[key]!r}")
+    for key, low in (("last_epoch", -1), ("_step_count", 0)):
+        value = state.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise bad(f"{key}={value!r}")
 
 
 def _finite(tensor: torch.Tensor) -> bool:
@@ -139,5 +189,6 @@ def verify_weights(directory: str) -> Optional[str]:
     return None
 
 
-__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_state", "apply_file", "read_weights", "verify_weights", "nonfinite",
+__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_state", "apply_file",
+           "check_optimizer_state", "check_scheduler_state", "read_weights", "verify_weights", "nonfinite",
            "RESUME_ADVICE"]

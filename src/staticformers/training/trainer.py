@@ -55,7 +55,8 @@ from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
-from .state_files import CorruptCheckpointError, apply_state, load_torch_file, read_weights
+from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state,
+                          load_torch_file, read_weights)
 
 logger = logging.getLogger("staticformers")
 
@@ -64,6 +65,8 @@ LOSS_CURVE = "loss_curve.png"
 
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices), as transformers' set_seed does."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be an integer from 0 to 2**64 - 1.")
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -262,7 +265,9 @@ class Trainer:
         weights = read_weights(directory, expected)
         files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
         loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))
         apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
+        check_optimizer_state(self.optimizer, files[ckpt.OPTIMIZER])
         apply_state(files[ckpt.SCHEDULER], "learning-rate scheduler", self.lr_scheduler.load_state_dict,
                     loaded[ckpt.SCHEDULER])
         apply_state(files[ckpt.RNG_STATE], "random number generators", lambda rng: ckpt.restore_rng_state(rng, self.device),
