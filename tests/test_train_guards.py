@@ -228,3 +228,5 @@ def test_seed_out_of_range_everywhere(seed):
         set_seed(seed)
     with pytest.raises(ValueError, match=r"seed=.* must be an integer from 0 to 2\*\*64 - 1\."):
         tiny_model().generate(torch.tensor([[1, 2]]), max_new_tokens=1, do_sample=True, seed=seed, disable_compile=True)
+    with pytest.raises(ValueError, match=r"seed=.* must be an integer from 0 to 2\*\*64 - 1\."):
+        AutoModelForCausalLM.from_config(tiny_model().config, seed=seed)

@@ -27,6 +27,7 @@ from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .memory_check import check_fits
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
+from .seeds import check_seed
 from .weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
 
 logger = logging.getLogger("staticformers")
@@ -357,6 +358,8 @@ class AutoModelForCausalLM:
             config = ModelConfig.from_dict(config, source="from_config(dict)")
         if kwargs:
             raise TypeError(f"from_config() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
+        if seed is not None:
+            check_seed(seed)
         width = parse_dtype(dtype).itemsize if dtype not in (None, "auto") else 4
         check_fits(config.num_parameters * width, "cpu", f"A model of {config.num_parameters:,} parameters",
                    "check vocab_size, hidden_size, intermediate_size and num_hidden_layers")

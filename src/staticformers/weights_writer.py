@@ -3,8 +3,8 @@ which a kill leaves neither.
 
 `save_pretrained` into an existing folder used to delete the old weights and then write the new
 ones: a kill in between left a folder with no weights. Here the new files are written first under
-temporary names (`atomic_files`), flushed, and only then put in place, in an order where the folder
-loads, at every instant, either the old model or the new one:
+hidden temporary names (`.model-00001-of-00002.tmp-<pid>.safetensors`), flushed, and only then put in
+place, in an order where the folder loads, at every instant, either the old model or the new one:
 
 - one file: `model.safetensors` is replaced in one rename; an older index (which loaders prefer)
   is removed after it, so until then the old shards still load;
@@ -35,14 +35,20 @@ from .fault_points import reached
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
-_OUR_TEMPORARIES = re.compile(r"\.model.*\.tmp-\d+\.safetensors|\.(model.*|config\.json|generation_config\.json)\.tmp-\d+")
+_OUR_TEMPORARIES = re.compile(r"\.model.*\.tmp-\d+(-\d+)?\.safetensors|\.(model.*|config\.json|generation_config\.json)\.tmp-\d+")
 
 
 def _staged(final: str) -> str:
-    """A new weight file's temporary path: hidden, with the pid, and still ending in .safetensors (transformers
-    picks the reader by the extension when an index names the file)."""
+    """A new weight file's temporary path: hidden, with the pid, still ending in .safetensors (transformers picks
+    its reader by the extension when an index names the file), and never a name that exists already (a
+    killed save of a process with the same pid may have left one that the index names)."""
     folder, name = os.path.split(final)
-    return os.path.join(folder, f".{name.removesuffix('.safetensors')}.tmp-{os.getpid()}.safetensors")
+    stem, n = name.removesuffix(".safetensors"), 0
+    while True:
+        path = os.path.join(folder, f".{stem}.tmp-{os.getpid()}{f'-{n}' if n else ''}.safetensors")
+        if not os.path.lexists(path):
+            return path
+        n += 1
 
 
 def shard_names(count: int) -> list[str]:
@@ -132,8 +138,8 @@ def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadat
                 weight_map[key] = os.path.basename(final)
                 total += tensor.numel() * tensor.element_size()
         if any(os.path.lexists(final) for _, final in staged):  # the old shards hold these names
-            _write_index(directory, {k: os.path.basename(_staged(os.path.join(directory, v)))
-                                     for k, v in weight_map.items()}, total)
+            temporary = {os.path.basename(final): os.path.basename(tmp) for tmp, final in staged}
+            _write_index(directory, {k: temporary[v] for k, v in weight_map.items()}, total)
             reached("save_pretrained:index-on-temporaries")
             for tmp, final in staged:
                 if os.path.lexists(final):

@@ -26,6 +26,8 @@ from typing import Optional, Union
 
 import torch
 
+from ..seeds import check_seed
+
 logger = logging.getLogger("staticformers")
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -42,8 +44,8 @@ _NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_e
             "warmup_ratio", "logging_steps", "save_steps")
 
 
-def _integer(name: str, value, minimum: int, maximum: Optional[int] = None, what: str = "a positive integer") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+def _integer(name: str, value, minimum: int, what: str = "a positive integer") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         if name == "max_steps":
             what = "a positive number of optimizer steps, or -1 to train num_train_epochs"
         raise ValueError(f"{name}={value!r} must be {what}.")
@@ -125,7 +127,7 @@ class TrainingArguments:
             _integer(name, getattr(self, name), minimum=1)
         _integer("max_steps", self.max_steps, minimum=-1)
         _integer("warmup_steps", self.warmup_steps, minimum=0, what="an integer of 0 or more")
-        _integer("seed", self.seed, minimum=0, maximum=2**64 - 1, what="an integer from 0 to 2**64 - 1")
+        check_seed(self.seed)
         if self.save_total_limit is not None:
             _integer("save_total_limit", self.save_total_limit, minimum=1,
                      what="an integer of at least 1, or None to keep every checkpoint")

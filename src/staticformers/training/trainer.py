@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..seeds import check_seed
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
@@ -65,8 +66,7 @@ LOSS_CURVE = "loss_curve.png"
 
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices), as transformers' set_seed does."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed={seed!r} must be an integer from 0 to 2**64 - 1.")
+    check_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
