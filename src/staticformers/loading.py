@@ -3,7 +3,8 @@
 Loading builds the model on the meta device (no memory, no random init), then materialises each
 tensor once, read from the file (plain reads, no memory map: see safetensors_io) straight into the
 target dtype on the target device: peak host memory stays near the model's size, not twice it. Pickle checkpoints
-are never unpickled. Every refusal is one sentence naming the file or the weights.
+are never unpickled; every file name an index gives must resolve inside the folder (`contained.py`).
+Every refusal is one sentence naming the file or the weights.
 
 Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
 `max_shard_size`, and generation_config.json when known; transformers loads what we write.

@@ -1,14 +1,19 @@
-"""Checkpoint folders: written atomically, found, rotated, and RNG state captured and restored.
+"""Checkpoint folders: written atomically, found, verified, rotated, and RNG state captured and restored.
 
 `output_dir/checkpoint-N/` holds the model in Hugging Face format (`config.json`,
 `model.safetensors`: the fp32 master weights, so resuming is exact), `optimizer.pt`,
-`scheduler.pt`, `rng_state.pth`, `training_args.json` and `trainer_state.json` (global step,
-epoch, data position, log history).
+`scheduler.pt`, `rng_state.pth`, `training_args.json`, `trainer_state.json` (global step,
+epoch, data position, log history) and the tokenizer.
 
 Atomicity: everything is written into `output_dir/.tmp-checkpoint-N-<pid>/`, each file fsynced,
-then the folder is renamed to `checkpoint-N` (one atomic rename on POSIX) and the parent fsynced.
-A process killed mid-save leaves only a temporary folder, which is never loaded (only
-`checkpoint-<digits>` folders holding `trainer_state.json` count) and is removed by the next save.
+then the folder is renamed to `checkpoint-N` (one atomic rename on POSIX: the commit point) and the
+parent fsynced. Only `checkpoint-<digits>` folders holding `trainer_state.json` count. What a killed
+save leaves is handled by `recover_leftovers` (called by the next save and by a resume), which never
+deletes the only copy of a checkpoint: a re-saved step's old folder moved aside is renamed back. Each
+moment that matters is a named fault point (`fault_points.py`) where the kill test stops the process.
+
+Resuming with `resume_from_checkpoint=True` takes the newest checkpoint that `verify_checkpoint`
+accepts (valid state, readable finite weights, undamaged .pt files) and says why it skipped newer ones.
 The files inside a checkpoint are written by the Trainer's `save_checkpoint_files` (the
 distributed layer replaces it with torch.distributed.checkpoint); this module knows folders only.
 """

@@ -22,7 +22,8 @@ Design choices:
 - **Checkpoints** are folders written atomically (`training/checkpoint.py`); resuming restores
   weights, optimizer, scheduler, RNG and the data position, and continues bit-identically.
 - **A NaN or inf loss (or gradient norm)** stops training before the optimizer step, with a
-  sentence naming the step; no checkpoint is written after it.
+  sentence naming the step; no checkpoint is written after it. NaN or inf weights stop it before a
+  checkpoint is written (`guards.py`), so a checkpoint is never non-finite.
 
 Hooks for the distributed layer, each a method to override (nothing else needs to change):
 `setup_device`, `data_parallel_info` (rank, world size), `is_world_process_zero`,
