@@ -266,3 +266,12 @@ def test_unsafe_cache_root_is_not_given_to_inductor(tmp_path, monkeypatch, caplo
     sf_compile.enable_persistent_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert f"The cache folder {root} is writable by other users" in caplog.text
+
+
+def test_dcp_metadata_symlinked_out_of_the_folder(dcp_folder, tmp_path):
+    from staticformers.distributed.dcp_safety import UnsafeCheckpointError
+
+    os.rename(dcp_folder / ".metadata", tmp_path / "elsewhere.metadata")
+    os.symlink(tmp_path / "elsewhere.metadata", dcp_folder / ".metadata")
+    with pytest.raises(UnsafeCheckpointError, match=r"names '.metadata', which is a symbolic link that resolves outside"):
+        load_dcp(dcp_folder)

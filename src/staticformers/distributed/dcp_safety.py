@@ -100,10 +100,17 @@ def check_storage(metadata: Metadata, folder: str, path: str) -> None:
                                         f"({info.transform_descriptors}) that staticformers does not read.")
 
 
+def _inside(folder, name: str) -> str:
+    try:
+        return file_in_folder(os.fspath(folder), name, os.fspath(folder))
+    except OutsideFolderError as err:
+        raise UnsafeCheckpointError(str(err)) from None
+
+
 def check_checkpoint_folder(folder: str) -> Metadata:
     """Read and check `folder/.metadata` as `SafeFileSystemReader` will (call before `dcp.load`, which
     wraps a reader's refusal in an AssertionError of its own)."""
-    path = os.path.join(os.fspath(folder), METADATA_FILE)
+    path = _inside(folder, METADATA_FILE)
     metadata = read_metadata_file(path)
     check_storage(metadata, os.fspath(folder), path)
     return metadata
@@ -115,7 +122,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         folder = os.fspath(self.path)
-        path = os.path.join(folder, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        path = _inside(folder, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         metadata = read_metadata_file(path)
         check_storage(metadata, folder, path)
         if getattr(metadata, "storage_meta", None) is None:
