@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..seeds import check_seed
+
 from .config import CompileConfig, GenerationConfig
 from .engine import CompileSettings, Engine
 from .plan import ShapePlan
@@ -194,7 +196,7 @@ def _prepare(model, engine: Engine, input_ids, attention_mask, config: Generatio
     if generator is not None and seed is not None:
         raise ValueError("Pass generator or seed, not both.")
     if seed is not None:
-        generator = torch.Generator(device=model.device).manual_seed(int(seed))
+        generator = torch.Generator(device=model.device).manual_seed(check_seed(seed))
     settings = _compile_settings(model, config, compile_config)
     sampler_args = dict(do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k,
                         top_p=config.top_p, min_p=config.min_p, repetition_penalty=config.repetition_penalty,

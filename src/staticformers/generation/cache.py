@@ -20,9 +20,12 @@ not written.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+
+from ..memory_check import check_fits
 
 
 class StaticKVCache:
@@ -32,6 +35,8 @@ class StaticKVCache:
                  dtype: torch.dtype, device: torch.device):
         self.batch, self.max_length = int(batch), int(max_length)
         shape = (self.batch, kv_heads, self.max_length, head_dim)
+        check_fits(2 * num_layers * math.prod(shape) * dtype.itemsize, device,
+                   f"The KV cache ({self.batch} sequences x {self.max_length} positions)", "lower max_model_len or the batch buckets")
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.formulate(None, None, None)

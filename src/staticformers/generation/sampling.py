@@ -14,6 +14,7 @@ the device instead of the growing id history, so its cost does not grow with the
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -63,7 +64,13 @@ def min_p(logits: torch.Tensor, p: float, min_tokens_to_keep: int = 1) -> torch.
 
 def check_options(do_sample: bool, temperature_: Optional[float], top_k_: Optional[int], top_p_: Optional[float],
                   min_p_: Optional[float], repetition_penalty_: Optional[float]) -> None:
-    """Refuse values that cannot mean anything, with one sentence each."""
+    """Refuse values that cannot mean anything, with one sentence each (a string, a bool or NaN first)."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample={do_sample!r} must be True or False.")
+    for name, value in (("temperature", temperature_), ("top_p", top_p_), ("min_p", min_p_),
+                        ("repetition_penalty", repetition_penalty_)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise ValueError(f"{name}={value!r} must be a finite number{' (not a string)' if isinstance(value, str) else ''}.")
     if do_sample and temperature_ is not None and not temperature_ > 0:
         raise ValueError(f"temperature={temperature_} must be greater than 0 when sampling (use do_sample=False for greedy).")
     if top_p_ is not None and not 0 < top_p_ <= 1:
