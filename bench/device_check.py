@@ -65,7 +65,9 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
               else ["--steps", "8", "--documents", "200"])
     serve_script = os.path.join(HERE, "serve.py")
     steps = [
+        # a test module that cannot be imported under the machine's own packages must not stop the others
         Step("cuda_tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                            "--continue-on-collection-errors",
                             f"--junitxml={os.path.join(work, 'cuda_tests.xml')}", os.path.join(ROOT, "tests")],
              limits["cuda_tests"], os.path.join(work, "cuda_tests.xml")),
         Step("reference", [py, os.path.join(HERE, "reference.py"), "--size", size, "--device", device],

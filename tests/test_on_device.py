@@ -97,6 +97,8 @@ def assert_greedy_agrees(theirs, ours_out: torch.Tensor, ref_out: torch.Tensor, 
 def test_logits_and_greedy_tokens_match_transformers(tiny_checkpoints, device, family, dtype):
     """A left-padded batch: logits at every real position, then 10 greedy tokens through the engine
     (Dynamo's graphs run by the eager backend: each device's own graph layout, no inductor)."""
+    if device.type == "cpu" and dtype == torch.float32 and family != "qwen3":
+        pytest.skip("float32 on the CPU: test_modeling.py and test_generation.py prove every family already")
     ours, theirs = load_pair(tiny_checkpoints(family), dtype, device)
     assert ours.device == device and ours.dtype == dtype
     ids, mask = left_padded([12, 8, 5], device, seed=1)
