@@ -46,6 +46,11 @@ def check_device(device) -> torch.device:
     return d
 
 
+def sig(x: float, digits: int = 3) -> float:
+    """`x` to `digits` significant figures (utilisation of a tiny model is far below 0.001, yet not 0)."""
+    return float(f"{x:.{digits}g}")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -117,7 +122,7 @@ def memory_ceiling(device: torch.device, nbytes: int, dtype: torch.dtype = torch
         seconds = median_seconds(lambda: torch.mv(w, x), device, repeats)
         moved = rows * cols * size
         what = f"torch.mv over a {rows} x {cols} {str(dtype).replace('torch.', '')} matrix ({moved / 1e6:.1f} MB)"
-    return {"what": what, "bytes": moved, "seconds": seconds, "gb_s": round(moved / seconds / 1e9, 1)}
+    return {"what": what, "bytes": moved, "seconds": seconds, "gb_s": sig(moved / seconds / 1e9)}
 
 
 def matmul_ceiling(device: torch.device, n: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
@@ -129,7 +134,7 @@ def matmul_ceiling(device: torch.device, n: Optional[int] = None, dtype: torch.d
     seconds = median_seconds(lambda: a @ b, device, repeats, warmup=3)
     flop = 2 * n ** 3
     return {"what": f"{n}^3 {str(dtype).replace('torch.', '')} matmul", "flop": flop, "seconds": seconds,
-            "tflop_s": round(flop / seconds / 1e12, 3)}
+            "tflop_s": sig(flop / seconds / 1e12)}
 
 
 def device_info(device: torch.device) -> dict:

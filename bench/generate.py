@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ceilings import (Clock, check_device, device_info, matmul_ceiling, memory_ceiling,  # noqa: E402
-                      peak_memory_gb, reset_peak_memory)
+                      peak_memory_gb, reset_peak_memory, sig)
 from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
 
 REF_DIR = os.environ.get("STATICFORMERS_BENCH_MODEL") or reference_dir("41m")
@@ -189,11 +189,11 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
                  "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
         if weight_bytes:
             gbs = (weight_bytes + kv_bytes_avg) / per_step / 1e9
-            entry["weights_gb_s"] = round(gbs, 3)
-            entry["bandwidth_utilisation"] = round(gbs / ceiling["memory"]["gb_s"], 3)
+            entry["weights_gb_s"] = sig(gbs)
+            entry["bandwidth_utilisation"] = sig(gbs / ceiling["memory"]["gb_s"])
             tflops = prefill_flops / ttft / 1e12  # the first token's time is the prompt's forward pass
-            entry["prefill_tflop_s"] = round(tflops, 4)
-            entry["prefill_flops_utilisation"] = round(tflops / ceiling["matmul"]["tflop_s"], 4)
+            entry["prefill_tflop_s"] = sig(tflops)
+            entry["prefill_flops_utilisation"] = sig(tflops / ceiling["matmul"]["tflop_s"])
         out[name] = entry
     if "hf" in out and "sf" in out:
         out["ratio_decode_vs_hf"] = round(out["sf"]["decode_tok_s"] / out["hf"]["decode_tok_s"], 2)

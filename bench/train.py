@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-train-inductor-")  # cold for both
     import torch
 
-    from ceilings import check_device, device_info, matmul_ceiling
+    from ceilings import check_device, device_info, matmul_ceiling, sig
 
     device = check_device(a.device)
     if device.type == "cpu":
@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate = batch * seq / statistics.median(steps) if steps else None
                 summary[who] = {
                     "steady_tokens_per_s": round(rate, 1) if rate else None,
-                    "model_tflop_s": round(rate * flops / 1e12, 4) if rate else None,
-                    "flops_utilisation": round(rate * flops / 1e12 / ceiling["tflop_s"], 4) if rate else None,
+                    "model_tflop_s": sig(rate * flops / 1e12) if rate else None,
+                    "flops_utilisation": sig(rate * flops / 1e12 / ceiling["tflop_s"]) if rate else None,
                     "first_step_s": round(ok[0]["first_step_s"], 2) if ok else None,
                     "graphs": ok[0]["graphs"] if ok else None,
                     "errors": [x["error"] for x in rs if "error" in x],
