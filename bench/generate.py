@@ -1,14 +1,21 @@
-"""Generation benchmark: staticformers against transformers 5.23 on the same checkpoint, same run.
+"""Generation benchmark: staticformers against transformers on the same checkpoint, same device, same run.
 
-Builds (once) a ~41.6M-parameter Qwen3-shaped checkpoint (hidden 512, intermediate 1536, 8 layers,
-8 heads, 4 KV heads, head_dim 64, vocab 32000, tied), then for each (dtype, batch) runs A B A B
-interleaved: transformers default `generate`, transformers with its static cache forced to compile,
-and staticformers. Prompt 128 tokens, 128 new greedy tokens (the checkpoint has no EOS, so every run
-makes all 128). Prints one JSON object: decode tokens/s, time to first token, bandwidth utilisation
-against the read bandwidth measured in the same run, peak memory, and (--mixed) compiles and compile
+Uses a reference checkpoint (bench/reference.py: `--size 41m`, the default, 41.6M parameters; `1.7b`,
+Qwen3-1.7B-shaped; `tiny`), then for each (dtype, batch) runs A B A B interleaved on `--device`:
+transformers' default `generate` (`hf`), transformers with `cache_implementation="static"` and its
+compile (`hf_static`: on a GPU the compile transformers applies by itself, inductor with CUDA graphs;
+on the CPU forced with `fullgraph=True, dynamic=False`), and staticformers (`sf`, its default compile,
+`--compile-mode` passed through, e.g. `reduce-overhead` for CUDA graphs). Prompt `--prompt` tokens
+(128), `--new` new greedy tokens (128; no EOS, so every run makes them all). On a GPU every time is
+wall time with the device synchronized at both ends. Prints one JSON object (and writes it to `--out`
+after every case, so a run stopped by a time limit keeps what it measured): decode tokens/s, time to
+first token, bandwidth utilisation against the ceiling measured in the same run on the same device
+(bench/ceilings.py: a copy of the weights' size on a GPU, a GEMV over the weights' bytes on the CPU),
+graphs compiled after the warm-up (should be 0), peak memory, and (--mixed, CPU) compiles and compile
 seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cache.
 
     python bench/generate.py --dtypes float32 bfloat16 --batches 1 8 --repeats 3
+    python bench/generate.py --device cuda --size 1.7b --dtypes bfloat16 --batches 1 8
     python bench/generate.py --mixed            # compile counts / seconds (runs subprocesses)
 """
 
@@ -28,25 +35,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference import DEFAULT_DIR, build_reference, pressure  # noqa: E402
+from ceilings import (Clock, check_device, device_info, matmul_ceiling, memory_ceiling,  # noqa: E402
+                      peak_memory_gb, reset_peak_memory, sig)
+from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
 
-REF_DIR = os.environ.get("STATICFORMERS_BENCH_MODEL", DEFAULT_DIR)
+REF_DIR = os.environ.get("STATICFORMERS_BENCH_MODEL") or reference_dir("41m")
 PROMPT, NEW = 128, 128
 MIXED_LENGTHS = [17, 40, 63, 90, 111, 130, 160, 190, 222, 255]
-
-
-
-
-def read_bandwidth(repeats: int = 7) -> float:
-    """GB/s of a streaming read (sum over 512 MB of float32), median of `repeats`."""
-    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 class PeakRSS:
@@ -75,91 +70,143 @@ class PeakRSS:
 # ---------------------------------------------------------------------------------------------
 # the contenders
 # ---------------------------------------------------------------------------------------------
-def make_runners(dtype: torch.dtype, batch: int, which: list[str]):
+def hf_static_compile_config(device: torch.device, backend: str):
+    """transformers' compile for its static cache: on a GPU (inductor) the one it applies by itself (None:
+    its default CompileConfig, inductor with mode "reduce-overhead", i.e. CUDA graphs); on the CPU, or with
+    another backend, forced with `fullgraph=True, dynamic=False`."""
     import transformers
 
-    from staticformers import AutoModelForCausalLM
+    if device.type == "cuda" and backend == "inductor":
+        return None
+    cc = transformers.CompileConfig(fullgraph=True, dynamic=False, backend=backend)
+    cc._compile_all_devices = True  # transformers compiles on cuda/xpu/neuron/tpu only unless told
+    return cc
 
+
+def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch.device, ref_dir: str,
+                 prompt: int, compile_mode: str | None, backend: str):
+    """name -> fn(max_new_tokens) for each contender on `device`; "_sf_model" -> our model."""
+    import transformers
+
+    from staticformers import AutoModelForCausalLM, CompileConfig
+
+    vocab = int(_config(ref_dir)["vocab_size"])
     torch.manual_seed(1)
-    ids = torch.randint(1, 32000, (batch, PROMPT))
+    ids = torch.randint(1, vocab, (batch, prompt))
     mask = torch.ones_like(ids)
+    ids_dev, mask_dev = ids.to(device), mask.to(device)  # transformers' inputs live on its device
     runners = {}
     if "hf" in which or "hf_static" in which:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).to(device).eval()
     if "hf" in which:
-        runners["hf"] = lambda n: hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+        runners["hf"] = lambda n: hf.generate(input_ids=ids_dev, attention_mask=mask_dev, max_new_tokens=n,
+                                              do_sample=False)
     if "hf_static" in which:
-        cc = transformers.CompileConfig(fullgraph=True, dynamic=False)
-        cc._compile_all_devices = True
+        cc = hf_static_compile_config(device, backend)
 
         def hf_static(n):
-            return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+            return hf.generate(input_ids=ids_dev, attention_mask=mask_dev, max_new_tokens=n, do_sample=False,
                                cache_implementation="static", compile_config=cc)
 
         runners["hf_static"] = hf_static
     if "sf" in which:
-        sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
-        runners["sf"] = lambda n: sf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+        sf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, device_map=str(device))
+        config = CompileConfig(backend=None if backend == "inductor" else backend, mode=compile_mode)
+        # our inputs stay on the host (the engine's way: only fixed-shape slices go to the device)
+        runners["sf"] = lambda n: sf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                              compile_config=config)
         runners["_sf_model"] = sf
     return runners
 
 
-def timed(fn, n):
-    t = time.perf_counter()
-    out = fn(n)
-    return time.perf_counter() - t, out
+def _config(ref_dir: str) -> dict:
+    with open(os.path.join(ref_dir, "config.json")) as f:
+        return json.load(f)
 
 
-def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], bandwidth: float) -> dict:
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def weights_read_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once (a tied embedding is the lm_head's
+    weight, read whole; an untied one is read a row per token, so not counted)."""
+    seen = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in seen.values())
+    embed = model.model.embed_tokens.weight
+    if model.lm_head.weight is not embed:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], device: torch.device, ref_dir: str,
+               prompt: int, new: int, compile_mode: str | None, backend: str, ceiling: dict) -> dict:
     dtype = getattr(torch, dtype_name)
-    runners = make_runners(dtype, batch, which)
+    reset_peak_memory(device)
+    runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
     sf_model = runners.pop("_sf_model", None)
-    warm = {}
+    warm, graphs_in_warmup = {}, {}
     for name, fn in runners.items():  # warm-up: compiles, caches
-        t = time.perf_counter()
-        fn(NEW)
-        fn(1)
-        warm[name] = round(time.perf_counter() - t, 2)
-    results = {name: {"total": [], "ttft": []} for name in runners}
+        before = dynamo_graphs()
+        with Clock(device) as c:
+            fn(new)
+            fn(1)
+        warm[name] = round(c.seconds, 2)
+        graphs_in_warmup[name] = dynamo_graphs() - before
+    results = {name: {"total": [], "ttft": [], "graphs": 0} for name in runners}
     for _ in range(repeats):  # interleaved A B A B
         for name, fn in runners.items():
-            ttft, _ = timed(fn, 1)
-            total, out = timed(fn, NEW)
-            assert out.shape == (batch, PROMPT + NEW), out.shape
-            results[name]["ttft"].append(ttft)
-            results[name]["total"].append(total)
-    params = 0
-    weight_bytes = 0
-    if sf_model is not None:
-        seen = {}
-        for p in sf_model.parameters():
-            seen[id(p)] = p
-        params = sum(p.numel() for p in seen.values())
-        embed = sf_model.model.embed_tokens.weight
-        tied = sf_model.lm_head.weight is embed
-        weight_bytes = sum(p.numel() * p.element_size() for p in seen.values())
-        if not tied:  # an untied embedding is read one row per token, not whole
-            weight_bytes -= embed.numel() * embed.element_size()
-    out = {"dtype": dtype_name, "batch": batch, "warmup_seconds": warm, "pressure_after": pressure()}
+            before = dynamo_graphs()
+            with Clock(device) as c:
+                fn(1)
+            results[name]["ttft"].append(c.seconds)
+            with Clock(device) as c:
+                out = fn(new)
+            results[name]["total"].append(c.seconds)
+            results[name]["graphs"] += dynamo_graphs() - before
+            assert out.shape == (batch, prompt + new), out.shape
+    cfg = _config(ref_dir)
+    size = torch.tensor([], dtype=dtype).element_size()
+    kv_bytes_avg = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg.get("head_dim", 0)
+                    * (prompt + new // 2) * batch * size)
+    weight_bytes = weights_read_per_step(sf_model) if sf_model is not None else 0
+    # a forward pass over the prompt: 2 FLOP per weight and token, plus causal attention's scores and values
+    prefill_flops = batch * prompt * (2 * weight_bytes // size + 2 * cfg["num_hidden_layers"]
+                                      * cfg["num_attention_heads"] * cfg.get("head_dim", 0) * prompt)
+    out = {"dtype": dtype_name, "batch": batch, "prompt": prompt, "new": new, "warmup_seconds": warm,
+           "graphs_in_warmup": graphs_in_warmup, "peak_memory_gb": peak_memory_gb(device),
+           "pressure_after": pressure()}
     for name, r in results.items():
         ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])
         decode_s = max(total - ttft, 1e-9)
-        per_step = decode_s / (NEW - 1)
+        per_step = decode_s / max(new - 1, 1)
         entry = {"ttft_ms": round(ttft * 1000, 2), "total_s": round(total, 4),
-                 "decode_tok_s": round(batch * (NEW - 1) / decode_s, 1),
-                 "decode_tok_s_per_seq": round((NEW - 1) / decode_s, 1)}
+                 "decode_tok_s": round(batch * (new - 1) / decode_s, 1),
+                 "decode_tok_s_per_seq": round((new - 1) / decode_s, 1),
+                 "step_ms": round(per_step * 1000, 3),
+                 "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
         if weight_bytes:
-            kv_bytes_avg = 8 * 2 * 4 * 64 * (PROMPT + NEW // 2) * batch * torch.tensor([], dtype=dtype).element_size()
             gbs = (weight_bytes + kv_bytes_avg) / per_step / 1e9
-            entry["weights_gb_s"] = round(gbs, 1)
-            entry["bandwidth_utilisation"] = round(gbs / bandwidth, 3)
+            entry["weights_gb_s"] = sig(gbs)
+            entry["bandwidth_utilisation"] = sig(gbs / ceiling["memory"]["gb_s"])
+            tflops = prefill_flops / ttft / 1e12  # the first token's time is the prompt's forward pass
+            entry["prefill_tflop_s"] = sig(tflops)
+            entry["prefill_flops_utilisation"] = sig(tflops / ceiling["matmul"]["tflop_s"])
         out[name] = entry
     if "hf" in out and "sf" in out:
         out["ratio_decode_vs_hf"] = round(out["sf"]["decode_tok_s"] / out["hf"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf"] = round(out["hf"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
-    out["params"] = params
+        out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
+    if sf_model is not None:
+        stats = sf_model.compile_stats()
+        out["sf_graphs"] = sum(s["graphs"] for s in stats)
+        out["sf_compile_seconds"] = round(sum(s["compile_seconds"] for s in stats), 2)
+        out["params"] = sf_model.num_parameters()
+        out["weight_bytes_per_step"] = weight_bytes
     return out
 
 
@@ -192,7 +239,7 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler") -> dict
         gc.collect()
     base = psutil.Process().memory_info().rss
     sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
-    ids = torch.randint(1, 32000, (batch, PROMPT))
+    ids = torch.randint(1, int(_config(REF_DIR)["vocab_size"]), (batch, PROMPT))
     sf.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False)  # compile (or warm cache)
     with PeakRSS() as peak:
         sf.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False)
@@ -227,13 +274,14 @@ def mixed_case(who: str, dtype_name: str) -> dict:
         run = lambda ids: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                                          do_sample=False, cache_implementation="static", compile_config=cc)
     load = time.perf_counter() - t0
+    vocab = int(_config(REF_DIR)["vocab_size"])
     t0 = time.perf_counter()
     for n in MIXED_LENGTHS:
-        run(torch.randint(1, 32000, (1, n)))
+        run(torch.randint(1, vocab, (1, n)))
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     for n in MIXED_LENGTHS:
-        run(torch.randint(1, 32000, (1, n)))
+        run(torch.randint(1, vocab, (1, n)))
     second = time.perf_counter() - t0
     out = {"who": who, "dtype": dtype_name, "graphs": int(counters["stats"]["unique_graphs"]),
            "frames_ok": int(counters["frames"]["ok"]), "first_pass_s": round(first, 2), "second_pass_s": round(second, 2),
@@ -253,51 +301,100 @@ def _subprocess(args: list[str], env: dict) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both contenders run there")
+    ap.add_argument("--size", default=None, choices=sorted(SIZES),
+                    help="reference checkpoint (bench/reference.py); default 41m, or $STATICFORMERS_BENCH_MODEL")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
+    ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"])
+    ap.add_argument("--compile-mode", default=None,
+                    help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
+    ap.add_argument("--backend", default="inductor",
+                    help="compile backend of sf and hf_static (eager / aot_eager for a quick dry run)")
+    ap.add_argument("--out", default=None, help="also write the JSON here, after every case")
     ap.add_argument("--mixed", action="store_true", help="measure compile counts/seconds for mixed prompt lengths")
     ap.add_argument("--memory", action="store_true", help="measure peak memory of staticformers")
     ap.add_argument("--_mixed_case", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_memory_case", nargs=3, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    build_reference(REF_DIR)
+    args = ap.parse_args(argv)
+    device = check_device(args.device)
+    if (args.mixed or args.memory) and device.type != "cpu":
+        raise SystemExit("--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu.")
+    global REF_DIR
+    if args.size is not None:
+        REF_DIR = reference_dir(args.size)
+    size = args.size or ("41m" if REF_DIR == reference_dir("41m") else None)
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    if size is not None:
+        build_reference(REF_DIR, size=size, device=str(device))
     if args._mixed_case:
         print(json.dumps(mixed_case(*args._mixed_case)))
         return
     if args._memory_case:
         print(json.dumps(memory_case(args._memory_case[0], int(args._memory_case[1]), args._memory_case[2])))
         return
-    report = {"torch": torch.__version__, "pressure_before": pressure(), "cases": []}
+    report = {"device": device_info(device), "model": REF_DIR, "size": size, "compile_mode": args.compile_mode,
+              "backend": args.backend, "hf_static_compile": "transformers' automatic (inductor, reduce-overhead)"
+              if device.type == "cuda" and args.backend == "inductor" else "forced: fullgraph=True, dynamic=False",
+              "pressure_before": pressure(), "cases": []}
+    env = dict(os.environ, STATICFORMERS_BENCH_MODEL=REF_DIR)
     if args.mixed:
         def fresh_cache_env() -> dict:  # an empty compile cache (inductor's kernels, ISA probes, headers)
             cache = tempfile.mkdtemp(prefix="sf-bench-cache-")
-            return dict(os.environ, STATICFORMERS_CACHE=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
+            return dict(env, STATICFORMERS_CACHE=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
 
         for dtype in args.dtypes:
             if "hf_static" in args.which or "hf" in args.which:
                 report["cases"].append(_subprocess(["--_mixed_case", "hf", dtype], fresh_cache_env()))
             if "sf" in args.which:
-                env = fresh_cache_env()
-                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # cold
-                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], env))  # warm on-disk cache
+                cold = fresh_cache_env()
+                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], cold))  # cold
+                report["cases"].append(_subprocess(["--_mixed_case", "sf", dtype], cold))  # warm on-disk cache
     elif args.memory:
         for dtype in args.dtypes:
             for batch in args.batches:
                 for baseline in ("compiler", "library"):
-                    report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline], dict(os.environ)))
+                    report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline], env))
     else:
-        report["bandwidth_gb_s"] = round(read_bandwidth(), 1)
+        weights = _weight_elements(REF_DIR)  # elements read per decode step
+        cols = int(_config(REF_DIR)["hidden_size"])
+        report["ceilings"] = {}
+        for dtype in args.dtypes:  # the weights' size in each dtype (on the CPU, a GEMV in that dtype)
+            dt = getattr(torch, dtype)
+            report["ceilings"][dtype] = {"memory": memory_ceiling(device, weights * dt.itemsize, dt, cols),
+                                         "matmul": matmul_ceiling(device, dtype=dt)}
         for dtype in args.dtypes:
             for batch in args.batches:
-                report["cases"].append(bench_case(dtype, batch, args.repeats, args.which, report["bandwidth_gb_s"]))
-        report["bandwidth_gb_s_after"] = round(read_bandwidth(), 1)
+                report["cases"].append(bench_case(dtype, batch, args.repeats, args.which, device, REF_DIR, args.prompt,
+                                                  args.new, args.compile_mode, args.backend, report["ceilings"][dtype]))
+                _write(report, args.out)
+        for dtype in args.dtypes:
+            dt = getattr(torch, dtype)
+            report["ceilings"][dtype]["memory"]["gb_s_after"] = memory_ceiling(device, weights * dt.itemsize, dt, cols)["gb_s"]
     report["pressure_after"] = pressure()
+    _write(report, args.out)
     print(json.dumps(report, indent=1))
+
+
+def _weight_elements(ref_dir: str) -> int:
+    """Weight elements a decode step reads (see `weights_read_per_step`), from a meta-device model of the config."""
+    from staticformers import AutoConfig, CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(AutoConfig.from_pretrained(ref_dir))
+    return weights_read_per_step(model) // model.dtype.itemsize
+
+
+def _write(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

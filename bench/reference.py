@@ -1,13 +1,24 @@
-"""The reference checkpoint every benchmark uses (Qwen3-shaped, 41.6M parameters, built here), and the
-CPU-pressure reading every benchmark records.
+"""The reference checkpoints every benchmark uses (Qwen3-shaped, random weights, built here: nothing is
+downloaded), and the CPU-pressure reading every benchmark records.
 
-hidden 512, intermediate 1536, 8 layers, 8 heads, 4 KV heads, head_dim 64, vocab 32000, tied
-embeddings, no EOS token (so generation benchmarks always produce every token they ask for). Built with staticformers' own random init and saved in Hugging Face format, once per
-folder (a marker file records the config), so every script and the peer load the same weights.
+Sizes (`--size`):
+- `41m` (the default): hidden 512, intermediate 1536, 8 layers, 8 heads, 4 KV heads, head_dim 64,
+  vocab 32000, tied; 41.6M parameters, float32 on disk. Fits in a CPU's L3, and is launch-bound on a GPU.
+- `1.7b`: Qwen3-1.7B's shape (hidden 2048, intermediate 6144, 28 layers, 16 heads, 8 KV heads,
+  head_dim 128, vocab 151,936, tied, RoPE theta 1e6); 1.72B parameters, bfloat16 on disk (3.4 GB).
+  Built on the device it will run on (`--device cuda`): random init of 1.7B values is a second there.
+- `tiny`: hidden 64, 2 layers, vocab 512: the dry runs of `bench/device_check.sh` and the tests.
+
+Every size has no EOS token, so generation benchmarks always produce every token they ask for.
+Each is saved in Hugging Face format once per folder (a marker file records config, dtype, seed and
+the device kind it was drawn on), so every script and the peer load the same weights.
+
+    python bench/reference.py --size 1.7b --device cuda      # prints the folder
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -18,12 +29,34 @@ import sys
 if importlib.util.find_spec("staticformers") is None:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-REFERENCE = dict(
-    vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-)  # no EOS: every generation benchmark makes all its tokens
+_COMMON = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+SIZES = {
+    "41m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, **_COMMON),
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                 rope_theta=1000000.0, **_COMMON),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **_COMMON),
+}
+DEFAULT_DTYPES = {"41m": "float32", "1.7b": "bfloat16", "tiny": "float32"}
+REFERENCE = SIZES["41m"]  # the name earlier scripts import
+MODELS_ENV = "STATICFORMERS_BENCH_MODELS"  # where reference folders go (default bench/results)
+
+
+def reference_dir(size: str = "41m") -> str:
+    """The folder of a size's checkpoint: `$STATICFORMERS_BENCH_MODELS` or bench/results, then reference-qwen3-<size>."""
+    check_size(size)
+    root = os.environ.get(MODELS_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    return os.path.join(root, f"reference-qwen3-{size}")
+
+
 DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "results", "reference-qwen3-41m")
+
+
+def check_size(size: str) -> None:
+    if size not in SIZES:
+        raise ValueError(f"Unknown reference size {size!r}: use one of {', '.join(SIZES)}.")
 
 
 def pressure() -> str:
@@ -35,25 +68,70 @@ def pressure() -> str:
         return "n/a"
 
 
-def build_reference(directory: str = DEFAULT_DIR, dtype: str = "float32", seed: int = 0) -> str:
-    """Save the reference checkpoint in `dtype` to `directory` unless it is already there; return the folder."""
+def reference_config(size: str = "41m"):
+    """The size's staticformers ModelConfig (a Qwen3 config)."""
+    from staticformers import AutoConfig
+
+    check_size(size)
+    return AutoConfig.for_model("qwen3", **SIZES[size])
+
+
+def weight_counts(size: str = "41m") -> dict:
+    """Parameters of a size (tied weights once) and those in linear layers (the lm_head included: what a
+    forward pass multiplies by; the embedding is a lookup unless tied), from a model built on the meta
+    device (no memory, no init)."""
     import torch
 
-    from staticformers import AutoConfig, AutoModelForCausalLM
+    from staticformers import CausalLM
 
+    with torch.device("meta"):
+        model = CausalLM(reference_config(size))
+    params = {id(p): p for p in model.parameters()}
+    linear = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return {"parameters": sum(p.numel() for p in params.values()),
+            "linear_parameters": sum(w.numel() for w in linear.values())}
+
+
+def build_reference(directory: str | None = None, dtype: str | None = None, seed: int = 0, size: str = "41m",
+                    device: str = "cpu") -> str:
+    """Save the `size` checkpoint in `dtype` to `directory` unless it is already there; return the folder.
+
+    The weights are drawn on `device` (a GPU builds the 1.7B model in a second; the CPU's and a GPU's
+    random streams differ, so the marker records the device kind)."""
+    import torch
+
+    from staticformers import AutoModelForCausalLM
+
+    check_size(size)
+    directory = directory or reference_dir(size)
+    dtype = dtype or DEFAULT_DTYPES[size]
     marker = os.path.join(directory, "reference.json")
-    want = {"config": REFERENCE, "dtype": dtype, "seed": seed}
+    want = {"config": SIZES[size], "dtype": dtype, "seed": seed}
+    kind = torch.device(device).type
+    if kind != "cpu":
+        want["drawn_on"] = kind
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == want:
                 return directory
-    config = AutoConfig.for_model("qwen3", **REFERENCE)
-    model = AutoModelForCausalLM.from_config(config, seed=seed).to(getattr(torch, dtype))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(reference_config(size), seed=seed)
+    model = model.to(device=device, dtype=getattr(torch, dtype))
     model.save_pretrained(directory)
     with open(marker, "w") as f:
         json.dump(want, f)
     return directory
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("directory", nargs="?", default=None, help="where to save (default: reference_dir(size))")
+    ap.add_argument("--size", default="41m", choices=sorted(SIZES))
+    ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the size's)")
+    ap.add_argument("--device", default="cpu", help="where the random weights are drawn: cpu, cuda, cuda:N")
+    a = ap.parse_args(argv)
+    print(build_reference(a.directory, a.dtype, size=a.size, device=a.device))
+
+
 if __name__ == "__main__":
-    print(build_reference(*(sys.argv[1:2] or [DEFAULT_DIR])))
+    main()

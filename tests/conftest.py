@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny checkpoints (cached per session) and a stand-in Neuron device."""
+"""Shared fixtures: tiny checkpoints (cached per session), a stand-in Neuron device, and `device`
+(each test that takes it runs once per device kind: "cpu" always, "cuda" marked `cuda` and skipped
+where no NVIDIA GPU is visible)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,26 @@ import pytest
 import torch
 
 from tiny import save_tiny
+
+# the devices a `device` test runs on; `pytest -m cuda` selects the GPU variants alone
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+NO_GPU = "needs an NVIDIA GPU: torch.cuda.is_available() is False on this machine"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every test marked `cuda` (a `device` variant or a whole test) where no GPU is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NO_GPU)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """The device under test: the CPU, or the first CUDA GPU."""
+    return torch.device("cuda", 0) if request.param == "cuda" else torch.device("cpu")
 
 
 @pytest.fixture(scope="session")

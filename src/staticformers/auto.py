@@ -19,7 +19,9 @@ from .config import ModelConfig, parse_dtype
 from .devices import resolve_device
 from .loading import finish_loading, load_model, resolve
 from .loading import save_pretrained as save_checkpoint_folder
+from .memory_check import check_fits
 from .modeling import CausalLM
+from .seeds import check_seed
 
 
 class ModelForCausalLM(CausalLM):
@@ -96,6 +98,11 @@ class AutoModelForCausalLM:
             config = ModelConfig.from_dict(config, source="from_config(dict)")
         if kwargs:
             raise TypeError(f"from_config() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
+        if seed is not None:
+            check_seed(seed)
+        width = parse_dtype(dtype).itemsize if dtype not in (None, "auto") else 4
+        check_fits(config.num_parameters * width, "cpu", f"A model of {config.num_parameters:,} parameters",
+                   "check vocab_size, hidden_size, intermediate_size and num_hidden_layers")
         return ModelForCausalLM.from_config(config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None,
                                             seed=seed)
 

@@ -47,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(commands[args.command].run(args) or 0)
-    except (ValueError, OSError, RuntimeError, TypeError) as err:  # OSError: files, Hub access
+    except (ValueError, OSError, RuntimeError, TypeError, MemoryError) as err:  # OSError: files, Hub access
         # bad input: one sentence, no traceback (set -v for the log)
         print(f"staticformers {args.command}: {err}", file=sys.stderr)
         return 2

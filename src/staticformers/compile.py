@@ -33,6 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
+from . import cache_safety
+
 logger = logging.getLogger("staticformers")
 
 CACHE_ENV = "STATICFORMERS_CACHE"
@@ -93,7 +95,9 @@ def enable_persistent_cache() -> str:
     root = cache_root()
     if _ENABLED_FOR == root:
         return root
-    os.makedirs(root, exist_ok=True)
+    cache_safety.make_private_folder(root)
+    if not cache_safety.trusted_folder(root):  # inductor's caches are pickles too: never point them at it
+        return root
     if _ENABLED_FOR is not None or not _user_inductor_dir():
         # ours (first time, or the root moved since): inductor reads this variable at each lookup
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")

@@ -20,10 +20,14 @@ from typing import Any, Optional
 
 import torch
 
+from . import config_checks as checks
+from .config_checks import ConfigError
+
 CONFIG_NAME = "config.json"
 
 # RoPE variants the decoder implements (see modeling.rope_inv_freq)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -77,10 +81,6 @@ _HANDLED = {
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "float": torch.float32, "half": torch.float16}
-
-
-class ConfigError(ValueError):
-    """A config.json we cannot build a model from."""
 
 
 def parse_dtype(value: Any, what: str = "dtype") -> Optional[torch.dtype]:
@@ -174,61 +174,72 @@ class ModelConfig:
     # ---- reading ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Build the config, every value it uses checked first (`config_checks`: one sentence per bad key)."""
         d = dict(raw)
         arch = _architecture(d, source)
         fam = FAMILIES[arch]
         d = {**fam.defaults, **d}  # an explicit null (Mistral's sliding_window) stays null
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(d.get(key), int) or d[key] <= 0:
-                raise ConfigError(f"{source} has no valid {key!r} (got {d.get(key)!r}): it must be a positive integer.")
-        heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
+            if key not in d or d[key] is None:
+                raise ConfigError(f"{source} has no {key!r}: it must be a positive integer.")
+            checks.positive_int(d[key], key, source)
+        if d.get("max_position_embeddings") is None:
+            raise ConfigError(f"{source} has no 'max_position_embeddings': it must be a positive integer.")
+        checks.positive_int(d["max_position_embeddings"], "max_position_embeddings", source)
+        heads, layers, vocab = d["num_attention_heads"], d["num_hidden_layers"], d["vocab_size"]
+        kv_heads = checks.optional_positive_int(d.get("num_key_value_heads"), "num_key_value_heads", source) or heads
         if heads % kv_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
             )
-        head_dim = d.get("head_dim") or fam.default_head_dim or d["hidden_size"] // heads
+        head_dim = checks.optional_positive_int(d.get("head_dim"), "head_dim", source)
+        head_dim = head_dim or fam.default_head_dim or d["hidden_size"] // heads
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim={head_dim} is odd: rotary embeddings need an even head_dim.")
         theta, scaling = _rope(d, source)
-        sliding = d.get("sliding_window")
+        sliding = checks.optional_positive_int(d.get("sliding_window"), "sliding_window", source)
+        use_sliding = checks.optional_boolean(d.get("use_sliding_window"), "use_sliding_window", source)
+        max_window_layers = d.get("max_window_layers")
+        if max_window_layers is not None:
+            checks.non_negative_int(max_window_layers, "max_window_layers", source)
         layer_types = d.get("layer_types")
+        if layer_types is not None:
+            checks.string_list(layer_types, "layer_types", source, LAYER_TYPES, layers)
         if fam.model_type in ("qwen2", "qwen3"):
-            if not d.get("use_sliding_window"):
+            if not use_sliding:
                 sliding = None
             if layer_types is None and sliding is not None:
-                mwl = d.get("max_window_layers", 28)
-                layer_types = ["sliding_attention" if i >= mwl else "full_attention"
-                               for i in range(d["num_hidden_layers"])]
-        if layer_types is not None and len(layer_types) != d["num_hidden_layers"]:
-            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {d['num_hidden_layers']} layers.")
-        act = d.get("hidden_act", "silu")
+                mwl = max_window_layers if max_window_layers is not None else 28
+                layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+        act = checks.string(d.get("hidden_act", "silu"), "hidden_act", source)
         if act not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported; these families use \"silu\".")
         dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
+            vocab_size=vocab,
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=d["max_position_embeddings"],
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=checks.positive_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias") or False),
-            mlp_bias=bool(d.get("mlp_bias") or False),
+            tie_word_embeddings=checks.boolean(d.get("tie_word_embeddings"), "tie_word_embeddings", source),
+            attention_bias=checks.boolean(d.get("attention_bias"), "attention_bias", source),
+            mlp_bias=checks.boolean(d.get("mlp_bias"), "mlp_bias", source),
             hidden_act=act,
             sliding_window=sliding,
             layer_types=layer_types,
-            use_sliding_window=d.get("use_sliding_window"),
-            max_window_layers=d.get("max_window_layers"),
+            use_sliding_window=use_sliding,
+            max_window_layers=max_window_layers,
             dtype=parse_dtype(dtype, f"{source}: dtype") if dtype is not None else None,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            bos_token_id=checks.token_ids(d.get("bos_token_id"), "bos_token_id", source, vocab, allow_list=False),
+            eos_token_id=checks.token_ids(d.get("eos_token_id"), "eos_token_id", source, vocab, allow_list=True),
+            pad_token_id=checks.token_ids(d.get("pad_token_id"), "pad_token_id", source, vocab, allow_list=False),
             extra={k: copy.deepcopy(v) for k, v in raw.items() if k not in _HANDLED},
         )
 
@@ -287,14 +298,21 @@ class ModelConfig:
         return out
 
     def save_pretrained(self, directory: str) -> None:
+        """Write config.json, replacing an older one in one rename (a kill leaves the old or the new)."""
+        from .atomic_files import write_text_atomic
+
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=False)
-            f.write("\n")
+        write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
 
 
 def _architecture(d: dict, source: str) -> str:
     archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{source}: architectures={archs!r} must be a list of class names such as [\"Qwen3ForCausalLM\"].")
+    if d.get("model_type") is not None:
+        checks.string(d["model_type"], "model_type", source)
     supported = ", ".join(FAMILIES)
     for arch in archs:
         if arch in FAMILIES:
@@ -306,15 +324,16 @@ def _architecture(d: dict, source: str) -> str:
 
 
 def _rope(d: dict, source: str) -> tuple[float, Optional[dict]]:
-    """(rope_theta, scaling dict or None) from either spelling."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params and isinstance(params["full_attention"], dict):
+    """(rope_theta, scaling dict or None) from either spelling, every value checked."""
+    params = checks.mapping(d.get("rope_parameters"), "rope_parameters", source)
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
         params = params["full_attention"]  # per-layer-type form; these families use one
-    params = dict(params or {})
-    legacy = d.get("rope_scaling")
+    params = dict(params)
+    legacy = checks.mapping(d.get("rope_scaling"), "rope_scaling", source)
     if legacy:
         params = {**dict(legacy), **params}
-    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
+    theta = checks.positive_number(theta, "rope_theta", source, above=1.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     params.pop("type", None)
     if rope_type not in ROPE_TYPES:
@@ -330,6 +349,7 @@ def _rope(d: dict, source: str) -> tuple[float, Optional[dict]]:
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if key not in params:
                 raise ConfigError(f"{source}: rope scaling 'llama3' needs {key!r}.")
+    checks.rope_parameters(params, rope_type, source)
     return theta, params
 
 

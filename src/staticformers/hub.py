@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from .contained import check_name, file_in_folder
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """A folder or Hub id that does not hold what was asked for."""
@@ -28,11 +30,17 @@ def resolve_file(
     local_files_only: bool = False,
     token: Optional[str] = None,
     required: bool = True,
+    listed_in: Optional[str] = None,
 ) -> Optional[str]:
-    """A local path to `filename` in the folder or Hub repo; None when not `required` and absent."""
+    """A local path to `filename` in the folder or Hub repo; None when not `required` and absent.
+
+    `filename` must resolve inside the folder (`contained.file_in_folder`: no absolute path, no `..`,
+    no symbolic link out of it); `listed_in` names the file it was read from, for the refusal.
+    """
     name_or_path = os.fspath(name_or_path)
+    what = listed_in or name_or_path
     if is_local(name_or_path):
-        path = os.path.join(name_or_path, filename)
+        path = file_in_folder(name_or_path, filename, what)
         if os.path.isfile(path):
             return path
         if required:
@@ -40,6 +48,7 @@ def resolve_file(
         return None
     if name_or_path.startswith((".", "/", "~")) or os.path.splitdrive(name_or_path)[0]:
         raise CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
+    check_name(filename, what)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 

@@ -3,7 +3,8 @@
 Loading builds the model on the meta device (no memory, no random init), then materialises each
 tensor once, read from the file (plain reads, no memory map: see safetensors_io) straight into the
 target dtype on the target device: peak host memory stays near the model's size, not twice it. Pickle checkpoints
-are never unpickled. Every refusal is one sentence naming the file or the weights.
+are never unpickled; every file name an index gives must resolve inside the folder (`contained.py`).
+Every refusal is one sentence naming the file or the weights.
 
 Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
 `max_shard_size`, and generation_config.json when known; transformers loads what we write.
@@ -11,7 +12,6 @@ Saving writes config.json in the transformers-5 spelling, safetensors shards wit
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -22,14 +22,14 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, dtype_name, parse_dtype
+from .contained import OutsideFolderError
 from .hub import CheckpointNotFoundError, is_local, resolve_file
 from .modeling import CausalLM
 from .safetensors_io import SafetensorsFile, SafetensorsFormatError
+from .weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
 
 logger = logging.getLogger("staticformers")
 
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 GENERATION_CONFIG = "generation_config.json"
 
@@ -49,20 +49,16 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
     """Local paths of the checkpoint's safetensors files (every shard, in index order)."""
     index = resolve_file(name_or_path, SAFE_INDEX, required=False, **hub)
     if index is not None:
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({err!r}): restore it from the source.") from None
-        shards = list(dict.fromkeys(weight_map.values()))
         paths = []
-        for shard in shards:
+        for shard in _index_shards(index):
             try:
-                paths.append(resolve_file(name_or_path, shard, **hub))
+                paths.append(resolve_file(name_or_path, shard, listed_in=f"{SAFE_INDEX} of {name_or_path}", **hub))
             except CheckpointNotFoundError:
                 raise CheckpointNotFoundError(
                     f"Shard {shard} listed in {SAFE_INDEX} is missing from {name_or_path}: download the complete checkpoint."
                 ) from None
+            except OutsideFolderError as err:
+                raise CheckpointError(str(err)) from None
         return paths
     single = resolve_file(name_or_path, SAFE_WEIGHTS, required=False, **hub)
     if single is not None:
@@ -76,9 +72,32 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
     raise CheckpointNotFoundError(f"{name_or_path} has no {SAFE_WEIGHTS} and no {SAFE_INDEX}: it holds no weights we can load.")
 
 
+def open_weights(path: str) -> SafetensorsFile:
+    """A safetensors file with its header checked; a bad one is a `CheckpointError` naming the file."""
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsFormatError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard file names of a safetensors index, in order, each once; a malformed index is refused."""
+    from .jsonfile import read_json_object
+
+    data = read_json_object(index, "restore it from the checkpoint's source", CheckpointError)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no \"weight_map\" object naming each weight's shard: restore it from the source.")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{index} maps weight {bad[0]!r} to {weight_map[bad[0]]!r}, not to a shard file name: "
+                              f"restore it from the source.")
+    return list(dict.fromkeys(weight_map.values()))
+
+
 def _checkpoint_dtype(files: list[str]) -> Optional[torch.dtype]:
     """The dtype of the first floating tensor in the first shard, read from its header alone."""
-    with SafetensorsFile(files[0]) as f:
+    with open_weights(files[0]) as f:
         for name in f.keys():
             if f.dtype(name).is_floating_point:
                 return f.dtype(name)
@@ -118,11 +137,7 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
     where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
-        try:
-            handle = SafetensorsFile(path)
-        except SafetensorsFormatError as err:
-            raise CheckpointError(str(err)) from None
-        with handle as f:
+        with open_weights(path) as f:
             for name in f.keys():
                 if name not in expected:
                     if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
@@ -130,6 +145,11 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
                     continue
                 if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
+                if not f.dtype(name).is_floating_point:
+                    raise CheckpointError(
+                        f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(f.dtype(name))}, but this "
+                        f"model's weights are floating point: the file holds another kind of checkpoint (quantized?); "
+                        f"export it in float32, bfloat16 or float16.")
                 if f.shape(name) != expected[name]:
                     raise CheckpointError(
                         f"Weight {name} in {os.path.basename(path)} has shape {list(f.shape(name))} but config.json "
@@ -148,6 +168,28 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
             f"a shard may be missing or the config may not match the weights."
         )
     return where
+
+
+def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
+    """transformers' rule for a config that ties lm_head to embed_tokens while the checkpoint stores its
+    own lm_head.weight with other values: keep the stored head (untie, in `config`) and warn."""
+    if not config.tie_word_embeddings:
+        return
+    found = {}
+    for path in files:
+        with open_weights(path) as f:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.tensors:
+                    found[name] = path
+    if "lm_head.weight" not in found or "model.embed_tokens.weight" not in found:
+        return
+    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as embed:
+        if head.same_values("lm_head.weight", embed, "model.embed_tokens.weight"):
+            return
+    logger.warning("config.json ties lm_head.weight to model.embed_tokens.weight, but the checkpoint stores both with "
+                   "different values, so they are NOT tied (as transformers does): set tie_word_embeddings=false in "
+                   "config.json to silence this warning.")
+    config.tie_word_embeddings = False
 
 
 def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype) -> None:
@@ -212,6 +254,7 @@ def resolve(
     if config is None:
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
+    untie_stored_head(config, files)
     return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub)
 
 
@@ -275,9 +318,11 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                     state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
-    """Write config.json, the safetensors weights (sharded above `max_shard_size`) and generation_config.json."""
-    from safetensors.torch import save_file
+    """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
 
+    Into a folder that holds a model already, a kill at any moment leaves one that loads, the old model or
+    the new one (`weights_writer.py`; config files are replaced in one rename each).
+    """
     if not safe_serialization:
         raise ValueError("staticformers saves safetensors only: drop safe_serialization=False.")
     directory = os.fspath(save_directory)
@@ -295,21 +340,7 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    for stale in os.listdir(directory):
-        if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?", stale):
-            os.remove(os.path.join(directory, stale))
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, SAFE_WEIGHTS), metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards, 1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
-            for name, tensor in shard.items():
-                weight_map[name] = fname
-                total += tensor.numel() * tensor.element_size()
-        with open(os.path.join(directory, SAFE_INDEX), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    write_weights(directory, shards, metadata={"format": "pt"})  # the old weights stay until the new ones are in
     model.config.dtype = next(iter(tensors.values())).dtype if tensors else model.config.dtype
     model.config.save_pretrained(directory)
     if model.generation_config is not None:

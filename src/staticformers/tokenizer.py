@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from staticformers import assistant_masks as _masks
 from staticformers import chat_template as _chat
-from staticformers.tokenizer_files import SPECIAL_TOKEN_NAMES, read_folder, resolve_folder, write_folder
+from staticformers.tokenizer_files import SPECIAL_TOKEN_NAMES, check_config_values, read_folder, resolve_folder, write_folder
 
 VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
 LARGE_INTEGER = int(1e20)
@@ -132,6 +132,7 @@ class FastTokenizer:
                  extra_special_tokens: Sequence[str] = (), chat_template: str | dict | None = None,
                  name_or_path: str = "") -> None:
         config = dict(config or {})
+        check_config_values(config, f"{name_or_path or 'the tokenizer'}: tokenizer_config.json")
         self._backend = backend
         self._lock = threading.RLock()
         self._state: tuple | None = None  # the padding/truncation set on the backend now

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .contained import check_name, file_in_folder
 from .jsonfile import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -62,6 +63,8 @@ def resolve_folder(name_or_path: str | os.PathLike, *, revision: str | None = No
     path = Path(name_or_path)
     if path.is_file() and path.name == TOKENIZER_FILE:
         return path.parent
+    if subfolder:
+        check_name(subfolder, "subfolder")
     if path.is_dir():
         folder = path / subfolder if subfolder else path
         if not folder.is_dir():
@@ -141,12 +144,44 @@ def _missing_tokenizer_json(folder: Path) -> FileNotFoundError:
     )
 
 
+_BOOLEAN_KEYS = ("clean_up_tokenization_spaces", "split_special_tokens",
+                 "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+
+
+def check_config_values(config: dict[str, Any], source: str) -> None:
+    """The values of tokenizer_config.json (or overrides) the tokenizer uses: one sentence per bad one."""
+    length = config.get("model_max_length", config.get("max_len"))
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))
+                               or not length >= 1 or length != length or length == float("inf")):
+        raise ValueError(f"{source}: model_max_length={length!r} must be a positive integer "
+                         f"(omit it for no limit).")
+    for key in ("padding_side", "truncation_side"):
+        if key in config and config[key] not in ("left", "right"):
+            raise ValueError(f"{source}: {key} must be 'left' or 'right', not {config[key]!r}.")
+    for key in _BOOLEAN_KEYS:
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise ValueError(f"{source}: {key}={config[key]!r} must be true or false (JSON booleans, without quotes).")
+    names = config.get("model_input_names")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{source}: model_input_names={names!r} must be a list of strings.")
+
+
+def _inside(folder: Path, name: str) -> Path:
+    """`folder / name`, refused when it resolves outside the folder (a symbolic link out of it)."""
+    return Path(file_in_folder(folder, name, str(folder)))
+
+
 def read_folder(folder: Path) -> TokenizerFiles:
-    """Read a resolved tokenizer folder into a `TokenizerFiles`; refuse one without tokenizer.json."""
-    tokenizer_json = folder / TOKENIZER_FILE
+    """Read a resolved tokenizer folder into a `TokenizerFiles`; refuse one without tokenizer.json.
+
+    Every file read must resolve inside the folder (`contained.py`): a symbolic link out of it is refused.
+    """
+    tokenizer_json = _inside(folder, TOKENIZER_FILE)
     if not tokenizer_json.is_file():
         raise _missing_tokenizer_json(folder)
-    config = _load_json(folder / CONFIG_FILE) if (folder / CONFIG_FILE).is_file() else {}
+    config_path = _inside(folder, CONFIG_FILE)
+    config = _load_json(config_path) if config_path.is_file() else {}
+    check_config_values(config, str(config_path))
     files = TokenizerFiles(folder=folder, tokenizer_json=tokenizer_json, config=config)
 
     # Special tokens: tokenizer_config.json first; the legacy special_tokens_map.json fills (and, as in
@@ -155,7 +190,7 @@ def read_folder(folder: Path) -> TokenizerFiles:
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
     if isinstance(extra, dict):  # named model-specific tokens, e.g. {"image_token": "<image>"}: the values
         extra = list(extra.values())
-    map_path = folder / SPECIAL_TOKENS_MAP_FILE
+    map_path = _inside(folder, SPECIAL_TOKENS_MAP_FILE)
     if "added_tokens_decoder" not in config and map_path.is_file():
         special_map = _load_json(map_path)
         for key in SPECIAL_TOKEN_NAMES:
@@ -170,19 +205,32 @@ def read_folder(folder: Path) -> TokenizerFiles:
         if token is not None:
             files.special_tokens[key] = token
     files.extra_special_tokens = [t for t in (_as_token(v, "extra_special_tokens") for v in extra) if t is not None]
-    for idx, value in (config.get("added_tokens_decoder") or {}).items():
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise ValueError(f"{config_path}: added_tokens_decoder must be an object of token id -> token.")
+    for idx, value in decoder.items():
         token = _as_token(value, f"added_tokens_decoder[{idx}]")
+        if token is None or not str(idx).isdigit():
+            raise ValueError(f"{config_path}: added_tokens_decoder[{idx!r}] must map a token id (digits) to a token.")
         files.added_tokens_decoder[int(idx)] = {"content": token.content, **(token.flags or {})}
 
     # Chat templates: separate .jinja files win over the config's entry.
     template: Any = config.get("chat_template")
     if isinstance(template, list):
+        if not all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+                   for e in template):
+            raise ValueError(f"{config_path}: chat_template, as a list, must hold {{\"name\": ..., \"template\": ...}} "
+                             f"objects of strings.")
         template = {entry["name"]: entry["template"] for entry in template}
+    elif template is not None and not isinstance(template, str):
+        raise ValueError(f"{config_path}: chat_template must be a string (or a list of named templates).")
     templates: dict[str, str] = {}
-    if (folder / CHAT_TEMPLATE_FILE).is_file():
-        templates["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    if (folder / CHAT_TEMPLATE_DIR).is_dir():
+    default_template = _inside(folder, CHAT_TEMPLATE_FILE)
+    if default_template.is_file():
+        templates["default"] = default_template.read_text(encoding="utf-8")
+    if _inside(folder, CHAT_TEMPLATE_DIR).is_dir():
         for path in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            path = _inside(folder, f"{CHAT_TEMPLATE_DIR}/{path.name}")
             templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
     if templates:
         template = templates["default"] if list(templates) == ["default"] else templates

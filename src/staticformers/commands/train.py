@@ -16,6 +16,7 @@ import json
 import os
 
 HELP = "train or fine-tune a causal LM on text or conversations with fixed shapes (padding or packing)"
+DEFAULT_MAX_LENGTH = 512
 
 
 def add_arguments(parser) -> None:
@@ -26,7 +27,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: PATH)")
     parser.add_argument("--txt-documents", choices=("paragraph", "line", "file"), default="paragraph",
                         help="how .txt files split into documents (default: blank-line separated paragraphs)")
-    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per training row (default: 512, or the model's positions when fewer); "
+                             "more than the model's positions is refused")
     parser.add_argument("--packing", action="store_true", help="pack documents into full rows (default: pad each)")
     parser.add_argument("--assistant-only-loss", action="store_true",
                         help="loss only on the assistant's tokens of `messages` conversations (the chat template's "
@@ -143,7 +146,8 @@ def run(args) -> int:
         save_strategy="no" if args.no_save else "steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         bf16=args.bf16, torch_compile=args.compile or args.backend is not None, torch_compile_backend=args.backend,
         gradient_checkpointing=args.gradient_checkpointing, use_cpu=args.use_cpu, report_to=args.report_to, seed=args.seed,
-        max_length=args.max_length, packing=args.packing, disable_tqdm=args.quiet,
+        max_length=args.max_length or min(DEFAULT_MAX_LENGTH, model.config.max_position_embeddings),
+        packing=args.packing, disable_tqdm=args.quiet,
         assistant_only_loss=args.assistant_only_loss, chat_template_path=args.chat_template)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
     out = trainer.train(resume_from_checkpoint=args.resume)

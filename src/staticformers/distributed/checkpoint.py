@@ -58,24 +58,41 @@ def load_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
         set_state_dict,
     )
 
+    from .dcp_safety import SafeFileSystemReader, SafeLoadPlanner, UnsafeCheckpointError, check_checkpoint_folder
+
     if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
         raise FileNotFoundError(
             f"{checkpoint_dir} is not a torch.distributed.checkpoint folder (no .metadata): pass the folder "
             f"save_checkpoint wrote."
         )
+
+    check_checkpoint_folder(checkpoint_dir)  # a refusal here is one sentence (inside dcp.load it is wrapped)
+
+    def read(state: dict) -> None:  # never PyTorch's default reader: it unpickles (dcp_safety.py)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir), planner=SafeLoadPlanner())
+        except CheckpointException as err:  # DCP wraps each rank's error with its traceback: give ours back
+            ours = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpointError)]
+            if ours:
+                raise ours[0] from None
+            raise
+
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=checkpoint_dir)
+        read(state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=checkpoint_dir)
+        read(state)
         set_model_state_dict(model, state["model"])
     path = os.path.join(checkpoint_dir, EXTRA_STATE)
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        from ..jsonfile import read_json_object
+
+        return read_json_object(path, "restore the checkpoint's extra state", ValueError)
     return {}
 
 

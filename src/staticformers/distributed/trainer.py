@@ -38,12 +38,14 @@ from torch import nn
 from ..training import checkpoint as ckpt
 from ..training.optim import MasterWeights
 from ..training.state import TrainerState
+from ..training.state_files import (apply_file, apply_state, check_optimizer_state, check_scheduler_state,
+                                    load_torch_file)
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained_distributed
 from .training import clip_grad_norm_, compile_blocks
 
 logger = logging.getLogger("staticformers")
 
-DCP_FOLDER = "distributed"  # inside a checkpoint-N folder: the DCP shards of model and optimizer
+DCP_FOLDER = ckpt.DCP_FOLDER  # inside a checkpoint-N folder: the DCP shards of model and optimizer
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -145,10 +147,16 @@ class DistributedTraining:
             raise ValueError(f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
                              f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead.")
         t = self.trainer
-        load_checkpoint(dcp_dir, self.model, t.optimizer)
-        t.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
-        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), t.device)
-        t.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        scheduler_file = os.path.join(directory, ckpt.SCHEDULER)
+        scheduler = load_torch_file(scheduler_file)
+        check_scheduler_state(scheduler, scheduler_file, len(t.optimizer.param_groups))
+        load_checkpoint(dcp_dir, self.model, t.optimizer)  # DCP metadata unpickled safely (dcp_safety.py)
+        check_optimizer_state(t.optimizer, os.path.join(dcp_dir, ".metadata"))
+        apply_state(scheduler_file, "learning-rate scheduler", t.lr_scheduler.load_state_dict, scheduler)
+        apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",
+                   lambda rng: ckpt.restore_rng_state(rng, t.device))
+        t.state = state
 
     def save_checkpoint(self) -> str:
         """The Trainer's atomic folder, opened by rank 0 and written into by every rank."""
@@ -156,6 +164,7 @@ class DistributedTraining:
         step = t.state.global_step
         path = ckpt.checkpoint_path(self.args.output_dir, step)
         t.state.last_checkpoint = path
+        t.check_weights_finite()  # every rank: a NaN anywhere means no checkpoint at all
         main = self.is_world_process_zero()
         context = ckpt.atomic_checkpoint(self.args.output_dir, step) if main else None
         shared = [context.__enter__() if main else None]
@@ -163,6 +172,7 @@ class DistributedTraining:
         failure = None
         try:
             t.save_checkpoint_files(shared[0])
+            t.save_tokenizer(shared[0])  # rank 0, before the rename that commits the checkpoint
         except BaseException as err:  # every rank must still reach the barrier below
             failure = err
         if main:
@@ -171,7 +181,6 @@ class DistributedTraining:
             else:
                 context.__exit__(type(failure), failure, failure.__traceback__)  # removes the folder
             if failure is None:
-                t.save_tokenizer(path)
                 ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
         dist.barrier()
         if failure is not None:

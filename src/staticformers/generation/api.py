@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ..compile import default_backend
+from ..seeds import check_seed
 from .config import CompileConfig, GenerationConfig
 from .engine import CompileSettings, Engine
 from .loop import GenerationLoop, GenerationRequest
@@ -171,10 +172,10 @@ def _sampling(config: GenerationConfig, eos: list[int], row: int, seed: Optional
     """Row `row`'s settings: with `seed`, its own generator seeded `seed + row`, so each row of a batch
     samples what it samples alone with that seed."""
     return SamplingParams(
-        do_sample=bool(config.do_sample), temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+        do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
         min_p=config.min_p, repetition_penalty=config.repetition_penalty,
         min_new_tokens=config.min_new_tokens if config.min_new_tokens is not None else 0,
-        eos_token_ids=eos, seed=(seed + row) if seed is not None else None,
+        eos_token_ids=eos, seed=(seed + row) % 2**64 if seed is not None else None,
         generator=generator if seed is None else None)
 
 
@@ -226,6 +227,8 @@ def generate(
     max_new = _max_new_tokens(config, ids.shape[1])
     if generator is not None and seed is not None:
         raise ValueError("Pass generator or seed, not both.")
+    if seed is not None:
+        check_seed(seed)
     eos, pad = _pad_and_eos(model, config, no_eos)
     requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i)
                 for i, p in enumerate(prompts)]

@@ -24,9 +24,12 @@ ignores the layer index: a region compiled for one layer runs every layer.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+
+from ..memory_check import check_fits
 
 
 class KVCache:
@@ -36,6 +39,8 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         self.batch, self.max_length = int(batch), int(max_length)
         shape = (self.batch, kv_heads, self.max_length, head_dim)
+        check_fits(2 * num_layers * math.prod(shape) * dtype.itemsize, device,
+                   f"The KV cache ({self.batch} sequences x {self.max_length} positions)", "lower max_model_len or the batch buckets")
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._views = [LayerKV(self, i) for i in range(num_layers)]

@@ -68,10 +68,10 @@ class GenerationConfig:
         return copy.deepcopy(self)
 
     def save_pretrained(self, directory: str) -> None:
+        from ..atomic_files import write_text_atomic  # one rename: a kill leaves the old file or the new
+
         os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, GENERATION_CONFIG_NAME), "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        write_text_atomic(os.path.join(directory, GENERATION_CONFIG_NAME), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 @dataclass

@@ -23,10 +23,13 @@ its batch and whenever it joins.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+
+from ..seeds import check_seed
 
 NEG_INF = float("-inf")
 
@@ -97,18 +100,17 @@ def _number(value, name: str, integer: bool = False) -> None:
 def check_options(do_sample: bool, temperature_: Optional[float], top_k_: Optional[int], top_p_: Optional[float],
                   min_p_: Optional[float], repetition_penalty_: Optional[float], presence_penalty_: Optional[float] = None,
                   frequency_penalty_: Optional[float] = None) -> None:
-    """Refuse values that cannot mean anything, with one sentence each."""
-    for value, name in ((temperature_, "temperature"), (top_p_, "top_p"), (min_p_, "min_p"),
-                        (repetition_penalty_, "repetition_penalty"), (presence_penalty_, "presence_penalty"),
-                        (frequency_penalty_, "frequency_penalty")):
-        _number(value, name)
-        if value is not None and value != value:
-            raise ValueError(f"{name}={value!r} must be a number, not NaN.")
+    """Refuse values that cannot mean anything, with one sentence each (a string, a bool or NaN first)."""
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample={do_sample!r} must be True or False.")
+    for name, value in (("temperature", temperature_), ("top_p", top_p_), ("min_p", min_p_),
+                        ("repetition_penalty", repetition_penalty_), ("presence_penalty", presence_penalty_),
+                        ("frequency_penalty", frequency_penalty_)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+            raise ValueError(f"{name}={value!r} must be a finite number{' (not a string)' if isinstance(value, str) else ''}.")
     _number(top_k_, "top_k", integer=True)
     if do_sample and temperature_ is not None and not temperature_ > 0:
         raise ValueError(f"temperature={temperature_} must be greater than 0 when sampling (use do_sample=False for greedy).")
-    if temperature_ is not None and temperature_ == float("inf"):
-        raise ValueError(f"temperature={temperature_} must be finite.")
     if top_p_ is not None and not 0 < top_p_ <= 1:
         raise ValueError(f"top_p={top_p_} must be in (0, 1].")
     if min_p_ is not None and not 0 <= min_p_ <= 1:
@@ -157,9 +159,7 @@ class SamplingParams:
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be a non-negative integer.")
         if self.seed is not None:
-            _number(self.seed, "seed", integer=True)
-            if not -2**63 <= self.seed < 2**64:
-                raise ValueError(f"seed={self.seed} does not fit in 64 bits: pass a smaller seed.")
+            check_seed(self.seed)
         if self.seed is not None and self.generator is not None:
             raise ValueError("Pass generator or seed, not both.")
         if self.logprobs is not None:

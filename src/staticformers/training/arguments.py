@@ -27,6 +27,8 @@ from typing import Optional, Union
 
 import torch
 
+from ..seeds import check_seed
+
 logger = logging.getLogger("staticformers")
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -34,6 +36,30 @@ STRATEGIES = ("no", "steps", "epoch")
 REPORTERS = ("tensorboard",)
 PACKING_STRATEGIES = ("bfd", "wrapped")
 LONG_DOCUMENTS = ("split", "truncate")
+
+
+MAX_LEARNING_RATE = 1.0  # above this no AdamW run trains; 1e30 was accepted and wrote NaN checkpoints
+_BOOLEANS = ("logging_first_step", "bf16", "torch_compile", "dataloader_drop_last", "use_cpu", "gradient_checkpointing",
+             "disable_tqdm", "packing")
+_NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
+            "warmup_ratio", "logging_steps", "save_steps")
+
+
+def _integer(name: str, value, minimum: int, what: str = "a positive integer") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if name == "max_steps":
+            what = "a positive number of optimizer steps, or -1 to train num_train_epochs"
+        raise ValueError(f"{name}={value!r} must be {what}.")
+
+
+def _finite(name: str, value, none_hint: bool = False) -> None:
+    """A real number (int or float, not a bool or a string) that is neither NaN nor infinite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = " (not a string: drop the quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"{name}={value!r} must be a number{hint}.")
+    if not math.isfinite(value):
+        hint = "; pass 0 or None for no clipping" if none_hint else ""
+        raise ValueError(f"{name}={value!r} must be a finite number{hint}.")
 
 
 @dataclass
@@ -100,21 +126,38 @@ class TrainingArguments:
 
     # ---- validation --------------------------------------------------------------------------
     def _check(self) -> None:
-        def positive_int(name: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer.")
-
+        """Types first (a string, a bool or NaN where a number belongs), then ranges and combinations."""
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length"):
-            positive_int(name)
-        if not self.output_dir:
+            _integer(name, getattr(self, name), minimum=1)
+        _integer("max_steps", self.max_steps, minimum=-1)
+        _integer("warmup_steps", self.warmup_steps, minimum=0, what="an integer of 0 or more")
+        check_seed(self.seed)
+        if self.save_total_limit is not None:
+            _integer("save_total_limit", self.save_total_limit, minimum=1,
+                     what="an integer of at least 1, or None to keep every checkpoint")
+        for name in _BOOLEANS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+        for name in _NUMBERS:
+            _finite(name, getattr(self, name))
+        for name in ("max_grad_norm", "eval_steps"):
+            if getattr(self, name) is not None:
+                _finite(name, getattr(self, name), none_hint=name == "max_grad_norm")
+        if not isinstance(self.output_dir, (str, os.PathLike)) or not os.fspath(self.output_dir):
             raise ValueError("output_dir is empty: pass the folder where checkpoints and metrics go.")
         if self.max_length < 2:
             raise ValueError(f"max_length={self.max_length} leaves nothing to predict: use at least 2.")
-        if not self.learning_rate >= 0 or math.isinf(self.learning_rate):
+        if self.learning_rate < 0:
             raise ValueError(f"learning_rate={self.learning_rate!r} must be a finite number >= 0.")
+        if self.learning_rate > MAX_LEARNING_RATE:
+            raise ValueError(f"learning_rate={self.learning_rate!r} is far above any AdamW learning rate (typically "
+                             f"1e-5 to 1e-3): use at most {MAX_LEARNING_RATE:g}.")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} is negative: use 0 or more.")
+        if self.learning_rate * self.weight_decay >= 1:
+            raise ValueError(f"learning_rate x weight_decay = {self.learning_rate * self.weight_decay:g}: AdamW multiplies "
+                             f"the weights by 1 - that each step, which zeroes or flips them; use a weight_decay below "
+                             f"{1 / self.learning_rate:g} (typically 0 to 0.1).")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1).")
@@ -128,8 +171,6 @@ class TrainingArguments:
             raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing: set one of them.")
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported: use one of {', '.join(SCHEDULERS)}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} is negative.")
         if not 0.0 <= self.warmup_ratio <= 1.0:
             raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1].")
         if self.warmup_steps > 0 and self.warmup_ratio > 0:
@@ -146,8 +187,6 @@ class TrainingArguments:
             raise ValueError(f"save_strategy=\"steps\" needs save_steps > 0 (got {self.save_steps}).")
         if self.eval_steps is not None and not self.eval_steps > 0:
             raise ValueError(f"eval_steps={self.eval_steps} must be positive.")
-        if self.save_total_limit is not None and (isinstance(self.save_total_limit, bool) or self.save_total_limit < 1):
-            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1, or None to keep every checkpoint.")
         if self.packing_strategy not in PACKING_STRATEGIES:
             raise ValueError(f"packing_strategy={self.packing_strategy!r} is not supported: use one of {', '.join(PACKING_STRATEGIES)}.")
         if not isinstance(self.assistant_only_loss, bool):
@@ -160,7 +199,7 @@ class TrainingArguments:
                              "local tokenizer folder with a chat template.")
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"long_documents={self.long_documents!r} is not supported: use \"split\" or \"truncate\".")
-        if self.torch_compile_backend is not None and not self.torch_compile and not isinstance(self.torch_compile_backend, str):
+        if self.torch_compile_backend is not None and not isinstance(self.torch_compile_backend, str):
             raise ValueError("torch_compile_backend must be a backend name such as \"inductor\" or \"neuron\".")
         if self.torch_compile_backend is not None and not self.torch_compile:
             # transformers turns compile on when a backend is given; so do we, and say so

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ..memory_check import check_fits
 from .chat_data import ChatEncoder, is_chat_example
 from .documents import IGNORE_INDEX, Document, TextEncoder, as_list, iter_examples, pad_token_id_of
 
@@ -184,6 +185,8 @@ def pad_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, l
     """One document (or piece) per row, right-padded with labels -100."""
     pieces = [p for d in docs for p in _pieces(d, max_length, long_documents == "truncate")]
     n = len(pieces)
+    check_fits(2 * n * max_length * 8, "cpu", f"The padded training rows ({n} x max_length={max_length})",
+               "lower max_length, or use packing=True")
     input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
     labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
     real = 0
@@ -237,6 +240,8 @@ def pack_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, 
     else:
         raise ValueError(f"packing_strategy={strategy!r} is not supported: use \"bfd\" or \"wrapped\".")
     n = len(rows)
+    check_fits(3 * n * max_length * 8, "cpu", f"The packed training rows ({n} x max_length={max_length})",
+               "lower max_length")
     input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
     labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.empty((n, max_length), dtype=torch.long)

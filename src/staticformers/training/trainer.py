@@ -22,7 +22,8 @@ Design choices:
 - **Checkpoints** are folders written atomically (`training/checkpoint.py`); resuming restores
   weights, optimizer, scheduler, RNG and the data position, and continues bit-identically.
 - **A NaN or inf loss (or gradient norm)** stops training before the optimizer step, with a
-  sentence naming the step; no checkpoint is written after it.
+  sentence naming the step; no checkpoint is written after it. NaN or inf weights stop it before a
+  checkpoint is written (`guards.py`), so a checkpoint is never non-finite.
 
 Every decision that depends on the process layout is a hook method: `setup_device`,
 `data_parallel_info` (rank, world size), `is_world_process_zero`, `compute_dtype`, `prepare_model`,
@@ -50,27 +51,28 @@ from torch import nn
 
 from ..backends import for_device
 from ..modeling import CausalLM
+from ..seeds import check_seed
 from . import checkpoint as ckpt
 from .arguments import TrainingArguments
 from .compiled import StepFunction
 from .chat_data import use_chat_template_file
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
+from .guards import TrainingDivergedError, check_finite_weights, check_max_length, check_step_memory, check_token_ids
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
+from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state,
+                          load_torch_file, read_weights)
 
 logger = logging.getLogger("staticformers")
 
 LOSS_CURVE = "loss_curve.png"
 
 
-class TrainingDivergedError(RuntimeError):
-    """The loss or the gradient norm stopped being finite."""
-
-
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices), as transformers' set_seed does."""
+    check_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -98,6 +100,7 @@ class Trainer:
             logger.warning("data_collator is not used: staticformers builds fixed-shape batches itself "
                            "(TrainingArguments.max_length, packing).")
         self.args = args if args is not None else TrainingArguments()
+        check_max_length(self.args.max_length, getattr(model, "config", None))
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy=\"no\".")
         self.model = model
@@ -200,10 +203,16 @@ class Trainer:
             if self.train_dataset is None:
                 raise ValueError("Trainer.train() needs a train_dataset.")
             a = self.args
-            self._train_rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
-                                          a.packing_strategy, a.long_documents, a.assistant_only_loss,
-                                          a.completion_only_loss)
+            rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
+                              a.packing_strategy, a.long_documents, a.assistant_only_loss, a.completion_only_loss)
+            self._check_rows(rows, "training data")
+            self._train_rows = rows
         return self._train_rows
+
+    def _check_rows(self, rows: RowTable, what: str) -> None:
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None:
+            check_token_ids(rows, vocab, what)
 
     def get_eval_rows(self, eval_dataset: Any = None) -> RowTable:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -215,6 +224,7 @@ class Trainer:
         a = self.args
         rows = build_rows(dataset, self.processing_class, a.max_length, a.packing, a.packing_strategy,
                           a.long_documents, a.assistant_only_loss, a.completion_only_loss)
+        self._check_rows(rows, "evaluation data")
         self._eval_rows = self._eval_rows[-3:] + [(dataset, rows)]
         return rows
 
@@ -273,25 +283,25 @@ class Trainer:
         self.state.save_to_json(os.path.join(directory, ckpt.TRAINER_STATE))
 
     def load_checkpoint_files(self, directory: str) -> None:
-        """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder."""
+        """Restore weights, optimizer, scheduler, RNG and state from a checkpoint folder; every file is read
+        through the checked readers of `state_files` (one sentence naming a damaged or foreign file)."""
         if self.distributed is not None:
             return self.distributed.load_checkpoint_files(directory)
-        from safetensors.torch import load_file
-
-        from ..loading import weight_files
-
-        tensors = {}
-        for path in weight_files(directory):
-            tensors.update(load_file(path))
-        missing = [n for n in self.master.names if n not in tensors]
-        if missing:
-            raise ValueError(f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to another model.")
-        self.master.load(tensors)
-        self.optimizer.load_state_dict(torch.load(os.path.join(directory, ckpt.OPTIMIZER), map_location=self.device,
-                                                  weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(directory, ckpt.SCHEDULER), weights_only=True))
-        ckpt.restore_rng_state(torch.load(os.path.join(directory, ckpt.RNG_STATE), weights_only=True), self.device)
-        self.state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        # everything is read and checked before anything is applied: a refusal leaves the model as it was
+        state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
+        expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
+        weights = read_weights(directory, expected)
+        files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
+        loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))
+        apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
+        check_optimizer_state(self.optimizer, files[ckpt.OPTIMIZER])
+        apply_state(files[ckpt.SCHEDULER], "learning-rate scheduler", self.lr_scheduler.load_state_dict,
+                    loaded[ckpt.SCHEDULER])
+        apply_state(files[ckpt.RNG_STATE], "random number generators", lambda rng: ckpt.restore_rng_state(rng, self.device),
+                    loaded[ckpt.RNG_STATE])
+        self.master.load(weights)
+        self.state = state
 
     # =============================================================================================
     # training
@@ -344,6 +354,8 @@ class Trainer:
                 raise ValueError(
                     f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
                     f"resume with the same dataset, max_length and packing, or start a new run.")
+        check_step_memory(getattr(self.model, "config", None), a.per_device_train_batch_size, a.max_length, self.compute_dtype(),
+                          a.gradient_checkpointing, self.device)
         # the caller's tensors, kept until set-up succeeds: a refusal below gives the model back as it was
         originals = {id(p): p.detach() for p in self.model.parameters()}
         original_dtypes = {k: t.dtype for k, t in originals.items()}
@@ -362,7 +374,7 @@ class Trainer:
                 save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
                 gradient_accumulation_steps=ga, train_rows=rows.num_rows)
             if resume_path is not None:
-                self.load_checkpoint_files(resume_path)
+                resume_path = self._load_resume(resume_path, auto=resume_from_checkpoint is True)
         except BaseException:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -488,6 +500,20 @@ class Trainer:
             self._reporter.close()
         return TrainOutput(state.global_step, metrics["train_loss"], metrics)
 
+    def _load_resume(self, path: str, auto: bool) -> str:
+        """Load checkpoint `path`; with resume_from_checkpoint=True a checkpoint that fails to load is
+        skipped for the next older good one, with a warning saying why. Returns the one loaded."""
+        while True:
+            try:
+                self.load_checkpoint_files(path)
+                return path
+            except CorruptCheckpointError as err:
+                older = ckpt.previous_good_checkpoint(self.args.output_dir, path) if auto else None
+                if older is None:
+                    raise
+                logger.warning("Checkpoint %s cannot be resumed from (%s); resuming from %s instead.", path, err, older)
+                path = older
+
     def _restore_dtypes(self, original: dict) -> None:
         """Give each parameter back its original dtype, holding the fp32 master value."""
         if self.master is None:
@@ -500,23 +526,29 @@ class Trainer:
 
     def _diverged(self, step: int, loss: float, norm: float) -> None:
         what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
-        last = ckpt.last_checkpoint(self.args.output_dir)
+        last = ckpt.last_good_checkpoint(self.args.output_dir)
         self.log({"diverged_at_step": step, "loss": loss if math.isfinite(loss) else None})
         raise TrainingDivergedError(
             f"Training stopped at step {step}: {what}; that step was not applied and no checkpoint was written after it "
             f"(the last good checkpoint is {last or 'none'}). Lower learning_rate, check the data, or use bf16=False, "
             f"then resume_from_checkpoint.")
 
+    def check_weights_finite(self) -> None:
+        """Before a checkpoint: every master weight finite (on every rank), else stop; never a NaN checkpoint."""
+        check_finite_weights(self.master.by_name().items(), self.state.global_step,
+                             lambda: ckpt.last_good_checkpoint(self.args.output_dir), self.device)
+
     def _save_checkpoint(self) -> str:
         if self.distributed is not None:
             return self.distributed.save_checkpoint()
         step = self.state.global_step
         path = ckpt.checkpoint_path(self.args.output_dir, step)
+        self.check_weights_finite()
         if self.is_world_process_zero():
             with ckpt.atomic_checkpoint(self.args.output_dir, step) as tmp:
                 self.state.last_checkpoint = path
                 self.save_checkpoint_files(tmp)
-            self.save_tokenizer(path)
+                self.save_tokenizer(tmp)  # inside: the rename commits everything the checkpoint holds
             ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, keep=path)
         self.state.last_checkpoint = path
         return path

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 import torch
 
+from ... import cache_safety
+
 logger = logging.getLogger("staticformers")
 
 FOLDER = "precompiled"
@@ -133,7 +135,7 @@ def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
 
 def load(path: str) -> Optional[Any]:
     """The artifact at `path` as a callable, or None (absent, or unreadable: then it is deleted)."""
-    if not os.path.exists(path):
+    if not os.path.exists(path) or not cache_safety.trusted_file(path):  # a pickle: only if no one else wrote it
         return None
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -154,8 +156,9 @@ def load(path: str) -> Optional[Any]:
 def save(fn: Any, path: str) -> None:
     """Write `fn` (an `aot_compile` result) to `path`; a failure only costs the next process a compile."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        cache_safety.make_private_folder(os.path.dirname(path))
         fn.save_compiled_function(path)
+        cache_safety.drop_group_write(path)
     except Exception as exc:
         logger.info("precompiled artifact %s not saved (%s)", path, exc)
         discard(path)

@@ -1,0 +1,171 @@
+"""The hardware ceilings every benchmark reports utilisation against, measured in the same run on the
+same device, and the clock the benchmarks time with. Shared by every script in bench/.
+
+- **Memory bandwidth** (`memory_ceiling`), what a decode step is bound by:
+  - on a GPU, a device-to-device copy of a buffer the size of the weights, timed with CUDA events;
+    bytes read plus bytes written per second (HBM's rate; ~4.3 TB/s measured on an H200 this way);
+  - on the CPU, a GEMV over the same bytes as the weights: `torch.mv` of a `[bytes / (cols x element
+    size), cols]` matrix in the weights' dtype (81,250 x 512 for the 41.6M reference model), which is
+    what a batch-1 decode step reads, from wherever those bytes live. A small model can sit in a large
+    L3 (166 MB in 480 MiB here), where a 512 MB `sum` would measure DRAM instead and understate the
+    ceiling.
+- **Matmul FLOP/s** (`matmul_ceiling`), what training is bound by: a large bf16 matmul (8192^3 on a
+  GPU, 1024^3 on the CPU), 2 n^3 FLOP per product.
+- **Timing** (`Clock`, `median_seconds`): wall time with the device synchronized at both ends, so a
+  GPU's queued work is counted; CUDA events for the probes' own kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+def as_device(device) -> torch.device:
+    """A torch.device from "cpu", "cuda", "cuda:N" or a torch.device; "cuda" means cuda:0."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", 0)
+    return d
+
+
+def check_device(device) -> torch.device:
+    """The device, or one sentence saying why it cannot be used here."""
+    d = as_device(device)
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {device}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
+                             f"run on a machine with an NVIDIA GPU or pass --device cpu.")
+        if d.index >= torch.cuda.device_count():
+            raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    elif d.type != "cpu":
+        raise SystemExit(f"--device {device}: the benchmarks run on cpu, cuda or cuda:N.")
+    return d
+
+
+def sig(x: float, digits: int = 3) -> float:
+    """`x` to `digits` significant figures (utilisation of a tiny model is far below 0.001, yet not 0)."""
+    return float(f"{x:.{digits}g}")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Clock:
+    """`with Clock(device) as c: ...` then `c.seconds`: wall time, the device synchronized at both ends."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self) -> "Clock":
+        synchronize(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self._start
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7, warmup: int = 2) -> float:
+    """Median seconds of `fn()`: CUDA events around each call on a GPU, a synchronized clock elsewhere."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # the events record on this device's current stream
+            return _median_cuda_seconds(fn, repeats, warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with Clock(device) as c:
+            fn()
+        times.append(c.seconds)
+    return statistics.median(times)
+
+
+def _median_cuda_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def memory_ceiling(device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512,
+                   repeats: int = 7) -> dict:
+    """The memory bandwidth a decode step over `nbytes` of weights can reach on `device` (module docstring)."""
+    nbytes = max(int(nbytes), 1 << 20)
+    if device.type == "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        seconds = median_seconds(lambda: dst.copy_(src), device, repeats)
+        del src, dst
+        torch.cuda.empty_cache()
+        moved = 2 * nbytes
+        what = f"device-to-device copy of {nbytes / 1e9:.3f} GB (bytes read + written)"
+    else:
+        size = torch.tensor([], dtype=dtype).element_size()
+        rows = max(nbytes // (cols * size), 1)
+        w = torch.randn(rows, cols).to(dtype)
+        x = torch.randn(cols).to(dtype)
+        seconds = median_seconds(lambda: torch.mv(w, x), device, repeats)
+        moved = rows * cols * size
+        what = f"torch.mv over a {rows} x {cols} {str(dtype).replace('torch.', '')} matrix ({moved / 1e6:.1f} MB)"
+    return {"what": what, "bytes": moved, "seconds": seconds, "gb_s": sig(moved / seconds / 1e9)}
+
+
+def matmul_ceiling(device: torch.device, n: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                   repeats: int = 10) -> dict:
+    """FLOP/s of an n x n x n matmul in `dtype` (n: 8192 on a GPU, 1024 on the CPU)."""
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = median_seconds(lambda: a @ b, device, repeats, warmup=3)
+    flop = 2 * n ** 3
+    return {"what": f"{n}^3 {str(dtype).replace('torch.', '')} matmul", "flop": flop, "seconds": seconds,
+            "tflop_s": sig(flop / seconds / 1e12)}
+
+
+def device_info(device: torch.device) -> dict:
+    """What the figures were measured on."""
+    import os
+    import platform
+
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, memory_gb=round(props.total_memory / 1e9, 1),
+                    multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
+    else:
+        info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                    cpus=os.cpu_count())
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def peak_memory_gb(device: torch.device) -> Optional[float]:
+    """Peak memory allocated by PyTorch on a GPU since the last reset (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

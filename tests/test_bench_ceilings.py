@@ -1,0 +1,83 @@
+"""The benchmarks' shared parts: the reference sizes (the 1.7B shape checked against transformers' own
+model on the meta device, never built here), the checkpoints they save, and the ceiling probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import ceilings  # noqa: E402
+import reference  # noqa: E402
+
+
+def test_the_1_7b_reference_has_qwen3_1_7b_shape_and_transformers_parameter_count():
+    import transformers
+
+    c = reference.SIZES["1.7b"]
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
+            c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"]) == (2048, 28, 16, 8, 128, 6144, 151936, True)
+    assert c["eos_token_id"] is None  # every benchmark generates all the tokens it asks for
+    ours = reference.weight_counts("1.7b")
+    hf_config = transformers.Qwen3Config(**{k: v for k, v in c.items() if k != "rope_theta"})
+    with torch.device("meta"):
+        theirs = transformers.Qwen3ForCausalLM(hf_config)
+    assert ours["parameters"] == sum(p.numel() for p in theirs.parameters())  # tied: the embedding once
+    assert reference.DEFAULT_DTYPES["1.7b"] == "bfloat16"
+
+
+def test_build_reference_saves_bf16_once_and_loads_in_both_libraries(tmp_path, monkeypatch):
+    import transformers
+    from safetensors import safe_open
+
+    from staticformers import AutoModelForCausalLM
+
+    monkeypatch.setenv(reference.MODELS_ENV, str(tmp_path))
+    path = reference.build_reference(size="tiny", dtype="bfloat16")
+    assert path == reference.reference_dir("tiny") == str(tmp_path / "reference-qwen3-tiny")
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    weights = os.path.join(path, "model.safetensors")
+    stamp = os.stat(weights).st_mtime_ns
+    assert reference.build_reference(size="tiny", dtype="bfloat16") == path and os.stat(weights).st_mtime_ns == stamp
+    with open(os.path.join(path, "reference.json")) as f:
+        assert json.load(f)["config"] == reference.SIZES["tiny"]
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert ours.num_parameters() == reference.weight_counts("tiny")["parameters"] == \
+        sum(p.numel() for p in theirs.parameters())
+    with pytest.raises(ValueError, match="Unknown reference size '7b': use one of"):
+        reference.build_reference(size="7b")
+
+
+def test_cpu_memory_ceiling_is_a_gemv_over_the_weights_bytes():
+    nbytes = 4 * 2**20  # bytes of weights; 2 bytes an element in bf16, 512 columns
+    probe = ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.bfloat16, cols=512, repeats=3)
+    assert probe["what"].startswith("torch.mv over a 4096 x 512 bfloat16 matrix")
+    assert probe["bytes"] == nbytes and probe["gb_s"] > 0
+    assert probe["gb_s"] == ceilings.sig(nbytes / probe["seconds"] / 1e9)
+    mm = ceilings.matmul_ceiling(torch.device("cpu"), n=128, repeats=3)
+    assert mm["flop"] == 2 * 128 ** 3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_gpu_benchmark_without_a_gpu_says_what_to_do():
+    with pytest.raises(SystemExit, match="sees no CUDA GPU.*--device cpu"):
+        ceilings.check_device("cuda:0")
+    with pytest.raises(SystemExit, match="run on cpu, cuda or cuda:N"):
+        ceilings.check_device("mps")
+
+
+@pytest.mark.cuda
+def test_gpu_ceilings_are_measured_on_the_device():
+    device = torch.device("cuda", 0)
+    copy = ceilings.memory_ceiling(device, 256 * 2**20)
+    assert copy["bytes"] == 2 * 256 * 2**20 and copy["what"].startswith("device-to-device copy")
+    assert copy["gb_s"] == ceilings.sig(copy["bytes"] / copy["seconds"] / 1e9) > 0
+    mm = ceilings.matmul_ceiling(device, n=4096)
+    assert mm["flop"] == 2 * 4096 ** 3 and mm["tflop_s"] > 0
