@@ -67,9 +67,19 @@ class Backend:
             compiled = self.compile_one(fn, name, (batch, dim), settings) if settings.enabled else None
             return PrefillStep(fn, compiled)
         cache = engine.cache(batch, dim)
+        graphs = cuda_graphs(settings)
+        if graphs:
+            cache.mark_static()  # written in place by every replay
         fn = whole_decode(model, cache, ops)
         compiled = self.compile_one(fn, name, (batch, 1, dim), settings) if settings.enabled else None
-        return DecodeStep(fn, compiled, cache)
+        return DecodeStep(fn, compiled, cache, cuda_graphs=graphs)
+
+
+def cuda_graphs(settings) -> bool:
+    """Whether inductor will replay the graphs from CUDA graphs (`mode="reduce-overhead"` or the option)."""
+    if not settings.enabled or settings.backend != "inductor":
+        return False
+    return settings.mode == "reduce-overhead" or bool(dict(settings.options).get("triton.cudagraphs"))
 
 
 def step_name(kind: str, batch: int, dim: int, settings) -> str:
@@ -91,4 +101,4 @@ def for_device(device) -> Backend:
     return _for_kind(kind)
 
 
-__all__ = ["Backend", "for_device", "step_name"]
+__all__ = ["Backend", "for_device", "step_name", "cuda_graphs"]

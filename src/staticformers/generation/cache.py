@@ -57,6 +57,11 @@ class KVCache:
     def shape(self) -> tuple[int, int]:
         return self.batch, self.max_length
 
+    def mark_static(self) -> None:
+        """Tell the compiler the buffers never move (what CUDA graphs need of an input written in place)."""
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)
+
     def layer_views(self) -> list["LayerKV"]:
         return self._views
 

@@ -168,13 +168,14 @@ class Engine:
 
     # ---- running -------------------------------------------------------------------------------------
     def prefill(self, settings: CompileSettings, prompts: Sequence[Sequence[int]], cache: KVCache,
-                slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: Sequence[int], plan: Optional[ShapePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill `prompts` (host token lists) into the rows `slots` of `cache`; the other rows keep their
         state. Returns the argmax and the logits at each prompt's last token, `[n]` and `[n, vocab]`, on the
-        device."""
+        device. The buckets are `plan`'s (default: the engine's)."""
+        plan = plan or self.plan
         n = len(prompts)
         longest = max(len(p) for p in prompts)
-        b, length = self.plan.batch_bucket(n), self.plan.prompt_bucket(longest)
+        b, length = plan.batch_bucket(n), plan.prompt_bucket(longest)
         if b > cache.batch:
             raise ValueError(f"{n} prompts cannot go into a cache of {cache.batch} rows.")
         ids = torch.zeros(b, length, dtype=torch.long)

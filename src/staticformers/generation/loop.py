@@ -232,7 +232,7 @@ class GenerationLoop:
                 self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
             with torch.no_grad():
                 argmax, logits = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
-                                                     slots)
+                                                     slots, self.plan)
                 choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
                 self.sampler.observe(slots, choice.ids)
             tokens = choice.ids.tolist()

@@ -95,13 +95,17 @@ class PrefillStep(Step):
 
 
 class DecodeStep(Step):
-    """A whole decode graph over its cache."""
+    """A whole decode graph over its cache. `cuda_graphs`: the graph is replayed from a CUDA graph, whose
+    outputs the next replay overwrites; each step is marked as a new one (the caller reads the outputs
+    before the next step)."""
 
-    def __init__(self, fn: Callable, compiled: Optional[CompiledFunction], cache: KVCache):
+    def __init__(self, fn: Callable, compiled: Optional[CompiledFunction], cache: KVCache, cuda_graphs: bool = False):
         super().__init__(fn, compiled)
-        self.cache = cache
+        self.cache, self.cuda_graphs = cache, cuda_graphs
 
     def __call__(self, input_ids, position_ids, checked: bool = False):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         return self.run(input_ids, position_ids, checked=checked)
 
     def release(self) -> None:
