@@ -1,5 +1,6 @@
 """Trainer: parity with transformers, learning, one graph per run, accumulation, clipping, bf16, NaN, saving."""
 
+import importlib.util
 import json
 import math
 
@@ -87,8 +88,8 @@ def test_a_tiny_model_learns_and_logs(tmp_path):
     assert out.global_step == 40 and out.metrics["train_padding_waste"] < 0.2
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert len(lines) == len(trainer.state.log_history) and lines[-1]["train_runtime"] > 0
-    png = (tmp_path / "loss_curve.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 100
+    if importlib.util.find_spec("matplotlib"):  # the plot extra (tests/test_loss_curve.py checks the picture)
+        assert (tmp_path / "loss_curve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
