@@ -222,3 +222,20 @@ def test_refuses_bad_arguments(tiny_checkpoints, tmp_path):
 def test_refuses_unavailable_device(tiny_checkpoints):
     with pytest.raises(RuntimeError, match=r"'neuron' is not available here: install torch-neuronx"):
         AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"), device_map="neuron")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_saved_weights_get_the_umask_permissions_like_every_other_file(tiny_checkpoints, tmp_path, umask):
+    """safetensors' own writer leaves 0600 (a private temporary file renamed): others on a shared machine
+    could not read the model. Every file save_pretrained writes, sharded or not, gets 0666 less the umask."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    old = os.umask(umask)
+    try:
+        model.save_pretrained(tmp_path / "one")
+        model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    finally:
+        os.umask(old)
+    for folder in ("one", "sharded"):
+        modes = {name: os.stat(tmp_path / folder / name).st_mode & 0o777 for name in os.listdir(tmp_path / folder)}
+        assert set(modes.values()) == {0o666 & ~umask}, modes
+    assert sum(n.endswith(".safetensors") for n in os.listdir(tmp_path / "sharded")) > 1

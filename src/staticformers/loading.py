@@ -267,7 +267,7 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
 def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                     state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
     """Write config.json, the safetensors weights (sharded above `max_shard_size`) and generation_config.json."""
-    from safetensors.torch import save_file
+    from .safetensors_io import save_file
 
     if not safe_serialization:
         raise ValueError("staticformers saves safetensors only: drop safe_serialization=False.")

@@ -1,4 +1,5 @@
-"""Reading safetensors files with plain reads straight into the tensors that keep the data.
+"""Reading safetensors files with plain reads straight into the tensors that keep the data, and
+writing them with the permissions every other file gets.
 
 `safetensors.safe_open` memory-maps the file: every page it touches counts in the process's RSS
 until the file is closed, so loading a fp32 checkpoint as bf16 peaked at the file *plus* the model
@@ -6,6 +7,10 @@ until the file is closed, so loading a fp32 checkpoint as bf16 peaked at the fil
 one temporary of that tensor's size when the dtype changes) keeps the peak near the model's size.
 The format is simple: an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the data.
+
+`safetensors.torch.save_file` writes through a private temporary file and keeps its mode, 0600, so
+other users of a shared machine could not read a model saved for them; `save_file` here gives the
+file the mode `open()` would (0666 less the umask), as config.json and the tokenizer files get.
 """
 
 from __future__ import annotations
@@ -23,6 +28,20 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+
+
+def save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """`safetensors.torch.save_file`, then the umask's permissions (see the module docstring)."""
+    from safetensors.torch import save_file as write
+
+    write(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 class SafetensorsFormatError(ValueError):
