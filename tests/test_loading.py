@@ -210,7 +210,7 @@ def test_refuses_bad_arguments(tiny_checkpoints, tmp_path):
         AutoModelForCausalLM.from_pretrained(path, dtype="int7")
     with pytest.raises(TypeError, match="does not know: quantization_config"):
         AutoModelForCausalLM.from_pretrained(path, quantization_config={})
-    with pytest.raises(CheckpointNotFoundError, match="config.json does not exist"):
+    with pytest.raises(CheckpointNotFoundError, match="has no config.json: it is not a complete checkpoint"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(CheckpointNotFoundError, match="is not a folder"):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "nowhere"))
