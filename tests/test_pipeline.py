@@ -82,4 +82,5 @@ def test_examples_inference_runs(checkpoint):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "inference.py")], capture_output=True,
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("The French Bread Law states")
+    # the example's model is trained on a sentence starting so: text, never a half character (U+FFFD)
+    assert res.stdout == "The French Bread Law states that a baguette must be made on the premises where it is sold.\n"
