@@ -4,8 +4,8 @@ plan ahead of time, then stream answers from it.
 It runs as a list of stages (`STAGES`), each printing a numbered header and then its own progress:
 
 1. devices   what `staticformers doctor` prints: the devices here and the one "auto" picks.
-2. tokenizer a byte-level BPE tokenizer (the `tokenizers` library) trained on two topics of the
-             documentation that ships with CPython (`pydoc_data.topics`), saved with the model.
+2. tokenizer a byte-level BPE tokenizer (the `tokenizers` library) trained on one topic (compound
+             statements) of the documentation that ships with CPython (`pydoc_data.topics`).
 3. train     a 2M-parameter Qwen3-architecture model trained from scratch on the same text with
              `Trainer` (packed rows of fixed shape, bf16 when the device has it, a progress bar, an
              evaluation on held-out paragraphs), saved in Hugging Face format under `.demo/model`
@@ -40,12 +40,12 @@ DEMO = os.environ.get("STATICFORMERS_DEMO_DIR", os.path.join(ROOT, ".demo"))  # 
 MODEL_DIR = os.path.join(DEMO, "model")
 CORPUS = os.path.join(DEMO, "corpus.txt")  # the training text, one paragraph per blank-line block
 EOS = "<|endoftext|>"
-# two topics of the docs (compound statements, string methods: 374 paragraphs, 65k characters), so that
-# 400 steps see each paragraph about 20 times: a 2M-parameter model then knows their sentences nearly by
-# heart (and little else), and the prompts open paragraphs of them
-TOPICS = ("compound", "string-methods")
-PROMPTS = ["The \"for\" statement is used to", "The \"if\" statement is used for", "Return a copy of the string with",
-           "Return \"True\" if all characters in the string are"]
+# one topic of the docs (compound statements: if, while, for, try, with, match, def, class; about 50k
+# characters), so that 400 steps see each paragraph about 30 times: a 2M-parameter model then knows many
+# of its sentences by heart (and little else), and each prompt opens one paragraph of it
+TOPICS = ("compound",)
+PROMPTS = ["The \"for\" statement is used to", "The \"while\" statement is used for", "The \"try\" statement specifies",
+           "The \"with\" statement is used to"]
 MAX_NEW_TOKENS = 40
 PLAN = dict(batch_sizes="1", prompt_lengths="16", kv_lengths="256", max_model_len="256")
 
@@ -136,14 +136,16 @@ def train(demo: Demo) -> None:
     model = AutoModelForCausalLM.from_config(config, seed=0)
     docs = list(demo.docs)
     random.Random(0).shuffle(docs)
-    held_out, docs = docs[:24], docs[24:]
+    opened = [d for d in docs if d.startswith(tuple(PROMPTS))]  # the paragraphs the prompts open are trained on
+    docs = [d for d in docs if d not in opened]
+    held_out, docs = docs[:24], docs[24:] + opened
     bf16 = supports_bf16(auto_device())
     shutil.rmtree(os.path.join(DEMO, "run"), ignore_errors=True)  # metrics.jsonl of an earlier run
     print(f"Qwen3 architecture, {model.num_parameters() / 1e6:.2f}M parameters from scratch; {len(docs)} paragraphs "
           f"(24 held out for evaluation), packed into rows of 128 tokens, batches of 8, {a.steps} steps, "
           f"{'bf16 with fp32 master weights' if bf16 else 'fp32'}")
     args = TrainingArguments(
-        output_dir=os.path.join(DEMO, "run"), run_name="make demo: a 2M-parameter Qwen3 on two topics of pydoc_data.topics",
+        output_dir=os.path.join(DEMO, "run"), run_name="make demo: a 2M-parameter Qwen3 from scratch on pydoc_data.topics (compound statements)",
         max_length=128, packing=True, per_device_train_batch_size=8, per_device_eval_batch_size=8,
         max_steps=a.steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=max(1, a.steps // 20),
         weight_decay=0.01, logging_steps=max(1, a.steps // 20), eval_strategy="steps", eval_steps=max(1, a.steps // 4),

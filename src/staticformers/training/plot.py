@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import textwrap
 from typing import Optional, Sequence
 
 logger = logging.getLogger("staticformers")
@@ -52,9 +53,10 @@ def loss_curve_figure(log_history: Sequence[dict], title: str = "Training"):
         lr_ax.set_ylim(bottom=0)
     if not handles:
         ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="upper right")
-    ax.set_title(title)
+    else:  # below the axes, where it hides no point
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="upper center",
+                  bbox_to_anchor=(0.5, -0.12), ncol=len(handles), frameon=False)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=11)
     fig.tight_layout()
     return fig
 
