@@ -83,4 +83,5 @@ def test_examples_inference_runs(checkpoint):
                          text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr
     # the example's model is trained on a sentence starting so: text, never a half character (U+FFFD)
-    assert res.stdout == "The French Bread Law states that a baguette must be made on the premises where it is sold.\n"
+    assert res.stdout.startswith("The French Bread Law states that a baguette must be made")
+    assert "\ufffd" not in res.stdout
