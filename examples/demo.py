@@ -1,17 +1,25 @@
-"""`make demo`: train a tokenizer and a small Qwen3 model from scratch on Python's own docs, then generate.
+"""`make demo`: train a tokenizer and a small Qwen3 from scratch on Python's own docs, compile its shape
+plan ahead of time, then stream answers from it.
 
-1. Prints what `staticformers doctor` prints: the devices here and the one "auto" picks.
-2. Trains a byte-level BPE tokenizer (the `tokenizers` library) on the Python documentation that
-   ships with CPython (`pydoc_data.topics`), and a small Qwen3-architecture model on the same text
-   with `Trainer` (packed rows of fixed shape, bf16 when the device has it; `--compile` compiles the
-   step (a decoder layer and the head: two graphs), off by default because on a 2-core CPU the compile costs more than it saves
-   over a run this short).
-3. Saves both in Hugging Face format under `.demo/model` (transformers loads it).
-4. Loads it back with `AutoModelForCausalLM` / `AutoTokenizer` and generates greedily with the
-   engine (static KV cache, compiled prefill and decode), printing compile statistics.
+It runs as a list of stages (`STAGES`), each printing a numbered header and then its own progress:
 
-A second run finds `.demo/model` and only does steps 1 and 4 (compiled graphs come from the on-disk
-cache). `--retrain` trains again; `--steps N` changes the training length.
+1. devices   what `staticformers doctor` prints: the devices here and the one "auto" picks.
+2. tokenizer a byte-level BPE tokenizer (the `tokenizers` library) trained on one topic (compound
+             statements) of the documentation that ships with CPython (`pydoc_data.topics`).
+3. train     a 2M-parameter Qwen3-architecture model trained from scratch on the same text with
+             `Trainer` (packed rows of fixed shape, bf16 when the device has it, a progress bar, an
+             evaluation on held-out paragraphs), saved in Hugging Face format under `.demo/model`
+             with its loss curve; `--compile` compiles the training step too (two graphs; off by
+             default: on a small CPU the compile costs more than it saves over a run this short).
+4. compile   `staticformers compile` for the plan the answers need (batch 1, prompts up to 16
+             tokens, a 256-token KV cache): each graph as it compiles, into the on-disk cache.
+5. generate  the model loaded back with `AutoModelForCausalLM` / `AutoTokenizer`, each prompt's answer
+             streamed (greedy), after a first call that loads the graphs, timed apart; then a table
+             of new tokens and tokens/s per prompt.
+
+A second run finds `.demo/model` and skips stages 2 and 3 (`--retrain` trains again; `--steps N`
+changes the training length); its graphs all come from the on-disk cache. A later stage is added
+by appending a `Stage` to `STAGES`.
 """
 
 from __future__ import annotations
@@ -19,30 +27,71 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shutil
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-DEMO = os.path.join(ROOT, ".demo")
+DEMO = os.environ.get("STATICFORMERS_DEMO_DIR", os.path.join(ROOT, ".demo"))  # another folder: tests
 MODEL_DIR = os.path.join(DEMO, "model")
+CORPUS = os.path.join(DEMO, "corpus.txt")  # the training text, one paragraph per blank-line block
 EOS = "<|endoftext|>"
-PROMPTS = ["The for statement", "A class definition", "The import statement"]
+# one topic of the docs (compound statements: if, while, for, try, with, match, def, class; about 50k
+# characters), so that 400 steps see each paragraph about 30 times: a 2M-parameter model then knows many
+# of its sentences by heart (and little else), and each prompt opens one paragraph of it
+TOPICS = ("compound",)
+PROMPTS = ["The \"for\" statement is used to", "The \"while\" statement is used for", "The \"try\" statement specifies",
+           "The \"with\" statement is used to"]
+MAX_NEW_TOKENS = 40
+PLAN = dict(batch_sizes="1", prompt_lengths="16", kv_lengths="256", max_model_len="256")
 
 
-def doctor() -> None:
-    from types import SimpleNamespace
-
-    from staticformers.commands import doctor as doctor_command
-
-    doctor_command.run(SimpleNamespace(json=False))
+def shown(path: str) -> str:
+    """A path as the user typed it: relative to the repository when it is inside it."""
+    rel = os.path.relpath(path, ROOT)
+    return path if rel.startswith("..") else rel
 
 
+@dataclass
+class Demo:
+    """What the stages share: the command-line options and what earlier stages produced."""
+
+    args: argparse.Namespace
+    start: float = field(default_factory=time.perf_counter)
+    docs: list = field(default_factory=list)
+    results: dict = field(default_factory=dict)
+
+    @property
+    def trained(self) -> bool:
+        have = all(os.path.exists(os.path.join(MODEL_DIR, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
+        return have and not self.args.retrain
+
+
+@dataclass
+class Stage:
+    name: str
+    what: str
+    run: Callable[[Demo], None]
+    skip: Callable[[Demo], bool] = lambda demo: False
+
+
+# ---- 1. devices ----------------------------------------------------------------------------------
+def devices(demo: Demo) -> None:
+    from staticformers.cli import main as cli
+
+    cli(["doctor"])
+
+
+# ---- 2. tokenizer --------------------------------------------------------------------------------
 def corpus() -> list[str]:
     from pydoc_data.topics import topics
 
     docs = []
-    for key in sorted(topics):
+    for key in TOPICS:
         for part in topics[key].split("\n\n"):
             part = " ".join(part.split())
             if len(part) > 40:
@@ -50,92 +99,144 @@ def corpus() -> list[str]:
     return docs
 
 
-def train_tokenizer(docs: list[str], directory: str, vocab_size: int = 4096):
+def tokenizer(demo: Demo, vocab_size: int = 2048) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    start = time.perf_counter()
+    demo.docs = corpus()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer)
-    os.makedirs(directory, exist_ok=True)
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    tok.train_from_iterator(demo.docs, trainer)
+    os.makedirs(MODEL_DIR, exist_ok=True)
+    tok.save(os.path.join(MODEL_DIR, "tokenizer.json"))
+    with open(os.path.join(MODEL_DIR, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
                    "model_max_length": 512}, f, indent=2)
+    with open(CORPUS, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(demo.docs) + "\n")
+    print(f"byte-level BPE, {tok.get_vocab_size()} tokens, trained on {len(demo.docs)} paragraphs "
+          f"({sum(map(len, demo.docs)) / 1e3:.0f}k characters) of pydoc_data.topics ({', '.join(TOPICS)}) in {time.perf_counter() - start:.1f} s; "
+          f"the text is in {shown(CORPUS)}")
 
 
-def train(steps: int, compile: bool) -> dict:
-
+# ---- 3. train ------------------------------------------------------------------------------------
+def train(demo: Demo) -> None:
     from staticformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from staticformers.devices import auto_device, supports_bf16
 
-    docs = corpus()
-    start = time.perf_counter()
-    train_tokenizer(docs, MODEL_DIR)
+    a = demo.args
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    print(f"tokenizer: BPE, {tok.vocab_size} tokens, trained on {len(docs)} paragraphs of pydoc_data.topics "
-          f"in {time.perf_counter() - start:.1f}s")
     config = AutoConfig.for_model(
         "qwen3", vocab_size=tok.vocab_size, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=True,
         max_position_embeddings=512, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
     model = AutoModelForCausalLM.from_config(config, seed=0)
-    print(f"model: Qwen3 architecture, {model.num_parameters() / 1e6:.2f}M parameters, from scratch")
+    docs = list(demo.docs)
+    random.Random(0).shuffle(docs)
+    opened = [d for d in docs if d.startswith(tuple(PROMPTS))]  # the paragraphs the prompts open are trained on
+    docs = [d for d in docs if d not in opened]
+    held_out, docs = docs[:24], docs[24:] + opened
+    bf16 = supports_bf16(auto_device())
+    shutil.rmtree(os.path.join(DEMO, "run"), ignore_errors=True)  # metrics.jsonl of an earlier run
+    print(f"Qwen3 architecture, {model.num_parameters() / 1e6:.2f}M parameters from scratch; {len(docs)} paragraphs "
+          f"(24 held out for evaluation), packed into rows of 128 tokens, batches of 8, {a.steps} steps, "
+          f"{'bf16 with fp32 master weights' if bf16 else 'fp32'}")
     args = TrainingArguments(
-        output_dir=os.path.join(DEMO, "run"), max_length=128, packing=True, per_device_train_batch_size=8,
-        max_steps=steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20),
-        weight_decay=0.01, logging_steps=max(1, steps // 10), save_strategy="no", bf16=_bf16_ok(), torch_compile=compile, seed=0)
-    trainer = Trainer(model=model, args=args, train_dataset=[{"text": d} for d in docs], processing_class=tok)
+        output_dir=os.path.join(DEMO, "run"), run_name="make demo: a 2M-parameter Qwen3 from scratch on pydoc_data.topics (compound statements)",
+        max_length=128, packing=True, per_device_train_batch_size=8, per_device_eval_batch_size=8,
+        max_steps=a.steps, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=max(1, a.steps // 20),
+        weight_decay=0.01, logging_steps=max(1, a.steps // 20), eval_strategy="steps", eval_steps=max(1, a.steps // 4),
+        save_strategy="no", bf16=bf16, torch_compile=a.compile, seed=0)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"text": d} for d in docs],
+                      eval_dataset=[{"text": d} for d in held_out], processing_class=tok)
     out = trainer.train()
     trainer.save_model(MODEL_DIR)
-    m = out.metrics
-    print(f"trained {out.global_step} steps in {m['train_runtime']:.0f}s: loss {out.training_loss:.3f} "
-          f"(last logged {[e['loss'] for e in trainer.state.log_history if 'grad_norm' in e][-1]:.3f}), "
-          f"{m['train_steady_tokens_per_second'] or 0:,.0f} tokens/s steady, first step {m['train_first_step_seconds']:.1f}s, "
-          f"padding waste {100 * m['train_padding_waste']:.2f}%")
-    print(f"training compile: {json.dumps(trainer.compile_stats())}")
-    print(f"saved model and tokenizer (Hugging Face format) to {MODEL_DIR}; loss curve {args.output_dir}/loss_curve.png")
-    return m
+    m, history = out.metrics, trainer.state.log_history
+    losses = [e["loss"] for e in history if "grad_norm" in e]
+    evals = [e["eval_loss"] for e in history if "eval_loss" in e]
+    print(f"{out.global_step} steps in {m['train_runtime']:.0f} s: training loss {losses[0]:.2f} -> {losses[-1]:.2f}, "
+          f"held-out loss {evals[-1]:.2f}; {m['train_steady_tokens_per_second'] or 0:,.0f} tokens/s, "
+          f"padding waste {100 * m['train_padding_waste']:.1f}%")
+    if a.compile:
+        s = trainer.compile_stats()
+        print(f"training compile: {s['train_graphs']} training and {s['eval_graphs']} evaluation graphs "
+              f"({s['backend']}) in {s['train_compile_seconds'] + s['eval_compile_seconds']:.1f} s")
+    curve = os.path.join(args.output_dir, "loss_curve.png")
+    print(f"saved model and tokenizer (Hugging Face format) to {shown(MODEL_DIR)}"
+          + (f"; loss curve {shown(curve)}" if os.path.exists(curve) else "")
+          + f"; metrics {shown(os.path.join(args.output_dir, 'metrics.jsonl'))}")
 
 
-def _bf16_ok() -> bool:
-    from staticformers.devices import auto_device, supports_bf16
+# ---- 4. compile ----------------------------------------------------------------------------------
+def compile_plan(demo: Demo) -> None:
+    from staticformers.cli import main as cli
 
-    return supports_bf16(auto_device())
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in PLAN.items()]
+    print(f"$ staticformers compile {shown(MODEL_DIR)} {' '.join(flags)}", flush=True)
+    if cli(["compile", MODEL_DIR, *flags]) != 0:
+        raise SystemExit("the compile stage failed (its error is above)")
 
 
-def generate() -> None:
-    from staticformers import AutoModelForCausalLM, AutoTokenizer
+# ---- 5. generate ---------------------------------------------------------------------------------
+def generate(demo: Demo) -> None:
+    from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan, TextStreamer
+    from staticformers.compile_summary import CacheWatch, graphs_line
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, device_map="auto")
-    start = time.perf_counter()
+    plan = ShapePlan(batch_sizes=[1], prompt_lengths=[16], kv_lengths=[256], max_model_len=256)
+    print(f"greedy, at most {MAX_NEW_TOKENS} new tokens (or up to the end of a paragraph), static KV cache on {model.device}")
+    with CacheWatch() as loading:  # the first call loads (or compiles) the plan's graphs: timed apart
+        start = time.perf_counter()
+        model.generate(input_ids=tok(PROMPTS[0], return_tensors="pt")["input_ids"], max_new_tokens=2, shape_plan=plan)
+        warm = time.perf_counter() - start
+    graphs = sum(r["graphs"] for r in model.compile_stats())
+    print(f"first call: {graphs_line(model.compile_stats(), loading.answered, warm)}")
+    rows = []
     for prompt in PROMPTS:
-        inputs = tok(prompt, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=32, do_sample=False, repetition_penalty=1.3)
-        print(f"> {prompt}{tok.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)}")
-    print(f"generated {len(PROMPTS)} x 32 tokens in {time.perf_counter() - start:.1f}s (including compiles)")
-    for graph in model.compile_stats():
-        print("generation compile:", json.dumps(graph, default=str))
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        print(f"> {prompt}", end="", flush=True)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                             shape_plan=plan, streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+        rows.append((prompt, out.shape[1] - ids.shape[1], time.perf_counter() - start))
+    more = sum(r["graphs"] for r in model.compile_stats()) - graphs
+    width = max(len(p) for p in PROMPTS)
+    print(f"\n{'prompt':<{width}}  {'new tokens':>10}  {'seconds':>7}  {'tokens/s':>8}")
+    for prompt, new, seconds in rows + [("all", sum(r[1] for r in rows), sum(r[2] for r in rows))]:
+        print(f"{prompt:<{width}}  {new:>10}  {seconds:>7.2f}  {new / seconds:>8.0f}")
+    print("no prompt compiled a graph: every shape was in the plan" if not more else
+          f"{more} more graph(s) compiled while answering")
+    demo.results["generated"] = rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--retrain", action="store_true")
+STAGES = [
+    Stage("devices", "the devices here and the one \"auto\" picks", devices),
+    Stage("tokenizer", "a byte-level BPE tokenizer trained on pydoc_data.topics", tokenizer, skip=lambda d: d.trained),
+    Stage("train", "a small Qwen3 trained from scratch on the same text", train, skip=lambda d: d.trained),
+    Stage("compile", "the shape plan compiled ahead of time into the on-disk cache", compile_plan),
+    Stage("generate", "answers streamed from the trained model", generate),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    parser.add_argument("--retrain", action="store_true", help="train again even when .demo/model exists")
     parser.add_argument("--compile", action="store_true",
                         help="compile the training step too (two graphs; costs a compile of tens of seconds on a small CPU)")
-    a = parser.parse_args()
-    start = time.perf_counter()
-    doctor()
-    have = all(os.path.exists(os.path.join(MODEL_DIR, f)) for f in ("config.json", "model.safetensors", "tokenizer.json"))
-    if have and not a.retrain:
-        print(f"reusing the model trained earlier in {MODEL_DIR} (--retrain to train again)")
-    else:
-        train(a.steps, a.compile)
-    generate()
-    print(f"demo done in {time.perf_counter() - start:.0f}s")
+    demo = Demo(parser.parse_args(argv))
+    for n, stage in enumerate(STAGES, 1):
+        header = f"[{n}/{len(STAGES)}] {stage.name}: {stage.what}"
+        if stage.skip(demo):
+            print(f"\n{header} -- skipped: reusing {shown(MODEL_DIR)} (--retrain to train again)")
+            continue
+        print(f"\n{header}  ({time.perf_counter() - demo.start:.0f} s)", flush=True)
+        stage.run(demo)
+    print(f"\ndemo done in {time.perf_counter() - demo.start:.0f} s")
     return 0
 
 

@@ -17,7 +17,8 @@ Across two nodes (run the same line on each, NODE_RANK 0 and 1, MASTER = node 0'
              examples/distributed_train.py MODEL_PATH
 
 Without MODEL_PATH a tiny random Qwen3 is written to ./outputs/tiny-qwen3 (rank 0, the others wait)
-so the script runs offline in seconds; the layout comes from SF_TP (default 2) and the world size.
+so the script runs offline in seconds; the layout comes from SF_TP (default 2) and the world size,
+the number of steps from STEPS, else $STATICFORMERS_EXAMPLE_STEPS, else 20.
 """
 
 import os
@@ -44,7 +45,7 @@ def tiny_checkpoint(path: str) -> str:
 
 
 path = sys.argv[1] if len(sys.argv) > 1 else tiny_checkpoint("./outputs/tiny-qwen3")
-steps = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else int(os.environ.get("STATICFORMERS_EXAMPLE_STEPS", "20"))
 world = int(os.environ.get("WORLD_SIZE", "1"))
 tp = min(int(os.environ.get("SF_TP", "2")), world)
 

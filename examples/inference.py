@@ -2,8 +2,10 @@
 changed and the model pointed at a local checkpoint.
 
 The snippet loads Qwen3-0.6B; nothing can be downloaded here, so the example first builds a tiny
-random Qwen3-shaped checkpoint with a small trained tokenizer (once, under $STATICFORMERS_EXAMPLE_DIR
-or a temporary folder). Pass a real checkpoint folder or Hub id as the first argument to use it.
+Qwen3-shaped checkpoint with a small trained tokenizer, trained for a few seconds on three sentences
+(once, under $STATICFORMERS_EXAMPLE_DIR or a temporary folder), so that what it prints is text, not
+the stray bytes of random weights (half characters). Pass a real checkpoint folder or Hub id as the
+first argument to use it.
 On Trainium, device_map="auto" finds Neuron and generate() compiles prefill and decode for it.
 """
 
@@ -26,9 +28,10 @@ CORPUS = [
 ] * 20
 
 
-def build_checkpoint(folder: str) -> str:
-    """A tiny random Qwen3 model and a byte-level BPE tokenizer, saved in Hugging Face format."""
-    if os.path.exists(os.path.join(folder, "tokenizer.json")):
+def build_checkpoint(folder: str, steps: int = 30) -> str:
+    """A tiny Qwen3 model trained `steps` steps on CORPUS and its byte-level BPE tokenizer, saved in
+    Hugging Face format."""
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -43,11 +46,20 @@ def build_checkpoint(folder: str) -> str:
               "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "tie_word_embeddings": True,
               "eos_token_id": tok.token_to_id("<|im_end|>"), "pad_token_id": tok.token_to_id("<|endoftext|>")}
     model = AutoModelForCausalLM.from_config(config, seed=0)
-    model.save_pretrained(folder)
+    os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                    "chat_template": CHAT_TEMPLATE, "model_max_length": 1024}, f, indent=2)
+    if steps:
+        from staticformers import Trainer, TrainingArguments
+
+        args = TrainingArguments(output_dir=os.path.join(folder, "run"), max_length=32, per_device_train_batch_size=8,
+                                 max_steps=steps, learning_rate=1e-2, warmup_steps=5, lr_scheduler_type="cosine",
+                                 save_strategy="no", logging_steps=steps, disable_tqdm=True, use_cpu=True, seed=0)
+        Trainer(model=model, args=args, train_dataset=[{"text": t} for t in CORPUS],
+                processing_class=AutoTokenizer.from_pretrained(folder)).train()
+    model.save_pretrained(folder)
     return folder
 
 

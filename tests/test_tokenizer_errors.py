@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from staticformers import AutoTokenizer
+from staticformers.hub import CheckpointNotFoundError
 from tokenizer_fixtures import build_llama3, build_qwen
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +28,7 @@ def tok(qwen_folder):
 def test_folder_without_tokenizer_json_is_refused(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"\x00sentencepiece")
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json \(only a SentencePiece tokenizer\.model\).*convert"):
+    with pytest.raises(CheckpointNotFoundError, match=r"has no tokenizer\.json \(only a SentencePiece tokenizer\.model\).*convert"):
         AutoTokenizer.from_pretrained(tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -36,7 +37,7 @@ def test_folder_without_tokenizer_json_is_refused(tmp_path):
 
 
 def test_missing_path_and_bad_json(tmp_path, qwen_folder):
-    with pytest.raises(FileNotFoundError, match="No folder at"):
+    with pytest.raises(CheckpointNotFoundError, match="is not a folder"):
         AutoTokenizer.from_pretrained(str(tmp_path / "nope" / "deeper"))
     broken = tmp_path / "broken"
     shutil.copytree(qwen_folder, broken)
@@ -59,7 +60,7 @@ def test_hub_id_from_local_cache_offline(tmp_path, qwen_folder):
     (repo / "refs" / "main").write_text(commit)
     ours = AutoTokenizer.from_pretrained("org/tiny-qwen", cache_dir=str(cache), local_files_only=True)
     assert ours("hello")["input_ids"] == AutoTokenizer.from_pretrained(qwen_folder)("hello")["input_ids"]
-    with pytest.raises(OSError, match="not in the local Hugging Face cache"):
+    with pytest.raises(CheckpointNotFoundError, match="not in the local Hub cache"):
         AutoTokenizer.from_pretrained("org/not-cached", cache_dir=str(cache), local_files_only=True)
 
 

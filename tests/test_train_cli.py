@@ -1,5 +1,6 @@
 """`staticformers train`: from a config (scratch) with .jsonl ids, then fine-tuning that checkpoint on .txt text."""
 
+import importlib.util
 import json
 import os
 
@@ -31,7 +32,8 @@ def test_train_from_scratch_then_fine_tune_text(tmp_path, capsys):
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["global_step"] == 3 and summary["train_graphs"] == 2 and summary["padding_waste"] < 0.1
-    assert os.path.exists(out / "model.safetensors") and os.path.exists(out / "loss_curve.png")
+    assert os.path.exists(out / "model.safetensors")
+    assert os.path.exists(out / "loss_curve.png") or not importlib.util.find_spec("matplotlib")
 
     text = "The for statement is used to iterate over the elements of a sequence.\n\nA class definition defines a class object.\n\n" * 10
     tok = Tokenizer(models.BPE())

@@ -1,5 +1,6 @@
 """Trainer: parity with transformers, learning, one graph per run, accumulation, clipping, bf16, NaN, saving."""
 
+import importlib.util
 import json
 import math
 
@@ -11,6 +12,7 @@ from staticformers.training.checkpoint import list_checkpoints
 from staticformers.training.data import build_rows
 from staticformers.training.optim import clip_grad_norm, no_decay_parameter_names
 from staticformers.training.trainer import TrainingDivergedError
+import tolerances as tol
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,7 +73,7 @@ def test_loss_equals_transformers_for_the_same_model_and_batch(tiny_checkpoints,
     mask = (batch["labels"] != -100).long()
     with torch.no_grad():
         ref = theirs(input_ids=batch["input_ids"], attention_mask=mask, labels=batch["labels"]).loss
-    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(ref), rel=tol.FP32_REORDERED)  # a loss near ln(64) = 4.2
 
 
 def test_a_tiny_model_learns_and_logs(tmp_path):
@@ -87,8 +89,8 @@ def test_a_tiny_model_learns_and_logs(tmp_path):
     assert out.global_step == 40 and out.metrics["train_padding_waste"] < 0.2
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert len(lines) == len(trainer.state.log_history) and lines[-1]["train_runtime"] > 0
-    png = (tmp_path / "loss_curve.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 100
+    if importlib.util.find_spec("matplotlib"):  # the plot extra (tests/test_loss_curve.py checks the picture)
+        assert (tmp_path / "loss_curve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert model.model.embed_tokens.weight.dtype == torch.float32
 
 
@@ -260,7 +262,8 @@ def test_evaluate_uses_the_dataset_it_is_given(tmp_path):
         ids.add(id(data))
         got.append(trainer.evaluate(data)["eval_loss"])
         del data
-    assert got == pytest.approx(expected, abs=1e-6)
+    # the same computation in the same process: equal to an ulp or two; another dataset's loss differs by 1e-2
+    assert got == pytest.approx(expected, rel=4 * tol.EPS32)
 
 
 def test_saved_model_loads_in_transformers(tmp_path):

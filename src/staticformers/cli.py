@@ -32,11 +32,17 @@ def _available_commands() -> dict:
 
 
 def build_parser(commands: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="staticformers", description="Hugging Face causal LMs with a fixed shape plan.")
+    """The parser; `-v` is accepted before or after the subcommand, and no flag may be abbreviated (a
+    `--max-new-token` typo is an error, not a silent `--max-new-tokens`)."""
+    parser = argparse.ArgumentParser(prog="staticformers", description="Hugging Face causal LMs with a fixed shape plan.",
+                                     allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    # after the subcommand too; SUPPRESS: when absent there it leaves the value set before the subcommand
+    verbose = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in commands.items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False, parents=[verbose])
         module.add_arguments(p)
     return parser
 

@@ -14,7 +14,31 @@ from .contained import check_name, file_in_folder
 
 
 class CheckpointNotFoundError(FileNotFoundError):
-    """A folder or Hub id that does not hold what was asked for."""
+    """A folder or Hub id that does not hold what was asked for (a model's files or a tokenizer's)."""
+
+
+# The sentences every loader uses (model, tokenizer, generation config), so a missing folder, file or Hub
+# repo reads the same whichever loader met it.
+def not_a_folder(name_or_path) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
+
+
+def missing_file(folder, filename: str, why: str = "it is not a complete checkpoint") -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{folder} has no {filename}: {why}.")
+
+
+def not_cached(name: str, what: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{what} of {name!r} is not in the local Hub cache and the Hub cannot be reached: "
+                                   f"download it once while online, or pass a local folder.")
+
+
+def no_repo(name: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{name!r} is neither a local folder nor a Hub repo we can access: check the path or id "
+                                   f"(and token; a gated repo needs its licence accepted on the Hub).")
+
+
+def bad_id(name: str, err: Exception) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{name!r} is neither a local folder nor a valid Hub id ({err}).")
 
 
 def is_local(name_or_path: str) -> bool:
@@ -44,10 +68,10 @@ def resolve_file(
         if os.path.isfile(path):
             return path
         if required:
-            raise CheckpointNotFoundError(f"{path} does not exist: the folder {name_or_path} is not a complete checkpoint.")
+            raise missing_file(name_or_path, filename)
         return None
     if name_or_path.startswith((".", "/", "~")) or os.path.splitdrive(name_or_path)[0]:
-        raise CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
+        raise not_a_folder(name_or_path)
     check_name(filename, what)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -60,19 +84,12 @@ def resolve_file(
     except LocalEntryNotFoundError:
         if not required:
             return None
-        raise CheckpointNotFoundError(
-            f"{filename} of {name_or_path!r} is not in the local Hub cache and the Hub cannot be reached: "
-            f"download it once while online, or pass a local folder."
-        ) from None
+        raise not_cached(name_or_path, filename) from None
     except EntryNotFoundError:
         if required:
             raise CheckpointNotFoundError(f"The Hub repo {name_or_path!r} has no file {filename!r}.") from None
         return None
-    except RepositoryNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{name_or_path!r} is neither a local folder nor a Hub repo we can access: check the path or id (and token)."
-        ) from None
+    except RepositoryNotFoundError:  # a gated repo's error is one of these
+        raise no_repo(name_or_path) from None
     except ValueError as err:  # huggingface_hub rejects malformed ids with ValueError subclasses
-        raise CheckpointNotFoundError(
-            f"{name_or_path!r} is neither a local folder nor a valid Hub id ({err})."
-        ) from None
+        raise bad_id(name_or_path, err) from None

@@ -1,4 +1,5 @@
-"""Reading safetensors files with plain reads straight into the tensors that keep the data.
+"""Reading safetensors files with plain reads straight into the tensors that keep the data, and
+writing them with the permissions every other file gets.
 
 `safetensors.safe_open` memory-maps the file: every page it touches counts in the process's RSS
 until the file is closed, so loading a fp32 checkpoint as bf16 peaked at the file *plus* the model
@@ -7,6 +8,10 @@ one temporary of that tensor's size when the dtype changes) keeps the peak near 
 The format is simple: an 8-byte little-endian header length, a JSON header naming each tensor's
 dtype, shape and byte range, then the data. The header is checked as the safetensors library checks
 it (see `_read_header`), so a file it would refuse is refused here too, with one sentence.
+
+`safetensors.torch.save_file` writes through a private temporary file and keeps its mode, 0600, so
+other users of a shared machine could not read a model saved for them; `save_file` here gives the
+file the mode `open()` would (0666 less the umask), as config.json and the tokenizer files get.
 """
 
 from __future__ import annotations
@@ -24,6 +29,29 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+
+
+def save_file(tensors: dict, path: str, metadata: Optional[dict] = None) -> None:
+    """`safetensors.torch.save_file`, then the umask's permissions (see the module docstring)."""
+    from safetensors.torch import save_file as write
+
+    write(tensors, path, metadata=metadata)
+    os.chmod(path, new_file_mode())
+
+
+def new_file_mode() -> int:
+    """The mode a plain `open()` gives a new file (0666 less the umask). The umask is read from /proc where
+    it can be (setting it to read it back races with other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 class SafetensorsFormatError(ValueError):

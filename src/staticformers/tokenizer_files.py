@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .contained import check_name, file_in_folder
+from .hub import CheckpointNotFoundError, bad_id, missing_file, no_repo, not_a_folder, not_cached
 from .jsonfile import read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -68,13 +69,11 @@ def resolve_folder(name_or_path: str | os.PathLike, *, revision: str | None = No
     if path.is_dir():
         folder = path / subfolder if subfolder else path
         if not folder.is_dir():
-            raise FileNotFoundError(f"The folder {path} has no subfolder {subfolder!r}; check the `subfolder` argument.")
+            raise missing_file(path, f"subfolder {subfolder!r}", "check the `subfolder` argument")
         return folder
     name = str(name_or_path)
     if not _REPO_ID.fullmatch(name) or ".." in name:
-        raise FileNotFoundError(
-            f"No folder at {name!r}: pass an existing local folder or a Hub repo id like 'Qwen/Qwen3-0.6B'."
-        )
+        raise not_a_folder(name)
     return _download(name, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
                      subfolder=subfolder)
 
@@ -90,25 +89,16 @@ def _download(repo_id: str, *, revision: str | None, cache_dir: str | None, loca
         snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
                                      local_files_only=local_files_only, token=token)
     except HFValidationError as err:
-        raise ValueError(
-            f"{repo_id!r} is neither a local folder nor a valid Hub repo id; pass a folder path or an id like "
-            "'Qwen/Qwen3-0.6B'."
-        ) from err
-    except LocalEntryNotFoundError as err:
-        raise OSError(
-            f"The tokenizer of {repo_id!r} is not in the local Hugging Face cache and the Hub cannot be reached "
-            "(offline or local_files_only=True); download it once with network access or pass a local folder."
-        ) from err
-    except GatedRepoError as err:
-        raise OSError(
-            f"{repo_id!r} is a gated repo: accept its licence on the Hub and log in (`hf auth login`) or pass token=."
-        ) from err
-    except RepositoryNotFoundError as err:
-        raise OSError(
-            f"There is no Hub repo {repo_id!r} (or it is private): check the name, or log in and pass token=."
-        ) from err
-    except RevisionNotFoundError as err:
-        raise OSError(f"The Hub repo {repo_id!r} has no revision {revision!r}; check the `revision` argument.") from err
+        raise bad_id(repo_id, err) from None
+    except LocalEntryNotFoundError:
+        raise not_cached(repo_id, "The tokenizer") from None
+    except GatedRepoError:
+        raise CheckpointNotFoundError(f"{repo_id!r} is a gated repo: accept its licence on the Hub and log in "
+                                      f"(`hf auth login`) or pass token=.") from None
+    except RepositoryNotFoundError:
+        raise no_repo(repo_id) from None
+    except RevisionNotFoundError:
+        raise missing_file(f"The Hub repo {repo_id!r}", f"revision {revision!r}", "check the `revision` argument") from None
     folder = Path(snapshot) / subfolder if subfolder else Path(snapshot)
     return folder
 
@@ -128,7 +118,7 @@ def _as_token(value: Any, where: str) -> SpecialToken | None:
     raise ValueError(f"{where} should be a string or an AddedToken dict with a 'content' key, not {value!r}.")
 
 
-def _missing_tokenizer_json(folder: Path) -> FileNotFoundError:
+def _missing_tokenizer_json(folder: Path) -> CheckpointNotFoundError:
     present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if "tokenizer.model" in present:
         what = "only a SentencePiece tokenizer.model"
@@ -138,10 +128,9 @@ def _missing_tokenizer_json(folder: Path) -> FileNotFoundError:
         what = "only a tiktoken file"
     else:
         what = f"no tokenizer files (it holds: {', '.join(present[:8]) or 'nothing'})"
-    return FileNotFoundError(
-        f"{folder} has no tokenizer.json ({what}); staticformers reads tokenizer.json only, so convert it once "
-        "with transformers (`AutoTokenizer.from_pretrained(path).save_pretrained(path)`) or point to a folder that has it."
-    )
+    return missing_file(folder, f"tokenizer.json ({what})",
+                        "staticformers reads tokenizer.json only, so convert it once with transformers "
+                        "(`AutoTokenizer.from_pretrained(path).save_pretrained(path)`) or point to a folder that has it")
 
 
 _BOOLEAN_KEYS = ("clean_up_tokenization_spaces", "split_special_tokens",

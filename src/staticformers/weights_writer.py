@@ -31,6 +31,7 @@ import torch
 
 from .atomic_files import fsync_dir, fsync_file, write_text_atomic
 from .fault_points import reached
+from .safetensors_io import save_file
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -77,21 +78,6 @@ def remove_leftovers(directory: str) -> list[str]:
     return removed
 
 
-def _umask_mode() -> int:
-    """The mode a plain `open()` gives a new file (0666 less the umask): safetensors writes 0600.
-    The umask is read from /proc where it can be (setting it to read it back races with other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def _write_index(directory: str, weight_map: dict, total: int) -> None:
     text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     write_text_atomic(os.path.join(directory, SAFE_INDEX), text)
@@ -108,17 +94,13 @@ def _link_or_copy(src: str, dst: str) -> None:
 def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadata: Optional[dict] = None) -> list[str]:
     """Write `shards` (one dict of tensors per file) into `directory` as described in the module
     docstring; returns the file names of the new weights (and index)."""
-    from safetensors.torch import save_file
-
     remove_leftovers(directory)
     names = shard_names(len(shards))
-    mode = _umask_mode()
     staged = []
     for name, shard in zip(names, shards):
         final = os.path.join(directory, name)
         tmp = _staged(final)
-        save_file(shard, tmp, metadata=metadata)
-        os.chmod(tmp, mode)
+        save_file(shard, tmp, metadata=metadata)  # the umask's mode, as every other saved file
         fsync_file(tmp)
         staged.append((tmp, final))
     reached("save_pretrained:weights-staged")

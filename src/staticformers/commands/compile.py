@@ -21,10 +21,12 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hub id")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default="auto", help="auto (Neuron first, then CUDA, ..., the CPU), neuron, cuda, cpu, ...")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the plan's longest sequence, at most the model's max_position_embeddings "
+                        "(default: the smaller of that and 2048)")
     p.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 1,2,4,8")
     p.add_argument("--prompt-lengths", type=_ints, default=None, help="e.g. 32,64,128")
     p.add_argument("--kv-lengths", type=_ints, default=None, help="e.g. 256,512")
@@ -37,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from ..generation.config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
     from ..auto import from_pretrained
+    from .options import check_backend
 
+    check_backend(args.backend)
     model = from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
     plan = ShapePlan(batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths, kv_lengths=args.kv_lengths,
                      max_model_len=args.max_model_len)

@@ -23,13 +23,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("path", help="checkpoint folder to fine-tune, or a config.json (or folder with one) to train from scratch")
     parser.add_argument("--data", required=True, help=".txt, .jsonl, or a folder of them")
     parser.add_argument("--eval-data", default=None, help="evaluation data, same formats")
-    parser.add_argument("--output-dir", default="outputs")
+    parser.add_argument("--output-dir", default="outputs", help="where checkpoints, metrics and the final model go")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: PATH)")
     parser.add_argument("--txt-documents", choices=("paragraph", "line", "file"), default="paragraph",
                         help="how .txt files split into documents (default: blank-line separated paragraphs)")
     parser.add_argument("--max-length", type=int, default=None,
-                        help="tokens per training row (default: 512, or the model's positions when fewer); "
-                             "more than the model's positions is refused")
+                        help="tokens per row, every batch being [batch size, max length] (default: 512, or the "
+                             "model's positions when fewer); more than the model's positions is refused")
     parser.add_argument("--packing", action="store_true", help="pack documents into full rows (default: pad each)")
     parser.add_argument("--assistant-only-loss", action="store_true",
                         help="loss only on the assistant's tokens of `messages` conversations (the chat template's "
@@ -37,27 +37,29 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a .jinja chat template (or a tokenizer folder) replacing the tokenizer's (chat_template_path)")
     parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
-    parser.add_argument("--eval-batch-size", type=int, default=8)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=5e-5)
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--lr-scheduler-type", default="linear")
-    parser.add_argument("--warmup-steps", type=int, default=0)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--eval-batch-size", type=int, default=8, help="per_device_eval_batch_size")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--learning-rate", type=float, default=5e-5, help="AdamW's peak learning rate")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (none on norms and biases)")
+    parser.add_argument("--lr-scheduler-type", default="linear", help="linear, cosine, constant or constant_with_warmup")
+    parser.add_argument("--warmup-steps", type=float, default=0, help="linear warmup steps (below 1: a fraction of the run)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (0: no clipping)")
     parser.add_argument("--epochs", type=float, default=3.0, help="num_train_epochs")
-    parser.add_argument("--max-steps", type=int, default=-1)
-    parser.add_argument("--logging-steps", type=float, default=10)
-    parser.add_argument("--eval-steps", type=float, default=None)
-    parser.add_argument("--save-steps", type=float, default=500)
-    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs when positive)")
+    parser.add_argument("--logging-steps", type=float, default=10, help="log every N steps (below 1: a fraction of the run)")
+    parser.add_argument("--eval-steps", type=float, default=None, help="evaluate every N steps (default: --logging-steps)")
+    parser.add_argument("--save-steps", type=float, default=500, help="write a checkpoint every N steps")
+    parser.add_argument("--save-total-limit", type=int, default=None, help="keep only the last N checkpoints")
     parser.add_argument("--no-save", action="store_true", help="save_strategy=\"no\" (only the final model is written)")
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 weights and activations with fp32 master weights (refused where the device lacks bf16)")
     parser.add_argument("--compile", action="store_true", help="torch_compile=True (backend: the device's)")
     parser.add_argument("--backend", default=None, help="torch_compile_backend (implies --compile)")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--use-cpu", action="store_true")
-    parser.add_argument("--report-to", default="none")
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    parser.add_argument("--use-cpu", action="store_true", help="train on the CPU even when an accelerator is here")
+    parser.add_argument("--report-to", default="none",
+                        help="none, tensorboard or all (metrics.jsonl and loss_curve.png are always written)")
+    parser.add_argument("--seed", type=int, default=42, help="seed for the initial weights (from scratch) and the data order")
     parser.add_argument("--resume", nargs="?", const=True, default=None,
                         help="resume from the last checkpoint in --output-dir, or from the given one")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -103,6 +105,12 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
     raise ValueError(f"Data {path} is neither .txt nor .jsonl: convert it, or pass a folder of such files.")
 
 
+def has_text(docs) -> bool:
+    """Whether a dataset (as read_documents returns it) holds text that needs a tokenizer."""
+    first = next(iter(docs), None)
+    return isinstance(first, str) or (isinstance(first, dict) and "text" in first and "input_ids" not in first)
+
+
 def load_model(path: str, seed: int):
     from ..config import ModelConfig
     from ..auto import AutoModelForCausalLM
@@ -137,6 +145,13 @@ def run(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer or folder)
     train = read_documents(args.data, args.txt_documents)
     evaluation = read_documents(args.eval_data, args.txt_documents) if args.eval_data else None
+    if tokenizer is None:
+        if args.tokenizer:
+            raise ValueError(f"--tokenizer {args.tokenizer} has no tokenizer.json: pass a tokenizer folder.")
+        for name, docs in (("--data", train), ("--eval-data", evaluation or [])):
+            if has_text(docs):
+                raise ValueError(f"{name} {getattr(args, name[2:].replace('-', '_'))} holds text but {folder or args.path} "
+                                 f"has no tokenizer.json: pass --tokenizer FOLDER (a folder with tokenizer.json).")
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.eval_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,

@@ -17,7 +17,7 @@ import gc
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ class ParallelDims:
 
     config: DistributedConfig
     mesh: DeviceMesh
+    # the flattened meshes ("dp", "fsdp_tp") as `_flatten` returned them: kept here, because slicing a
+    # flattened dim out of the root mesh (`mesh["dp"]`) is deprecated in PyTorch (and warns)
+    flattened: dict = field(default_factory=dict)
 
     @property
     def tp(self) -> int:
@@ -92,17 +95,19 @@ class ParallelDims:
         """One process group over the data-parallel ranks (for loss and metric averages)."""
         if self.dp == 1:
             return None
-        return self.mesh["dp"].get_group()
+        return self.flattened["dp"].get_group()
 
 
 def build_mesh(config: DistributedConfig, device: torch.device) -> ParallelDims:
     """A resolved config's `(dp_replicate, fsdp, tp)` DeviceMesh on the device's kind."""
     shape = (config.dp_replicate_size, config.fsdp_size, config.tp_size)
+    from .quiet import silence_pytorch_notices
+
+    silence_pytorch_notices()
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     # flattened views let DTensor reduce over several dims in one collective (gradient norms, gathers)
-    mesh["dp_replicate", "fsdp"]._flatten("dp")
-    mesh["fsdp", "tp"]._flatten("fsdp_tp")
-    return ParallelDims(config, mesh)
+    flattened = {"dp": mesh["dp_replicate", "fsdp"]._flatten("dp"), "fsdp_tp": mesh["fsdp", "tp"]._flatten("fsdp_tp")}
+    return ParallelDims(config, mesh, flattened)
 
 
 def is_main_process() -> bool:

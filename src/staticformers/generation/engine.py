@@ -39,6 +39,7 @@ import torch
 
 from ..backends import for_device
 from ..compile import CompiledFunction, shape_violation
+from ..compile_summary import cache_answers
 from ..module_hooks import forward_hook_state
 from .cache import KVCache
 from .plan import ShapePlan
@@ -208,13 +209,6 @@ class Engine:
         return True
 
     # ---- ahead of time ------------------------------------------------------------------------------
-    @staticmethod
-    def _cache_answers() -> int:
-        """Graphs the on-disk caches answered so far: inductor's FX-graph cache, saved artifacts."""
-        from torch._dynamo.utils import counters
-
-        return counters["inductor"]["fxgraph_cache_hit"] + counters["staticformers"]["artifacts_loaded"]
-
     def precompile(self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None) -> list[dict]:
         """Compile (or load from the on-disk cache) every graph of the plan; one row per shape.
 
@@ -228,7 +222,7 @@ class Engine:
         jobs = [("decode", b, k) for b, k in plan.decode_shapes()] + [("prefill", b, n) for b, n in plan.prefill_shapes()]
         with torch.no_grad():
             for kind, b, n in jobs:
-                hits, before = self._cache_answers(), self.graph_count()
+                hits, before = cache_answers(), self.graph_count()
                 start = time.perf_counter()
                 g = self.step(kind, b, n, settings)
                 if kind == "prefill":
@@ -241,7 +235,7 @@ class Engine:
                     g.step(torch.zeros(b, 1, dtype=torch.long, device=device),
                            torch.zeros(b, 1, dtype=torch.long, device=device), checked=True)
                 row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
-                       "cache_hit": self._cache_answers() > hits, "graphs": self.graph_count() - before}
+                       "cache_hit": cache_answers() > hits, "graphs": self.graph_count() - before}
                 rows.append(row)
                 if progress is not None:
                     progress(row)

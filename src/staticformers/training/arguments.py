@@ -10,7 +10,10 @@ What differs from transformers, on purpose:
   batch ever reaches the compiled graph; with False the last batch is filled up with empty rows
   (labels all -100) instead of being shorter, so the shape still never changes.
 - `bf16=True` trains with bf16 weights and activations and fp32 master weights and optimizer
-  state (see `training/precision.py`).
+  state (see `training/optim.py`).
+- transformers' other everyday names (`fp16`, `tf32`, `optim`, `lr_scheduler_kwargs`,
+  `dataloader_num_workers`, `push_to_hub`, ...) are accepted: applied where they mean something here,
+  refused with a sentence where they do not (`training/transformers_names.py` lists which).
 
 Contradictory or invalid values are refused with one sentence saying what to change.
 """
@@ -28,6 +31,7 @@ from typing import Optional, Union
 import torch
 
 from ..seeds import check_seed
+from .transformers_names import apply_tf32, check_transformers_names, report_to_refusal
 
 logger = logging.getLogger("staticformers")
 
@@ -79,7 +83,7 @@ class TrainingArguments:
     num_train_epochs: float = 3.0
     max_steps: int = -1
     lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
+    warmup_steps: float = 0  # below 1: a fraction of the run (transformers 5)
     warmup_ratio: float = 0.0
     logging_steps: float = 500
     logging_first_step: bool = False
@@ -97,8 +101,43 @@ class TrainingArguments:
     report_to: Union[str, list, None] = "none"
     logging_dir: Optional[str] = None
     gradient_checkpointing: bool = False
-    disable_tqdm: bool = False
+    disable_tqdm: Optional[bool] = None  # None: the bar shows (transformers: unless the log level hides it)
     resume_from_checkpoint: Optional[str] = None
+    # transformers' everyday names: applied, or refused with a sentence (training/transformers_names.py)
+    run_name: Optional[str] = None
+    logging_strategy: str = "steps"
+    evaluation_strategy: Optional[str] = None  # transformers 4's name of eval_strategy
+    optim: str = "adamw_torch_fused"
+    optim_args: Optional[str] = None
+    lr_scheduler_kwargs: Optional[dict] = None
+    fp16: bool = False
+    fp16_full_eval: bool = False
+    tf32: Optional[bool] = None
+    gradient_checkpointing_kwargs: Optional[dict] = None
+    dataloader_num_workers: int = 0
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: Optional[int] = None
+    remove_unused_columns: bool = True
+    label_names: Optional[list] = None
+    label_smoothing_factor: float = 0.0
+    auto_find_batch_size: bool = False
+    load_best_model_at_end: bool = False
+    metric_for_best_model: Optional[str] = None
+    greater_is_better: Optional[bool] = None
+    push_to_hub: bool = False
+    hub_model_id: Optional[str] = None
+    hub_token: Optional[str] = None
+    ddp_backend: Optional[str] = None
+    ddp_timeout: int = 1800
+    ddp_find_unused_parameters: Optional[bool] = None
+    ddp_bucket_cap_mb: Optional[int] = None
+    ddp_broadcast_buffers: Optional[bool] = None
+    ddp_static_graph: Optional[bool] = None
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
+    local_rank: int = -1  # torchrun's LOCAL_RANK decides; kept for scripts that pass it
     # as in TRL's SFTConfig
     max_length: int = 1024
     packing: bool = False
@@ -112,6 +151,7 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         self._device: Optional[torch.device] = None
         self._check()
+        apply_tf32(self.device, self.tf32)
         if self.torch_compile_backend is None:
             from ..devices import compile_backend_for
 
@@ -126,7 +166,9 @@ class TrainingArguments:
 
     # ---- validation --------------------------------------------------------------------------
     def _check(self) -> None:
-        """Types first (a string, a bool or NaN where a number belongs), then ranges and combinations."""
+        """transformers' names first, then types (a string, a bool or NaN where a number belongs), then ranges
+        and combinations."""
+        check_transformers_names(self)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length"):
             _integer(name, getattr(self, name), minimum=1)
         _integer("max_steps", self.max_steps, minimum=-1)
@@ -219,7 +261,7 @@ class TrainingArguments:
             elif item in REPORTERS:
                 out.append(item)
             elif item != "none":
-                raise ValueError(f"report_to={item!r} is not supported: use \"none\", \"tensorboard\" or \"all\".")
+                raise report_to_refusal(item)
         return list(dict.fromkeys(out))
 
     # ---- device ------------------------------------------------------------------------------
@@ -241,15 +283,22 @@ class TrainingArguments:
         return self.per_device_eval_batch_size
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
-        """warmup_steps, or warmup_ratio of the run rounded up (transformers' rule)."""
-        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(num_training_steps * self.warmup_ratio)
+        """warmup_steps; a warmup_steps below 1 (transformers 5) or warmup_ratio is a fraction of the run,
+        rounded up (transformers' rule)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(num_training_steps * (self.warmup_steps or self.warmup_ratio))
 
     def resolved_steps(self, value: float, max_steps: int) -> int:
         """A `*_steps` value below 1 is a fraction of the run (transformers' rule)."""
         return max(1, math.ceil(value * max_steps)) if value < 1 else int(value)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The fields, as transformers writes them (a Hub token is masked, never written to training_args.json)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if out.get("hub_token"):
+            out["hub_token"] = "<HUB_TOKEN>"
+        return out
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)

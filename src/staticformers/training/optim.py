@@ -110,18 +110,19 @@ def parameter_groups(model: nn.Module, master: MasterWeights, weight_decay: floa
     return groups
 
 
-def create_adamw(groups: list[dict], lr: float, betas: tuple, eps: float) -> torch.optim.Optimizer:
+def create_adamw(groups: list[dict], lr: float, betas: tuple, eps: float, fused: bool = True) -> torch.optim.Optimizer:
     """torch's AdamW, eager: the fused kernel (one pass over the weights) on the CPU and CUDA, where
-    torch has it; the foreach implementation elsewhere (Neuron, XPU, MPS)."""
+    torch has it and `fused` asks for it (`optim="adamw_torch_fused"`); the foreach implementation
+    otherwise (`optim="adamw_torch"`, and Neuron, XPU, MPS)."""
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    fused = fused and bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
     if fused:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
-def schedule_lambda(name: str, warmup: int, total: int):
-    """lr multiplier per step, transformers' formulas."""
+def schedule_lambda(name: str, warmup: int, total: int, num_cycles: float = 0.5):
+    """lr multiplier per step, transformers' formulas (`num_cycles`: cosine's, from lr_scheduler_kwargs)."""
     total = max(total, 1)
 
     def warm(step: int) -> Optional[float]:
@@ -139,13 +140,14 @@ def schedule_lambda(name: str, warmup: int, total: int):
             if w is not None:
                 return w
             progress = (step - warmup) / max(1, total - warmup)
-            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
         return cosine
     raise ValueError(f"lr_scheduler_type={name!r} is not supported: use linear, cosine, constant or constant_with_warmup.")
 
 
-def create_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup: int, total: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_lambda(name, warmup, total))
+def create_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup: int, total: int, **kwargs):
+    """`kwargs`: the schedule's own arguments (lr_scheduler_kwargs, checked by TrainingArguments)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_lambda(name, warmup, total, **kwargs))
 
 
 def clip_grad_norm(grads: Iterable[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:

@@ -1,113 +1,80 @@
-"""A loss-curve PNG with no plotting library: a raster drawn by hand, encoded with zlib.
+"""`output_dir/loss_curve.png`: the training loss, the evaluation loss and the learning rate, drawn with
+matplotlib (the optional `plot` extra: `pip install staticformers[plot]`).
 
-Training loss is drawn in blue, evaluation loss as red squares, on axes scaled to the data (x: step,
-y: loss from the minimum to the maximum seen). There is no text in the image; the numbers are in
-`metrics.jsonl` and `trainer_state.json`.
+The figure is built on matplotlib's object API (`Figure` + the Agg canvas), never through `pyplot`,
+so a trainer in a notebook or a GUI program does not change the caller's backend or open windows.
+Without matplotlib nothing is drawn: one warning per process says how to get the picture, and the
+numbers stay in `metrics.jsonl` and `trainer_state.json`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-import struct
-import zlib
-from typing import Sequence
+import textwrap
+from typing import Optional, Sequence
 
-WHITE, BLACK, GREY = (255, 255, 255), (0, 0, 0), (220, 220, 220)
-BLUE, RED = (31, 119, 180), (214, 39, 40)
+logger = logging.getLogger("staticformers")
 
-
-def encode_png(width: int, height: int, rgb: bytearray) -> bytes:
-    """An 8-bit RGB PNG of `rgb` (row-major, 3 bytes per pixel)."""
-    raw = b"".join(b"\x00" + bytes(rgb[y * width * 3:(y + 1) * width * 3]) for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+_warned_missing = False
 
 
-class Canvas:
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
-        self.rgb = bytearray(WHITE * (width * height))
-
-    def dot(self, x: int, y: int, color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = (y * self.width + x) * 3
-            self.rgb[i:i + 3] = bytes(color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color, thick: int = 1) -> None:
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err = dx + dy
-        while True:
-            for t in range(thick):
-                self.dot(x0, y0 + t, color)
-            if x0 == x1 and y0 == y1:
-                break
-            e2 = 2 * err
-            if e2 >= dy:
-                err += dy
-                x0 += sx
-            if e2 <= dx:
-                err += dx
-                y0 += sy
-
-    def square(self, x: int, y: int, r: int, color) -> None:
-        for yy in range(y - r, y + r + 1):
-            for xx in range(x - r, x + r + 1):
-                self.dot(xx, yy, color)
-
-    def png(self) -> bytes:
-        return encode_png(self.width, self.height, self.rgb)
+def _series(log_history: Sequence[dict], key: str) -> list[tuple[float, float]]:
+    return [(e["step"], float(e[key])) for e in log_history
+            if key in e and "step" in e and e[key] is not None and math.isfinite(float(e[key]))]
 
 
-def loss_curve_png(train: Sequence[tuple[float, float]], evals: Sequence[tuple[float, float]] = (),
-                   width: int = 640, height: int = 400) -> bytes:
-    """PNG bytes of (step, loss) points: train as a line, eval as squares."""
-    canvas = Canvas(width, height)
-    left, right, top, bottom = 40, width - 20, 20, height - 30
-    points = [(s, v) for s, v in list(train) + list(evals) if math.isfinite(v)]
-    for i in range(5):  # grid
-        y = top + (bottom - top) * i // 4
-        canvas.line(left, y, right, y, GREY)
-    canvas.line(left, top, left, bottom, BLACK)
-    canvas.line(left, bottom, right, bottom, BLACK)
-    if points:
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        x_lo, x_hi = min(xs), max(xs)
-        y_lo, y_hi = min(ys), max(ys)
-        x_hi = x_hi if x_hi > x_lo else x_lo + 1
-        y_hi = y_hi if y_hi > y_lo else y_lo + 1
+def loss_curve_figure(log_history: Sequence[dict], title: str = "Training"):
+    """A matplotlib `Figure` of `loss` (line), `eval_loss` (squares) and `learning_rate` (second axis)
+    against the optimizer step. Raises ImportError when matplotlib is not installed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-        def px(s: float, v: float) -> tuple[int, int]:
-            return (round(left + (s - x_lo) / (x_hi - x_lo) * (right - left)),
-                    round(bottom - (v - y_lo) / (y_hi - y_lo) * (bottom - top)))
+    train, evals = _series(log_history, "loss"), _series(log_history, "eval_loss")
+    rates = _series(log_history, "learning_rate")
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    handles = []
+    if train:
+        handles += ax.plot(*zip(*train), color="tab:blue", linewidth=2, marker="o" if len(train) < 3 else None,
+                           label="training loss")
+    if evals:
+        handles += ax.plot(*zip(*evals), color="tab:red", linestyle="none", marker="s", markersize=7,
+                           label="evaluation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean cross-entropy per token)")
+    ax.grid(True, alpha=0.3)
+    if rates:
+        lr_ax = ax.twinx()
+        handles += lr_ax.plot(*zip(*rates), color="tab:green", linestyle="--", linewidth=1.2, label="learning rate")
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        lr_ax.set_ylim(bottom=0)
+    if not handles:
+        ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
+    else:  # below the axes, where it hides no point
+        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="upper center",
+                  bbox_to_anchor=(0.5, -0.12), ncol=len(handles), frameon=False)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=11)
+    fig.tight_layout()
+    return fig
 
-        prev = None
-        for s, v in train:
-            if not math.isfinite(v):
-                continue
-            cur = px(s, v)
-            if prev is not None:
-                canvas.line(*prev, *cur, BLUE, thick=2)
-            else:
-                canvas.square(*cur, 1, BLUE)
-            prev = cur
-        for s, v in evals:
-            if math.isfinite(v):
-                canvas.square(*px(s, v), 3, RED)
-    return canvas.png()
 
-
-def write_loss_curve(path: str, log_history: Sequence[dict]) -> str:
-    """Draw `loss` and `eval_loss` from a log history into `path`; returns the path."""
-    train = [(e["step"], float(e["loss"])) for e in log_history if "loss" in e and "step" in e]
-    evals = [(e["step"], float(e["eval_loss"])) for e in log_history if "eval_loss" in e and "step" in e]
-    with open(path, "wb") as f:
-        f.write(loss_curve_png(train, evals))
+def write_loss_curve(path: str, log_history: Sequence[dict], title: str = "Training") -> Optional[str]:
+    """Draw `log_history` into the PNG `path` and return the path; None (after one warning per process)
+    when matplotlib is not installed."""
+    global _warned_missing
+    try:
+        fig = loss_curve_figure(log_history, title)
+    except ImportError:
+        if not _warned_missing:
+            _warned_missing = True
+            logger.warning("loss_curve.png is not drawn because matplotlib is not installed: "
+                           "pip install 'staticformers[plot]' (the numbers are in metrics.jsonl).")
+        return None
+    fig.savefig(path, format="png")
     return path
 
 
-__all__ = ["encode_png", "loss_curve_png", "write_loss_curve"]
+__all__ = ["loss_curve_figure", "write_loss_curve"]

@@ -188,14 +188,16 @@ class Trainer:
             return self.optimizer
         a = self.args
         groups = parameter_groups(model, self.master, a.weight_decay)
-        return create_adamw(groups, a.learning_rate, (a.adam_beta1, a.adam_beta2), a.adam_epsilon)
+        return create_adamw(groups, a.learning_rate, (a.adam_beta1, a.adam_beta2), a.adam_epsilon,
+                            fused=a.optim == "adamw_torch_fused")
 
     def create_scheduler(self, num_training_steps: int):
         """The learning-rate schedule (transformers' formulas), unless one was passed in."""
         if self._user_optimizer and self.lr_scheduler is not None:
             return self.lr_scheduler
         a = self.args
-        return create_scheduler(self.optimizer, a.lr_scheduler_type, a.get_warmup_steps(num_training_steps), num_training_steps)
+        return create_scheduler(self.optimizer, a.lr_scheduler_type, a.get_warmup_steps(num_training_steps), num_training_steps,
+                                **(a.lr_scheduler_kwargs or {}))
 
     def get_train_rows(self) -> RowTable:
         """The training set as fixed `[max_length]` rows (built once per Trainer)."""
@@ -239,7 +241,9 @@ class Trainer:
                                   drop_last=False, rank=rank, world_size=world)
 
     def move_batch(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """The batch on the device; pinned first for a CUDA copy when `dataloader_pin_memory` (transformers' default)."""
+        pin = self.args.dataloader_pin_memory and self.device.type == "cuda"
+        return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over data-parallel ranks (identity with one process)."""
@@ -460,7 +464,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(format_postfix(loss_value, lr, rate), refresh=False)
                     step = state.global_step
-                    if step % state.logging_steps == 0 or (a.logging_first_step and step == 1) or step == max_steps:
+                    if self._log_now(step, max_steps, state.batches_in_epoch == 0):
                         self.log({"loss": round(window_loss / window_steps, 6), "grad_norm": round(norm_value, 6),
                                   "learning_rate": lr, "tokens_per_second": round(window_tokens / max(now - window_start, 1e-9), 2)})
                         window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
@@ -513,6 +517,16 @@ class Trainer:
                     raise
                 logger.warning("Checkpoint %s cannot be resumed from (%s); resuming from %s instead.", path, err, older)
                 path = older
+
+    def _log_now(self, step: int, max_steps: int, epoch_end: bool) -> bool:
+        """Whether this step writes a training log record (`logging_strategy`, `logging_steps`, `logging_first_step`;
+        the last step always does, so a run's loss is never lost)."""
+        a = self.args
+        if step == max_steps or (a.logging_first_step and step == 1):
+            return True
+        if a.logging_strategy == "steps":
+            return step % self.state.logging_steps == 0
+        return a.logging_strategy == "epoch" and epoch_end
 
     def _restore_dtypes(self, original: dict) -> None:
         """Give each parameter back its original dtype, holding the fp32 master value."""
@@ -595,11 +609,12 @@ class Trainer:
                                              is_main=self.is_world_process_zero())
         self._reporter.log(self.state.log_history, record)
 
-    def write_loss_curve(self, path: Optional[str] = None) -> str:
-        """Draw the loss curve of `state.log_history` as a PNG (default `output_dir/loss_curve.png`)."""
+    def write_loss_curve(self, path: Optional[str] = None) -> Optional[str]:
+        """Draw the loss curve of `state.log_history` as a PNG (default `output_dir/loss_curve.png`); None
+        when matplotlib (the `plot` extra) is not installed, which is said once."""
         path = path or os.path.join(self.args.output_dir, LOSS_CURVE)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        return write_loss_curve(path, self.state.log_history)
+        return write_loss_curve(path, self.state.log_history, title=self.args.run_name or "Training")
 
     def save_tokenizer(self, directory: str) -> None:
         tok = self.processing_class

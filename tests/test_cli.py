@@ -1,0 +1,129 @@
+"""The command line: flags (no abbreviations, -v anywhere, help for every option), refusals that print only
+the error, --chat-template, train's --tokenizer hint, and --stats telling compiled graphs from cached ones."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from staticformers.cli import _available_commands, build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import inference
+
+    return inference.build_checkpoint(str(tmp_path_factory.mktemp("cli")))
+
+
+@pytest.fixture(scope="module")
+def no_template(checkpoint, tmp_path_factory):
+    """The same model with no chat template in its tokenizer files."""
+    folder = tmp_path_factory.mktemp("no_template") / "model"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def eager_backend(monkeypatch):
+    monkeypatch.setenv("STATICFORMERS_COMPILE_BACKEND", "eager")
+
+
+def test_verbose_before_or_after_the_subcommand():
+    parser = build_parser(_available_commands())
+    assert parser.parse_args(["-v", "doctor"]).verbose is True
+    assert parser.parse_args(["doctor", "-v"]).verbose is True
+    assert parser.parse_args(["doctor", "--verbose", "--json"]).verbose is True
+    assert parser.parse_args(["doctor"]).verbose is False
+
+
+def test_abbreviated_flags_are_refused(checkpoint, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", checkpoint, "hi", "--max-new-token", "3"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --max-new-token" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--verb", "doctor"])
+
+
+def test_every_option_has_help():
+    parser = build_parser(_available_commands())
+    sub = next(a for a in parser._actions if a.choices and "doctor" in a.choices)
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}" for name, p in sub.choices.items()
+               for a in p._actions if not a.help]
+    assert missing == []
+
+
+def test_an_unknown_backend_prints_only_the_error(checkpoint, capsys):
+    assert main(["generate", checkpoint, "The French", "--backend", "foo"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # the prompt is not echoed before the refusal
+    assert err.strip() == ("staticformers generate: --backend 'foo' is not a torch.compile backend here: use inductor, "
+                           "aot_eager, eager, cudagraphs (or leave it out for the device's own).")
+    assert main(["compile", checkpoint, "--backend", "foo", "--dry-run"]) == 2
+    assert "--backend 'foo'" in capsys.readouterr().err
+
+
+def test_an_error_during_generation_prints_no_prompt_first(checkpoint, capsys):
+    assert main(["generate", checkpoint, "The French", "--device", "cpu", "--max-model-len", "4096"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "max_model_len=4096" in err
+
+
+def test_the_prompt_streams_before_the_continuation(checkpoint, capsys):
+    assert main(["generate", checkpoint, "The French", "--device", "cpu", "--max-new-tokens", "3", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The French") and "3 new tokens" in err
+
+
+def test_chat_without_a_template_names_the_flag(no_template, tmp_path, capsys):
+    assert main(["generate", no_template, "hello", "--chat", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template: pass --chat-template FILE" in err and "tok.chat_template" not in err
+    template = tmp_path / "chat.jinja"
+    template.write_text("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                        "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert main(["generate", no_template, "hello", "--chat", "--chat-template", str(template), "--max-new-tokens", "2",
+                 "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert "new tokens" in err and "<|im_start|>" not in out  # the reply alone: the templated prompt is not echoed
+    assert main(["generate", no_template, "hello", "--chat", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert f"--chat-template {tmp_path / 'none.jinja'} is not a file" in capsys.readouterr().err
+    assert main(["generate", no_template, "hello", "--chat-template", str(template)]) == 2
+    assert "add --chat" in capsys.readouterr().err
+
+
+def test_train_text_without_a_tokenizer_names_the_flag(checkpoint, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint, model)
+    os.remove(model / "tokenizer.json")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The French Bread Law states.\n\nStatic shapes avoid recompilation.\n")
+    assert main(["train", str(model), "--data", str(corpus), "--output-dir", str(tmp_path / "out"), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds text but" in err and "pass --tokenizer FOLDER" in err and "processing_class" not in err
+    assert main(["train", str(model), "--data", str(corpus), "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+                 "--max-length", "16", "--batch-size", "1", "--no-save", "--quiet", "--tokenizer", checkpoint]) == 0
+
+
+@pytest.mark.inductor
+def test_stats_say_which_graphs_came_from_the_cache(checkpoint, tmp_path, monkeypatch):
+    """The first process compiles; a second one with the same cache loads them all (and says so)."""
+    monkeypatch.delenv("STATICFORMERS_COMPILE_BACKEND")
+    env = dict(os.environ, STATICFORMERS_CACHE=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    cmd = [sys.executable, "-m", "staticformers.cli", "generate", checkpoint, "The French", "--device", "cpu",
+           "--max-new-tokens", "3", "--stats"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    summary = [next(line for line in r.stderr.splitlines() if "new tokens" in line) for r in (first, second)]
+    assert "compiled" in summary[0] and "loaded from the on-disk cache" not in summary[0], summary
+    assert "loaded from the on-disk cache" in summary[1] and "compiled" not in summary[1], summary

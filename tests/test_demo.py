@@ -1,0 +1,47 @@
+"""`make demo` (examples/demo.py), kept cheap: a few training steps, graphs traced with the eager backend,
+in a scratch folder. What it prints: numbered stages, the training summary, each graph of the compile
+stage, the streamed answers and their table; no raw JSON and no training-compile line unless asked."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_demo(folder, *flags):
+    env = dict(os.environ, STATICFORMERS_DEMO_DIR=str(folder), STATICFORMERS_COMPILE_BACKEND="eager",
+               STATICFORMERS_CACHE=str(folder / "cache"), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), *flags], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_demo_first_and_second_run(tmp_path):
+    import demo  # examples/ (for its prompts and stage names)
+
+    first = run_demo(tmp_path, "--steps", "4")
+    for n, stage in enumerate(demo.STAGES, 1):
+        assert f"[{n}/{len(demo.STAGES)}] {stage.name}: " in first
+    assert "4 steps in" in first and "held-out loss" in first and "training compile" not in first
+    assert (tmp_path / "model" / "model.safetensors").exists() and (tmp_path / "corpus.txt").exists()
+    assert "prefill  [1, 16]" in first and "decode   [1, 1, 256]" in first  # the compile stage's lines
+    for prompt in demo.PROMPTS:
+        assert f"> {prompt}" in first
+    table = first[first.index("prompt  "):].splitlines()
+    assert table[0].split()[-3:] == ["tokens", "seconds", "tokens/s"]
+    counts = [int(line[len(max(demo.PROMPTS, key=len)):].split()[0]) for line in table[1:len(demo.PROMPTS) + 1]]
+    assert all(1 <= c <= demo.MAX_NEW_TOKENS for c in counts)  # what was generated, not the maximum
+    assert "no prompt compiled a graph" in first
+    assert not [line for line in first.splitlines() if line.lstrip().startswith("{")] and '"retired"' not in first
+
+    second = run_demo(tmp_path)
+    assert "[2/5] tokenizer: " in second and "skipped: reusing" in second and "steps in" not in second
+    assert "no prompt compiled a graph" in second
+
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
