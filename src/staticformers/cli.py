@@ -17,6 +17,7 @@ COMMANDS = {
     "generate": "staticformers.commands.generate",
     "compile": "staticformers.commands.compile",
     "train": "staticformers.commands.train",
+    "serve": "staticformers.commands.serve",
 }
 
 

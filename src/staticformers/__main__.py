@@ -1,0 +1,7 @@
+"""`python -m staticformers ...` (what `torchrun -m staticformers serve ...` runs): the command line."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

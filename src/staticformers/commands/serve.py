@@ -1,0 +1,93 @@
+"""`staticformers serve PATH`: an OpenAI-compatible server with continuous batching over fixed slots.
+
+Needs the `serve` extra (`pip install 'staticformers[serve]'`: FastAPI, uvicorn, prometheus_client).
+Under torchrun with `--tensor-parallel-size N`, rank 0 serves HTTP and every rank runs the steps on
+its shards: `torchrun --nproc_per_node=N -m staticformers serve PATH --tensor-parallel-size N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)"
+API_KEY_ENV = "STATICFORMERS_API_KEY"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535; 0 picks a free one)")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint folder or Hub id (with its tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch-size", type=_positive, default=8,
+                   help="decode slots: requests generating at once, the plan's largest batch bucket (default 8)")
+    p.add_argument("--max-model-len", type=_positive, default=None,
+                   help="longest prompt + answer in tokens (default: the model's positions, at most 2048)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="auto (Neuron first), neuron, cuda, cpu, ...")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--max-queued-requests", type=_positive, default=256,
+                   help="requests that may wait for a slot; one more gets HTTP 429 (default 256)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the folder's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a .jinja chat template replacing the tokenizer's")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the whole shape plan before accepting traffic (a progress bar shows it)")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=1,
+                   help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
+    p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
+    p.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .options import check_backend
+
+    check_backend(args.backend)
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(f"staticformers serve needs the serve extra ({err.name} is missing): "
+                           f"pip install 'staticformers[serve]'.") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tensor_parallel_size != world:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes, but {world} "
+            f"{'is' if world == 1 else 'are'} running: launch with torchrun --nproc_per_node="
+            f"{args.tensor_parallel_size} -m staticformers serve ... --tensor-parallel-size {args.tensor_parallel_size}.")
+    if args.grace < 0:
+        raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        raise ValueError(f"--chat-template {args.chat_template!r} is not a file: pass a .jinja template file.")
+    from ..serving.server import ServeOptions, serve
+
+    options = ServeOptions(model=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+                           max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
+                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                           max_queued_requests=args.max_queued_requests, served_model_name=args.served_model_name,
+                           chat_template=args.chat_template, precompile=args.precompile, backend=args.backend,
+                           no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
+                           grace=args.grace)
+    return serve(options)

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible server over the generation loop (the `serve` extra: FastAPI, uvicorn, prometheus_client).
+
+protocol.py (request bodies, checked), text.py (detokenisation, stop strings, tool calls),
+engine_thread.py (the loop in its own thread), replication.py (tensor parallel under torchrun),
+metrics.py (Prometheus), app.py (the HTTP endpoints), server.py (starting and stopping).
+"""

@@ -1,0 +1,346 @@
+"""OpenAI's request bodies, checked field by field, turned into what the generation loop takes.
+
+Why by hand rather than with pydantic models: every refusal must be OpenAI's error JSON with HTTP 400
+and a sentence naming the field and its value (`ApiError`), and fields we cannot honour must be
+refused, not silently ignored. Fields a client sends that change nothing here (`user`,
+`parallel_tool_calls`, `service_tier`, ...) are accepted. Defaults follow OpenAI, with the
+checkpoint's `generation_config.json` for the sampling defaults, as vLLM does.
+
+`parse_completion` / `parse_chat` return a `Job`: the prompts as token ids, one `Choice` per
+generated sequence (prompt x `n`) with its `SamplingParams`, and what the response needs (stop
+strings, logprobs, streaming options, echo, tools).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..generation.sampling import SamplingParams
+
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; longer lists only cost matching time)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
+                 code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, value: Any, must: str) -> ApiError:
+    return ApiError(400, f"{param}={value!r} {must}.", param=param)
+
+
+@dataclass
+class Choice:
+    """One sequence to generate: which prompt, its index in the response, its settings."""
+
+    index: int
+    prompt_index: int
+    sampling: SamplingParams
+
+
+@dataclass
+class Job:
+    """A parsed request: see the module docstring."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list  # list[list[int]]
+    prompt_texts: list  # the prompts as text (echo, chat)
+    choices: list
+    max_tokens: list  # per prompt
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # top-n per token (0: only the chosen token's), None: none
+    echo: bool = False
+    skip_special_tokens: bool = True
+    tools: Optional[list] = None  # chat: tools given and tool_choice not "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# field checks
+# ---------------------------------------------------------------------------------------------
+def _number(body: dict, name: str, low: float, high: float, default=None, low_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(name, value, "must be a number")
+    if value < low or value > high or (low_open and value == low):
+        raise invalid(name, value, f"must be in {'(' if low_open else '['}{low}, {high}]")
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: Optional[int] = None, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, value, "must be an integer")
+    if value < low or (high is not None and value > high):
+        raise invalid(name, value, f"must be between {low} and {high}" if high is not None else f"must be at least {low}")
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, value, "must be true or false")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid("stop", stop, "must be a string or a list of strings")
+    if len(stop) > MAX_STOP:
+        raise invalid("stop", f"[{len(stop)} strings]", f"must hold at most {MAX_STOP} strings")
+    if any(s == "" for s in stop):
+        raise invalid("stop", stop, "must not contain an empty string")
+    return list(dict.fromkeys(stop))
+
+
+def _token_ids(value: Any, name: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise invalid(name, value, "must be a non-empty list of integer token ids")
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise invalid(name, bad[:4], f"holds ids outside the vocabulary [0, {vocab})")
+    return value
+
+
+def _refuse(body: dict, name: str, allowed=(None,), why: str = "is not supported") -> None:
+    value = body.get(name)
+    if value not in allowed and not (isinstance(value, (dict, list)) and not value):
+        raise invalid(name, value, why)
+
+
+def _sampling(body: dict, defaults: dict, eos: list[int], vocab: int, logprobs: Optional[int]) -> tuple[dict, list]:
+    """The settings shared by a request's choices (the seed is set per choice)."""
+    temperature = _number(body, "temperature", 0.0, 2.0, defaults.get("temperature", 1.0))
+    top_p = _number(body, "top_p", 0.0, 1.0, defaults.get("top_p"), low_open=True)
+    top_k = _integer(body, "top_k", -1, None, defaults.get("top_k"))
+    min_p = _number(body, "min_p", 0.0, 1.0, defaults.get("min_p"))
+    presence = _number(body, "presence_penalty", -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", -2.0, 2.0)
+    repetition = _number(body, "repetition_penalty", 0.0, 10.0, defaults.get("repetition_penalty"), low_open=True)
+    min_tokens = _integer(body, "min_tokens", 0, None, 0)
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = _token_ids(stop_ids, "stop_token_ids", vocab) if stop_ids not in (None, []) else []
+    ignore_eos = _boolean(body, "ignore_eos", False)
+    greedy = temperature == 0.0
+    settings = dict(do_sample=not greedy, temperature=None if greedy else temperature,
+                    top_k=top_k if top_k and top_k > 0 else None, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
+                    min_new_tokens=min_tokens, logprobs=logprobs)
+    stops = list(dict.fromkeys(([] if ignore_eos else list(eos)) + list(stop_ids)))
+    return settings, stops
+
+
+def _choices(body: dict, prompts: int, settings: dict, stop_ids: list, max_n: int) -> list[Choice]:
+    n = _integer(body, "n", 1, max_n, 1)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise invalid("best_of", best_of, f"is not supported beyond n (pass best_of={n} or leave it out)")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise invalid("seed", seed, "must be an integer that fits in 64 bits")
+    out = []
+    for p in range(prompts):
+        for i in range(n):
+            index = p * n + i
+            out.append(Choice(index, p, SamplingParams(**settings, eos_token_ids=stop_ids,
+                                                       seed=(seed + index) % 2**64 if seed is not None else None)))
+    return out
+
+
+def _max_tokens(body: dict, names: tuple, default: Optional[int]) -> Optional[int]:
+    for name in names:
+        if body.get(name) is not None:
+            return _integer(body, name, 1)
+    return default
+
+
+def _fit(prompts: list, asked: Optional[int], max_model_len: int, name: str) -> list[int]:
+    """Tokens each prompt may generate: what was asked (or all that fit), refused with both numbers when
+    the prompt plus the answer exceed the model's length."""
+    out = []
+    for ids in prompts:
+        room = max_model_len - len(ids)
+        if room < 1:
+            raise ApiError(400, f"The prompt has {len(ids)} tokens, which leaves no room for an answer within "
+                                f"--max-model-len={max_model_len}: shorten it.", param="messages" if name == "chat" else "prompt")
+        if asked is not None and len(ids) + asked > max_model_len:
+            raise ApiError(400, f"The prompt has {len(ids)} tokens and max_tokens={asked}: {len(ids) + asked} exceed "
+                                f"--max-model-len={max_model_len}; ask for at most {room} tokens.", param="max_tokens")
+        out.append(asked if asked is not None else room)
+    return out
+
+
+def _common(body: dict) -> tuple[bool, bool]:
+    stream = _boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options", options, "must be an object such as {\"include_usage\": true}")
+    include_usage = bool(options and options.get("include_usage"))
+    if options and not stream:
+        raise invalid("stream_options", options, "is only allowed with stream=true")
+    _refuse(body, "logit_bias", why="is not supported: leave it out")
+    _refuse(body, "suffix", why="is not supported: leave it out")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", None)):
+        raise invalid("response_format", fmt, "is not supported beyond {\"type\": \"text\"}")
+    return stream, include_usage
+
+
+# ---------------------------------------------------------------------------------------------
+# the two endpoints
+# ---------------------------------------------------------------------------------------------
+def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int,
+                     max_n: int) -> Job:
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model")
+    prompt = body.get("prompt")
+    vocab = tokenizer_vocab(tokenizer)
+    if prompt is None:
+        raise ApiError(400, "prompt is required: pass a string, a list of strings or token ids.", param="prompt")
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        texts = [None]
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        texts = [None] * len(prompt)
+    else:
+        raise invalid("prompt", prompt, "must be a string, a list of strings or a list of token ids")
+    if texts[0] is not None:
+        ids = [tokenizer(t)["input_ids"] for t in texts]
+        ids = [list(i.tolist() if hasattr(i, "tolist") else i) for i in ids]
+    else:
+        ids = [_token_ids(p, "prompt", vocab) for p in prompt]
+        texts = [tokenizer.decode(p) for p in ids]
+    empty = [i for i, p in enumerate(ids) if not p]
+    if empty:
+        raise invalid("prompt", "", "is empty: pass some text")
+    stream, include_usage = _common(body)
+    logprobs = _integer(body, "logprobs", 0, 20)
+    settings, stop_ids = _sampling(body, defaults, eos, vocab, logprobs)
+    asked = _max_tokens(body, ("max_tokens",), 16)
+    return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
+               _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
+               include_usage=include_usage, logprobs=logprobs, echo=_boolean(body, "echo", False),
+               skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", messages, "must be a non-empty list of {\"role\", \"content\"} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}]", m, "must be an object with a \"role\"")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(f"messages[{i}].content", part, "must be text parts (this model reads text only)")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", content, "must be a string or a list of text parts")
+        message = {k: v for k, v in m.items() if v is not None}
+        message["content"] = content if content is not None else ""
+        calls = message.get("tool_calls")
+        if calls:  # templates take the arguments as objects, as transformers passes them
+            message["tool_calls"] = [_template_call(c, i) for c in calls]
+        out.append(message)
+    return out
+
+
+def _template_call(call: Any, i: int) -> dict:
+    import json
+
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise invalid(f"messages[{i}].tool_calls", call, "must be OpenAI tool calls ({\"function\": {...}})")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise invalid(f"messages[{i}].tool_calls", arguments, "must carry arguments as a JSON object") from None
+    return {**{k: v for k, v in call.items() if k != "function"}, "function": function}
+
+
+def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int, max_n: int,
+               chat_template: Optional[str] = None) -> Job:
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    messages = _messages(body)
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise invalid("tools", tools, "must be a list of tool objects")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise invalid("tool_choice", tool_choice, "is not supported: use \"auto\" or \"none\"")
+    if tool_choice == "none":
+        tools = None
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", kwargs, "must be an object")
+    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[t.get("function", t) if t.get("type") == "function"
+                                                              else t for t in tools] if tools else None,
+                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise ApiError(400, f"The chat template could not render these messages: {err}", param="messages") from None
+    except Exception as err:  # a template's own error (raise_exception, undefined variables)
+        raise ApiError(400, f"The chat template refused these messages: {err}", param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    stream, include_usage = _common(body)
+    if _boolean(body, "logprobs", False):
+        logprobs = _integer(body, "top_logprobs", 0, 20, 0)
+    else:
+        if body.get("top_logprobs") not in (None, 0):
+            raise invalid("top_logprobs", body.get("top_logprobs"), "needs logprobs=true")
+        logprobs = None
+    settings, stop_ids = _sampling(body, defaults, eos, tokenizer_vocab(tokenizer), logprobs)
+    asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
+               _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
+               include_usage=include_usage, logprobs=logprobs, tools=tools or None,
+               skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+
+
+def tokenizer_vocab(tokenizer) -> int:
+    size = getattr(tokenizer, "vocab_size_with_added", None)
+    if size is None:
+        size = len(tokenizer)
+    return int(size)
+
+
+__all__ = ["ApiError", "Choice", "Job", "parse_completion", "parse_chat"]

@@ -1,0 +1,464 @@
+"""The OpenAI-compatible server, driven by the official `openai` client on 127.0.0.1: greedy text equals
+`generate()`, streaming, stop strings, logprobs, `n`, tool calls, every refusal in OpenAI's format, a
+disconnecting client, a failing step, and a bounded load test that compiles nothing after warm-up.
+
+Every server binds 127.0.0.1 on a free port, every request has a timeout, and every test stops its
+server itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
+from staticformers.serving.server import ServeOptions, Server, build_loop, build_state  # noqa: E402
+
+EAGER = CompileConfig(backend="eager")
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """A tiny Qwen3 with a Qwen-style tokenizer and chat template (tools included), 256 positions."""
+    from tiny import build_hf_model
+    from tokenizer_fixtures import build_qwen
+
+    path = Path(tmp_path_factory.mktemp("served"))
+    build_qwen(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
+                   eos_token_id=tok.eos_token_id).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tok(folder):
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def start(model, tok, folder, **options) -> Server:
+    """A server on a free port of 127.0.0.1, eager steps, 4 slots unless `options` say otherwise."""
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", **{"max_batch_size": 4, **options})
+    server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(model, tok, folder):
+    s = start(model, tok, folder)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def greedy(model, ids: list[int], n: int, **kw) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, compile_config=EAGER, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"staticformers:{name}{{") or line.startswith(f"staticformers:{name} "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# answers
+# ---------------------------------------------------------------------------------------------
+def test_completion_greedy_text_equals_generate(client, model, tok):
+    prompt = "The for statement"
+    ids = tok(prompt)["input_ids"]
+    want = cut_at_eos(greedy(model, ids, 12), tok.eos_token_id)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == ("stop" if len(want) < 12 else "length")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want) + (len(want) < 12)
+    assert r.object == "text_completion" and r.model == "tiny"
+
+
+def test_chat_greedy_streamed_and_not_equals_generate(client, model, tok):
+    messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "What is a list?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    want = tok.decode(cut_at_eos(greedy(model, ids, 10), tok.eos_token_id), skip_special_tokens=True)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_the_stream_is_openai_server_sent_events(server):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_strings_match_across_tokens_and_are_not_returned(client, model, tok):
+    prompt = "Iterate over a sequence"
+    ids = tok(prompt)["input_ids"]
+    full = tok.decode(greedy(model, ids, 16, eos_token_id=None), skip_special_tokens=True)
+    assert len(full) > 6
+    stop = full[3:6]  # three characters, very likely across a token boundary
+    want = full[:full.find(stop)]
+    body = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00never"],
+                extra_body={"ignore_eos": True})
+    r = client.completions.create(**body)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
+    assert streamed == want
+
+
+def test_stop_token_ids_end_the_answer(client, model, tok):
+    ids = tok("A tuple is")["input_ids"]
+    tokens = greedy(model, ids, 8, eos_token_id=None)
+    stop_id = tokens[2]
+    first = tokens.index(stop_id)
+    r = client.completions.create(model="tiny", prompt="A tuple is", max_tokens=8, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
+    # as vLLM: the stop token is the answer's last token, its text kept unless it is a special token
+    assert r.choices[0].text == tok.decode(tokens[:first + 1], skip_special_tokens=True)
+
+
+def test_n_choices_with_a_seed_are_reproducible(client):
+    body = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, n=3, seed=5,
+                extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**body), client.completions.create(**body)
+    texts = [c.text for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.text for c in b.choices]
+    assert len(set(texts)) > 1  # each choice its own seed
+    assert a.usage.completion_tokens == 24
+
+
+def test_logprobs_are_the_models(client, model, tok):
+    prompt = "while"
+    ids = tok(prompt)["input_ids"]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    tokens = greedy(model, ids, 4, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).view(-1, 1)).flatten()
+    assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), want, rtol=1e-4, atol=1e-4)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    assert entries[0].top_logprobs[0].logprob >= entries[0].top_logprobs[1].logprob
+
+
+def test_models_health_tokenize_and_detokenize(server, tok):
+    models = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+    out = httpx.post(server.url + "/tokenize", json={"prompt": "for x in y"}, timeout=TIMEOUT).json()
+    assert out["tokens"] == tok("for x in y")["input_ids"] and out["count"] == len(out["tokens"])
+    back = httpx.post(server.url + "/detokenize", json={"tokens": out["tokens"]}, timeout=TIMEOUT).json()
+    assert back["prompt"] == "for x in y"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      timeout=TIMEOUT).json()
+    assert chat["count"] > 3
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,status,pattern", [
+    ({"prompt": "x", "temperature": 5}, 400, r"temperature=5 must be in \[0.0, 2.0\]"),
+    ({"prompt": "x", "top_p": 0}, 400, r"top_p=0 must be in \(0.0, 1.0\]"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens='ten' must be an integer"),
+    ({"prompt": "x", "n": 9}, 400, "n=9 must be between 1 and 4"),
+    ({"prompt": "x", "logprobs": 30}, 400, "logprobs=30 must be between 0 and 20"),
+    ({"prompt": "x", "stop": 3}, 400, "stop=3 must be a string or a list of strings"),
+    ({"prompt": "x", "seed": "s"}, 400, "seed='s' must be an integer"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 99999]}, 400, r"ids outside the vocabulary"),
+    ({"prompt": "x" * 10, "max_tokens": 300}, 400, r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256"),
+    ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
+    ({}, 400, "prompt is required"),
+])
+def test_invalid_fields_are_openai_errors(server, body, status, pattern):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=TIMEOUT)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert re.search(pattern, error["message"]), error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_bad_json_and_big_bodies(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{nope", timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * (5 * 2**20), timeout=TIMEOUT)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": "hi"}, timeout=TIMEOUT)
+    assert r.status_code == 400 and "messages='hi'" in r.json()["error"]["message"]
+
+
+def test_api_key(model, tok, folder):
+    s = start(model, tok, folder, api_key="sekrit")
+    try:
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": "Bearer sekrit"}, 200)):
+            r = httpx.get(s.url + "/v1/models", headers=headers, timeout=TIMEOUT)
+            assert r.status_code == status
+        assert "API key is missing" in httpx.get(s.url + "/v1/models", timeout=TIMEOUT).json()["error"]["message"]
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200  # health and metrics stay open
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", timeout=TIMEOUT, max_retries=0)
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        s.stop()
+
+
+def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
+    s = start(model, tok, folder, max_batch_size=1, max_queued_requests=1)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+                body = {"model": "tiny", "prompt": "go", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*[c.post(s.url + "/v1/completions", json=body) for _ in range(6)])
+
+        replies = asyncio.run(burst())
+        codes = sorted(r.status_code for r in replies)
+        assert codes.count(200) >= 2 and 429 in codes
+        refused = [r for r in replies if r.status_code == 429][0]
+        assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.stop()
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    before = metric(server.url, "client_disconnects_total")
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    deadline = time.monotonic() + 20
+    while metric(server.url, "num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server.url, "num_requests_running") == 0
+    assert metric(server.url, "client_disconnects_total") == before + 1
+
+
+def test_an_exception_in_a_step_is_500_and_the_server_goes_on(model, tok, folder, monkeypatch):
+    s = start(model, tok, folder)
+    try:
+        engine = s.state.engine.loop.engine
+        real = engine.decode
+        calls = {"n": 0}
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("device lost")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "decode", failing)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+        ok = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert ok.status_code == 200 and httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200
+        assert metric(s.url, "request_errors_total") == 1
+    finally:
+        s.stop()
+
+
+def test_health_is_503_once_the_engine_died(model, tok, folder, monkeypatch):
+    s = start(model, tok, folder)
+    try:
+        def broken(*args, **kwargs):
+            raise SystemError("the loop itself broke")
+
+        monkeypatch.setattr(s.state.engine.loop, "step", broken)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 500
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 503
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 503
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# tool calls (the HTTP layer over scripted tokens)
+# ---------------------------------------------------------------------------------------------
+class ScriptedLoop:
+    """Stands in for the generation loop: every request 'generates' the same scripted tokens."""
+
+    def __init__(self, real, script: list):
+        self.engine, self.plan, self.max_slots, self.script = real.engine, real.plan, real.max_slots, script
+        self.validate = real.validate
+        self.waiting, self.progress = [], {}
+
+    def add(self, request):
+        self.waiting.append(request.request_id)
+
+    def cancel(self, request_id):
+        found = request_id in self.progress or request_id in self.waiting
+        self.progress.pop(request_id, None)
+        return found
+
+    @property
+    def idle(self):
+        return not self.waiting and not self.progress
+
+    running = property(lambda self: len(self.progress))
+    num_waiting = property(lambda self: len(self.waiting))
+    padding_slots = 0
+
+    def step(self):
+        from staticformers.generation.loop import TokenEvent
+
+        for rid in self.waiting:
+            self.progress[rid] = 0
+        self.waiting = []
+        events = []
+        for rid, i in list(self.progress.items()):
+            last = i == len(self.script) - 1
+            events.append(TokenEvent(rid, self.script[i], i, "stop" if last else None))
+            if last:
+                del self.progress[rid]
+            else:
+                self.progress[rid] = i + 1
+        return events
+
+    def close(self):
+        pass
+
+
+def test_tool_calls_streamed_and_not(model, tok, folder):
+    """A chat answer in Qwen/Hermes style comes back as OpenAI tool calls: a scripted loop makes the model
+    'say' one, so what is tested is the HTTP layer (streamed pieces, content before the call)."""
+    from staticformers.serving.engine_thread import EngineThread
+
+    answer = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    script = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4)
+    state = build_state(model, tok, build_loop(model, opts), opts)
+    state.engine.shutdown(0)
+    state.engine = EngineThread(ScriptedLoop(state.engine.loop, script), state.metrics).start()
+    s = Server(state, grace=2.0)
+    s.start()
+    try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=tools)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        assert call.id.startswith("call_") and call.type == "function"
+        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                                tools=tools, stream=True))
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert content == "Let me check." and len(calls) == 1 and calls[0].index == 0
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                          tools=tools, tool_choice="none")
+        assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------------------------
+def test_load_64_requests_16_clients_some_disconnecting(model, tok, folder):
+    """64 requests of mixed prompt and answer lengths from 16 concurrent clients, every fourth dropping its
+    stream after a few chunks: every other one gets its complete greedy answer, equal to its solo run;
+    after `--precompile` nothing is compiled (the metric); the whole test has a hard limit."""
+    gen = torch.Generator().manual_seed(11)
+    words = ["for", "while", "if", "list", "tuple", "dict", "set", "def", "class", "return", "yield", "with"]
+    jobs = []
+    for i in range(64):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        prompt = " ".join(words[int(j)] for j in torch.randint(0, len(words), (n,), generator=gen))
+        jobs.append((prompt, int(torch.randint(1, 24, (1,), generator=gen)), i % 4 == 3))
+    solo = {}
+    for prompt, max_tokens, drop in jobs:
+        if not drop:
+            ids = tok(prompt)["input_ids"]
+            solo[prompt, max_tokens] = tok.decode(cut_at_eos(greedy(model, ids, max_tokens), tok.eos_token_id),
+                                                  skip_special_tokens=True)
+    s = start(model, tok, folder, precompile=True)
+    try:
+        compiled_before = metric(s.url, "graphs_compiled_total")
+
+        async def one(c, sem, prompt, max_tokens, drop):
+            async with sem:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+                text = ""
+                async with c.stream("POST", s.url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        seen += 1
+                        if drop and seen >= 2:
+                            return None
+                        text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+
+        async def run_all():
+            sem = asyncio.Semaphore(16)
+            async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+                return await asyncio.wait_for(asyncio.gather(*[one(c, sem, *j) for j in jobs]), timeout=240)
+
+        results = asyncio.run(run_all())
+        for (prompt, max_tokens, drop), text in zip(jobs, results):
+            if not drop:
+                assert text == solo[prompt, max_tokens], (prompt, max_tokens)
+        assert metric(s.url, "graphs_compiled_total") == compiled_before == 0
+        deadline = time.monotonic() + 20
+        while metric(s.url, "num_requests_running") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric(s.url, "num_requests_running") == 0 and metric(s.url, "num_requests_waiting") == 0
+    finally:
+        s.stop()
