@@ -64,7 +64,7 @@ def args(path, **kw):
     (dict(adam_epsilon=NAN), r"adam_epsilon=nan"),
     (dict(adam_beta1=NAN), r"adam_beta1=nan"),
     (dict(warmup_ratio=NAN), r"warmup_ratio=nan"),
-    (dict(warmup_steps=1.5), r"warmup_steps=1.5 must be an integer of 0 or more"),
+    (dict(warmup_steps=1.5), r"warmup_steps=1.5 must be a whole number of steps"),
     (dict(logging_steps=NAN), r"logging_steps=nan"),
     (dict(save_steps=INF), r"save_steps=inf"),
     (dict(eval_steps=NAN), r"eval_steps=nan"),

@@ -44,7 +44,8 @@ LONG_DOCUMENTS = ("split", "truncate")
 
 MAX_LEARNING_RATE = 1.0  # above this no AdamW run trains; 1e30 was accepted and wrote NaN checkpoints
 _BOOLEANS = ("logging_first_step", "bf16", "torch_compile", "dataloader_drop_last", "use_cpu", "gradient_checkpointing",
-             "disable_tqdm", "packing")
+             "packing")
+_OPTIONAL_BOOLEANS = ("disable_tqdm",)  # None: transformers' default behaviour
 _NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
             "warmup_ratio", "logging_steps", "save_steps")
 
@@ -172,7 +173,10 @@ class TrainingArguments:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length"):
             _integer(name, getattr(self, name), minimum=1)
         _integer("max_steps", self.max_steps, minimum=-1)
-        _integer("warmup_steps", self.warmup_steps, minimum=0, what="an integer of 0 or more")
+        _finite("warmup_steps", self.warmup_steps)
+        if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
+            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be a whole number of steps, or below 1 for a "
+                             f"fraction of the run (transformers 5).")
         check_seed(self.seed)
         if self.save_total_limit is not None:
             _integer("save_total_limit", self.save_total_limit, minimum=1,
@@ -180,6 +184,9 @@ class TrainingArguments:
         for name in _BOOLEANS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+        for name in _OPTIONAL_BOOLEANS:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True, False or None.")
         for name in _NUMBERS:
             _finite(name, getattr(self, name))
         for name in ("max_grad_norm", "eval_steps"):
