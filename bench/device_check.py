@@ -35,7 +35,7 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEFAULT_LIMITS = {"cuda_tests": 80, "reference": 30, "generate_b1": 150, "generate_b8": 110, "train": 80, "serve": 30}
+DEFAULT_LIMITS = {"cuda_tests": 80, "reference": 30, "generate_b1": 130, "generate_b8": 100, "train": 80, "serve": 50}
 TAIL = 3000  # characters of each step's output kept in the JSON
 
 
@@ -79,7 +79,11 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
         Step("train", train + ["--out", os.path.join(work, "train.json")], limits["train"],
              os.path.join(work, "train.json")),
         Step("serve", [py, serve_script, "--device", device, "--size", size, "--clients", "1", "16",
-                       "--out", os.path.join(work, "serve.json")], limits["serve"], os.path.join(work, "serve.json"),
+                       "--out", os.path.join(work, "serve.json")]
+             + (["--requests", "8", "--prompt", "16", "--new", "4", "--peers", "none", "--no-compile"] if dry
+                else ["--requests", "64", "--new", "64", "--no-compile"]),  # a whole-model compile per batch bucket
+             # of the 1.7B model would not fit the step's limit
+             limits["serve"], os.path.join(work, "serve.json"),
              skip=None if os.path.exists(serve_script) else "bench/serve.py does not exist yet (serving has not landed)"),
     ]
     return steps

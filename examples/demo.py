@@ -16,10 +16,16 @@ It runs as a list of stages (`STAGES`), each printing a numbered header and then
 5. generate  the model loaded back with `AutoModelForCausalLM` / `AutoTokenizer`, each prompt's answer
              streamed (greedy), after a first call that loads the graphs, timed apart; then a table
              of new tokens and tokens/s per prompt.
+6. chat      the same model fine-tuned on synthetic questions about those docs with assistant-only
+             loss (`examples/demo_chat.py`: a `messages` dataset, a training chat template), saved
+             under `.demo/chat`, then asked through the chat template.
+7. serve     `staticformers serve`'s server on the chat model (in this process, 127.0.0.1, a free
+             port): three chat requests sent at once through the `openai` client, one streamed,
+             answered in one batch; their answers and a summary of the server's metrics; then it stops.
 
-A second run finds `.demo/model` and skips stages 2 and 3 (`--retrain` trains again; `--steps N`
-changes the training length); its graphs all come from the on-disk cache. A later stage is added
-by appending a `Stage` to `STAGES`.
+A second run finds `.demo/model` and `.demo/chat` and skips stages 2, 3 and 6's training (`--retrain`
+trains again; `--steps N` changes the training length); its graphs all come from the on-disk cache.
+A later stage is added by appending a `Stage` to `STAGES`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # demo_chat.py
 DEMO = os.environ.get("STATICFORMERS_DEMO_DIR", os.path.join(ROOT, ".demo"))  # another folder: tests
 MODEL_DIR = os.path.join(DEMO, "model")
 CORPUS = os.path.join(DEMO, "corpus.txt")  # the training text, one paragraph per blank-line block
@@ -77,6 +84,7 @@ class Stage:
     what: str
     run: Callable[[Demo], None]
     skip: Callable[[Demo], bool] = lambda demo: False
+    reuses: str = MODEL_DIR  # what a skipped stage's output is
 
 
 # ---- 1. devices ----------------------------------------------------------------------------------
@@ -213,12 +221,81 @@ def generate(demo: Demo) -> None:
     demo.results["generated"] = rows
 
 
+# ---- 6. chat ------------------------------------------------------------------------------------
+CHAT_DIR = os.path.join(DEMO, "chat")
+
+
+def chat_trained(demo: Demo) -> bool:
+    return os.path.exists(os.path.join(CHAT_DIR, "model.safetensors")) and demo.trained
+
+
+def chat(demo: Demo) -> None:
+    from demo_chat import chat_stage
+
+    demo.results["chat"] = chat_stage(MODEL_DIR, CHAT_DIR, steps=min(60, demo.args.steps))
+
+
+# ---- 7. serve ------------------------------------------------------------------------------------
+QUESTIONS = ["What does the \"while\" statement do?", "Tell me about the \"try\" statement.",
+             "What does the \"with\" statement do?"]
+
+
+def serve(demo: Demo) -> None:
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan
+    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
+
+    model = AutoModelForCausalLM.from_pretrained(CHAT_DIR, device_map="auto")
+    tok = AutoTokenizer.from_pretrained(CHAT_DIR)
+    options = ServeOptions(model=CHAT_DIR, served_model_name="demo-chat", max_batch_size=4)
+    # one decode shape for any three requests: a four-slot batch over a 256-position cache
+    plan = ShapePlan(batch_sizes=[4], prompt_lengths=[32, 64], kv_lengths=[256], max_model_len=256)
+    with Server(build_state(model, tok, build_loop(model, options, plan=plan), options)) as server:
+        print(f"serving {shown(CHAT_DIR)} as \"demo-chat\" on {server.url} (4 slots); three requests at once")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="demo", timeout=600, max_retries=0)
+
+        def ask(question: str, stream: bool):
+            start = time.perf_counter()
+            kw = dict(model="demo-chat", messages=[{"role": "user", "content": question}], max_tokens=48,
+                      temperature=0)
+            if stream:
+                pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                          if c.choices]
+                return "".join(pieces), f"streamed in {len(pieces)} chunks", time.perf_counter() - start
+            r = client.chat.completions.create(**kw)
+            return r.choices[0].message.content, f"{r.usage.completion_tokens} tokens", time.perf_counter() - start
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, QUESTIONS, [True, False, False]))
+        for question, (answer, how, seconds) in zip(QUESTIONS, answers):
+            print(f"  Q: {question}\n  A: {answer.strip()}   ({how}, {seconds:.1f} s)")
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+
+        def value(name: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(f"staticformers:{name}") and not line.startswith("#"))
+
+        print(f"metrics: {value('request_success_total'):.0f} requests finished, {value('prompt_tokens_total'):.0f} "
+              f"prompt and {value('generation_tokens_total'):.0f} generated tokens, time to first token "
+              f"{value('time_to_first_token_seconds_sum') / max(value('time_to_first_token_seconds_count'), 1):.2f} s "
+              f"on average, {value('graphs_compiled_total'):.0f} graphs compiled while serving")
+    print("server stopped")
+    demo.results["served"] = answers
+
+
 STAGES = [
     Stage("devices", "the devices here and the one \"auto\" picks", devices),
     Stage("tokenizer", "a byte-level BPE tokenizer trained on pydoc_data.topics", tokenizer, skip=lambda d: d.trained),
     Stage("train", "a small Qwen3 trained from scratch on the same text", train, skip=lambda d: d.trained),
     Stage("compile", "the shape plan compiled ahead of time into the on-disk cache", compile_plan),
     Stage("generate", "answers streamed from the trained model", generate),
+    Stage("chat", "fine-tuned on Q&A conversations with assistant-only loss", chat, skip=chat_trained,
+          reuses=CHAT_DIR),
+    Stage("serve", "an OpenAI-compatible server on the chat model, three requests at once", serve),
 ]
 
 
@@ -232,7 +309,7 @@ def main(argv=None) -> int:
     for n, stage in enumerate(STAGES, 1):
         header = f"[{n}/{len(STAGES)}] {stage.name}: {stage.what}"
         if stage.skip(demo):
-            print(f"\n{header} -- skipped: reusing {shown(MODEL_DIR)} (--retrain to train again)")
+            print(f"\n{header} -- skipped: reusing {shown(stage.reuses)} (--retrain to train again)")
             continue
         print(f"\n{header}  ({time.perf_counter() - demo.start:.0f} s)", flush=True)
         stage.run(demo)

@@ -63,8 +63,20 @@ class Process:
             raise AssertionError("the server did not start:\n" + "".join(self.lines))
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """The process and everything it started (torchrun's ranks included), whatever state they are in."""
+        import psutil
+
+        try:
+            tree = psutil.Process(self.proc.pid)
+            procs = tree.children(recursive=True) + [tree]
+        except psutil.NoSuchProcess:
+            return
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=30)
 
     def output(self) -> str:
         return "".join(self.lines)

@@ -86,15 +86,16 @@ def load(options: ServeOptions):
     return model, tokenizer
 
 
-def build_loop(model, options: ServeOptions, progress=None):
-    """The engine's plan and compile settings and the generation loop; the whole plan compiled first with
-    `precompile` (`progress(row)` after each shape)."""
+def build_loop(model, options: ServeOptions, progress=None, plan=None):
+    """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
+    settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
+    after each shape)."""
     from ..generation.api import compile_settings, engine_for
     from ..generation.config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
     from ..generation.plan import ShapePlan
 
-    plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
+    plan = plan or ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
