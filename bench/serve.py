@@ -93,8 +93,9 @@ class ServerProcess:
         argv = [sys.executable, "-m", "staticformers", "serve", folder, "--port", "0", "--device", device,
                 "--max-batch-size", str(slots), "--max-model-len", str(max_model_len), "--served-model-name", "ref",
                 "--grace", "5", *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        # in this process's group: a caller that stops this benchmark's group (device_check's step limit)
+        # stops the server too
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.url, self.lines = None, []
         ready = threading.Event()
 
@@ -119,7 +120,7 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
 
 
 async def http_run(url: str, jobs: list, clients: int) -> dict:

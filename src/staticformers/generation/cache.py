@@ -91,11 +91,13 @@ class KVCache:
 def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write `k`/`v` (`[b, kv_heads, s, head_dim]`) into `key`/`value` at each row's positions
-    (`position_ids` `[b, s]`) in place; returns the buffers."""
-    b, h, s, d = k.shape
-    index = position_ids.view(b, 1, s, 1).expand(b, h, s, d)
-    key.scatter_(2, index, k)
-    value.scatter_(2, index, v)
+    (`position_ids` `[b, s]`) in place; returns the buffers.
+
+    An indexed assignment (`index_put_`), which compilers turn into an in-place indirect store; a
+    `scatter_` there was lowered by inductor as a copy of the whole buffer around the scatter."""
+    rows = torch.arange(k.shape[0], device=key.device).view(-1, 1)
+    key[rows, :, position_ids] = k.transpose(1, 2)
+    value[rows, :, position_ids] = v.transpose(1, 2)
     return key, value
 
 
