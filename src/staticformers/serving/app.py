@@ -173,23 +173,42 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 # ---------------------------------------------------------------------------------------------
 # the app
 # ---------------------------------------------------------------------------------------------
-def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="staticformers", docs_url=None, redoc_url=None, openapi_url=None)
-    protected = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if state.api_key and path.startswith(protected):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {state.api_key}":
+
+class Guard:
+    """The API key and the declared body size, checked before a handler runs (a plain ASGI middleware:
+    Starlette's `BaseHTTPMiddleware` would put every streamed chunk through one more queue)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> Optional[Response]:
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        if self.state.api_key and scope["path"].startswith(PROTECTED):
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            if header != f"Bearer {self.state.api_key}":
                 what = "is missing" if not header else "is wrong"
                 return _error(401, f"The API key {what}: send it as 'Authorization: Bearer <key>'.",
                               kind="authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
-            return _error(413, f"The request body has {length} bytes, more than the limit of {state.max_body_bytes}.")
-        return await call_next(request)
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.state.max_body_bytes:
+            return _error(413, f"The request body has {length} bytes, more than the limit of {self.state.max_body_bytes}.")
+        return None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="staticformers", docs_url=None, redoc_url=None, openapi_url=None)
+
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):

@@ -141,7 +141,9 @@ def _uvicorn_server(app, grace: float):
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket (port 0: any free one), bound before the server starts so its address is known."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto given explicitly: asyncio sets TCP_NODELAY on accepted connections only when their proto says
+    # TCP, and without it each response's body waits for the client's delayed ACK (tens of milliseconds)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
