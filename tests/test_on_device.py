@@ -241,6 +241,39 @@ def test_compiled_trainer_steps_follow_transformers(tiny_checkpoints, device, dt
 
 
 # ---------------------------------------------------------------------------------------------
-# serving on the device: added with the server (bench/serve.py and its tests), through the same
-# `device` fixture, e.g. test_server_completions_on_device(device, ...)
+# serving on the device
 # ---------------------------------------------------------------------------------------------
+def test_server_completions_on_device(tmp_path, device):
+    """The OpenAI-compatible server on the device (inductor whole-model graphs on a GPU, eager regions on
+    the CPU), through the `openai` client: greedy text streamed and not equals `generate()` on that device,
+    and nothing compiles after the first requests."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from pathlib import Path
+
+    from staticformers import AutoTokenizer
+    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
+    from tiny import build_hf_model
+    from tokenizer_fixtures import build_qwen
+
+    folder = Path(tmp_path) / "served"
+    build_qwen(folder)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=128,
+                   eos_token_id=tok.eos_token_id).save_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=str(device))
+    options = ServeOptions(model=str(folder), served_model_name="tiny", max_batch_size=2, device=str(device),
+                           backend=graph_backend(device))
+    plan = ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[64], max_model_len=64)
+    prompt = "for x in"
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, shape_plan=plan,
+                          compile_config=CompileConfig(backend=graph_backend(device)))
+    want = tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    with Server(build_state(model, tok, build_loop(model, options, plan=plan), options)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
+        kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(**kw).choices[0].text == want
+        graphs = sum(r["graphs"] for r in model.compile_stats())
+        assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == want
+        assert sum(r["graphs"] for r in model.compile_stats()) == graphs
