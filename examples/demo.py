@@ -18,10 +18,12 @@ It runs as a list of stages (`STAGES`), each printing a numbered header and then
              of new tokens and tokens/s per prompt.
 6. chat      the same model fine-tuned on synthetic questions about those docs with assistant-only
              loss (`examples/demo_chat.py`: a `messages` dataset, a training chat template), saved
-             under `.demo/chat`, then asked through the chat template.
+             under `.demo/chat`.
 7. serve     `staticformers serve`'s server on the chat model (in this process, 127.0.0.1, a free
-             port): three chat requests sent at once through the `openai` client, one streamed,
-             answered in one batch; their answers and a summary of the server's metrics; then it stops.
+             port), its shape plan compiled first (one decode shape: four slots); four questions sent at
+             once through the `openai` client (one streamed, one phrased in a way training never saw),
+             answered in one batch through the chat template; the answers against the docs', a summary
+             of the server's metrics (nothing compiled while serving); then it stops.
 
 A second run finds `.demo/model` and `.demo/chat` and skips stages 2, 3 and 6's training (`--retrain`
 trains again; `--steps N` changes the training length); its graphs all come from the on-disk cache.
@@ -232,55 +234,63 @@ def chat_trained(demo: Demo) -> bool:
 def chat(demo: Demo) -> None:
     from demo_chat import chat_stage
 
-    demo.results["chat"] = chat_stage(MODEL_DIR, CHAT_DIR, steps=min(60, demo.args.steps))
+    demo.results["chat"] = chat_stage(MODEL_DIR, CHAT_DIR, steps=min(60, demo.args.steps), answer=False)
 
 
 # ---- 7. serve ------------------------------------------------------------------------------------
-QUESTIONS = ["What does the \"while\" statement do?", "Tell me about the \"try\" statement.",
-             "What does the \"with\" statement do?"]
-
-
 def serve(demo: Demo) -> None:
     import concurrent.futures
 
     import httpx
     import openai
+    from demo_chat import questions
 
     from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan
     from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
 
     model = AutoModelForCausalLM.from_pretrained(CHAT_DIR, device_map="auto")
     tok = AutoTokenizer.from_pretrained(CHAT_DIR)
-    options = ServeOptions(model=CHAT_DIR, served_model_name="demo-chat", max_batch_size=4)
-    # one decode shape for any three requests: a four-slot batch over a 256-position cache
-    plan = ShapePlan(batch_sizes=[4], prompt_lengths=[32, 64], kv_lengths=[256], max_model_len=256)
-    with Server(build_state(model, tok, build_loop(model, options, plan=plan), options)) as server:
-        print(f"serving {shown(CHAT_DIR)} as \"demo-chat\" on {server.url} (4 slots); three requests at once")
+    options = ServeOptions(model=CHAT_DIR, served_model_name="demo-chat", max_batch_size=4, precompile=True)
+    # one decode shape for any four requests: a four-slot batch over a 256-position cache
+    plan = ShapePlan(batch_sizes=[4], prompt_lengths=[32], kv_lengths=[256], max_model_len=256)
+    start = time.perf_counter()
+    rows = []
+    loop = build_loop(model, options, progress=rows.append, plan=plan)
+    print(f"compiled the serving plan: {sum(r['graphs'] for r in rows)} graphs for {len(rows)} shapes "
+          f"({sum(r['cache_hit'] for r in rows)} from the on-disk cache) in {time.perf_counter() - start:.1f} s")
+    asked = questions()
+    with Server(build_state(model, tok, loop, options)) as server:
+        print(f"serving {shown(CHAT_DIR)} as \"demo-chat\" on {server.url}; {len(asked)} questions at once")
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="demo", timeout=600, max_retries=0)
 
         def ask(question: str, stream: bool):
-            start = time.perf_counter()
+            begin = time.perf_counter()
             kw = dict(model="demo-chat", messages=[{"role": "user", "content": question}], max_tokens=48,
                       temperature=0)
             if stream:
                 pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                           if c.choices]
-                return "".join(pieces), f"streamed in {len(pieces)} chunks", time.perf_counter() - start
+                return "".join(pieces), f"streamed in {len(pieces)} chunks", time.perf_counter() - begin
             r = client.chat.completions.create(**kw)
-            return r.choices[0].message.content, f"{r.usage.completion_tokens} tokens", time.perf_counter() - start
+            return r.choices[0].message.content, f"{r.usage.completion_tokens} tokens", time.perf_counter() - begin
 
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(ask, QUESTIONS, [True, False, False]))
-        for question, (answer, how, seconds) in zip(QUESTIONS, answers):
-            print(f"  Q: {question}\n  A: {answer.strip()}   ({how}, {seconds:.1f} s)")
+        with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
+            answers = list(pool.map(ask, [q for q, _, _ in asked], [i == 0 for i in range(len(asked))]))
+        exact = 0
+        for (question, _, docs), (answer, how, seconds) in zip(asked, answers):
+            answer = answer.strip()
+            exact += answer == docs
+            print(f"  Q: {question}\n  A: {answer}   ({how}, {seconds:.2f} s)"
+                  + ("" if answer == docs else f"\n     docs: {docs}"))
         text = httpx.get(server.url + "/metrics", timeout=60).text
 
         def value(name: str) -> float:
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith(f"staticformers:{name}") and not line.startswith("#"))
 
-        print(f"metrics: {value('request_success_total'):.0f} requests finished, {value('prompt_tokens_total'):.0f} "
-              f"prompt and {value('generation_tokens_total'):.0f} generated tokens, time to first token "
+        print(f"{exact} of {len(asked)} answers exactly as the docs say. metrics: {value('request_success_total'):.0f} "
+              f"requests finished, {value('prompt_tokens_total'):.0f} prompt and "
+              f"{value('generation_tokens_total'):.0f} generated tokens, time to first token "
               f"{value('time_to_first_token_seconds_sum') / max(value('time_to_first_token_seconds_count'), 1):.2f} s "
               f"on average, {value('graphs_compiled_total'):.0f} graphs compiled while serving")
     print("server stopped")
@@ -295,7 +305,7 @@ STAGES = [
     Stage("generate", "answers streamed from the trained model", generate),
     Stage("chat", "fine-tuned on Q&A conversations with assistant-only loss", chat, skip=chat_trained,
           reuses=CHAT_DIR),
-    Stage("serve", "an OpenAI-compatible server on the chat model, three requests at once", serve),
+    Stage("serve", "an OpenAI-compatible server on the chat model, four questions at once", serve),
 ]
 
 

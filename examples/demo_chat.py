@@ -66,9 +66,18 @@ def conversations() -> tuple[list[dict], dict[str, str]]:
     return rows, answers
 
 
+def questions() -> list[tuple[str, str, str]]:
+    """(question, subject, the docs' answer): three asked as in training, one phrased in a way it never saw."""
+    _, answers = conversations()
+    subjects = list(answers)
+    asked = [(ASKED[0].format(s), s) for s in subjects[:3]] + [(UNSEEN.format(subjects[0]), subjects[0])]
+    return [(q, s, answers[s]) for q, s in asked]
+
+
 def chat_stage(model_dir: str, out_dir: str, steps: int = 60, compile: bool = False, bf16: bool | None = None,
-               learning_rate: float = 3e-3) -> dict:
-    """Fine-tune `model_dir` on the synthetic conversations (assistant-only loss), save to `out_dir`, answer."""
+               learning_rate: float = 3e-3, answer: bool = True) -> dict:
+    """Fine-tune `model_dir` on the synthetic conversations (assistant-only loss), save to `out_dir`, and
+    (`answer`) ask `questions()` through the chat template with `generate`."""
     from staticformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     start = time.perf_counter()
@@ -98,13 +107,15 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = 60, compile: bool = Fa
           f"{100 * m['train_loss_token_share']:.1f}% of the tokens carry loss "
           f"(padding waste {100 * m['train_padding_waste']:.1f}%)")
     trained = time.perf_counter()
+    summary = {"train_seconds": round(trained - start, 2), "first_loss": losses[0], "last_loss": losses[-1],
+               "loss_token_share": m["train_loss_token_share"], "padding_waste": m["train_padding_waste"]}
+    if not answer:
+        return summary
 
     tok = AutoTokenizer.from_pretrained(out_dir)  # the saved tokenizer carries the chat template
     model = AutoModelForCausalLM.from_pretrained(out_dir, device_map="auto")
-    subjects = list(answers)
-    questions = [(ASKED[0].format(s), s) for s in subjects[:3]] + [(UNSEEN.format(subjects[0]), subjects[0])]
     results = []
-    for question, subject in questions:
+    for question, subject, _ in questions():
         ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                       return_tensors="pt")
         generated = model.generate(ids, max_new_tokens=48, do_sample=False)
@@ -115,9 +126,7 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = 60, compile: bool = Fa
     done = time.perf_counter()
     print(f"chat: {sum(r['exact'] for r in results)} of {len(results)} answers exactly as the docs say; "
           f"training {trained - start:.1f}s, answering {done - trained:.1f}s (including compiles)")
-    return {"train_seconds": round(trained - start, 2), "answer_seconds": round(done - trained, 2),
-            "seconds": round(done - start, 2), "first_loss": losses[0], "last_loss": losses[-1],
-            "loss_token_share": m["train_loss_token_share"], "padding_waste": m["train_padding_waste"],
+    return {**summary, "answer_seconds": round(done - trained, 2), "seconds": round(done - start, 2),
             "answers": results}
 
 

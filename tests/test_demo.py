@@ -38,10 +38,16 @@ def test_demo_first_and_second_run(tmp_path):
     assert all(1 <= c <= demo.MAX_NEW_TOKENS for c in counts)  # what was generated, not the maximum
     assert "no prompt compiled a graph" in first
     assert not [line for line in first.splitlines() if line.lstrip().startswith("{")] and '"retired"' not in first
+    # the chat stage fine-tunes with assistant-only loss; the serve stage answers four questions at once
+    assert "with assistant-only loss" in first and (tmp_path / "chat" / "model.safetensors").exists()
+    assert first.count("  Q: ") == 4 and "streamed in" in first and "0 graphs compiled while serving" in first
+    assert "4 requests finished" in first and "server stopped" in first
 
     second = run_demo(tmp_path)
-    assert "[2/5] tokenizer: " in second and "skipped: reusing" in second and "steps in" not in second
-    assert "no prompt compiled a graph" in second
+    n = len(demo.STAGES)
+    assert f"[2/{n}] tokenizer: " in second and "skipped: reusing" in second and "steps in" not in second
+    assert f"[6/{n}] chat: " in second and "skipped: reusing" in second
+    assert "no prompt compiled a graph" in second and "0 graphs compiled while serving" in second
 
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
