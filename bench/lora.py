@@ -15,7 +15,14 @@ mode: first-step seconds (round 1, cold compile caches for both), steady tokens/
 step ends after the first, all rounds), the process's peak memory (peak RSS on the CPU, read when the
 run ends: loading included, the same for both; `torch.cuda.max_memory_allocated` on a GPU), graphs
 compiled, trainable parameters, and the ratios (targets: tokens/s >= 1.3x theirs, peak memory <= theirs,
-first step no slower). `/proc/pressure/cpu` is read before and after every run. Prints one JSON document.
+first step no slower). `/proc/pressure/cpu` is read before and after every run.
+
+`--decode` also measures what serving an adapter unmerged costs: batch-1 greedy decode (`--new` tokens
+after a 64-token prompt, bf16, the device's default compile) of the same model with one adapter of rank
+`--r` merged (the floor), active and unmerged (the named path: on the CPU the base projections keep
+their measured formulations, the adapters' products are added), and through an adapter bank of two
+adapters (rows routed by index; whole-model graphs on the CPU). Each in a fresh process; decode
+tokens/s after a warm-up call. Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -119,6 +126,40 @@ def run_theirs(path: str, rows, mode: str, steps: int, r: int, *, device: str, b
             "peak_mb": peak_memory_mb(device)}
 
 
+def run_decode(path: str, how: str, r: int, new: int, device: str) -> dict:
+    """Batch-1 greedy decode tokens/s with one adapter merged, unmerged, or routed through a bank of two."""
+    import torch
+
+    from staticformers import AutoModelForCausalLM, LoraConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device)
+    for i, name in enumerate(["a", "b"] if how == "bank" else ["a"]):
+        torch.manual_seed(i)
+        model.add_adapter(LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_lora_weights=False),
+                          adapter_name=name)
+    model.set_adapter("a")
+    model.requires_grad_(False)
+    if how == "merged":
+        model.merge_and_unload()
+    extra = {}
+    if how == "bank":
+        model.enable_adapter_batching()
+        extra = {"adapter_names": ["a"]}
+    prompt = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    start = time.perf_counter()
+    model.generate(prompt, max_new_tokens=new, eos_token_id=None, **extra)  # compiles
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new, eos_token_id=None, **extra)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return {"how": how, "tokens_per_s": round(new / statistics.median(times), 1), "first_call_s": round(warm, 1),
+            "graphs": sum(row["graphs"] for row in model.compile_stats())}
+
+
 def run_child(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
     if spec["device"].startswith("cuda:"):
@@ -142,6 +183,9 @@ def child(spec: dict) -> int:
     path = reference_dir(spec["size"])
     with open(os.path.join(path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
+    if spec["who"] == "decode":
+        print(json.dumps(run_decode(path, spec["how"], spec["r"], spec["new"], device)))
+        return 0
     docs = documents(spec["documents"], vocab=vocab)
     if spec["who"] == "ours":
         res = run_ours(path, docs, spec["mode"], spec["steps"], spec["r"], device=device, batch=spec["batch"],
@@ -180,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--r", type=int, default=16, help="the adapters' rank (alpha = 2 r)")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--decode", action="store_true", help="also decode merged / unmerged / through a bank")
+    parser.add_argument("--new", type=int, default=64, help="decode: new tokens per call")
     parser.add_argument("--out", default=None)
     a = parser.parse_args(argv)
 
@@ -216,6 +262,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(report, f, indent=2, default=str)
+    if a.decode:
+        report["decode"] = {}
+        for how in ("merged", "unmerged", "bank"):
+            res = run_child({**base, "who": "decode", "how": how, "new": a.new})
+            report["decode"][how] = res
+            print(f"[decode] {how}: {res}", file=sys.stderr, flush=True)
+        merged = report["decode"]["merged"].get("tokens_per_s")
+        for how in ("unmerged", "bank"):
+            rate = report["decode"][how].get("tokens_per_s")
+            if merged and rate:
+                report["decode"][f"{how}_over_merged"] = round(rate / merged, 3)
     report["pressure_end"] = pressure()
     if a.out:
         with open(a.out, "w") as f:

@@ -19,9 +19,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_model(seed=0, dtype=None):
+def tiny_model(seed=0, dtype=None, initializer_range=0.02):
     cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                               initializer_range=initializer_range)
     return AutoModelForCausalLM.from_config(cfg, seed=seed, dtype=dtype)
 
 
@@ -51,13 +52,15 @@ def frozen(model):
 
 
 def test_the_adapter_alone_learns_and_the_base_is_untouched(tmp_path):
-    model = with_adapter(tiny_model())
+    # embeddings of std 0.2 (not 0.02): the tied head can then give the cycle's next id a clear margin
+    model = with_adapter(tiny_model(initializer_range=0.2))
     base = frozen(model)
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    trainer = Trainer(model=model, args=args_for(tmp_path, max_steps=40), train_dataset=counting_docs())
+    trainer = Trainer(model=model, args=args_for(tmp_path, max_steps=40, lr_scheduler_type="constant"),
+                      train_dataset=counting_docs())
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[-1] < 0.02 * losses[0], losses  # learned: near zero, from about ln(64) and more
     after = frozen(model)
     assert after.keys() == base.keys() and all(torch.equal(after[n], base[n]) for n in base)
     assert all(p.grad is None for p in model.parameters())
@@ -108,8 +111,8 @@ def test_checkpoints_hold_the_adapter_alone_and_resume_exactly(tmp_path):
     for (n, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
         assert torch.equal(a, b), n
     full = [h["loss"] for h in t1.state.log_history if "grad_norm" in h]
-    tail = [h["loss"] for h in t2.state.log_history if "grad_norm" in h]
-    assert tail == full[3:]
+    resumed_log = [h["loss"] for h in t2.state.log_history if "grad_norm" in h]  # steps 1-3 from the checkpoint
+    assert resumed_log == full
     t1.save_model(str(tmp_path / "final"))
     assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= set(os.listdir(tmp_path / "final"))
     again = tiny_model()
@@ -148,6 +151,11 @@ def test_frozen_or_several_trainable_adapters_are_refused(tmp_path):
     trainable.load_adapter(tmp_path / "adapter", adapter_name="other", is_trainable=True)
     with pytest.raises(ValueError, match="are all trainable: train one adapter at a time"):
         Trainer(model=trainable, args=args_for(tmp_path / "y"), train_dataset=counting_docs()).train()
+    inactive = tiny_model()
+    inactive.load_adapter(tmp_path / "adapter")
+    inactive.load_adapter(tmp_path / "adapter", adapter_name="other", is_trainable=True)
+    with pytest.raises(ValueError, match="'other' is trainable but not active.* model.set_adapter\\('other'\\)"):
+        Trainer(model=inactive, args=args_for(tmp_path / "z"), train_dataset=counting_docs()).train()
 
 
 def test_the_cli_trains_an_adapter(tmp_path, capsys):

@@ -59,10 +59,10 @@ def test_adapter_weights_follow_their_base_layers_split(launched):
     placed = launched[0]["placements"]
     colwise, rowwise = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
     assert len(placed[f"{colwise}.lora_B.default.weight"]) == 2
-    assert placed[f"{colwise}.lora_B.default.weight"][-1] == "Shard(dim=0)"  # B's rows: the base's output columns
+    assert placed[f"{colwise}.lora_B.default.weight"][-1] == "S(0)"  # B's rows: the base's output columns
     assert len(placed[f"{colwise}.lora_A.default.weight"]) == 1  # A whole across tp (FSDP shards it)
     assert len(placed[f"{rowwise}.lora_A.default.weight"]) == 2
-    assert placed[f"{rowwise}.lora_A.default.weight"][-1] == "Shard(dim=1)"  # A's columns: the base's inputs
+    assert placed[f"{rowwise}.lora_A.default.weight"][-1] == "S(1)"  # A's columns: the base's inputs
     assert len(placed[f"{rowwise}.lora_B.default.weight"]) == 1
 
 

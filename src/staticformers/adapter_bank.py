@@ -91,7 +91,7 @@ class AdapterBank:
         if slot is None:
             free = [s for s in range(1, self.capacity + 1) if s not in self.slots.values()]
             if not free:
-                raise AdapterBankError(f"The adapter bank holds {self.capacity} adapter(s) ({', '.join(self.slots)}) and "
+                raise AdapterBankError(f"The adapter bank holds {self.capacity} adapter(s) ({', '.join(map(repr, self.slots))}) and "
                                        f"is full: remove one first, or make it with a larger max_adapters.")
             slot = free[0]
         with torch.no_grad():

@@ -184,7 +184,7 @@ def _install(model, name: str, config: LoraConfig, weights: dict, trainable: boo
     if getattr(model, "parallel_dims", None) is not None:
         raise ValueError("load_adapter on a partitioned model is not supported: load it in one process, or add a "
                          "new adapter with add_adapter and train it partitioned.")
-    frozen = [p for p in model.parameters()]
+    frozen = [p for n, p in model.named_parameters() if ".lora_" not in n]  # the base (other adapters keep theirs)
     layers = wrap(model, list(weights))
     for module, layer in layers.items():
         a, b = weights[module]["A"], weights[module]["B"]

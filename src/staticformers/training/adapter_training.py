@@ -6,7 +6,8 @@ no master copy (`optim.MasterWeights` covers trainable parameters only), and a b
 compute dtype (bf16) is never copied. A frozen base in another dtype (an fp32 checkpoint trained with
 `bf16=True`) is cast for the run, as everything is, and gets its own values back at the end, as the
 trained parameters get theirs from their master copies. A model with nothing to train is refused
-before anything is touched, and so are several adapters training at once (a checkpoint holds one).
+before anything is touched, and so are several adapters training at once (a checkpoint holds one)
+and a trainable adapter that is not active (it would take no gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ def check_trainable(model: nn.Module) -> None:
                              "with load_adapter(path, is_trainable=True), or add a new one with add_adapter(LoraConfig(...)).")
         raise ValueError("The model has no trainable parameters (every requires_grad is False): nothing would train.")
     if has_adapters(model):
-        trainable_adapter(model)
+        name = trainable_adapter(model)
+        active = getattr(model, "active_adapter_names", None) or []
+        if name is not None and name not in active:
+            raise ValueError(f"Adapter {name!r} is trainable but not active, so it would take no gradient: "
+                             f"model.set_adapter({name!r}) first.")
 
 
 def frozen_originals(model: nn.Module, originals: dict) -> dict:
