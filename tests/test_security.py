@@ -3,8 +3,9 @@ file staticformers reads, and a marker file that must never appear.
 
 Files covered: DCP `.metadata` (alone and nested in valid metadata) and DCP byte values, `optimizer.pt`,
 `scheduler.pt`, `rng_state.pth` (explicit resume and `resume_from_checkpoint=True`), a pickle
-`pytorch_model.bin`, and precompiled artifacts in a cache folder (or as a file) that another user
-could have written. Adapter files join this list when LoRA lands.
+`pytorch_model.bin`, a pickle LoRA adapter `adapter_model.bin` (`load_adapter`, and a LoRA run's
+checkpoint resumed), and precompiled artifacts in a cache folder (or as a file) that another user
+could have written.
 """
 
 import os
@@ -185,6 +186,41 @@ def test_pickle_weights_are_never_unpickled(tmp_path, marker, payload):
     torch.save(payload(marker), tmp_path / "m" / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="never unpickles"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_pickle_adapters_are_never_unpickled(tmp_path, marker, payload):
+    from staticformers import LoraConfig
+    from staticformers.adapter_files import AdapterFileError
+
+    model = tiny_model()
+    model.add_adapter(LoraConfig())
+    model.save_pretrained(tmp_path / "a")
+    os.remove(tmp_path / "a" / "adapter_model.safetensors")
+    torch.save(payload(marker), tmp_path / "a" / "adapter_model.bin")
+    with pytest.raises(AdapterFileError, match="only a pickle adapter .* never unpickles"):
+        tiny_model().load_adapter(tmp_path / "a")
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_a_lora_checkpoint_with_a_pickle_adapter_is_never_unpickled(tmp_path, marker, payload):
+    from staticformers import LoraConfig
+    from staticformers.training.state_files import CorruptCheckpointError
+
+    def lora_model():
+        model = tiny_model()
+        torch.manual_seed(0)
+        model.add_adapter(LoraConfig(target_modules="all-linear"))
+        return model
+
+    out = tmp_path / "run"
+    Trainer(model=lora_model(), args=targs(out), train_dataset=docs()).train()
+    ckpt = out / "checkpoint-2"
+    os.remove(ckpt / "adapter_model.safetensors")
+    torch.save(payload(marker), ckpt / "adapter_model.bin")
+    with pytest.raises(CorruptCheckpointError, match="never unpickles"):
+        Trainer(model=lora_model(), args=targs(out, max_steps=3), train_dataset=docs()).train(
+            resume_from_checkpoint=str(ckpt))
 
 
 # ---- precompiled artifacts ------------------------------------------------------------------------

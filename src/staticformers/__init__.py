@@ -37,6 +37,7 @@ _EXPORTS = {
     "TrainingArguments": "staticformers.training.arguments",
     "Trainer": "staticformers.training.trainer",
     "DistributedConfig": "staticformers.distributed.config",
+    "LoraConfig": "staticformers.adapter_config",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

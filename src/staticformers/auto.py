@@ -2,10 +2,14 @@
 
 `modeling.CausalLM` is the architecture alone and imports nothing above it. `ModelForCausalLM` adds
 what users call on a model the transformers way (`from_pretrained`, `save_pretrained`, `generate`,
-`compile_stats`), each delegating to its module: loading (`loading.py`, or `distributed/loading.py`
-for a model partitioned at load time), saving (the distributed save gathers on rank 0 when the model
-is partitioned: `parallel_dims` says so), generation (`generation/api.py`). Data flows one way:
-config -> model -> loading -> engine; nothing below this module imports it.
+`compile_stats`, and PEFT's adapter methods `add_adapter`, `load_adapter`, `set_adapter`,
+`disable_adapters`, `enable_adapters`, `active_adapters`, `delete_adapter`, `merge_and_unload`,
+`unload`), each delegating to its module: loading (`loading.py`, or `distributed/loading.py` for a
+model partitioned at load time), saving (the distributed save gathers on rank 0 when the model is
+partitioned: `parallel_dims` says so; a model with adapters saves its adapter alone, as transformers
+does), generation (`generation/api.py`), adapters (`adapters.py`, `adapter_files.py`,
+`adapter_bank.py`). Data flows one way: config -> model -> loading -> engine; nothing below this
+module imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Optional, Union
 
 import torch
 
+from . import adapter_bank, adapter_files, adapters
+from .adapter_config import LoraConfig
 from .config import ModelConfig, parse_dtype
 from .devices import resolve_device
 from .loading import finish_loading, load_model, resolve
@@ -33,9 +39,17 @@ class ModelForCausalLM(CausalLM):
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                         **kwargs) -> None:
-        """Write a Hugging Face checkpoint (transformers loads it). A partitioned model: every rank calls
-        this, rank 0 writes the gathered weights."""
-        if self.parallel_dims is not None:
+        """Write a Hugging Face checkpoint (transformers loads it); a model with adapters writes its active
+        adapter alone, in PEFT's format (`merge_and_unload()` first for the whole model). A partitioned
+        model: every rank calls this, rank 0 writes the gathered weights."""
+        if adapters.has_adapters(self):
+            if self.parallel_dims is not None:
+                from .distributed.adapters import save_adapter_distributed
+
+                save_adapter_distributed(self, save_directory)
+            else:
+                adapter_files.save_adapter(self, save_directory, kwargs.pop("adapter_name", None))
+        elif self.parallel_dims is not None:
             from .distributed.checkpoint import save_pretrained_distributed
 
             save_pretrained_distributed(self, save_directory, max_shard_size=max_shard_size, **kwargs)
@@ -51,6 +65,52 @@ class ModelForCausalLM(CausalLM):
         from .generation.api import compile_stats
 
         return compile_stats(self)
+
+    # ---- adapters (PEFT's names, as transformers' models have them) --------------------------------
+    def add_adapter(self, adapter_config: LoraConfig, adapter_name: Optional[str] = None) -> None:
+        """A new LoRA adapter on the modules `adapter_config.target_modules` names, active and trainable;
+        the base is frozen. A partitioned model: every rank calls it (the adapter follows the partition)."""
+        names = adapters.add_adapter(self, adapter_config, adapter_name)
+        if self.parallel_dims is not None:
+            from .distributed.adapters import partition_adapters
+
+            layers = adapters.lora_modules(self)
+            partition_adapters(self, {n: layers[n] for n in names})
+
+    def load_adapter(self, peft_model_id: Union[str, os.PathLike], adapter_name: Optional[str] = None,
+                     is_trainable: bool = False, **kwargs) -> str:
+        """A PEFT adapter folder or Hub id (adapter_config.json + adapter_model.safetensors); loading over an
+        adapter of the same name and shapes writes its weights in place. Returns the adapter's name."""
+        return adapter_files.load_adapter(self, os.fspath(peft_model_id), adapter_name, is_trainable, **kwargs)
+
+    def set_adapter(self, adapter_name: Union[str, list]) -> None:
+        adapters.set_adapter(self, adapter_name)
+
+    def disable_adapters(self) -> None:
+        adapters.enable_adapters(self, False)
+
+    def enable_adapters(self) -> None:
+        adapters.enable_adapters(self, True)
+
+    def active_adapters(self) -> list[str]:
+        return adapters.active_adapters(self)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        adapters.delete_adapter(self, adapter_name)
+
+    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
+                         adapter_names: Optional[list] = None) -> "ModelForCausalLM":
+        """The active adapters (or `adapter_names`) added into the base weights, every adapter dropped."""
+        return adapters.merge_and_unload(self, adapter_names, safe_merge)
+
+    def unload(self) -> "ModelForCausalLM":
+        return adapters.unload(self)
+
+    def enable_adapter_batching(self, max_adapters: Optional[int] = None, max_rank: Optional[int] = None):
+        """Stacked copies of the adapters so one generation batch mixes rows of different adapters
+        (`GenerationRequest(adapter=...)`, `generate(adapter_names=[...])`, the server's `--lora-modules`);
+        returns the `AdapterBank` (`bank.load(name, path)` adds an adapter without compiling anything)."""
+        return adapter_bank.enable_adapter_batching(self, max_adapters, max_rank)
 
 
 def from_pretrained(
@@ -68,6 +128,9 @@ def from_pretrained(
     None loads on the CPU, as transformers does. `distributed_config`: partition the model over the
     torchrun job while it loads (`distributed/loading.py`).
     """
+    path = os.fspath(pretrained_model_name_or_path)
+    if adapter_files.is_adapter_folder(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        return _with_adapter(path, device_map, distributed_config, model_class, kwargs)
     resolved = resolve(pretrained_model_name_or_path, **kwargs)
     if distributed_config is not None:
         from .distributed.loading import load_distributed
@@ -78,6 +141,21 @@ def from_pretrained(
         device = resolve_device(device_map) if device_map is not None else torch.device("cpu")
         model = load_model(resolved, device, model_class)
     return finish_loading(model, resolved)
+
+
+def _with_adapter(path: str, device_map, distributed_config, model_class: type, kwargs: dict) -> ModelForCausalLM:
+    """A PEFT adapter folder given to from_pretrained: its base model (`base_model_name_or_path` in its
+    adapter_config.json) with the adapter loaded, as transformers does."""
+    base = adapter_files.read_config(path).base_model_name_or_path
+    if not base:
+        raise ValueError(f"{path} is an adapter folder whose adapter_config.json names no base model "
+                         f"(base_model_name_or_path): load the base model, then model.load_adapter({path!r}).")
+    if distributed_config is not None:
+        raise ValueError("An adapter folder with distributed_config is not supported: load the base model with "
+                         "distributed_config and add the adapter to it.")
+    model = from_pretrained(base, device_map=device_map, model_class=model_class, **kwargs)
+    model.load_adapter(path)
+    return model
 
 
 class AutoModelForCausalLM:

@@ -56,8 +56,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
     p.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served beside the base model, unmerged: a request whose `model` is NAME "
+                        "uses that adapter; one batch mixes rows of every adapter and of none")
+    p.add_argument("--max-loras", type=_positive, default=None,
+                   help="adapters the server holds at once (default: as many as --lora-modules)")
+    p.add_argument("--max-lora-rank", type=_positive, default=None, help="the largest adapter rank (default: the largest given)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
+
+
+def lora_modules(values) -> dict:
+    """NAME=PATH pairs as {name: path}; a malformed or repeated one is refused."""
+    out: dict = {}
+    for item in values or []:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r} is not NAME=PATH: write e.g. --lora-modules sql=./sql-lora.")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice: give each adapter its own name.")
+        out[name] = path
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
             f"--tensor-parallel-size {args.tensor_parallel_size} needs as many processes, but {world} "
             f"{'is' if world == 1 else 'are'} running: launch with torchrun --nproc_per_node="
             f"{args.tensor_parallel_size} -m staticformers serve ... --tensor-parallel-size {args.tensor_parallel_size}.")
+    adapters = lora_modules(args.lora_modules)
+    if adapters and args.tensor_parallel_size > 1:
+        raise ValueError("--lora-modules with --tensor-parallel-size > 1 is not supported: serve in one process, or merge "
+                         "the adapter into the model (merge_and_unload) and serve that.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -89,5 +113,6 @@ def run(args: argparse.Namespace) -> int:
                            max_queued_requests=args.max_queued_requests, served_model_name=args.served_model_name,
                            chat_template=args.chat_template, precompile=args.precompile, backend=args.backend,
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
-                           grace=args.grace)
+                           grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
+                           max_lora_rank=args.max_lora_rank)
     return serve(options)

@@ -7,7 +7,9 @@ from scratch, random init with `--seed`). Data is a `.txt` file (documents separ
 folder of such files (a `datasets` `save_to_disk` folder when the `datasets` package is installed).
 Text and conversations are tokenised with `--tokenizer` or the tokenizer in PATH (its chat template,
 or `--chat-template FILE`); `--assistant-only-loss` puts the loss on the assistant's tokens only.
-The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`.
+The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`. With `--lora-r`
+only a LoRA adapter trains (PEFT's LoraConfig: `--lora-alpha`, `--lora-dropout`, `--lora-target`) and
+`--output-dir` receives the adapter (adapter_config.json + adapter_model.safetensors), as peft saves it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,36 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", nargs="?", const=True, default=None,
                         help="resume from the last checkpoint in --output-dir, or from the given one")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--lora-r", type=int, default=None,
+                        help="train a LoRA adapter of this rank instead of the whole model (the base stays frozen)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (scale alpha / r; default 2 x r)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input (default 0)")
+    parser.add_argument("--lora-target", default=None,
+                        help="comma-separated modules to adapt, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                             "down_proj, or all-linear (default: q_proj,v_proj, PEFT's)")
+    parser.add_argument("--use-rslora", action="store_true", help="rank-stabilised LoRA: scale alpha / sqrt(r)")
+
+
+def lora_config(args):
+    """The LoraConfig the --lora-* flags describe, or None without --lora-r (the others alone are refused)."""
+    from ..adapter_config import ALL_LINEAR, LoraConfig
+
+    if args.lora_r is None:
+        given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-target", args.lora_target),
+                                ("--use-rslora", args.use_rslora), ("--lora-dropout", args.lora_dropout or None))
+                 if v is not None and v is not False]
+        if given:
+            raise ValueError(f"{given[0]} sets up a LoRA adapter, which needs its rank: add --lora-r (e.g. 16).")
+        return None
+    target = None
+    if args.lora_target is not None:
+        names = [t.strip() for t in args.lora_target.split(",") if t.strip()]
+        if not names:
+            raise ValueError(f"--lora-target {args.lora_target!r} names no module: pass e.g. q_proj,v_proj or all-linear.")
+        target = ALL_LINEAR if names == [ALL_LINEAR] else names
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
+    return LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=target,
+                      use_rslora=args.use_rslora)
 
 
 def read_documents(path: str, txt_documents: str = "paragraph") -> list:
@@ -141,7 +173,10 @@ def run(args) -> int:
     from ..training.arguments import TrainingArguments
     from ..training.trainer import Trainer
 
+    lora = lora_config(args)  # refused before anything loads
     model, folder = load_model(args.path, args.seed)
+    if lora is not None:
+        model.add_adapter(lora)
     tokenizer = load_tokenizer(args.tokenizer or folder)
     train = read_documents(args.data, args.txt_documents)
     evaluation = read_documents(args.eval_data, args.txt_documents) if args.eval_data else None
@@ -168,6 +203,9 @@ def run(args) -> int:
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
     summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
+               **({"adapter": {"r": lora.r, "lora_alpha": lora.lora_alpha,
+                               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}}
+                  if lora is not None else {}),
                "device": str(targs.device), **trainer.compile_stats(),
                "padding_waste": round(out.metrics["train_padding_waste"], 4),
                "loss_token_share": round(out.metrics["train_loss_token_share"], 4)}

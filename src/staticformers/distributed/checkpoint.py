@@ -7,6 +7,9 @@ checkpoint written at tp=2 x fsdp=2 resumes at fsdp=4, tp=4 or in one process (m
 State dicts go through `torch.distributed.checkpoint.state_dict.get_state_dict` / `set_state_dict`,
 which give the same fully-qualified names for a plain, a TP and an FSDP2 model.
 
+A model with LoRA adapters checkpoints its trainable weights alone (`ignore_frozen_params`): the frozen
+base is the checkpoint it was loaded from.
+
 `save_pretrained_distributed` gathers full tensors to rank 0 only (`full_state_dict=True,
 cpu_offload=True`) and writes one Hugging Face checkpoint there, which transformers loads.
 """
@@ -24,6 +27,15 @@ from torch import nn
 EXTRA_STATE = "extra_state.json"
 
 
+def _options(model: nn.Module):
+    """The state-dict options: a model with adapters leaves its frozen base out (and does not expect it back)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from ..adapters import has_adapters
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if has_adapters(model) else None
+
+
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -36,10 +48,10 @@ def save_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
 
     os.makedirs(checkpoint_dir, exist_ok=True)
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_sd, "optim": optim_sd}
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=_options(model))}
     dcp.save(state, checkpoint_id=checkpoint_dir)
     if extra is not None and _is_main():
         with open(os.path.join(checkpoint_dir, EXTRA_STATE), "w", encoding="utf-8") as f:
@@ -80,14 +92,15 @@ def load_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
             raise
 
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_sd, "optim": optim_sd}
         read(state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options(model))
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=_options(model))}
         read(state)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=_options(model))
     path = os.path.join(checkpoint_dir, EXTRA_STATE)
     if os.path.isfile(path):
         from ..jsonfile import read_json_object

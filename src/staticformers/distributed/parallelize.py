@@ -104,6 +104,19 @@ def _matches(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
     return chosen
 
 
+def tp_styles(model: nn.Module, chosen: dict[str, str]) -> dict[str, str]:
+    """`chosen` with each module that wraps a projection (a LoRA layer: `tensor_parallel_plan`) replaced by
+    the styles of its parts, which follow the style given to it."""
+    out: dict[str, str] = {}
+    for name, style in chosen.items():
+        plan = getattr(model.get_submodule(name), "tensor_parallel_plan", None)
+        if plan is None:
+            out[name] = style
+        else:
+            out.update({f"{name}.{part}": s for part, s in plan(style).items()})
+    return out
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> None:
     """Shard the model's modules over `tp_mesh` by `plan`; tied embeddings stay one parameter."""
     chosen = _matches(plan, model)
@@ -114,7 +127,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> Non
             f"styles ({chosen.get('model.embed_tokens')!r} and {chosen.get('lm_head')!r}): give both the same."
         )
     styles = {}
-    for name, style in chosen.items():
+    for name, style in tp_styles(model, chosen).items():
         s = _style(style, model.get_submodule(name))
         if s is not None:
             styles[name] = s
@@ -123,9 +136,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> Non
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
-    """FSDP2 `fully_shard` on each decoder block, then on the root, over the data-parallel mesh."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+def fsdp_kwargs(model: nn.Module, dims: ParallelDims) -> dict:
+    """`fully_shard`'s arguments for this layout: the data-parallel mesh, resharding, mixed precision, offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     config = dims.config
     mesh = dims.dp_mesh if config.dp_replicate_size > 1 else dims.mesh["fsdp"]
@@ -138,6 +151,14 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
             logger.info("fsdp_cpu_offload=True has nothing to do on the CPU: the shards already live in host memory")
         else:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
+    """FSDP2 `fully_shard` on each decoder block, then on the root, over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = fsdp_kwargs(model, dims)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -160,4 +181,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module
     return model
 
 
-__all__ = ["default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "parallelize"]
+__all__ = ["default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]

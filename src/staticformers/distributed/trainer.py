@@ -22,7 +22,9 @@ pieces, never the Trainer itself:
   counted like every other compiled function (`compile.compile_module_calls`);
 - checkpoints: model and optimizer through `torch.distributed.checkpoint` (every rank writes its
   shards into the same atomic folder; rank 0 adds scheduler, RNG and trainer state last), so they
-  resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0.
+  resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0. With LoRA
+  adapters (`add_adapter` on the partitioned model, `distributed/adapters.py`) only the adapter's
+  weights and optimizer state are checkpointed, and `save_model` writes the adapter in PEFT's format.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapters import has_adapters
 from ..training import checkpoint as ckpt
 from ..training.optim import MasterWeights
 from ..training.state import TrainerState
 from ..training.state_files import (apply_file, apply_state, check_optimizer_state, check_scheduler_state,
                                     load_torch_file)
+from .adapters import save_adapter_distributed
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained_distributed
 from .training import clip_grad_norm_, compile_blocks
 
@@ -195,7 +199,10 @@ class DistributedTraining:
     def save_model(self, output_dir: Optional[str] = None) -> str:
         """Every rank calls it; rank 0 writes one Hugging Face checkpoint (and the tokenizer)."""
         output_dir = output_dir or self.args.output_dir
-        save_pretrained_distributed(self.model, output_dir)  # gathers to rank 0
+        if has_adapters(self.model):  # the trained adapter alone, gathered, in PEFT's format
+            save_adapter_distributed(self.model, output_dir)
+        else:
+            save_pretrained_distributed(self.model, output_dir)  # gathers to rank 0
         self.trainer.save_tokenizer(output_dir)
         dist.barrier()
         return output_dir

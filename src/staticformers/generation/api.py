@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..adapter_bank import bank_for_names
 from ..compile import default_backend
 from ..seeds import check_seed
 from .config import CompileConfig, GenerationConfig
@@ -212,12 +213,15 @@ def generate(
     `cache_implementation`, `disable_compile`, ...) and default to the checkpoint's
     generation_config.json. `compile_config` chooses the backend (default: the device's);
     `shape_plan` replaces the plan for this call; `seed` (row i of the batch samples with seed + i) or
-    `generator` (shared by the rows) makes sampling reproducible.
+    `generator` (shared by the rows) makes sampling reproducible. `adapter_names` (PEFT's): one adapter
+    name per row ("__base__": none), the rows batched together over stacked adapter weights
+    (`adapter_bank.py`).
     """
     if inputs is not None and input_ids is not None:
         raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
     input_ids = inputs if input_ids is None else input_ids
     no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
+    adapter_names = kwargs.pop("adapter_names", None)
     config = merged_config(model, generation_config, kwargs)
     engine = engine_for(model)
     ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
@@ -230,7 +234,11 @@ def generate(
     if seed is not None:
         check_seed(seed)
     eos, pad = _pad_and_eos(model, config, no_eos)
-    requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i)
+    if adapter_names is not None and (not isinstance(adapter_names, (list, tuple)) or len(adapter_names) != len(prompts)
+                                      or not all(isinstance(n, str) for n in adapter_names)):
+        raise ValueError(f"adapter_names must list one adapter name per row ({len(prompts)}), \"__base__\" for none.")
+    requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i,
+                                  adapter=adapter_names[i] if adapter_names is not None else None)
                 for i, p in enumerate(prompts)]
     settings = compile_settings(model, config, compile_config)
     plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None
@@ -238,6 +246,8 @@ def generate(
         raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
     new: list[list[int]] = [[] for _ in prompts]
     with engine.lock:
+        if adapter_names is not None:
+            bank_for_names(model, adapter_names)
         loop = GenerationLoop(engine, settings, plan)
         for request in requests:  # every request is checked before any device work
             loop.validate(request)

@@ -20,9 +20,13 @@ Design choices (the why of this file):
   (`loop.py`) borrows them, one loop at a time (`lock`): calls from several threads on one model are
   serialised, never interleaved.
 - **Never stale weights.** Before each call the engine fingerprints the parameters (identity, data
-  pointer, dtype, device, version counter), the module tree and the forward hooks. A new identity,
-  dtype, device or hook drops steps and caches; an in-place change (training) drops steps whose
-  weights were frozen into them (inductor freezing).
+  pointer, dtype, device, version counter), the module tree, the forward hooks and the adapters'
+  state (active, disabled, scales, the adapter bank). A new identity, dtype, device, hook or adapter
+  state drops steps and caches; an in-place change (training, an adapter loaded over another of the
+  same shapes) drops only steps whose weights were frozen into them (inductor freezing).
+- **Adapters per row.** With an adapter bank (`adapter_bank.py`) each call says which adapter each
+  row uses (`adapters`: bank slots); the engine writes them into the bank's rows index, in place,
+  around the step: a graph input, so mixing adapters compiles nothing.
 - **Bad input loses nothing.** Requests are validated before any device work (`loop.py`); caches and
   steps are only created for shapes the plan declares.
 """
@@ -37,6 +41,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..adapter_bank import routed
+from ..adapters import adapter_state
 from ..backends import for_device
 from ..compile import CompiledFunction, shape_violation
 from ..compile_summary import cache_answers
@@ -100,7 +106,7 @@ class _Fingerprint:
             self.children = children
         params = list({id(p): p for m in self.modules for p in m._parameters.values() if p is not None}.values())
         ident = (children, tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params),
-                 forward_hook_state(self.modules))
+                 forward_hook_state(self.modules), adapter_state(self.modules))
         return ident, tuple(p._version for p in params)
 
 
@@ -126,7 +132,8 @@ class Engine:
         ident, versions = self._fingerprint()
         if ident != self._ident:
             what = ("model weights or modules were replaced (new tensors, dtype, device or layers)"
-                    if ident[:2] != self._ident[:2] else "forward hooks were registered or removed")
+                    if ident[:2] != self._ident[:2] else "forward hooks were registered or removed"
+                    if ident[2] != self._ident[2] else "adapters were switched, enabled, disabled or batched")
             logger.info("%s: dropping graphs and caches", what)
             self.reset()
             self.backend = for_device(self.model.device)
@@ -169,10 +176,12 @@ class Engine:
 
     # ---- running -------------------------------------------------------------------------------------
     def prefill(self, settings: CompileSettings, prompts: Sequence[Sequence[int]], cache: KVCache,
-                slots: Sequence[int], plan: Optional[ShapePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                slots: Sequence[int], plan: Optional[ShapePlan] = None,
+                adapters: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill `prompts` (host token lists) into the rows `slots` of `cache`; the other rows keep their
         state. Returns the argmax and the logits at each prompt's last token, `[n]` and `[n, vocab]`, on the
-        device. The buckets are `plan`'s (default: the engine's)."""
+        device. The buckets are `plan`'s (default: the engine's). `adapters`: each prompt's slot in the
+        model's adapter bank (`adapter_bank.py`; None: the model as it is)."""
         plan = plan or self.plan
         n = len(prompts)
         longest = max(len(p) for p in prompts)
@@ -188,17 +197,20 @@ class Engine:
         checked = self._check(g, (b, length), ids)
         device = self.model.device
         g.calls += 1
-        argmax, logits = g.step(ids.to(device), last.to(device), cache,
-                                torch.tensor(list(slots), dtype=torch.long).to(device), checked=checked)
+        with routed(self.model, adapters, b, refresh=True):
+            argmax, logits = g.step(ids.to(device), last.to(device), cache,
+                                    torch.tensor(list(slots), dtype=torch.long).to(device), checked=checked)
         return argmax[:n], logits[:n]
 
     def decode(self, settings: CompileSettings, cache: KVCache, tokens: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step over every row of `cache`: `tokens` and `positions` `[B, 1]` on the device."""
+               positions: torch.Tensor, adapters: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step over every row of `cache`: `tokens` and `positions` `[B, 1]` on the device;
+        `adapters`: each row's adapter slot (as `prefill`'s)."""
         g = self.step("decode", cache.batch, cache.max_length, settings)
         checked = self._check(g, (cache.batch, 1), tokens)
         g.calls += 1
-        return g.step(tokens, positions, checked=checked)
+        with routed(self.model, adapters, cache.batch):
+            return g.step(tokens, positions, checked=checked)
 
     @staticmethod
     def _check(g: Graph, expected: tuple, x: torch.Tensor) -> bool:
@@ -225,15 +237,16 @@ class Engine:
                 hits, before = cache_answers(), self.graph_count()
                 start = time.perf_counter()
                 g = self.step(kind, b, n, settings)
-                if kind == "prefill":
-                    cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
-                    g.step(torch.zeros(b, n, dtype=torch.long, device=device),
-                           torch.full((b,), n - 1, dtype=torch.long, device=device), cache,
-                           torch.arange(b, device=device), checked=True)
-                else:
-                    # two tensors, never one passed twice: Dynamo would guard on the aliasing
-                    g.step(torch.zeros(b, 1, dtype=torch.long, device=device),
-                           torch.zeros(b, 1, dtype=torch.long, device=device), checked=True)
+                with routed(self.model, None, b):
+                    if kind == "prefill":
+                        cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
+                        g.step(torch.zeros(b, n, dtype=torch.long, device=device),
+                               torch.full((b,), n - 1, dtype=torch.long, device=device), cache,
+                               torch.arange(b, device=device), checked=True)
+                    else:
+                        # two tensors, never one passed twice: Dynamo would guard on the aliasing
+                        g.step(torch.zeros(b, 1, dtype=torch.long, device=device),
+                               torch.zeros(b, 1, dtype=torch.long, device=device), checked=True)
                 row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
                        "cache_hit": cache_answers() > hits, "graphs": self.graph_count() - before}
                 rows.append(row)

@@ -29,6 +29,10 @@ Design choices:
   most) and decoding continues there with that shape's graph. When rows leave and a smaller shape would
   do, the batch moves down only if that shape's decode graph is already built, so a move never
   compiles; when the last row leaves, the next request starts from the smallest shape it needs.
+- **Adapters per row.** A request may name a LoRA adapter (`GenerationRequest.adapter`) held by the
+  model's adapter bank (`adapter_bank.py`: stacked adapter weights, slot 0 = none); each prefill and
+  decode step passes every row's slot to the engine, which writes them into the bank's rows index in
+  place. Rows of different adapters (and of none) share one batch and one graph of its shape.
 - **Sampling per row on the device** (`sampling.RowSampler`): each request has its own settings and
   seed; only the chosen ids (and log-probabilities when asked) come back to the host.
 - **One loop per engine at a time.** The loop holds the engine's lock from its first step until it is
@@ -49,6 +53,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..adapter_bank import bank_of
+from ..adapters import BASE
 from .cache import KVCache
 from .engine import CompileSettings, Engine
 from .plan import ShapePlan
@@ -59,12 +65,15 @@ logger = logging.getLogger("staticformers")
 
 @dataclass
 class GenerationRequest:
-    """One sequence to continue: its prompt's token ids, how many new tokens at most, how to choose them."""
+    """One sequence to continue: its prompt's token ids, how many new tokens at most, how to choose them,
+    and which adapter of the model's adapter bank computes it (None: the model as it is, its active
+    adapter if it has one; "__base__": no adapter)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: Any = None
+    adapter: Optional[str] = None
 
 
 @dataclass
@@ -87,6 +96,7 @@ class TokenEvent:
 class _Row:
     request: GenerationRequest
     need: int  # cache positions it may use
+    adapter: int = 0  # its slot in the model's adapter bank (0: none)
     length: int = 0  # positions written in its row
     generated: int = 0
     last: int = 0  # the last token, fed to the next decode step
@@ -132,8 +142,22 @@ class GenerationLoop:
             raise ValueError(f"max_new_tokens={n!r} must be a positive integer.")
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
+        need = self.plan.positions_needed(len(prompt), n)
+        self.adapter_slot(request)
         request.prompt = list(prompt)
-        return self.plan.positions_needed(len(prompt), n)
+        return need
+
+    def adapter_slot(self, request: GenerationRequest) -> int:
+        """The bank slot of the request's adapter (0: none); an adapter the model does not hold is refused."""
+        if request.adapter is not None and not isinstance(request.adapter, str):
+            raise TypeError(f"adapter must be an adapter's name or None, not {type(request.adapter).__name__}.")
+        bank = bank_of(self.engine.model)
+        if bank is None:
+            if request.adapter is not None and request.adapter != BASE:
+                raise ValueError(f"The request asks for adapter {request.adapter!r} but the model batches no adapters: "
+                                 f"load them and call model.enable_adapter_batching() first.")
+            return 0
+        return bank.slot_of(request.adapter)
 
     def add(self, request: GenerationRequest) -> Any:
         """Queue a request (validated now; see `validate`); returns its id (given, or a new integer)."""
@@ -141,7 +165,7 @@ class GenerationLoop:
         if request.request_id is None:
             request.request_id = next(self._ids)
         with self._mutex:
-            self.waiting.append(_Row(request, need))
+            self.waiting.append(_Row(request, need, self.adapter_slot(request)))
         return request.request_id
 
     def cancel(self, request_id: Any) -> bool:
@@ -230,9 +254,10 @@ class GenerationLoop:
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
                 self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
+            banked = bank_of(self.engine.model) is not None
             with torch.no_grad():
                 argmax, logits = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
-                                                     slots, self.plan)
+                                                     slots, self.plan, [r.adapter for r in joining] if banked else None)
                 choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
                 self.sampler.observe(slots, choice.ids)
             tokens = choice.ids.tolist()
@@ -261,9 +286,12 @@ class GenerationLoop:
             tokens[slot, 0] = self.rows[slot].last
             positions[slot, 0] = self.rows[slot].length
         device = self.engine.model.device
+        adapters = [self.rows[s].adapter if s in self.rows else 0 for s in range(cache.batch)] \
+            if bank_of(self.engine.model) is not None else None
         try:
             with torch.no_grad():
-                argmax, logits = self.engine.decode(self.settings, cache, tokens.to(device), positions.to(device))
+                argmax, logits = self.engine.decode(self.settings, cache, tokens.to(device), positions.to(device),
+                                                    adapters)
                 if len(slots) == cache.batch:
                     mine_argmax, mine_logits = argmax, logits
                 else:

@@ -8,7 +8,8 @@ the engine has failed or while it drains), `GET /metrics` (Prometheus), `POST /t
 
 Every refusal is OpenAI's error JSON: 400 for an invalid field (its name and value in the message; a
 prompt plus `max_tokens` beyond `--max-model-len` with both numbers), 401 for a missing or wrong API
-key (`/v1/*`, `/tokenize`, `/detokenize`), 404 for a model it does not serve, 413 for a body over the
+key (`/v1/*`, `/tokenize`, `/detokenize`), 404 for a model it does not serve (neither the base model's
+name nor one of its LoRA adapters' names, `--lora-modules`: a request's `model` picks its adapter), 413 for a body over the
 size limit, 429 with `Retry-After` when the queue is full, 500 when the engine failed the request,
 503 while shutting down. A client that disconnects (mid-stream, or while waiting for a whole answer)
 has its requests cancelled: their slots are free before the next decode step.
@@ -52,6 +53,7 @@ class ServerState:
     chat_template: Optional[str] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: dict = field(default_factory=dict)  # LoRA adapter name -> the folder it was loaded from
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,10 +227,15 @@ def create_app(state: ServerState) -> FastAPI:
         except ValueError:
             raise ApiError(400, "The request body is not valid JSON.") from None
 
-    def check_model(name: Any) -> None:
-        if name is not None and name != state.model_name:
-            raise ApiError(404, f"The model {name!r} does not exist here: this server serves {state.model_name!r}.",
-                           param="model", kind="invalid_request_error", code="model_not_found")
+    def check_model(name: Any) -> tuple[Optional[str], str]:
+        """(the adapter a request's `model` picks, None for the base; the name its answer carries)."""
+        if name is None or name == state.model_name:
+            return None, state.model_name
+        if isinstance(name, str) and name in state.adapters:
+            return name, name
+        served = ", ".join(map(repr, [state.model_name, *state.adapters]))
+        raise ApiError(404, f"The model {name!r} does not exist here: this server serves {served}.",
+                       param="model", kind="invalid_request_error", code="model_not_found")
 
     # ---- plain endpoints ----------------------------------------------------------------------------
     @app.get("/health")
@@ -245,8 +252,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "staticformers", "max_model_len": state.max_model_len}]}
+        base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "staticformers",
+                "max_model_len": state.max_model_len, "parent": None}
+        loras = [{"id": name, "object": "model", "created": state.created, "owned_by": "staticformers",
+                  "max_model_len": state.max_model_len, "root": path, "parent": state.model_name}
+                 for name, path in state.adapters.items()]
+        return {"object": "list", "data": [base, *loras]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -284,12 +295,13 @@ def create_app(state: ServerState) -> FastAPI:
         return {"prompt": state.tokenizer.decode(tokens)}
 
     # ---- generation ----------------------------------------------------------------------------------
-    def start(job: Job, prefix: str) -> tuple[str, list]:
-        """Validate and queue a job's requests; returns the response id and one ChoiceRun per choice."""
+    def start(job: Job, prefix: str, adapter: Optional[str] = None) -> tuple[str, list]:
+        """Validate and queue a job's requests (computed with `adapter`, None: the base model); returns the
+        response id and one ChoiceRun per choice."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         aloop = asyncio.get_running_loop()
         requests = [GenerationRequest(job.prompts[c.prompt_index], job.max_tokens[c.prompt_index], c.sampling,
-                                      request_id=f"{rid}-{c.index}") for c in job.choices]
+                                      request_id=f"{rid}-{c.index}", adapter=adapter) for c in job.choices]
         try:
             for r in requests:
                 state.engine.loop.validate(r)
@@ -373,7 +385,7 @@ def create_app(state: ServerState) -> FastAPI:
     def sse(data: Any) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-    def streamed(job: Job, rid: str, runs: list, chunk, kind: str) -> StreamingResponse:
+    def streamed(job: Job, rid: str, runs: list, chunk, kind: str, served: str) -> StreamingResponse:
         async def events():
             finished = False
             try:
@@ -385,7 +397,7 @@ def create_app(state: ServerState) -> FastAPI:
                     if payload is not None:
                         yield sse(payload)
                 if job.include_usage:
-                    yield sse({"id": rid, "object": kind, "created": int(time.time()), "model": state.model_name,
+                    yield sse({"id": rid, "object": kind, "created": int(time.time()), "model": served,
                                "choices": [], "usage": _usage(job, runs)})
                 yield "data: [DONE]\n\n"
                 finished = True
@@ -398,11 +410,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
-        if isinstance(body, dict):
-            check_model(body.get("model"))
+        adapter, served = check_model(body.get("model")) if isinstance(body, dict) else (None, state.model_name)
         job = parse_completion(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len,
                                state.max_n)
-        rid, runs = start(job, "cmpl")
+        rid, runs = start(job, "cmpl", adapter)
         created = int(time.time())
         if job.stream:
             offsets = [0] * len(runs)
@@ -419,11 +430,11 @@ def create_app(state: ServerState) -> FastAPI:
                 offsets[d.index] += len(text)
                 if not text and logprobs is None and d.finish_reason is None:
                     return None
-                return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                return {"id": rid, "object": "text_completion", "created": created, "model": served,
                         "choices": [{"index": d.index, "text": text, "logprobs": logprobs,
                                      "finish_reason": d.finish_reason}]}
 
-            return streamed(job, rid, runs, chunk, "text_completion")
+            return streamed(job, rid, runs, chunk, "text_completion", served)
         collected = await whole(request, runs)
         choices = []
         for run, deltas in zip(runs, collected):
@@ -434,17 +445,16 @@ def create_app(state: ServerState) -> FastAPI:
                             "logprobs": completion_logprobs(state.tokenizer, tokens, len(prefix))
                             if job.logprobs is not None else None,
                             "finish_reason": run.finish_reason})
-        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": served,
                 "choices": choices, "usage": _usage(job, runs)}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        if isinstance(body, dict):
-            check_model(body.get("model"))
+        adapter, served = check_model(body.get("model")) if isinstance(body, dict) else (None, state.model_name)
         job = parse_chat(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, state.max_n,
                          state.chat_template)
-        rid, runs = start(job, "chatcmpl")
+        rid, runs = start(job, "chatcmpl", adapter)
         created = int(time.time())
         if job.stream:
             opened = set()
@@ -463,11 +473,11 @@ def create_app(state: ServerState) -> FastAPI:
                 logprobs = {"content": chat_logprobs(state.tokenizer, d.tokens)} if job.logprobs is not None and d.tokens else None
                 if not delta and logprobs is None and d.finish_reason is None:
                     return None
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served,
                         "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": d.finish_reason}]}
 
-            return streamed(job, rid, runs, chunk, "chat.completion.chunk")
+            return streamed(job, rid, runs, chunk, "chat.completion.chunk", served)
         collected = await whole(request, runs)
         choices = []
         for run, deltas in zip(runs, collected):
@@ -481,7 +491,7 @@ def create_app(state: ServerState) -> FastAPI:
                             "logprobs": {"content": chat_logprobs(state.tokenizer, tokens)}
                             if job.logprobs is not None else None,
                             "finish_reason": run.finish_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": served,
                 "choices": choices, "usage": _usage(job, runs)}
 
     return app

@@ -19,7 +19,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 logger = logging.getLogger("staticformers")
@@ -46,6 +46,9 @@ class ServeOptions:
     tensor_parallel_size: int = 1
     grace: float = 30.0
     max_body_bytes: int = 4 * 2**20
+    lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
+    max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
+    max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
 
 
 def sampling_defaults(model) -> dict:
@@ -83,6 +86,10 @@ def load(options: ServeOptions):
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=options.tensor_parallel_size)
     model = from_pretrained(options.model, dtype=options.dtype, device_map=options.device, **kwargs)
+    if options.lora_modules:  # stacked in one bank: a decode batch mixes rows of every adapter (adapter_bank.py)
+        from ..adapter_bank import bank_for_files
+
+        bank_for_files(model, options.lora_modules, options.max_loras, options.max_lora_rank)
     return model, tokenizer
 
 
@@ -111,6 +118,9 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     from .metrics import ServerMetrics
 
     name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
+    if name in options.lora_modules:
+        raise ValueError(f"The adapter name {name!r} is the base model's served name: give the adapter another name "
+                         f"in --lora-modules (or the base another --served-model-name).")
     metrics = ServerMetrics(name)
     engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
     chat_template = None
@@ -120,7 +130,8 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     return ServerState(model_name=name, tokenizer=tokenizer, engine=engine, metrics=metrics,
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
-                       api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes)
+                       api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
+                       adapters=dict(options.lora_modules))
 
 
 def _uvicorn_server(app, grace: float):

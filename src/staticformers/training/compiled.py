@@ -53,12 +53,20 @@ def regional_forward_loss(model, input_ids, labels, position_ids, num_items_in_b
     by `head_fn`."""
     decoder = model.model
     x, cos, sin, masks = decoder.prepare(input_ids, position_ids=position_ids)
+    if torch.is_grad_enabled() and not x.requires_grad and _layers_train(decoder):
+        # a frozen embedding (LoRA) feeds the first layer a tensor without grad, every later layer one with:
+        # the layer region would need two graphs; one graph it is, with the first input's gradient unused
+        x = x.detach().requires_grad_(True)
 
     def call(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops=ops):
         return layer_fn(layer)(layer, x, cos, sin, masks, kv_cache, position_ids, ops)
 
     hidden = decoder.run_layers(x, cos, sin, masks, call=call, ops=ops)
     return head_fn(model, hidden, labels, num_items_in_batch, ops)
+
+
+def _layers_train(decoder) -> bool:
+    return any(p.requires_grad for p in decoder.layers[0].parameters())
 
 
 class StepFunction:

@@ -141,9 +141,20 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 
 def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `directory` named in `expected` (name -> shape), checked (see the module
-    docstring) before any is used."""
+    docstring) before any is used; a LoRA run's checkpoint holds its adapter alone (PEFT's files)."""
+    from ..adapter_files import AdapterFileError, read_checkpoint_adapter
     from ..loading import CheckpointError, open_weights, weight_files
 
+    try:
+        adapter = read_checkpoint_adapter(directory, expected)
+    except AdapterFileError as err:
+        raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
+    if adapter is not None:
+        bad = nonfinite(adapter.items())
+        if bad:
+            raise CorruptCheckpointError(f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
+                                         f"it is not a good checkpoint; {RESUME_ADVICE}.")
+        return adapter
     try:
         files = weight_files(directory)
     except (CheckpointError, FileNotFoundError) as err:
@@ -175,9 +186,17 @@ def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.
 
 def verify_weights(directory: str) -> Optional[str]:
     """Why the weights of `directory` cannot be resumed from (damaged, truncated, non-finite), or None.
-    Reads one tensor at a time."""
+    Reads one tensor at a time (an adapter checkpoint: its adapter file, checked whole)."""
+    from ..adapter_files import ADAPTER_WEIGHTS, AdapterFileError, read_weights as read_adapter_weights
     from ..loading import CheckpointError, open_weights, weight_files
 
+    adapter = os.path.join(directory, ADAPTER_WEIGHTS)
+    if os.path.isfile(adapter):
+        try:
+            read_adapter_weights(adapter)
+        except (AdapterFileError, OSError) as err:
+            return str(err)
+        return None
     try:
         for path in weight_files(directory):
             with open_weights(path) as f:

@@ -49,10 +49,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..adapter_files import save_adapter
+from ..adapters import has_adapters, trainable_adapter
 from ..backends import for_device
 from ..modeling import CausalLM
 from ..seeds import check_seed
 from . import checkpoint as ckpt
+from .adapter_training import check_trainable, frozen_originals, restore_frozen
 from .arguments import TrainingArguments
 from .compiled import StepFunction
 from .chat_data import use_chat_template_file
@@ -276,9 +279,12 @@ class Trainer:
         """Write one checkpoint's files into `directory` (a temporary folder; trainer_state.json last)."""
         if self.distributed is not None:
             return self.distributed.save_checkpoint_files(directory)
-        from ..loading import save_pretrained
+        if has_adapters(self.model):  # the trained adapter alone, in PEFT's format
+            save_adapter(self.model, directory, trainable_adapter(self.model), tensors=self.model_state_for_saving())
+        else:
+            from ..loading import save_pretrained
 
-        save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
+            save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
         torch.save(self.optimizer.state_dict(), os.path.join(directory, ckpt.OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
         torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
@@ -360,11 +366,13 @@ class Trainer:
                     f"resume with the same dataset, max_length and packing, or start a new run.")
         check_step_memory(getattr(self.model, "config", None), a.per_device_train_batch_size, a.max_length, self.compute_dtype(),
                           a.gradient_checkpointing, self.device)
+        check_trainable(self.model)
         # the caller's tensors, kept until set-up succeeds: a refusal below gives the model back as it was
         originals = {id(p): p.detach() for p in self.model.parameters()}
         original_dtypes = {k: t.dtype for k, t in originals.items()}
         self.model.zero_grad(set_to_none=True)
         model = self.prepare_model()
+        frozen = frozen_originals(self.model, originals)  # given back at the end (a frozen base cast to bf16)
         self.backend.before_training()
         try:
             self.master = self.create_master_weights(model)
@@ -483,6 +491,7 @@ class Trainer:
         finally:
             bar.close()
             self._restore_dtypes(original_dtypes)
+            restore_frozen(self.model, frozen)
         runtime = time.perf_counter() - run_start
         steady_seconds = (time.perf_counter() - steady_start) if steady_start is not None else 0.0
         metrics = {
@@ -634,7 +643,9 @@ class Trainer:
 
         output_dir = output_dir or self.args.output_dir
         if self.is_world_process_zero():
-            if hasattr(self.model, "save_pretrained"):
+            if has_adapters(self.model):
+                save_adapter(self.model, output_dir, trainable_adapter(self.model))
+            elif hasattr(self.model, "save_pretrained"):
                 save_pretrained(self.model, output_dir)
             else:
                 raise ValueError(f"{type(self.model).__name__} has no save_pretrained: save_model needs a staticformers CausalLM.")

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from ...adapter_bank import bank_of
 from ...compile import cache_root
 from ...modeling import has_decoder_layout
 from ...module_hooks import any_hooked, global_hooks, hooked
@@ -28,8 +29,9 @@ from .regions import RegionalDecode, RegionalPrefill, head_region
 
 def plain_projections(model) -> bool:
     """Whether every projection a formulation may compute itself is a plain `nn.Linear` with no hooks:
-    reductions and oneDNN read `weight` and `bias` directly, which would skip what a wrapper (LoRA,
-    quantisation) or a forward hook does."""
+    reductions and oneDNN read `weight` and `bias` directly, which would skip what a Linear subclass
+    (quantisation) or a forward hook does. A LoRA layer is no Linear: its `base_layer` is, which the
+    formulations compute, the layer adding its adapters (`ops.project`)."""
     if global_hooks():
         return False
     return not any(isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or hooked(m))
@@ -83,11 +85,13 @@ class CPUBackend(Backend):
     def regional(self, engine, settings) -> bool:
         """Whether steps under `settings` are regions: asked for, and the model is our decoder, unsharded,
         its weights not frozen into graphs (a layer graph every layer shares takes weights as inputs) and
-        no forward hook set (a hook on one layer cannot be in a graph every layer runs). Hooks registered
-        or removed later rebuild the steps (the engine's fingerprint)."""
+        no forward hook set (a hook on one layer cannot be in a graph every layer runs), and no adapter bank
+        (a regional prefill finishes its prompts with the decode step's regions, whose rows are the cache's
+        slots, not the prompts: one rows index cannot route both). Hooks registered or removed later, and
+        a bank made later, rebuild the steps (the engine's fingerprint)."""
         model = engine.model
         return (settings.enabled and settings.regional and not settings.freezing and has_decoder_layout(model)
-                and not tensor_parallel(model) and not any_hooked(model))
+                and not tensor_parallel(model) and not any_hooked(model) and bank_of(model) is None)
 
     def before_compile(self, settings) -> None:
         super().before_compile(settings)

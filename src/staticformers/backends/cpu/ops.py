@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ...adapters import LoraLinear
 from ...modeling import causal_rows
 from ...ops import Ops, sdpa
 from .onednn import onednn_available, onednn_linear
@@ -34,9 +35,12 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
     The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
-    loop inductor generates reads each weight row once for all the tokens of a small decode batch."""
+    loop inductor generates reads each weight row once for all the tokens of a small decode batch.
+    A LoRA layer computes its base projection this way and adds its adapters itself."""
     if how is None:
         return layer(x)
+    if isinstance(layer, LoraLinear):
+        return layer(x, base=lambda base, h: project(base, h, how))
     if how == "onednn":
         return onednn_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
