@@ -29,7 +29,7 @@ views), so a tensor-parallel plan that shards q/k/v column-wise needs nothing fr
 last layer then computes its keys and values everywhere and its attention and MLP at those positions
 (a prompt's logits are wanted at its end), one layer of prompt work saved.
 
-A sparse layer also produces its router logits (`DecoderLayer.routed`); with `output_router_logits`
+A sparse layer also produces its router logits (`DecoderLayer.forward(..., routed=True)`); with `output_router_logits`
 the model collects them, returns them and its load-balancing loss (`aux_loss`, added to the loss times
 `router_aux_loss_coef` when labels are given), as transformers does.
 """
@@ -315,20 +315,20 @@ class DecoderLayer(nn.Module):
         return (self.self_attn.window, "moe" if self.sparse else "dense")
 
     def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None):
-        """`keep`: the output at the kept positions only (see `Attention.forward`)."""
-        return self.routed(x, cos, sin, masks, kv_cache, position_ids, ops, keep)[0]
-
-    def routed(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-               keep: Optional[Keep] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """`forward`, and the router logits of a sparse layer (None for a dense one)."""
+                keep: Optional[Keep] = None, routed: bool = False):
+        """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
+        router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
+        FSDP's among them, run as for any other call)."""
         mask = masks[self.self_attn.window]
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
         x = (take(x, keep) if keep is not None else x) + attn
+        logits = None
         if self.sparse:
             out, logits = self.mlp(self.post_attention_layernorm(x), ops)
-            return x + out, logits
-        return x + self.mlp(self.post_attention_layernorm(x), ops), None
+            x = x + out
+        else:
+            x = x + self.mlp(self.post_attention_layernorm(x), ops)
+        return (x, logits) if routed else x
 
 
 def kind_suffix(kind: tuple) -> str:
@@ -491,7 +491,7 @@ def call_layer(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops:
 def call_layer_routed(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
                       keep: Optional[Keep] = None):
     """One decoder layer and its router logits (None for a dense layer): `(x, logits)`."""
-    return layer.routed(x, cos, sin, masks, kv_cache, position_ids, ops, keep)
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep, routed=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,

@@ -47,8 +47,33 @@ from ..moe import expert_mlp
 from .mesh import ParallelDims
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the gradient is multiplied by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def expert_gradient_factor(dims: ParallelDims) -> float:
+    """What an expert's gradient is multiplied by so that FSDP2's average over the `efsdp` ranks holding
+    it (and `dp_replicate`) becomes the average over all `dp` data-parallel ranks, as every other
+    parameter's: efsdp * dp_replicate / dp = tp / ep."""
+    return dims.tp / dims.ep
+
+
+def local_experts(experts: nn.Module, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's stacked expert weights (the DTensors' local shards), their gradients scaled by `factor`."""
+    out = []
+    for t in (experts.gate_up_proj, experts.down_proj):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        out.append(_ScaleGrad.apply(t, factor) if factor != 1.0 else t)
+    return out[0], out[1]
 
 
 def _all_reduced(t: torch.Tensor, group) -> torch.Tensor:
@@ -90,6 +115,7 @@ class GatherExchange:
         self.tp_mesh = dims.tp_mesh if dims.tp > 1 else None
         self.ep_rank = self.ep_mesh.get_local_rank()
         self.num_experts = num_experts
+        self.grad_factor = expert_gradient_factor(dims)
 
     def _tp_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a batch its TP group shares (the backward all-gathers the rows' gradients)."""
@@ -97,7 +123,7 @@ class GatherExchange:
             self.tp_mesh, [Shard(0)]).to_local()
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
-        gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+        gate_up, down = local_experts(experts, self.grad_factor)
         tokens = x.shape[0]
         tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
         if tp > 1:
@@ -130,9 +156,10 @@ class AllReduceExchange:
         self.group = dims.ep_mesh.get_group()
         self.ep_rank = dims.ep_mesh.get_local_rank()
         self.num_experts = num_experts
+        self.grad_factor = expert_gradient_factor(dims)  # 1: ep == tp
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
-        gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+        gate_up, down = local_experts(experts, self.grad_factor)
         x, weights = _SumBackward.apply(x, self.group), _SumBackward.apply(weights, self.group)
         partial = expert_mlp(x, weights, idx, gate_up, down, ops, first=self.ep_rank * gate_up.shape[0],
                              total=self.num_experts)
@@ -160,15 +187,15 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
 
 def shard_experts(model: nn.Module, dims: ParallelDims, kwargs: dict, backend: str) -> None:
     """FSDP2 over the ranks that hold the same experts (`efsdp`, with `edp_replicate` under HSDP), each
-    sparse layer's experts one unit. Their gradients are divided by the data-parallel size, as every
-    other parameter's (FSDP2's default would divide by the efsdp size, and the Trainer undoes a
-    division by dp)."""
+    sparse layer's experts one unit. FSDP2 averages their gradients over those ranks; the exchange
+    scales them first (`expert_gradient_factor`) so that the result is the average over every
+    data-parallel rank, as for the other parameters. (Not `set_gradient_divide_factor`: with one rank
+    holding each expert, this PyTorch divides by it twice.)"""
     from torch.distributed.fsdp import fully_shard
 
     for layer in sparse_layers(model):
         experts = layer.mlp.experts
         fully_shard(experts, **{**kwargs, "mesh": dims.expert_fsdp_mesh})
-        experts.set_gradient_divide_factor(float(dims.dp))
         if backend == "gloo":
             experts.set_force_sum_reduction_for_comms(True)
 
@@ -186,4 +213,5 @@ class DataParallelSum:
         return out
 
 
-__all__ = ["apply_ep", "shard_experts", "GatherExchange", "AllReduceExchange", "DataParallelSum", "sparse_layers"]
+__all__ = ["apply_ep", "shard_experts", "GatherExchange", "AllReduceExchange", "DataParallelSum", "sparse_layers",
+           "expert_gradient_factor", "local_experts"]

@@ -48,7 +48,7 @@ def layer_forward(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, o
 
 def layer_forward_routed(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops=PLAIN):
     """One decoder layer and its router logits (None for a dense layer): a routed model's layer region."""
-    return layer.routed(x, cos, sin, masks, kv_cache, position_ids, ops)
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, routed=True)
 
 
 def routes_logits(model) -> bool:
