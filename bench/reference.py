@@ -8,6 +8,9 @@ Sizes (`--size`):
   head_dim 128, vocab 151,936, tied, RoPE theta 1e6); 1.72B parameters, bfloat16 on disk (3.4 GB).
   Built on the device it will run on (`--device cuda`): random init of 1.7B values is a second there.
 - `tiny`: hidden 64, 2 layers, vocab 512: the dry runs of `bench/device_check.sh` and the tests.
+- `moe50m`: Qwen3-MoE-shaped: hidden 512, 6 layers, every one a mixture of 8 experts (top-2, renormalised,
+  expert width 384), 8 heads, 4 KV heads, head_dim 64, vocab 32000, tied; 49.4M parameters (28.2M a token
+  goes through: its top-2 experts, attention, the tied head), float32 on disk.
 
 Every size has no EOS token, so generation benchmarks always produce every token they ask for.
 Each is saved in Hugging Face format once per folder (a marker file records config, dtype, seed and
@@ -38,8 +41,12 @@ SIZES = {
                  rope_theta=1000000.0, **_COMMON),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **_COMMON),
+    "moe50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=384, norm_topk_prob=True, **_COMMON),
 }
-DEFAULT_DTYPES = {"41m": "float32", "1.7b": "bfloat16", "tiny": "float32"}
+DEFAULT_DTYPES = {"41m": "float32", "1.7b": "bfloat16", "tiny": "float32", "moe50m": "float32"}
+MODEL_TYPES = {"moe50m": "qwen3_moe"}  # every other size is a Qwen3
 REFERENCE = SIZES["41m"]  # the name earlier scripts import
 MODELS_ENV = "STATICFORMERS_BENCH_MODELS"  # where reference folders go (default bench/results)
 
@@ -69,27 +76,32 @@ def pressure() -> str:
 
 
 def reference_config(size: str = "41m"):
-    """The size's staticformers ModelConfig (a Qwen3 config)."""
+    """The size's staticformers ModelConfig (a Qwen3 config, or Qwen3-MoE for `moe50m`)."""
     from staticformers import AutoConfig
 
     check_size(size)
-    return AutoConfig.for_model("qwen3", **SIZES[size])
+    return AutoConfig.for_model(MODEL_TYPES.get(size, "qwen3"), **SIZES[size])
 
 
 def weight_counts(size: str = "41m") -> dict:
-    """Parameters of a size (tied weights once) and those in linear layers (the lm_head included: what a
-    forward pass multiplies by; the embedding is a lookup unless tied), from a model built on the meta
-    device (no memory, no init)."""
+    """Parameters of a size (tied weights once) and those a token is multiplied by (`linear_parameters`:
+    the linear layers, the lm_head included, and of a mixture's stacked experts the top_k / E a token
+    goes through; the embedding is a lookup unless tied), from a model built on the meta device (no
+    memory, no init)."""
     import torch
 
     from staticformers import CausalLM
+    from staticformers.moe import Experts
 
+    config = reference_config(size)
     with torch.device("meta"):
-        model = CausalLM(reference_config(size))
+        model = CausalLM(config)
     params = {id(p): p for p in model.parameters()}
     linear = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    active = experts * config.num_experts_per_tok // config.num_experts if experts else 0
     return {"parameters": sum(p.numel() for p in params.values()),
-            "linear_parameters": sum(w.numel() for w in linear.values())}
+            "linear_parameters": sum(w.numel() for w in linear.values()) + active}
 
 
 def build_reference(directory: str | None = None, dtype: str | None = None, seed: int = 0, size: str = "41m",

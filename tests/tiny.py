@@ -28,7 +28,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "mistral-window": ("MistralConfig", dict(sliding_window=5)),
+    # mixtures of experts: 4 experts, top-2; Qwen3-MoE with a dense layer between two sparse ones
+    "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
+MOE_FAMILIES = ("qwen3-moe", "mixtral")
 
 
 def hf_config(family: str, **overrides):
@@ -39,7 +44,8 @@ def hf_config(family: str, **overrides):
 
 
 def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """A transformers model with random weights (biases randomised too, so they are tested)."""
+    """A transformers model with random weights (biases randomised too, so they are tested; a mixture's
+    router and experts scaled up, so that routing is decisive and a wrong expert shows in the logits)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -48,6 +54,8 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if ".mlp.gate.weight" in name or ".experts." in name:
+                p.mul_(5.0)
     return model.eval()
 
 

@@ -1,9 +1,13 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
-The four families (Qwen3, Llama, Qwen2, Mistral) are one decoder with different flags: q/k RMSNorm,
-which projections carry a bias, the RoPE variant, tied embeddings and sliding-window attention. This
-module is the only place that knows which family sets which flag, and which defaults each family's
-`config.json` leaves out (Qwen3 without `head_dim` means 128, not hidden/heads).
+The families (Qwen3, Llama, Qwen2, Mistral, and the mixtures of experts Qwen3-MoE and Mixtral) are one
+decoder with different flags: q/k RMSNorm, which projections carry a bias, the RoPE variant, tied
+embeddings, sliding-window attention, and the MLP kind each family declares (`mlp`: "dense", or "moe":
+some or all layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with
+its checkpoint names (`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`).
+A family is a row of this table, not a copy of the model. This module is the only place that knows
+which family sets which flag, and which defaults each family's `config.json` leaves out (Qwen3
+without `head_dim` means 128, not hidden/heads); the MoE keys are read by `config_moe.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -21,6 +25,8 @@ from typing import Any, Optional
 import torch
 
 from . import config_checks as checks
+from . import config_moe
+from .checkpoint_names import MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -42,6 +48,14 @@ class Family:
     default_head_dim: Optional[int]  # None: hidden_size // num_attention_heads
     sliding_all_layers: bool  # sliding_window, when set, applies to every layer (Mistral)
     defaults: dict
+    mlp: str = "dense"  # "dense": one MLP per layer; "moe": routed experts (on the layers config_moe says)
+    expert_names: Optional[ExpertNames] = None  # how the Hub names one expert's tensors (MoE families)
+    experts_key: str = "num_experts"  # the config.json key of the expert count (Mixtral: num_local_experts)
+    expert_width_key: str = "moe_intermediate_size"  # the key of an expert's MLP width (Mixtral: intermediate_size)
+    always_norm_topk: bool = False  # the top-k routing weights are always renormalised (Mixtral)
+    routing_weights_fp32: bool = False  # routing weights stay float32 when they scale the experts (Mixtral)
+    biases: bool = True  # attention_bias may add biases (False: Mixtral's projections never have one)
+    sliding_needs_flag: bool = False  # sliding_window applies only with use_sliding_window (Qwen2, Qwen3, Qwen3-MoE)
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,6 +63,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen3ForCausalLM", "qwen3", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
         default_head_dim=128, sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
+        sliding_needs_flag=True,
     ),
     "LlamaForCausalLM": Family(
         "LlamaForCausalLM", "llama", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
@@ -59,6 +74,7 @@ FAMILIES: dict[str, Family] = {
         "Qwen2ForCausalLM", "qwen2", qk_norm=False, qkv_bias_always=True, o_bias_follows_attention_bias=False,
         default_head_dim=None, sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
+        sliding_needs_flag=True,
     ),
     "MistralForCausalLM": Family(
         "MistralForCausalLM", "mistral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
@@ -66,7 +82,23 @@ FAMILIES: dict[str, Family] = {
         defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
                   "sliding_window": 4096},
     ),
+    "Qwen3MoeForCausalLM": Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "intermediate_size": 6144,
+                  "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+        mlp="moe", expert_names=QWEN_MOE_NAMES, sliding_needs_flag=True,
+    ),
+    "MixtralForCausalLM": Family(
+        "MixtralForCausalLM", "mixtral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "bos_token_id": 1,
+                  "eos_token_id": 2, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        mlp="moe", expert_names=MIXTRAL_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
+        always_norm_topk=True, routing_weights_fp32=True, biases=False,
+    ),
 }
+
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
 
 # keys this module turns into fields; everything else is kept in `extra` and written back unchanged
@@ -75,7 +107,7 @@ _HANDLED = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
     "hidden_act", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype",
-    "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
+    "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", *config_moe.HANDLED,
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -100,7 +132,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class ModelConfig:
-    """One config for the four families; field names are transformers'."""
+    """One config for every family; field names are transformers' (a dense family's MoE fields stay at
+    their defaults: `num_experts` 0)."""
 
     architecture: str
     vocab_size: int
@@ -126,6 +159,16 @@ class ModelConfig:
     bos_token_id: Any = None
     eos_token_id: Any = None
     pad_token_id: Any = None
+    # mixture of experts (config_moe.py reads them; transformers' names, Mixtral's num_local_experts included)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None  # an expert's MLP width
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -143,11 +186,21 @@ class ModelConfig:
 
     @property
     def qkv_bias(self) -> bool:
-        return self.family.qkv_bias_always or self.attention_bias
+        return self.family.qkv_bias_always or (self.family.biases and self.attention_bias)
 
     @property
     def o_bias(self) -> bool:
-        return self.family.o_bias_follows_attention_bias and self.attention_bias
+        return self.family.o_bias_follows_attention_bias and self.family.biases and self.attention_bias
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer routes tokens to experts."""
+        return any(self.layer_is_sparse(i) for i in range(self.num_hidden_layers))
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` is a mixture of experts (transformers' rule: not in `mlp_only_layers`, and
+        every `decoder_sparse_step`-th layer), or a dense MLP."""
+        return config_moe.layer_is_sparse(self, layer)
 
     @property
     def rope_type(self) -> str:
@@ -167,9 +220,10 @@ class ModelConfig:
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
-        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        per_layer = attn + mlp + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+        dense = 3 * h * i + (2 * i + h) * self.mlp_bias
+        sparse = config_moe.moe_parameters(self)
+        mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * (attn + 2 * h) + mlps + h
 
     # ---- reading ---------------------------------------------------------------------------------
     @classmethod
@@ -205,9 +259,9 @@ class ModelConfig:
         layer_types = d.get("layer_types")
         if layer_types is not None:
             checks.string_list(layer_types, "layer_types", source, LAYER_TYPES, layers)
+        if fam.sliding_needs_flag and not use_sliding:
+            sliding = None
         if fam.model_type in ("qwen2", "qwen3"):
-            if not use_sliding:
-                sliding = None
             if layer_types is None and sliding is not None:
                 mwl = max_window_layers if max_window_layers is not None else 28
                 layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
@@ -240,6 +294,7 @@ class ModelConfig:
             bos_token_id=checks.token_ids(d.get("bos_token_id"), "bos_token_id", source, vocab, allow_list=False),
             eos_token_id=checks.token_ids(d.get("eos_token_id"), "eos_token_id", source, vocab, allow_list=True),
             pad_token_id=checks.token_ids(d.get("pad_token_id"), "pad_token_id", source, vocab, allow_list=False),
+            **config_moe.read(d, raw, fam, layers, source),
             extra={k: copy.deepcopy(v) for k, v in raw.items() if k not in _HANDLED},
         )
 
@@ -281,7 +336,7 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type != "qwen2":
+        if self.model_type not in ("qwen2", "mixtral"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -290,8 +345,12 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
             out["max_window_layers"] = self.max_window_layers if self.max_window_layers is not None else 28
             out["layer_types"] = self.layer_types or ["full_attention"] * self.num_hidden_layers
-        elif self.model_type == "mistral":
+        elif self.model_type == "qwen3_moe":
+            out["use_sliding_window"] = bool(self.use_sliding_window)
             out["sliding_window"] = self.sliding_window
+        elif self.model_type in ("mistral", "mixtral"):
+            out["sliding_window"] = self.sliding_window
+        out.update(config_moe.write(self))
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)
         out.update(copy.deepcopy(self.extra))

@@ -8,6 +8,10 @@ Every refusal is one sentence naming the file or the weights.
 
 Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
 `max_shard_size`, and generation_config.json when known; transformers loads what we write.
+
+Names go through the family's checkpoint-name adapter (`checkpoint_names.py`): a mixture of experts
+stores one tensor per expert on the Hub and holds them stacked in memory, so loading fills each stacked
+parameter from its pieces and saving splits it back (dense families: the identity).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from .checkpoint_names import Piece, names_for, target_shapes
 from .config import ModelConfig, dtype_name, parse_dtype
 from .contained import OutsideFolderError
 from .hub import CheckpointNotFoundError, is_local, resolve_file
@@ -128,11 +133,22 @@ def expected_weights(model: CausalLM) -> dict[str, tuple]:
 
 def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
     """Check from the headers alone that the files hold every weight the model needs, with the right
-    shapes, once each and nothing else; return which file holds each weight.
+    shapes, once each and nothing else; return which file holds each weight (by its name in the files).
 
     Run before any tensor is read, so a checkpoint that does not fit loses nothing and gets one sentence.
     """
-    expected = expected_weights(model)
+    return checkpoint_layout(model, files)[1]
+
+
+def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piece], dict[str, str]]:
+    """`check_checkpoint`'s checks, and (the file names' pieces of the model's parameters, which file holds
+    each name): names as the files spell them, through the family's adapter (`checkpoint_names.py`)."""
+    present = set()
+    for path in files:
+        with open_weights(path) as f:
+            present.update(f.keys())
+    layout = names_for(model.config).layout(expected_weights(model), present)
+    expected = {hub: piece.shape for hub, piece in layout.items()}
     tied = model.config.tie_word_embeddings
     where: dict[str, str] = {}
     unexpected: list[str] = []
@@ -167,7 +183,7 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
             f"The checkpoint lacks {len(missing)} weight(s) that {model.config.architecture} needs: {_names(missing)}: "
             f"a shard may be missing or the config may not match the weights."
         )
-    return where
+    return layout, where
 
 
 def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
@@ -193,14 +209,27 @@ def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
 
 
 def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype) -> None:
-    """Fill a meta-device model from safetensors files, one tensor at a time, after checking them all."""
-    where = check_checkpoint(model, files)
+    """Fill a meta-device model from safetensors files, one tensor at a time, after checking them all; a
+    stacked parameter (a mixture's experts) is allocated once and filled from its pieces."""
+    layout, where = checkpoint_layout(model, files)
+    shapes = target_shapes(layout)
+    stacked: dict[str, torch.Tensor] = {}
     for path in files:
         with SafetensorsFile(path) as f:
             for name in f.keys():
-                if where.get(name) == path:
-                    floating = f.dtype(name).is_floating_point
-                    _set_tensor(model, name, f.read(name, dtype=dtype if floating else None, device=device))
+                if where.get(name) != path:
+                    continue
+                piece = layout[name]
+                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device)
+                if piece.whole:
+                    _set_tensor(model, piece.target, value)
+                    continue
+                if piece.target not in stacked:
+                    stacked[piece.target] = torch.empty(shapes[piece.target], dtype=value.dtype, device=device)
+                piece.view(stacked[piece.target]).copy_(value)
+                del value
+    for name, value in stacked.items():
+        _set_tensor(model, name, value)
     model.tie_weights()
     model.model.rotary_emb.reset_parameters(device)
 
@@ -330,6 +359,7 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
         raise ValueError(f"{directory} is a file: save_pretrained needs a folder path.")
     os.makedirs(directory, exist_ok=True)
     tensors = state_dict if state_dict is not None else export_state_dict(model)
+    tensors = names_for(model.config).to_hub(tensors)  # the Hub's names (a mixture: one tensor per expert)
     limit = parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -347,5 +377,6 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
         model.generation_config.save_pretrained(directory)
 
 
-__all__ = ["resolve", "load_model", "finish_loading", "save_pretrained", "load_weights", "check_checkpoint", "weight_files",
+__all__ = ["resolve", "load_model", "finish_loading", "save_pretrained", "load_weights", "check_checkpoint",
+           "checkpoint_layout", "weight_files",
            "export_state_dict", "dtype_name", "is_local"]

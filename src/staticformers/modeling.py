@@ -1,8 +1,11 @@
-"""The one decoder behind Qwen3, Llama, Qwen2 and Mistral, and its output type.
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
-embeddings, sliding window). Module and parameter names mirror transformers' (`model.layers.0.
-self_attn.q_proj.weight`), so a Hugging Face state dict loads with no renaming and ours saves back.
+embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
+(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Module and parameter names mirror
+transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
+Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by
+`checkpoint_names.py`).
 
 This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
 no compile calls, no loading or generation. What callers may change comes in through two arguments:
@@ -25,6 +28,10 @@ views), so a tensor-parallel plan that shards q/k/v column-wise needs nothing fr
 `keep` (an int, or per-row indices `[batch, n]`) asks for the output at some positions only: the
 last layer then computes its keys and values everywhere and its attention and MLP at those positions
 (a prompt's logits are wanted at its end), one layer of prompt work saved.
+
+A sparse layer also produces its router logits (`DecoderLayer.forward(..., routed=True)`); with `output_router_logits`
+the model collects them, returns them and its load-balancing loss (`aux_loss`, added to the loss times
+`router_aux_loss_coef` when labels are given), as transformers does.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .module_hooks import global_hooks, hooked
+from .moe import Experts, SparseMoeBlock, load_balancing_loss
 from .ops import PLAIN, Ops
 
 if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
@@ -50,10 +58,14 @@ if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticfor
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class CausalLMOutput:
-    """`.logits` `[batch, seq, vocab]` (or the kept positions) and `.loss` when labels were given."""
+    """`.logits` `[batch, seq, vocab]` (or the kept positions) and `.loss` when labels were given; for a
+    mixture of experts with `output_router_logits`, `.aux_loss` and `.router_logits` (one `[batch * seq,
+    experts]` tensor per sparse layer)."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+    router_logits: Optional[tuple] = None
 
     def __getitem__(self, key: Union[str, int]) -> Any:
         if isinstance(key, int):
@@ -61,7 +73,7 @@ class CausalLMOutput:
         return getattr(self, key)
 
     def keys(self):
-        return [k for k in ("loss", "logits") if getattr(self, k) is not None]
+        return [k for k in ("loss", "aux_loss", "logits", "router_logits") if getattr(self, k) is not None]
 
     def to_tuple(self) -> tuple:
         return tuple(getattr(self, k) for k in self.keys())
@@ -293,15 +305,40 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.sparse = config.layer_is_sparse(layer_idx)
+        self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
+
+    @property
+    def kind(self) -> tuple:
+        """What makes two layers run the same code: the attention window and the MLP kind (layers of one
+        kind share a compiled layer region)."""
+        return (self.self_attn.window, "moe" if self.sparse else "dense")
 
     def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None):
-        """`keep`: the output at the kept positions only (see `Attention.forward`)."""
+                keep: Optional[Keep] = None, routed: bool = False):
+        """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
+        router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
+        FSDP's among them, run as for any other call)."""
         mask = masks[self.self_attn.window]
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
         x = (take(x, keep) if keep is not None else x) + attn
-        return x + self.mlp(self.post_attention_layernorm(x), ops)
+        logits = None
+        if self.sparse:
+            out, logits = self.mlp(self.post_attention_layernorm(x), ops)
+            x = x + out
+        else:
+            x = x + self.mlp(self.post_attention_layernorm(x), ops)
+        return (x, logits) if routed else x
+
+
+def kind_suffix(kind: tuple) -> str:
+    """The part of a compiled layer region's name that tells a layer kind apart ("", "_window4096", "_moe")."""
+    window, mlp = kind
+    return ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
+
+
+def layer_suffix(layer: DecoderLayer) -> str:
+    return kind_suffix(layer.kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,10 +432,12 @@ class DecoderModel(nn.Module):
         return x, cos, sin, masks
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None,
-                keep: Optional[Keep] = None, ops: Ops = PLAIN):
-        """The final hidden states; `keep`: at the kept positions only (`run_layers`)."""
+                keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
+        """The final hidden states; `keep`: at the kept positions only (`run_layers`); `router_logits`: a
+        list that collects each sparse layer's router logits."""
         x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds)
-        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops))
+        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops,
+                                         router_logits=router_logits))
 
     def effective_keep(self, keep: Optional[Keep], seq: int) -> Optional[Keep]:
         """`keep` as `run_layers` applies it: None when it keeps every position, or while forward hooks
@@ -409,22 +448,30 @@ class DecoderModel(nn.Module):
         return keep
 
     def run_layers(self, x, cos, sin, masks, kv_cache=None, position_ids=None, call=None,
-                   keep: Optional[Keep] = None, ops: Ops = PLAIN):
+                   keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
         """Every layer in turn (checkpointed when gradient checkpointing is on and training);
         `call(layer, x, cos, sin, masks, kv_cache, position_ids, ops)` runs one (default: the layer
         itself; the Trainer passes its compiled layer region). `keep` (see `effective_keep`; passed to
         the last layer's `call`): the last layer computes its output at the kept positions alone, its
-        keys and values at all of them."""
-        call = call or call_layer
+        keys and values at all of them. `router_logits`: a list to which each sparse layer's router
+        logits are appended; `call` then returns `(x, logits or None)` (default: `call_layer_routed`)."""
+        routed = router_logits is not None
+        call = call or (call_layer_routed if routed else call_layer)
         last = len(self.layers) - 1
         keep = self.effective_keep(keep, x.shape[1])
         for i, layer in enumerate(self.layers):
             kept = {"keep": keep} if keep is not None and i == last else {}
             if self.gradient_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, position_ids, ops,
-                                                      use_reentrant=False, **kept)
+                out = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, position_ids, ops,
+                                                        use_reentrant=False, **kept)
             else:
-                x = call(layer, x, cos, sin, masks, kv_cache, position_ids, ops, **kept)
+                out = call(layer, x, cos, sin, masks, kv_cache, position_ids, ops, **kept)
+            if routed:
+                x, logits = out
+                if logits is not None:
+                    router_logits.append(logits)
+            else:
+                x = out
         return x
 
 
@@ -439,6 +486,12 @@ def call_layer(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops:
                keep: Optional[Keep] = None):
     """One decoder layer: what `run_layers` calls by default (and what compiled layer regions compile)."""
     return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep)
+
+
+def call_layer_routed(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                      keep: Optional[Keep] = None):
+    """One decoder layer and its router logits (None for a dense layer): `(x, logits)`."""
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep, routed=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
@@ -463,10 +516,13 @@ class CausalLM(nn.Module):
 
     The architecture alone; `staticformers.auto.ModelForCausalLM` (what `from_pretrained` returns)
     adds loading, saving and generation. `parallel_dims` is the layout a model was partitioned with
-    (`staticformers.distributed.mesh.ParallelDims`, set by `distributed.parallelize`), None in one process.
+    (`staticformers.distributed.mesh.ParallelDims`, set by `distributed.parallelize`), None in one process;
+    `data_parallel` (set there too when several ranks see distinct batches) sums the router statistics
+    of the load-balancing loss over those ranks (`moe.load_balancing_loss`).
     """
 
     parallel_dims: Optional["ParallelDims"] = None
+    data_parallel: Any = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -478,6 +534,7 @@ class CausalLM(nn.Module):
         self.generation_config = None  # set by loading (generation_config.json) or by the engine
         self.name_or_path = None
         self.parallel_dims = None
+        self.data_parallel = None
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -500,6 +557,8 @@ class CausalLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Experts):
+                module.reset_parameters(std)
         self.tie_weights()
         self.model.rotary_emb.reset_parameters()
 
@@ -546,10 +605,13 @@ class CausalLM(nn.Module):
         return_dict: Optional[bool] = None,
         ops: Optional[Ops] = None,
         keep_index: Optional[torch.Tensor] = None,
+        output_router_logits: Optional[bool] = None,
     ) -> CausalLMOutput:
         """transformers' forward. `logits_to_keep`: an int (the last n positions) or 1-D indices shared by
         every row; `keep_index` (ours) `[batch, n]`: per-row indices of the positions whose logits are
-        wanted (a right-padded batch's last tokens). `ops`: how projections and attention compute."""
+        wanted (a right-padded batch's last tokens). `ops`: how projections and attention compute.
+        `output_router_logits` (default: the config's): a mixture of experts returns its router logits and
+        load-balancing loss, added to the loss (times `router_aux_loss_coef`) when labels are given."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         ops = ops if ops is not None else PLAIN
@@ -561,13 +623,26 @@ class CausalLM(nn.Module):
         else:
             batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
             keep = logits_to_keep.to(self.device).view(1, -1).expand(batch, -1)
-        trimmed = self.model.effective_keep(keep, seq)  # what the last layer computes; the rest is taken here
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds, keep=trimmed, ops=ops)
+        config = self.config
+        if output_router_logits is None:
+            output_router_logits = config.output_router_logits
+        router = [] if output_router_logits and config.is_moe else None
+        # what the last layer computes (all of it when its router logits are wanted); the rest is taken here
+        trimmed = self.model.effective_keep(keep, seq) if router is None else None
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds, keep=trimmed, ops=ops,
+                            router_logits=router)
         wanted = _kept(keep, seq)
         if wanted is not None and trimmed is None:
             hidden = take(hidden, wanted)
         logits = ops.head(self.lm_head, hidden)
-        loss = None
+        loss = aux = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)
-        return CausalLMOutput(logits=logits, loss=loss)
+        if router is not None:
+            mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            aux = load_balancing_loss(router, config.num_experts, config.num_experts_per_tok, mask,
+                                      self.data_parallel, share=num_items_in_batch is not None)
+            if loss is not None:
+                loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux,
+                              router_logits=tuple(router) if router is not None else None)

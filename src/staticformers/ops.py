@@ -8,6 +8,7 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
 - `ops.linear(layer, x)` for every projection inside a decoder layer,
 - `ops.head(layer, x)` for the `lm_head`,
 - `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
+- `ops.expert_matmul(x, weight, index)` for the products of stacked experts (`moe.py`),
 
 and never asks which device it runs on. `Ops()` is the plain path: the module itself (so hooks and
 wrappers such as LoRA layers run) and PyTorch's SDPA. Backends (`staticformers.backends`) subclass it.
@@ -32,6 +33,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
+def expert_product(x: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`Ops.expert_matmul`'s plain form: the gathered matrices (if `index`), then one batched matmul."""
+    w = weight if index is None else weight.index_select(0, index)
+    return torch.matmul(x, w.transpose(-1, -2))
+
+
 class Ops:
     """The plain formulation (see the module docstring); subclasses override what they change."""
 
@@ -51,6 +58,11 @@ class Ops:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                   scale: float) -> torch.Tensor:
         return sdpa(q, k, v, mask, scale)
+
+    def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x` `[G, R, in]` (or `[1, R, in]`, shared by every group) times the transposed stacked weights
+        `weight` `[E, out, in]`, one matrix per group: `weight[index]` (`index` `[G]`), or all E in order."""
+        return expert_product(x, weight, index)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Ops) and self.key == other.key

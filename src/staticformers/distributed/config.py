@@ -4,12 +4,16 @@ The seed passes `DistributedConfig(tp_size=2, fsdp_size=2)` to `from_pretrained(
 `torchrun --nproc_per_node=4`. This module holds the layout and refuses, with one sentence each, every
 layout that cannot work: sizes that do not multiply to `WORLD_SIZE`, more than one rank asked of a
 process torchrun did not start, heads or KV heads or the MLP width not divisible by `tp_size`, an
-unknown `tp_plan` rule. Field names are transformers' (`tp_size`, `tp_plan`, `fsdp_size`,
-`dp_replicate_size`, `fsdp_cpu_offload`, `fsdp_mixed_precision`).
+unknown `tp_plan` rule, an expert-parallel size that breaks transformers' rules. Field names are
+transformers' (`tp_size`, `tp_plan`, `fsdp_size`, `dp_replicate_size`, `fsdp_cpu_offload`,
+`fsdp_mixed_precision`, `ep_size`, `ep_plan`, `ep_implementation`).
 
 The layout is a 3-D mesh `(dp_replicate, fsdp, tp)`: tensor parallel inside, FSDP2 sharding across
 `fsdp`, replicas of that (HSDP) across `dp_replicate`. Ranks that differ only in `tp` see the same
-data; `dp_replicate * fsdp` ranks see distinct batches.
+data; `dp_replicate * fsdp` ranks see distinct batches. A mixture of experts may split its experts
+over `ep_size` ranks (expert parallelism): the `fsdp * tp` ranks of a replica are laid out again as
+`(efsdp, ep)`, `ep` innermost (so an EP group holds whole TP groups), each EP group holding every
+expert once and each expert FSDP-sharded over the `efsdp = fsdp * tp / ep` groups that hold it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 
 # the values a tp_plan rule may take (see parallelize.py for what each does)
 TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "replicate")
+# how tokens reach the experts of other ranks (distributed/expert_parallel.py)
+EP_IMPLEMENTATIONS = ("auto", "all_reduce")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -65,6 +71,15 @@ class DistributedConfig:
     fsdp_mixed_precision: False, True (= bfloat16) or a dtype: FSDP2 gathers parameters in that dtype for
         compute and reduces gradients in float32, keeping float32 master weights.
     reshard_after_forward: FSDP2's flag (False trades memory for one all-gather less per step).
+    ep_size: ranks over which a mixture of experts splits its experts (expert parallelism; 1: every rank
+        holds every expert). As in transformers it must be a multiple of tp_size and divide
+        fsdp_size * tp_size, and the expert count must divide by it; the experts are FSDP-sharded over
+        `efsdp_size = fsdp_size * tp_size / ep_size`.
+    ep_plan: None (the family's plan: every sparse layer's experts split over the EP group).
+    ep_implementation: "auto" (fixed-size all-gather of the tokens, local experts, reduce-scatter of the
+        outputs: no shape depends on the routing) or "all_reduce" (ep_size == tp_size: every rank of the
+        group holds the same tokens, runs its experts on all of them, and the outputs are summed).
+        transformers' "all_to_all" exchanges routing-dependent counts, which is refused.
     """
 
     tp_size: int = 1
@@ -74,6 +89,9 @@ class DistributedConfig:
     fsdp_cpu_offload: bool = False
     fsdp_mixed_precision: Union[bool, str, torch.dtype] = False
     reshard_after_forward: bool = True
+    ep_size: int = 1
+    ep_plan: Optional[dict] = None
+    ep_implementation: str = "auto"
 
     def __post_init__(self):
         _positive("tp_size", self.tp_size)
@@ -93,6 +111,34 @@ class DistributedConfig:
                         f"tp_plan rule {pattern!r}: {style!r} is not a style: use one of {', '.join(TP_STYLES)}."
                     )
         self.param_dtype  # validates fsdp_mixed_precision
+        if self.ep_size is None:
+            self.ep_size = 1
+        _positive("ep_size", self.ep_size)
+        if self.ep_plan is not None:
+            raise DistributedConfigError(
+                f"ep_plan={self.ep_plan!r}: staticformers splits every sparse layer's experts by the family's plan; "
+                f"leave ep_plan=None.")
+        if self.ep_implementation == "all_to_all":
+            raise DistributedConfigError(
+                "ep_implementation=\"all_to_all\" exchanges token counts that depend on the routing (a new shape "
+                "every step, which a compile-per-shape device cannot afford): use \"auto\", which exchanges "
+                "fixed-size buffers.")
+        if self.ep_implementation not in EP_IMPLEMENTATIONS:
+            raise DistributedConfigError(
+                f"ep_implementation={self.ep_implementation!r} is not one of {', '.join(map(repr, EP_IMPLEMENTATIONS))}.")
+        if self.ep_size > 1:
+            if self.ep_size % self.tp_size:
+                raise DistributedConfigError(
+                    f"ep_size={self.ep_size} is not a multiple of tp_size={self.tp_size}: an expert group holds whole "
+                    f"tensor-parallel groups (transformers' rule).")
+            if self.fsdp_size is not None and (self.fsdp_size * self.tp_size) % self.ep_size:
+                raise DistributedConfigError(
+                    f"ep_size={self.ep_size} does not divide fsdp_size * tp_size = {self.fsdp_size * self.tp_size}: "
+                    f"the experts are split over ranks of one replica (transformers' rule).")
+        if self.ep_implementation == "all_reduce" and self.ep_size != self.tp_size:
+            raise DistributedConfigError(
+                f"ep_implementation=\"all_reduce\" needs ep_size == tp_size (the ranks of a tensor-parallel group "
+                f"share their tokens), not ep_size={self.ep_size} with tp_size={self.tp_size}: use \"auto\".")
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -141,20 +187,35 @@ class DistributedConfig:
                 f"{product} ranks, but torchrun started WORLD_SIZE={world}: make the product equal the number of processes."
             )
         return DistributedConfig(self.tp_size, fsdp, self.dp_replicate_size, self.tp_plan, self.fsdp_cpu_offload,
-                                 self.fsdp_mixed_precision, self.reshard_after_forward)
+                                 self.fsdp_mixed_precision, self.reshard_after_forward, self.ep_size, self.ep_plan,
+                                 self.ep_implementation)
 
     @property
     def dp_size(self) -> int:
         """Ranks that see distinct batches (after `resolved()`)."""
         return self.dp_replicate_size * (self.fsdp_size or 1)
 
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them: fsdp * tp / ep (after `resolved()`)."""
+        return (self.fsdp_size or 1) * self.tp_size // self.ep_size
+
     def check_model(self, config) -> None:
-        """Refuse a tensor-parallel size the model's shapes cannot split (one sentence per mismatch)."""
+        """Refuse a tensor- or expert-parallel size the model's shapes cannot split (one sentence per mismatch)."""
+        if self.ep_size > 1:
+            if not getattr(config, "is_moe", False):
+                raise DistributedConfigError(
+                    f"ep_size={self.ep_size} splits experts, but {config.architecture} has none: drop ep_size.")
+            if config.num_experts % self.ep_size:
+                raise DistributedConfigError(
+                    f"{config.architecture} has {config.num_experts} experts per sparse layer, which ep_size="
+                    f"{self.ep_size} does not divide: choose an ep_size that divides {config.num_experts}.")
         tp = self.tp_size
         if tp == 1:
             return
         problems = []
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        widths = ("intermediate_size",) if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)) else ()
+        for name in ("num_attention_heads", "num_key_value_heads", *widths):
             value = getattr(config, name)
             if value % tp:
                 problems.append(f"{name}={value} is not divisible by tp_size={tp}")
@@ -177,6 +238,8 @@ class DistributedConfig:
             parts.append(f"fsdp_size={self.fsdp_size}")
         if self.dp_replicate_size != 1:
             parts.append(f"dp_replicate_size={self.dp_replicate_size}")
+        if self.ep_size != 1:
+            parts.append(f"ep_size={self.ep_size}")
         return f"DistributedConfig({', '.join(parts)})"
 
     def to_dict(self) -> dict:
@@ -184,7 +247,8 @@ class DistributedConfig:
         return {"tp_size": self.tp_size, "fsdp_size": self.fsdp_size, "dp_replicate_size": self.dp_replicate_size,
                 "tp_plan": self.tp_plan, "fsdp_cpu_offload": self.fsdp_cpu_offload,
                 "fsdp_mixed_precision": str(mp).removeprefix("torch.") if isinstance(mp, torch.dtype) else mp,
-                "reshard_after_forward": self.reshard_after_forward}
+                "reshard_after_forward": self.reshard_after_forward, "ep_size": self.ep_size, "ep_plan": self.ep_plan,
+                "ep_implementation": self.ep_implementation}
 
 
-__all__ = ["DistributedConfig", "DistributedConfigError", "TP_STYLES", "world_size_from_env", "started_by_torchrun"]
+__all__ = ["DistributedConfig", "DistributedConfigError", "TP_STYLES", "EP_IMPLEMENTATIONS", "world_size_from_env", "started_by_torchrun"]

@@ -4,8 +4,8 @@ Order, per rank: check the layout, start the process group, build the model on t
 partition it (`parallelize`: tensor parallel, then FSDP2), allocate only this rank's shards
 (`to_empty`), then fill them with `torch.distributed.checkpoint.load` through PyTorch's
 `HuggingFaceStorageReader` (DCP plans each rank's slices in any layout), whose reading is replaced
-by plain row-ranged reads (reader.py: no memory map inflating RSS): no rank ever holds the whole
-model. The headers are
+by plain row-ranged reads (reader.py: no memory map inflating RSS; a mixture's per-expert tensors
+planned as chunks of its stacked experts): no rank ever holds the whole model. The headers are
 checked first so that a checkpoint that does not fit the config gets the same sentences as a
 single-process load.
 """
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig
 from ..devices import dist_backend_for
-from ..loading import CheckpointError, check_checkpoint, load_weights
+from ..loading import CheckpointError, checkpoint_layout, load_weights
 from ..modeling import CausalLM
 from .config import DistributedConfig, started_by_torchrun
 from .mesh import build_mesh, init_distributed, local_device
@@ -29,8 +29,9 @@ from .parallelize import parallelize
 logger = logging.getLogger("staticformers")
 
 
-def read_sharded(model: CausalLM, files: list[str]) -> None:
-    """Fill the model's (already allocated, possibly sharded) parameters with their slices of the files."""
+def read_sharded(model: CausalLM, files: list[str], layout=None) -> None:
+    """Fill the model's (already allocated, possibly sharded) parameters with their slices of the files
+    (`layout`: the files' names -> the parameters' pieces, `loading.checkpoint_layout`; computed if None)."""
     import torch.distributed.checkpoint as dcp
 
     from .reader import SlicedSafetensorsReader
@@ -40,7 +41,9 @@ def read_sharded(model: CausalLM, files: list[str]) -> None:
     folders = {os.path.dirname(os.path.abspath(f)) for f in files}
     if len(folders) != 1:
         raise CheckpointError(f"The checkpoint's shards lie in {len(folders)} folders: put them in one folder.")
-    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop(), files))
+    if layout is None:
+        layout = checkpoint_layout(model, files)[0]
+    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop(), files, layout))
 
 
 def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
@@ -62,12 +65,12 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     dims = build_mesh(layout, device)
     with torch.device("meta"):
         model = model_class(config).to(dtype)
-    check_checkpoint(model, files)
+    layout, _ = checkpoint_layout(model, files)  # every header checked before anything is read
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
-    read_sharded(model, files)
+    read_sharded(model, files, layout)
     model.model.rotary_emb.reset_parameters(device)
     return model
 

@@ -3,7 +3,10 @@
 `init_distributed` starts `torch.distributed` from the torchrun environment with the device's c10d
 backend (neuron, nccl, xccl or gloo, from `devices.dist_backend_for`) unless the caller already did,
 and pins the local device. `build_mesh` lays the ranks out as `(dp_replicate, fsdp, tp)` with those
-names, tp innermost so that tensor-parallel traffic stays on neighbouring devices (one node).
+names, tp innermost so that tensor-parallel traffic stays on neighbouring devices (one node). With
+expert parallelism the same ranks are also viewed as `(edp_replicate, efsdp, ep)` (the world flattened
+and unflattened again, so both views share one root mesh, as FSDP2 needs for a DTensor on another
+view): an EP group is `ep` consecutive ranks of a replica, which holds whole TP groups.
 
 `shutdown` exists because of a measured gloo quirk (see DESIGN.md): destroying the process group
 while FSDP/DTensor objects are still alive aborts a rank with SIGABRT in 10-40% of runs. Delete the
@@ -63,6 +66,8 @@ class ParallelDims:
     # the flattened meshes ("dp", "fsdp_tp") as `_flatten` returned them: kept here, because slicing a
     # flattened dim out of the root mesh (`mesh["dp"]`) is deprecated in PyTorch (and warns)
     flattened: dict = field(default_factory=dict)
+    # expert parallelism's views: {"ep": the EP group's mesh, "efsdp": the mesh FSDP shards experts over}
+    expert: dict = field(default_factory=dict)
 
     @property
     def tp(self) -> int:
@@ -91,6 +96,19 @@ class ParallelDims:
     def tp_rank(self) -> int:
         return self.mesh.get_coordinate()[2]
 
+    @property
+    def ep(self) -> int:
+        return self.config.ep_size
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.expert["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """(edp_replicate, efsdp) with HSDP, else efsdp: the ranks holding the same experts."""
+        return self.expert["efsdp"]
+
     def dp_group(self):
         """One process group over the data-parallel ranks (for loss and metric averages)."""
         if self.dp == 1:
@@ -107,7 +125,14 @@ def build_mesh(config: DistributedConfig, device: torch.device) -> ParallelDims:
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
     # flattened views let DTensor reduce over several dims in one collective (gradient norms, gathers)
     flattened = {"dp": mesh["dp_replicate", "fsdp"]._flatten("dp"), "fsdp_tp": mesh["fsdp", "tp"]._flatten("fsdp_tp")}
-    return ParallelDims(config, mesh, flattened)
+    expert = {}
+    if config.ep_size > 1:
+        world = mesh._flatten("world")
+        names = ("edp_replicate", "efsdp", "ep")
+        sparse = world._unflatten(0, (config.dp_replicate_size, config.efsdp_size, config.ep_size), names)
+        expert = {"ep": sparse["ep"],
+                  "efsdp": sparse["edp_replicate", "efsdp"] if config.dp_replicate_size > 1 else sparse["efsdp"]}
+    return ParallelDims(config, mesh, flattened, expert)
 
 
 def is_main_process() -> bool:

@@ -11,10 +11,15 @@ The model code knows nothing of parallelism (DESIGN principle 4). Like torchtita
      `ColwiseParallel` gathering the logits); when tied both are `Shard(0)` and stay one parameter;
      a vocabulary that tp_size does not divide keeps them whole;
    - Qwen3's q_norm / k_norm act per head on local heads: `SequenceParallel` over the heads dim makes
-     their weights replicated DTensors, so their gradients (partial over each rank's heads) are summed.
-2. `apply_fsdp`: FSDP2 `fully_shard` per decoder block, then at the root, over `(dp_replicate, fsdp)`
-   (HSDP when dp_replicate > 1), with mixed precision and CPU offload as configured. gloo has no
-   PREMUL_SUM, so FSDP is told to reduce with SUM (`set_force_sum_reduction_for_comms`).
+     their weights replicated DTensors, so their gradients (partial over each rank's heads) are summed;
+   - a mixture's router and experts are not in the plan: without expert parallelism every TP rank
+     computes every expert on the (replicated) tokens; `ep_size=tp_size` splits them instead.
+2. `apply_ep` (`expert_parallel.py`, ep_size > 1): each sparse layer's experts sharded over the `ep`
+   mesh, tokens exchanged in fixed-size buffers.
+3. `apply_fsdp`: FSDP2 `fully_shard` per decoder block, then at the root, over `(dp_replicate, fsdp)`
+   (HSDP when dp_replicate > 1), with mixed precision and CPU offload as configured; with expert
+   parallelism each sparse layer's experts first, over the ranks that hold the same experts. gloo has
+   no PREMUL_SUM, so FSDP is told to reduce with SUM (`set_force_sum_reduction_for_comms`).
 
 Both work on a meta-device model (parameters are materialised later, shard by shard, by loading).
 """
@@ -38,24 +43,26 @@ from torch.distributed.tensor.parallel import (
 )
 
 from .config import DistributedConfig, DistributedConfigError
+from .expert_parallel import DataParallelSum, apply_ep, shard_experts
 from .mesh import ParallelDims
 
 logger = logging.getLogger("staticformers")
 
 
 def default_tp_plan(config) -> dict[str, str]:
-    """The family's plan: {module pattern: style}. One decoder, so one plan with a flag for q/k norm."""
+    """The family's plan: {module pattern: style}. One decoder, so one plan with a flag for q/k norm and
+    the dense MLP's rules where some layer has a dense MLP."""
     plan = {
         "model.embed_tokens": "vocab",
         "model.layers.*.self_attn.q_proj": "colwise",
         "model.layers.*.self_attn.k_proj": "colwise",
         "model.layers.*.self_attn.v_proj": "colwise",
         "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.mlp.gate_proj": "colwise",
-        "model.layers.*.mlp.up_proj": "colwise",
-        "model.layers.*.mlp.down_proj": "rowwise",
         "lm_head": "vocab",
     }
+    if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)):
+        plan.update({"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                     "model.layers.*.mlp.down_proj": "rowwise"})
     if config.qk_norm:
         plan["model.layers.*.self_attn.q_norm"] = "heads"
         plan["model.layers.*.self_attn.k_norm"] = "heads"
@@ -159,6 +166,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, backend: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     kwargs = fsdp_kwargs(model, dims)
+    if dims.ep > 1:
+        shard_experts(model, dims, kwargs, backend)
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -172,12 +181,16 @@ def _accelerator_present() -> bool:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module:
-    """Tensor parallel first, then FSDP2 (torchtitan's order); returns the same module, partitioned."""
+    """Tensor parallel, expert parallel, then FSDP2 (torchtitan's order); returns the same module, partitioned."""
     if dims.tp > 1:
         apply_tp(model, dims.tp_mesh, resolve_tp_plan(model.config, dims.config))
+    if dims.ep > 1:
+        apply_ep(model, dims)
     if dims.dp > 1:
         apply_fsdp(model, dims, backend)
     model.parallel_dims = dims
+    if dims.dp > 1 and getattr(model.config, "is_moe", False):
+        model.data_parallel = DataParallelSum(dims)  # the load-balancing loss over the whole batch
     return model
 
 

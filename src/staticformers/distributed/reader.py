@@ -7,6 +7,12 @@ keeps the plan and replaces only the reading: a row range in the shard's dtype i
 `readinto` straight into the shard (the project's `safetensors_io`, see its docstring); any other
 slice is read in row chunks of at most 16 MiB, narrowed and copied (converting the dtype). A rank's
 peak stays near its own shards.
+
+A mixture of experts' checkpoint holds one tensor per expert while the model holds them stacked
+(`checkpoint_names.py`). Given the checkpoint's layout, the reader describes each stacked parameter to
+DCP as one tensor whose chunks are the per-expert files' tensors (expert e's gate rows at offset
+`[e, 0, 0]`, its up rows at `[e, I, 0]`, ...), so DCP plans the stacked DTensor's shards as it plans
+any other, and a rank reads only the rows of the experts it holds.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.futures import Future
 
+from ..checkpoint_names import Piece, target_shapes
 from ..safetensors_io import DTYPES, SafetensorsFile
 
 
@@ -86,12 +95,43 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
     """`HuggingFaceStorageReader` with plain, row-ranged reads (see the module docstring).
 
     `files`: the checkpoint's shards (`loading.weight_files`); None reads every safetensors file of `path`.
+    `layout`: the files' names -> the pieces of the model's parameters (`loading.checkpoint_layout`); the
+    pieces of a stacked parameter become chunks of it (see the module docstring).
     """
 
-    def __init__(self, path: str, files: Optional[list[str]] = None):
+    def __init__(self, path: str, files: Optional[list[str]] = None, layout: Optional[dict[str, Piece]] = None):
         super().__init__(path)
         if files is not None:
             self.fs = _OnlyTheseFiles(self.fs, files)
+        self.layout = layout or {}
+        # (parameter, chunk offsets) -> (the file's name, one expert's tensor): on every rank (DCP may read
+        # the metadata on one rank only)
+        self._file_name = {(p.target, tuple(p.offsets)): (hub, not p.whole) for hub, p in self.layout.items()
+                           if p.target != hub or not p.whole}
+
+    def read_metadata(self) -> Metadata:
+        metadata = super().read_metadata()
+        if not self._file_name:
+            return metadata
+        tensors, storage = metadata.state_dict_metadata, metadata.storage_data
+        shapes = target_shapes(self.layout)
+        for hub, piece in self.layout.items():
+            if piece.target == hub and piece.whole or hub not in tensors:
+                continue
+            entry = tensors.pop(hub)
+            old = MetadataIndex(fqn=hub, offset=[0] * len(piece.shape))
+            info = storage.pop(old)
+            stacked = not piece.whole
+            offsets = list(piece.offsets)
+            sizes = [1, *piece.shape] if stacked else list(piece.shape)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            if piece.target not in tensors:
+                tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
+                                                              size=torch.Size(shapes[piece.target]), chunks=[])
+            tensors[piece.target].chunks.append(chunk)
+            storage[MetadataIndex(fqn=piece.target, offset=offsets)] = _HFStorageInfo(
+                relative_path=info.relative_path, shape=torch.Size(sizes), dtype=info.dtype)
+        return metadata
 
     def read_data(self, plan, planner) -> Future:
         per_file: dict[str, list] = {}
@@ -104,7 +144,12 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                     if list(target.size()) != list(req.lengths):
                         raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
                                              f"the shard {list(target.size())}")
-                    read_slice(f, req.storage_index.fqn, list(req.storage_offsets), list(req.lengths), target)
+                    index = req.storage_index
+                    name, stacked = self._file_name.get((index.fqn, tuple(index.offset)), (index.fqn, False))
+                    offsets, lengths, into = list(req.storage_offsets), list(req.lengths), target
+                    if stacked:  # one expert's tensor: the chunk's leading dim of 1 is not in the file
+                        offsets, lengths, into = offsets[1:], lengths[1:], target[0]
+                    read_slice(f, name, offsets, lengths, into)
                     planner.commit_tensor(req, target)
         done: Future = Future()
         done.set_result(None)

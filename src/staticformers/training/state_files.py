@@ -139,10 +139,13 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     return [name for name, tensor in named if not _finite(tensor)]
 
 
-def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.Tensor]:
+def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `directory` named in `expected` (name -> shape), checked (see the module
-    docstring) before any is used; a LoRA run's checkpoint holds its adapter alone (PEFT's files)."""
+    docstring) before any is used; a LoRA run's checkpoint holds its adapter alone (PEFT's files).
+    `names`: the family's checkpoint-name adapter (`checkpoint_names.py`: a mixture of experts' files hold
+    one tensor per expert, stacked here); None: the identity."""
     from ..adapter_files import AdapterFileError, read_checkpoint_adapter
+    from ..checkpoint_names import CheckpointNames
     from ..loading import CheckpointError, open_weights, weight_files
 
     try:
@@ -159,6 +162,16 @@ def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.
         files = weight_files(directory)
     except (CheckpointError, FileNotFoundError) as err:
         raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
+    names = names or CheckpointNames()
+    present = set()
+    for path in files:
+        try:
+            with open_weights(path) as f:
+                present.update(f.keys())
+        except CheckpointError as err:
+            raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
+    layout = names.layout(expected, present)
+    target_names, expected = expected, {hub: piece.shape for hub, piece in layout.items()}
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         try:
@@ -181,7 +194,8 @@ def read_weights(directory: str, expected: dict[str, tuple]) -> dict[str, torch.
     if bad:
         raise CorruptCheckpointError(f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
                                      f"it is not a good checkpoint; {RESUME_ADVICE}.")
-    return tensors
+    assembled = names.assemble(layout, tensors)
+    return {name: assembled[name] for name in target_names}
 
 
 def verify_weights(directory: str) -> Optional[str]:

@@ -52,6 +52,7 @@ from torch import nn
 from ..adapter_files import save_adapter
 from ..adapters import has_adapters, trainable_adapter
 from ..backends import for_device
+from ..checkpoint_names import names_for
 from ..modeling import CausalLM
 from ..seeds import check_seed
 from . import checkpoint as ckpt
@@ -300,7 +301,7 @@ class Trainer:
         # everything is read and checked before anything is applied: a refusal leaves the model as it was
         state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
         expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
-        weights = read_weights(directory, expected)
+        weights = read_weights(directory, expected, names_for(getattr(self.model, "config", None)))
         files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
         loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
         check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))

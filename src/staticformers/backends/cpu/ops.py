@@ -26,7 +26,7 @@ from torch import nn
 
 from ...adapters import LoraLinear
 from ...modeling import causal_rows
-from ...ops import Ops, sdpa
+from ...ops import Ops, expert_product, sdpa
 from .onednn import onednn_available, onednn_linear
 
 
@@ -136,6 +136,14 @@ class CPUOps(Ops):
 
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return project(layer, x, self.head_linear)
+
+    def expert_matmul(self, x, weight, index=None):
+        """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1
+        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does."""
+        if self.linears != "reduce":
+            return expert_product(x, weight, index)
+        w = weight if index is None else weight[index]
+        return (x.unsqueeze(-2).float() * w.unsqueeze(-3).float()).sum(-1).to(x.dtype)
 
     def attention(self, q, k, v, mask, scale):
         if self.attention_kind == "reduce" and q.shape[2] == 1:

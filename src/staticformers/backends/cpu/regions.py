@@ -6,8 +6,8 @@ no faster than a per-layer one run once per layer (BENCHMARKS.md). So per shape:
 - a decode step compiles a `prepare` region (embedding, masks from the rows' positions, rotary
   tables) and a `layer` region (one decoder layer); every layer runs the same layer graph, its weights
   and its slice of the KV cache (`cache.LayerKV`) being graph inputs, not constants, and the cache's
-  `update` ignoring the layer index (a model that mixes sliding-window and full layers gets one layer
-  region per distinct window);
+  `update` ignoring the layer index (a model that mixes layer kinds, sliding-window and full attention
+  or dense and mixture-of-experts MLPs, gets one layer region per distinct kind, `DecoderLayer.kind`);
 - a prefill compiles a `layer` region over the prompt (its `prepare` runs eagerly: a handful of small
   ops once per prompt, where a compile per prompt bucket would cost far more than it saves);
 - per batch bucket one `head` region (final norm, `lm_head` on one position per row, argmax), shared
@@ -40,7 +40,7 @@ import torch
 
 from ...compile import CompiledFunction
 from ...generation.cache import KVCache
-from ...modeling import take
+from ...modeling import kind_suffix, take
 from .compiled import SKIP_GUARDS, unguarded
 from .ops import CPUOps
 
@@ -99,8 +99,8 @@ class _Regions:
 
     def __init__(self, model, head: Optional[CompiledFunction] = None, head_ops: Optional[CPUOps] = None):
         self.model = model
-        self.runs = [(layer, layer.self_attn.window) for layer in model.model.layers]
-        self.windows = list(dict.fromkeys(w for _, w in self.runs))  # distinct, in layer order
+        self.runs = [(layer, layer.kind) for layer in model.model.layers]
+        self.kinds = list(dict.fromkeys(w for _, w in self.runs))  # distinct, in layer order
         self.head, self.head_ops = head, head_ops
         self.own: list[CompiledFunction] = []
         self.uses: tuple = ()
@@ -158,8 +158,7 @@ class RegionalDecode(_Regions):
         super().__init__(model, head, head_ops)
         self.cache, self.ops = cache, ops
         self.prepare = compile_one(prepare_region, f"{name}_prepare")
-        self.layer = {w: compile_one(decode_layer_region, f"{name}_layer" + ("" if w is None else f"_window{w}"))
-                      for w in self.windows}
+        self.layer = {w: compile_one(decode_layer_region, f"{name}_layer" + kind_suffix(w)) for w in self.kinds}
         self.own = [self.prepare] + list(self.layer.values())
         self.uses = (head,)
         self._parts = self.own + [head]
@@ -183,8 +182,8 @@ class RegionalDecode(_Regions):
         prepare, layer, head = fns
         views = self.cache.layer_views()
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
-        for (module, window), kv in zip(self.runs, views):
-            x = layer[window](module, x, cos, sin, masks, kv, position_ids, self.ops)
+        for (module, kind), kv in zip(self.runs, views):
+            x = layer[kind](module, x, cos, sin, masks, kv, position_ids, self.ops)
         argmax, logits, _ = head(self.model, x, self.head_ops)
         return argmax, logits
 
@@ -194,11 +193,11 @@ class RegionalDecode(_Regions):
         `[B, 1, hidden]` is the last layer's input, `position_ids` `[B, 1]`. Returns `(argmax, logits)`.
         It runs this step's compiled regions (the embedding `prepare` computes is not used), so it adds
         no graph to the plan's."""
-        module, window = self.runs[-1]
+        module, kind = self.runs[-1]
         views = self.cache.layer_views()
         dummy = torch.zeros_like(position_ids)
         _, cos, sin, masks = self.prepare(self.model, dummy, position_ids, views[0], checked=checked)
-        x = self.layer[window](module, x, cos, sin, masks, views[-1], position_ids, self.ops, checked=checked)
+        x = self.layer[kind](module, x, cos, sin, masks, views[-1], position_ids, self.ops, checked=checked)
         argmax, logits, _ = self.head(self.model, x, self.head_ops, checked=checked)
         return argmax, logits
 
@@ -210,10 +209,9 @@ class RegionalPrefill(_Regions):
                  decode_for: Callable[[KVCache], RegionalDecode]):
         super().__init__(model)
         self.ops, self.decode_for = ops, decode_for
-        self.layer = {w: compile_one(prefill_layer_region, f"{name}_layer" + ("" if w is None else f"_window{w}"))
-                      for w in self.windows}
+        self.layer = {w: compile_one(prefill_layer_region, f"{name}_layer" + kind_suffix(w)) for w in self.kinds}
         self.own = list(self.layer.values())
-        # every layer but the last runs a layer region: a window only the last layer has is not among them
+        # every layer but the last runs a layer region: a kind only the last layer has is not among them
         self._parts = list({id(self.layer[w]): self.layer[w] for _, w in self.runs[:-1]}.values())
         self.sink = LayerSink(length)
 
@@ -247,8 +245,8 @@ class RegionalPrefill(_Regions):
         n = slots.shape[0]
         x, cos, sin, masks = self.model.model.prepare(input_ids)
         *layers, (last, _) = self.runs
-        for i, (module, window) in enumerate(layers):
-            x, k, v = layer[window](module, x, cos, sin, masks, self.sink, self.ops)
+        for i, (module, kind) in enumerate(layers):
+            x, k, v = layer[kind](module, x, cos, sin, masks, self.sink, self.ops)
             cache.insert(slots, i, k[:n], v[:n])
         k, v = last.self_attn.keys_values(last.input_layernorm(x), cos, sin, self.ops)
         cache.insert(slots, len(layers), k[:n], v[:n])

@@ -1,0 +1,217 @@
+"""Expert parallelism: a mixture's experts split over the EP group, tokens exchanged in fixed-size buffers.
+
+`apply_ep` (after tensor parallel, before FSDP2: `parallelize.py`) makes every sparse layer's stacked
+experts a DTensor sharded over the expert dimension on the `ep` mesh (`Shard(0)`: rank j of the group
+holds experts `j * E/ep .. (j+1) * E/ep - 1`) and sets `Experts.exchange`, which the model calls instead
+of its own experts. FSDP2 then shards each rank's experts over the `efsdp` ranks that hold the same
+ones (`parallelize.apply_fsdp`). The router and everything else follow the dense layout.
+
+**The exchange never depends on the routing.** Variable all-to-all splits (torchtitan, transformers'
+`all_to_all`) read each expert's token count back to the host every layer and give every step a new
+shape. Here (`ep_implementation="auto"`) every rank of an EP group holds the same number of tokens
+(the batch shapes are static), so:
+
+1. (tp > 1) each rank of a TP group keeps its `1/tp` slice of the batch the group shares (padded to a
+   multiple of tp), so that no token is computed twice;
+2. all-gather, over the EP group, of every rank's tokens `[T, H]`, routing weights and expert ids `[T, k]`;
+3. every rank runs its own experts on all gathered tokens (`moe.expert_mlp` with `first`/`total`:
+   routes to other ranks' experts count for nothing; its formulation is chosen by the gathered count);
+4. reduce-scatter (sum) of the partial outputs `[ep * T, H]` back to the ranks that own the tokens;
+5. (tp > 1) all-gather of the TP slices (DTensor `Shard(0) -> Replicate`).
+
+Bytes moved per sparse layer and rank, forward, with `T` the rank's tokens (`ceil(B*S/tp)`), H the
+hidden size, n = ep, b the activation width: the all-gather receives `(n-1) * T * (H*b + k*(b+8))`,
+the reduce-scatter sends and receives `(n-1) * T * H * b` each (a ring); the TP all-gather `(tp-1) * T
+* H * b`. The backward moves the same again (the all-gather's backward is a reduce-scatter, and the
+reverse). An ideal variable all-to-all would move `k * T * H * b * (n-1)/n` each way: the same for
+n = 2 and k = 2, about `n/k` times less for larger groups; the price of shapes that never change.
+
+`ep_implementation="all_reduce"` (ep == tp: the EP group is the TP group, which shares one batch):
+each rank runs its experts on the whole batch and the partial outputs are all-reduced, `2 (n-1)/n *
+T * H * b` per layer; the inputs' gradients (partial: each rank back-propagates through its experts
+only) are all-reduced in the backward.
+
+The load-balancing loss sums its router statistics over the data-parallel ranks (`DataParallelSum`,
+set as `model.data_parallel`), so a partitioned model trains as one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..moe import expert_mlp
+from .mesh import ParallelDims
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; the gradient is multiplied by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def expert_gradient_factor(dims: ParallelDims) -> float:
+    """What an expert's gradient is multiplied by so that FSDP2's average over the `efsdp` ranks holding
+    it (and `dp_replicate`) becomes the average over all `dp` data-parallel ranks, as every other
+    parameter's: efsdp * dp_replicate / dp = tp / ep."""
+    return dims.tp / dims.ep
+
+
+def local_experts(experts: nn.Module, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's stacked expert weights (the DTensors' local shards), their gradients scaled by `factor`."""
+    out = []
+    for t in (experts.gate_up_proj, experts.down_proj):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        out.append(_ScaleGrad.apply(t, factor) if factor != 1.0 else t)
+    return out[0], out[1]
+
+
+def _all_reduced(t: torch.Tensor, group) -> torch.Tensor:
+    out = t.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _SumForward(torch.autograd.Function):
+    """All-reduce (sum) of partial outputs; the gradient of a replicated output goes to each part as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumBackward(torch.autograd.Function):
+    """Identity; the gradient (partial on each rank) is all-reduced (summed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduced(grad, ctx.group), None
+
+
+class GatherExchange:
+    """`ep_implementation="auto"`: all-gather, local experts, reduce-scatter (see the module docstring)."""
+
+    def __init__(self, dims: ParallelDims, num_experts: int):
+        self.ep_mesh = dims.ep_mesh
+        self.tp_mesh = dims.tp_mesh if dims.tp > 1 else None
+        self.ep_rank = self.ep_mesh.get_local_rank()
+        self.num_experts = num_experts
+        self.grad_factor = expert_gradient_factor(dims)
+
+    def _tp_slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a batch its TP group shares (the backward all-gathers the rows' gradients)."""
+        return DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False).redistribute(
+            self.tp_mesh, [Shard(0)]).to_local()
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
+        gate_up, down = local_experts(experts, self.grad_factor)
+        tokens = x.shape[0]
+        tp = self.tp_mesh.size() if self.tp_mesh is not None else 1
+        if tp > 1:
+            pad = -tokens % tp
+            if pad:
+                x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+                weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+                idx = torch.cat([idx, idx.new_zeros(pad, idx.shape[1])])
+            x, weights = self._tp_slice(x), self._tp_slice(weights)
+            rows = x.shape[0]
+            idx = idx[self.tp_mesh.get_local_rank() * rows:(self.tp_mesh.get_local_rank() + 1) * rows]
+        xg = funcol.all_gather_single(x.contiguous(), 0, self.ep_mesh)
+        wg = funcol.all_gather_single(weights.contiguous(), 0, self.ep_mesh)
+        ig = funcol.all_gather_single(idx.contiguous(), 0, self.ep_mesh)
+        local = gate_up.shape[0]
+        partial = expert_mlp(xg, wg, ig, gate_up, down, ops, first=self.ep_rank * local, total=self.num_experts)
+        out = funcol.reduce_scatter_single(partial.contiguous(), "sum", 0, self.ep_mesh)
+        if tp > 1:
+            hidden = out.shape[1]
+            out = DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)], run_check=False,
+                                     shape=(out.shape[0] * tp, hidden), stride=(hidden, 1)).full_tensor()[:tokens]
+        return out
+
+
+class AllReduceExchange:
+    """`ep_implementation="all_reduce"` (ep == tp): local experts on the shared batch, outputs summed
+    (eager collectives: a TP group's blocks are never compiled for training, `distributed/trainer.py`)."""
+
+    def __init__(self, dims: ParallelDims, num_experts: int):
+        self.group = dims.ep_mesh.get_group()
+        self.ep_rank = dims.ep_mesh.get_local_rank()
+        self.num_experts = num_experts
+        self.grad_factor = expert_gradient_factor(dims)  # 1: ep == tp
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
+        gate_up, down = local_experts(experts, self.grad_factor)
+        x, weights = _SumBackward.apply(x, self.group), _SumBackward.apply(weights, self.group)
+        partial = expert_mlp(x, weights, idx, gate_up, down, ops, first=self.ep_rank * gate_up.shape[0],
+                             total=self.num_experts)
+        return _SumForward.apply(partial, self.group)
+
+
+EXCHANGES = {"auto": GatherExchange, "all_reduce": AllReduceExchange}
+
+
+def sparse_layers(model: nn.Module) -> list:
+    return [layer for layer in model.model.layers if getattr(layer, "sparse", False)]
+
+
+def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
+    """Shard every sparse layer's experts over the EP mesh (`Shard(0)`) and install the token exchange."""
+    exchange = EXCHANGES[dims.config.ep_implementation]
+    for layer in sparse_layers(model):
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            p = experts._parameters[name]
+            experts._parameters[name] = nn.Parameter(distribute_tensor(p, dims.ep_mesh, [Shard(0)], src_data_rank=None),
+                                                     requires_grad=p.requires_grad)
+        experts.exchange = exchange(dims, experts.num_experts)
+
+
+def shard_experts(model: nn.Module, dims: ParallelDims, kwargs: dict, backend: str) -> None:
+    """FSDP2 over the ranks that hold the same experts (`efsdp`, with `edp_replicate` under HSDP), each
+    sparse layer's experts one unit. FSDP2 averages their gradients over those ranks; the exchange
+    scales them first (`expert_gradient_factor`) so that the result is the average over every
+    data-parallel rank, as for the other parameters. (Not `set_gradient_divide_factor`: with one rank
+    holding each expert, this PyTorch divides by it twice.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in sparse_layers(model):
+        experts = layer.mlp.experts
+        fully_shard(experts, **{**kwargs, "mesh": dims.expert_fsdp_mesh})
+        if backend == "gloo":
+            experts.set_force_sum_reduction_for_comms(True)
+
+
+class DataParallelSum:
+    """`CausalLM.data_parallel`: sums a tensor (router statistics, no gradient) over the data-parallel ranks."""
+
+    def __init__(self, dims: ParallelDims):
+        self.size = dims.dp
+        self._group = dims.dp_group()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self._group)
+        return out
+
+
+__all__ = ["apply_ep", "shard_experts", "GatherExchange", "AllReduceExchange", "DataParallelSum", "sparse_layers",
+           "expert_gradient_factor", "local_experts"]
