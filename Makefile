@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
