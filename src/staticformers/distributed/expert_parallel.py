@@ -53,20 +53,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..moe import expert_mlp
+from .grad_scale import ScaleGrad
 from .mesh import ParallelDims
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity; the gradient is multiplied by `factor`."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 def expert_gradient_factor(dims: ParallelDims) -> float:
@@ -81,7 +69,7 @@ def local_experts(experts: nn.Module, factor: float) -> tuple[torch.Tensor, torc
     out = []
     for t in (experts.gate_up_proj, experts.down_proj):
         t = t.to_local() if isinstance(t, DTensor) else t
-        out.append(_ScaleGrad.apply(t, factor) if factor != 1.0 else t)
+        out.append(ScaleGrad.apply(t, factor) if factor != 1.0 else t)
     return out[0], out[1]
 
 

@@ -9,7 +9,7 @@ pieces, never the Trainer itself:
   (the Trainer's `StaticBatchSampler` with this rank and size); tp ranks of one shard share it;
 - loss: token counts and logged sums are all-reduced over the data-parallel ranks, and each rank's
   loss is its tokens' sum over the *global* token count; FSDP2 averages gradients over the
-  data-parallel ranks, so the backward is scaled by their number (`_ScaleGrad`) to make the update
+  data-parallel ranks, so the backward is scaled by their number (`grad_scale.ScaleGrad`) to make the update
   equal one process on the whole batch (the logged value is unchanged);
 - precision: parameters are the master weights (no copies). bf16 is FSDP2's mixed precision
   (`DistributedConfig(fsdp_mixed_precision=True)`: fp32 shards, bf16 compute, fp32 reduction); a
@@ -45,24 +45,12 @@ from ..training.state_files import (apply_file, apply_state, check_optimizer_sta
                                     load_torch_file)
 from .adapters import save_adapter_distributed
 from .checkpoint import load_checkpoint, save_checkpoint, save_pretrained_distributed
+from .grad_scale import ScaleGrad
 from .training import clip_grad_norm_, compile_blocks
 
 logger = logging.getLogger("staticformers")
 
 DCP_FOLDER = ckpt.DCP_FOLDER  # inside a checkpoint-N folder: the DCP shards of model and optimizer
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; multiplies the gradient by `factor` (undoes FSDP2's average over dp ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 class DistributedTraining:
@@ -126,7 +114,7 @@ class DistributedTraining:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The micro-batch loss whose gradient undoes FSDP2's average over the data-parallel ranks."""
-        return _ScaleGrad.apply(loss, float(self.dims.dp)) if self.dims.dp > 1 and loss.requires_grad else loss
+        return ScaleGrad.apply(loss, float(self.dims.dp)) if self.dims.dp > 1 and loss.requires_grad else loss
 
     def clip_gradients(self) -> torch.Tensor:
         max_norm = self.args.max_grad_norm
