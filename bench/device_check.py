@@ -3,7 +3,8 @@ under its own time limit, all within `--total` seconds (480 by default), with th
 file and a markdown summary.
 
 Steps, in order (a step that runs out of time is stopped, process group and all, and the next one starts):
-1. `cuda_tests`: `pytest -m cuda tests` (tests/test_on_device.py and every other test marked `cuda`).
+1. `cuda_tests`: `pytest -m cuda` over the test files that can hold a test marked `cuda`
+   (tests/test_on_device.py and every other file naming CUDA or taking the `device` fixture).
 2. `reference`: bench/reference.py builds the random Qwen3-1.7B-shaped checkpoint on the device.
 3. `generate_b1`, `generate_b8`: bench/generate.py, bf16, prompt 128, 128 new tokens: staticformers
    against transformers' default `generate` and its static cache + compile; decode tok/s, time to first
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +51,24 @@ class Step:
     record: dict = field(default_factory=dict)
 
 
+_DEVICE_PARAM = re.compile(r"def test_\w+\([^)]*\bdevice\b")
+
+
+def cuda_test_files() -> list[str]:
+    """The test files that can hold a test marked `cuda`: those that name CUDA, and those whose tests take
+    the `device` fixture (each runs once per device, the CUDA variant marked; tests/conftest.py).
+    Collecting the whole suite for them would cost seconds of a lent GPU's time."""
+    tests = os.path.join(ROOT, "tests")
+    out = []
+    for name in sorted(os.listdir(tests)):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(tests, name)) as f:
+                text = f.read()
+            if "cuda" in text or _DEVICE_PARAM.search(text):
+                out.append(os.path.join(tests, name))
+    return out or [tests]
+
+
 def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile_mode: Optional[str]) -> list[Step]:
     """The steps of a check (module docstring); `dry` shrinks every size and uses the cheap backends."""
     size, train_size = ("tiny", "tiny") if dry else ("1.7b", "41m")
@@ -68,7 +88,7 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
         # a test module that cannot be imported under the machine's own packages must not stop the others
         Step("cuda_tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                             "--continue-on-collection-errors",
-                            f"--junitxml={os.path.join(work, 'cuda_tests.xml')}", os.path.join(ROOT, "tests")],
+                            f"--junitxml={os.path.join(work, 'cuda_tests.xml')}", *cuda_test_files()],
              limits["cuda_tests"], os.path.join(work, "cuda_tests.xml")),
         Step("reference", [py, os.path.join(HERE, "reference.py"), "--size", size, "--device", device],
              limits["reference"]),

@@ -123,6 +123,15 @@ class ServerProcess:
                 self.proc.kill()
 
 
+def graphs_compiled(url: str) -> float:
+    """The server's `staticformers_graphs_compiled_total` (its `/metrics`): graphs compiled or loaded so far."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    match = re.search(r"^staticformers_graphs_compiled_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return float(match.group(1)) if match else float("nan")
+
+
 async def http_run(url: str, jobs: list, clients: int) -> dict:
     import httpx
 
@@ -277,9 +286,11 @@ def main(argv=None) -> None:
     try:
         for c in sorted(set(args.clients)):  # warm-up: every shape the runs will meet
             asyncio.run(http_run(server.url, jobs, c))
+        warm = graphs_compiled(server.url)
         for c in args.clients:
             result["sf_server"][str(c)] = asyncio.run(http_run(server.url, jobs, c))
             print(json.dumps({"sf_server": c, **result["sf_server"][str(c)]}), file=sys.stderr, flush=True)
+        result["sf_graphs_after_warmup"] = graphs_compiled(server.url) - warm  # 0 expected
     finally:
         server.stop()
 

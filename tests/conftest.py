@@ -1,10 +1,17 @@
 """Shared fixtures: tiny checkpoints (cached per session), a stand-in Neuron device, and `device`
 (each test that takes it runs once per device kind: "cpu" always, "cuda" marked `cuda` and skipped
-where no NVIDIA GPU is visible)."""
+where no NVIDIA GPU is visible).
+
+Under pytest-xdist (`make test`: two workers, a file each at a time) each worker computes with one
+thread, as do the processes its tests start: two workers already fill a 2-core machine, and a second
+thread per process only spins against the other worker. Files holding a long test (marked `slow`,
+`inductor` or `distributed`) are handed out first, so that the short ones fill in around them
+instead of one long file running alone at the end."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 
@@ -18,8 +25,23 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=
 NO_GPU = "needs an NVIDIA GPU: torch.cuda.is_available() is False on this machine"
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+LONG = ("slow", "inductor", "distributed")
+
+
+def _long_files_first(items) -> None:
+    """Reorder `items` in place: every test of a file holding a long test first, each file's order kept."""
+    long_files = {item.path for item in items if any(item.get_closest_marker(m) for m in LONG)}
+    items.sort(key=lambda item: item.path not in long_files)  # a stable sort
+
+
 def pytest_collection_modifyitems(config, items):
-    """Skip every test marked `cuda` (a `device` variant or a whole test) where no GPU is visible."""
+    """Long files first (the module docstring); skip every test marked `cuda` (a `device` variant or a
+    whole test) where no GPU is visible."""
+    _long_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=NO_GPU)

@@ -59,6 +59,7 @@ def short_model(tmp_path_factory):
     return AutoModelForCausalLM.from_pretrained(path), hf
 
 
+@pytest.mark.slow
 def test_every_prompt_length_up_to_the_models_positions_runs(short_model):
     """A 256-position model: prompt n with max_new_tokens = 256 - n runs for lengths across 1..255 (bucket
     edges included), the KV length following prompt + new tokens, and greedy tokens equal transformers'."""
@@ -204,6 +205,7 @@ def test_an_exception_in_a_step_fails_that_steps_requests_and_the_loop_goes_on(t
     assert len(run_loop(loop, {})["y"]) == 4
 
 
+@pytest.mark.slow
 def test_calls_from_several_threads_each_get_their_own_answer(tiny_checkpoints):
     """Four threads, ten mixed calls each (batch sizes, lengths, greedy and seeded sampling) on one model:
     every output equals the same call made alone."""

@@ -59,6 +59,7 @@ def test_cli_hub_errors_are_one_sentence(tmp_path):
     assert "nosuchorg/nosuchmodel" in res.stderr
 
 
+@pytest.mark.slow
 def test_cli_generate_streams_and_compile_prints_the_plan(checkpoint):
     env = dict(os.environ, STATICFORMERS_COMPILE_BACKEND="eager")
     cli = [sys.executable, "-m", "staticformers.cli"]

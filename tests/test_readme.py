@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\b(.*?)-->")
+pytestmark = pytest.mark.slow  # every shell block runs in its own shell
 
 
 def shell_blocks(text: str) -> list[dict]:
