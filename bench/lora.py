@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from train import BATCH, LR, SEQ, _sync, documents  # noqa: E402
+from train import BATCH, LR, SEQ, _sync, documents, train_with_transformers  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -89,25 +89,6 @@ def run_theirs(path: str, rows, mode: str, steps: int, r: int, *, device: str, b
     import torch
     import transformers
 
-    ends, begin = [], []
-
-    class Clock(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            _sync(device)
-            begin.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            _sync(device)
-            ends.append(time.perf_counter())
-
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return rows.num_rows
-
-        def __getitem__(self, i):
-            labels = rows.labels[i]
-            return {"input_ids": rows.input_ids[i], "attention_mask": (labels != -100).long(), "labels": labels}
-
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS,
                                                        task_type="CAUSAL_LM"))
@@ -115,14 +96,8 @@ def run_theirs(path: str, rows, mode: str, steps: int, r: int, *, device: str, b
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR, bf16=True,
         torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6, report_to="none",
         use_cpu=device == "cpu", dataloader_drop_last=True, disable_tqdm=True)
-    import torch._dynamo.utils as dyn_utils
-
-    before = dyn_utils.counters["stats"]["unique_graphs"]
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()])
-    out = trainer.train()
-    return {"first_step_s": ends[0] - begin[0], "step_s": [b - a for a, b in zip(ends, ends[1:])],
-            "graphs": dyn_utils.counters["stats"]["unique_graphs"] - before, "loss": out.training_loss,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    result = train_with_transformers(model, args, rows, device)
+    return {**result, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "peak_mb": peak_memory_mb(device)}
 
 

@@ -89,13 +89,28 @@ def run_ours(path: str, docs: list, precision: str, mode: str, steps: int, packi
 
 def run_theirs(path: str, rows, precision: str, mode: str, steps: int, *, device: str = "cpu", batch: int = BATCH,
                backend: str | None = None) -> dict:
-    import torch
     import transformers
 
     try:
         import accelerate  # noqa: F401
     except ImportError:
         raise SystemExit("transformers' Trainer needs accelerate: install the bench extra (pip install -e '.[bench]').")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    extra = {"torch_compile_backend": backend} if backend and mode == "compiled" else {}
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
+        bf16=precision == "bf16", torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6,
+        report_to="none", use_cpu=device == "cpu", dataloader_drop_last=True, disable_tqdm=True, **extra)
+    return train_with_transformers(model, args, rows, device)
+
+
+def train_with_transformers(model, args, rows, device: str) -> dict:
+    """transformers' Trainer on `rows` (padded rows, -100 labels on padding), timed at every step end:
+    first-step seconds (from `on_train_begin`), the periods between step ends, Dynamo graphs, the loss."""
+    import torch
+    import torch._dynamo.utils as dyn_utils
+    import transformers
+
     ends, begin = [], []
 
     class Clock(transformers.TrainerCallback):
@@ -114,14 +129,6 @@ def run_theirs(path: str, rows, precision: str, mode: str, steps: int, *, device
         def __getitem__(self, i):
             labels = rows.labels[i]
             return {"input_ids": rows.input_ids[i], "attention_mask": (labels != -100).long(), "labels": labels}
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    extra = {"torch_compile_backend": backend} if backend and mode == "compiled" else {}
-    args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
-        bf16=precision == "bf16", torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6,
-        report_to="none", use_cpu=device == "cpu", dataloader_drop_last=True, disable_tqdm=True, **extra)
-    import torch._dynamo.utils as dyn_utils
 
     before = dyn_utils.counters["stats"]["unique_graphs"]
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()])
