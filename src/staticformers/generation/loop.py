@@ -127,6 +127,10 @@ class GenerationLoop:
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> int:
         """Check a request against the model and the plan before any work; returns the positions it needs."""
+        return self._checked(request)[0]
+
+    def _checked(self, request: GenerationRequest) -> tuple[int, int]:
+        """`validate`'s checks; returns the positions the request needs and its adapter's bank slot."""
         prompt = request.prompt
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.flatten().tolist()
@@ -143,9 +147,9 @@ class GenerationLoop:
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
         need = self.plan.positions_needed(len(prompt), n)
-        self.adapter_slot(request)
+        slot = self.adapter_slot(request)
         request.prompt = list(prompt)
-        return need
+        return need, slot
 
     def adapter_slot(self, request: GenerationRequest) -> int:
         """The bank slot of the request's adapter (0: none); an adapter the model does not hold is refused."""
@@ -161,11 +165,11 @@ class GenerationLoop:
 
     def add(self, request: GenerationRequest) -> Any:
         """Queue a request (validated now; see `validate`); returns its id (given, or a new integer)."""
-        need = self.validate(request)
+        need, slot = self._checked(request)
         if request.request_id is None:
             request.request_id = next(self._ids)
         with self._mutex:
-            self.waiting.append(_Row(request, need, self.adapter_slot(request)))
+            self.waiting.append(_Row(request, need, slot))
         return request.request_id
 
     def cancel(self, request_id: Any) -> bool:
