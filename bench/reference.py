@@ -91,7 +91,7 @@ def weight_counts(size: str = "41m") -> dict:
     import torch
 
     from staticformers import CausalLM
-    from staticformers.moe import Experts
+    from staticformers.models.moe import Experts
 
     config = reference_config(size)
     with torch.device("meta"):

@@ -91,7 +91,7 @@ class Stage:
 
 # ---- 1. devices ----------------------------------------------------------------------------------
 def devices(demo: Demo) -> None:
-    from staticformers.cli import main as cli
+    from staticformers.commands.cli import main as cli
 
     cli(["doctor"])
 
@@ -135,7 +135,7 @@ def tokenizer(demo: Demo, vocab_size: int = 2048) -> None:
 # ---- 3. train ------------------------------------------------------------------------------------
 def train(demo: Demo) -> None:
     from staticformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
-    from staticformers.devices import auto_device, supports_bf16
+    from staticformers.backends.devices import auto_device, supports_bf16
 
     a = demo.args
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
@@ -182,7 +182,7 @@ def train(demo: Demo) -> None:
 
 # ---- 4. compile ----------------------------------------------------------------------------------
 def compile_plan(demo: Demo) -> None:
-    from staticformers.cli import main as cli
+    from staticformers.commands.cli import main as cli
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in PLAN.items()]
     print(f"$ staticformers compile {shown(MODEL_DIR)} {' '.join(flags)}", flush=True)
@@ -193,7 +193,7 @@ def compile_plan(demo: Demo) -> None:
 # ---- 5. generate ---------------------------------------------------------------------------------
 def generate(demo: Demo) -> None:
     from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan, TextStreamer
-    from staticformers.compile_summary import CacheWatch, graphs_line
+    from staticformers.compilation.summary import CacheWatch, graphs_line
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, device_map="auto")

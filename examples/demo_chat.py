@@ -89,7 +89,7 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = 60, compile: bool = Fa
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if bf16 is None:
-        from staticformers.devices import auto_device, supports_bf16
+        from staticformers.backends.devices import auto_device, supports_bf16
 
         bf16 = supports_bf16(auto_device())
     args = TrainingArguments(

@@ -26,7 +26,7 @@ import distributed_trainer_worker as T
 import distributed_worker as W
 from staticformers import AutoModelForCausalLM, DistributedConfig, Trainer
 from staticformers.distributed import mesh as dmesh
-from staticformers.distributed.checkpoint import load_checkpoint, save_checkpoint
+from staticformers.distributed.dcp_checkpoint import load_checkpoint, save_checkpoint
 
 
 def load(path, **sizes):

@@ -25,8 +25,8 @@ import torch
 
 from staticformers import AutoModelForCausalLM, DistributedConfig
 from staticformers.distributed import mesh as dmesh
-from staticformers.distributed.checkpoint import load_checkpoint, save_checkpoint
-from staticformers.distributed.training import clip_grad_norm_, data_parallel_info, reduce_mean
+from staticformers.distributed.dcp_checkpoint import load_checkpoint, save_checkpoint
+from staticformers.distributed.training_support import clip_grad_norm_, data_parallel_info, reduce_mean
 
 STEPS, RESUME_AT, BATCH, SEQ, LR, MAX_NORM = 5, 3, 4, 16, 1e-2, 0.5
 PROMPT = [[3, 17, 42, 9, 77, 5]]

@@ -16,4 +16,4 @@ def torchrun(worker: str, *args: str, nproc: int = 4) -> None:
     cmd = [TORCHRUN, f"--nproc_per_node={nproc}", "--standalone", os.path.join(ROOT, "tests", worker), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "terminate called" not in proc.stderr  # the gloo exit abort (DESIGN.md): shutdown() prevents it
+    assert "terminate called" not in proc.stderr  # the gloo exit abort (ARCHITECTURE.md): shutdown() prevents it

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, LoraConfig, ShapePlan
-from staticformers.adapter_bank import AdapterBankError, bank_of
-from staticformers.generation.api import compile_settings, engine_for
-from staticformers.generation.config import GenerationConfig
+from staticformers.adapters.bank import AdapterBankError, bank_of
+from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,4 +177,4 @@ def test_the_cpus_compiled_formulations_add_the_adapter(adapters):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=6, eos_token_id=None)
     assert out[0, 9:].tolist() == solo(path, folders["a"], prompt, 6)
     if model.device.type == "cpu":
-        assert any(getattr(ops, "linears", None) == "reduce" for ops in engine_for(model).memo.values())
+        assert any(getattr(ops, "linears", None) == "reduce" for ops in engine_for(model).steps.memo.values())

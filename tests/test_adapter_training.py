@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM, LoraConfig, Trainer, TrainingArguments
-from staticformers.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from staticformers.adapters.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,7 +159,7 @@ def test_frozen_or_several_trainable_adapters_are_refused(tmp_path):
 
 
 def test_the_cli_trains_an_adapter(tmp_path, capsys):
-    from staticformers.cli import main
+    from staticformers.commands.cli import main
 
     folder = tmp_path / "base"
     tiny_model().save_pretrained(folder)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, LoraConfig
-from staticformers.adapter_config import AdapterConfigError
-from staticformers.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFileError
-from staticformers.adapters import LoraLinear, lora_modules
+from staticformers.adapters.lora_config import AdapterConfigError
+from staticformers.adapters.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterFileError
+from staticformers.adapters.lora import LoraLinear, lora_modules
 from tiny import build_hf_model
 from tolerances import assert_close
 
@@ -127,7 +127,7 @@ def test_a_new_adapter_is_initialised_as_peft_does_it(tiny_checkpoints):
 
 
 def test_targets_all_linear_regex_and_layers(tiny_checkpoints):
-    from staticformers.adapters import target_names
+    from staticformers.adapters.lora import target_names
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
     every = target_names(model, LoraConfig(target_modules="all-linear"))

@@ -14,7 +14,7 @@ SRC = os.path.dirname(os.path.abspath(staticformers.__file__))
 
 
 def test_the_model_holds_no_device_checks_and_no_kernel_choices():
-    text = open(os.path.join(SRC, "modeling.py"), encoding="utf-8").read()
+    text = open(os.path.join(SRC, "models", "decoder.py"), encoding="utf-8").read()
     assert "device.type" not in text and ".is_cuda" not in text
     for word in ('"reduce"', '"onednn"', '"matmul"', "how=", "import backends", "from .backends"):
         assert word not in text, word
@@ -43,12 +43,12 @@ cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=32, intermediate_
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 model = AutoModelForCausalLM.from_config(cfg, seed=0).to("meta")  # a stand-in device kind: not the CPU
 engine = Engine(model)
-assert type(engine.backend).__name__ == "Backend", engine.backend
+assert type(engine.backend).__name__ == "Backend", engine.backend  # meta: the generic answers
 step = engine.step("decode", 1, 256, CompileSettings(enabled=False))
 argmax, logits = step.step(torch.zeros(1, 1, dtype=torch.long, device="meta"),
                            torch.zeros(1, 1, dtype=torch.long, device="meta"))
 assert logits.shape == (1, 64) and logits.device.type == "meta"
-assert for_device("cuda").name == "generic" and for_device("neuron").name == "generic"
+assert for_device("cuda").name == "cuda" and for_device("neuron").name == "neuron"
 print("cpu package imported:", any(m.startswith("staticformers.backends.cpu") for m in sys.modules))
 """
 
@@ -57,13 +57,3 @@ def test_the_cpu_package_is_not_imported_for_another_device():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "cpu package imported: False" in out.stdout
-
-
-def test_no_import_cycles():
-    tool = os.path.join(os.path.dirname(SRC), "..", "..", "shared", "tools", "import_cycles.py")
-    if not os.path.exists(tool):  # the shared folder sits beside the checkout
-        import pytest
-
-        pytest.skip("shared/tools/import_cycles.py is not beside this checkout")
-    out = subprocess.run([sys.executable, tool, SRC], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-from staticformers.training import checkpoint as ckpt
+from staticformers.training import checkpoint_folders as ckpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

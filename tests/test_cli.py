@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from staticformers.cli import _available_commands, build_parser, main
+from staticformers.commands.cli import _available_commands, build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -119,7 +119,7 @@ def test_stats_say_which_graphs_came_from_the_cache(checkpoint, tmp_path, monkey
     """The first process compiles; a second one with the same cache loads them all (and says so)."""
     monkeypatch.delenv("STATICFORMERS_COMPILE_BACKEND")
     env = dict(os.environ, STATICFORMERS_CACHE=str(tmp_path / "cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    cmd = [sys.executable, "-m", "staticformers.cli", "generate", checkpoint, "The French", "--device", "cpu",
+    cmd = [sys.executable, "-m", "staticformers.commands.cli", "generate", checkpoint, "The French", "--device", "cpu",
            "--max-new-tokens", "3", "--stats"]
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-import staticformers.compile as sc
+import staticformers.compilation.compiler as sc
+import staticformers.backends.devices as devices
 
 
 def test_cache_root_env_override(monkeypatch, tmp_path):
@@ -61,13 +62,13 @@ def test_one_graph_per_function_and_second_shape_is_a_violation(monkeypatch):
 
 def test_backend_env_override(monkeypatch):
     monkeypatch.setenv("STATICFORMERS_COMPILE_BACKEND", "aot_eager")
-    assert sc.default_backend(torch.device("cpu")) == "aot_eager"
+    assert devices.default_backend(torch.device("cpu")) == "aot_eager"
     monkeypatch.delenv("STATICFORMERS_COMPILE_BACKEND")
-    assert sc.default_backend(torch.device("cpu")) == "inductor"
+    assert devices.default_backend(torch.device("cpu")) == "inductor"
 
 
 def test_neuron_backend_is_neuron(fake_neuron):
-    assert sc.default_backend("neuron") == "neuron"
+    assert devices.default_backend("neuron") == "neuron"
 
 
 def test_module_calls_compile_each_under_its_own_code_and_counter():

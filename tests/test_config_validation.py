@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM
-from staticformers.config import ConfigError, ModelConfig
+from staticformers.models.model_config import ConfigError, ModelConfig
 
 from tiny import hf_config, save_tiny
 

@@ -7,9 +7,7 @@ import logging
 import pytest
 import torch
 
-from staticformers.devices import (
-    DeviceUnavailableError, compile_backend_for, describe, dist_backend_for, kind_of, resolve_device, supports_bf16,
-)
+from staticformers.backends.devices import DeviceUnavailableError, compile_backend_for, describe, dist_backend_for, kind_of, resolve_device, supports_bf16
 
 
 def test_auto_is_cpu_here_and_says_why(caplog):
@@ -84,7 +82,7 @@ def test_describe_reports_the_seed_check(fake_neuron):
 
 
 def test_doctor_cli_prints_true_4(fake_neuron, capsys):
-    from staticformers.cli import main
+    from staticformers.commands.cli import main
 
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -97,7 +95,7 @@ def test_doctor_console_script_runs():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "staticformers.cli", "doctor", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "staticformers.commands.cli", "doctor", "--json"], capture_output=True, text=True,
                          check=True).stdout
     info = json.loads(out)
     assert info["auto"] == "cpu" and info["devices"]["cpu"]["available"] is True

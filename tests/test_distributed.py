@@ -80,7 +80,7 @@ def test_layout_losses_match_one_process(launched, reference, layout):
 
 
 def test_checkpoint_from_tp2_fsdp2_resumes_at_fsdp4_and_in_one_process(launched, reference, checkpoint):
-    from staticformers.distributed.checkpoint import load_checkpoint
+    from staticformers.distributed.dcp_checkpoint import load_checkpoint
 
     results, out = launched
     tail = reference["losses"][W.RESUME_AT:]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from staticformers import DistributedConfig
-from staticformers.config import ModelConfig
-from staticformers.distributed.config import DistributedConfigError
+from staticformers.models.model_config import ModelConfig
+from staticformers.distributed.distributed_config import DistributedConfigError
 from staticformers.distributed.parallelize import _matches, apply_tp, resolve_tp_plan
 
 TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -114,7 +114,7 @@ def test_family_plans():
 
 
 def test_plan_rules_must_match_modules_and_tied_weights_share_a_style():
-    from staticformers.modeling import CausalLM
+    from staticformers.models.decoder import CausalLM
 
     with torch.device("meta"):
         model = CausalLM(qwen3())

@@ -83,7 +83,7 @@ def test_the_trainer_with_compiled_blocks_matches_one_process(launched, referenc
 
 
 def test_a_checkpoint_from_ep2_resumes_at_ep4_and_in_one_process(launched, reference, checkpoint):
-    from staticformers.distributed.checkpoint import load_checkpoint
+    from staticformers.distributed.dcp_checkpoint import load_checkpoint
 
     results, out = launched
     tail = reference["losses"][W.RESUME_AT:]

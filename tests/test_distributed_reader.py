@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from staticformers.distributed import reader
-from staticformers.safetensors_io import SafetensorsFile
+from staticformers.checkpoints.safetensors_io import SafetensorsFile
 
 
 @pytest.fixture

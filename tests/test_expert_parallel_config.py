@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from staticformers import DistributedConfig
-from staticformers.config import ModelConfig
-from staticformers.config_checks import ConfigError
-from staticformers.distributed.config import DistributedConfigError
+from staticformers.models.model_config import ModelConfig
+from staticformers.models.config_checks import ConfigError
+from staticformers.distributed.distributed_config import DistributedConfigError
 from staticformers.distributed.parallelize import default_tp_plan
 
 TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

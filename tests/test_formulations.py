@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from staticformers import AutoModelForCausalLM
 from staticformers.backends.cpu import plain_projections
 from staticformers.backends.cpu.onednn import onednn_available
-from staticformers.backends.cpu.ops import (PLAIN_CPU, CPUOps, attend, attend_blocks, decode_formulation, gemm_kernel,
-                                            prefill_formulation)
-from staticformers.generation.cache import KVCache
-from staticformers.modeling import packed_segments
+from staticformers.backends.cpu.formulations import PLAIN_CPU, CPUOps, attend, attend_blocks, decode_formulation, gemm_kernel, prefill_formulation
+from staticformers.models.kv_cache import KVCache
+from staticformers.models.decoder import packed_segments
 
 FORMS = [("reduce", "reduce", "reduce"), ("reduce", None, None), ("matmul", None, None), ("matmul", None, "reduce"),
          (None, None, "reduce"), (None, "onednn", "onednn"), ("reduce", "onednn", "reduce")]
@@ -126,7 +125,7 @@ def test_bf16_causal_attention_on_cpu_uses_blocks_and_is_close():
 
 
 def _ops(engine, kind, batch, settings):
-    return engine.backend.ops(engine, kind, batch, settings)
+    return engine.steps.ops(kind, batch, settings)
 
 
 def test_frozen_graphs_keep_plain_gemms_for_inductor_to_pack(tiny_checkpoints):

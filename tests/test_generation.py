@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, GenerationConfig, ShapePlan
-from staticformers.generation.api import compile_stats, engine_for
+from staticformers.api.generate import compile_stats, engine_for
 from staticformers.generation.plan import PlanError
 from tiny import FAMILIES
 
@@ -191,7 +191,7 @@ def test_bad_input_one_sentence_engine_intact(tiny_checkpoints, call, match):
 
 
 def test_device_not_here_is_refused():
-    from staticformers.devices import DeviceUnavailableError, resolve_device
+    from staticformers.backends.devices import DeviceUnavailableError, resolve_device
 
     with pytest.raises((DeviceUnavailableError, ValueError), match="not"):
         resolve_device("cuda:7" if not torch.cuda.is_available() else "cuda:99")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.compile import ShapePlanViolation
-from staticformers.generation.api import engine_for
+from staticformers.compilation.compiler import ShapePlanViolation
+from staticformers.api.generate import engine_for
 import tolerances as tol
 
 EAGER = CompileConfig(backend="eager")
@@ -76,7 +76,7 @@ def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
     regional, whole = Engine(model, PLAN), Engine(model, PLAN)
     r_settings = CompileSettings(backend="aot_eager", regional=True)
     w_settings = CompileSettings(backend="aot_eager", regional=False)
-    assert regional.backend.regional(regional, r_settings) and not whole.backend.regional(whole, w_settings)
+    assert regional.steps.regional(r_settings) and not whole.steps.regional(w_settings)
     prompts = [torch.randint(3, 128, (7,)).tolist(), torch.randint(3, 128, (4,)).tolist()]
     with torch.no_grad():
         caches = [e.cache(2, 32) for e in (regional, whole)]
@@ -135,7 +135,7 @@ def test_replaced_weights_drop_graphs(tiny_checkpoints):
 def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, monkeypatch, strict):
     """Real inductor compile of the prefill and the batch-1 matrix-vector decode; the on-disk cache
     lands under STATICFORMERS_CACHE."""
-    import staticformers.compile as sc
+    import staticformers.compilation.compiler as sc
 
     monkeypatch.setenv("STATICFORMERS_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -162,8 +162,8 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert saved == 4 and sum(r["graphs"] for r in rows) == 4  # prefill layer, decode prepare + layer, head
     # `staticformers compile` (Engine.precompile) warms the decode from its first layer, a prompt's last
     # position warms it from its last: either way the artifacts are the same ones
-    from staticformers.generation.api import compile_settings
-    from staticformers.generation.config import GenerationConfig
+    from staticformers.api.generate import compile_settings
+    from staticformers.generation.generation_config import GenerationConfig
 
     for p in (tmp_path / "precompiled").iterdir():
         p.unlink()

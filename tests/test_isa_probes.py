@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import staticformers.compile as sc
+import staticformers.compilation.compiler as sc
 from staticformers.backends.cpu import isa_probes
 
 

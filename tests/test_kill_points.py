@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-from staticformers.fault_points import ENV
-from staticformers.training import checkpoint as ckpt
+from staticformers.utils.fault_points import ENV
+from staticformers.training import checkpoint_folders as ckpt
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs fork")]

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from staticformers import AutoModelForCausalLM
-from staticformers.config import ConfigError
-from staticformers.hub import CheckpointNotFoundError
-from staticformers.loading import CheckpointError, parse_size
+from staticformers.models.model_config import ConfigError
+from staticformers.checkpoints.hub import CheckpointNotFoundError
+from staticformers.models.pretrained import CheckpointError, parse_size
 import tolerances as tol
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.generation.api import compile_settings, engine_for
-from staticformers.generation.config import GenerationConfig
+from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 from staticformers.generation.plan import PlanError
 from staticformers.generation.sampling import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM
-from staticformers.moe import BLOCK, expert_mlp, formulation, num_blocks
+from staticformers.models.moe import BLOCK, expert_mlp, formulation, num_blocks
 from tiny import MOE_FAMILIES
 import tolerances as tol
 
@@ -139,7 +139,7 @@ def test_stacked_layout_loads_too(tiny_checkpoints, tmp_path):
 def test_a_missing_expert_is_named(tiny_checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from staticformers.loading import CheckpointError
+    from staticformers.models.pretrained import CheckpointError
 
     path = tiny_checkpoints("mixtral")
     tensors = load_file(os.path.join(path, "model.safetensors"))
@@ -251,7 +251,7 @@ def test_the_distributed_reader_plans_experts_as_chunks_of_the_stacked_tensor(fa
     import torch.distributed.checkpoint as dcp
 
     from staticformers.distributed.reader import SlicedSafetensorsReader
-    from staticformers.loading import checkpoint_layout, weight_files
+    from staticformers.models.pretrained import checkpoint_layout, weight_files
 
     path = tiny_checkpoints(family)
     want = AutoModelForCausalLM.from_pretrained(path)

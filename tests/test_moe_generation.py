@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.generation.api import engine_for
-from staticformers.moe import formulation
+from staticformers.api.generate import engine_for
+from staticformers.models.moe import formulation
 from tiny import MOE_FAMILIES
 
 transformers = pytest.importorskip("transformers")

@@ -3,7 +3,7 @@
 import pytest
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer
-from staticformers.hub import CheckpointNotFoundError
+from staticformers.checkpoints.hub import CheckpointNotFoundError
 
 
 LOADERS = {"model": AutoModelForCausalLM.from_pretrained, "tokenizer": AutoTokenizer.from_pretrained}

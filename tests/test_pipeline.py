@@ -53,7 +53,7 @@ def test_pipeline_with_a_loaded_model_and_dtype_auto(checkpoint):
 
 def test_cli_hub_errors_are_one_sentence(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    res = subprocess.run([sys.executable, "-m", "staticformers.cli", "generate", "nosuchorg/nosuchmodel", "hi"],
+    res = subprocess.run([sys.executable, "-m", "staticformers.commands.cli", "generate", "nosuchorg/nosuchmodel", "hi"],
                          capture_output=True, text=True, env=env)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "nosuchorg/nosuchmodel" in res.stderr
@@ -62,7 +62,7 @@ def test_cli_hub_errors_are_one_sentence(tmp_path):
 @pytest.mark.slow
 def test_cli_generate_streams_and_compile_prints_the_plan(checkpoint):
     env = dict(os.environ, STATICFORMERS_COMPILE_BACKEND="eager")
-    cli = [sys.executable, "-m", "staticformers.cli"]
+    cli = [sys.executable, "-m", "staticformers.commands.cli"]
     res = subprocess.run(cli + ["generate", checkpoint, "The French", "--max-new-tokens", "4", "--device", "cpu",
                                 "--no-compile", "--stats"], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr

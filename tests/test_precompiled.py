@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import staticformers.compile as sc
+import staticformers.compilation.compiler as sc
 from staticformers.backends.cpu import compiled as cpu_compiled
 from staticformers.backends.cpu import precompiled
 from staticformers.backends.cpu.compiled import CPUCompiledFunction, compile_region

@@ -67,7 +67,7 @@ def targs(path, **kw):
 # ---- torch.distributed.checkpoint ---------------------------------------------------------------
 @pytest.fixture
 def dcp_folder(tmp_path):
-    from staticformers.distributed.checkpoint import save_checkpoint
+    from staticformers.distributed.dcp_checkpoint import save_checkpoint
 
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,7 +80,7 @@ def dcp_folder(tmp_path):
 
 
 def load_dcp(folder):
-    from staticformers.distributed.checkpoint import load_checkpoint
+    from staticformers.distributed.dcp_checkpoint import load_checkpoint
 
     model = tiny_model(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -179,7 +179,7 @@ def test_state_file_payloads(trained, tmp_path, marker, name, payload, auto):
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_pickle_weights_are_never_unpickled(tmp_path, marker, payload):
-    from staticformers.loading import CheckpointError
+    from staticformers.models.pretrained import CheckpointError
 
     model = tiny_model()
     model.config.save_pretrained(str(tmp_path / "m"))
@@ -191,7 +191,7 @@ def test_pickle_weights_are_never_unpickled(tmp_path, marker, payload):
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_pickle_adapters_are_never_unpickled(tmp_path, marker, payload):
     from staticformers import LoraConfig
-    from staticformers.adapter_files import AdapterFileError
+    from staticformers.adapters.files import AdapterFileError
 
     model = tiny_model()
     model.add_adapter(LoraConfig())
@@ -259,7 +259,7 @@ def test_precompiled_artifacts_another_user_could_write(tmp_path, marker, payloa
 
 
 def test_cache_safety_sentences(tmp_path):
-    from staticformers.cache_safety import problem, trusted_file
+    from staticformers.compilation.cache_safety import problem, trusted_file
 
     (tmp_path / "c").mkdir(mode=0o700)
     os.chmod(tmp_path / "c", 0o777)
@@ -274,7 +274,7 @@ def test_cache_safety_sentences(tmp_path):
 
 def test_our_own_cache_is_private(tmp_path, monkeypatch):
     """The folders and artifacts staticformers creates pass its own check, whatever the umask."""
-    from staticformers import cache_safety
+    from staticformers.compilation import cache_safety
 
     old = os.umask(0o002)
     try:
@@ -291,7 +291,7 @@ def test_our_own_cache_is_private(tmp_path, monkeypatch):
 
 
 def test_unsafe_cache_root_is_not_given_to_inductor(tmp_path, monkeypatch, caplog):
-    from staticformers import compile as sf_compile
+    from staticformers.compilation import compiler as sf_compile
 
     root = tmp_path / "shared-cache"
     root.mkdir()

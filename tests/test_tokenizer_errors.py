@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from staticformers import AutoTokenizer
-from staticformers.hub import CheckpointNotFoundError
+from staticformers.checkpoints.hub import CheckpointNotFoundError
 from tokenizer_fixtures import build_llama3, build_qwen
 
 transformers = pytest.importorskip("transformers")

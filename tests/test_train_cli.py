@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from staticformers.cli import main
+from staticformers.commands.cli import main
 from staticformers.commands.train import read_documents
 
 

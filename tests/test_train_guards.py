@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-from staticformers.cli import main
-from staticformers.memory_check import InsufficientMemoryError
-from staticformers.training import checkpoint as ckpt
+from staticformers.commands.cli import main
+from staticformers.backends.memory_check import InsufficientMemoryError
+from staticformers.training import checkpoint_folders as ckpt
 from staticformers.training.trainer import TrainingDivergedError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -132,7 +132,7 @@ def test_huge_max_length_is_refused_before_allocating(tmp_path):
 
 def test_one_step_above_the_memory_is_refused(tmp_path, monkeypatch):
     """The step estimate (logits, activations, optimizer state) against what the machine has: 1 MiB here."""
-    import staticformers.memory_check as memory_check
+    import staticformers.backends.memory_check as memory_check
 
     model = tiny_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -146,7 +146,7 @@ def test_one_step_above_the_memory_is_refused(tmp_path, monkeypatch):
 
 
 def test_kv_cache_and_model_size_are_checked(monkeypatch):
-    import staticformers.memory_check as memory_check
+    import staticformers.backends.memory_check as memory_check
 
     with pytest.raises(MemoryError, match=r"A model of [\d,]+ parameters needs at least .* GiB"):
         AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", vocab_size=10**9, hidden_size=1024, intermediate_size=64,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-from staticformers.training.checkpoint import list_checkpoints
+from staticformers.training.checkpoint_folders import list_checkpoints
 from staticformers.training.data import build_rows
 from staticformers.training.optim import clip_grad_norm, no_decay_parameter_names
 from staticformers.training.trainer import TrainingDivergedError
@@ -114,7 +114,7 @@ def test_a_fixed_set_of_graphs_over_mixed_lengths(tmp_path):
 def test_regional_and_whole_graph_compile_train_alike(tmp_path, monkeypatch):
     """The two compile layouts (layer + head regions, or one graph) and eager give the same weights,
     with gradient checkpointing too, on a model whose layers mix full and sliding-window attention."""
-    from staticformers.training import compiled
+    from staticformers.training import step_functions as compiled
 
     runs = {}
     for name, regional, checkpointing in (("eager", None, False), ("regional", True, True),

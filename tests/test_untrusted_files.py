@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer
-from staticformers.contained import OutsideFolderError
-from staticformers.loading import CheckpointError
+from staticformers.utils.contained_paths import OutsideFolderError
+from staticformers.models.pretrained import CheckpointError
 
 from tiny import save_tiny
 from tokenizer_fixtures import build_qwen

@@ -1,19 +1,15 @@
-"""What a device kind changes about compiling and running the engine and the trainer.
+"""The device interface the engine and the Trainer call, and one backend per device kind.
 
-The model is device-neutral (`modeling.py`, with the one `ops` seam) and the engine, the loop and the
-trainer are too. Everything tuned for one kind of device lives in that kind's package, reached only
-through `for_device(device)`, and no other module imports such a package: CUDA and Neuron never
-import `backends/cpu/`. A backend answers these questions:
+`for_device(device)` returns the backend of a device's kind: `cpu/` (inductor tuned for the CPU: per-layer
+regions, weight-streaming formulations, saved compiled functions), `cuda.py` (CUDA, XPU, MPS), `neuron.py`
+(Trainium/Inferentia), and `base.Backend`, the generic answers, for any other kind. `devices.py` resolves
+`device_map=` / `device=` values; `memory_check.py` refuses allocations the device cannot hold.
 
-- `ops(engine, kind, batch, settings)`: the formulation of a generation step of that shape;
-- `build_step(engine, kind, batch, dim, settings)`: the step function itself (whole-model graphs here;
-  the CPU's are per-layer regions);
-- `inductor_defaults()`: inductor options it wants unless the caller set them;
-- `default_regional()`: whether generation compiles regions by default;
-- `training_ops(dtype)`, `before_training()` and `before_compile(settings)`: the Trainer's formulation
-  and what a process sets up before it trains or compiles.
+What a backend answers is listed in `base.py`. The engine reaches it through the interface declared on
+its own side (`generation/device_interface.py`); a backend never imports `generation/` and keeps its
+per-model state in its own `StepBuilder`.
 
-`Backend` is the generic answer, used on CUDA, Neuron, XPU and MPS.
+May import: compilation, adapters, models, checkpoints, utils.
 """
 
 from __future__ import annotations
@@ -22,68 +18,7 @@ import functools
 
 import torch
 
-from ..compile import CompiledFunction, compile_function, enable_persistent_cache
-from ..generation.steps import DecodeStep, PrefillStep, Step, whole_decode, whole_prefill
-from ..ops import PLAIN, Ops
-
-
-class Backend:
-    """The generic backend: whole-model graphs, the plain formulation (see the module docstring)."""
-
-    name = "generic"
-
-    def default_regional(self) -> bool:
-        return False
-
-    def inductor_defaults(self) -> dict:
-        # the engine checks its inputs' shapes itself and owns the cache buffers: no per-call asserts
-        return {"size_asserts": False, "alignment_asserts": False}
-
-    def ops(self, engine, kind: str, batch: int, settings) -> Ops:
-        return PLAIN
-
-    def training_ops(self, dtype: torch.dtype) -> Ops:
-        return PLAIN
-
-    def before_training(self) -> None:
-        pass
-
-    def before_compile(self, settings) -> None:
-        """What a process needs before its first compile under `settings` (the persistent caches)."""
-        if settings.enabled and settings.backend not in ("eager", "aot_eager"):
-            enable_persistent_cache()
-
-    def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CompiledFunction:
-        self.before_compile(settings)
-        return compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
-                                settings.fullgraph, settings.dynamic)
-
-    def build_step(self, engine, kind: str, batch: int, dim: int, settings) -> Step:
-        """The whole-model step of one shape: `prefill [batch, dim]` or `decode [batch, 1]` over `[batch, dim]`."""
-        model, ops = engine.model, self.ops(engine, kind, batch, settings)
-        name = step_name(kind, batch, dim, settings)
-        if kind == "prefill":
-            fn = whole_prefill(model, dim, ops)
-            compiled = self.compile_one(fn, name, (batch, dim), settings) if settings.enabled else None
-            return PrefillStep(fn, compiled)
-        cache = engine.cache(batch, dim)
-        graphs = cuda_graphs(settings)
-        if graphs:
-            cache.mark_static()  # written in place by every replay
-        fn = whole_decode(model, cache, ops)
-        compiled = self.compile_one(fn, name, (batch, 1, dim), settings) if settings.enabled else None
-        return DecodeStep(fn, compiled, cache, cuda_graphs=graphs)
-
-
-def cuda_graphs(settings) -> bool:
-    """Whether inductor will replay the graphs from CUDA graphs (`mode="reduce-overhead"` or the option)."""
-    if not settings.enabled or settings.backend != "inductor":
-        return False
-    return settings.mode == "reduce-overhead" or bool(dict(settings.options).get("triton.cudagraphs"))
-
-
-def step_name(kind: str, batch: int, dim: int, settings) -> str:
-    return f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
+from .base import Backend, StepBuilder, cuda_graphs, step_name
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,13 +27,25 @@ def _for_kind(kind: str) -> Backend:
         from .cpu import CPUBackend
 
         return CPUBackend()
+    if kind in ("cuda", "xpu", "mps"):
+        from . import cuda
+
+        return {"cuda": cuda.CUDABackend, "xpu": cuda.XPUBackend, "mps": cuda.MPSBackend}[kind]()
+    if kind == "neuron":
+        from .neuron import NeuronBackend
+
+        return NeuronBackend()
     return Backend()
+
+
+def device_kind(device) -> str:
+    """The kind of a device: `torch.device`, or a string such as "cpu", "cuda:1", "neuron"."""
+    return device.type if isinstance(device, torch.device) else str(device).split(":")[0]
 
 
 def for_device(device) -> Backend:
     """The backend of a device (`torch.device`, or a string such as "cpu", "cuda:1", "neuron")."""
-    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    return _for_kind(kind)
+    return _for_kind(device_kind(device))
 
 
-__all__ = ["Backend", "for_device", "step_name", "cuda_graphs"]
+__all__ = ["Backend", "StepBuilder", "for_device", "device_kind", "step_name", "cuda_graphs"]

@@ -34,11 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..compile import cache_root
-    from ..generation.api import compile_settings, engine_for
-    from ..generation.config import CompileConfig, GenerationConfig
+    from ..compilation.compiler import cache_root
+    from ..api.generate import compile_settings, engine_for
+    from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
-    from ..auto import from_pretrained
+    from ..api.auto import from_pretrained
     from .options import check_backend
 
     check_backend(args.backend)

@@ -12,7 +12,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..devices import describe
+    from ..backends.devices import describe
 
     info = describe()
     if args.json:

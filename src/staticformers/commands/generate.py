@@ -45,12 +45,12 @@ def read_chat_template(path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from ..compile_summary import CacheWatch, graphs_line
-    from ..generation.config import CompileConfig
+    from ..compilation.summary import CacheWatch, graphs_line
+    from ..generation.generation_config import CompileConfig
     from ..generation.plan import ShapePlan
     from ..generation.streamers import TextStreamer
-    from ..auto import from_pretrained
-    from ..tokenizer import AutoTokenizer
+    from ..api.auto import from_pretrained
+    from ..tokenization.tokenizer import AutoTokenizer
     from .options import check_backend
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()

@@ -77,7 +77,7 @@ def add_arguments(parser) -> None:
 
 def lora_config(args):
     """The LoraConfig the --lora-* flags describe, or None without --lora-r (the others alone are refused)."""
-    from ..adapter_config import ALL_LINEAR, LoraConfig
+    from ..adapters.lora_config import ALL_LINEAR, LoraConfig
 
     if args.lora_r is None:
         given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-target", args.lora_target),
@@ -144,8 +144,8 @@ def has_text(docs) -> bool:
 
 
 def load_model(path: str, seed: int):
-    from ..config import ModelConfig
-    from ..auto import AutoModelForCausalLM
+    from ..models.model_config import ModelConfig
+    from ..api.auto import AutoModelForCausalLM
 
     config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -161,7 +161,7 @@ def load_tokenizer(folder: str):
     if not folder or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         return None
     try:
-        from ..tokenizer import AutoTokenizer
+        from ..tokenization.tokenizer import AutoTokenizer
     except ImportError:  # pragma: no cover - the tokenizer module is part of the package
         from tokenizers import Tokenizer
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ..contained import OutsideFolderError, file_in_folder
+from ..utils.contained_paths import OutsideFolderError, file_in_folder
 
 METADATA_FILE = ".metadata"
 

@@ -52,7 +52,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..moe import expert_mlp
+from ..models.moe import expert_mlp
 from .grad_scale import ScaleGrad
 from .mesh import ParallelDims
 

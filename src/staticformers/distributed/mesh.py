@@ -8,7 +8,7 @@ expert parallelism the same ranks are also viewed as `(edp_replicate, efsdp, ep)
 and unflattened again, so both views share one root mesh, as FSDP2 needs for a DTensor on another
 view): an EP group is `ep` consecutive ranks of a replica, which holds whole TP groups.
 
-`shutdown` exists because of a measured gloo quirk (see DESIGN.md): destroying the process group
+`shutdown` exists because of a measured gloo quirk (ARCHITECTURE.md, "Known to bite"): destroying the process group
 while FSDP/DTensor objects are still alive aborts a rank with SIGABRT in 10-40% of runs. Delete the
 model and optimizer first, then call it: it collects garbage, waits for every rank, then destroys.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import importlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..devices import dist_backend_for, resolve_device
-from .config import DistributedConfig
+from ..backends import device_kind, for_device
+from ..backends.devices import dist_backend_for, resolve_device
+from .distributed_config import DistributedConfig
 
 logger = logging.getLogger("staticformers")
 
@@ -37,10 +37,10 @@ MESH_DIMS = ("dp_replicate", "fsdp", "tp")
 def local_device(device_map=None) -> torch.device:
     """This rank's device: the requested kind at index LOCAL_RANK (the CPU stays "cpu")."""
     base = resolve_device(device_map if device_map is not None else "auto")
-    if base.type in ("cpu", "mps"):
+    if not for_device(base).per_rank_device():
         return base
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return resolve_device(f"{base.type}:{local_rank}")
+    return resolve_device(f"{device_kind(base)}:{local_rank}")
 
 
 def init_distributed(device: torch.device) -> None:
@@ -48,10 +48,7 @@ def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = dist_backend_for(device)
-    if device.type == "neuron":
-        importlib.import_module("torch_neuronx")  # registers the "neuron" c10d backend
-    if device.type in ("cuda", "xpu"):
-        getattr(torch, device.type).set_device(device)
+    for_device(device).before_process_group(device)  # register the c10d backend, set this rank's device
     dist.init_process_group(backend=backend)
     atexit.register(_destroy_at_exit)
     logger.info("torch.distributed started: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
@@ -122,7 +119,7 @@ def build_mesh(config: DistributedConfig, device: torch.device) -> ParallelDims:
     from .quiet import silence_pytorch_notices
 
     silence_pytorch_notices()
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_kind(device), shape, mesh_dim_names=MESH_DIMS)
     # flattened views let DTensor reduce over several dims in one collective (gradient norms, gathers)
     flattened = {"dp": mesh["dp_replicate", "fsdp"]._flatten("dp"), "fsdp_tp": mesh["fsdp", "tp"]._flatten("fsdp_tp")}
     expert = {}

@@ -1,6 +1,6 @@
 """Tensor parallel and FSDP2 applied to a built `CausalLM`, by ordered functions over a named mesh.
 
-The model code knows nothing of parallelism (DESIGN principle 4). Like torchtitan's
+The model code knows nothing of parallelism (ARCHITECTURE.md). Like torchtitan's
 `parallelize.py`, this module applies PyTorch's own styles in a written-down order:
 
 1. `apply_tp`: DTensor `parallelize_module` with the family's plan on the `tp` mesh:
@@ -42,9 +42,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .config import DistributedConfig, DistributedConfigError
+from .distributed_config import DistributedConfig, DistributedConfigError
 from .expert_parallel import DataParallelSum, apply_ep, shard_experts
 from .mesh import ParallelDims
+from ..backends import device_kind, for_device
 
 logger = logging.getLogger("staticformers")
 
@@ -154,7 +155,7 @@ def fsdp_kwargs(model: nn.Module, dims: ParallelDims) -> dict:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
     if config.fsdp_cpu_offload:
         device = next(iter(model.parameters())).device
-        if device.type in ("cpu", "meta") and not _accelerator_present():
+        if (device_kind(device) == "meta" or for_device(device).hosts_memory()) and not _accelerator_present():
             logger.info("fsdp_cpu_offload=True has nothing to do on the CPU: the shards already live in host memory")
         else:
             kwargs["offload_policy"] = CPUOffloadPolicy()

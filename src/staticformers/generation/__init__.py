@@ -1,0 +1,10 @@
+"""Generation over a declared shape plan: the plan, the engine's compiled steps, the one loop over slots.
+
+plan.py (every shape, decided before the first request), engine.py (the steps per shape and the static
+caches; it calls the device's backend through device_interface.py), loop.py (requests join and leave a
+batch of slots between decode steps), sampling.py (per-row logits processors and draws on the device),
+streamers.py (text out as tokens arrive), generation_config.py (GenerationConfig, CompileConfig).
+
+May import: backends, compilation, adapters, models, checkpoints, utils; never training (the two are
+independent), api, serving or commands.
+"""

@@ -4,13 +4,14 @@ Design choices (the why of this file):
 
 - **Every shape is declared.** Prefill is a function of `[B, L]` (batch bucket, prompt bucket), decode
   of `[B, 1]` over a `[B, K]` cache (K a KV length of the plan). Each (kind, shape, compile settings)
-  gets its own step function with its own code objects (`compile.py`), built by the device's backend
-  (`staticformers.backends`): whole-model graphs by default, per-layer regions on the CPU. Before a
+  gets its own step function with its own code objects (`compilation/compiler.py`), built by the device's backend
+  (`staticformers.backends`, called through `device_interface.py`): whole-model graphs by default,
+  per-layer regions on the CPU. Before a
   step runs, the engine checks its inputs have the declared shape (raise in tests, warn else).
 - **Rows are slots.** A prompt is prefilled into rows (slots) of a `[B, K]` cache, the prompt at
   positions `0..n-1`, while the other rows keep their state (`prefill(..., cache, slots)`); a decode
   step takes one token and one position per row, the cache is written at each row's position and the
-  mask is built from the positions on the device (`cache.py`, `modeling.build_masks`). The host sends
+  mask is built from the positions on the device (`models/kv_cache.py`, `models/decoder.py`). The host sends
   `[B, 1]` token ids, `[B, 1]` positions and the slot indices of an insert, nothing that grows.
 - **Prefill graphs do not depend on the KV length.** They attend over the prompt bucket only and
   return each row's logits at its last token and every layer's keys/values, which are inserted into
@@ -24,7 +25,7 @@ Design choices (the why of this file):
   state (active, disabled, scales, the adapter bank). A new identity, dtype, device, hook or adapter
   state drops steps and caches; an in-place change (training, an adapter loaded over another of the
   same shapes) drops only steps whose weights were frozen into them (inductor freezing).
-- **Adapters per row.** With an adapter bank (`adapter_bank.py`) each call says which adapter each
+- **Adapters per row.** With an adapter bank (`adapters/bank.py`) each call says which adapter each
   row uses (`adapters`: bank slots); the engine writes them into the bank's rows index, in place,
   around the step: a graph input, so mixing adapters compiles nothing.
 - **Bad input loses nothing.** Requests are validated before any device work (`loop.py`); caches and
@@ -41,15 +42,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..adapter_bank import routed
-from ..adapters import adapter_state
+from ..adapters.bank import routed
+from ..adapters.lora import adapter_state
 from ..backends import for_device
-from ..compile import CompiledFunction, shape_violation
-from ..compile_summary import cache_answers
-from ..module_hooks import forward_hook_state
-from .cache import KVCache
+from ..compilation.compiler import CompiledFunction, shape_violation
+from ..backends.memory_check import check_fits
+from ..compilation.summary import cache_answers
+from ..models.hooks import forward_hook_state
+from ..models.kv_cache import KVCache
 from .plan import ShapePlan
-from .steps import Step
+from ..compilation.steps import Step
+from .device_interface import DeviceBackend, StepBuilder
 
 logger = logging.getLogger("staticformers")
 
@@ -66,10 +69,6 @@ class CompileSettings:
     dynamic: bool = False
     fast_decode: bool = True  # let the backend choose faster formulations per shape
     regional: bool = False  # compile per-layer regions instead of the whole model (the backend's)
-
-    @property
-    def freezing(self) -> bool:
-        return self.enabled and self.backend == "inductor" and dict(self.options).get("freezing", False)
 
     @property
     def label(self) -> str:
@@ -110,17 +109,34 @@ class _Fingerprint:
         return ident, tuple(p._version for p in params)
 
 
-class Engine:
-    """One per model: the plan, the static caches per (batch bucket, KV length), the steps."""
+class _Context:
+    """The engine's side of the step interface (`device_interface.StepContext`): its caches and steps."""
 
-    def __init__(self, model, plan: Optional[ShapePlan] = None):
-        self.model = model
+    def __init__(self, engine: "Engine"):
+        self._engine = engine
+
+    def cache(self, batch: int, kv: int) -> KVCache:
+        return self._engine.cache(batch, kv)
+
+    def decode_step(self, batch: int, kv: int, settings) -> Step:
+        return self._engine.step("decode", batch, kv, settings).step
+
+
+class Engine:
+    """One per model: the plan, the static caches per (batch bucket, KV length), the steps.
+
+    `tp` is the tensor-parallel degree the model is partitioned with (a rank's cache holds its share of
+    the KV heads); the device's backend (`backends.for_device`) builds the steps through the interface of
+    `device_interface.py` and keeps its own per-model state (`self.steps`)."""
+
+    def __init__(self, model, plan: Optional[ShapePlan] = None, tp: int = 1):
+        self.model, self.tp = model, int(tp)
         self.plan = (plan or ShapePlan()).bind(model.config.max_position_embeddings)
-        self.backend = for_device(model.device)
+        self.backend: DeviceBackend = for_device(model.device)
+        self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
+        self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
         self.graphs: dict[tuple, Graph] = {}
-        self.shared: dict[tuple, CompiledFunction] = {}  # compiled functions several steps share (the backend's)
-        self.memo: dict = {}  # the backend's per-engine choices, until the weights change
         self.retired: list[dict] = []  # stats rows of steps dropped for new weights (the steps themselves are freed)
         self.lock = threading.RLock()  # held by the generation loop that uses the caches
         self._fingerprint = _Fingerprint(model)
@@ -137,8 +153,9 @@ class Engine:
             logger.info("%s: dropping graphs and caches", what)
             self.reset()
             self.backend = for_device(self.model.device)
+            self.steps = self.backend.steps_for(self.model, self.tp)
         elif versions != self._versions:
-            frozen = [k for k, g in self.graphs.items() if g.settings.freezing]
+            frozen = [k for k, g in self.graphs.items() if self.backend.freezes_weights(g.settings)]
             if frozen:
                 logger.info("weights changed in place: dropping %d graph(s) that froze the old weights", len(frozen))
                 for k in frozen:
@@ -149,19 +166,20 @@ class Engine:
         """Forget every step and cache (they are rebuilt on demand)."""
         for g in self.graphs.values():
             self._retire(g)
-        for key, f in self.shared.items():
+        for key, f in self.steps.shared.items():
             self.retired.append(self._shared_row(key, f, retired=True))
             f.release()
         self.graphs.clear()
-        self.shared.clear()
         self.caches.clear()
-        self.memo.clear()
+        self.steps.reset()
 
     # ---- caches and steps --------------------------------------------------------------------------
     def cache(self, batch: int, kv: int) -> KVCache:
         cache = self.caches.get((batch, kv))
         if cache is None:
-            cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv)
+            check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp), self.model.device,
+                       f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
+            cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp)
         return cache
 
     def step(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
@@ -169,7 +187,7 @@ class Engine:
         key = (kind, batch, dim, settings)
         g = self.graphs.get(key)
         if g is None:
-            step = self.backend.build_step(self, kind, batch, dim, settings)
+            step = self.steps.build(kind, batch, dim, settings, self._context)
             shape = (batch, dim) if kind == "prefill" else (batch, 1, dim)
             g = self.graphs[key] = Graph(kind, shape, settings, step)
         return g
@@ -263,7 +281,7 @@ class Engine:
     # ---- reporting ---------------------------------------------------------------------------------
     def graph_count(self) -> int:
         return sum(g.step.graphs for g in self.graphs.values() if g.step is not None) + \
-            sum(f.graphs for f in self.shared.values())
+            sum(f.graphs for f in self.steps.shared.values())
 
     def _retire(self, g: Graph) -> None:
         """Keep the step's stats row; free its compiled code, which may hold a KV cache and weights."""
@@ -275,7 +293,7 @@ class Engine:
     def stats(self) -> list[dict]:
         """One row per step (its own graphs), one per shared function, and the retired ones."""
         return ([self._row(g) for g in self.graphs.values()]
-                + [self._shared_row(k, f) for k, f in self.shared.items()] + list(self.retired))
+                + [self._shared_row(k, f) for k, f in self.steps.shared.items()] + list(self.retired))
 
     def _shared_row(self, key: tuple, f: CompiledFunction, retired: bool = False) -> dict:
         calls = sum(g.calls for g in self.graphs.values() if g.step is not None and any(u is f for u in g.step.uses))

@@ -53,9 +53,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..adapter_bank import bank_of
-from ..adapters import BASE
-from .cache import KVCache
+from ..adapters.bank import bank_of
+from ..adapters.lora import BASE
+from ..models.kv_cache import KVCache
 from .engine import CompileSettings, Engine
 from .plan import ShapePlan
 from .sampling import RowSampler, SamplingParams

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..seeds import check_seed
+from ..utils.seeds import check_seed
 
 NEG_INF = float("-inf")
 

@@ -3,4 +3,7 @@
 protocol.py (request bodies, checked), text.py (detokenisation, stop strings, tool calls),
 engine_thread.py (the loop in its own thread), replication.py (tensor parallel under torchrun),
 metrics.py (Prometheus), app.py (the HTTP endpoints), server.py (starting and stopping).
+
+May import: api, generation, training, distributed, backends, compilation, adapters, tokenization, models,
+checkpoints, utils; never commands.
 """

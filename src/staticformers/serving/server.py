@@ -76,18 +76,18 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 def load(options: ServeOptions):
     """The tokenizer and the model (partitioned over the torchrun job with tensor parallel)."""
-    from ..auto import from_pretrained
-    from ..tokenizer import AutoTokenizer
+    from ..api.auto import from_pretrained
+    from ..tokenization.tokenizer import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     kwargs = {}
     if options.tensor_parallel_size > 1:
-        from ..distributed.config import DistributedConfig
+        from ..distributed.distributed_config import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=options.tensor_parallel_size)
     model = from_pretrained(options.model, dtype=options.dtype, device_map=options.device, **kwargs)
     if options.lora_modules:  # stacked in one bank: a decode batch mixes rows of every adapter (adapter_bank.py)
-        from ..adapter_bank import bank_for_files
+        from ..adapters.bank import bank_for_files
 
         bank_for_files(model, options.lora_modules, options.max_loras, options.max_lora_rank)
     return model, tokenizer
@@ -97,8 +97,8 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
     settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
     after each shape)."""
-    from ..generation.api import compile_settings, engine_for
-    from ..generation.config import CompileConfig, GenerationConfig
+    from ..api.generate import compile_settings, engine_for
+    from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
     from ..generation.plan import ShapePlan
 

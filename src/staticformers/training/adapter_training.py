@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..adapters import has_adapters, trainable_adapter
+from ..adapters.lora import has_adapters, trainable_adapter
 
 
 def check_trainable(model: nn.Module) -> None:

@@ -2,7 +2,7 @@
 `assistant_only_loss`, `completion_only_loss` and `chat_template_path` (SFTConfig's meanings and defaults).
 
 What differs from transformers, on purpose:
-- The device is found by `staticformers.devices.resolve_device("auto")`: Neuron first, then CUDA,
+- The device is found by `staticformers.backends.devices.resolve_device("auto")`: Neuron first, then CUDA,
   XPU, MPS and the CPU (`use_cpu=True` forces the CPU). `torch_compile_backend` defaults to the
   device's backend: `"neuron"` on Neuron, `"inductor"` elsewhere.
 - Shapes are static: every training batch is `[per_device_train_batch_size, max_length]`, padded or
@@ -30,7 +30,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..seeds import check_seed
+from ..utils.seeds import check_seed
 from .transformers_names import apply_tf32, check_transformers_names, report_to_refusal
 
 logger = logging.getLogger("staticformers")
@@ -154,11 +154,11 @@ class TrainingArguments:
         self._check()
         apply_tf32(self.device, self.tf32)
         if self.torch_compile_backend is None:
-            from ..devices import compile_backend_for
+            from ..backends.devices import compile_backend_for
 
             self.torch_compile_backend = compile_backend_for(self.device)
         if self.bf16:
-            from ..devices import supports_bf16
+            from ..backends.devices import supports_bf16
 
             if not supports_bf16(self.device):
                 raise ValueError(f"bf16=True but {self.device} does not support bfloat16: pass bf16=False (or use_cpu=True).")
@@ -276,7 +276,7 @@ class TrainingArguments:
     def device(self) -> torch.device:
         """The training device: the CPU with use_cpu=True, else what `device_map="auto"` picks (Neuron first)."""
         if self._device is None:
-            from ..devices import resolve_device
+            from ..backends.devices import resolve_device
 
             self._device = torch.device("cpu") if self.use_cpu else resolve_device("auto")
         return self._device

@@ -32,7 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from ..tokenizer import AutoTokenizer
+from ..tokenization.tokenizer import AutoTokenizer
 from .documents import IGNORE_INDEX, Document, TextEncoder
 
 logger = logging.getLogger("staticformers")

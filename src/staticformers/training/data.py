@@ -34,7 +34,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..memory_check import check_fits
+from ..backends.memory_check import check_fits
 from .chat_data import ChatEncoder, is_chat_example
 from .documents import IGNORE_INDEX, Document, TextEncoder, as_list, iter_examples, pad_token_id_of
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from ..memory_check import check_fits, training_step_bytes
+from ..backends.memory_check import check_fits, training_step_bytes
 from .state_files import nonfinite
 
 

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..backends import for_device
+
 
 def no_decay_parameter_names(model: nn.Module) -> set[str]:
     """Names of the parameters that get no weight decay: biases, normalisation weights, 1-D tensors."""
@@ -115,7 +117,7 @@ def create_adamw(groups: list[dict], lr: float, betas: tuple, eps: float, fused:
     torch has it and `fused` asks for it (`optim="adamw_torch_fused"`); the foreach implementation
     otherwise (`optim="adamw_torch"`, and Neuron, XPU, MPS)."""
     params = [p for g in groups for p in g["params"]]
-    fused = fused and bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    fused = fused and bool(params) and all(for_device(p.device).fused_optimizer() for p in params)
     if fused:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

@@ -46,7 +46,7 @@ class TrainerState:
         """The state in `path`, every value checked: one sentence naming the file and the key when wrong."""
         import os
 
-        from ..jsonfile import read_json_object
+        from ..checkpoints.json_files import read_json_object
         from .state_files import RESUME_ADVICE, CorruptCheckpointError
 
         if not os.path.isfile(path):

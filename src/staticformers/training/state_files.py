@@ -144,9 +144,9 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
     docstring) before any is used; a LoRA run's checkpoint holds its adapter alone (PEFT's files).
     `names`: the family's checkpoint-name adapter (`checkpoint_names.py`: a mixture of experts' files hold
     one tensor per expert, stacked here); None: the identity."""
-    from ..adapter_files import AdapterFileError, read_checkpoint_adapter
-    from ..checkpoint_names import CheckpointNames
-    from ..loading import CheckpointError, open_weights, weight_files
+    from ..adapters.files import AdapterFileError, read_checkpoint_adapter
+    from ..checkpoints.names import CheckpointNames
+    from ..models.pretrained import CheckpointError, open_weights, weight_files
 
     try:
         adapter = read_checkpoint_adapter(directory, expected)
@@ -201,8 +201,8 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
 def verify_weights(directory: str) -> Optional[str]:
     """Why the weights of `directory` cannot be resumed from (damaged, truncated, non-finite), or None.
     Reads one tensor at a time (an adapter checkpoint: its adapter file, checked whole)."""
-    from ..adapter_files import ADAPTER_WEIGHTS, AdapterFileError, read_weights as read_adapter_weights
-    from ..loading import CheckpointError, open_weights, weight_files
+    from ..adapters.files import ADAPTER_WEIGHTS, AdapterFileError, read_weights as read_adapter_weights
+    from ..models.pretrained import CheckpointError, open_weights, weight_files
 
     adapter = os.path.join(directory, ADAPTER_WEIGHTS)
     if os.path.isfile(adapter):

@@ -49,16 +49,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..adapter_files import save_adapter
-from ..adapters import has_adapters, trainable_adapter
+from ..adapters.files import save_adapter
+from ..adapters.lora import has_adapters, trainable_adapter
 from ..backends import for_device
-from ..checkpoint_names import names_for
-from ..modeling import CausalLM
-from ..seeds import check_seed
-from . import checkpoint as ckpt
+from ..checkpoints.names import names_for
+from ..models.decoder import CausalLM
+from ..utils.seeds import check_seed
+from . import checkpoint_folders as ckpt
 from .adapter_training import check_trainable, frozen_originals, restore_frozen
 from .arguments import TrainingArguments
-from .compiled import StepFunction
+from .step_functions import StepFunction
 from .chat_data import use_chat_template_file
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
 from .guards import TrainingDivergedError, check_finite_weights, check_max_length, check_step_memory, check_token_ids
@@ -66,8 +66,7 @@ from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
-from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state,
-                          load_torch_file, read_weights)
+from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state, load_torch_file, read_weights)
 
 logger = logging.getLogger("staticformers")
 
@@ -117,7 +116,7 @@ class Trainer:
         self._user_optimizer = self.optimizer is not None
         self.distributed = None  # a DistributedTraining for a partitioned model
         if isinstance(model, CausalLM) and model.parallel_dims is not None:  # loaded with distributed_config
-            from ..distributed.trainer import DistributedTraining
+            from .partitioned import DistributedTraining
 
             self.distributed = DistributedTraining(self)
         self.device = self.setup_device()
@@ -246,7 +245,7 @@ class Trainer:
 
     def move_batch(self, batch: dict) -> dict:
         """The batch on the device; pinned first for a CUDA copy when `dataloader_pin_memory` (transformers' default)."""
-        pin = self.args.dataloader_pin_memory and self.device.type == "cuda"
+        pin = self.args.dataloader_pin_memory and for_device(self.device).pin_memory()
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -272,7 +271,7 @@ class Trainer:
             return self.distributed.model_state_for_saving()
         if self.master is not None:
             return {n: m.detach().to("cpu").contiguous() for n, m in self.master.by_name().items()}
-        from ..loading import export_state_dict
+        from ..models.pretrained import export_state_dict
 
         return export_state_dict(self.model)
 
@@ -283,7 +282,7 @@ class Trainer:
         if has_adapters(self.model):  # the trained adapter alone, in PEFT's format
             save_adapter(self.model, directory, trainable_adapter(self.model), tensors=self.model_state_for_saving())
         else:
-            from ..loading import save_pretrained
+            from ..models.pretrained import save_pretrained
 
             save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
         torch.save(self.optimizer.state_dict(), os.path.join(directory, ckpt.OPTIMIZER))
@@ -640,7 +639,7 @@ class Trainer:
         """The model (and tokenizer) in Hugging Face format, which transformers loads."""
         if self.distributed is not None:
             return self.distributed.save_model(output_dir)
-        from ..loading import save_pretrained
+        from ..models.pretrained import save_pretrained
 
         output_dir = output_dir or self.args.output_dir
         if self.is_world_process_zero():

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends import for_device
+
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 LOGGING_STRATEGIES = ("no", "steps", "epoch")
 SCHEDULER_KWARGS = {"cosine": ("num_cycles",)}  # the keyword arguments each schedule takes (transformers' names)
@@ -57,7 +59,7 @@ def check_transformers_names(args) -> None:
         raise _refuse("logging_strategy", args.logging_strategy, f"use one of {', '.join(LOGGING_STRATEGIES)}")
     _check_scheduler_kwargs(args)
     if args.tf32:
-        if args.device.type != "cuda":
+        if not for_device(args.device).tf32():
             raise _refuse("tf32", True, f"TF32 is a CUDA matmul mode and training runs on {args.device}; drop tf32 "
                                         f"(or use bf16=True for fast matmuls)")
     if args.gradient_checkpointing_kwargs:
@@ -101,7 +103,7 @@ def check_transformers_names(args) -> None:
             raise _refuse(name, getattr(args, name), "DistributedDataParallel is not used (data parallelism is FSDP2 "
                                                      "through DistributedConfig under torchrun); drop it")
     if args.ddp_backend is not None:
-        from ..devices import dist_backend_for
+        from ..backends.devices import dist_backend_for
 
         wanted = dist_backend_for(args.device)
         if args.ddp_backend != wanted:
@@ -129,12 +131,9 @@ def _check_scheduler_kwargs(args) -> None:
 
 def apply_tf32(device, tf32) -> None:
     """transformers' rule: tf32=True/False sets CUDA's matmul and cuDNN TF32 flags (process-wide); None leaves them."""
-    if tf32 is None or device.type != "cuda":
+    if tf32 is None or not for_device(device).tf32():
         return
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
-    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    for_device(device).set_tf32(bool(tf32))
 
 
 def report_to_refusal(item: str) -> ValueError:

@@ -1,7 +1,7 @@
 """Everything tuned for running on the CPU under inductor, behind one `Backend` (`backends.for_device`).
 
 Nothing outside `staticformers.backends` imports this package, so CUDA and Neuron never load it. It
-holds the formulations measured fastest per shape (`ops.py`: weight-streaming reductions, oneDNN's
+holds the formulations measured fastest per shape (`formulations.py`: weight-streaming reductions, oneDNN's
 float32 GEMM in `onednn.py`, grouped and blocked attention), the per-layer regions of the generation
 steps and the prefill that stops one layer early (`regions.py`), compiled functions saved whole
 between processes and run without guard evaluation once warm (`compiled.py`, `precompiled.py`),
@@ -15,16 +15,17 @@ import os
 
 import torch
 
-from ...adapter_bank import bank_of
-from ...compile import cache_root
-from ...modeling import has_decoder_layout
-from ...module_hooks import any_hooked, global_hooks, hooked
-from .. import Backend, step_name
+from ...adapters.bank import bank_of
+from ...compilation.compiler import cache_root
+from ...models.decoder import has_decoder_layout
+from ...models.hooks import any_hooked, global_hooks, hooked
+from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
 from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
-from .ops import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
+from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
 from .regions import RegionalDecode, RegionalPrefill, head_region
+from .thresholds import threshold
 
 
 def plain_projections(model) -> bool:
@@ -38,60 +39,95 @@ def plain_projections(model) -> bool:
                    for m in model.modules())
 
 
-def tensor_parallel(model) -> bool:
-    dims = model.parallel_dims
-    return dims is not None and dims.tp > 1
+class CPUStepBuilder(StepBuilder):
+    """One model's steps on the CPU: per-layer regions where they apply (`regions.py`), the formulation
+    measured fastest per shape, and the head regions every KV length of a batch bucket shares (`shared`)."""
 
+    def __init__(self, backend: "CPUBackend", model, tp: int = 1):
+        super().__init__(backend, model, tp)
+        self.memo: dict = {}  # the formulation per (kind, batch, settings), until the weights change
 
-class CPUBackend(Backend):
-    """The CPU's answers (see the module docstring and `backends.Backend`)."""
+    def reset(self) -> None:
+        super().reset()
+        self.memo.clear()
 
-    name = "cpu"
-
-    def default_regional(self) -> bool:
-        return True
-
-    def inductor_defaults(self) -> dict:
-        # realize a pointwise result read by two or more consumers (inductor's default: more than four):
-        # otherwise the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming
-        # reduction, for every weight row (BENCHMARKS.md)
-        return {**super().inductor_defaults(), "realize_reads_threshold": 2}
-
-    def training_ops(self, dtype: torch.dtype) -> CPUOps:
-        return PLAIN_CPU  # causal bf16 attention in query blocks
-
-    def before_training(self) -> None:
-        keep_freed_host_memory()
-
-    # ---- generation --------------------------------------------------------------------------------
-    def ops(self, engine, kind: str, batch: int, settings) -> CPUOps:
+    def ops(self, kind: str, batch: int, settings) -> CPUOps:
         """The formulation measured fastest for this step under inductor; the modules' own path (with
         query-blocked attention) otherwise, and wherever the formulations would bypass something:
         tensor parallel's module hooks, wrappers or hooks on a projection (`plain_projections`). With
         freezing, GEMMs stay `F.linear`: inductor then packs the frozen weights for oneDNN itself."""
-        key = ("ops", kind, batch, settings)
-        ops = engine.memo.get(key)
+        key = (kind, batch, settings)
+        ops = self.memo.get(key)
         if ops is None:
-            model = engine.model
+            model = self.model
             fast = settings.enabled and settings.backend == "inductor" and settings.fast_decode
-            if not fast or tensor_parallel(model) or not plain_projections(model):
+            if not fast or self.tp > 1 or not plain_projections(model):
                 ops = PLAIN_CPU
             else:
                 chooser = decode_formulation if kind == "decode" else prefill_formulation
-                ops = chooser(batch, model.dtype, None if settings.freezing else gemm_kernel(model.dtype))
-            engine.memo[key] = ops  # once per shape: `plain_projections` walks the module tree
+                frozen = self.backend.freezes_weights(settings)
+                ops = chooser(batch, model.dtype, None if frozen else gemm_kernel(model.dtype))
+            self.memo[key] = ops  # once per shape: `plain_projections` walks the module tree
         return ops
 
-    def regional(self, engine, settings) -> bool:
+    def regional(self, settings) -> bool:
         """Whether steps under `settings` are regions: asked for, and the model is our decoder, unsharded,
         its weights not frozen into graphs (a layer graph every layer shares takes weights as inputs) and
         no forward hook set (a hook on one layer cannot be in a graph every layer runs), and no adapter bank
         (a regional prefill finishes its prompts with the decode step's regions, whose rows are the cache's
         slots, not the prompts: one rows index cannot route both). Hooks registered or removed later, and
         a bank made later, rebuild the steps (the engine's fingerprint)."""
-        model = engine.model
-        return (settings.enabled and settings.regional and not settings.freezing and has_decoder_layout(model)
-                and not tensor_parallel(model) and not any_hooked(model) and bank_of(model) is None)
+        model = self.model
+        return (settings.enabled and settings.regional and not self.backend.freezes_weights(settings)
+                and has_decoder_layout(model) and self.tp == 1 and not any_hooked(model) and bank_of(model) is None)
+
+    def build(self, kind: str, batch: int, dim: int, settings, context):
+        if not self.regional(settings):
+            return super().build(kind, batch, dim, settings, context)
+        ops = self.ops(kind, batch, settings)
+        name = step_name(kind, batch, dim, settings)
+        backend = self.backend
+
+        def compile_one(fn, label):
+            return backend.compile_one(fn, label, (batch, 1 if kind == "decode" else dim), settings, precompile=True)
+
+        if kind == "prefill":
+            def decode_for(cache):  # the decode step of the cache a prefill fills finishes its last tokens
+                return context.decode_step(cache.batch, cache.max_length, settings)
+
+            return RegionalPrefill(self.model, dim, name, compile_one, ops, decode_for)
+        head_key = ("head", batch, ops.head_linear, settings)
+        if head_key not in self.shared:  # one per batch bucket and head formulation: every KV length shares it
+            label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
+            self.shared[head_key] = backend.compile_one(head_region, label, (batch, 1), settings, precompile=True)
+        return RegionalDecode(self.model, context.cache(batch, dim), name, compile_one, self.shared[head_key],
+                              CPUOps(None, None, ops.head_linear), ops)
+
+
+class CPUBackend(Backend):
+    """The CPU's answers (see the module docstring and `backends.base.Backend`)."""
+
+    name = kind = "cpu"
+
+    def default_regional(self) -> bool:
+        return True
+
+    def compile_defaults(self, compile_backend: str) -> dict:
+        if compile_backend != "inductor":
+            return {}
+        # realize a pointwise result read by two or more consumers (inductor's default: more than four):
+        # otherwise the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming
+        # reduction, for every weight row (BENCHMARKS.md)
+        return {**super().compile_defaults(compile_backend), "realize_reads_threshold": threshold("realize_reads_threshold")}
+
+    def steps_for(self, model, tp: int = 1) -> CPUStepBuilder:
+        return CPUStepBuilder(self, model, tp)
+
+    def training_ops(self, dtype: torch.dtype) -> CPUOps:
+        return PLAIN_CPU  # causal bf16 attention in query blocks
+
+    def before_training(self) -> None:
+        keep_freed_host_memory()
 
     def before_compile(self, settings) -> None:
         super().before_compile(settings)
@@ -103,26 +139,21 @@ class CPUBackend(Backend):
         return compile_region(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
                               settings.fullgraph, settings.dynamic, precompile)
 
-    def build_step(self, engine, kind: str, batch: int, dim: int, settings):
-        if not self.regional(engine, settings):
-            return super().build_step(engine, kind, batch, dim, settings)
-        ops = self.ops(engine, kind, batch, settings)
-        name = step_name(kind, batch, dim, settings)
+    # ---- the host ----------------------------------------------------------------------------------
+    def synchronize(self, device: torch.device) -> None:
+        pass  # CPU kernels have returned when the call returns
 
-        def compile_one(fn, label):
-            return self.compile_one(fn, label, (batch, 1 if kind == "decode" else dim), settings, precompile=True)
+    def available_memory(self, device: torch.device):
+        return host_available_memory()
 
-        if kind == "prefill":
-            def decode_for(cache):  # the decode step of the cache a prefill fills finishes its last tokens
-                return engine.step("decode", cache.batch, cache.max_length, settings).step
+    def per_rank_device(self) -> bool:
+        return False
 
-            return RegionalPrefill(engine.model, dim, name, compile_one, ops, decode_for)
-        head_key = ("head", batch, ops.head_linear, settings)
-        if head_key not in engine.shared:  # one per batch bucket and head formulation: every KV length shares it
-            label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
-            engine.shared[head_key] = self.compile_one(head_region, label, (batch, 1), settings, precompile=True)
-        return RegionalDecode(engine.model, engine.cache(batch, dim), name, compile_one, engine.shared[head_key],
-                              CPUOps(None, None, ops.head_linear), ops)
+    def hosts_memory(self) -> bool:
+        return True
+
+    def fused_optimizer(self) -> bool:
+        return True
 
 
-__all__ = ["CPUBackend", "plain_projections"]
+__all__ = ["CPUBackend", "CPUStepBuilder", "plain_projections"]

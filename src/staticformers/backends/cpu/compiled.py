@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ...compile import CompiledFunction, GraphRecord, cache_root, compile_function, inductor_patches
+from ...compilation.compiler import CompiledFunction, GraphRecord, cache_root, compile_function, inductor_patches
 from . import precompiled
 
 logger = logging.getLogger("staticformers")

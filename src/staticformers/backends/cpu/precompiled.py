@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from ... import cache_safety
+from ...compilation import cache_safety
 
 logger = logging.getLogger("staticformers")
 
@@ -108,7 +108,7 @@ def usable(fn: Any, args: tuple) -> bool:
     """Whether a call may go through an artifact: no closure (its values would be baked in) and no forward
     or backward hooks on any module argument or globally (Dynamo does not guard their absence, so a
     loaded artifact would skip a hook added since; such calls trace as usual)."""
-    from ...module_hooks import global_hooks, hooked
+    from ...models.hooks import global_hooks, hooked
 
     if getattr(fn, "__closure__", None) or global_hooks(backward=True):
         return False

@@ -38,11 +38,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ...compile import CompiledFunction
-from ...generation.cache import KVCache
-from ...modeling import kind_suffix, take
+from ...compilation.compiler import CompiledFunction
+from ...models.kv_cache import KVCache
+from ...models.decoder import kind_suffix, take
 from .compiled import SKIP_GUARDS, unguarded
-from .ops import CPUOps
+from .formulations import CPUOps
 
 
 # ---------------------------------------------------------------------------------------------

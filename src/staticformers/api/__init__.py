@@ -1,0 +1,9 @@
+"""The transformers-named surface: `AutoModelForCausalLM`, `model.generate()`, `pipeline()`.
+
+auto.py (the model class `from_pretrained` returns: loading, saving, adapters, distributed loading),
+generate.py (transformers' `generate` arguments over the generation loop, `compile_stats`), pipeline.py
+(`pipeline("text-generation", ...)`).
+
+May import: generation, training, distributed, backends, compilation, adapters, tokenization, models,
+checkpoints, utils; never serving or commands.
+"""

@@ -1,0 +1,278 @@
+"""`model.generate(...)` and `model.compile_stats()`: transformers' argument names over the generation loop.
+
+This module turns a call into validated settings (generation options, compile settings, the plan)
+and one `GenerationRequest` per row, drives the loop (`loop.py`) until every row has finished, and
+assembles the output `[batch, prompt + new]` (pad after EOS) on the inputs' device. Each row's prompt
+is the tokens its attention mask keeps, so left- and right-padded batches give the same continuations.
+Everything that can be refused is refused before any device work, so a bad call leaves the engine
+(its caches, graphs and plan) exactly as it was. Calls from several threads on one model run one
+after the other (the engine's lock), each with its own rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ..adapters.bank import bank_for_names
+from ..backends import device_kind
+from ..backends.devices import default_backend
+from ..utils.seeds import check_seed
+from ..generation.generation_config import CompileConfig, GenerationConfig
+from ..generation.engine import CompileSettings, Engine
+from ..generation.loop import GenerationLoop, GenerationRequest
+from ..generation.plan import ShapePlan
+from ..generation.sampling import SamplingParams
+
+logger = logging.getLogger("staticformers")
+
+# keyword arguments transformers' generate() accepts that mean nothing here but are harmless
+_IGNORED = {"use_cache", "token_type_ids", "return_dict_in_generate", "output_scores", "output_logits"}
+_DEFAULT_MAX_NEW_TOKENS = 20
+_ENGINE_ATTR = "_staticformers_engine"
+
+
+def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
+    """The model's engine (created on first use, kept in the model's `__dict__`); `plan` replaces its plan."""
+    engine = model.__dict__.get(_ENGINE_ATTR)
+    if engine is None:
+        dims = getattr(model, "parallel_dims", None)  # the layout a partitioned model was loaded with
+        engine = Engine(model, plan, tp=dims.tp if dims is not None else 1)
+        model.__dict__[_ENGINE_ATTR] = engine
+    elif plan is not None:
+        engine.plan = plan.bind(model.config.max_position_embeddings)
+    return engine
+
+
+def set_shape_plan(model, plan: ShapePlan) -> ShapePlan:
+    """Give the model's engine a new plan (graphs already compiled for shapes still in it are kept)."""
+    return engine_for(model, plan).plan
+
+
+def compile_stats(model) -> list[dict]:
+    """Each graph the engine built: kind, shape, backend, graphs compiled, seconds, calls."""
+    engine = model.__dict__.get(_ENGINE_ATTR)
+    return engine.stats() if engine is not None else []
+
+
+# ---------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------
+def compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig] = None) -> CompileSettings:
+    """The engine's compile settings for a call: the config's, the device's backend and its defaults."""
+    cc = compile_config if compile_config is not None else CompileConfig()
+    if not isinstance(cc, CompileConfig):
+        raise TypeError(f"compile_config must be a staticformers.CompileConfig, got {type(cc).__name__}.")
+    engine = engine_for(model)
+    backend = cc.backend or default_backend(model.device)
+    options = {**engine.backend.compile_defaults(backend), **(cc.options or {})}
+    return CompileSettings(
+        enabled=not config.disable_compile,
+        backend=backend,
+        mode=cc.mode,
+        options=tuple(sorted(options.items())),
+        fullgraph=cc.fullgraph,
+        dynamic=cc.dynamic,
+        fast_decode=bool(cc.fast_decode),
+        regional=bool(cc.regional) if cc.regional is not None else engine.backend.default_regional(),
+    )
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.flatten().tolist()]
+    if isinstance(x, int):
+        return [int(x)]
+    return [int(v) for v in x]
+
+
+def merged_config(model, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a staticformers.GenerationConfig, got {type(generation_config).__name__}.")
+    base = generation_config or model.generation_config or GenerationConfig()
+    config = base.copy()
+    rest = config.update(**kwargs)
+    rest = {k: v for k, v in rest.items() if k not in _IGNORED}
+    if rest:
+        raise TypeError(f"generate() got argument(s) it does not know: {', '.join(sorted(rest))}.")
+    return config
+
+
+def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[list[int]], torch.device]:
+    """The host ids as given, each row's prompt (the tokens its mask keeps) and the output device."""
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids (token ids of the prompt, [batch, length]).")
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids of shape [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}.")
+    out_device = input_ids.device
+    ids = input_ids.detach().to("cpu", torch.long)
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError("The prompt is empty: pass at least one token id per sequence.")
+    if attention_mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        mask = torch.as_tensor(attention_mask).detach().to("cpu")
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids has {tuple(ids.shape)}.")
+        mask = mask.bool()
+    empty = (~mask.any(-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"The prompt is empty for sequence(s) {empty[:8]} (attention_mask is all zeros): "
+                         f"pass at least one token per sequence.")
+    kept = ids[mask]
+    vocab = model.config.vocab_size
+    if int(kept.min()) < 0 or int(kept.max()) >= vocab:
+        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): "
+                         f"found {int(kept.min())}..{int(kept.max())}.")
+    return ids, [row[m].tolist() for row, m in zip(ids, mask)], out_device
+
+
+def _max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
+    if config.max_new_tokens is not None:
+        max_new = config.max_new_tokens
+    elif config.max_length is not None:
+        if not isinstance(config.max_length, int) or isinstance(config.max_length, bool):
+            raise ValueError(f"max_length={config.max_length!r} must be a positive integer.")
+        max_new = config.max_length - prompt_width
+        if max_new < 1:
+            raise ValueError(f"max_length={config.max_length} leaves no room after a prompt of {prompt_width} tokens: "
+                             f"pass max_new_tokens instead.")
+    else:
+        max_new = _DEFAULT_MAX_NEW_TOKENS
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise ValueError(f"max_new_tokens={max_new!r} must be a positive integer.")
+    return max_new
+
+
+def _pad_and_eos(model, config: GenerationConfig, no_eos: bool) -> tuple[list[int], int]:
+    eos = _as_list(config.eos_token_id)
+    if not eos and not no_eos:  # eos_token_id=None passed explicitly means "never stop early", as in transformers
+        eos = _as_list(getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None) \
+            or _as_list(model.config.eos_token_id)
+    pad = config.pad_token_id
+    if pad is None and model.generation_config is not None:
+        pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.pad_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return eos, int(pad)
+
+
+def _sampling(config: GenerationConfig, eos: list[int], row: int, seed: Optional[int],
+              generator: Optional[torch.Generator]) -> SamplingParams:
+    """Row `row`'s settings: with `seed`, its own generator seeded `seed + row`, so each row of a batch
+    samples what it samples alone with that seed."""
+    return SamplingParams(
+        do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+        min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+        min_new_tokens=config.min_new_tokens if config.min_new_tokens is not None else 0,
+        eos_token_ids=eos, seed=(seed + row) % 2**64 if seed is not None else None,
+        generator=generator if seed is None else None)
+
+
+def _without_autocast(device: torch.device):
+    """Generation computes in the model's dtype, as its static caches do: an enclosing autocast region
+    is switched off for the steps (under it the cache writes would mix dtypes). Load the model in
+    bfloat16 for bfloat16 generation."""
+    try:
+        if torch.is_autocast_enabled(device_kind(device)):
+            return torch.autocast(device_kind(device), enabled=False)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+        pass
+    return contextlib.nullcontext()
+
+
+def generate(
+    model,
+    inputs: Optional[torch.Tensor] = None,
+    generation_config: Optional[GenerationConfig] = None,
+    *,
+    input_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    streamer=None,
+    compile_config: Optional[CompileConfig] = None,
+    shape_plan: Optional[ShapePlan] = None,
+    generator: Optional[torch.Generator] = None,
+    seed: Optional[int] = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Generate continuations: returns `[batch, prompt + new]` token ids on the inputs' device.
+
+    Options use transformers' names (`max_new_tokens`, `min_new_tokens`, `do_sample`, `temperature`,
+    `top_k`, `top_p`, `min_p`, `repetition_penalty`, `eos_token_id`, `pad_token_id`,
+    `cache_implementation`, `disable_compile`, ...) and default to the checkpoint's
+    generation_config.json. `compile_config` chooses the backend (default: the device's);
+    `shape_plan` replaces the plan for this call; `seed` (row i of the batch samples with seed + i) or
+    `generator` (shared by the rows) makes sampling reproducible. `adapter_names` (PEFT's): one adapter
+    name per row ("__base__": none), the rows batched together over stacked adapter weights
+    (`adapter_bank.py`).
+    """
+    if inputs is not None and input_ids is not None:
+        raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
+    input_ids = inputs if input_ids is None else input_ids
+    no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
+    adapter_names = kwargs.pop("adapter_names", None)
+    config = merged_config(model, generation_config, kwargs)
+    engine = engine_for(model)
+    ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
+    if config.cache_implementation not in (None, "static"):
+        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not available: staticformers' "
+                         f"cache is always static (pass None or \"static\").")
+    max_new = _max_new_tokens(config, ids.shape[1])
+    if generator is not None and seed is not None:
+        raise ValueError("Pass generator or seed, not both.")
+    if seed is not None:
+        check_seed(seed)
+    eos, pad = _pad_and_eos(model, config, no_eos)
+    if adapter_names is not None and (not isinstance(adapter_names, (list, tuple)) or len(adapter_names) != len(prompts)
+                                      or not all(isinstance(n, str) for n in adapter_names)):
+        raise ValueError(f"adapter_names must list one adapter name per row ({len(prompts)}), \"__base__\" for none.")
+    requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i,
+                                  adapter=adapter_names[i] if adapter_names is not None else None)
+                for i, p in enumerate(prompts)]
+    settings = compile_settings(model, config, compile_config)
+    plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
+    new: list[list[int]] = [[] for _ in prompts]
+    with engine.lock:
+        if adapter_names is not None:
+            bank_for_names(model, adapter_names)
+        loop = GenerationLoop(engine, settings, plan)
+        for request in requests:  # every request is checked before any device work
+            loop.validate(request)
+        engine.check_weights()
+        for request in requests:
+            loop.add(request)
+        if streamer is not None:
+            streamer.put(ids.clone())
+        try:
+            with _without_autocast(model.device):
+                while not loop.idle:
+                    for event in loop.step():
+                        if event.error is not None:
+                            raise event.error
+                        new[event.request_id].append(event.token)
+                        if streamer is not None:
+                            streamer.put(torch.tensor([event.token], dtype=torch.long))
+        finally:
+            loop.close()
+            if streamer is not None:
+                streamer.end()
+    longest = max(len(n) for n in new)
+    out = torch.full((len(new), longest), pad, dtype=torch.long)
+    for i, tokens in enumerate(new):
+        out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return torch.cat([ids, out], dim=1).to(out_device)

@@ -1,0 +1,195 @@
+"""The CPU's formulations of the decoder's projections and attention, and which shape gets which.
+
+Why this exists: on a CPU, under inductor, the same math runs much faster in some formulations than
+through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
+
+- `project(..., "reduce")`: a linear as a float32 multiply-and-sum over the weight rows. With the
+  weight's rows outermost, inductor generates one loop that reads each weight row once for all the
+  tokens of a small decode batch: a batch-1 decode step streams its weights at close to the memory
+  bandwidth, where a GEMV call per projection is overhead-bound.
+- `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
+- `attend_decode`: one query per row as fused reductions over the cache (no matmul calls, no KV copy);
+  `attend_grouped`: matmul + float32 softmax + matmul with the query heads grouped per KV head;
+  `attend_blocks`: causal self-attention in query blocks of 128, skipping most of the masked triangle
+  (bf16 training and long bf16 prompts).
+
+`CPUOps` carries one choice of each (`ops.Ops` is the seam the model exposes); `decode_formulation`
+and `prefill_formulation` say which shape gets which, as measured.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ...adapters.lora import LoraLinear
+from ...models.decoder import causal_rows
+from ...models.ops import Ops, expert_product, sdpa
+from .onednn import onednn_available, onednn_linear
+from .thresholds import threshold
+
+
+def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> torch.Tensor:
+    """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
+    as a float32 multiply-and-sum over the weight rows (`"reduce"`).
+
+    The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
+    loop inductor generates reads each weight row once for all the tokens of a small decode batch.
+    A LoRA layer computes its base projection this way and adds its adapters itself."""
+    if how is None:
+        return layer(x)
+    if isinstance(layer, LoraLinear):
+        return layer(x, base=lambda base, h: project(base, h, how))
+    if how == "onednn":
+        return onednn_linear(layer, x)
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.reshape(*lead, -1).to(x.dtype)
+
+
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
+    grouped per KV head, which inductor fuses into loops reading each cached key and value once
+    (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`."""
+    b, h, s, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, 1, d).float()
+    scores = (qg * k.unsqueeze(2).float()).sum(-1) * scale  # [b, kvh, g, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kvh, g, d]
+    return out.reshape(b, h, s, d).to(v.dtype)
+
+
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head."""
+    b, h, s, d = q.shape
+    kvh, kv_len = k.shape[1], k.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, kvh, g * s, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    if mask is None:
+        mask = causal_rows(s, kv_len, q.device)
+    mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, h, s, d)
+
+
+CPU_BLOCK = threshold("attention_query_block")  # query block of `attend_blocks`
+
+
+def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                  block: int = CPU_BLOCK) -> torch.Tensor:
+    """Causal self-attention (queries = keys) in query blocks: block i attends to the keys up to its
+    end only, each as matmul + float32 softmax + matmul (KV heads repeated per query head). It skips
+    most of the masked upper triangle, which the CPU SDPA kernel computes (BENCHMARKS.md). `mask` (packed documents, padding, windows)
+    already contains causality; without one it is built from positions."""
+    b, h, s, d = q.shape
+    g = h // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    outs = []
+    for start in range(0, s, block):
+        end = min(start + block, s)
+        scores = torch.matmul(q[:, :, start:end], k[:, :, :end].transpose(-1, -2)).float() * scale
+        if mask is None:
+            rows = torch.arange(start, end, device=q.device)[:, None]
+            hidden = torch.arange(end, device=q.device)[None, :] > rows
+        else:
+            hidden = ~mask[:, :, start:end, :end]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v[:, :, :end]))
+    return torch.cat(outs, 2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+           blocks: bool = True) -> torch.Tensor:
+    """SDPA, except causal self-attention of bf16/fp16 over at least two query blocks (`attend_blocks`)."""
+    s = q.shape[2]
+    if blocks and q.dtype in (torch.bfloat16, torch.float16) and s == k.shape[2] and s >= 2 * CPU_BLOCK:
+        return attend_blocks(q, k, v, mask, scale)
+    return sdpa(q, k, v, mask, scale)
+
+
+class CPUOps(Ops):
+    """One formulation: `attention` ("reduce": fused reductions for one query per row, grouped matmuls
+    otherwise; "matmul": grouped matmuls; None: SDPA or query blocks), `linears` and `head_linear`
+    ("reduce", "onednn" or None: the module itself, so hooks and wrappers run)."""
+
+    name = "cpu"
+
+    def __init__(self, attention: Optional[str] = None, linears: Optional[str] = None,
+                 head_linear: Optional[str] = None, blocks: bool = True):
+        self.attention_kind, self.linears, self.head_linear, self.blocks = attention, linears, head_linear, blocks
+
+    @property
+    def key(self) -> tuple:
+        return ("CPUOps", self.attention_kind, self.linears, self.head_linear, self.blocks)
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return project(layer, x, self.linears)
+
+    def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return project(layer, x, self.head_linear)
+
+    def expert_matmul(self, x, weight, index=None):
+        """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1
+        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does."""
+        if self.linears != "reduce":
+            return expert_product(x, weight, index)
+        w = weight if index is None else weight[index]
+        return (x.unsqueeze(-2).float() * w.unsqueeze(-3).float()).sum(-1).to(x.dtype)
+
+    def attention(self, q, k, v, mask, scale):
+        if self.attention_kind == "reduce" and q.shape[2] == 1:
+            return attend_decode(q, k, v, mask, scale)
+        if self.attention_kind is not None:
+            return attend_grouped(q, k, v, mask, scale)
+        return attend(q, k, v, mask, scale, self.blocks)
+
+
+PLAIN_CPU = CPUOps()
+FAST_DECODE_MAX_BATCH = threshold("fast_decode_max_batch")  # thresholds.py
+BF16_HEAD_REDUCTION_MAX_BATCH = threshold("bf16_head_reduction_max_batch")
+
+
+def gemm_kernel(dtype: torch.dtype) -> Optional[str]:
+    """The GEMM behind a formulation's linears that are not reductions: oneDNN's for float32 (this
+    PyTorch's MKL sgemm measured slower for every decoder shape, BENCHMARKS.md); the module's own for
+    bfloat16, which already runs oneDNN's."""
+    if dtype == torch.float32 and onednn_available() and torch.backends.mkldnn.enabled:
+        return "onednn"
+    return None
+
+
+def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> CPUOps:
+    """The formulation of an inductor decode step at this batch (`gemm` is `gemm_kernel(...)`).
+
+    As measured on the 41.6M reference model (BENCHMARKS.md): at batch 1 every linear is a weight-
+    streaming reduction and attention fused reductions. At batch 2-8 the linears stay GEMMs: inductor
+    fuses the producing norm or activation into a reduction and recomputes it for each weight row, and
+    the BLAS's bf16 GEMMs beat our reductions. Attention there is fused reductions in bf16 (the CPU's
+    SDPA kernel is slow at small batches in bf16); float32 keeps SDPA. The `lm_head` is a reduction in
+    float32 at every batch up to 8 and in bf16 up to batch 2, where this PyTorch's GEMM reads that
+    weight slowly; the regional head stores the normalised input once (`regions.head_region`), so
+    nothing is recomputed per weight row. Past batch 8 everything is a GEMM."""
+    if batch > FAST_DECODE_MAX_BATCH:
+        return CPUOps(None, gemm, gemm)
+    head = "reduce" if dtype == torch.float32 or batch <= BF16_HEAD_REDUCTION_MAX_BATCH else gemm
+    if batch == 1:
+        return CPUOps("reduce", "reduce", head)
+    return CPUOps(None if dtype == torch.float32 else "reduce", gemm, head)
+
+
+def prefill_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> CPUOps:
+    """The formulation of an inductor prefill step: GEMMs through `gemm`; grouped matmuls for one bf16
+    prompt's attention (the CPU SDPA kernel with a mask is slower there), SDPA (or query blocks)
+    otherwise; the head (one position per row) as decode's at this batch, since the two share it."""
+    attention = "matmul" if batch == 1 and dtype != torch.float32 else None
+    return CPUOps(attention, gemm, decode_formulation(batch, dtype, gemm).head_linear)

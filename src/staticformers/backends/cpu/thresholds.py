@@ -1,0 +1,45 @@
+"""The CPU's tuning thresholds, in one table: defaults measured on one machine and one model, not facts.
+
+Each was chosen by a benchmark on the 41.6M Qwen3-shaped reference model (`bench/reference.py`) on a
+2-core x86 machine, recorded in BENCHMARKS.md under the section named beside it. Another CPU, another
+model size or another PyTorch may move every one of them: re-measure with the named script before
+relying on them (`bench/generate.py --batch 1 8 --dtype float32 bfloat16` shows the decode choices,
+`bench/train.py` the attention block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Threshold:
+    value: int
+    chosen_by: str  # the benchmark, and the BENCHMARKS.md section that has its figures
+    meaning: str
+
+
+TABLE = {
+    "fast_decode_max_batch": Threshold(
+        8, "bench/generate.py (BENCHMARKS.md, Generation)",
+        "the largest batch bucket whose decode step gets the measured formulations; above it every linear "
+        "is a GEMM"),
+    "bf16_head_reduction_max_batch": Threshold(
+        2, "bench/generate.py (BENCHMARKS.md, Generation)",
+        "up to this batch a bf16 `lm_head` is a weight-streaming reduction (float32: up to "
+        "fast_decode_max_batch), where this PyTorch's bf16 GEMM reads that weight slowly"),
+    "attention_query_block": Threshold(
+        128, "bench/train.py (BENCHMARKS.md, Training)",
+        "the query block of causal bf16 attention (`attend_blocks`); at least two blocks of queries take it"),
+    "realize_reads_threshold": Threshold(
+        2, "bench/generate.py (BENCHMARKS.md, Generation)",
+        "inductor's `realize_reads_threshold` on the CPU: a pointwise result read by this many consumers is "
+        "stored, not recomputed inside each weight-streaming reduction"),
+}
+
+
+def threshold(name: str) -> int:
+    return TABLE[name].value
+
+
+__all__ = ["TABLE", "Threshold", "threshold"]

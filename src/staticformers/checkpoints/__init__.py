@@ -1,0 +1,9 @@
+"""Checkpoint files: where they are (a folder or the Hub) and how tensors and names are read and written.
+
+hub.py (local folder or Hub id through huggingface_hub), json_files.py (config and tokenizer JSON with one
+error), safetensors_io.py (plain reads into the tensors that keep the data), weights_writer.py (shards and
+their index, atomically), names.py (each family's checkpoint-name adapter: Hub tensor names <-> parameters).
+Nothing here knows the model: `models/pretrained.py` builds one from these files.
+
+May import: utils.
+"""

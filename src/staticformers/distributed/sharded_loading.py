@@ -1,0 +1,78 @@
+"""`from_pretrained(..., distributed_config=...)`: a model partitioned at load time, read shard by shard.
+
+Order, per rank: check the layout, start the process group, build the model on the meta device,
+partition it (`parallelize`: tensor parallel, then FSDP2), allocate only this rank's shards
+(`to_empty`), then fill them with `torch.distributed.checkpoint.load` through PyTorch's
+`HuggingFaceStorageReader` (DCP plans each rank's slices in any layout), whose reading is replaced
+by plain row-ranged reads (reader.py: no memory map inflating RSS; a mixture's per-expert tensors
+planned as chunks of its stacked experts): no rank ever holds the whole model. The headers are
+checked first so that a checkpoint that does not fit the config gets the same sentences as a
+single-process load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..models.model_config import ModelConfig
+from ..backends.devices import dist_backend_for
+from ..models.pretrained import CheckpointError, checkpoint_layout, load_weights
+from ..models.decoder import CausalLM
+from .distributed_config import DistributedConfig, started_by_torchrun
+from .mesh import build_mesh, init_distributed, local_device
+from .parallelize import parallelize
+
+logger = logging.getLogger("staticformers")
+
+
+def read_sharded(model: CausalLM, files: list[str], layout=None) -> None:
+    """Fill the model's (already allocated, possibly sharded) parameters with their slices of the files
+    (`layout`: the files' names -> the parameters' pieces, `loading.checkpoint_layout`; computed if None)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .reader import SlicedSafetensorsReader
+
+    state = {k: v for k, v in model.state_dict().items()
+             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    folders = {os.path.dirname(os.path.abspath(f)) for f in files}
+    if len(folders) != 1:
+        raise CheckpointError(f"The checkpoint's shards lie in {len(folders)} folders: put them in one folder.")
+    if layout is None:
+        layout = checkpoint_layout(model, files)[0]
+    dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop(), files, layout))
+
+
+def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
+                     distributed_config: DistributedConfig, device_map=None, model_class: type = CausalLM) -> CausalLM:
+    """The model of `config` (a `model_class`), partitioned by `distributed_config` over this torchrun job,
+    weights loaded. Its `parallel_dims` says how; saving and training read it from there."""
+    if not isinstance(distributed_config, DistributedConfig):
+        raise TypeError(f"distributed_config must be a staticformers DistributedConfig, not {type(distributed_config).__name__}.")
+    layout = distributed_config.resolved()
+    layout.check_model(config)
+    device = local_device(device_map)
+    if layout.tp_size * layout.dp_size == 1 and not dist.is_initialized() and not started_by_torchrun():
+        logger.info("DistributedConfig with one rank outside torchrun: loading the model whole on %s", device)
+        with torch.device("meta"):
+            model = model_class(config)
+        load_weights(model, files, device, dtype)
+        return model
+    init_distributed(device)
+    dims = build_mesh(layout, device)
+    with torch.device("meta"):
+        model = model_class(config).to(dtype)
+    layout, _ = checkpoint_layout(model, files)  # every header checked before anything is read
+    parallelize(model, dims, dist_backend_for(device))
+    model.to_empty(device=device)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
+    read_sharded(model, files, layout)
+    model.model.rotary_emb.reset_parameters(device)
+    return model
+
+
+__all__ = ["load_distributed", "read_sharded"]

@@ -1,0 +1,10 @@
+"""The one decoder and what describes it: config (both spellings) and its checks, the family table, MoE, the ops seam.
+
+model_config.py (config.json -> ModelConfig; the table of families), config_checks.py / config_moe.py (the
+keys' checks), decoder.py (the decoder, its pieces and its output), moe.py (the mixture-of-experts block),
+ops.py (the seam through which a backend chooses how projections and attention are computed), hooks.py
+(whether module hooks are set), pretrained.py (a model from a checkpoint folder, and back).
+The model knows nothing of devices, compilation or parallelism.
+
+May import: checkpoints, utils.
+"""

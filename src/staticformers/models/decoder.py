@@ -1,0 +1,648 @@
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral, and its output type.
+
+Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
+embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
+(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Module and parameter names mirror
+transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
+Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by
+`checkpoint_names.py`).
+
+This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
+no compile calls, no loading or generation. What callers may change comes in through two arguments:
+
+- `ops` (`ops.Ops`): how projections and attention are computed. The plain path (the modules
+  themselves, PyTorch's SDPA) is the default; a backend passes its own formulation per shape.
+- `kv_cache`: an object with `max_length` and `update(layer_idx, k, v, position_ids) -> (keys,
+  values)`. The generation engine's cache writes each row's keys and values at that row's own
+  positions (`models/kv_cache.py`); its index *is* the position, so masks over a cache follow
+  from `position_ids` alone.
+
+Masks are booleans `[batch, 1, queries, keys]`, one per distinct sliding window, built once per
+forward: causal over a cache from each row's positions; without a cache from the sequence index, the
+2-D padding mask when one is given, and, for packed training rows, document boundaries found in
+`position_ids` (a position that does not follow its left neighbour starts a document, as
+transformers does). A row of queries that may see nothing (left padding) is opened fully so that no
+NaN leaks; its output is never used. Heads are read from the weights' shapes at run time (`-1` in
+views), so a tensor-parallel plan that shards q/k/v column-wise needs nothing from this file.
+
+`keep` (an int, or per-row indices `[batch, n]`) asks for the output at some positions only: the
+last layer then computes its keys and values everywhere and its attention and MLP at those positions
+(a prompt's logits are wanted at its end), one layer of prompt work saved.
+
+A sparse layer also produces its router logits (`DecoderLayer.forward(..., routed=True)`); with `output_router_logits`
+the model collects them, returns them and its load-balancing loss (`aux_loss`, added to the loss times
+`router_aux_loss_coef` when labels are given), as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelConfig
+from .hooks import global_hooks, hooked
+from .moe import Experts, SparseMoeBlock, load_balancing_loss
+from .ops import PLAIN, Ops
+
+if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
+    from ..distributed.mesh import ParallelDims
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CausalLMOutput:
+    """`.logits` `[batch, seq, vocab]` (or the kept positions) and `.loss` when labels were given; for a
+    mixture of experts with `output_router_logits`, `.aux_loss` and `.router_logits` (one `[batch * seq,
+    experts]` tensor per sparse layer)."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+    router_logits: Optional[tuple] = None
+
+    def __getitem__(self, key: Union[str, int]) -> Any:
+        if isinstance(key, int):
+            return self.to_tuple()[key]
+        return getattr(self, key)
+
+    def keys(self):
+        return [k for k in ("loss", "aux_loss", "logits", "router_logits") if getattr(self, k) is not None]
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.keys())
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Inverse frequencies for the config's RoPE variant (default, linear, llama3, yarn)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(config, inv_freq, device)
+    return inv_freq
+
+
+def _yarn_inv_freq(config: ModelConfig, extrapolation: torch.Tensor, device) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between (the paper's
+    correction range from beta_fast/beta_slow rotations over the original context)."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequency), 0: interpolate
+    return (extrapolation / factor) * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor YaRN applies to cos/sin (1.0 for every other variant)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions; `inv_freq` is a non-persistent buffer rebuilt after meta init."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        # computed on the CPU even under a meta-device context: pow on meta pages in kernels a load never needs
+        self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
+        self.attention_factor = rope_attention_factor(config)
+
+    def reset_parameters(self, device: Optional[torch.device] = None) -> None:
+        """Recompute the frequencies (on `device`, else where they are): a meta-built model's last step."""
+        self.inv_freq = rope_inv_freq(self.config, device=device if device is not None else self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# keeping some positions only
+# ---------------------------------------------------------------------------------------------
+Keep = Union[int, torch.Tensor]  # the last n positions, or per-row indices [batch, n]
+
+
+def take(t: torch.Tensor, keep: Keep, dim: int = 1) -> torch.Tensor:
+    """`t` at the kept positions along `dim`: the sequence of `[b, s, ...]` (dim 1) or a mask's queries
+    `[b, 1, q, kv]` (dim 2)."""
+    if isinstance(keep, int):
+        return t.narrow(dim, t.shape[dim] - keep, keep)
+    b, n = keep.shape
+    shape = [b, *t.shape[1:]]
+    shape[dim] = n
+    index = keep.view(b, *([1] * (dim - 1)), n, *([1] * (t.dim() - dim - 1)))
+    return t.expand(b, *t.shape[1:]).gather(dim, index.expand(shape))
+
+
+def kept_rows(mask: Optional[torch.Tensor], keep: Keep, kv_len: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The rows of a self-attention mask `[b, 1, q, kv]` for the kept queries. None (plain causal
+    attention) stays None for the last query alone, which sees every key; otherwise their causal rows
+    are built (SDPA's `is_causal` aligns a shorter query block to the first keys, not the last)."""
+    if mask is not None:
+        return take(mask, keep, dim=2)
+    if isinstance(keep, int):
+        return None if keep == 1 else causal_rows(keep, kv_len, device)
+    k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    return k_pos <= keep.view(keep.shape[0], 1, keep.shape[1], 1)
+
+
+def causal_rows(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """The causal mask `[1, 1, q_len, kv_len]` of the last `q_len` positions over all `kv_len` keys."""
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
+
+
+def _kept(keep: Optional[Keep], seq: int) -> Optional[Keep]:
+    """`keep` when it selects fewer positions than there are, else None (everything is wanted)."""
+    if keep is None:
+        return None
+    if isinstance(keep, int):
+        return keep if 0 < keep < seq else None
+    return keep
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers
+# ---------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.layer_idx = layer_idx
+        self.head_dim = hd
+        self.scale = hd ** -0.5
+        self.window = config.layer_window(layer_idx)
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
+        s, head_dim]`, as `forward` computes them."""
+        b, s, _ = x.shape
+        k = ops.linear(self.k_proj, x).view(b, s, -1, self.head_dim)
+        v = ops.linear(self.v_proj, x).view(b, s, -1, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                keep: Optional[Keep] = None):
+        """Self-attention of `x` (the layer's normalised input); `keep`: the output at the kept positions
+        only, the keys and values (and the cache) at every position."""
+        k, v = self.keys_values(x, cos, sin, ops)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
+        if keep is not None:
+            x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
+        b, s, _ = x.shape
+        q = ops.linear(self.q_proj, x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        out = ops.attention(q, k, v, mask, self.scale)
+        return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x, ops: Ops = PLAIN):
+        return ops.linear(self.down_proj, F.silu(ops.linear(self.gate_proj, x)) * ops.linear(self.up_proj, x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sparse = config.layer_is_sparse(layer_idx)
+        self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
+
+    @property
+    def kind(self) -> tuple:
+        """What makes two layers run the same code: the attention window and the MLP kind (layers of one
+        kind share a compiled layer region)."""
+        return (self.self_attn.window, "moe" if self.sparse else "dense")
+
+    def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                keep: Optional[Keep] = None, routed: bool = False):
+        """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
+        router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
+        FSDP's among them, run as for any other call)."""
+        mask = masks[self.self_attn.window]
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
+        x = (take(x, keep) if keep is not None else x) + attn
+        logits = None
+        if self.sparse:
+            out, logits = self.mlp(self.post_attention_layernorm(x), ops)
+            x = x + out
+        else:
+            x = x + self.mlp(self.post_attention_layernorm(x), ops)
+        return (x, logits) if routed else x
+
+
+def kind_suffix(kind: tuple) -> str:
+    """The part of a compiled layer region's name that tells a layer kind apart ("", "_window4096", "_moe")."""
+    window, mlp = kind
+    return ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
+
+
+def layer_suffix(layer: DecoderLayer) -> str:
+    return kind_suffix(layer.kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document index per token of packed rows: a position that does not follow its left neighbour
+    by one starts a new document (transformers' rule)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def build_masks(
+    windows: set,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    attention_mask: Optional[torch.Tensor] = None,
+    q_positions: Optional[torch.Tensor] = None,
+    segments: Optional[torch.Tensor] = None,
+) -> dict:
+    """One boolean mask `[batch, 1, q_len, kv_len]` per distinct sliding window (None = full).
+
+    `q_positions` `[batch, q_len]`: each query's index in the keys (a cache's index is the position);
+    None: the sequence index. Returns {window: None} when plain causal attention without a cache
+    suffices, so SDPA can take its `is_causal` path.
+    """
+    plain = attention_mask is None and segments is None and q_positions is None and q_len == kv_len
+    if plain and windows == {None}:
+        return {None: None}
+    if q_positions is None:
+        q_pos = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+    else:
+        q_pos = q_positions.view(q_positions.shape[0], 1, q_len, 1)
+    k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+    base = k_pos <= q_pos
+    if attention_mask is not None:
+        if attention_mask.dim() == 4:
+            base = base & attention_mask.bool()
+        else:
+            if attention_mask.shape[-1] != kv_len:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} positions but attention sees {kv_len} keys: "
+                    f"pass a mask over the whole sequence (past and present)."
+                )
+            base = base & attention_mask.bool()[:, None, None, :]
+    if segments is not None:
+        base = base & (segments[:, None, :, None] == segments[:, None, None, :])
+    masks = {}
+    for window in windows:
+        m = base if window is None else base & (q_pos - k_pos < window)
+        m = m.expand(batch, 1, q_len, kv_len)
+        masks[window] = m | ~m.any(-1, keepdim=True)  # rows that see nothing (left padding): open, unused
+    return masks
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # built without nn.Embedding's own init (init_weights does it): on the meta device, normal_
+        # pages in kernels that a load never needs
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+        self.gradient_checkpointing = False
+
+    def prepare(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None):
+        """What every layer takes besides the hidden states: `(x, cos, sin, masks)` (embedded input,
+        rotary tables, one mask per sliding window)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
+        segments = q_positions = None
+        if position_ids is None:
+            rope_positions = torch.arange(s, device=x.device).view(1, s).expand(b, s)
+        else:
+            rope_positions = position_ids
+            if kv_cache is not None:
+                q_positions = position_ids  # each row's own positions are its cache indices
+            elif attention_mask is None:
+                segments = packed_segments(position_ids)
+        kv_len = kv_cache.max_length if kv_cache is not None else s
+        masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, q_positions, segments)
+        cos, sin = self.rotary_emb(rope_positions, x.dtype)
+        return x, cos, sin, masks
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None,
+                keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
+        """The final hidden states; `keep`: at the kept positions only (`run_layers`); `router_logits`: a
+        list that collects each sparse layer's router logits."""
+        x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds)
+        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops,
+                                         router_logits=router_logits))
+
+    def effective_keep(self, keep: Optional[Keep], seq: int) -> Optional[Keep]:
+        """`keep` as `run_layers` applies it: None when it keeps every position, or while forward hooks
+        watch the last layer (they see every position, as with transformers)."""
+        keep = _kept(keep, seq)
+        if keep is not None and (global_hooks() or any(hooked(m) for m in self.layers[-1].modules())):
+            return None
+        return keep
+
+    def run_layers(self, x, cos, sin, masks, kv_cache=None, position_ids=None, call=None,
+                   keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
+        """Every layer in turn (checkpointed when gradient checkpointing is on and training);
+        `call(layer, x, cos, sin, masks, kv_cache, position_ids, ops)` runs one (default: the layer
+        itself; the Trainer passes its compiled layer region). `keep` (see `effective_keep`; passed to
+        the last layer's `call`): the last layer computes its output at the kept positions alone, its
+        keys and values at all of them. `router_logits`: a list to which each sparse layer's router
+        logits are appended; `call` then returns `(x, logits or None)` (default: `call_layer_routed`)."""
+        routed = router_logits is not None
+        call = call or (call_layer_routed if routed else call_layer)
+        last = len(self.layers) - 1
+        keep = self.effective_keep(keep, x.shape[1])
+        for i, layer in enumerate(self.layers):
+            kept = {"keep": keep} if keep is not None and i == last else {}
+            if self.gradient_checkpointing and self.training:
+                out = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, position_ids, ops,
+                                                        use_reentrant=False, **kept)
+            else:
+                out = call(layer, x, cos, sin, masks, kv_cache, position_ids, ops, **kept)
+            if routed:
+                x, logits = out
+                if logits is not None:
+                    router_logits.append(logits)
+            else:
+                x = out
+        return x
+
+
+def has_decoder_layout(model) -> bool:
+    """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
+    `lm_head`): what compiled single-layer regions need."""
+    decoder = getattr(model, "model", None)
+    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and hasattr(model, "lm_head")
+
+
+def call_layer(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+               keep: Optional[Keep] = None):
+    """One decoder layer: what `run_layers` calls by default (and what compiled layer regions compile)."""
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep)
+
+
+def call_layer_routed(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
+                      keep: Optional[Keep] = None):
+    """One decoder layer and its router logits (None for a dense layer): `(x, logits)`."""
+    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep, routed=True)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
+                   ignore_index: int = -100) -> torch.Tensor:
+    """Next-token cross-entropy in float32; labels are shifted here (as transformers does).
+
+    With `num_items_in_batch` the summed loss is divided by it, so gradient accumulation over
+    micro-batches equals one large batch.
+    """
+    labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean",
+    )
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class CausalLM(nn.Module):
+    """A causal language model: `.model` (the decoder) and `.lm_head`, transformers' layout.
+
+    The architecture alone; `staticformers.api.auto.ModelForCausalLM` (what `from_pretrained` returns)
+    adds loading, saving and generation. `parallel_dims` is the layout a model was partitioned with
+    (`staticformers.distributed.mesh.ParallelDims`, set by `distributed.parallelize`), None in one process;
+    `data_parallel` (set there too when several ranks see distinct batches) sums the router statistics
+    of the load-balancing loss over those ranks (`moe.load_balancing_loss`).
+    """
+
+    parallel_dims: Optional["ParallelDims"] = None
+    data_parallel: Any = None
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.generation_config = None  # set by loading (generation_config.json) or by the engine
+        self.name_or_path = None
+        self.parallel_dims = None
+        self.data_parallel = None
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: ModelConfig, dtype: Optional[torch.dtype] = None, seed: Optional[int] = None):
+        """A randomly initialised model (transformers' init: normal(0, initializer_range), norms at 1)."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = cls(config)
+        model.init_weights()
+        return model.to(dtype) if dtype is not None else model
+
+    def init_weights(self) -> None:
+        std = float(self.config.extra.get("initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Experts):
+                module.reset_parameters(std)
+        self.tie_weights()
+        self.model.rotary_emb.reset_parameters()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        kv_cache: Any = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,  # accepted for transformers compatibility; the cache is the engine's
+        return_dict: Optional[bool] = None,
+        ops: Optional[Ops] = None,
+        keep_index: Optional[torch.Tensor] = None,
+        output_router_logits: Optional[bool] = None,
+    ) -> CausalLMOutput:
+        """transformers' forward. `logits_to_keep`: an int (the last n positions) or 1-D indices shared by
+        every row; `keep_index` (ours) `[batch, n]`: per-row indices of the positions whose logits are
+        wanted (a right-padded batch's last tokens). `ops`: how projections and attention compute.
+        `output_router_logits` (default: the config's): a mixture of experts returns its router logits and
+        load-balancing loss, added to the loss (times `router_aux_loss_coef`) when labels are given."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        ops = ops if ops is not None else PLAIN
+        seq = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        if keep_index is not None:
+            keep: Optional[Keep] = keep_index
+        elif isinstance(logits_to_keep, int):
+            keep = logits_to_keep if logits_to_keep > 0 else None
+        else:
+            batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+            keep = logits_to_keep.to(self.device).view(1, -1).expand(batch, -1)
+        config = self.config
+        if output_router_logits is None:
+            output_router_logits = config.output_router_logits
+        router = [] if output_router_logits and config.is_moe else None
+        # what the last layer computes (all of it when its router logits are wanted); the rest is taken here
+        trimmed = self.model.effective_keep(keep, seq) if router is None else None
+        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds, keep=trimmed, ops=ops,
+                            router_logits=router)
+        wanted = _kept(keep, seq)
+        if wanted is not None and trimmed is None:
+            hidden = take(hidden, wanted)
+        logits = ops.head(self.lm_head, hidden)
+        loss = aux = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, num_items_in_batch)
+        if router is not None:
+            mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+            aux = load_balancing_loss(router, config.num_experts, config.num_experts_per_tok, mask,
+                                      self.data_parallel, share=num_items_in_batch is not None)
+            if loss is not None:
+                loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux,
+                              router_logits=tuple(router) if router is not None else None)

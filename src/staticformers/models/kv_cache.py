@@ -1,0 +1,129 @@
+"""The static KV cache: one row per slot, each row at its own positions.
+
+`KVCache` holds, per layer, keys and values `[slots, kv_heads, length, head_dim]`, allocated once per
+(batch bucket, KV length) and updated in place. Row `i` is slot `i`: a sequence's prompt occupies
+positions `0..n-1` of its row and each decode step writes the next position of every row, so a
+row's cache index *is* its token's position and the attention mask follows from each row's position
+alone (`models/decoder.py`, `build_masks`). No host mask crosses to the device, and positions a row has not
+written (padding of a prefill bucket, what an earlier sequence left in a reused slot) are hidden by
+that mask until the row writes them.
+
+- `update(layer, k, v, position_ids)` (what the model calls) writes each row's keys and values at its
+  own positions (`position_ids` `[slots, s]`) with one scatter per tensor.
+- `insert(slots, layer, k, v)` puts a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into
+  positions `0..L-1` of the rows `slots`, leaving the other rows as they are: a request joins a running
+  batch between two decode steps (`generation/loop.py`).
+- `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
+  or KV length, `loop.py`).
+
+`PrefillKV` is the cache a prefill runs with: it keeps each layer's keys and values and returns them
+unchanged, so a prefill graph depends on `[batch, prompt]` only, not on the KV length, and its keys
+and values are inserted afterwards. `LayerKV` is one layer's view of a `KVCache`, whose `update`
+ignores the layer index: a region compiled for one layer runs every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+
+class KVCache:
+    """Preallocated key/value buffers for every layer (see the module docstring)."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.batch, self.max_length = int(batch), int(max_length)
+        shape = (self.batch, kv_heads, self.max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._views = [LayerKV(self, i) for i in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_length: int, tp: int = 1) -> "KVCache":
+        """The cache of `model` for `batch` rows of `max_length` positions; `tp`: the tensor-parallel degree
+        the model is partitioned with (a rank computes `num_key_value_heads / tp` heads)."""
+        c = model.config
+        return cls(c.num_hidden_layers, batch, c.num_key_value_heads // tp, max_length, c.head_dim, model.dtype,
+                   model.device)
+
+    @staticmethod
+    def bytes_for(model, batch: int, max_length: int, tp: int = 1) -> int:
+        """What `for_model` allocates, in bytes (checked against the device's memory before allocating)."""
+        c = model.config
+        return 2 * c.num_hidden_layers * batch * (c.num_key_value_heads // tp) * max_length * c.head_dim * \
+            model.dtype.itemsize
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.batch, self.max_length
+
+    def mark_static(self) -> None:
+        """Tell the compiler the buffers never move (what CUDA graphs need of an input written in place)."""
+        for t in self.keys + self.values:
+            torch._dynamo.mark_static_address(t)
+
+    def layer_views(self) -> list["LayerKV"]:
+        return self._views
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        return write_rows(self.keys[layer_idx], self.values[layer_idx], k, v, position_ids)
+
+    def insert(self, slots: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into positions `0..L-1` of the
+        rows `slots` (`[n]`, on the cache's device); positions past the cache's length are dropped (they
+        are padding of the prompt bucket: a row's prompt always fits)."""
+        length = min(k.shape[2], self.max_length)
+        self.keys[layer_idx][:, :, :length].index_copy_(0, slots, k[:, :, :length])
+        self.values[layer_idx][:, :, :length].index_copy_(0, slots, v[:, :, :length])
+
+    def copy_rows(self, source: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows `src` of `source` into rows `dst` of this cache (as many positions as both hold)."""
+        length = min(source.max_length, self.max_length)
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for m, t in zip(mine, theirs):
+                m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write `k`/`v` (`[b, kv_heads, s, head_dim]`) into `key`/`value` at each row's positions
+    (`position_ids` `[b, s]`) in place; returns the buffers.
+
+    An indexed assignment (`index_put_`), which compilers turn into an in-place indirect store; a
+    `scatter_` there was lowered by inductor as a copy of the whole buffer around the scatter."""
+    rows = torch.arange(k.shape[0], device=key.device).view(-1, 1)
+    key[rows, :, position_ids] = k.transpose(1, 2)
+    value[rows, :, position_ids] = v.transpose(1, 2)
+    return key, value
+
+
+class LayerKV:
+    """One layer's slice of a `KVCache`: `update` ignores the layer index, so a region compiled for one
+    layer runs every layer."""
+
+    def __init__(self, cache: KVCache, layer_idx: int):
+        self.key, self.value = cache.keys[layer_idx], cache.values[layer_idx]
+        self.max_length = cache.max_length
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        return write_rows(self.key, self.value, k, v, position_ids)
+
+
+class PrefillKV:
+    """A cache over the prompt only: `update` keeps k/v and returns them (see the module docstring)."""
+
+    def __init__(self, num_layers: int, max_length: int):
+        self.max_length = int(max_length)
+        self.keys: list = [None] * num_layers
+        self.values: list = [None] * num_layers
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v

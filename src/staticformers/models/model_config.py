@@ -1,0 +1,426 @@
+"""`config.json` in either spelling -> one ModelConfig; the table of supported families.
+
+The families (Qwen3, Llama, Qwen2, Mistral, and the mixtures of experts Qwen3-MoE and Mixtral) are one
+decoder with different flags: q/k RMSNorm, which projections carry a bias, the RoPE variant, tied
+embeddings, sliding-window attention, and the MLP kind each family declares (`mlp`: "dense", or "moe":
+some or all layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with
+its checkpoint names (`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`).
+A family is a row of this table, not a copy of the model. This module is the only place that knows
+which family sets which flag, and which defaults each family's `config.json` leaves out (Qwen3
+without `head_dim` means 128, not hidden/heads); the MoE keys are read by `config_moe.py`.
+
+Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
+`torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
+transformers-5 spelling, and keep every key we do not use so that a save round-trips it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from . import config_checks as checks
+from . import config_moe
+from ..checkpoints.names import MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
+from .config_checks import ConfigError
+
+CONFIG_NAME = "config.json"
+
+# RoPE variants the decoder implements (see modeling.rope_inv_freq)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes one architecture from the others."""
+
+    architecture: str
+    model_type: str
+    qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
+    qkv_bias_always: bool  # q/k/v carry a bias whatever the config says (Qwen2)
+    o_bias_follows_attention_bias: bool  # attention_bias also adds a bias to o_proj (Llama, Qwen3)
+    default_head_dim: Optional[int]  # None: hidden_size // num_attention_heads
+    sliding_all_layers: bool  # sliding_window, when set, applies to every layer (Mistral)
+    defaults: dict
+    mlp: str = "dense"  # "dense": one MLP per layer; "moe": routed experts (on the layers config_moe says)
+    expert_names: Optional[ExpertNames] = None  # how the Hub names one expert's tensors (MoE families)
+    experts_key: str = "num_experts"  # the config.json key of the expert count (Mixtral: num_local_experts)
+    expert_width_key: str = "moe_intermediate_size"  # the key of an expert's MLP width (Mixtral: intermediate_size)
+    always_norm_topk: bool = False  # the top-k routing weights are always renormalised (Mixtral)
+    routing_weights_fp32: bool = False  # routing weights stay float32 when they scale the experts (Mixtral)
+    biases: bool = True  # attention_bias may add biases (False: Mixtral's projections never have one)
+    sliding_needs_flag: bool = False  # sliding_window applies only with use_sliding_window (Qwen2, Qwen3, Qwen3-MoE)
+
+
+FAMILIES: dict[str, Family] = {
+    "Qwen3ForCausalLM": Family(
+        "Qwen3ForCausalLM", "qwen3", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=128, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
+        sliding_needs_flag=True,
+    ),
+    "LlamaForCausalLM": Family(
+        "LlamaForCausalLM", "llama", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "Qwen2ForCausalLM": Family(
+        "Qwen2ForCausalLM", "qwen2", qk_norm=False, qkv_bias_always=True, o_bias_follows_attention_bias=False,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
+        sliding_needs_flag=True,
+    ),
+    "MistralForCausalLM": Family(
+        "MistralForCausalLM", "mistral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                  "sliding_window": 4096},
+    ),
+    "Qwen3MoeForCausalLM": Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "intermediate_size": 6144,
+                  "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+        mlp="moe", expert_names=QWEN_MOE_NAMES, sliding_needs_flag=True,
+    ),
+    "MixtralForCausalLM": Family(
+        "MixtralForCausalLM", "mixtral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "bos_token_id": 1,
+                  "eos_token_id": 2, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        mlp="moe", expert_names=MIXTRAL_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
+        always_norm_topk=True, routing_weights_fp32=True, biases=False,
+    ),
+}
+
+MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
+
+# keys this module turns into fields; everything else is kept in `extra` and written back unchanged
+_HANDLED = {
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "hidden_act", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype",
+    "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", *config_moe.HANDLED,
+}
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "float": torch.float32, "half": torch.float16}
+
+
+def parse_dtype(value: Any, what: str = "dtype") -> Optional[torch.dtype]:
+    """"bfloat16" / "torch.bfloat16" / torch.bfloat16 -> torch.bfloat16; None -> None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.removeprefix("torch.").lower()
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ConfigError(f"{what}={value!r} is not a dtype we load: use \"auto\", \"float32\", \"bfloat16\" or \"float16\".")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class ModelConfig:
+    """One config for every family; field names are transformers' (a dense family's MoE fields stay at
+    their defaults: `num_experts` 0)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # transformers' rope_parameters minus rope_theta; None = default
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list] = None  # "full_attention" / "sliding_attention" per layer
+    use_sliding_window: Optional[bool] = None
+    max_window_layers: Optional[int] = None
+    dtype: Optional[torch.dtype] = None  # the checkpoint's dtype
+    bos_token_id: Any = None
+    eos_token_id: Any = None
+    pad_token_id: Any = None
+    # mixture of experts (config_moe.py reads them; transformers' names, Mixtral's num_local_experts included)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None  # an expert's MLP width
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived flags -------------------------------------------------------------------------
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @property
+    def model_type(self) -> str:
+        return self.family.model_type
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias_always or (self.family.biases and self.attention_bias)
+
+    @property
+    def o_bias(self) -> bool:
+        return self.family.o_bias_follows_attention_bias and self.family.biases and self.attention_bias
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer routes tokens to experts."""
+        return any(self.layer_is_sparse(i) for i in range(self.num_hidden_layers))
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` is a mixture of experts (transformers' rule: not in `mlp_only_layers`, and
+        every `decoder_sparse_step`-th layer), or a dense MLP."""
+        return config_moe.layer_is_sparse(self, layer)
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of one layer, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window if self.family.sliding_all_layers else None
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
+        attn = h * q + 2 * h * kv + q * h
+        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
+        dense = 3 * h * i + (2 * i + h) * self.mlp_bias
+        sparse = config_moe.moe_parameters(self)
+        mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * (attn + 2 * h) + mlps + h
+
+    # ---- reading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """Build the config, every value it uses checked first (`config_checks`: one sentence per bad key)."""
+        d = dict(raw)
+        arch = _architecture(d, source)
+        fam = FAMILIES[arch]
+        d = {**fam.defaults, **d}  # an explicit null (Mistral's sliding_window) stays null
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in d or d[key] is None:
+                raise ConfigError(f"{source} has no {key!r}: it must be a positive integer.")
+            checks.positive_int(d[key], key, source)
+        if d.get("max_position_embeddings") is None:
+            raise ConfigError(f"{source} has no 'max_position_embeddings': it must be a positive integer.")
+        checks.positive_int(d["max_position_embeddings"], "max_position_embeddings", source)
+        heads, layers, vocab = d["num_attention_heads"], d["num_hidden_layers"], d["vocab_size"]
+        kv_heads = checks.optional_positive_int(d.get("num_key_value_heads"), "num_key_value_heads", source) or heads
+        if heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}."
+            )
+        head_dim = checks.optional_positive_int(d.get("head_dim"), "head_dim", source)
+        head_dim = head_dim or fam.default_head_dim or d["hidden_size"] // heads
+        if head_dim % 2:
+            raise ConfigError(f"{source}: head_dim={head_dim} is odd: rotary embeddings need an even head_dim.")
+        theta, scaling = _rope(d, source)
+        sliding = checks.optional_positive_int(d.get("sliding_window"), "sliding_window", source)
+        use_sliding = checks.optional_boolean(d.get("use_sliding_window"), "use_sliding_window", source)
+        max_window_layers = d.get("max_window_layers")
+        if max_window_layers is not None:
+            checks.non_negative_int(max_window_layers, "max_window_layers", source)
+        layer_types = d.get("layer_types")
+        if layer_types is not None:
+            checks.string_list(layer_types, "layer_types", source, LAYER_TYPES, layers)
+        if fam.sliding_needs_flag and not use_sliding:
+            sliding = None
+        if fam.model_type in ("qwen2", "qwen3"):
+            if layer_types is None and sliding is not None:
+                mwl = max_window_layers if max_window_layers is not None else 28
+                layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+        act = checks.string(d.get("hidden_act", "silu"), "hidden_act", source)
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: hidden_act={act!r} is not supported; these families use \"silu\".")
+        dtype = d.get("dtype", d.get("torch_dtype"))
+        return cls(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=d["max_position_embeddings"],
+            rms_norm_eps=checks.positive_number(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=checks.boolean(d.get("tie_word_embeddings"), "tie_word_embeddings", source),
+            attention_bias=checks.boolean(d.get("attention_bias"), "attention_bias", source),
+            mlp_bias=checks.boolean(d.get("mlp_bias"), "mlp_bias", source),
+            hidden_act=act,
+            sliding_window=sliding,
+            layer_types=layer_types,
+            use_sliding_window=use_sliding,
+            max_window_layers=max_window_layers,
+            dtype=parse_dtype(dtype, f"{source}: dtype") if dtype is not None else None,
+            bos_token_id=checks.token_ids(d.get("bos_token_id"), "bos_token_id", source, vocab, allow_list=False),
+            eos_token_id=checks.token_ids(d.get("eos_token_id"), "eos_token_id", source, vocab, allow_list=True),
+            pad_token_id=checks.token_ids(d.get("pad_token_id"), "pad_token_id", source, vocab, allow_list=False),
+            **config_moe.read(d, raw, fam, layers, source),
+            extra={k: copy.deepcopy(v) for k, v in raw.items() if k not in _HANDLED},
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str) -> "ModelConfig":
+        from ..checkpoints.json_files import read_json_object
+
+        raw = read_json_object(path, "restore the file from the checkpoint's source", ConfigError)
+        return cls.from_dict(raw, source=path)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **hub_kwargs) -> "ModelConfig":
+        from ..checkpoints.hub import resolve_file
+
+        return cls.from_json_file(resolve_file(name_or_path, CONFIG_NAME, **hub_kwargs))
+
+    # ---- writing -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The transformers-5 spelling (`rope_parameters`, `dtype`)."""
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        out = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.hidden_act,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type not in ("qwen2", "mixtral"):
+            out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = bool(self.use_sliding_window)
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = self.max_window_layers if self.max_window_layers is not None else 28
+            out["layer_types"] = self.layer_types or ["full_attention"] * self.num_hidden_layers
+        elif self.model_type == "qwen3_moe":
+            out["use_sliding_window"] = bool(self.use_sliding_window)
+            out["sliding_window"] = self.sliding_window
+        elif self.model_type in ("mistral", "mixtral"):
+            out["sliding_window"] = self.sliding_window
+        out.update(config_moe.write(self))
+        if self.dtype is not None:
+            out["dtype"] = dtype_name(self.dtype)
+        out.update(copy.deepcopy(self.extra))
+        return out
+
+    def save_pretrained(self, directory: str) -> None:
+        """Write config.json, replacing an older one in one rename (a kill leaves the old or the new)."""
+        from ..utils.atomic_files import write_text_atomic
+
+        os.makedirs(directory, exist_ok=True)
+        write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+
+
+def _architecture(d: dict, source: str) -> str:
+    archs = d.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{source}: architectures={archs!r} must be a list of class names such as [\"Qwen3ForCausalLM\"].")
+    if d.get("model_type") is not None:
+        checks.string(d["model_type"], "model_type", source)
+    supported = ", ".join(FAMILIES)
+    for arch in archs:
+        if arch in FAMILIES:
+            return arch
+    if not archs and d.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[d["model_type"]].architecture
+    named = ", ".join(archs) if archs else f"model_type {d.get('model_type')!r}"
+    raise ConfigError(f"{source} describes {named}, which staticformers does not support: supported are {supported}.")
+
+
+def _rope(d: dict, source: str) -> tuple[float, Optional[dict]]:
+    """(rope_theta, scaling dict or None) from either spelling, every value checked."""
+    params = checks.mapping(d.get("rope_parameters"), "rope_parameters", source)
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]  # per-layer-type form; these families use one
+    params = dict(params)
+    legacy = checks.mapping(d.get("rope_scaling"), "rope_scaling", source)
+    if legacy:
+        params = {**dict(legacy), **params}
+    theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
+    theta = checks.positive_number(theta, "rope_theta", source, above=1.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: RoPE scaling {rope_type!r} is not supported yet: supported are {', '.join(ROPE_TYPES)}."
+        )
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    if "factor" not in params:
+        raise ConfigError(f"{source}: rope scaling {rope_type!r} needs a 'factor'.")
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise ConfigError(f"{source}: rope scaling 'llama3' needs {key!r}.")
+    checks.rope_parameters(params, rope_type, source)
+    return theta, params
+
+
+class AutoConfig:
+    """`AutoConfig.from_pretrained(path)` as in transformers, returning a ModelConfig."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str, **hub_kwargs) -> ModelConfig:
+        return ModelConfig.from_pretrained(name_or_path, **hub_kwargs)
+
+    @staticmethod
+    def for_model(model_type: str, **kwargs) -> ModelConfig:
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported: supported are {', '.join(MODEL_TYPES)}.")
+        return ModelConfig.from_dict({"model_type": model_type, **kwargs}, source=f"AutoConfig.for_model({model_type!r})")

@@ -1,0 +1,370 @@
+"""from_pretrained / save_pretrained: Hugging Face checkpoints in and out.
+
+Loading builds the model on the meta device (no memory, no random init), then materialises each
+tensor once, read from the file (plain reads, no memory map: see safetensors_io) straight into the
+target dtype on the target device: peak host memory stays near the model's size, not twice it. Pickle checkpoints
+are never unpickled; every file name an index gives must resolve inside the folder (`contained.py`).
+Every refusal is one sentence naming the file or the weights.
+
+Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
+`max_shard_size`, and generation_config.json when known; transformers loads what we write.
+
+Names go through the family's checkpoint-name adapter (`checkpoint_names.py`): a mixture of experts
+stores one tensor per expert on the Hub and holds them stacked in memory, so loading fills each stacked
+parameter from its pieces and saving splits it back (dense families: the identity).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from ..checkpoints.names import Piece, names_for, target_shapes
+from .model_config import ModelConfig, dtype_name, parse_dtype
+from ..utils.contained_paths import OutsideFolderError
+from ..checkpoints.hub import CheckpointNotFoundError, is_local, resolve_file
+from .decoder import CausalLM
+from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError
+from ..checkpoints.weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
+
+logger = logging.getLogger("staticformers")
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+# keys some checkpoints carry that hold nothing we load (old Llama exports saved RoPE buffers)
+_IGNORED_KEYS = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose weights do not fit the model its config describes."""
+
+
+def _hub_kwargs(revision, cache_dir, local_files_only, token) -> dict:
+    return dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+
+
+def weight_files(name_or_path: str, **hub) -> list[str]:
+    """Local paths of the checkpoint's safetensors files (every shard, in index order)."""
+    index = resolve_file(name_or_path, SAFE_INDEX, required=False, **hub)
+    if index is not None:
+        paths = []
+        for shard in _index_shards(index):
+            try:
+                paths.append(resolve_file(name_or_path, shard, listed_in=f"{SAFE_INDEX} of {name_or_path}", **hub))
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"Shard {shard} listed in {SAFE_INDEX} is missing from {name_or_path}: download the complete checkpoint."
+                ) from None
+            except OutsideFolderError as err:
+                raise CheckpointError(str(err)) from None
+        return paths
+    single = resolve_file(name_or_path, SAFE_WEIGHTS, required=False, **hub)
+    if single is not None:
+        return [single]
+    for pickle_name in PICKLE_WEIGHTS:
+        if resolve_file(name_or_path, pickle_name, required=False, **hub) is not None:
+            raise CheckpointError(
+                f"{name_or_path} holds only a pickle checkpoint ({pickle_name}), which staticformers never unpickles: "
+                f"convert it to safetensors first (for instance with transformers: load it and save_pretrained(dir, safe_serialization=True))."
+            )
+    raise CheckpointNotFoundError(f"{name_or_path} has no {SAFE_WEIGHTS} and no {SAFE_INDEX}: it holds no weights we can load.")
+
+
+def open_weights(path: str) -> SafetensorsFile:
+    """A safetensors file with its header checked; a bad one is a `CheckpointError` naming the file."""
+    try:
+        return SafetensorsFile(path)
+    except SafetensorsFormatError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard file names of a safetensors index, in order, each once; a malformed index is refused."""
+    from ..checkpoints.json_files import read_json_object
+
+    data = read_json_object(index, "restore it from the checkpoint's source", CheckpointError)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no \"weight_map\" object naming each weight's shard: restore it from the source.")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{index} maps weight {bad[0]!r} to {weight_map[bad[0]]!r}, not to a shard file name: "
+                              f"restore it from the source.")
+    return list(dict.fromkeys(weight_map.values()))
+
+
+def _checkpoint_dtype(files: list[str]) -> Optional[torch.dtype]:
+    """The dtype of the first floating tensor in the first shard, read from its header alone."""
+    with open_weights(files[0]) as f:
+        for name in f.keys():
+            if f.dtype(name).is_floating_point:
+                return f.dtype(name)
+    return None
+
+
+def resolve_dtype(dtype, config: ModelConfig, files: list[str]) -> torch.dtype:
+    """None or "auto": the checkpoint's own dtype (config.json, else the weights' header)."""
+    if dtype is None or dtype == "auto":
+        return config.dtype or _checkpoint_dtype(files) or torch.float32
+    return parse_dtype(dtype)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters.get(leaf)
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
+
+
+def expected_weights(model: CausalLM) -> dict[str, tuple]:
+    """Name -> shape of every weight the checkpoint must hold (a tied lm_head is not stored)."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    return expected
+
+
+def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
+    """Check from the headers alone that the files hold every weight the model needs, with the right
+    shapes, once each and nothing else; return which file holds each weight (by its name in the files).
+
+    Run before any tensor is read, so a checkpoint that does not fit loses nothing and gets one sentence.
+    """
+    return checkpoint_layout(model, files)[1]
+
+
+def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piece], dict[str, str]]:
+    """`check_checkpoint`'s checks, and (the file names' pieces of the model's parameters, which file holds
+    each name): names as the files spell them, through the family's adapter (`checkpoint_names.py`)."""
+    present = set()
+    for path in files:
+        with open_weights(path) as f:
+            present.update(f.keys())
+    layout = names_for(model.config).layout(expected_weights(model), present)
+    expected = {hub: piece.shape for hub, piece in layout.items()}
+    tied = model.config.tie_word_embeddings
+    where: dict[str, str] = {}
+    unexpected: list[str] = []
+    for path in files:
+        with open_weights(path) as f:
+            for name in f.keys():
+                if name not in expected:
+                    if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
+                        unexpected.append(name)
+                    continue
+                if name in where:
+                    raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
+                if not f.dtype(name).is_floating_point:
+                    raise CheckpointError(
+                        f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(f.dtype(name))}, but this "
+                        f"model's weights are floating point: the file holds another kind of checkpoint (quantized?); "
+                        f"export it in float32, bfloat16 or float16.")
+                if f.shape(name) != expected[name]:
+                    raise CheckpointError(
+                        f"Weight {name} in {os.path.basename(path)} has shape {list(f.shape(name))} but config.json "
+                        f"implies {list(expected[name])}: the config and the weights come from different models."
+                    )
+                where[name] = path
+    if unexpected:
+        raise CheckpointError(
+            f"The checkpoint has {len(unexpected)} weight(s) this {model.config.architecture} does not use: "
+            f"{_names(unexpected)}: the config and the weights come from different models."
+        )
+    missing = sorted(set(expected) - set(where))
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint lacks {len(missing)} weight(s) that {model.config.architecture} needs: {_names(missing)}: "
+            f"a shard may be missing or the config may not match the weights."
+        )
+    return layout, where
+
+
+def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
+    """transformers' rule for a config that ties lm_head to embed_tokens while the checkpoint stores its
+    own lm_head.weight with other values: keep the stored head (untie, in `config`) and warn."""
+    if not config.tie_word_embeddings:
+        return
+    found = {}
+    for path in files:
+        with open_weights(path) as f:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in f.tensors:
+                    found[name] = path
+    if "lm_head.weight" not in found or "model.embed_tokens.weight" not in found:
+        return
+    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as embed:
+        if head.same_values("lm_head.weight", embed, "model.embed_tokens.weight"):
+            return
+    logger.warning("config.json ties lm_head.weight to model.embed_tokens.weight, but the checkpoint stores both with "
+                   "different values, so they are NOT tied (as transformers does): set tie_word_embeddings=false in "
+                   "config.json to silence this warning.")
+    config.tie_word_embeddings = False
+
+
+def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype: torch.dtype) -> None:
+    """Fill a meta-device model from safetensors files, one tensor at a time, after checking them all; a
+    stacked parameter (a mixture's experts) is allocated once and filled from its pieces."""
+    layout, where = checkpoint_layout(model, files)
+    shapes = target_shapes(layout)
+    stacked: dict[str, torch.Tensor] = {}
+    for path in files:
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                if where.get(name) != path:
+                    continue
+                piece = layout[name]
+                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device)
+                if piece.whole:
+                    _set_tensor(model, piece.target, value)
+                    continue
+                if piece.target not in stacked:
+                    stacked[piece.target] = torch.empty(shapes[piece.target], dtype=value.dtype, device=device)
+                piece.view(stacked[piece.target]).copy_(value)
+                del value
+    for name, value in stacked.items():
+        _set_tensor(model, name, value)
+    model.tie_weights()
+    model.model.rotary_emb.reset_parameters(device)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+_KNOWN_IGNORED_KWARGS = {"trust_remote_code", "attn_implementation", "low_cpu_mem_usage", "use_safetensors"}
+
+
+@dataclass
+class Resolved:
+    """What `from_pretrained` found before building anything: the path, config, weight files and dtype."""
+
+    path: str
+    config: ModelConfig
+    files: list
+    dtype: torch.dtype
+    hub: dict
+
+
+def resolve(
+    pretrained_model_name_or_path: Union[str, os.PathLike],
+    *,
+    dtype: Union[str, torch.dtype, None] = None,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    local_files_only: bool = False,
+    token: Optional[str] = None,
+    config: Optional[ModelConfig] = None,
+    torch_dtype: Union[str, torch.dtype, None] = None,
+    **kwargs,
+) -> Resolved:
+    """Check the arguments of `from_pretrained` and find the checkpoint's config, files and target dtype.
+
+    `dtype`: None or "auto" keeps the checkpoint's dtype; "bfloat16", torch.float32, ... convert."""
+    unknown = set(kwargs) - _KNOWN_IGNORED_KWARGS
+    if unknown:
+        raise TypeError(
+            f"from_pretrained() got argument(s) it does not know: {', '.join(sorted(unknown))}; "
+            f"see help(staticformers.AutoModelForCausalLM.from_pretrained)."
+        )
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError("Pass dtype or its old name torch_dtype, not both.")
+        dtype = torch_dtype
+    path = os.fspath(pretrained_model_name_or_path)
+    hub = _hub_kwargs(revision, cache_dir, local_files_only, token)
+    if config is None:
+        config = ModelConfig.from_pretrained(path, **hub)
+    files = weight_files(path, **hub)
+    untie_stored_head(config, files)
+    return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub)
+
+
+def load_model(resolved: Resolved, device: torch.device, model_class: type = CausalLM) -> CausalLM:
+    """A model of `model_class` built on the meta device and filled from the files, in one process."""
+    with torch.device("meta"):
+        model = model_class(resolved.config)
+    load_weights(model, resolved.files, device, resolved.dtype)
+    return model
+
+
+def finish_loading(model: CausalLM, resolved: Resolved) -> CausalLM:
+    """What every loaded model gets last: its dtype, name, eval mode (its generation config: `api/auto.py`)."""
+    model.config.dtype = resolved.dtype
+    model.name_or_path = resolved.path
+    model.eval()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# saving
+# ---------------------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """5GB -> 5 * 10**9 bytes, 2GiB -> 2 * 2**30, an int is bytes."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(str(size))
+    if not m:
+        raise ValueError(f"max_shard_size={size!r} is not a size: use an int of bytes or a string like \"5GB\" or \"500MB\".")
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(number * scale)
+
+
+def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The weights as transformers names them (tied lm_head left out), contiguous, on the CPU."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if hasattr(tensor, "full_tensor"):  # a DTensor from tensor parallel / FSDP
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
+                    state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
+    """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
+
+    Into a folder that holds a model already, a kill at any moment leaves one that loads, the old model or
+    the new one (`weights_writer.py`; config files are replaced in one rename each).
+    """
+    if not safe_serialization:
+        raise ValueError("staticformers saves safetensors only: drop safe_serialization=False.")
+    directory = os.fspath(save_directory)
+    if os.path.isfile(directory):
+        raise ValueError(f"{directory} is a file: save_pretrained needs a folder path.")
+    os.makedirs(directory, exist_ok=True)
+    tensors = state_dict if state_dict is not None else export_state_dict(model)
+    tensors = names_for(model.config).to_hub(tensors)  # the Hub's names (a mixture: one tensor per expert)
+    limit = parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    write_weights(directory, shards, metadata={"format": "pt"})  # the old weights stay until the new ones are in
+    model.config.dtype = next(iter(tensors.values())).dtype if tensors else model.config.dtype
+    model.config.save_pretrained(directory)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+__all__ = ["resolve", "load_model", "finish_loading", "save_pretrained", "load_weights", "check_checkpoint",
+           "checkpoint_layout", "weight_files",
+           "export_state_dict", "dtype_name", "is_local"]
