@@ -9,7 +9,7 @@ GEMV over a matrix the size of the weights (81,250 x 512 for the reference model
 cache levels as the weights do, as `torch.mv` and as a compiled reduction (the faster counts). Prints
 one JSON object.
 
-    python bench/ab.py --a ../base --b . --rounds 3 --dtypes float32 bfloat16 --batches 1 8
+    python bench/ab.py --a ../base --b . --rounds 8 --control --dtypes float32 bfloat16 --batches 1 8
 """
 
 from __future__ import annotations
@@ -96,22 +96,30 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per process")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--control", action="store_true",
+                   help="an A/A control in the same run: each round runs A, B, then A again (side \"a2\"); "
+                        "a2/a is the spread a refactor's b/a must be read against")
     args = p.parse_args()
     ref = build_reference(DEFAULT_DIR)
     result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "pressure_before": pressure(),
               "ceiling_gemv_ms": {d: gemv_ms(d) for d in args.dtypes}, "cases": []}
     for dtype in args.dtypes:
         for batch in args.batches:
-            runs = {"a": [], "b": []}
+            sides = ("a", "b", "a2") if args.control else ("a", "b")
+            runs = {side: [] for side in sides}
             for _ in range(args.rounds):
-                for side in ("a", "b"):
-                    runs[side].append(child(getattr(args, side), ref, dtype, batch, args.repeats))
+                for side in sides:
+                    runs[side].append(child(args.a if side == "a2" else getattr(args, side), ref, dtype, batch,
+                                            args.repeats))
             case = {"dtype": dtype, "batch": batch, "pressure_after": pressure()}
             for side, rs in runs.items():
                 case[side] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("ttft_ms", "step_ms")}
                 case[side]["all_step_ms"] = [round(r["step_ms"], 3) for r in rs]
             case["b_over_a_step"] = round(case["b"]["step_ms"] / case["a"]["step_ms"], 3)
             case["b_over_a_ttft"] = round(case["b"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
+            if args.control:
+                case["a2_over_a_step"] = round(case["a2"]["step_ms"] / case["a"]["step_ms"], 3)
+                case["a2_over_a_ttft"] = round(case["a2"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
             if batch == 1:
                 case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3)
             result["cases"].append(case)

@@ -56,6 +56,13 @@ def main(path: str, out: str) -> None:
     trainer.train()
     result["run"] = history(trainer)
     result["checkpoint_files"] = sorted(os.listdir(os.path.join(out, "run", f"checkpoint-{SAVE_STEPS}")))
+    # every adapter weight gathered by DTensor itself: what save_model must write, bit for bit
+    gathered = {f"base_model.model.{n}".replace(".default", ""): p.full_tensor().detach().clone()
+                for n, p in model.named_parameters() if "lora_" in n}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(gathered, os.path.join(out, "gathered.safetensors"))
     trainer.save_model(os.path.join(out, "final"))
     del trainer, model
     gc.collect()

@@ -25,6 +25,7 @@ from staticformers.distributed import mesh as dmesh
 from staticformers import Trainer
 
 MAX_STEPS, SAVE_STEPS, GLOBAL_BATCH = 4, 2, 4
+LEARNING_RATE = 1e-3
 
 
 def docs(vocab: int, n: int = 24, seed: int = 0) -> list[dict]:
@@ -36,7 +37,7 @@ def docs(vocab: int, n: int = 24, seed: int = 0) -> list[dict]:
 
 def args_for(output_dir: str, per_device: int, **kw) -> TrainingArguments:
     base = dict(output_dir=output_dir, max_length=32, per_device_train_batch_size=per_device, max_steps=MAX_STEPS,
-                logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS, disable_tqdm=True, learning_rate=1e-3,
+                logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS, disable_tqdm=True, learning_rate=LEARNING_RATE,
                 max_grad_norm=0.5, seed=0, report_to=[])
     return TrainingArguments(**{**base, **kw})
 

@@ -80,9 +80,15 @@ def test_save_model_writes_the_gathered_adapter_in_peft_format(launched, referen
     _, out = launched
     _, model = reference
     saved = load_file(os.path.join(out, "final", "adapter_model.safetensors"))
+    gathered = load_file(os.path.join(out, "gathered.safetensors"))  # DTensor's own full_tensor() of each weight
     ours = {f"base_model.model.{n}".replace(".default", ""): p.detach() for n, p in model.named_parameters()
             if "lora_" in n}
-    assert saved.keys() == ours.keys()
+    assert saved.keys() == ours.keys() == gathered.keys()
     for k in saved:
-        tol.assert_close(saved[k], ours[k], rel=tol.FP32_TRAINED)
+        assert torch.equal(saved[k], gathered[k]), k  # a gather moves values, it computes nothing
+        # against one process: AdamW moves a weight by about lr a step whatever its gradient's size, so
+        # where a gradient is near zero the other ranks' summation order can change its update by up to
+        # that; a wrong shard or a transposed gather moves weights by their own scale (init_lora_weights=False:
+        # both A and B start random)
+        assert (saved[k] - ours[k]).abs().max() <= T.MAX_STEPS * T.LEARNING_RATE, k
     assert os.path.isfile(os.path.join(out, "final", "adapter_config.json"))

@@ -21,6 +21,8 @@ made from the model's named adapters copies them, and copies them again when the
 
 from __future__ import annotations
 
+import weakref
+
 import contextlib
 import itertools
 from typing import Iterable, Optional, Sequence
@@ -28,7 +30,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .files import read_adapter
-from .lora import BANK_ATTR, BASE, LoraLinear, lora_modules, target_names, wrap
+from .bank_registry import bank_of, drop_bank, set_bank
+from .lora import BASE, LoraLinear, lora_modules, target_names, wrap
 from .lora_config import LoraConfig
 
 MAX_ROWS = 4096  # the largest batch the rows index holds
@@ -43,7 +46,7 @@ class AdapterBank:
     """Stacked adapters of a model's LoRA layers (see the module docstring). `slots`: name -> slot."""
 
     def __init__(self, model, layers: dict[str, LoraLinear], capacity: int, rank: int):
-        self.model_ref = model
+        self._model = weakref.ref(model)  # the registry is keyed by the model: no strong reference back
         self.layers = layers
         self.capacity, self.rank = int(capacity), int(rank)
         self.slots: dict[str, int] = {}
@@ -60,6 +63,13 @@ class AdapterBank:
             layer.register_buffer("lora_bank_B", torch.zeros(capacity + 1, layer.out_features, rank, dtype=w.dtype,
                                                              device=w.device), persistent=False)
             layer.lora_routing = self
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("The adapter bank's model no longer exists.")
+        return model
 
     # ---- the forward -------------------------------------------------------------------------------
     def forward(self, layer: LoraLinear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -121,7 +131,7 @@ class AdapterBank:
         of rank at most the bank's on layers it covers compiles nothing."""
         if not isinstance(name, str) or not name or name == BASE:
             raise AdapterBankError(f"{name!r} is not an adapter name.")
-        config, weights = read_adapter(self.model_ref, path, **hub)
+        config, weights = read_adapter(self.model, path, **hub)
         return self.put(name, {m: (w["A"], w["B"], config.scaling_for(m)) for m, w in weights.items()}, source=path)
 
     def remove(self, name: str) -> None:
@@ -140,7 +150,7 @@ class AdapterBank:
     def refresh(self) -> None:
         """Copy again the named adapters whose weights changed since they were copied (training, a hot swap)."""
         for name, versions in list(self._versions.items()):
-            configs = getattr(self.model_ref, "peft_config", None) or {}
+            configs = getattr(self.model, "peft_config", None) or {}
             if name in configs and self._named_versions(name) != versions:
                 self.put_named(name)
 
@@ -149,7 +159,7 @@ class AdapterBank:
         """The slot a request's adapter uses: None is the model as it is (its one active adapter unless
         disabled, else none), "__base__" none; an unknown name is refused."""
         if name is None:
-            active = [n for n in getattr(self.model_ref, "active_adapter_names", None) or []]
+            active = [n for n in getattr(self.model, "active_adapter_names", None) or []]
             disabled = any(layer.disabled for layer in self.layers.values())
             return self.slots.get(active[0], 0) if len(active) == 1 and not disabled else 0
         if name == BASE:
@@ -176,17 +186,13 @@ class AdapterBank:
             layer._buffers.pop("lora_bank_A", None)
             layer._buffers.pop("lora_bank_B", None)
             layer.lora_routing = None
-        model = self.model_ref
-        model.__dict__.pop(BANK_ATTR, None)
+        model = self.model
+        drop_bank(model)
         for name, layer in lora_modules(model).items():
             if not layer.lora_A:
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, layer.base_layer)
         self.layers = {}
-
-
-def bank_of(model) -> Optional[AdapterBank]:
-    return model.__dict__.get(BANK_ATTR)
 
 
 def enable_adapter_batching(model, max_adapters: Optional[int] = None, max_rank: Optional[int] = None,
@@ -218,7 +224,7 @@ def enable_adapter_batching(model, max_adapters: Optional[int] = None, max_rank:
     if len(configs) > capacity:
         raise AdapterBankError(f"The model has {len(configs)} adapters, more than max_adapters={capacity}.")
     bank = AdapterBank(model, layers, capacity, rank)
-    model.__dict__[BANK_ATTR] = bank
+    set_bank(model, bank)
     for name in configs:
         bank.put_named(name)
     return bank

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 from .lora_config import AdapterConfigError, LoraConfig
-from .lora import (BANK_ATTR, DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules, set_adapter, wrap)
+from .bank_registry import bank_of
+from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules, set_adapter, wrap)
 from ..utils.atomic_files import write_atomic, write_text_atomic
 from ..checkpoints.hub import resolve_file
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError, save_file
@@ -212,7 +213,7 @@ def _hot_swap(model, name: str, config: LoraConfig, weights: dict, source: str, 
             for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
                 p.requires_grad_(trainable)
     model.peft_config[name] = config.copy(inference_mode=not trainable)
-    bank = model.__dict__.get(BANK_ATTR)
+    bank = bank_of(model)
     if bank is not None and name in bank.slots:
         bank.put_named(name)  # in place too
 

@@ -33,13 +33,13 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .bank_registry import bank_of
 from .lora_config import ALL_LINEAR, DEFAULT_TARGETS, AdapterConfigError, LoraConfig
 
 logger = logging.getLogger("staticformers")
 
 DEFAULT_ADAPTER = "default"
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch (`adapter_names`)
-BANK_ATTR = "_staticformers_adapter_bank"  # where a model keeps its AdapterBank (adapter_bank.py)
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
@@ -296,7 +296,7 @@ def delete_adapter(model, adapter_name: str) -> None:
     configs = _require(model, "delete_adapter")
     if adapter_name not in configs:
         raise ValueError(f"The model has no adapter named {adapter_name!r}: it has {', '.join(map(repr, configs))}.")
-    bank = model.__dict__.get(BANK_ATTR)
+    bank = bank_of(model)
     if bank is not None and adapter_name in bank.slots:
         bank.remove(adapter_name)
     for layer in lora_modules(model).values():
@@ -316,7 +316,7 @@ def _unwrap_empty(model) -> None:
 
 def detach_bank(model) -> None:
     """Drop the model's AdapterBank, if it has one (its stacked weights go with it)."""
-    bank = model.__dict__.get(BANK_ATTR)
+    bank = bank_of(model)
     if bank is not None:
         bank.detach()
 
