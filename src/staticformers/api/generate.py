@@ -36,7 +36,11 @@ _ENGINE_ATTR = "_staticformers_engine"
 
 
 def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
-    """The model's engine (created on first use, kept in the model's `__dict__`); `plan` replaces its plan."""
+    """The model's engine (created on first use); `plan` replaces its plan.
+
+    It is kept in the model's `__dict__`, not in a map keyed by the model: its compiled steps call the
+    model's modules, so a value of such a map would keep its key alive and no model would ever be freed;
+    on the model, the two form a cycle that Python's collector frees together."""
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is None:
         dims = getattr(model, "parallel_dims", None)  # the layout a partitioned model was loaded with
