@@ -81,7 +81,7 @@ def compile_settings(model, config: GenerationConfig, compile_config: Optional[C
         fullgraph=cc.fullgraph,
         dynamic=cc.dynamic,
         fast_decode=bool(cc.fast_decode),
-        regional=bool(cc.regional) if cc.regional is not None else engine.backend.default_regional(),
+        regional=bool(cc.regional) if cc.regional is not None else engine.backend.regional_by_default,
     )
 
 

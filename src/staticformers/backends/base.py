@@ -20,7 +20,6 @@ import torch
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
 from ..compilation.steps import DecodeStep, PrefillStep, Step, whole_decode, whole_prefill
 from ..models.ops import PLAIN, Ops
-from .devices import kind_of
 
 
 def host_available_memory() -> Optional[int]:
@@ -84,6 +83,12 @@ class Backend:
 
     name = "generic"
     kind = "generic"
+    regional_by_default = False  # whether generation compiles per-layer regions unless asked otherwise
+    per_rank_device = True  # each torchrun rank takes the device of its LOCAL_RANK (False: the ranks share one)
+    hosts_memory = False  # tensors live in host memory (reads may land in them directly; offload is moot)
+    fused_optimizer = False  # torch's fused AdamW kernel exists on this kind
+    pin_memory = False  # host batches are pinned for faster copies to this device
+    tf32 = False  # this kind has TF32 matmul modes (`TrainingArguments.tf32`)
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:
@@ -97,10 +102,6 @@ class Backend:
         """Whether graphs built under `settings` hold the weights as constants (inductor's `freezing`):
         such graphs are stale after any in-place change of a weight."""
         return settings.enabled and settings.backend == "inductor" and bool(dict(settings.options).get("freezing", False))
-
-    def default_regional(self) -> bool:
-        """Whether generation compiles per-layer regions unless asked otherwise."""
-        return False
 
     def before_compile(self, settings) -> None:
         """What a process needs before its first compile under `settings` (the persistent caches)."""
@@ -135,19 +136,8 @@ class Backend:
         pass
 
     # ---- distributed -----------------------------------------------------------------------------
-    def dist_backend(self) -> str:
-        return kind_of(self.kind).dist_backend if self.kind != "generic" else "gloo"
-
     def before_process_group(self, device: torch.device) -> None:
         """What must happen before `init_process_group` on this kind (register the c10d backend, set the device)."""
-
-    def per_rank_device(self) -> bool:
-        """Whether each torchrun rank takes the device of its LOCAL_RANK (accelerators) or shares one (CPU)."""
-        return True
-
-    def hosts_memory(self) -> bool:
-        """Whether tensors on this device live in host memory (reads may land in them directly, offload is moot)."""
-        return False
 
     # ---- training --------------------------------------------------------------------------------
     def training_ops(self, dtype: torch.dtype) -> Ops:
@@ -155,18 +145,6 @@ class Backend:
 
     def before_training(self) -> None:
         pass
-
-    def fused_optimizer(self) -> bool:
-        """Whether torch's fused AdamW kernel exists on this kind."""
-        return False
-
-    def pin_memory(self) -> bool:
-        """Whether host batches should be pinned for faster copies to this device."""
-        return False
-
-    def tf32(self) -> bool:
-        """Whether this kind has TF32 matmul modes (`TrainingArguments.tf32`)."""
-        return False
 
     def set_tf32(self, enabled: bool) -> None:
         raise ValueError(f"TF32 is a CUDA matmul mode and this is a {self.kind} device")

@@ -13,6 +13,7 @@ class CUDABackend(Backend):
     """What differs on CUDA (see `base.Backend`)."""
 
     name = kind = "cuda"
+    fused_optimizer = pin_memory = tf32 = True
 
     def available_memory(self, device: torch.device) -> Optional[int]:
         if not torch.cuda.is_available():
@@ -33,15 +34,6 @@ class CUDABackend(Backend):
     def before_process_group(self, device: torch.device) -> None:
         torch.cuda.set_device(device)
 
-    def fused_optimizer(self) -> bool:
-        return True
-
-    def pin_memory(self) -> bool:
-        return True
-
-    def tf32(self) -> bool:
-        return True
-
     def set_tf32(self, enabled: bool) -> None:
         torch.backends.cuda.matmul.allow_tf32 = bool(enabled)
         torch.backends.cudnn.allow_tf32 = bool(enabled)
@@ -60,9 +52,8 @@ class MPSBackend(Backend):
     """Apple silicon: inductor, gloo; one device shared by the ranks."""
 
     name = kind = "mps"
+    per_rank_device = False
 
-    def per_rank_device(self) -> bool:
-        return False
 
 
 __all__ = ["CUDABackend", "XPUBackend", "MPSBackend"]

@@ -37,7 +37,7 @@ MESH_DIMS = ("dp_replicate", "fsdp", "tp")
 def local_device(device_map=None) -> torch.device:
     """This rank's device: the requested kind at index LOCAL_RANK (the CPU stays "cpu")."""
     base = resolve_device(device_map if device_map is not None else "auto")
-    if not for_device(base).per_rank_device():
+    if not for_device(base).per_rank_device:
         return base
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return resolve_device(f"{device_kind(base)}:{local_rank}")

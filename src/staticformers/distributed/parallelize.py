@@ -155,7 +155,7 @@ def fsdp_kwargs(model: nn.Module, dims: ParallelDims) -> dict:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=torch.float32)
     if config.fsdp_cpu_offload:
         device = next(iter(model.parameters())).device
-        if (device_kind(device) == "meta" or for_device(device).hosts_memory()) and not _accelerator_present():
+        if (device_kind(device) == "meta" or for_device(device).hosts_memory) and not _accelerator_present():
             logger.info("fsdp_cpu_offload=True has nothing to do on the CPU: the shards already live in host memory")
         else:
             kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -64,7 +64,7 @@ def read_slice(f: SafetensorsFile, name: str, offsets: list, lengths: list, targ
     row_bytes = row_elems * dtype.itemsize
     start, count = offsets[0], lengths[0]
     whole_rows = all(o == 0 and n == d for o, n, d in zip(offsets[1:], lengths[1:], shape[1:]))
-    if whole_rows and target.dtype == dtype and for_device(target.device).hosts_memory() and target.is_contiguous():
+    if whole_rows and target.dtype == dtype and for_device(target.device).hosts_memory and target.is_contiguous():
         _readinto(f, name, start * row_bytes, target)
         return
     step = max(1, CHUNK_BYTES // max(row_bytes, 1))

@@ -117,7 +117,7 @@ def create_adamw(groups: list[dict], lr: float, betas: tuple, eps: float, fused:
     torch has it and `fused` asks for it (`optim="adamw_torch_fused"`); the foreach implementation
     otherwise (`optim="adamw_torch"`, and Neuron, XPU, MPS)."""
     params = [p for g in groups for p in g["params"]]
-    fused = fused and bool(params) and all(for_device(p.device).fused_optimizer() for p in params)
+    fused = fused and bool(params) and all(for_device(p.device).fused_optimizer for p in params)
     if fused:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

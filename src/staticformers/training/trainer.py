@@ -245,7 +245,7 @@ class Trainer:
 
     def move_batch(self, batch: dict) -> dict:
         """The batch on the device; pinned first for a CUDA copy when `dataloader_pin_memory` (transformers' default)."""
-        pin = self.args.dataloader_pin_memory and for_device(self.device).pin_memory()
+        pin = self.args.dataloader_pin_memory and for_device(self.device).pin_memory
         return {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:

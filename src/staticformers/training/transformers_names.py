@@ -59,7 +59,7 @@ def check_transformers_names(args) -> None:
         raise _refuse("logging_strategy", args.logging_strategy, f"use one of {', '.join(LOGGING_STRATEGIES)}")
     _check_scheduler_kwargs(args)
     if args.tf32:
-        if not for_device(args.device).tf32():
+        if not for_device(args.device).tf32:
             raise _refuse("tf32", True, f"TF32 is a CUDA matmul mode and training runs on {args.device}; drop tf32 "
                                         f"(or use bf16=True for fast matmuls)")
     if args.gradient_checkpointing_kwargs:
@@ -131,7 +131,7 @@ def _check_scheduler_kwargs(args) -> None:
 
 def apply_tf32(device, tf32) -> None:
     """transformers' rule: tf32=True/False sets CUDA's matmul and cuDNN TF32 flags (process-wide); None leaves them."""
-    if tf32 is None or not for_device(device).tf32():
+    if tf32 is None or not for_device(device).tf32:
         return
     for_device(device).set_tf32(bool(tf32))
 

@@ -108,9 +108,9 @@ class CPUBackend(Backend):
     """The CPU's answers (see the module docstring and `backends.base.Backend`)."""
 
     name = kind = "cpu"
-
-    def default_regional(self) -> bool:
-        return True
+    regional_by_default = True
+    per_rank_device = False
+    hosts_memory = fused_optimizer = True
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":
@@ -146,14 +146,8 @@ class CPUBackend(Backend):
     def available_memory(self, device: torch.device):
         return host_available_memory()
 
-    def per_rank_device(self) -> bool:
-        return False
 
-    def hosts_memory(self) -> bool:
-        return True
 
-    def fused_optimizer(self) -> bool:
-        return True
 
 
 __all__ = ["CPUBackend", "CPUStepBuilder", "plain_projections"]
