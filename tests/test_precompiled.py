@@ -13,7 +13,7 @@ import staticformers.compilation.compiler as sc
 from staticformers.backends.cpu import compiled as cpu_compiled
 from staticformers.backends.cpu import precompiled
 from staticformers.backends.cpu.compiled import CPUCompiledFunction, compile_region
-from staticformers.backends.cpu.regions import LayerSink
+from staticformers.models.kv_cache import PrefillKV
 
 
 def test_signatures_follow_what_a_graph_depends_on():
@@ -27,7 +27,7 @@ def test_signatures_follow_what_a_graph_depends_on():
     norm = torch.nn.LayerNorm(4)
     other = torch.nn.LayerNorm(4, eps=1e-3)
     assert sig(norm) != sig(other)  # a plain attribute baked into the graph
-    assert sig(LayerSink(8)) != sig(LayerSink(16))
+    assert sig(PrefillKV(8)) != sig(PrefillKV(16))
 
 
 def test_artifact_names_change_with_settings_and_arguments(tmp_path):

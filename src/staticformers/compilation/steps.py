@@ -30,7 +30,7 @@ def whole_prefill(model, length: int, ops: Ops = PLAIN) -> Callable:
     layers = model.config.num_hidden_layers
 
     def prefill(input_ids, last_index):
-        kv = PrefillKV(layers, length)
+        kv = PrefillKV(length, layers)
         logits = model(input_ids=input_ids, kv_cache=kv, keep_index=last_index.view(-1, 1), ops=ops,
                        output_router_logits=False).logits[:, -1]  # a mixture's routing statistics: not wanted here
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)

@@ -1,6 +1,6 @@
 """What a training loop (the Trainer, or a hand-written one) needs from a partitioned model.
 
-The Trainer keeps device detection, data sampling, loss reduction, gradient clipping and compile as
+The Trainer keeps device detection, data sampling, loss reduction and gradient clipping as
 overridable pieces; these are the distributed versions it calls when `model.parallel_dims` is set:
 
 - `data_parallel_info`: (rank, size) of the data shard; ranks that differ only in tp share a shard.
@@ -9,13 +9,12 @@ overridable pieces; these are the distributed versions it calls when `model.para
 - `clip_grad_norm_`: clipping that is correct when gradients live on different meshes (2-D
   TP x FSDP weights beside 1-D FSDP-only weights, ARCHITECTURE.md): the norm is computed per
   (mesh, placements) group with DTensor, combined, and the gradients' local shards are scaled.
-- `compile_blocks`: `torch.compile` per decoder block with the device's backend (FSDP2's unit), counted.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+from typing import Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -116,18 +115,5 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     return total
 
 
-def compile_blocks(model: nn.Module, backend: Optional[str] = None, **kwargs) -> list:
-    """Compile each decoder block's call in place (the unit FSDP2 gathers, its hooks inside the graph) with
-    the device's backend by default, through the one compile path (`compile.compile_module_calls`): each
-    block has its own code object and graph counter (FSDP2's hooks may split a block into a few graphs,
-    which are counted like the others). Returns the counters."""
-    from ..compilation.compiler import compile_module_calls
-    from ..backends.devices import compile_backend_for
-
-    if backend is None:
-        backend = compile_backend_for(next(iter(model.parameters())).device)
-    return compile_module_calls(list(model.model.layers), "block", backend, limit=None, fullgraph=False, **kwargs)
-
-
 __all__ = ["parallel_dims", "is_distributed", "data_parallel_info", "distributed_sampler", "reduce_mean", "reduce_sum",
-           "grad_norm", "clip_grad_norm_", "compile_blocks"]
+           "grad_norm", "clip_grad_norm_"]

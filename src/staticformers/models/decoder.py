@@ -314,6 +314,11 @@ class DecoderLayer(nn.Module):
         kind share a compiled layer region)."""
         return (self.self_attn.window, "moe" if self.sparse else "dense")
 
+    def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
+        writes into a cache), without the rest of the layer."""
+        return self.self_attn.keys_values(self.input_layernorm(x), cos, sin, ops)
+
     def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
                 keep: Optional[Keep] = None, routed: bool = False):
         """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
@@ -329,16 +334,6 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.mlp(self.post_attention_layernorm(x), ops)
         return (x, logits) if routed else x
-
-
-def kind_suffix(kind: tuple) -> str:
-    """The part of a compiled layer region's name that tells a layer kind apart ("", "_window4096", "_moe")."""
-    window, mlp = kind
-    return ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
-
-
-def layer_suffix(layer: DecoderLayer) -> str:
-    return kind_suffix(layer.kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,23 +444,28 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, x, cos, sin, masks, kv_cache=None, position_ids=None, call=None,
                    keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
-        """Every layer in turn (checkpointed when gradient checkpointing is on and training);
-        `call(layer, x, cos, sin, masks, kv_cache, position_ids, ops)` runs one (default: the layer
-        itself; the Trainer passes its compiled layer region). `keep` (see `effective_keep`; passed to
-        the last layer's `call`): the last layer computes its output at the kept positions alone, its
-        keys and values at all of them. `router_logits`: a list to which each sparse layer's router
-        logits are appended; `call` then returns `(x, logits or None)` (default: `call_layer_routed`)."""
+        """Every layer in turn (checkpointed when gradient checkpointing is on and training). A layer
+        runs through its module call (`DecoderLayer.forward`), or through `call(layer, x, cos, sin, masks,
+        kv_cache, position_ids, ops)` when given (a compiled region of that forward: the Trainer's).
+        `keep` (see `effective_keep`; passed to the last layer's run): the last layer computes its
+        output at the kept positions alone, its keys and values at all of them. `router_logits`: a list
+        to which each sparse layer's router logits are appended; each run then returns `(x, logits or
+        None)`."""
         routed = router_logits is not None
-        call = call or (call_layer_routed if routed else call_layer)
         last = len(self.layers) - 1
         keep = self.effective_keep(keep, x.shape[1])
         for i, layer in enumerate(self.layers):
-            kept = {"keep": keep} if keep is not None and i == last else {}
-            if self.gradient_checkpointing and self.training:
-                out = torch.utils.checkpoint.checkpoint(call, layer, x, cos, sin, masks, kv_cache, position_ids, ops,
-                                                        use_reentrant=False, **kept)
+            kw = {"keep": keep} if keep is not None and i == last else {}
+            if call is None:
+                fn, args = layer, (x, cos, sin, masks, kv_cache, position_ids, ops)
+                if routed:
+                    kw["routed"] = True
             else:
-                out = call(layer, x, cos, sin, masks, kv_cache, position_ids, ops, **kept)
+                fn, args = call, (layer, x, cos, sin, masks, kv_cache, position_ids, ops)
+            if self.gradient_checkpointing and self.training:
+                out = torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kw)
+            else:
+                out = fn(*args, **kw)
             if routed:
                 x, logits = out
                 if logits is not None:
@@ -473,25 +473,6 @@ class DecoderModel(nn.Module):
             else:
                 x = out
         return x
-
-
-def has_decoder_layout(model) -> bool:
-    """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
-    `lm_head`): what compiled single-layer regions need."""
-    decoder = getattr(model, "model", None)
-    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and hasattr(model, "lm_head")
-
-
-def call_layer(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-               keep: Optional[Keep] = None):
-    """One decoder layer: what `run_layers` calls by default (and what compiled layer regions compile)."""
-    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep)
-
-
-def call_layer_routed(layer, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                      keep: Optional[Keep] = None):
-    """One decoder layer and its router logits (None for a dense layer): `(x, logits)`."""
-    return layer(x, cos, sin, masks, kv_cache, position_ids, ops, keep, routed=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
@@ -634,15 +615,27 @@ class CausalLM(nn.Module):
         wanted = _kept(keep, seq)
         if wanted is not None and trimmed is None:
             hidden = take(hidden, wanted)
+        return self.head(hidden, labels, num_items_in_batch, ops, router, attention_mask)
+
+    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
+             num_items_in_batch: Optional[Union[int, torch.Tensor]] = None, ops: Ops = PLAIN,
+             router_logits: Optional[Union[list, tuple]] = None,
+             attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        """What `forward` computes from the decoder's output `hidden` (the final norm applied): the
+        logits (`lm_head`, through `ops.head`); with `labels`, the loss (`causal_lm_loss`); with
+        `router_logits` (the sparse layers' own, in layer order), the load-balancing loss, added to the
+        loss times `router_aux_loss_coef` (a 2-D `attention_mask` keeps padding out of its statistics;
+        with `num_items_in_batch` it is this batch's share of a summed loss, `moe.load_balancing_loss`)."""
         logits = ops.head(self.lm_head, hidden)
         loss = aux = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)
-        if router is not None:
+        if router_logits:
+            config = self.config
             mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-            aux = load_balancing_loss(router, config.num_experts, config.num_experts_per_tok, mask,
+            aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, mask,
                                       self.data_parallel, share=num_items_in_batch is not None)
             if loss is not None:
                 loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux,
-                              router_logits=tuple(router) if router is not None else None)
+                              router_logits=tuple(router_logits) if router_logits is not None else None)

@@ -16,10 +16,11 @@ that mask until the row writes them.
 - `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
   or KV length, `loop.py`).
 
-`PrefillKV` is the cache a prefill runs with: it keeps each layer's keys and values and returns them
+`PrefillKV` is the cache a prefill runs with: it keeps the keys and values it is given and returns them
 unchanged, so a prefill graph depends on `[batch, prompt]` only, not on the KV length, and its keys
 and values are inserted afterwards. `LayerKV` is one layer's view of a `KVCache`, whose `update`
-ignores the layer index: a region compiled for one layer runs every layer.
+ignores the layer index: a region compiled for one layer runs every layer. A `PrefillKV` made for no
+layers is the same for a prompt: it keeps the latest layer's keys and values, never reading the index.
 """
 
 from __future__ import annotations
@@ -117,13 +118,19 @@ class LayerKV:
 
 
 class PrefillKV:
-    """A cache over the prompt only: `update` keeps k/v and returns them (see the module docstring)."""
+    """A cache over the prompt only: `update` keeps k/v and returns them (see the module docstring).
+    `keys`, `values`: each of `num_layers` layers'; made for none (what a layer region, run for every
+    layer, takes), `key`, `value`: the latest layer's."""
 
-    def __init__(self, num_layers: int, max_length: int):
+    def __init__(self, max_length: int, num_layers: int = 0):
         self.max_length = int(max_length)
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
+        self.key = self.value = None
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]):
-        self.keys[layer_idx], self.values[layer_idx] = k, v
+        if self.keys:
+            self.keys[layer_idx], self.values[layer_idx] = k, v
+        else:
+            self.key, self.value = k, v
         return k, v

@@ -19,7 +19,7 @@ pieces, never the Trainer itself:
   unit FSDP2 gathers; the step itself runs eagerly around them. With tp_size > 1 the blocks stay
   eager (a warning says so): on torch 2.13 AOTAutograd over blocks that hold tensor-parallel hooks
   gave wrong gradients at tp2 x fsdp2 and failed in DTensor's backward at tp4. The blocks' graphs are
-  counted like every other compiled function (`compile.compile_module_calls`);
+  counted like every other compiled function (`compilation.regions.compile_blocks`);
 - checkpoints: model and optimizer through `torch.distributed.checkpoint` (every rank writes its
   shards into the same atomic folder; rank 0 adds scheduler, RNG and trainer state last), so they
   resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0. With LoRA
@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.lora import has_adapters
+from ..backends.devices import compile_backend_for
+from ..compilation.regions import compile_blocks
 from . import checkpoint_folders as ckpt
 from .optim import MasterWeights
 from .state import TrainerState
@@ -45,7 +47,7 @@ from .state_files import apply_file, apply_state, check_optimizer_state, check_s
 from ..distributed.lora_partition import save_adapter_distributed
 from ..distributed.dcp_checkpoint import load_checkpoint, save_checkpoint, save_pretrained_distributed
 from ..distributed.grad_scale import ScaleGrad
-from ..distributed.training_support import clip_grad_norm_, compile_blocks
+from ..distributed.training_support import clip_grad_norm_
 
 logger = logging.getLogger("staticformers")
 
@@ -96,7 +98,10 @@ class DistributedTraining:
                                "tensor-parallel blocks for training is not reliable in this PyTorch); "
                                "FSDP/HSDP layouts compile per block.", self.dims.tp)
             else:
-                self.block_counters = compile_blocks(model, a.torch_compile_backend)
+                backend = a.torch_compile_backend
+                if backend is None:
+                    backend = compile_backend_for(next(iter(model.parameters())).device)
+                self.block_counters = compile_blocks(model, backend)
         model.train()
         return model
 

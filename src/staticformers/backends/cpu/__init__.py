@@ -2,8 +2,8 @@
 
 Nothing outside `staticformers.backends` imports this package, so CUDA and Neuron never load it. It
 holds the formulations measured fastest per shape (`formulations.py`: weight-streaming reductions, oneDNN's
-float32 GEMM in `onednn.py`, grouped and blocked attention), the per-layer regions of the generation
-steps and the prefill that stops one layer early (`regions.py`), compiled functions saved whole
+float32 GEMM in `onednn.py`, grouped and blocked attention), the generation steps as per-layer regions
+(`compilation/regions.py`) run without Dynamo once warm (`regions.py`), compiled functions saved whole
 between processes and run without guard evaluation once warm (`compiled.py`, `precompiled.py`),
 inductor's instruction-set probes remembered across processes (`isa_probes.py`) and the host-memory
 setting of a training process (`host_memory.py`). Every choice is measured in BENCHMARKS.md.
@@ -17,14 +17,14 @@ import torch
 
 from ...adapters.bank import bank_of
 from ...compilation.compiler import cache_root
-from ...models.decoder import has_decoder_layout
+from ...compilation.regions import has_decoder_layout, head_region
 from ...models.hooks import any_hooked, global_hooks, hooked
 from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
 from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
-from .regions import RegionalDecode, RegionalPrefill, head_region
+from .regions import RegionalDecode, RegionalPrefill
 from .thresholds import threshold
 
 

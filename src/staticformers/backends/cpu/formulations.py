@@ -177,7 +177,7 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     the BLAS's bf16 GEMMs beat our reductions. Attention there is fused reductions in bf16 (the CPU's
     SDPA kernel is slow at small batches in bf16); float32 keeps SDPA. The `lm_head` is a reduction in
     float32 at every batch up to 8 and in bf16 up to batch 2, where this PyTorch's GEMM reads that
-    weight slowly; the regional head stores the normalised input once (`regions.head_region`), so
+    weight slowly; the regional head stores the normalised input once (`compilation.regions.head_region`), so
     nothing is recomputed per weight row. Past batch 8 everything is a GEMM."""
     if batch > FAST_DECODE_MAX_BATCH:
         return CPUOps(None, gemm, gemm)
