@@ -113,7 +113,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
 
 def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     """The HTTP side's state and the started engine thread."""
-    from .app import ServerState
+    from .state import ServerState
     from .engine_thread import EngineThread
     from .metrics import ServerMetrics
 

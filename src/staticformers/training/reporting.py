@@ -4,7 +4,8 @@ Every log record (a dict like transformers': `loss`, `grad_norm`, `learning_rate
 `step`, `tokens_per_second`; or `eval_loss`, `eval_perplexity`; or the final `train_runtime` ...)
 is appended to the log history, written as one JSON line, and sent to TensorBoard when
 `report_to` asks for it and `torch.utils.tensorboard` (the `tensorboard` package) is installed.
-Only the main process writes (the distributed layer says which one is main).
+Only the main process writes (the distributed layer says which one is main). `StepMeter` keeps the
+running numbers those records are made of.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Optional
 
 logger = logging.getLogger("staticformers")
@@ -63,6 +65,41 @@ class MetricsReporter:
             self.tensorboard = None
 
 
+class StepMeter:
+    """The running numbers of one `train()` call: the window since the last log record (its mean loss and
+    token rate), the totals of the final metrics, and the steady-state token rate, which leaves out the
+    first step (the one that compiles)."""
+
+    def __init__(self):
+        self.run_start = time.perf_counter()
+        self.window_loss, self.window_steps, self.window_tokens, self.window_start = 0.0, 0, 0, time.perf_counter()
+        self.total_loss, self.total_steps, self.total_tokens = 0.0, 0, 0
+        self.steady_tokens, self.steady_start = 0, None
+
+    def add(self, loss: float, tokens: int, step_start: float, now: float) -> float:
+        """Count one optimizer step that began at `step_start` and ended at `now`; returns the token rate
+        to show (steady-state once there is one, else this step's)."""
+        if self.steady_start is None:
+            self.steady_start = now
+        else:
+            self.steady_tokens += tokens
+        self.window_loss += loss
+        self.window_steps += 1
+        self.window_tokens += tokens
+        self.total_loss += loss
+        self.total_steps += 1
+        self.total_tokens += tokens
+        if self.steady_tokens:
+            return self.steady_tokens / (now - self.steady_start)
+        return tokens / max(now - step_start, 1e-9)
+
+    def take_window(self, now: float) -> tuple[float, float]:
+        """(mean loss, tokens per second) of the steps since the last call, and a new window from here."""
+        out = self.window_loss / self.window_steps, self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_loss, self.window_steps, self.window_tokens, self.window_start = 0.0, 0, 0, time.perf_counter()
+        return out
+
+
 def progress_bar(total: int, initial: int, disable: bool):
     """A tqdm bar over optimizer steps."""
     from tqdm.auto import tqdm
@@ -79,4 +116,4 @@ def format_postfix(loss: Optional[float], lr: float, tokens_per_second: float) -
     return out
 
 
-__all__ = ["MetricsReporter", "progress_bar", "format_postfix", "METRICS_FILE"]
+__all__ = ["MetricsReporter", "StepMeter", "progress_bar", "format_postfix", "METRICS_FILE"]

@@ -43,7 +43,8 @@ import math
 import os
 import random
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -64,7 +65,7 @@ from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
 from .guards import TrainingDivergedError, check_finite_weights, check_max_length, check_step_memory, check_token_ids
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
-from .reporting import MetricsReporter, format_postfix, progress_bar
+from .reporting import MetricsReporter, StepMeter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
 from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state, load_torch_file, read_weights)
 
@@ -79,6 +80,33 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+class _Step(NamedTuple):
+    """What one optimizer step gives the bookkeeping after it."""
+
+    loss: float  # the window's loss per label token (its micro-batches' and ranks' parts summed)
+    grad_norm: float  # the global norm, measured before clipping
+    learning_rate: float  # the one the step used
+    tokens: int  # label tokens in the window
+
+
+@dataclass
+class _Run:
+    """One `train()` call: what its set-up fixed, what it gives back at the end, and its running numbers."""
+
+    model: nn.Module  # what prepare_model() returned
+    rows: RowTable
+    sampler: StaticBatchSampler
+    batches_per_epoch: int
+    max_steps: int
+    stats: dict  # the rows' stats (padding waste, loss-token share)
+    main: bool  # this process writes files
+    original_dtypes: dict  # id(parameter) -> its dtype before training
+    frozen: dict  # frozen_originals(): the frozen parameters' own tensors, given back at the end
+    bar: Any  # the progress bar
+    meter: StepMeter
+    saved_at: int = -1  # the step of the last checkpoint written
 
 
 class Trainer:
@@ -347,6 +375,23 @@ class Trainer:
         """Train to `max_steps` (or `num_train_epochs`); `resume_from_checkpoint=True|path` continues a run."""
         if kwargs:
             raise TypeError(f"train() got argument(s) it does not know: {', '.join(sorted(kwargs))}.")
+        run = self._set_up(resume_from_checkpoint)
+        try:
+            while self.state.global_step < run.max_steps:
+                self._train_epoch(run)
+            if self.args.save_strategy != "no" and run.saved_at != self.state.global_step and run.meter.total_steps > 0:
+                self._save_checkpoint()  # the last step, when no strategy saved it
+        finally:
+            run.bar.close()
+            self._restore_dtypes(run.original_dtypes)
+            restore_frozen(self.model, run.frozen)
+        return self._finish(run)
+
+    # ---- train(), in the order it runs ---------------------------------------------------------------
+    def _set_up(self, resume_from_checkpoint: Any) -> _Run:
+        """Everything before the first step: the rows, their sampler and the step plan; the checks that
+        refuse before anything touches the model; the model prepared; the optimizer and the state, resumed
+        (with its data position) from a checkpoint when asked; the metrics reporter and the progress bar."""
         a = self.args
         if resume_from_checkpoint is None:
             resume_from_checkpoint = a.resume_from_checkpoint
@@ -356,14 +401,8 @@ class Trainer:
         sampler = self.get_train_sampler(rows)
         batches_per_epoch = len(sampler)
         steps_per_epoch, max_steps = self._plan(batches_per_epoch)
-        ga = a.gradient_accumulation_steps
-
-        if resume_path is not None:  # refuse a mismatched resume before anything touches the model
-            saved = TrainerState.load_from_json(os.path.join(resume_path, ckpt.TRAINER_STATE))
-            if saved.train_rows != rows.num_rows:
-                raise ValueError(
-                    f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
-                    f"resume with the same dataset, max_length and packing, or start a new run.")
+        if resume_path is not None:
+            self._check_resume_rows(resume_path, rows)
         check_step_memory(getattr(self.model, "config", None), a.per_device_train_batch_size, a.max_length, self.compute_dtype(),
                           a.gradient_checkpointing, self.device)
         check_trainable(self.model)
@@ -374,6 +413,43 @@ class Trainer:
         model = self.prepare_model()
         frozen = frozen_originals(self.model, originals)  # given back at the end (a frozen base cast to bf16)
         self.backend.before_training()
+        resume_path = self._start_state(model, originals, rows, steps_per_epoch, max_steps, resume_path,
+                                        auto=resume_from_checkpoint is True)
+        del originals
+        if resume_path is not None:
+            self.state.max_steps = max_steps
+            self.state.last_checkpoint = resume_path
+            logger.info("Resuming from %s at step %d (epoch %d, batch %d).", resume_path, self.state.global_step,
+                        self.state.epoch_index, self.state.batches_in_epoch)
+        main = self.is_world_process_zero()
+        self._reporter = MetricsReporter(a.output_dir, a.report_to, a.logging_dir, is_main=main)
+        stats = rows.stats()
+        self._log_start(stats, max_steps)
+        bar = progress_bar(max_steps, self.state.global_step, disable=a.disable_tqdm or not main)
+        return _Run(model, rows, sampler, batches_per_epoch, max_steps, stats, main, original_dtypes, frozen, bar,
+                    StepMeter())
+
+    def _log_start(self, stats: dict, max_steps: int) -> None:
+        a = self.args
+        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, tokens with loss %.2f%%, "
+                    "%d steps of %d x %d x %d accumulation.",
+                    self.device, stats["rows"], stats["max_length"], stats["mode"], 100 * stats["padding_waste"],
+                    100 * stats["loss_token_share"], max_steps, a.per_device_train_batch_size, a.max_length,
+                    a.gradient_accumulation_steps)
+
+    def _check_resume_rows(self, resume_path: str, rows: RowTable) -> None:
+        """Refuse a checkpoint trained on another number of rows (its data position would mean other data)."""
+        saved = TrainerState.load_from_json(os.path.join(resume_path, ckpt.TRAINER_STATE))
+        if saved.train_rows != rows.num_rows:
+            raise ValueError(
+                f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
+                f"resume with the same dataset, max_length and packing, or start a new run.")
+
+    def _start_state(self, model: nn.Module, originals: dict, rows: RowTable, steps_per_epoch: int, max_steps: int,
+                     resume_path: Optional[str], auto: bool) -> Optional[str]:
+        """Master weights, optimizer, schedule and a new `TrainerState`, then the checkpoint's when resuming;
+        returns the checkpoint loaded. If any of it fails, the caller's parameters get their own tensors back."""
+        a = self.args
         try:
             self.master = self.create_master_weights(model)
             self.master.adopt(originals)
@@ -384,9 +460,9 @@ class Trainer:
                 logging_steps=a.resolved_steps(a.logging_steps, max_steps),
                 eval_steps=a.resolved_steps(a.eval_steps if a.eval_steps is not None else a.logging_steps, max_steps),
                 save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
-                gradient_accumulation_steps=ga, train_rows=rows.num_rows)
+                gradient_accumulation_steps=a.gradient_accumulation_steps, train_rows=rows.num_rows)
             if resume_path is not None:
-                resume_path = self._load_resume(resume_path, auto=resume_from_checkpoint is True)
+                resume_path = self._load_resume(resume_path, auto=auto)
         except BaseException:
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -394,124 +470,115 @@ class Trainer:
                     if o is not None and p.dtype != o.dtype and p.shape == o.shape:
                         p.data = o
             raise
-        del originals
-        if resume_path is not None:
-            self.state.max_steps = max_steps
-            self.state.last_checkpoint = resume_path
-            logger.info("Resuming from %s at step %d (epoch %d, batch %d).", resume_path, self.state.global_step,
-                        self.state.epoch_index, self.state.batches_in_epoch)
-        state = self.state
-        main = self.is_world_process_zero()
-        self._reporter = MetricsReporter(a.output_dir, a.report_to, a.logging_dir, is_main=main)
-        stats = rows.stats()
-        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, tokens with loss %.2f%%, "
-                    "%d steps of %d x %d x %d accumulation.",
-                    self.device, stats["rows"], stats["max_length"], stats["mode"], 100 * stats["padding_waste"],
-                    100 * stats["loss_token_share"], max_steps, a.per_device_train_batch_size, a.max_length, ga)
+        return resume_path
 
-        start_step = state.global_step
-        bar = progress_bar(max_steps, start_step, disable=a.disable_tqdm or not main)
-        run_start = time.perf_counter()
-        window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-        total_loss, total_steps, total_tokens = 0.0, 0, 0
-        steady_tokens, steady_start = 0, None
-        saved_at = -1
-        try:
-            while state.global_step < max_steps:
-                sampler.set_epoch(state.epoch_index)
-                order = list(sampler)
-                pos = state.batches_in_epoch
-                while pos + ga <= batches_per_epoch and state.global_step < max_steps:
-                    step_start = time.perf_counter()
-                    host = [rows.batch(ix) for ix in order[pos:pos + ga]]
-                    items = sum(count_label_tokens(b["labels"]) for b in host)
-                    tokens = sum(int((b["labels"] != -100).sum()) for b in host)
-                    num_items = self.reduce_sum(torch.tensor(max(items, 1), dtype=torch.long, device=self.device))
-                    step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
-                    for batch in host:
-                        loss = self.compute_loss(model, self.move_batch(batch), num_items)
-                        loss.backward()
-                        self.master.collect_grads()
-                        step_loss += loss.detach().float()
-                    grad_norm = self.clip_gradients()
-                    loss_value = float(self.reduce_sum(step_loss))
-                    norm_value = float(grad_norm)
-                    if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
-                        self.optimizer.zero_grad(set_to_none=True)  # no NaN gradient outlives the refused step
-                        model.zero_grad(set_to_none=True)
-                        self._diverged(state.global_step + 1, loss_value, norm_value)
-                    self.optimizer.step()
-                    self.master.push()
-                    lr = self.lr_scheduler.get_last_lr()[0]
-                    self.lr_scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                    model.zero_grad(set_to_none=True)
-                    pos += ga
-                    state.global_step += 1
-                    if pos + ga > batches_per_epoch:  # this epoch is done: a resume starts the next one
-                        state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
-                        state.epoch = float(state.epoch_index)
-                    else:
-                        state.batches_in_epoch = pos
-                        state.epoch = state.epoch_index + pos / batches_per_epoch
-                    state.seen_tokens += tokens
-                    now = time.perf_counter()
-                    if self.first_step_seconds is None:
-                        self.first_step_seconds = now - step_start
-                    if steady_start is None:
-                        steady_start = now
-                    else:
-                        steady_tokens += tokens
-                    window_loss += loss_value
-                    window_steps += 1
-                    window_tokens += tokens
-                    total_loss += loss_value
-                    total_steps += 1
-                    total_tokens += tokens
-                    rate = steady_tokens / (now - steady_start) if steady_tokens else tokens / max(now - step_start, 1e-9)
-                    bar.update(1)
-                    bar.set_postfix(format_postfix(loss_value, lr, rate), refresh=False)
-                    step = state.global_step
-                    if self._log_now(step, max_steps, state.batches_in_epoch == 0):
-                        self.log({"loss": round(window_loss / window_steps, 6), "grad_norm": round(norm_value, 6),
-                                  "learning_rate": lr, "tokens_per_second": round(window_tokens / max(now - window_start, 1e-9), 2)})
-                        window_loss, window_steps, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
-                    epoch_end = state.batches_in_epoch == 0
-                    if self.eval_dataset is not None and (
-                            (a.eval_strategy == "steps" and step % state.eval_steps == 0)
-                            or (a.eval_strategy == "epoch" and epoch_end)):
-                        self.evaluate()
-                    if (a.save_strategy == "steps" and step % state.save_steps == 0) or (a.save_strategy == "epoch" and epoch_end):
-                        self._save_checkpoint()
-                        saved_at = step
-                if pos + ga > batches_per_epoch and state.batches_in_epoch != 0:  # defensive: leftover micro-batches
-                    state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
-            if a.save_strategy != "no" and saved_at != state.global_step and total_steps > 0:
-                self._save_checkpoint()
-        finally:
-            bar.close()
-            self._restore_dtypes(original_dtypes)
-            restore_frozen(self.model, frozen)
-        runtime = time.perf_counter() - run_start
-        steady_seconds = (time.perf_counter() - steady_start) if steady_start is not None else 0.0
-        metrics = {
-            "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(total_steps * ga * a.per_device_train_batch_size / max(runtime, 1e-9), 3),
-            "train_steps_per_second": round(total_steps / max(runtime, 1e-9), 3),
-            "train_tokens_per_second": round(total_tokens / max(runtime, 1e-9), 2),
-            "train_steady_tokens_per_second": round(steady_tokens / steady_seconds, 2) if steady_tokens else None,
-            "train_first_step_seconds": round(self.first_step_seconds or 0.0, 4),
-            "train_loss": total_loss / max(total_steps, 1),
-            "train_padding_waste": stats["padding_waste"],
-            "train_loss_token_share": stats["loss_token_share"],
-            **{k: v for k, v in self.compile_stats().items() if k != "backend"},
-        }
+    def _train_epoch(self, run: _Run) -> None:
+        """The optimizer steps of the current epoch, from its data position, until the epoch or `max_steps`
+        ends."""
+        state, ga = self.state, self.args.gradient_accumulation_steps
+        run.sampler.set_epoch(state.epoch_index)
+        order = list(run.sampler)
+        pos = state.batches_in_epoch
+        while pos + ga <= run.batches_per_epoch and state.global_step < run.max_steps:
+            step_start = time.perf_counter()
+            step = self._optimizer_step(run.model, [run.rows.batch(ix) for ix in order[pos:pos + ga]])
+            pos += ga
+            self._after_step(run, pos, step, step_start)
+        if pos + ga > run.batches_per_epoch and state.batches_in_epoch != 0:  # defensive: leftover micro-batches
+            state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
+
+    def _optimizer_step(self, model: nn.Module, host: list) -> _Step:
+        """One optimizer step over the accumulation window's micro-batches (`host`: on the host). Each one's
+        forward and backward, its summed loss divided by the window's label tokens; the gradient norm,
+        clipped; a NaN or inf loss or norm stops training before the optimizer step; then the optimizer
+        and the schedule step and the gradients are dropped."""
+        items = sum(count_label_tokens(b["labels"]) for b in host)
+        tokens = sum(int((b["labels"] != -100).sum()) for b in host)
+        num_items = self.reduce_sum(torch.tensor(max(items, 1), dtype=torch.long, device=self.device))
+        step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        for batch in host:
+            loss = self.compute_loss(model, self.move_batch(batch), num_items)
+            loss.backward()
+            self.master.collect_grads()
+            step_loss += loss.detach().float()
+        grad_norm = self.clip_gradients()
+        loss_value = float(self.reduce_sum(step_loss))
+        norm_value = float(grad_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+            self.optimizer.zero_grad(set_to_none=True)  # no NaN gradient outlives the refused step
+            model.zero_grad(set_to_none=True)
+            self._diverged(self.state.global_step + 1, loss_value, norm_value)
+        self.optimizer.step()
+        self.master.push()
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        return _Step(loss_value, norm_value, lr, tokens)
+
+    def _after_step(self, run: _Run, pos: int, step: _Step, step_start: float) -> None:
+        """Bookkeeping after an optimizer step that ended at micro-batch `pos`: the step count and data
+        position, the meters and the progress bar; then a log record, an evaluation and a checkpoint (with
+        rotation) when their strategies say so."""
+        a, state = self.args, self.state
+        state.global_step += 1
+        if pos + a.gradient_accumulation_steps > run.batches_per_epoch:  # this epoch is done: a resume starts the next one
+            state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
+            state.epoch = float(state.epoch_index)
+        else:
+            state.batches_in_epoch = pos
+            state.epoch = state.epoch_index + pos / run.batches_per_epoch
+        state.seen_tokens += step.tokens
+        now = time.perf_counter()
+        if self.first_step_seconds is None:
+            self.first_step_seconds = now - step_start
+        rate = run.meter.add(step.loss, step.tokens, step_start, now)
+        run.bar.update(1)
+        run.bar.set_postfix(format_postfix(step.loss, step.learning_rate, rate), refresh=False)
+        done = state.global_step
+        epoch_end = state.batches_in_epoch == 0
+        if self._log_now(done, run.max_steps, epoch_end):
+            loss, tokens_per_second = run.meter.take_window(now)
+            self.log({"loss": round(loss, 6), "grad_norm": round(step.grad_norm, 6),
+                      "learning_rate": step.learning_rate, "tokens_per_second": round(tokens_per_second, 2)})
+        if self.eval_dataset is not None and (
+                (a.eval_strategy == "steps" and done % state.eval_steps == 0)
+                or (a.eval_strategy == "epoch" and epoch_end)):
+            self.evaluate()
+        if (a.save_strategy == "steps" and done % state.save_steps == 0) or (a.save_strategy == "epoch" and epoch_end):
+            self._save_checkpoint()
+            run.saved_at = done
+
+    def _finish(self, run: _Run) -> TrainOutput:
+        """The run's metrics, logged; the loss curve drawn; the reporter closed."""
+        metrics = self._train_metrics(run)
         self.log(metrics)
-        if main:
+        if run.main:
             self.write_loss_curve()
         if self._reporter is not None:
             self._reporter.close()
-        return TrainOutput(state.global_step, metrics["train_loss"], metrics)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
+
+    def _train_metrics(self, run: _Run) -> dict:
+        """transformers' `train_*` metrics of the run (runtime, samples, steps and tokens per second, the mean
+        loss), with the steady-state token rate, the first step's seconds, the data's padding waste and
+        loss-token share, and the compile counts."""
+        a, m = self.args, run.meter
+        runtime = time.perf_counter() - m.run_start
+        steady_seconds = (time.perf_counter() - m.steady_start) if m.steady_start is not None else 0.0
+        samples = m.total_steps * a.gradient_accumulation_steps * a.per_device_train_batch_size
+        return {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+            "train_steps_per_second": round(m.total_steps / max(runtime, 1e-9), 3),
+            "train_tokens_per_second": round(m.total_tokens / max(runtime, 1e-9), 2),
+            "train_steady_tokens_per_second": round(m.steady_tokens / steady_seconds, 2) if m.steady_tokens else None,
+            "train_first_step_seconds": round(self.first_step_seconds or 0.0, 4),
+            "train_loss": m.total_loss / max(m.total_steps, 1),
+            "train_padding_waste": run.stats["padding_waste"],
+            "train_loss_token_share": run.stats["loss_token_share"],
+            **{k: v for k, v in self.compile_stats().items() if k != "backend"},
+        }
 
     def _load_resume(self, path: str, auto: bool) -> str:
         """Load checkpoint `path`; with resume_from_checkpoint=True a checkpoint that fails to load is

@@ -1,0 +1,76 @@
+"""`POST /v1/completions`: a prompt (or several, or token ids) continued, `n` choices per prompt, with
+`echo`, `logprobs`, stop strings, and streaming in OpenAI's `text_completion` chunks. What differs from
+chat is only the JSON of a choice; the request's life is `serving/runs.py`."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from fastapi import FastAPI, Request
+
+from ..protocol import Job, parse_completion
+from ..runs import Delta, completion_logprobs, start, streamed, usage, whole
+from ..state import ServerState, check_model, read_body
+
+KIND = "text_completion"
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Add these endpoints to `app`, their handlers reading `state`."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(state, request)
+        adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
+        job = parse_completion(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len,
+                               state.max_n)
+        rid, runs = start(state, job, "cmpl", adapter)
+        created = int(time.time())
+        if job.stream:
+            chunk = _chunks(state.tokenizer, job, rid, created, served, len(runs))
+            return streamed(state, job, rid, runs, chunk, KIND, served)
+        collected = await whole(state, request, runs)
+        return _answer(state.tokenizer, job, rid, created, served, runs, collected)
+
+
+def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) -> Callable[[Delta], Optional[dict]]:
+    """The streamed chunk of each delta (None when it adds nothing): a choice's first chunk carries the
+    echoed prompt, and logprobs' text offsets continue across a choice's chunks."""
+    offsets = [0] * n
+    echoed = set()
+
+    def chunk(d: Delta) -> Optional[dict]:
+        text = d.text
+        if job.echo and d.index not in echoed:
+            echoed.add(d.index)
+            text = job.prompt_texts[job.choices[d.index].prompt_index] + text
+        logprobs = None
+        if job.logprobs is not None and d.tokens:
+            logprobs = completion_logprobs(tokenizer, d.tokens, offsets[d.index])
+        offsets[d.index] += len(text)
+        if not text and logprobs is None and d.finish_reason is None:
+            return None
+        return {"id": rid, "object": KIND, "created": created, "model": served,
+                "choices": [{"index": d.index, "text": text, "logprobs": logprobs,
+                             "finish_reason": d.finish_reason}]}
+
+    return chunk
+
+
+def _answer(tokenizer, job: Job, rid: str, created: int, served: str, runs: list, collected: list) -> dict:
+    """The whole answer: each choice's text (after its echoed prompt), logprobs and finish reason, and usage."""
+    choices = []
+    for run, deltas in zip(runs, collected):
+        text = "".join(d.text for d in deltas)
+        prefix = job.prompt_texts[job.choices[run.index].prompt_index] if job.echo else ""
+        tokens = [t for d in deltas for t in d.tokens]
+        choices.append({"index": run.index, "text": prefix + text,
+                        "logprobs": completion_logprobs(tokenizer, tokens, len(prefix))
+                        if job.logprobs is not None else None,
+                        "finish_reason": run.finish_reason})
+    return {"id": rid, "object": KIND, "created": created, "model": served,
+            "choices": choices, "usage": usage(job, runs)}
+
+
+__all__ = ["register"]

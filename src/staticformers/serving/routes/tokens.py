@@ -1,0 +1,51 @@
+"""`POST /tokenize` (a prompt, or chat messages through the chat template, to token ids) and
+`POST /detokenize` (token ids, each checked against the vocabulary, to text), as vLLM names them."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from ..protocol import ApiError, parse_chat
+from ..state import ServerState, check_model, read_body
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Add these endpoints to `app`, their handlers reading `state`."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_body(state, request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        check_model(state, body.get("model"))
+        if "messages" in body:
+            job = parse_chat({**body, "max_tokens": None}, state.tokenizer, state.defaults, state.eos_token_ids,
+                             10**9, 1, state.chat_template)
+            ids = job.prompts[0]
+        elif isinstance(body.get("prompt"), str):
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise ApiError(400, f"add_special_tokens={add!r} must be true or false.", param="add_special_tokens")
+            ids = state.tokenizer(body["prompt"], add_special_tokens=add)["input_ids"]
+            ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+        else:
+            raise ApiError(400, "Pass \"prompt\" (a string) or \"messages\" to tokenize.", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await read_body(state, request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        check_model(state, body.get("model"))
+        tokens = body.get("tokens")
+        vocab = len(state.tokenizer)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, f"tokens={tokens!r} must be a list of integer token ids.", param="tokens")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens={bad[:4]!r} are outside the vocabulary [0, {vocab}).", param="tokens")
+        return {"prompt": state.tokenizer.decode(tokens)}
+
+
+__all__ = ["register"]

@@ -1,0 +1,276 @@
+"""A generation job's life on the HTTP side, shared by the completions and chat routes.
+
+`start` checks and queues one `GenerationRequest` per choice and returns a `ChoiceRun` for each, which
+turns its token events into `Delta`s (text after stop strings, tool calls, logprobs, the finish reason)
+and counts them in the metrics. The answer is then either `whole` (every delta collected; the requests
+are cancelled if the client goes away) or `streamed` (server-sent events built by the route's `chunk`
+function; a stream the client leaves has its requests cancelled). Only the JSON of one choice differs
+between the two routes, and that stays in each route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..generation.loop import GenerationRequest
+from ..generation.plan import PlanError
+from .engine_thread import Draining, EngineFailed, QueueFull, Sink
+from .protocol import ApiError, Job
+from .state import ServerState
+from .text import ChoiceText, ToolCallParser
+
+
+# ---------------------------------------------------------------------------------------------
+# one choice: its events, its text
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Delta:
+    """What one event adds to one choice of the response."""
+
+    index: int
+    text: str = ""
+    tool_calls: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
+    finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+
+
+class ChoiceRun:
+    """Follows one generation request: turns its events into deltas (text after stop strings, tool calls)."""
+
+    def __init__(self, state: ServerState, job: Job, index: int, request_id: str, sink: Sink, arrival: float):
+        self.state, self.job, self.index, self.request_id, self.sink = state, job, index, request_id, sink
+        self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
+        self.tools = ToolCallParser() if job.tools else None
+        self.arrival, self.last = arrival, None
+        self.completion_tokens = 0
+        self.finish_reason: Optional[str] = None
+
+    def _content(self, text: str, final: bool = False) -> tuple[str, list]:
+        if self.tools is None:
+            return text, []
+        out, calls = self.tools.feed(text)
+        if final:
+            more, tail = self.tools.finish()
+            out, calls = out + more, calls + tail
+        return out, calls
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        m = self.state.metrics
+        while True:
+            event = await self.sink.queue.get()
+            now = time.monotonic()
+            if event.error is not None:
+                m.errors.inc()
+                self.finish_reason = "error"
+                yield Delta(self.index, finish_reason="error", error=event.error)
+                return
+            if event.token is None:  # cancelled by the server (shutdown)
+                self.finish_reason = event.finish_reason or "abort"
+                m.finished(self.finish_reason)
+                text, calls = self._content(self.text.finish(), final=True)
+                yield Delta(self.index, text, calls, finish_reason=self.finish_reason)
+                return
+            self.completion_tokens += 1
+            m.generation_tokens.inc()
+            if self.last is None:
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - self.last)
+            self.last = now
+            piece = self.text.push(event.token)
+            tokens = [(event.token, event.logprob, event.top_logprobs)] if event.logprob is not None else []
+            reason = event.finish_reason
+            if self.text.stopped and reason is None:
+                reason = "stop"
+                self.state.engine.cancel(self.request_id)  # the stop string ended it: free the slot now
+            final = reason is not None
+            if final:
+                piece += self.text.finish()
+            text, calls = self._content(piece, final)
+            if final:
+                if self.tools is not None and self.tools.calls:
+                    reason = "tool_calls"
+                self.finish_reason = reason
+                m.e2e.observe(now - self.arrival)
+                m.finished(reason if reason != "tool_calls" else "stop")
+            yield Delta(self.index, text, calls, tokens, reason)
+            if final:
+                return
+
+
+# ---------------------------------------------------------------------------------------------
+# what both answers carry: logprobs, usage
+# ---------------------------------------------------------------------------------------------
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def completion_logprobs(tokenizer, tokens: list, offset: int) -> dict:
+    """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, logprob, top in tokens:
+        text = _token_text(tokenizer, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in top} if top else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer, tokens: list) -> list:
+    """A chat choice's `logprobs.content`: one entry per token, with its bytes and top logprobs."""
+    def entry(token, logprob):
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]} for t, lp, top in tokens]
+
+
+def usage(job: Job, runs: list) -> dict:
+    """The answer's `usage`: each prompt counted once per choice drawn from it."""
+    prompt = sum(len(p) for p in job.prompts) * (len(job.choices) // len(job.prompts))
+    completion = sum(r.completion_tokens for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---------------------------------------------------------------------------------------------
+# a job's requests: queued, followed, cancelled
+# ---------------------------------------------------------------------------------------------
+def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = None) -> tuple[str, list]:
+    """Validate and queue a job's requests (computed with `adapter`, None: the base model); returns the
+    response id and one ChoiceRun per choice."""
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    aloop = asyncio.get_running_loop()
+    requests = [GenerationRequest(job.prompts[c.prompt_index], job.max_tokens[c.prompt_index], c.sampling,
+                                  request_id=f"{rid}-{c.index}", adapter=adapter) for c in job.choices]
+    try:
+        for r in requests:
+            state.engine.loop.validate(r)
+    except PlanError as err:
+        raise ApiError(400, str(err), param="max_tokens") from None
+    except ValueError as err:
+        raise ApiError(400, str(err)) from None
+    sinks = [Sink(aloop) for _ in requests]
+    arrival = time.monotonic()
+    try:
+        state.engine.submit(list(zip(requests, sinks)))
+    except QueueFull:
+        raise ApiError(429, f"The queue is full ({state.engine.max_queued} requests waiting): retry later.",
+                       kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+    except Draining:
+        raise ApiError(503, "The server is shutting down: send the request elsewhere.", kind="server_error") from None
+    except EngineFailed as err:
+        raise ApiError(503, f"The engine failed ({err}): the server cannot generate any more.",
+                       kind="server_error") from None
+    state.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival) for c, r, s in zip(job.choices, requests, sinks)]
+    return rid, runs
+
+
+def cancel(state: ServerState, runs: list, disconnected: bool) -> None:
+    """Cancel the runs that have not finished; a client that went away counts as a disconnect and an abort."""
+    left = [r for r in runs if r.finish_reason is None]
+    for r in left:
+        state.engine.cancel(r.request_id)
+    if disconnected and left:
+        state.metrics.disconnects.inc(len(left))
+        for _ in left:
+            state.metrics.finished("abort")
+
+
+async def merged(runs: list) -> AsyncIterator[Delta]:
+    """Every choice's deltas as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run):
+        async for d in run.deltas():
+            await queue.put(d)
+        await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        done = 0
+        while done < len(runs):
+            d = await queue.get()
+            if d is None:
+                done += 1
+            else:
+                yield d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# the two kinds of answer
+# ---------------------------------------------------------------------------------------------
+async def whole(state: ServerState, request: Request, runs: list) -> list:
+    """Every choice's deltas, collected; the requests are cancelled if the client goes away."""
+    collected: list = [[] for _ in runs]
+    order = {r.index: i for i, r in enumerate(runs)}
+
+    async def collect():
+        async for d in merged(runs):
+            collected[order[d.index]].append(d)
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.1)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                cancel(state, runs, disconnected=True)
+                raise ApiError(499, "The client went away.")
+        task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+    errors = [d.error for ds in collected for d in ds if d.error is not None]
+    if errors:
+        raise ApiError(500, f"The engine failed this request: {errors[0]}", kind="server_error")
+    return collected
+
+
+def sse(data: Any) -> str:
+    """One server-sent event holding `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def streamed(state: ServerState, job: Job, rid: str, runs: list, chunk: Callable[[Delta], Optional[dict]], kind: str,
+             served: str) -> StreamingResponse:
+    """The answer as server-sent events: `chunk(delta)` per delta (None: nothing to send), the usage chunk
+    when asked, then `[DONE]`. A stream that does not reach its end cancels what is left of its runs."""
+    async def events():
+        finished = False
+        try:
+            async for d in merged(runs):
+                if d.error is not None:
+                    yield sse(ApiError(500, f"The engine failed this request: {d.error}", kind="server_error").body())
+                    continue
+                payload = chunk(d)
+                if payload is not None:
+                    yield sse(payload)
+            if job.include_usage:
+                yield sse({"id": rid, "object": kind, "created": int(time.time()), "model": served,
+                           "choices": [], "usage": usage(job, runs)})
+            yield "data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:
+                cancel(state, runs, disconnected=True)
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "sse", "start",
+           "streamed", "usage", "whole"]

@@ -1,0 +1,75 @@
+"""What every HTTP handler shares: the server's state, the body read within its size limit, the check of a
+request's `model`, and OpenAI's error JSON as a response.
+
+Kept apart from the routes so that each route module (`serving/routes/`) and the guard in `app.py` read
+the same limits and refuse in the same words.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .engine_thread import EngineThread
+from .metrics import ServerMetrics
+from .protocol import ApiError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+@dataclass
+class ServerState:
+    """What the handlers need: the model's name and tokenizer, the engine thread and its loop, limits."""
+
+    model_name: str
+    tokenizer: Any
+    engine: EngineThread
+    metrics: ServerMetrics
+    max_model_len: int
+    max_n: int
+    defaults: dict = field(default_factory=dict)  # sampling defaults (generation_config.json)
+    eos_token_ids: list = field(default_factory=list)
+    api_key: Optional[str] = None
+    chat_template: Optional[str] = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    created: int = field(default_factory=lambda: int(time.time()))
+    adapters: dict = field(default_factory=dict)  # LoRA adapter name -> the folder it was loaded from
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
+                   headers=None) -> JSONResponse:
+    """OpenAI's error JSON with its status, for the places that answer rather than raise `ApiError`."""
+    return JSONResponse(ApiError(status, message, param, kind).body(), status_code=status, headers=headers)
+
+
+async def read_body(state: ServerState, request: Request) -> Any:
+    """The request's JSON body, read as it streams in: 413 past `max_body_bytes` (a body that declared no
+    length gets here past the guard), 400 when it is not JSON. An empty body is `None`."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > state.max_body_bytes:
+            raise ApiError(413, f"The request body is more than the limit of {state.max_body_bytes} bytes.")
+    try:
+        return json.loads(bytes(raw) or b"null")
+    except ValueError:
+        raise ApiError(400, "The request body is not valid JSON.") from None
+
+
+def check_model(state: ServerState, name: Any) -> tuple[Optional[str], str]:
+    """(the adapter a request's `model` picks, None for the base; the name its answer carries)."""
+    if name is None or name == state.model_name:
+        return None, state.model_name
+    if isinstance(name, str) and name in state.adapters:
+        return name, name
+    served = ", ".join(map(repr, [state.model_name, *state.adapters]))
+    raise ApiError(404, f"The model {name!r} does not exist here: this server serves {served}.",
+                   param="model", kind="invalid_request_error", code="model_not_found")
+
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerState", "check_model", "error_response", "read_body"]
