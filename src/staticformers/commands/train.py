@@ -97,8 +97,17 @@ def lora_config(args):
                       use_rslora=args.use_rslora)
 
 
+class Rows(list):
+    """Examples read from files, each with where it came from (`origins[i]`: "FILE line N", "FILE paragraph N")."""
+
+    def __init__(self, rows=(), origins=()):
+        super().__init__(rows)
+        self.origins = list(origins)
+
+
 def read_documents(path: str, txt_documents: str = "paragraph") -> list:
-    """Examples (strings or dicts) from a .txt/.jsonl file or a folder of them."""
+    """Examples (strings or dicts) from a .txt/.jsonl file or a folder of them (a `Rows`, but for a `datasets`
+    folder)."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "state.json")):
             try:
@@ -110,14 +119,16 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".txt", ".jsonl")))
         if not files:
             raise ValueError(f"{path} holds no .txt or .jsonl files: put the corpus there or pass a file.")
-        out: list = []
+        out = Rows()
         for f in files:
-            out.extend(read_documents(f, txt_documents))
+            rows = read_documents(f, txt_documents)
+            out.extend(rows)
+            out.origins.extend(rows.origins)
         return out
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data {path} does not exist: pass a .txt or .jsonl file or a folder of them.")
     if path.endswith(".jsonl"):
-        out = []
+        out = Rows()
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
@@ -125,15 +136,18 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
                         out.append(json.loads(line))
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{path} line {n} is not JSON ({err.msg}): fix or remove that line.") from None
+                    out.origins.append(f"{path} line {n}")
         return out
     if path.endswith(".txt"):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if txt_documents == "file":
-            return [text] if text.strip() else []
+            return Rows([text], [path]) if text.strip() else Rows()
         if txt_documents == "line":
-            return [line for line in text.splitlines() if line.strip()]
-        return [p.strip() for p in text.split("\n\n") if p.strip()]
+            lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+            return Rows([line for _, line in lines], [f"{path} line {n}" for n, _ in lines])
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        return Rows(paragraphs, [f"{path} paragraph {k}" for k in range(1, len(paragraphs) + 1)])
     raise ValueError(f"Data {path} is neither .txt nor .jsonl: convert it, or pass a folder of such files.")
 
 
@@ -169,8 +183,21 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def where(err, datasets: dict) -> str:
+    """An ExampleError's sentence, starting with the flag and the file line its example came from."""
+    for flag, rows in datasets.items():
+        if rows is not None and err.dataset is rows and err.index < len(getattr(rows, "origins", ())):
+            message = str(err)
+            lead = f"Example {err.index} "
+            if message.startswith(lead):
+                message = "this example " + message[len(lead):]
+            return f"{flag} {rows.origins[err.index]}: {message}"
+    return str(err)
+
+
 def run(args) -> int:
     from ..training.arguments import TrainingArguments
+    from ..training.documents import ExampleError
     from ..training.trainer import Trainer
 
     lora = lora_config(args)  # refused before anything loads
@@ -200,6 +227,12 @@ def run(args) -> int:
         packing=args.packing, disable_tqdm=args.quiet,
         assistant_only_loss=args.assistant_only_loss, chat_template_path=args.chat_template)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+    try:  # every row of both sets is read before the first step (the Trainer keeps the rows it built)
+        trainer.get_train_rows()
+        if evaluation is not None:
+            trainer.get_eval_rows()
+    except ExampleError as err:  # which file and line, not only which example
+        raise ValueError(where(err, {"--data": train, "--eval-data": evaluation})) from None
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
     summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
