@@ -10,6 +10,8 @@ or `--chat-template FILE`); `--assistant-only-loss` puts the loss on the assista
 The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`. With `--lora-r`
 only a LoRA adapter trains (PEFT's LoraConfig: `--lora-alpha`, `--lora-dropout`, `--lora-target`) and
 `--output-dir` receives the adapter (adapter_config.json + adapter_model.safetensors), as peft saves it.
+`--learning-rate` defaults to 5e-5 (transformers'), or to 2e-4 with `--lora-r` (the LoRA rate of TRL's
+and peft's examples).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import os
 
 HELP = "train or fine-tune a causal LM on text or conversations with fixed shapes (padding or packing)"
 DEFAULT_MAX_LENGTH = 512
+
+
+FULL_LEARNING_RATE = 5e-5  # TrainingArguments' default, transformers'
+LORA_LEARNING_RATE = 2e-4  # TRL's SFT + peft examples (SFTConfig(learning_rate=2e-4) for LoRA)
 
 
 def add_arguments(parser) -> None:
@@ -41,7 +47,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
     parser.add_argument("--eval-batch-size", type=int, default=8, help="per_device_eval_batch_size")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--learning-rate", type=float, default=5e-5, help="AdamW's peak learning rate")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="AdamW's peak learning rate (default: 5e-5, transformers'; 2e-4 with --lora-r, the rate "
+                             "of TRL's and peft's LoRA examples, about 10x the full fine-tuning one)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (none on norms and biases)")
     parser.add_argument("--lr-scheduler-type", default="linear", help="linear, cosine, constant or constant_with_warmup")
     parser.add_argument("--warmup-steps", type=float, default=0, help="linear warmup steps (below 1: a fraction of the run)")
@@ -201,6 +209,8 @@ def run(args) -> int:
     from ..training.trainer import Trainer
 
     lora = lora_config(args)  # refused before anything loads
+    learning_rate = args.learning_rate if args.learning_rate is not None else \
+        (LORA_LEARNING_RATE if lora is not None else FULL_LEARNING_RATE)
     model, folder = load_model(args.path, args.seed)
     if lora is not None:
         model.add_adapter(lora)
@@ -216,7 +226,7 @@ def run(args) -> int:
                                  f"has no tokenizer.json: pass --tokenizer FOLDER (a folder with tokenizer.json).")
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.eval_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=learning_rate,
         weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, max_steps=args.max_steps,
         logging_steps=args.logging_steps, eval_strategy="steps" if evaluation is not None else "no", eval_steps=args.eval_steps,
@@ -236,6 +246,7 @@ def run(args) -> int:
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
     summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
+               "learning_rate": learning_rate,
                **({"adapter": {"r": lora.r, "lora_alpha": lora.lora_alpha,
                                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}}
                   if lora is not None else {}),
