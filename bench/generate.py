@@ -10,7 +10,10 @@ on the CPU forced with `fullgraph=True, dynamic=False`), and staticformers (`sf`
 wall time with the device synchronized at both ends. Prints one JSON object (and writes it to `--out`
 after every case, so a run stopped by a time limit keeps what it measured): decode tokens/s, time to
 first token, bandwidth utilisation against the ceiling measured in the same run on the same device
-(bench/ceilings.py: a copy of the weights' size on a GPU, a GEMV over the weights' bytes on the CPU),
+(bench/ceilings.py: a copy of the weights' size on a GPU; on the CPU the best of `torch.mv`, `sum` and a
+compiled multiply-and-sum over the weights' bytes), sampled between the contenders' timed rounds and
+taken as the best of all samples, so the ceiling and the contenders see the same machine states (a
+contender reading faster than every probe is listed under `ceiling_misses`, never hidden),
 graphs compiled after the warm-up (should be 0), peak memory, and (--mixed, CPU) compiles and compile
 seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cache.
 
@@ -35,7 +38,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ceilings import (Clock, check_device, device_info, matmul_ceiling, memory_ceiling,  # noqa: E402
+from ceilings import (Clock, MemoryCeiling, check_device, device_info, matmul_ceiling,  # noqa: E402
                       peak_memory_gb, reset_peak_memory, sig)
 from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
 
@@ -142,7 +145,10 @@ def weights_read_per_step(model) -> int:
 
 
 def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], device: torch.device, ref_dir: str,
-               prompt: int, new: int, compile_mode: str | None, backend: str, ceiling: dict) -> dict:
+               prompt: int, new: int, compile_mode: str | None, backend: str, ceiling: dict,
+               memory: MemoryCeiling | None = None) -> dict:
+    """One (dtype, batch) case; `memory` is sampled after every timed round of the contenders, and the case's
+    utilisations are against `memory`'s best so far (`add_utilisation` recomputes them at the end of a run)."""
     dtype = getattr(torch, dtype_name)
     reset_peak_memory(device)
     runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
@@ -156,6 +162,7 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
         warm[name] = round(c.seconds, 2)
         graphs_in_warmup[name] = dynamo_graphs() - before
     results = {name: {"total": [], "ttft": [], "graphs": 0} for name in runners}
+    peak = None  # a GPU's peak memory, read before each ceiling sample (whose buffers would count)
     for _ in range(repeats):  # interleaved A B A B
         for name, fn in runners.items():
             before = dynamo_graphs()
@@ -167,6 +174,10 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
             results[name]["total"].append(c.seconds)
             results[name]["graphs"] += dynamo_graphs() - before
             assert out.shape == (batch, prompt + new), out.shape
+        if memory is not None:  # the ceiling read in the same machine state as the round it follows
+            peak = max(peak or 0.0, peak_memory_gb(device) or 0.0) if device.type == "cuda" else None
+            memory.sample(repeats=3)
+            reset_peak_memory(device)
     cfg = _config(ref_dir)
     size = torch.tensor([], dtype=dtype).element_size()
     kv_bytes_avg = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg.get("head_dim", 0)
@@ -176,7 +187,8 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     prefill_flops = batch * prompt * (2 * weight_bytes // size + 2 * cfg["num_hidden_layers"]
                                       * cfg["num_attention_heads"] * cfg.get("head_dim", 0) * prompt)
     out = {"dtype": dtype_name, "batch": batch, "prompt": prompt, "new": new, "warmup_seconds": warm,
-           "graphs_in_warmup": graphs_in_warmup, "peak_memory_gb": peak_memory_gb(device),
+           "graphs_in_warmup": graphs_in_warmup,
+           "peak_memory_gb": max(peak, peak_memory_gb(device) or 0.0) if peak is not None else peak_memory_gb(device),
            "pressure_after": pressure()}
     for name, r in results.items():
         ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])
@@ -188,13 +200,12 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
                  "step_ms": round(per_step * 1000, 3),
                  "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
         if weight_bytes:
-            gbs = (weight_bytes + kv_bytes_avg) / per_step / 1e9
-            entry["weights_gb_s"] = sig(gbs)
-            entry["bandwidth_utilisation"] = sig(gbs / ceiling["memory"]["gb_s"])
-            tflops = prefill_flops / ttft / 1e12  # the first token's time is the prompt's forward pass
-            entry["prefill_tflop_s"] = sig(tflops)
-            entry["prefill_flops_utilisation"] = sig(tflops / ceiling["matmul"]["tflop_s"])
+            entry["weights_gb_s"] = sig((weight_bytes + kv_bytes_avg) / per_step / 1e9)
+            entry["prefill_tflop_s"] = sig(prefill_flops / ttft / 1e12)  # the first token's time is the prompt's pass
         out[name] = entry
+    if memory is not None:
+        ceiling["memory"] = memory.result()
+    add_utilisation(out, ceiling)
     if "hf" in out and "sf" in out:
         out["ratio_decode_vs_hf"] = round(out["sf"]["decode_tok_s"] / out["hf"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf"] = round(out["hf"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
@@ -208,6 +219,22 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
         out["params"] = sf_model.num_parameters()
         out["weight_bytes_per_step"] = weight_bytes
     return out
+
+
+def add_utilisation(case: dict, ceiling: dict) -> None:
+    """Each contender's bandwidth and prefill FLOP utilisation against `ceiling` (its dtype's `memory` and
+    `matmul`), and `ceiling_misses`: the contenders that read faster than the memory ceiling (its probes
+    missed a faster way to read those bytes; the utilisation then reads above 1 and says so)."""
+    misses = []
+    for name, entry in case.items():
+        if not isinstance(entry, dict) or "weights_gb_s" not in entry:
+            continue
+        entry["bandwidth_utilisation"] = sig(entry["weights_gb_s"] / ceiling["memory"]["gb_s"])
+        entry["prefill_flops_utilisation"] = sig(entry["prefill_tflop_s"] / ceiling["matmul"]["tflop_s"])
+        if entry["bandwidth_utilisation"] > 1:
+            misses.append(name)
+    case["ceiling_gb_s"] = ceiling["memory"]["gb_s"]
+    case["ceiling_misses"] = misses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,19 +391,24 @@ def main(argv: list[str] | None = None) -> None:
     else:
         weights = _weight_elements(REF_DIR)  # elements read per decode step
         cols = int(_config(REF_DIR)["hidden_size"])
-        report["ceilings"] = {}
-        for dtype in args.dtypes:  # the weights' size in each dtype (on the CPU, a GEMV in that dtype)
+        report["ceilings"], memory = {}, {}
+        for dtype in args.dtypes:  # the weights' bytes in each dtype, read by each probe in that dtype
             dt = getattr(torch, dtype)
-            report["ceilings"][dtype] = {"memory": memory_ceiling(device, weights * dt.itemsize, dt, cols),
-                                         "matmul": matmul_ceiling(device, dtype=dt)}
+            memory[dtype] = MemoryCeiling(device, weights * dt.itemsize, dt, cols)
+            memory[dtype].sample()
+            report["ceilings"][dtype] = {"memory": memory[dtype].result(), "matmul": matmul_ceiling(device, dtype=dt)}
         for dtype in args.dtypes:
             for batch in args.batches:
                 report["cases"].append(bench_case(dtype, batch, args.repeats, args.which, device, REF_DIR, args.prompt,
-                                                  args.new, args.compile_mode, args.backend, report["ceilings"][dtype]))
+                                                  args.new, args.compile_mode, args.backend, report["ceilings"][dtype],
+                                                  memory[dtype]))
                 _write(report, args.out)
-        for dtype in args.dtypes:
-            dt = getattr(torch, dtype)
-            report["ceilings"][dtype]["memory"]["gb_s_after"] = memory_ceiling(device, weights * dt.itemsize, dt, cols)["gb_s"]
+        for dtype in args.dtypes:  # a last sample, then every case against the run's best
+            memory[dtype].sample()
+            report["ceilings"][dtype]["memory"] = memory[dtype].result()
+            memory[dtype].close()
+        for case in report["cases"]:
+            add_utilisation(case, report["ceilings"][case["dtype"]])
     report["pressure_after"] = pressure()
     _write(report, args.out)
     print(json.dumps(report, indent=1))

@@ -124,12 +124,20 @@ class ServerProcess:
 
 
 def graphs_compiled(url: str) -> float:
-    """The server's `staticformers_graphs_compiled_total` (its `/metrics`): graphs compiled or loaded so far."""
+    """The server's `staticformers:graphs_compiled_total` (its `/metrics`, summed over its labels): graphs
+    compiled or loaded so far."""
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=30).text
-    match = re.search(r"^staticformers_graphs_compiled_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
-    return float(match.group(1)) if match else float("nan")
+    return parse_graphs_compiled(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def parse_graphs_compiled(text: str) -> float:
+    """`staticformers:graphs_compiled_total` in a `/metrics` text, or one sentence saying it is missing."""
+    values = re.findall(r"^staticformers:graphs_compiled_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    if not values:
+        raise RuntimeError("the server's /metrics has no staticformers:graphs_compiled_total line: "
+                           "is it a staticformers server of this checkout?")
+    return sum(float(v) for v in values)
 
 
 async def http_run(url: str, jobs: list, clients: int) -> dict:

@@ -24,14 +24,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 DEMO = os.path.join(ROOT, ".demo")
 
-TEMPLATE = """{%- for message in messages %}
-    {%- if message.role == 'user' %}
-        {{- 'Question: ' + message.content + '\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- 'Answer:' }}{% generation %}{{ ' ' + message.content + eos_token }}{% endgeneration %}{{ '\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ 'Answer:' }}{% endif %}"""
+# the training chat template (`Question: ...` / `Answer: ...`, the answer inside `{% generation %}`), a file so
+# that `staticformers train --chat-template examples/qa_training.jinja` uses the same one
+TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qa_training.jinja")
+with open(TEMPLATE_FILE, encoding="utf-8") as _f:
+    TEMPLATE = _f.read()
+SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_sample.jsonl")  # conversations() as a file
 
 TOPICS = ("for", "while", "if", "try", "with", "assert", "pass", "return", "lambda", "class", "function", "import")
 ASKED = ("What does {} do?", "Explain {} in one sentence.", "Tell me about {}.")

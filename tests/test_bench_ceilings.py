@@ -55,14 +55,48 @@ def test_build_reference_saves_bf16_once_and_loads_in_both_libraries(tmp_path, m
         reference.build_reference(size="7b")
 
 
-def test_cpu_memory_ceiling_is_a_gemv_over_the_weights_bytes():
+def test_cpu_memory_ceiling_is_the_best_of_three_probes_over_the_weights_bytes():
     nbytes = 4 * 2**20  # bytes of weights; 2 bytes an element in bf16, 512 columns
-    probe = ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.bfloat16, cols=512, repeats=3)
-    assert probe["what"].startswith("torch.mv over a 4096 x 512 bfloat16 matrix")
+    ceiling = ceilings.MemoryCeiling(torch.device("cpu"), nbytes, torch.bfloat16, cols=512)
+    first = ceiling.sample(repeats=3)
+    assert set(first) == {"torch.mv", "sum", "compiled multiply-and-sum"}
+    probe = ceiling.result()
+    assert probe["what"].startswith("the best of torch.mv, sum and a compiled multiply-and-sum over a 4096 x 512 "
+                                    "bfloat16 matrix")
     assert probe["bytes"] == nbytes and probe["gb_s"] > 0
-    assert probe["gb_s"] == ceilings.sig(nbytes / probe["seconds"] / 1e9)
+    assert probe["gb_s"] == ceilings.sig(nbytes / probe["seconds"] / 1e9) == max(first.values())
+    assert first[probe["probe"]] == probe["gb_s"]
+    second = ceiling.sample(repeats=3)  # the ceiling is the best over every sample, never a later, slower one
+    best = ceiling.result()
+    assert best["samples"] == [first, second] and best["gb_s"] == max(*first.values(), *second.values())
+    ceiling.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        ceiling.sample()
+    assert ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.float32, cols=512, repeats=3)["bytes"] == nbytes
     mm = ceilings.matmul_ceiling(torch.device("cpu"), n=128, repeats=3)
     assert mm["flop"] == 2 * 128 ** 3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
+
+
+def test_the_compiled_probe_reads_the_gemv_s_bytes_and_computes_its_product():
+    w, x = torch.randn(300, 64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    compiled = torch.compile(ceilings._multiply_and_sum, backend="inductor", fullgraph=True, dynamic=False)
+    got = compiled(x.float(), w.float())
+    assert got.dtype == torch.float32 and got.shape == (300,)
+    # 64 float32 products summed: each within 64 units of float32 rounding of the sum of magnitudes
+    bound = 64 * torch.finfo(torch.float32).eps * (w.abs() @ x.abs())
+    assert ((got.double() - w @ x).abs() <= bound).all()
+
+
+def test_generate_s_utilisation_is_against_the_run_s_ceiling_and_names_a_contender_above_it():
+    import generate
+
+    case = {"dtype": "float32", "batch": 1, "hf": {"weights_gb_s": 10.0, "prefill_tflop_s": 0.1},
+            "sf": {"weights_gb_s": 30.0, "prefill_tflop_s": 0.2}}
+    generate.add_utilisation(case, {"memory": {"gb_s": 40.0}, "matmul": {"tflop_s": 0.4}})
+    assert (case["hf"]["bandwidth_utilisation"], case["sf"]["bandwidth_utilisation"]) == (0.25, 0.75)
+    assert case["sf"]["prefill_flops_utilisation"] == 0.5 and case["ceiling_misses"] == [] and case["ceiling_gb_s"] == 40
+    generate.add_utilisation(case, {"memory": {"gb_s": 20.0}, "matmul": {"tflop_s": 0.4}})  # a probe that missed
+    assert case["sf"]["bandwidth_utilisation"] == 1.5 and case["ceiling_misses"] == ["sf"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -78,6 +112,19 @@ def test_gpu_ceilings_are_measured_on_the_device():
     device = torch.device("cuda", 0)
     copy = ceilings.memory_ceiling(device, 256 * 2**20)
     assert copy["bytes"] == 2 * 256 * 2**20 and copy["what"].startswith("device-to-device copy")
+    assert copy["probe"] == "copy" and torch.cuda.memory_allocated(device) < 256 * 2**20  # freed after sampling
     assert copy["gb_s"] == ceilings.sig(copy["bytes"] / copy["seconds"] / 1e9) > 0
     mm = ceilings.matmul_ceiling(device, n=4096)
     assert mm["flop"] == 2 * 4096 ** 3 and mm["tflop_s"] > 0
+
+
+def test_serve_bench_reads_the_graph_count_the_server_renders():
+    import serve
+
+    from staticformers.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny")
+    metrics.graphs.inc(3)
+    assert serve.parse_graphs_compiled(metrics.render().decode()) == 3.0
+    with pytest.raises(RuntimeError, match="has no staticformers:graphs_compiled_total line"):
+        serve.parse_graphs_compiled("# nothing here\n")

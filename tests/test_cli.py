@@ -46,12 +46,91 @@ def test_verbose_before_or_after_the_subcommand():
     assert parser.parse_args(["doctor"]).verbose is False
 
 
-def test_abbreviated_flags_are_refused(checkpoint, capsys):
+def test_abbreviated_flags_are_refused_naming_the_subcommand_s_close_flags(checkpoint, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", checkpoint, "hi", "--max-new-token", "3"])
-    assert exit_.value.code == 2 and "unrecognized arguments: --max-new-token" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: staticformers generate ")  # the subcommand's usage
+    assert err.strip().endswith("staticformers generate: error: unrecognized arguments: --max-new-token 3; --max-new-token: "
+                                "did you mean --max-new-tokens (a flag of 'staticformers generate')?")
+    with pytest.raises(SystemExit):
+        main(["train", checkpoint, "--data", "x.txt", "--lerning-rate=1e-3"])
+    assert "--lerning-rate: did you mean --learning-rate (a flag of 'staticformers train')?" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--verb", "doctor"])
+    assert "--verb: did you mean --verbose (a flag of 'staticformers doctor')?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["doctor", "--nothing-like-it"])
+    assert "--nothing-like-it is not a flag of 'staticformers doctor': see staticformers doctor --help" in \
+        capsys.readouterr().err
+
+
+def test_version_prints_staticformers_version(capsys):
+    import re
+
+    import staticformers
+
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        (declared,) = re.findall(r'^version = "([^"]+)"$', f.read(), re.M)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"staticformers {declared}\n"
+    assert staticformers.__version__ == declared
+
+
+def test_doctor_prints_its_version_and_what_to_install_for_neuron(capsys, monkeypatch):
+    import staticformers
+    from staticformers import devices
+
+    monkeypatch.setattr(devices, "_neuron_version", lambda: None)  # a host without torch-neuronx
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"staticformers {staticformers.__version__}  python ")
+    assert "torch-neuronx not installed" in out
+    hint = out.strip().splitlines()[-1]
+    assert hint.startswith("torch-neuronx is not installed: the neuron device is TorchNeuron's (Trn2/Trn3")
+    assert "pip install 'torch-neuronx==2.13.*'" in hint and "--extra-index-url https://pip.repos.neuron.amazonaws.com" in hint
+    assert "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["staticformers"] == staticformers.__version__ and info["neuron_hint"] == hint
+
+
+def test_doctor_on_a_neuron_host_has_no_install_hint(fake_neuron, capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch-neuronx 0.0-standin" in out and "pip install" not in out
+    fake_neuron.available = False  # installed, but no NeuronCore (or an XLA-based release)
+    assert main(["doctor"]) == 0
+    assert "torch-neuronx 0.0-standin is installed but gives no available torch.neuron device" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA GPU")
+@pytest.mark.parametrize("command", ["generate", "compile", "serve"])
+def test_device_cuda_without_a_gpu_is_refused_in_the_command_line_s_words(checkpoint, command, capsys):
+    import torch
+
+    argv = [command, checkpoint] + (["hi"] if command == "generate" else []) + ["--device", "cuda"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (
+        f"staticformers {command}: --device cuda: this PyTorch ({torch.__version__}) sees no CUDA GPU here: leave "
+        f"--device out (auto picks cpu here), or run on a machine with an NVIDIA GPU and a CUDA build of PyTorch.")
+    assert "device_map" not in err
+    assert main(["generate", checkpoint, "hi", "--device", "cpu:3"]) == 2
+    assert "--device cpu:3: this machine has 1 cpu device(s): pass --device cpu." in capsys.readouterr().err
+    assert main(["generate", checkpoint, "hi", "--device", "gpu"]) == 2
+    assert "--device 'gpu' is not a device: pass auto, neuron, cuda" in capsys.readouterr().err
+
+
+def test_train_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in ("(default: 8)", "(default: linear)", "(default: 1.0)", "(default: 3.0)", "(default: outputs)",
+                  "(default: 42)", "(default: 0.0)"):
+        assert shown in out, shown
+    assert "(default: None)" not in out and "(default: False)" not in out
 
 
 def test_every_option_has_help():

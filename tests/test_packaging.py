@@ -20,3 +20,38 @@ def test_license_is_an_spdx_string_and_setuptools_reads_it():
 def test_make_installs_the_plot_extra():
     with open(os.path.join(ROOT, "Makefile")) as f:
         assert "-e '.[test,plot]'" in f.read()
+
+
+def _make_plan(tmp_path, venv, *overrides) -> str:
+    """The commands `make setup` would run (`make -n`), for a venv at `venv`."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed here")
+    res = subprocess.run(["make", "-n", "-C", ROOT, "setup", f"VENV={venv}", *overrides], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_make_pins_torch_unless_told_or_a_neuron_sdk_is_there(tmp_path):
+    import stat
+    import sys
+
+    fresh = _make_plan(tmp_path, tmp_path / "fresh")
+    assert f"-m venv {tmp_path / 'fresh'}" in fresh and "pip install -q 'torch==2.13.0'" in fresh
+    assert "pip install -q 'torch==2.9.0'" in _make_plan(tmp_path, tmp_path / "fresh", "TORCH_SPEC=torch==2.9.0")
+    kept = _make_plan(tmp_path, tmp_path / "fresh", "SKIP_TORCH=1")
+    assert "pip install -q 'torch" not in kept and "(SKIP_TORCH=1)" in kept and "-e '.[test,plot]'" in kept
+
+    # a venv where torch-neuronx is installed (a stand-in package on the path its python sees)
+    neuron = tmp_path / "neuron"
+    (neuron / "site" / "torch_neuronx").mkdir(parents=True)
+    (neuron / "site" / "torch_neuronx" / "__init__.py").write_text("")
+    (neuron / "bin").mkdir()
+    python = neuron / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={neuron / 'site'} exec {sys.executable} \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    plan = _make_plan(tmp_path, neuron)
+    assert "pip install -q 'torch" not in plan and "-m venv" not in plan and "(torch-neuronx)" in plan

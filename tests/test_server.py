@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
+from staticformers.api.generate import engine_for  # noqa: E402
 from staticformers.serving.server import ServeOptions, Server, build_loop, build_state  # noqa: E402
 
 EAGER = CompileConfig(backend="eager")
@@ -455,10 +456,31 @@ def test_load_64_requests_16_clients_some_disconnecting(model, tok, folder):
         for (prompt, max_tokens, drop), text in zip(jobs, results):
             if not drop:
                 assert text == solo[prompt, max_tokens], (prompt, max_tokens)
-        assert metric(s.url, "graphs_compiled_total") == compiled_before == 0
+        # since start: what --precompile compiled, and nothing more while serving
+        assert metric(s.url, "graphs_compiled_total") == compiled_before == engine_for(model).graph_count() > 0
         deadline = time.monotonic() + 20
         while metric(s.url, "num_requests_running") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert metric(s.url, "num_requests_running") == 0 and metric(s.url, "num_requests_waiting") == 0
     finally:
         s.stop()
+
+
+def test_the_precompile_bar_has_the_plan_s_total_and_prints_its_last_line_once(model, folder):
+    import io
+
+    from staticformers.serving.server import PrecompileBar, serving_plan
+
+    plan = serving_plan(model, ServeOptions(model=folder, max_batch_size=2, max_model_len=64))
+    assert plan.num_shapes == len(plan.decode_shapes()) + len(plan.prefill_shapes()) > 2
+    out = io.StringIO()
+    bar = PrecompileBar(plan.num_shapes, file=out)
+    bar.bar.mininterval = 0  # every update draws, as a slow compile's would
+    for i in range(plan.num_shapes):
+        bar({"kind": "decode", "shape": [1, 1, 64 + i], "seconds": 0.5})
+    bar.close()
+    lines = [x for x in re.split(r"[\r\n]", out.getvalue()) if x.strip()]
+    n = plan.num_shapes
+    assert f"0/{n}" in lines[0] and f"1/{n}" in lines[1]  # a total from the first line on
+    final = [x for x in lines if f"{n}/{n}" in x]
+    assert len(final) == 1 and f"decode [1, 1, {63 + n}] 0.5 s" in final[0] and "100%" in final[0]

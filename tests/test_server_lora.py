@@ -100,6 +100,29 @@ def test_each_request_gets_its_adapters_answer_in_shared_batches(client, folders
     assert answers[0][1] != answers[1][1]  # the adapter changes the answer
 
 
+def test_adapter_requests_are_counted_under_the_adapter_s_name(server, client):
+    import httpx
+
+    def counted(name: str) -> dict:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        out = {}
+        for line in text.splitlines():
+            for metric in ("prompt_tokens_total", "generation_tokens_total", "request_success_total",
+                           "time_to_first_token_seconds_count"):
+                if line.startswith(f"staticformers:{metric}{{") and f'model_name="{name}"' in line:
+                    out[metric] = out.get(metric, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = {name: counted(name) for name in ("tiny", "sql", "poem")}
+    r = client.completions.create(model="poem", prompt="The for statement", max_tokens=5, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    after = {name: counted(name) for name in ("tiny", "sql", "poem")}
+    assert after["tiny"] == before["tiny"] and after["sql"] == before["sql"]  # nothing counted under the others
+    grew = {k: after["poem"][k] - before["poem"].get(k, 0.0) for k in after["poem"]}
+    assert grew == {"prompt_tokens_total": r.usage.prompt_tokens, "generation_tokens_total": 5,
+                    "request_success_total": 1, "time_to_first_token_seconds_count": 1}
+
+
 def test_chat_with_an_adapter_and_an_unknown_model_is_404(client):
     r = client.chat.completions.create(model="poem", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert r.model == "poem" and r.choices[0].finish_reason in ("stop", "length")

@@ -91,3 +91,68 @@ def test_train_on_conversations_with_assistant_only_loss_and_a_chat_template(tmp
     assert full == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss_token_share"] > 0.5
     rc = main(base + ["--assistant-only-loss"])  # the fixture's own template has no {% generation %} blocks
     assert rc == 2 and "chat_template_path" in capsys.readouterr().err
+
+
+def test_a_bad_data_row_is_named_by_its_file_and_line(tmp_path, capsys):
+    from tokenizer_fixtures import build_qwen
+
+    from staticformers.training.data import tokenize_dataset
+    from staticformers.training.documents import ExampleError
+
+    folder = build_qwen(tmp_path / "tok")
+    with pytest.raises(ExampleError, match=r"^Example 1 has a 'text' that is an int, not a str: fix that example") as err:
+        tokenize_dataset([{"text": "fine"}, {"text": 7}], None)
+    assert err.value.index == 1
+    config = json.loads(open(tiny_config(tmp_path / "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 640}))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    (data / "b.jsonl").write_text('{"text": "three"}\n{"text": 4}\n')  # the folder's 4th example, b.jsonl's line 2
+    base = ["train", str(tmp_path / "config.json"), "--tokenizer", str(folder), "--output-dir", str(tmp_path / "out"),
+            "--max-length", "16", "--max-steps", "1", "--batch-size", "2", "--no-save", "--quiet"]
+    assert read_documents(str(data)).origins == [f"{data / 'a.jsonl'} line 1", f"{data / 'a.jsonl'} line 3",
+                                                 f"{data / 'b.jsonl'} line 1", f"{data / 'b.jsonl'} line 2"]
+    assert main(base + ["--data", str(data)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"staticformers train: --data {data / 'b.jsonl'} line 2: this example has a 'text' that is an int, not a str: "
+        f"fix that example (or give token ids as 'input_ids').")
+    (tmp_path / "chats.jsonl").write_text('{"text": "fine"}\n{"messages": "not a list"}\n')
+    assert main(base + ["--data", str(data / "a.jsonl"), "--eval-data", str(tmp_path / "chats.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().startswith(
+        f"staticformers train: --eval-data {tmp_path / 'chats.jsonl'} line 2: this example has 'messages' that are not")
+
+
+def test_the_shipped_chat_sample_trains_and_lora_defaults_to_its_own_learning_rate(tmp_path, capsys):
+    import sys
+
+    from tokenizer_fixtures import build_qwen
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    sys.path.insert(0, examples)
+    import demo_chat
+
+    sample = os.path.join(examples, "chat_sample.jsonl")
+    rows = read_documents(sample)
+    expected, _ = demo_chat.conversations()  # the file is the demo's conversations
+    assert [r["messages"][0] for r in rows] == [r["messages"][0] for r in expected]
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    with open(os.path.join(examples, "qa_training.jinja"), encoding="utf-8") as f:
+        assert f.read() == demo_chat.TEMPLATE and "{% generation %}" in demo_chat.TEMPLATE
+
+    folder = build_qwen(tmp_path / "tok")
+    config = json.loads(open(tiny_config(tmp_path / "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 640}))
+    base = ["train", str(tmp_path / "config.json"), "--tokenizer", str(folder), "--data", sample, "--chat-template",
+            os.path.join(examples, "qa_training.jinja"), "--assistant-only-loss", "--max-length", "128",
+            "--batch-size", "4", "--max-steps", "1", "--output-dir", str(tmp_path / "out"), "--no-save", "--quiet"]
+    rates = {}
+    for name, extra in (("full", []), ("lora", ["--lora-r", "4"]), ("lora, set", ["--lora-r", "4", "--learning-rate", "1e-3"])):
+        assert main(base + extra) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert 0 < summary["loss_token_share"] < 1
+        rates[name] = summary["learning_rate"]
+    assert rates == {"full": 5e-5, "lora": 2e-4, "lora, set": 1e-3}
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "(default: 5e-5, transformers'; 2e-4 with --lora-r" in " ".join(capsys.readouterr().out.split())

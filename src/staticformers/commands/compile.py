@@ -39,9 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
     from ..api.auto import from_pretrained
-    from .options import check_backend
+    from .options import check_backend, check_device
 
     check_backend(args.backend)
+    check_device(args.device)
     model = from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
     plan = ShapePlan(batch_sizes=args.batch_sizes, prompt_lengths=args.prompt_lengths, kv_lengths=args.kv_lengths,
                      max_model_len=args.max_model_len)

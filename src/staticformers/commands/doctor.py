@@ -12,13 +12,16 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from .. import __version__
     from ..backends.devices import describe
 
-    info = describe()
+    info = {"staticformers": __version__, **describe()}
+    info["neuron_hint"] = neuron_hint(info)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"python {info['python']}  torch {info['torch']}  torch-neuronx {info['torch_neuronx'] or 'not installed'}")
+    print(f"staticformers {info['staticformers']}  python {info['python']}  torch {info['torch']}  "
+          f"torch-neuronx {info['torch_neuronx'] or 'not installed'}")
     print(f"{'device':<8}{'available':<11}{'count':<7}{'compile':<10}{'c10d':<8}bf16")
     for name, d in info["devices"].items():
         print(f"{name:<8}{str(d['available']):<11}{d['count']:<7}{d['compile_backend']:<10}{d['dist_backend']:<8}"
@@ -27,4 +30,18 @@ def run(args) -> int:
     print(f"torch.neuron.is_available(), torch.neuron.device_count(): {neuron['available']} {neuron['count']}")
     print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']}, "
           f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
+    if info["neuron_hint"]:
+        print(info["neuron_hint"])
     return 0
+
+
+def neuron_hint(info: dict) -> str | None:
+    """What to do for Neuron on this host, or None where the neuron device is here."""
+    from .options import NEURON_INSTALL
+
+    if info["devices"]["neuron"]["available"]:
+        return None
+    if info["torch_neuronx"] is None:
+        return f"torch-neuronx is not installed: {NEURON_INSTALL}."
+    return (f"torch-neuronx {info['torch_neuronx']} is installed but gives no available torch.neuron device (no "
+            f"NeuronCore here, or an XLA-based release): {NEURON_INSTALL}.")

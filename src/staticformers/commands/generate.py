@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generation.streamers import TextStreamer
     from ..api.auto import from_pretrained
     from ..tokenization.tokenizer import AutoTokenizer
-    from .options import check_backend
+    from .options import check_backend, check_device
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_template and not args.chat:
         raise ValueError("--chat-template applies to --chat: add --chat, or drop --chat-template.")
     check_backend(args.backend)
+    check_device(args.device)
     template = read_chat_template(args.chat_template) if args.chat_template else None
     tok = AutoTokenizer.from_pretrained(args.model)
     if args.chat and template is None and tok.chat_template is None:

@@ -1,4 +1,6 @@
-"""What several commands check the same way before they load anything: a `--backend` name."""
+"""What several commands check the same way before they load anything: a `--backend` name, a `--device`
+(in the command line's words: its flags, not the Python API's `device_map=`), and what to install for
+Neuron."""
 
 from __future__ import annotations
 
@@ -19,4 +21,42 @@ def check_backend(name: Optional[str]) -> None:
                      f"(or leave it out for the device's own).")
 
 
-__all__ = ["check_backend"]
+# what a host needs for the `neuron` device (the README's "Trainium / Inferentia" section says more)
+NEURON_INSTALL = ("the neuron device is TorchNeuron's (Trn2/Trn3, Neuron SDK 2.33 or later): pip install "
+                  "'torch-neuronx==2.13.*' 'neuronx-cc==2.*' --extra-index-url https://pip.repos.neuron.amazonaws.com "
+                  "(and SKIP_TORCH=1 for this checkout's make targets, so they keep that torch); Inf2/Trn1's "
+                  "XLA-based torch-neuronx (2.9 and before) has no neuron device, and staticformers does not drive it "
+                  "(README: \"Trainium / Inferentia\")")
+
+_MISSING = {  # kind -> (what is wrong, what else to do)
+    "cuda": ("this PyTorch ({torch}) sees no CUDA GPU here", "run on a machine with an NVIDIA GPU and a CUDA build of PyTorch"),
+    "neuron": ("torch-neuronx is not installed here, and it provides the neuron device",
+               "install it on a Trainium instance (staticformers doctor says which)"),
+    "xpu": ("this PyTorch ({torch}) sees no Intel GPU here", "run on a machine with one and PyTorch's XPU build"),
+    "mps": ("this PyTorch ({torch}) has no Apple-silicon (MPS) device here", "run on Apple silicon with macOS 12.3+"),
+}
+
+
+def check_device(name: str) -> None:
+    """Refuse a `--device` that is not on this machine, before anything loads, in one sentence naming the flag."""
+    import torch
+
+    from ..backends.devices import KINDS, DeviceUnavailableError, auto_device, resolve_device
+
+    try:
+        resolve_device(name)
+    except DeviceUnavailableError:
+        kind = name.split(":")[0].strip().lower()
+        here = KINDS[kind].device_count() if kind in KINDS else 0
+        if here:  # the kind is here, the index is not
+            which = f"--device {kind}" if here == 1 else f"--device {kind}:0 to {kind}:{here - 1}"
+            raise ValueError(f"--device {name}: this machine has {here} {kind} device(s): pass {which}.") from None
+        why, fix = _MISSING.get(kind, ("it is not available here", "pick another"))
+        raise ValueError(f"--device {name}: {why.format(torch=torch.__version__)}: leave --device out (auto picks "
+                         f"{auto_device()} here), or {fix}.") from None
+    except ValueError:
+        raise ValueError(f"--device {name!r} is not a device: pass auto, neuron, cuda, xpu, mps or cpu, optionally "
+                         f"with :N (cuda:1).") from None
+
+
+__all__ = ["NEURON_INSTALL", "check_backend", "check_device"]

@@ -81,16 +81,17 @@ def lora_modules(values) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .options import check_backend
+    from .options import check_backend, check_device
 
     check_backend(args.backend)
+    check_device(args.device)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise RuntimeError(f"staticformers serve needs the serve extra ({err.name} is missing): "
-                           f"pip install 'staticformers[serve]'.") from None
+                           f"pip install -e '.[serve]' in the staticformers checkout.") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tensor_parallel_size != world:
         raise ValueError(

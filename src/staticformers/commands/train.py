@@ -10,6 +10,8 @@ or `--chat-template FILE`); `--assistant-only-loss` puts the loss on the assista
 The trained model (and tokenizer) is saved in Hugging Face format to `--output-dir`. With `--lora-r`
 only a LoRA adapter trains (PEFT's LoraConfig: `--lora-alpha`, `--lora-dropout`, `--lora-target`) and
 `--output-dir` receives the adapter (adapter_config.json + adapter_model.safetensors), as peft saves it.
+`--learning-rate` defaults to 5e-5 (transformers'), or to 2e-4 with `--lora-r` (the LoRA rate of TRL's
+and peft's examples).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import os
 
 HELP = "train or fine-tune a causal LM on text or conversations with fixed shapes (padding or packing)"
 DEFAULT_MAX_LENGTH = 512
+
+
+FULL_LEARNING_RATE = 5e-5  # TrainingArguments' default, transformers'
+LORA_LEARNING_RATE = 2e-4  # TRL's SFT + peft examples (SFTConfig(learning_rate=2e-4) for LoRA)
 
 
 def add_arguments(parser) -> None:
@@ -41,7 +47,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
     parser.add_argument("--eval-batch-size", type=int, default=8, help="per_device_eval_batch_size")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--learning-rate", type=float, default=5e-5, help="AdamW's peak learning rate")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="AdamW's peak learning rate (default: 5e-5, transformers'; 2e-4 with --lora-r, the rate "
+                             "of TRL's and peft's LoRA examples, about 10x the full fine-tuning one)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (none on norms and biases)")
     parser.add_argument("--lr-scheduler-type", default="linear", help="linear, cosine, constant or constant_with_warmup")
     parser.add_argument("--warmup-steps", type=float, default=0, help="linear warmup steps (below 1: a fraction of the run)")
@@ -97,8 +105,17 @@ def lora_config(args):
                       use_rslora=args.use_rslora)
 
 
+class Rows(list):
+    """Examples read from files, each with where it came from (`origins[i]`: "FILE line N", "FILE paragraph N")."""
+
+    def __init__(self, rows=(), origins=()):
+        super().__init__(rows)
+        self.origins = list(origins)
+
+
 def read_documents(path: str, txt_documents: str = "paragraph") -> list:
-    """Examples (strings or dicts) from a .txt/.jsonl file or a folder of them."""
+    """Examples (strings or dicts) from a .txt/.jsonl file or a folder of them (a `Rows`, but for a `datasets`
+    folder)."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "state.json")):
             try:
@@ -110,14 +127,16 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".txt", ".jsonl")))
         if not files:
             raise ValueError(f"{path} holds no .txt or .jsonl files: put the corpus there or pass a file.")
-        out: list = []
+        out = Rows()
         for f in files:
-            out.extend(read_documents(f, txt_documents))
+            rows = read_documents(f, txt_documents)
+            out.extend(rows)
+            out.origins.extend(rows.origins)
         return out
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Data {path} does not exist: pass a .txt or .jsonl file or a folder of them.")
     if path.endswith(".jsonl"):
-        out = []
+        out = Rows()
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
@@ -125,15 +144,18 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
                         out.append(json.loads(line))
                     except json.JSONDecodeError as err:
                         raise ValueError(f"{path} line {n} is not JSON ({err.msg}): fix or remove that line.") from None
+                    out.origins.append(f"{path} line {n}")
         return out
     if path.endswith(".txt"):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if txt_documents == "file":
-            return [text] if text.strip() else []
+            return Rows([text], [path]) if text.strip() else Rows()
         if txt_documents == "line":
-            return [line for line in text.splitlines() if line.strip()]
-        return [p.strip() for p in text.split("\n\n") if p.strip()]
+            lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+            return Rows([line for _, line in lines], [f"{path} line {n}" for n, _ in lines])
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        return Rows(paragraphs, [f"{path} paragraph {k}" for k in range(1, len(paragraphs) + 1)])
     raise ValueError(f"Data {path} is neither .txt nor .jsonl: convert it, or pass a folder of such files.")
 
 
@@ -169,11 +191,26 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def where(err, datasets: dict) -> str:
+    """An ExampleError's sentence, starting with the flag and the file line its example came from."""
+    for flag, rows in datasets.items():
+        if rows is not None and err.dataset is rows and err.index < len(getattr(rows, "origins", ())):
+            message = str(err)
+            lead = f"Example {err.index} "
+            if message.startswith(lead):
+                message = "this example " + message[len(lead):]
+            return f"{flag} {rows.origins[err.index]}: {message}"
+    return str(err)
+
+
 def run(args) -> int:
     from ..training.arguments import TrainingArguments
+    from ..training.documents import ExampleError
     from ..training.trainer import Trainer
 
     lora = lora_config(args)  # refused before anything loads
+    learning_rate = args.learning_rate if args.learning_rate is not None else \
+        (LORA_LEARNING_RATE if lora is not None else FULL_LEARNING_RATE)
     model, folder = load_model(args.path, args.seed)
     if lora is not None:
         model.add_adapter(lora)
@@ -189,7 +226,7 @@ def run(args) -> int:
                                  f"has no tokenizer.json: pass --tokenizer FOLDER (a folder with tokenizer.json).")
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.eval_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=learning_rate,
         weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, max_steps=args.max_steps,
         logging_steps=args.logging_steps, eval_strategy="steps" if evaluation is not None else "no", eval_steps=args.eval_steps,
@@ -200,9 +237,16 @@ def run(args) -> int:
         packing=args.packing, disable_tqdm=args.quiet,
         assistant_only_loss=args.assistant_only_loss, chat_template_path=args.chat_template)
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+    try:  # every row of both sets is read before the first step (the Trainer keeps the rows it built)
+        trainer.get_train_rows()
+        if evaluation is not None:
+            trainer.get_eval_rows()
+    except ExampleError as err:  # which file and line, not only which example
+        raise ValueError(where(err, {"--data": train, "--eval-data": evaluation})) from None
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
     summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
+               "learning_rate": learning_rate,
                **({"adapter": {"r": lora.r, "lora_alpha": lora.lora_alpha,
                                "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}}
                   if lora is not None else {}),

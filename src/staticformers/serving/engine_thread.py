@@ -80,6 +80,8 @@ class EngineThread:
         self._sinks: dict[Any, Sink] = {}
         self._stop = False
         self._graphs = loop.engine.graph_count()
+        if metrics is not None and self._graphs:  # "since start": what --precompile compiled counts too
+            metrics.graphs.inc(self._graphs)
         self.thread = threading.Thread(target=self._run, name="staticformers-engine", daemon=True)
 
     def start(self) -> "EngineThread":

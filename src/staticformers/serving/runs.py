@@ -46,8 +46,10 @@ class Delta:
 class ChoiceRun:
     """Follows one generation request: turns its events into deltas (text after stop strings, tool calls)."""
 
-    def __init__(self, state: ServerState, job: Job, index: int, request_id: str, sink: Sink, arrival: float):
+    def __init__(self, state: ServerState, job: Job, index: int, request_id: str, sink: Sink, arrival: float,
+                 metrics=None):
         self.state, self.job, self.index, self.request_id, self.sink = state, job, index, request_id, sink
+        self.metrics = metrics or state.metrics  # counted under the name the request asked for
         self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
         self.tools = ToolCallParser() if job.tools else None
         self.arrival, self.last = arrival, None
@@ -64,7 +66,7 @@ class ChoiceRun:
         return out, calls
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        m = self.state.metrics
+        m = self.metrics
         while True:
             event = await self.sink.queue.get()
             now = time.monotonic()
@@ -172,8 +174,10 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     except EngineFailed as err:
         raise ApiError(503, f"The engine failed ({err}): the server cannot generate any more.",
                        kind="server_error") from None
-    state.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
-    runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival) for c, r, s in zip(job.choices, requests, sinks)]
+    m = state.metrics.requests(adapter or state.model_name)
+    m.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival, m)
+            for c, r, s in zip(job.choices, requests, sinks)]
     return rid, runs
 
 
@@ -183,9 +187,9 @@ def cancel(state: ServerState, runs: list, disconnected: bool) -> None:
     for r in left:
         state.engine.cancel(r.request_id)
     if disconnected and left:
-        state.metrics.disconnects.inc(len(left))
-        for _ in left:
-            state.metrics.finished("abort")
+        left[0].metrics.disconnects.inc(len(left))
+        for r in left:
+            r.metrics.finished("abort")
 
 
 async def merged(runs: list) -> AsyncIterator[Delta]:

@@ -93,6 +93,34 @@ def load(options: ServeOptions):
     return model, tokenizer
 
 
+def serving_plan(model, options: ServeOptions):
+    """The shape plan `--max-model-len` and `--max-batch-size` give, completed for the model."""
+    from ..generation.plan import ShapePlan
+
+    plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
+    return plan.bind(model.config.max_position_embeddings)
+
+
+class PrecompileBar:
+    """`--precompile`'s progress: a bar over the plan's shapes (`total`), each shape's kind, size and seconds
+    beside it; its last line is printed once, by `close()`."""
+
+    def __init__(self, total: int, file=None):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(desc="compiling the shape plan", unit="shape", total=total, file=file)
+
+    def __call__(self, row: dict) -> None:
+        self.bar.set_postfix_str(f"{row['kind']} {row['shape']} {row['seconds']:.1f} s", refresh=False)
+        if self.bar.n + 1 < self.bar.total:
+            self.bar.update(1)
+        else:  # the last shape: close() draws the final line (an update would draw it first, then close again)
+            self.bar.n = self.bar.total
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def build_loop(model, options: ServeOptions, progress=None, plan=None):
     """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
     settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
@@ -100,9 +128,8 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     from ..api.generate import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
-    from ..generation.plan import ShapePlan
 
-    plan = plan or ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
+    plan = plan or serving_plan(model, options)
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
@@ -211,18 +238,9 @@ def serve(options: ServeOptions) -> int:
         torch.manual_seed(0)  # rows without a seed draw the same on every rank (replication.py)
     model, tokenizer = load(options)
     rank = torch.distributed.get_rank() if distributed else 0
-    bar = None
-    if options.precompile and rank == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(desc="compiling the shape plan", unit="shape")
-
-    def progress(row):
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"{row['kind']} {row['shape']} {row['seconds']:.1f} s", refresh=False)
-
-    loop = build_loop(model, options, progress)
+    plan = serving_plan(model, options)
+    bar = PrecompileBar(plan.num_shapes) if options.precompile and not options.no_compile and rank == 0 else None
+    loop = build_loop(model, options, bar, plan=plan)
     if bar is not None:
         bar.close()
     if rank != 0:

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from ..tokenization.tokenizer import AutoTokenizer
-from .documents import IGNORE_INDEX, Document, TextEncoder
+from .documents import IGNORE_INDEX, Document, ExampleError, TextEncoder
 
 logger = logging.getLogger("staticformers")
 
@@ -76,7 +76,8 @@ class ChatEncoder:
     def check_plain(self, index: int, kind: str) -> None:
         """Refuse a `text` / `input_ids` example when the loss must fall on the assistant's tokens only."""
         if self.assistant_only_loss:
-            raise ValueError(
+            raise ExampleError(
+                index,
                 f"assistant_only_loss=True needs conversational examples ('messages', or 'prompt'/'completion' as "
                 f"message lists), but example {index} is {kind}: convert it, or set assistant_only_loss=False.")
 
@@ -89,7 +90,7 @@ class ChatEncoder:
     def _chat_tokenizer(self, index: int) -> Any:
         tok = self.tokenizer
         if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
-            raise ValueError(f"Example {index} is a conversation, which needs a tokenizer with a chat template: pass "
+            raise ExampleError(index, f"Example {index} is a conversation, which needs a tokenizer with a chat template: pass "
                              f"processing_class=AutoTokenizer.from_pretrained(...) to Trainer.")
         return tok
 
@@ -98,12 +99,12 @@ class ChatEncoder:
         if "messages" in example:
             messages = example["messages"]
             if not _is_message_list(messages):
-                raise ValueError(f"Example {index} has 'messages' that are not a non-empty list of "
+                raise ExampleError(index, f"Example {index} has 'messages' that are not a non-empty list of "
                                  f"{{'role': ..., 'content': ...}} dicts: fix that example.")
             ids, assistant = self._render(messages, example, index)
             return self._document(ids, assistant, None, index)
         if "completion" not in example:
-            raise ValueError(f"Example {index} has a 'prompt' but no 'completion': give both (prompt-completion), "
+            raise ExampleError(index, f"Example {index} has a 'prompt' but no 'completion': give both (prompt-completion), "
                              f"or put the conversation under 'messages'.")
         prompt, completion = example["prompt"], example["completion"]
         self.prompt_completion_examples += 1
@@ -112,7 +113,7 @@ class ChatEncoder:
             return self._encode_text_pair(prompt, completion, index)
         if _is_message_list(prompt) and _is_message_list(completion):
             return self._encode_chat_pair(list(prompt), list(completion), example, index)
-        raise ValueError(f"Example {index} has a 'prompt' and a 'completion' of different kinds "
+        raise ExampleError(index, f"Example {index} has a 'prompt' and a 'completion' of different kinds "
                          f"({type(prompt).__name__}, {type(completion).__name__}): make both strings or both "
                          f"message lists.")
 
@@ -122,21 +123,23 @@ class ChatEncoder:
             try:
                 tools = json.loads(tools)
             except json.JSONDecodeError as err:
-                raise ValueError(f"Example {index} has 'tools' that are not valid JSON ({err.msg}): fix that "
+                raise ExampleError(index, f"Example {index} has 'tools' that are not valid JSON ({err.msg}): fix that "
                                  f"example.") from None
         extra = example.get("chat_template_kwargs") or {}
         if not isinstance(extra, Mapping):
-            raise ValueError(f"Example {index} has 'chat_template_kwargs' that are not a dict: fix that example.")
+            raise ExampleError(index, f"Example {index} has 'chat_template_kwargs' that are not a dict: fix that example.")
         return {"tools": tools, **extra}
 
     def _apply(self, messages: list, kwargs: dict, index: int, **flags: Any) -> Any:
         tok = self._chat_tokenizer(index)
         try:
             return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs, **flags)
-        except (ValueError, TypeError) as err:
-            raise type(err)(f"Example {index}: {err}") from err
+        except ValueError as err:
+            raise ExampleError(index, f"Example {index}: {err}") from err
+        except TypeError as err:
+            raise TypeError(f"Example {index}: {err}") from err
         except Exception as err:  # jinja2 TemplateError from raise_exception(...), and the like
-            raise ValueError(f"Example {index} could not be rendered with the chat template: {err}") from err
+            raise ExampleError(index, f"Example {index} could not be rendered with the chat template: {err}") from err
 
     def _render(self, messages: list, example: Mapping, index: int) -> tuple[list, Optional[list]]:
         out = self._apply(messages, self._template_kwargs(example, index), index,
@@ -146,8 +149,8 @@ class ChatEncoder:
             return ids, None
         assistant = [int(m) for m in out["assistant_masks"]]
         if 1 not in assistant:
-            raise ValueError(
-                f"Example {index} has no assistant tokens under assistant_only_loss=True: it has no assistant turn, "
+            raise ExampleError(
+                index, f"Example {index} has no assistant tokens under assistant_only_loss=True: it has no assistant turn, "
                 f"or the chat template marks none (it needs {{% generation %}} blocks; pass "
                 f"TrainingArguments(chat_template_path=...) a training template).")
         if not self._checked_stop:

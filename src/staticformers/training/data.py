@@ -36,7 +36,7 @@ import torch
 
 from ..backends.memory_check import check_fits
 from .chat_data import ChatEncoder, is_chat_example
-from .documents import IGNORE_INDEX, Document, TextEncoder, as_list, iter_examples, pad_token_id_of
+from .documents import IGNORE_INDEX, Document, ExampleError, TextEncoder, as_list, iter_examples, pad_token_id_of
 
 logger = logging.getLogger("staticformers")
 
@@ -48,6 +48,16 @@ EMPTY_ROW = -1  # sampler index of a filler row (labels all -100)
 # ---------------------------------------------------------------------------------------------
 def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 1000, assistant_only_loss: bool = False,
                      completion_only_loss: Optional[bool] = None) -> list[Document]:
+    """Every example as a Document (`_tokenize_dataset`); a bad example's ExampleError names this dataset."""
+    try:
+        return _tokenize_dataset(dataset, processing_class, chunk, assistant_only_loss, completion_only_loss)
+    except ExampleError as err:
+        err.dataset = dataset
+        raise
+
+
+def _tokenize_dataset(dataset: Any, processing_class: Any, chunk: int, assistant_only_loss: bool,
+                      completion_only_loss: Optional[bool]) -> list[Document]:
     """Every example as a Document; text is tokenised in chunks of `chunk` examples.
 
     Conversational (`messages`) and prompt-completion (`prompt`/`completion`) examples go through
@@ -76,23 +86,27 @@ def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 10
                 ids = as_list(example["input_ids"])
                 labels = as_list(example["labels"]) if example.get("labels") is not None else None
                 if labels is not None and len(labels) != len(ids):
-                    raise ValueError(f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.")
+                    raise ExampleError(i, f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.")
                 docs.append(Document(ids, labels))
             elif is_chat_example(example):
                 flush()
                 docs.append(chat.encode(example, i))
             elif "text" in example:
                 chat.check_plain(i, "text")
+                if not isinstance(example["text"], str):
+                    kind = type(example["text"]).__name__
+                    raise ExampleError(i, f"Example {i} has a 'text' that is {'an' if kind[0] in 'aeiou' else 'a'} "
+                                          f"{kind}, not a str: fix that example (or give token ids as 'input_ids').")
                 pending.append(example["text"])
             else:
-                raise ValueError(f"Example {i} has none of 'input_ids', 'text', 'messages' or 'prompt'/'completion' "
+                raise ExampleError(i, f"Example {i} has none of 'input_ids', 'text', 'messages' or 'prompt'/'completion' "
                                  f"(keys: {', '.join(map(str, example.keys()))}): give each example one of them.")
         elif isinstance(example, (list, tuple, torch.Tensor)):
             chat.check_plain(i, "token ids")
             flush()
             docs.append(Document(as_list(example)))
         else:
-            raise ValueError(f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids', 'text', "
+            raise ExampleError(i, f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids', 'text', "
                              f"'messages' or 'prompt'/'completion', or strings.")
         if len(pending) >= chunk:
             flush()

@@ -15,6 +15,16 @@ import torch
 IGNORE_INDEX = -100  # a label the loss skips
 
 
+class ExampleError(ValueError):
+    """A bad training example, in one sentence that names it; `index` is its position in the dataset and
+    `dataset` the dataset it is in, so a caller that read the dataset from files can say which file and line."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+        self.dataset: Any = None
+
+
 @dataclass
 class Document:
     """One tokenised example: `input_ids` and, when the dataset gave them, `labels` (same length)."""
