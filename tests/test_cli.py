@@ -80,7 +80,7 @@ def test_version_prints_staticformers_version(capsys):
 
 def test_doctor_prints_its_version_and_what_to_install_for_neuron(capsys, monkeypatch):
     import staticformers
-    from staticformers import devices
+    from staticformers.backends import devices
 
     monkeypatch.setattr(devices, "_neuron_version", lambda: None)  # a host without torch-neuronx
     assert main(["doctor"]) == 0

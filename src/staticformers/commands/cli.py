@@ -83,7 +83,7 @@ def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
 def build_parser(commands: dict) -> argparse.ArgumentParser:
     """The parser; `-v` is accepted before or after the subcommand, and no flag may be abbreviated (a
     `--max-new-token` typo is an error, not a silent `--max-new-tokens`)."""
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="staticformers", description="Hugging Face causal LMs with a fixed shape plan.",
                      allow_abbrev=False)
