@@ -276,5 +276,19 @@ def streamed(state: ServerState, job: Job, rid: str, runs: list, chunk: Callable
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "sse", "start",
+async def reply(state: ServerState, request: Request, job: Job, prefix: str, adapter: Optional[str], served: str,
+                chunks: Callable, answer: Callable, kind: str):
+    """A parsed job's whole life: queued, then streamed (`chunks(tokenizer, job, rid, created, served, n)`
+    makes each delta's chunk) or answered whole (`answer(tokenizer, job, rid, created, served, runs,
+    collected)`); `kind` is the streamed chunks' `object`."""
+    rid, runs = start(state, job, prefix, adapter)
+    created = int(time.time())
+    if job.stream:
+        return streamed(state, job, rid, runs, chunks(state.tokenizer, job, rid, created, served, len(runs)), kind,
+                        served)
+    collected = await whole(state, request, runs)
+    return answer(state.tokenizer, job, rid, created, served, runs, collected)
+
+
+__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "reply", "sse", "start",
            "streamed", "usage", "whole"]

@@ -5,13 +5,12 @@ request's life is `serving/runs.py`."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 
 from ..protocol import Job, parse_chat
-from ..runs import Delta, chat_logprobs, start, streamed, usage, whole
+from ..runs import Delta, chat_logprobs, reply, usage
 from ..state import ServerState, check_model, read_body
 
 CHUNK = "chat.completion.chunk"
@@ -26,13 +25,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
         job = parse_chat(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, state.max_n,
                          state.chat_template)
-        rid, runs = start(state, job, "chatcmpl", adapter)
-        created = int(time.time())
-        if job.stream:
-            chunk = _chunks(state.tokenizer, job, rid, created, served, len(runs))
-            return streamed(state, job, rid, runs, chunk, CHUNK, served)
-        collected = await whole(state, request, runs)
-        return _answer(state.tokenizer, job, rid, created, served, runs, collected)
+        return await reply(state, request, job, "chatcmpl", adapter, served, _chunks, _answer, CHUNK)
 
 
 def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) -> Callable[[Delta], Optional[dict]]:

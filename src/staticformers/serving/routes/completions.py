@@ -4,13 +4,12 @@ chat is only the JSON of a choice; the request's life is `serving/runs.py`."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 
 from ..protocol import Job, parse_completion
-from ..runs import Delta, completion_logprobs, start, streamed, usage, whole
+from ..runs import Delta, completion_logprobs, reply, usage
 from ..state import ServerState, check_model, read_body
 
 KIND = "text_completion"
@@ -25,13 +24,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
         job = parse_completion(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len,
                                state.max_n)
-        rid, runs = start(state, job, "cmpl", adapter)
-        created = int(time.time())
-        if job.stream:
-            chunk = _chunks(state.tokenizer, job, rid, created, served, len(runs))
-            return streamed(state, job, rid, runs, chunk, KIND, served)
-        collected = await whole(state, request, runs)
-        return _answer(state.tokenizer, job, rid, created, served, runs, collected)
+        return await reply(state, request, job, "cmpl", adapter, served, _chunks, _answer, KIND)
 
 
 def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) -> Callable[[Delta], Optional[dict]]:

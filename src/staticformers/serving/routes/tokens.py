@@ -14,10 +14,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await read_body(state, request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        check_model(state, body.get("model"))
+        body = await _object(state, request)
         if "messages" in body:
             job = parse_chat({**body, "max_tokens": None}, state.tokenizer, state.defaults, state.eos_token_ids,
                              10**9, 1, state.chat_template)
@@ -34,10 +31,7 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        body = await read_body(state, request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
-        check_model(state, body.get("model"))
+        body = await _object(state, request)
         tokens = body.get("tokens")
         vocab = len(state.tokenizer)
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
@@ -49,3 +43,12 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 
 __all__ = ["register"]
+
+
+async def _object(state: ServerState, request: Request) -> dict:
+    """The body as a JSON object whose `model` (if any) is served here."""
+    body = await read_body(state, request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    check_model(state, body.get("model"))
+    return body
