@@ -69,7 +69,7 @@ def test_prune_deletes_unused_artifacts_and_abandoned_writes(tmp_path, monkeypat
 @pytest.mark.parametrize("raw", ["soon", "-3", "nan"])
 def test_a_bad_max_age_says_so_and_keeps_the_default(monkeypatch, caplog, raw):
     monkeypatch.setenv(precompiled.MAX_AGE_ENV, raw)
-    precompiled._warn_once.cache_clear()
+    precompiled.cache_safety.warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="staticformers"):
         assert precompiled.max_age_days() == precompiled.DEFAULT_MAX_AGE_DAYS
         assert precompiled.max_age_days() == precompiled.DEFAULT_MAX_AGE_DAYS

@@ -48,7 +48,8 @@ def problem(path: str, is_folder: bool) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log `message` as a warning the first time it is said in this process (the caches' warnings)."""
     logger.warning(message)
 
 
@@ -56,7 +57,7 @@ def trusted_folder(folder: str) -> bool:
     """Whether `folder` is private to this user; says why not once."""
     why = problem(os.path.abspath(folder), is_folder=True)
     if why:
-        _warn_once(why)
+        warn_once(why)
     return why is None
 
 
@@ -72,7 +73,7 @@ def trusted_file(path: str, folders_up: int = 2) -> bool:
         why = problem(folder, is_folder=True)
         folder = os.path.dirname(folder)
     if why:
-        _warn_once(why)
+        warn_once(why)
     return why is None
 
 
@@ -91,4 +92,4 @@ def drop_group_write(path: str) -> None:
         pass
 
 
-__all__ = ["trusted_file", "trusted_folder", "problem", "make_private_folder", "drop_group_write"]
+__all__ = ["trusted_file", "trusted_folder", "problem", "make_private_folder", "drop_group_write", "warn_once"]

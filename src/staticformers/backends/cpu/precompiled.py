@@ -177,14 +177,9 @@ def max_age_days() -> float:
             raise ValueError
         return days
     except ValueError:
-        _warn_once(f"{MAX_AGE_ENV}={raw!r} is not a number of days >= 0; using {DEFAULT_MAX_AGE_DAYS:g} "
-                   f"(set it to a number of days, or 0 to keep artifacts forever).")
+        cache_safety.warn_once(f"{MAX_AGE_ENV}={raw!r} is not a number of days >= 0; using "
+                               f"{DEFAULT_MAX_AGE_DAYS:g} (set it to a number of days, or 0 to keep artifacts forever).")
         return DEFAULT_MAX_AGE_DAYS
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    logger.warning(message)
 
 
 def prune(folder: str, now: Optional[float] = None) -> list[str]:
