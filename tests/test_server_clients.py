@@ -7,6 +7,7 @@ One server for the module: starting one costs more than the requests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,86 @@ def test_max_tokens_zero_needs_echo(server):
                    timeout=TIMEOUT)
     assert r.status_code == 400
     assert "max_tokens=0 is only allowed with echo=true" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the Responses API
+# ---------------------------------------------------------------------------------------------
+def test_responses_text_equals_chat_streamed_and_not(client):
+    messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "What is a list?"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    want = chat.choices[0].message.content
+    r = client.responses.create(model="tiny", instructions="Be short.", input="What is a list?", max_output_tokens=8,
+                                temperature=0)
+    assert r.output_text == want and r.object == "response" and r.model == "tiny"
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    # the same as message items, streamed
+    events = list(client.responses.create(model="tiny", input=[{"role": "developer", "content": "Be short."},
+                                                               {"role": "user", "content": [
+                                                                   {"type": "input_text", "text": "What is a list?"}]}],
+                                          max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_previous_response_id_continues_the_conversation(client, server):
+    first = client.responses.create(model="tiny", input="Name a number.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(model="tiny", input="And another?", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0)
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=4, messages=[
+        {"role": "user", "content": "Name a number."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another?"}])
+    assert second.output_text == chat.choices[0].message.content
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError, match="is not stored here"):
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_unknown")
+    with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
+        client.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens=0 must be a positive integer"):
+        client.responses.create(model="tiny", input="hi", max_output_tokens=0)
+
+
+def test_response_store_evicts_the_oldest():
+    from staticformers.serving.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(f"r{i}", StoredResponse([], {"id": i}))
+    assert store.get("r0") is None and store.get("r1").response == {"id": 1} and len(store) == 2
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        ResponseStore(-1)
+
+
+def test_responses_function_calls_parse(server, tok):
+    """A scripted loop makes the model 'say' a Qwen/Hermes tool call: it comes back as a function_call item,
+    whole and streamed; its output sent back as a function_call_output item renders through the template."""
+    from test_server import ScriptedLoop
+
+    from staticformers.serving.engine_thread import EngineThread
+
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    state = server.state
+    real = state.engine
+    state.engine = EngineThread(ScriptedLoop(real.loop, tok(answer, add_special_tokens=False)["input_ids"]
+                                             + [tok.eos_token_id]), state.metrics).start()
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
+        tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+        r = c.responses.create(model="tiny", input="Weather?", tools=tools, tool_choice="auto")
+        (call,) = [o for o in r.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        assert call.call_id.startswith("call_")
+        events = list(c.responses.create(model="tiny", input="Weather?", tools=tools, stream=True))
+        deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+        assert len(deltas) == 1 and json.loads(deltas[0].delta) == {"city": "Paris"}
+        assert [o.type for o in events[-1].response.output] == ["function_call"]
+        follow = c.responses.create(model="tiny", previous_response_id=r.id, input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        assert follow.status == "completed"
+    finally:
+        state.engine.shutdown(0)
+        state.engine = real

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=_positive, default=None,
                    help="adapters the server holds at once (default: as many as --lora-modules)")
     p.add_argument("--max-lora-rank", type=_positive, default=None, help="the largest adapter rank (default: the largest given)")
+    p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
+                        "default); one more evicts the oldest (default 1024; 0 keeps none)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -102,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if adapters and args.tensor_parallel_size > 1:
         raise ValueError("--lora-modules with --tensor-parallel-size > 1 is not supported: serve in one process, or merge "
                          "the adapter into the model (merge_and_unload) and serve that.")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size {args.responses_store_size} must be 0 or more responses.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -115,5 +120,5 @@ def run(args: argparse.Namespace) -> int:
                            chat_template=args.chat_template, precompile=args.precompile, backend=args.backend,
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
-                           max_lora_rank=args.max_lora_rank)
+                           max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size)
     return serve(options)

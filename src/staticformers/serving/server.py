@@ -49,6 +49,7 @@ class ServeOptions:
     lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
     max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
 
 
 def sampling_defaults(model) -> dict:
@@ -143,6 +144,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     from .state import ServerState
     from .engine_thread import EngineThread
     from .metrics import ServerMetrics
+    from .response_store import ResponseStore
 
     name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
     if name in options.lora_modules:
@@ -158,7 +160,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
-                       adapters=dict(options.lora_modules))
+                       adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size))
 
 
 def _uvicorn_server(app, grace: float):
