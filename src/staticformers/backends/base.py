@@ -89,6 +89,9 @@ class Backend:
     name = "generic"
     kind = "generic"
     regional_by_default = False  # whether generation compiles per-layer regions unless asked otherwise
+    # whether a server compiles its whole shape plan before traffic unless told otherwise: where a graph
+    # compiles for minutes (Neuron, XLA), a first request must not pay for one
+    precompile_by_default = False
     per_rank_device = True  # each torchrun rank takes the device of its LOCAL_RANK (False: the ranks share one)
     hosts_memory = False  # tensors live in host memory (reads may land in them directly; offload is moot)
     fused_optimizer = False  # torch's fused AdamW kernel exists on this kind

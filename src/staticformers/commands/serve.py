@@ -50,8 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a slot; one more gets HTTP 429 (default 256)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the folder's name)")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a .jinja chat template replacing the tokenizer's")
-    p.add_argument("--precompile", action="store_true",
-                   help="compile the whole shape plan before accepting traffic (a progress bar shows it)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the whole shape plan before accepting traffic (a progress bar shows it). Default: on "
+                        "for neuron and xla devices, where a graph compiles for minutes and a first request must not "
+                        "wait for one; off for cpu and cuda (each shape compiles on first use; --precompile to warm "
+                        "up anyway)")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")

@@ -40,7 +40,7 @@ class ServeOptions:
     max_queued_requests: int = 256
     served_model_name: Optional[str] = None
     chat_template: Optional[str] = None
-    precompile: bool = False
+    precompile: Optional[bool] = None  # None: the device's default (on for Neuron and XLA, off for CPU and CUDA)
     backend: Optional[str] = None
     no_compile: bool = False
     tensor_parallel_size: int = 1
@@ -122,6 +122,15 @@ class PrecompileBar:
         self.bar.close()
 
 
+def precompiles(engine, options: ServeOptions) -> bool:
+    """Whether the server compiles its plan before traffic: `--precompile` / `--no-precompile`, else the
+    device's default (`Backend.precompile_by_default`: Neuron and XLA, whose first request would otherwise
+    pay a compile)."""
+    if options.no_compile:
+        return False
+    return options.precompile if options.precompile is not None else bool(engine.backend.precompile_by_default)
+
+
 def build_loop(model, options: ServeOptions, progress=None, plan=None):
     """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
     settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
@@ -134,7 +143,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
-    if options.precompile and settings.enabled:
+    if precompiles(engine, options) and settings.enabled:
         engine.precompile(settings, progress=progress)
     return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
 
@@ -241,7 +250,10 @@ def serve(options: ServeOptions) -> int:
     model, tokenizer = load(options)
     rank = torch.distributed.get_rank() if distributed else 0
     plan = serving_plan(model, options)
-    bar = PrecompileBar(plan.num_shapes) if options.precompile and not options.no_compile and rank == 0 else None
+    from ..backends import for_device
+
+    warm = options.precompile if options.precompile is not None else for_device(model.device).precompile_by_default
+    bar = PrecompileBar(plan.num_shapes) if warm and not options.no_compile and rank == 0 else None
     loop = build_loop(model, options, bar, plan=plan)
     if bar is not None:
         bar.close()
