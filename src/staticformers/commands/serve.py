@@ -64,7 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses that adapter; one batch mixes rows of every adapter and of none")
     p.add_argument("--max-loras", type=_positive, default=None,
                    help="adapters the server holds at once (default: as many as --lora-modules)")
-    p.add_argument("--max-lora-rank", type=_positive, default=None, help="the largest adapter rank (default: the largest given)")
+    p.add_argument("--max-lora-rank", type=_positive, default=None,
+                   help="the largest adapter rank (default: the largest given; 16 with --enable-lora-runtime-updates)")
+    p.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="allow POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+                        "{lora_name} (vLLM's): an adapter goes into a free slot of --max-loras without compiling "
+                        "anything or pausing running requests; an unload waits for the adapter's requests")
+    p.add_argument("--lora-root", default=None, metavar="FOLDER",
+                   help="the folder run-time adapter loads must come from (default: none, every load refused)")
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
                         "default); one more evicts the oldest (default 1024; 0 keeps none)")
@@ -108,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
     if adapters and args.tensor_parallel_size > 1:
         raise ValueError("--lora-modules with --tensor-parallel-size > 1 is not supported: serve in one process, or merge "
                          "the adapter into the model (merge_and_unload) and serve that.")
+    if args.enable_lora_runtime_updates and args.tensor_parallel_size > 1:
+        raise ValueError("--enable-lora-runtime-updates with --tensor-parallel-size > 1 is not supported: serve in one "
+                         "process.")
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root {args.lora_root!r} is not a folder: pass the folder adapters are loaded from.")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size {args.responses_store_size} must be 0 or more responses.")
     if args.grace < 0:
@@ -123,5 +135,6 @@ def run(args: argparse.Namespace) -> int:
                            chat_template=args.chat_template, precompile=args.precompile, backend=args.backend,
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
-                           max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size)
+                           max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
+                           enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root)
     return serve(options)

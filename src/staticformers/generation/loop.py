@@ -191,6 +191,13 @@ class GenerationLoop:
                 return True
         return False
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a waiting or running request names adapter `name` (callable from other threads)."""
+        with self._mutex:
+            if any(r.request.adapter == name for r in self.waiting):
+                return True
+        return any(r.request.adapter == name for r in list(self.rows.values()))
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.rows

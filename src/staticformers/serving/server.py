@@ -25,6 +25,9 @@ from typing import Optional
 logger = logging.getLogger("staticformers")
 
 
+RUNTIME_LORA_RANK = 16  # --max-lora-rank's default with run-time adapter updates (vLLM's)
+
+
 @dataclass
 class ServeOptions:
     """Everything `staticformers serve` takes (see `commands/serve.py` for each flag's meaning)."""
@@ -49,6 +52,8 @@ class ServeOptions:
     lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
     max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
+    enable_lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_root: Optional[str] = None  # the folder run-time loads must come from (None: every path refused)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
 
 
@@ -87,10 +92,16 @@ def load(options: ServeOptions):
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=options.tensor_parallel_size)
     model = from_pretrained(options.model, dtype=options.dtype, device_map=options.device, **kwargs)
-    if options.lora_modules:  # stacked in one bank: a decode batch mixes rows of every adapter (adapter_bank.py)
+    if options.lora_modules or options.enable_lora_runtime_updates:
+        # stacked in one bank: a decode batch mixes rows of every adapter (adapters/bank.py); with run-time
+        # updates it covers every projection, with room for --max-loras adapters of rank --max-lora-rank
         from ..adapters.bank import bank_for_files
 
-        bank_for_files(model, options.lora_modules, options.max_loras, options.max_lora_rank)
+        runtime = options.enable_lora_runtime_updates
+        bank_for_files(model, options.lora_modules,
+                       options.max_loras or (max(len(options.lora_modules), 1) if runtime else None),
+                       options.max_lora_rank or (RUNTIME_LORA_RANK if runtime else None),
+                       target_modules="all-linear" if runtime else None)
     return model, tokenizer
 
 
@@ -169,7 +180,9 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
-                       adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size))
+                       adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
+                       runtime_lora=options.enable_lora_runtime_updates,
+                       lora_root=os.path.realpath(options.lora_root) if options.lora_root else None)
 
 
 def _uvicorn_server(app, grace: float):
