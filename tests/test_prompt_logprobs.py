@@ -1,7 +1,8 @@
 """Prompt log-probabilities from the prefill: each prompt token's log-probability and top tokens, as
 transformers' log-softmax over the prompt gives them, from the scoring prefill of the same shape (the
 CPU's per-layer regions and the whole-model graph), in a batch beside rows that did not ask, with the
-graph count fixed by the plan."""
+graph count fixed by the plan. And generate's `return_dict_in_generate` / `output_logits` against
+transformers' own."""
 
 from __future__ import annotations
 
@@ -77,3 +78,19 @@ def test_prompt_logprobs_equal_transformers_log_softmax(models, regional):
 def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"prompt_logprobs=21 must be between 0 and 20"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_generate_output_logits_equal_transformers(models):
+    model, hf = models
+    ids = torch.tensor([[5, 9, 17, 33, 2], [7, 7, 40, 41, 99]])
+    out = model.generate(ids, max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+                         compile_config=CompileConfig(backend="eager"))
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(out["sequences"], ref.sequences)
+    assert len(out.logits) == len(ref.logits) == 4
+    for ours, theirs in zip(out.logits, ref.logits):
+        assert_close(ours, theirs.float())
+    assert isinstance(model.generate(ids, max_new_tokens=2, compile_config=CompileConfig(backend="eager")), torch.Tensor)
+    with pytest.raises(ValueError, match="output_scores=True .* pass output_logits=True"):
+        model.generate(ids, max_new_tokens=2, return_dict_in_generate=True, output_scores=True)

@@ -77,6 +77,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: Any = None
     adapter: Optional[str] = None
+    output_logits: bool = False  # each event carries the raw logits its token was chosen from (transformers' name)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class TokenEvent:
     # the first event of a request that asked: one entry per prompt token, None for the first, else
     # (log-probability, [(token id, log-probability)] most likely first)
     prompt_logprobs: Optional[list] = None
+    logits: Optional[torch.Tensor] = None  # [vocab] on the device, unprocessed, when the request asked (`output_logits`)
     error: Optional[BaseException] = None
 
 
@@ -296,6 +298,8 @@ class GenerationLoop:
             self.rows[slot] = row
             events.append(self._emit(slot, row, tokens[i], choice, i))
             events[-1].prompt_logprobs = prompt_scores[i]
+            if row.request.output_logits:
+                events[-1].logits = logits[i].clone()
         return events
 
     @staticmethod
@@ -352,7 +356,10 @@ class GenerationLoop:
         for i, slot in enumerate(slots):
             row = self.rows[slot]
             row.length += 1  # its last token is now in the cache
+            wants_logits = row.request.output_logits
             events.append(self._emit(slot, row, chosen[i], choice, i))
+            if wants_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
+                events[-1].logits = logits[slot].clone()
         return events
 
     def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
