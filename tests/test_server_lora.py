@@ -218,8 +218,8 @@ def test_adapters_load_use_unload_and_load_again_under_8_clients(server, client,
             assert ask("third")[:2] == (want["third"], "length")
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(ask, "third")
-                while not server.state.engine.uses_adapter("third"):
-                    time.sleep(0.002)
+                while not server.state.engine.uses_adapter("third") and not running.done():
+                    time.sleep(0.002)  # its row is queued or running: the unload below must wait for it
                 r = post(server, "/v1/unload_lora_adapter", {"lora_name": "third"})
                 assert r.status_code == 200, r.text
                 assert running.result()[:2] == (want["third"], "length")  # its row ran to its end on its adapter
