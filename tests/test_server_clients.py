@@ -212,3 +212,25 @@ def test_the_plan_is_precompiled_by_default_on_neuron_and_xla_only():
     add_arguments(p)
     assert [p.parse_args(["m", *a]).precompile for a in ([], ["--precompile"], ["--no-precompile"])] == [None, True, False]
     assert "on for neuron and xla" in " ".join(p.format_help().split())
+
+
+def test_the_warm_up_can_compile_the_scoring_prefills(folder, tok):
+    """With --precompile-prompt-logprobs the plan's scoring prefills are compiled before traffic: an echo
+    request with logprobs then compiles nothing."""
+    from staticformers.generation.loop import GenerationRequest
+    from staticformers.generation.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    opts = ServeOptions(model=folder, backend="eager", max_batch_size=1, max_model_len=16, precompile=True,
+                        precompile_prompt_logprobs=True)
+    loop = build_loop(model, opts)
+    kinds = {row["kind"] for row in loop.engine.stats()}
+    assert "score" in kinds
+    graphs = loop.engine.graph_count()
+    loop.add(GenerationRequest([5, 6, 7], 2, SamplingParams(prompt_logprobs=1)))
+    first = None
+    while not loop.idle:
+        for e in loop.step():
+            first = first or e
+    assert first.prompt_logprobs[0] is None and len(first.prompt_logprobs) == 3
+    assert loop.engine.graph_count() == graphs

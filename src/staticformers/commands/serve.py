@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for neuron and xla devices, where a graph compiles for minutes and a first request must not "
                         "wait for one; off for cpu and cuda (each shape compiles on first use; --precompile to warm "
                         "up anyway)")
+    p.add_argument("--precompile-prompt-logprobs", action="store_true",
+                   help="the warm-up also compiles the scoring prefills (one per prefill shape) that completions with "
+                        "echo and logprobs run, as evaluation harnesses send them")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
@@ -136,5 +139,6 @@ def run(args: argparse.Namespace) -> int:
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
                            max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
-                           enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root)
+                           enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
+                           precompile_prompt_logprobs=args.precompile_prompt_logprobs)
     return serve(options)

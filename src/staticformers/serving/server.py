@@ -54,6 +54,7 @@ class ServeOptions:
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
     enable_lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_root: Optional[str] = None  # the folder run-time loads must come from (None: every path refused)
+    precompile_prompt_logprobs: bool = False  # the warm-up also compiles the scoring prefills (echo with logprobs)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
 
 
@@ -155,7 +156,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
     if precompiles(engine, options) and settings.enabled:
-        engine.precompile(settings, progress=progress)
+        engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
     return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
 
 
@@ -266,7 +267,8 @@ def serve(options: ServeOptions) -> int:
     from ..backends import for_device
 
     warm = options.precompile if options.precompile is not None else for_device(model.device).precompile_by_default
-    bar = PrecompileBar(plan.num_shapes) if warm and not options.no_compile and rank == 0 else None
+    shapes = plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0)
+    bar = PrecompileBar(shapes) if warm and not options.no_compile and rank == 0 else None
     loop = build_loop(model, options, bar, plan=plan)
     if bar is not None:
         bar.close()
