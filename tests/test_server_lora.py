@@ -1,11 +1,15 @@
 """The server with LoRA adapters (`--lora-modules name=path`), through the official `openai` client: a
 request's `model` picks its adapter, concurrent requests of two adapters and of the base share batches and
 each gets what `generate()` gives its own (merged) model, `/v1/models` lists the adapters with their parent,
-an unknown name is a 404 in OpenAI's format, and the command line's refusals."""
+an unknown name is a 404 in OpenAI's format, and the command line's refusals. Adapters loaded and unloaded
+at run time (`--enable-lora-runtime-updates`) under 8 concurrent clients: nothing compiles, a loaded
+adapter's greedy rows equal peft's, an unload waits for its rows, and every refusal."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,6 @@ pytest.importorskip("fastapi")
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig, LoraConfig  # noqa: E402
 from staticformers.serving.server import ServeOptions, Server, build_loop, build_state, load  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 EAGER = CompileConfig(backend="eager")
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -35,7 +38,7 @@ def folders(tmp_path_factory):
     build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
                    eos_token_id=tok.eos_token_id).save_pretrained(str(base))
     out = {"base": str(base)}
-    for name, seed, r in (("sql", 1, 4), ("poem", 2, 8)):
+    for name, seed, r in (("sql", 1, 4), ("poem", 2, 8), ("third", 3, 8), ("wide", 4, 32)):
         model = AutoModelForCausalLM.from_pretrained(str(base))
         torch.manual_seed(seed)
         model.add_adapter(LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL7, init_lora_weights=False))
@@ -50,13 +53,20 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folders):
+    """The base, sql and poem, room for one more adapter loaded at run time from the folders' root; the plan
+    (32 positions) compiled first, so that the graph count must not move after."""
     opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=4,
-                        lora_modules={"sql": folders["sql"], "poem": folders["poem"]})
+                        lora_modules={"sql": folders["sql"], "poem": folders["poem"]}, max_model_len=32,
+                        enable_lora_runtime_updates=True, lora_root=str(Path(folders["base"]).parent), max_loras=3,
+                        precompile=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls on a shared machine; set before the plan compiles (Dynamo guards on it)
     model, tok = load(opts)
     s = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
     s.start()
     yield s
     s.stop()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -145,3 +155,118 @@ def test_lora_modules_refusals(folders):
     model, tok = load(opts)
     with pytest.raises(ValueError, match="adapter name 'sql' is the base model's served name"):
         build_state(model, tok, build_loop(model, opts), opts)
+
+
+# ---------------------------------------------------------------------------------------------
+# adapters loaded and unloaded at run time
+# ---------------------------------------------------------------------------------------------
+def peft_greedy(folders, adapter: str, prompt: str, n: int) -> str:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    tok = AutoTokenizer.from_pretrained(folders["base"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["base"], torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(hf, folders[adapter]).eval()
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+def post(server, route: str, body: dict):
+    import httpx
+
+    return httpx.post(server.url + route, json=body, timeout=60.0)
+
+
+def test_adapters_load_use_unload_and_load_again_under_8_clients(server, client, folders):
+    prompt, n = "The for statement", 6
+    want = {name: expected_text(folders, name, prompt, n) for name in ("sql", "poem")}
+    want["tiny"] = expected_text(folders, None, prompt, n)
+    want["third"] = peft_greedy(folders, "third", prompt, n)
+    engine = server.state.engine.loop.engine
+    graphs = engine.graph_count()
+    stop, failures, done = threading.Event(), [], []
+
+    def ask(name: str):
+        start = time.monotonic()
+        r = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+        return r.choices[0].text, r.choices[0].finish_reason, time.monotonic() - start
+
+    def background(i: int):
+        name = ("tiny", "sql", "poem")[i % 3]
+        while not stop.is_set():
+            try:
+                text, reason, _ = ask(name)
+                if (text, reason) != (want[name], "length"):
+                    failures.append((name, text, reason))
+                done.append(name)
+            except Exception as err:  # noqa: BLE001 - every failure is reported below
+                failures.append((name, repr(err)))
+
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(7)]
+    for t in threads:
+        t.start()
+    try:
+        while len(done) < 7:
+            time.sleep(0.01)
+        for _ in range(2):  # load, use (an 8th client), unload while its row runs, then again
+            r = post(server, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]})
+            assert r.status_code == 200, r.text
+            assert "third" in {m.id for m in client.models.list().data}
+            assert ask("third")[:2] == (want["third"], "length")
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(ask, "third")
+                while not server.state.engine.uses_adapter("third") and not running.done():
+                    time.sleep(0.002)  # its row is queued or running: the unload below must wait for it
+                r = post(server, "/v1/unload_lora_adapter", {"lora_name": "third"})
+                assert r.status_code == 200, r.text
+                assert running.result()[:2] == (want["third"], "length")  # its row ran to its end on its adapter
+            assert "third" not in {m.id for m in client.models.list().data}
+            with pytest.raises(openai.NotFoundError):
+                ask("third")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not failures, failures[:3]
+    assert engine.graph_count() == graphs, "loading or unloading an adapter compiled a graph"
+
+
+def test_runtime_adapter_refusals(server, folders, tmp_path):
+    root = str(Path(folders["base"]).parent)
+    outside = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+    assert outside.status_code == 403 and "outside --lora-root" in outside.json()["error"]["message"]
+    wide = post(server, "/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": folders["wide"]})
+    assert wide.status_code == 400 and "rank 32" in wide.json()["error"]["message"]
+    again = post(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": folders["sql"]})
+    assert again.status_code == 409 and "already loaded" in again.json()["error"]["message"]
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]}).status_code == 200
+    try:
+        full = post(server, "/v1/load_lora_adapter", {"lora_name": "fourth", "lora_path": folders["third"]})
+        assert full.status_code == 409 and "bank is full (3 adapters, --max-loras)" in full.json()["error"]["message"]
+    finally:
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": "third"}).status_code == 200
+    unknown = post(server, "/v1/unload_lora_adapter", {"lora_name": "nope"})
+    assert unknown.status_code == 404
+    assert root and post(server, "/v1/load_lora_adapter", {"lora_name": ""}).status_code == 400
+
+
+def test_runtime_adapter_routes_are_behind_the_api_key_and_off_by_default(folders):
+    from staticformers.serving.app import Guard
+    from staticformers.serving.state import ServerState
+
+    state = ServerState("tiny", None, None, None, 64, 1, api_key="k")
+    scope = {"type": "http", "path": "/v1/load_lora_adapter", "headers": []}
+    assert Guard(None, state).refusal(scope).status_code == 401
+    opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=1,
+                        max_model_len=32)
+    model, tok = load(opts)
+    s = Server(build_state(model, tok, build_loop(model, opts), opts), grace=1.0)
+    s.start()
+    try:
+        r = post(s, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]})
+        assert r.status_code == 400 and "--enable-lora-runtime-updates" in r.json()["error"]["message"]
+    finally:
+        s.stop()

@@ -254,11 +254,13 @@ def bank_for_names(model, names: Iterable[str]) -> AdapterBank:
 
 
 def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] = None,
-                   max_rank: Optional[int] = None, **hub) -> AdapterBank:
+                   max_rank: Optional[int] = None, target_modules=None, **hub) -> AdapterBank:
     """A bank holding the PEFT adapters `adapters` (name -> folder), all read and checked before the model
-    is changed; it covers the union of their layers."""
+    is changed; it covers the union of their layers and of `target_modules` (a `LoraConfig.target_modules`
+    value, e.g. "all-linear": room for adapters loaded later)."""
     read = {name: read_adapter(model, path, **hub) for name, path in adapters.items()}
-    modules = sorted({m for _, weights in read.values() for m in weights})
+    modules = sorted({m for _, weights in read.values() for m in weights}
+                     | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ()))
     rank = max([max_rank or 1] + [a["A"].shape[0] for _, w in read.values() for a in w.values()])
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)

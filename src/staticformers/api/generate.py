@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import torch
 
@@ -30,9 +31,23 @@ from ..generation.sampling import SamplingParams
 logger = logging.getLogger("staticformers")
 
 # keyword arguments transformers' generate() accepts that mean nothing here but are harmless
-_IGNORED = {"use_cache", "token_type_ids", "return_dict_in_generate", "output_scores", "output_logits"}
+_IGNORED = {"use_cache", "token_type_ids"}
 _DEFAULT_MAX_NEW_TOKENS = 20
 _ENGINE_ATTR = "_staticformers_engine"
+
+
+@dataclass
+class GenerateDecoderOnlyOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns (transformers' class of the same name, its
+    fields that apply): `sequences` `[batch, prompt + new]`; `logits` (with `output_logits=True`): one
+    `[batch, vocab]` tensor per generated position, the unprocessed logits each token was chosen from (a
+    row that had already finished has NaN there). Readable as attributes or by key."""
+
+    sequences: torch.Tensor
+    logits: Optional[tuple] = None
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
 
 
 def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
@@ -211,8 +226,10 @@ def generate(
     generator: Optional[torch.Generator] = None,
     seed: Optional[int] = None,
     **kwargs: Any,
-) -> torch.Tensor:
-    """Generate continuations: returns `[batch, prompt + new]` token ids on the inputs' device.
+) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
+    """Generate continuations: returns `[batch, prompt + new]` token ids on the inputs' device (with
+    `return_dict_in_generate=True`, a `GenerateDecoderOnlyOutput` holding them and, with
+    `output_logits=True`, each step's logits).
 
     Options use transformers' names (`max_new_tokens`, `min_new_tokens`, `do_sample`, `temperature`,
     `top_k`, `top_p`, `min_p`, `repetition_penalty`, `eos_token_id`, `pad_token_id`,
@@ -228,6 +245,11 @@ def generate(
     input_ids = inputs if input_ids is None else input_ids
     no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
     adapter_names = kwargs.pop("adapter_names", None)
+    as_dict = bool(kwargs.pop("return_dict_in_generate", False))
+    want_logits = bool(kwargs.pop("output_logits", False))
+    if kwargs.pop("output_scores", False):
+        raise ValueError("output_scores=True (the processed scores) is not available here: pass output_logits=True "
+                         "with return_dict_in_generate=True for the unprocessed logits of each step.")
     config = merged_config(model, generation_config, kwargs)
     engine = engine_for(model)
     ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
@@ -244,13 +266,15 @@ def generate(
                                       or not all(isinstance(n, str) for n in adapter_names)):
         raise ValueError(f"adapter_names must list one adapter name per row ({len(prompts)}), \"__base__\" for none.")
     requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i,
-                                  adapter=adapter_names[i] if adapter_names is not None else None)
+                                  adapter=adapter_names[i] if adapter_names is not None else None,
+                                  output_logits=as_dict and want_logits)
                 for i, p in enumerate(prompts)]
     settings = compile_settings(model, config, compile_config)
     plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None
     if streamer is not None and len(prompts) != 1:
         raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
     new: list[list[int]] = [[] for _ in prompts]
+    step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     with engine.lock:
         if adapter_names is not None:
             bank_for_names(model, adapter_names)
@@ -269,6 +293,8 @@ def generate(
                         if event.error is not None:
                             raise event.error
                         new[event.request_id].append(event.token)
+                        if event.logits is not None:
+                            step_logits[event.request_id].append(event.logits)
                         if streamer is not None:
                             streamer.put(torch.tensor([event.token], dtype=torch.long))
         finally:
@@ -279,4 +305,13 @@ def generate(
     out = torch.full((len(new), longest), pad, dtype=torch.long)
     for i, tokens in enumerate(new):
         out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return torch.cat([ids, out], dim=1).to(out_device)
+    sequences = torch.cat([ids, out], dim=1).to(out_device)
+    if not as_dict:
+        return sequences
+    logits = None
+    if want_logits:
+        vocab = model.config.vocab_size
+        logits = tuple(torch.stack([rows[t] if t < len(rows) else torch.full((vocab,), float("nan"), device=rows[0].device,
+                                                                          dtype=rows[0].dtype)
+                                    for rows in step_logits]).to(out_device) for t in range(longest))
+    return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
-from ..compilation.steps import DecodeStep, PrefillStep, Step, whole_decode, whole_prefill
+from ..compilation.steps import DecodeStep, PrefillStep, ScoreStep, Step, whole_decode, whole_prefill, whole_score
 from ..models.ops import PLAIN, Ops
 
 
@@ -33,7 +33,7 @@ def host_available_memory() -> Optional[int]:
 
 
 def step_name(kind: str, batch: int, dim: int, settings) -> str:
-    return f"{kind}_b{batch}_{'l' if kind == 'prefill' else 'kv'}{dim}_{settings.backend}"
+    return f"{kind}_b{batch}_{'kv' if kind == 'decode' else 'l'}{dim}_{settings.backend}"
 
 
 def cuda_graphs(settings) -> bool:
@@ -61,13 +61,18 @@ class StepBuilder:
         return PLAIN
 
     def build(self, kind: str, batch: int, dim: int, settings, context) -> Step:
-        """The whole-model step of one shape: `prefill [batch, dim]` or `decode [batch, 1]` over `[batch, dim]`."""
+        """The whole-model step of one shape: `prefill [batch, dim]`, `score [batch, dim]` (a prefill with the
+        prompt's log-probabilities) or `decode [batch, 1]` over `[batch, dim]`."""
         model, ops = self.model, self.ops(kind, batch, settings)
         name = step_name(kind, batch, dim, settings)
         if kind == "prefill":
             fn = whole_prefill(model, dim, ops)
             compiled = self.backend.compile_one(fn, name, (batch, dim), settings) if settings.enabled else None
             return PrefillStep(fn, compiled)
+        if kind == "score":
+            fn = whole_score(model, dim, ops)
+            compiled = self.backend.compile_one(fn, name, (batch, dim), settings) if settings.enabled else None
+            return ScoreStep(fn, compiled)
         cache = context.cache(batch, dim)
         graphs = cuda_graphs(settings)
         if graphs:
@@ -84,6 +89,9 @@ class Backend:
     name = "generic"
     kind = "generic"
     regional_by_default = False  # whether generation compiles per-layer regions unless asked otherwise
+    # whether a server compiles its whole shape plan before traffic unless told otherwise: where a graph
+    # compiles for minutes (Neuron, XLA), a first request must not pay for one
+    precompile_by_default = False
     per_rank_device = True  # each torchrun rank takes the device of its LOCAL_RANK (False: the ranks share one)
     hosts_memory = False  # tensors live in host memory (reads may land in them directly; offload is moot)
     fused_optimizer = False  # torch's fused AdamW kernel exists on this kind

@@ -18,6 +18,7 @@ class NeuronBackend(Backend):
     """What differs on Neuron (see `base.Backend` and the module docstring)."""
 
     name = kind = "neuron"
+    precompile_by_default = True  # neuronx-cc compiles a graph for minutes
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False):
         if settings.dynamic:

@@ -50,8 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait for a slot; one more gets HTTP 429 (default 256)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the folder's name)")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="a .jinja chat template replacing the tokenizer's")
-    p.add_argument("--precompile", action="store_true",
-                   help="compile the whole shape plan before accepting traffic (a progress bar shows it)")
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the whole shape plan before accepting traffic (a progress bar shows it). Default: on "
+                        "for neuron and xla devices, where a graph compiles for minutes and a first request must not "
+                        "wait for one; off for cpu and cuda (each shape compiles on first use; --precompile to warm "
+                        "up anyway)")
+    p.add_argument("--precompile-prompt-logprobs", action="store_true",
+                   help="the warm-up also compiles the scoring prefills (one per prefill shape) that completions with "
+                        "echo and logprobs run, as evaluation harnesses send them")
     p.add_argument("--tensor-parallel-size", type=_positive, default=1,
                    help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
@@ -61,7 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "uses that adapter; one batch mixes rows of every adapter and of none")
     p.add_argument("--max-loras", type=_positive, default=None,
                    help="adapters the server holds at once (default: as many as --lora-modules)")
-    p.add_argument("--max-lora-rank", type=_positive, default=None, help="the largest adapter rank (default: the largest given)")
+    p.add_argument("--max-lora-rank", type=_positive, default=None,
+                   help="the largest adapter rank (default: the largest given; 16 with --enable-lora-runtime-updates)")
+    p.add_argument("--enable-lora-runtime-updates", action="store_true",
+                   help="allow POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+                        "{lora_name} (vLLM's): an adapter goes into a free slot of --max-loras without compiling "
+                        "anything or pausing running requests; an unload waits for the adapter's requests")
+    p.add_argument("--lora-root", default=None, metavar="FOLDER",
+                   help="the folder run-time adapter loads must come from (default: none, every load refused)")
+    p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                   help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
+                        "default); one more evicts the oldest (default 1024; 0 keeps none)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -102,6 +118,13 @@ def run(args: argparse.Namespace) -> int:
     if adapters and args.tensor_parallel_size > 1:
         raise ValueError("--lora-modules with --tensor-parallel-size > 1 is not supported: serve in one process, or merge "
                          "the adapter into the model (merge_and_unload) and serve that.")
+    if args.enable_lora_runtime_updates and args.tensor_parallel_size > 1:
+        raise ValueError("--enable-lora-runtime-updates with --tensor-parallel-size > 1 is not supported: serve in one "
+                         "process.")
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root {args.lora_root!r} is not a folder: pass the folder adapters are loaded from.")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size {args.responses_store_size} must be 0 or more responses.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -115,5 +138,7 @@ def run(args: argparse.Namespace) -> int:
                            chat_template=args.chat_template, precompile=args.precompile, backend=args.backend,
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
-                           max_lora_rank=args.max_lora_rank)
+                           max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
+                           enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
+                           precompile_prompt_logprobs=args.precompile_prompt_logprobs)
     return serve(options)

@@ -49,6 +49,7 @@ from ..models.kv_cache import KVCache, PrefillKV
 from ..models.decoder import take
 from ..models.ops import PLAIN, Ops
 from .compiler import CompiledFunction, compile_module_calls
+from .prompt_scores import prompt_scores
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +89,14 @@ def head_region(model, hidden, ops: Ops):
     normed = model.model.norm(hidden)
     logits = model.head(normed, ops=ops).logits[:, -1]
     return logits.argmax(-1), logits, normed
+
+
+def score_head_region(model, hidden, input_ids, last_index, ops: Ops):
+    """Final norm and head over every prompt position (`hidden` `[b, L, hidden]`): the argmax and logits at
+    each row's last token (`last_index` `[b]`) and the prompt's scores (`prompt_scores.py`)."""
+    every = model.head(model.model.norm(hidden), ops=ops).logits
+    logits = take(every, last_index.view(-1, 1))[:, -1]
+    return (logits.argmax(-1), logits) + prompt_scores(every, input_ids)
 
 
 def loss_head_region(model, hidden, labels, num_items_in_batch, ops: Ops = PLAIN, router_logits=None):
@@ -290,6 +299,37 @@ class PrefillRegions(GenerationRegions):
         return argmax.index_select(0, slots), logits.index_select(0, slots)
 
 
+class ScoreRegions(GenerationRegions):
+    """A scoring prefill `[b, L]` as regions (`prompt_scores.py`): every layer over the prompt with a layer
+    region per kind (keys and values inserted as each finishes, as `PrefillRegions`), then the final norm
+    and head over every position in one region of this shape. It does not stop a layer early: every
+    position's logits are wanted. Returns `(argmax, logits, scores)` of the rows `slots`."""
+
+    def __init__(self, model, length: int, name: str, compile_one: Callable, ops: Ops):
+        super().__init__(model)
+        self.ops = ops
+        self.layer = layer_regions(self.kinds, prefill_layer_region, f"{name}_layer", compile_one)
+        self.score_head = compile_one(score_head_region, f"{name}_head")
+        self.own = list(self.layer.values()) + [self.score_head]
+        self.kv = PrefillKV(length)
+
+    def release(self) -> None:
+        super().release()
+        self.kv, self.score_head = None, None
+
+    def __call__(self, input_ids, last_index, cache: KVCache, slots: torch.Tensor, checked: bool = False):
+        start = time.perf_counter()
+        n = slots.shape[0]
+        x, cos, sin, masks = self.model.model.prepare(input_ids)
+        for i, (module, kind) in enumerate(self.runs):
+            x, k, v = self.layer[kind](module, x, cos, sin, masks, self.kv, self.ops, checked=checked)
+            cache.insert(slots, i, k[:n], v[:n])
+        argmax, logits, *scores = self.score_head(self.model, x, input_ids, last_index, self.ops, checked=checked)
+        self.timed(start)
+        return argmax, logits, tuple(scores)
+
+
 __all__ = ["prepare_region", "layer_region", "routed_layer_region", "prefill_layer_region", "head_region",
+           "score_head_region", "ScoreRegions",
            "loss_head_region", "has_decoder_layout", "routes_logits", "region_name", "layer_regions", "regional_loss",
            "compile_blocks", "GenerationRegions", "DecodeRegions", "PrefillRegions"]

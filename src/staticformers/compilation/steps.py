@@ -6,6 +6,9 @@ graphs (what every device can run; a backend may supply others, `staticformers.b
   token (`last_index`; the model's last layer computes its output there only) and every layer's keys
   and values over the prompt bucket, which `PrefillStep` then inserts into the rows (slots) of the
   batch's static cache. The graph depends on `[batch, prompt]` alone, not on the KV length.
+- **score** `[batch, prompt]`: a prefill that also returns the prompt's log-probabilities and top
+  tokens at every position (`prompt_scores.py`): the head runs over every position, so it is a step
+  kind of its own, built and compiled when scoring is asked for; its cache insert is the prefill's.
 - **decode** `[batch, 1]` over a `[batch, KV]` static cache: each row's token at its own position; the
   cache is written in place at those positions and attention masked from them (`cache.py`).
 
@@ -21,7 +24,9 @@ from typing import Callable, Optional
 import torch
 
 from .compiler import CompiledFunction
+from .prompt_scores import prompt_scores
 from ..models.ops import PLAIN, Ops
+from ..models.decoder import take
 from ..models.kv_cache import KVCache, PrefillKV
 
 
@@ -36,6 +41,20 @@ def whole_prefill(model, length: int, ops: Ops = PLAIN) -> Callable:
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
 
     return prefill
+
+
+def whole_score(model, length: int, ops: Ops = PLAIN) -> Callable:
+    """`score(input_ids [b, length], last_index [b]) -> (argmax, logits, keys, values, token_logprobs,
+    top_logprobs, top_ids)`: a prefill with the prompt's scores (`prompt_scores.py`)."""
+    layers = model.config.num_hidden_layers
+
+    def score(input_ids, last_index):
+        kv = PrefillKV(length, layers)
+        every = model(input_ids=input_ids, kv_cache=kv, ops=ops, output_router_logits=False).logits
+        logits = take(every, last_index.view(-1, 1))[:, -1]
+        return (logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)) + prompt_scores(every, input_ids)
+
+    return score
 
 
 def whole_decode(model, cache: KVCache, ops: Ops = PLAIN) -> Callable:
@@ -94,6 +113,18 @@ class PrefillStep(Step):
         for i, (k, v) in enumerate(zip(keys, values)):
             cache.insert(slots, i, k[:n], v[:n])
         return argmax, logits
+
+
+class ScoreStep(Step):
+    """A whole scoring prefill graph (`whole_score`), its keys and values inserted as `PrefillStep`'s;
+    returns `(argmax, logits, scores)`, `scores` the prompt's `(token_logprobs, top_logprobs, top_ids)`."""
+
+    def __call__(self, input_ids, last_index, cache: KVCache, slots: torch.Tensor, checked: bool = False):
+        argmax, logits, keys, values, *scores = self.run(input_ids, last_index, checked=checked)
+        n = slots.shape[0]
+        for i, (k, v) in enumerate(zip(keys, values)):
+            cache.insert(slots, i, k[:n], v[:n])
+        return argmax, logits, tuple(scores)
 
 
 class DecodeStep(Step):

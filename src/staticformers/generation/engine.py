@@ -13,6 +13,11 @@ Design choices (the why of this file):
   step takes one token and one position per row, the cache is written at each row's position and the
   mask is built from the positions on the device (`models/kv_cache.py`, `models/decoder.py`). The host sends
   `[B, 1]` token ids, `[B, 1]` positions and the slot indices of an insert, nothing that grows.
+- **Prompt scores come from the prefill.** A prefill asked to score its prompts (`scores=True`) runs the
+  step kind `"score"` of the same `[B, L]` shape instead: the same prefill, with the head over every
+  position and the prompt's log-probabilities and top tokens as fixed-shape outputs
+  (`compilation/prompt_scores.py`); not a second pass. Its graphs are built when first asked for, or
+  by `precompile(..., scores=True)`.
 - **Prefill graphs do not depend on the KV length.** They attend over the prompt bucket only and
   return each row's logits at its last token and every layer's keys/values, which are inserted into
   the cache rows: prefill graphs number `len(batch) * len(prompt)`, not times `len(kv)`.
@@ -188,18 +193,20 @@ class Engine:
         g = self.graphs.get(key)
         if g is None:
             step = self.steps.build(kind, batch, dim, settings, self._context)
-            shape = (batch, dim) if kind == "prefill" else (batch, 1, dim)
+            shape = (batch, 1, dim) if kind == "decode" else (batch, dim)
             g = self.graphs[key] = Graph(kind, shape, settings, step)
         return g
 
     # ---- running -------------------------------------------------------------------------------------
     def prefill(self, settings: CompileSettings, prompts: Sequence[Sequence[int]], cache: KVCache,
                 slots: Sequence[int], plan: Optional[ShapePlan] = None,
-                adapters: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                adapters: Optional[Sequence[int]] = None, scores: bool = False) -> tuple:
         """Prefill `prompts` (host token lists) into the rows `slots` of `cache`; the other rows keep their
         state. Returns the argmax and the logits at each prompt's last token, `[n]` and `[n, vocab]`, on the
         device. The buckets are `plan`'s (default: the engine's). `adapters`: each prompt's slot in the
-        model's adapter bank (`adapter_bank.py`; None: the model as it is)."""
+        model's adapter bank (`adapter_bank.py`; None: the model as it is). `scores`: run the scoring
+        prefill and return a third item, the prompts' `(token_logprobs [n, L], top_logprobs [n, L, TOP],
+        top_ids [n, L, TOP])` (`compilation/prompt_scores.py`)."""
         plan = plan or self.plan
         n = len(prompts)
         longest = max(len(p) for p in prompts)
@@ -211,13 +218,17 @@ class Engine:
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = torch.as_tensor(p, dtype=torch.long)
             last[i] = len(p) - 1
-        g = self.step("prefill", b, length, settings)
+        g = self.step("score" if scores else "prefill", b, length, settings)
         checked = self._check(g, (b, length), ids)
         device = self.model.device
         g.calls += 1
         with routed(self.model, adapters, b, refresh=True):
-            argmax, logits = g.step(ids.to(device), last.to(device), cache,
-                                    torch.tensor(list(slots), dtype=torch.long).to(device), checked=checked)
+            out = g.step(ids.to(device), last.to(device), cache,
+                         torch.tensor(list(slots), dtype=torch.long).to(device), checked=checked)
+        if scores:
+            argmax, logits, scored = out
+            return argmax[:n], logits[:n], tuple(t[:n] for t in scored)
+        argmax, logits = out
         return argmax[:n], logits[:n]
 
     def decode(self, settings: CompileSettings, cache: KVCache, tokens: torch.Tensor,
@@ -239,24 +250,28 @@ class Engine:
         return True
 
     # ---- ahead of time ------------------------------------------------------------------------------
-    def precompile(self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None) -> list[dict]:
+    def precompile(self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None,
+                   scores: bool = False) -> list[dict]:
         """Compile (or load from the on-disk cache) every graph of the plan; one row per shape.
 
         Each row: kind, shape, seconds (first call: trace + compile or cache load), cache hit (inductor's
         FX-graph cache or a saved artifact answered), graphs compiled (shared functions count with the
         first shape that needed them). Decode shapes come first: a prefill may finish its prompt's last
-        position with the decode step of its batch (the CPU's regions)."""
+        position with the decode step of its batch (the CPU's regions). `scores`: the scoring prefills
+        too (the prompt's log-probabilities, `prefill(..., scores=True)`)."""
         plan = plan or self.plan
         device = self.model.device
         rows = []
         jobs = [("decode", b, k) for b, k in plan.decode_shapes()] + [("prefill", b, n) for b, n in plan.prefill_shapes()]
+        if scores:
+            jobs += [("score", b, n) for b, n in plan.prefill_shapes()]
         with torch.no_grad():
             for kind, b, n in jobs:
                 hits, before = cache_answers(), self.graph_count()
                 start = time.perf_counter()
                 g = self.step(kind, b, n, settings)
                 with routed(self.model, None, b):
-                    if kind == "prefill":
+                    if kind != "decode":
                         cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
                         g.step(torch.zeros(b, n, dtype=torch.long, device=device),
                                torch.full((b,), n - 1, dtype=torch.long, device=device), cache,

@@ -35,6 +35,9 @@ Design choices:
   place. Rows of different adapters (and of none) share one batch and one graph of its shape.
 - **Sampling per row on the device** (`sampling.RowSampler`): each request has its own settings and
   seed; only the chosen ids (and log-probabilities when asked) come back to the host.
+- **Prompt log-probabilities from the prefill.** When a joining request asks for them
+  (`SamplingParams.prompt_logprobs`), its prefill batch runs the engine's scoring prefill (the same
+  shape, `Engine.prefill(..., scores=True)`), and the request's first event carries them.
 - **One loop per engine at a time.** The loop holds the engine's lock from its first step until it is
   idle again, so caches are never shared by two loops; `add` and `cancel` may be called from other
   threads.
@@ -74,6 +77,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: Any = None
     adapter: Optional[str] = None
+    output_logits: bool = False  # each event carries the raw logits its token was chosen from (transformers' name)
 
 
 @dataclass
@@ -89,6 +93,10 @@ class TokenEvent:
     finish_reason: Optional[str] = None
     logprob: Optional[float] = None
     top_logprobs: Optional[list] = None  # [(token id, log-probability)] most likely first
+    # the first event of a request that asked: one entry per prompt token, None for the first, else
+    # (log-probability, [(token id, log-probability)] most likely first)
+    prompt_logprobs: Optional[list] = None
+    logits: Optional[torch.Tensor] = None  # [vocab] on the device, unprocessed, when the request asked (`output_logits`)
     error: Optional[BaseException] = None
 
 
@@ -185,6 +193,13 @@ class GenerationLoop:
                 return True
         return False
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a waiting or running request names adapter `name` (callable from other threads)."""
+        with self._mutex:
+            if any(r.request.adapter == name for r in self.waiting):
+                return True
+        return any(r.request.adapter == name for r in list(self.rows.values()))
+
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.rows
@@ -259,9 +274,13 @@ class GenerationLoop:
             for slot, row in zip(slots, joining):
                 self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
             banked = bank_of(self.engine.model) is not None
+            scoring = any(r.request.sampling.prompt_logprobs is not None for r in joining)
             with torch.no_grad():
-                argmax, logits = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
-                                                     slots, self.plan, [r.adapter for r in joining] if banked else None)
+                out = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
+                                          slots, self.plan, [r.adapter for r in joining] if banked else None,
+                                          scores=scoring)
+                argmax, logits = out[:2]
+                prompt_scores = self._prompt_scores(joining, out[2]) if scoring else [None] * len(joining)
                 choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
                 self.sampler.observe(slots, choice.ids)
             tokens = choice.ids.tolist()
@@ -278,7 +297,28 @@ class GenerationLoop:
             row.length = len(row.request.prompt)
             self.rows[slot] = row
             events.append(self._emit(slot, row, tokens[i], choice, i))
+            events[-1].prompt_logprobs = prompt_scores[i]
+            if row.request.output_logits:
+                events[-1].logits = logits[i].clone()
         return events
+
+    @staticmethod
+    def _prompt_scores(joining: list, scored: tuple) -> list:
+        """Each joining row's prompt log-probabilities (`TokenEvent.prompt_logprobs`), None where not asked."""
+        token_lp, top_lp, top_ids = scored
+        longest = max(len(r.request.prompt) for r in joining)
+        k = max(r.request.sampling.prompt_logprobs or 0 for r in joining)
+        token_lp = token_lp[:, :longest].tolist()
+        top_lp, top_ids = top_lp[:, :longest, :k].tolist(), top_ids[:, :longest, :k].tolist()
+        out = []
+        for i, r in enumerate(joining):
+            asked = r.request.sampling.prompt_logprobs
+            if asked is None:
+                out.append(None)
+                continue
+            out.append([None] + [(token_lp[i][j], list(zip(top_ids[i][j][:asked], top_lp[i][j][:asked])))
+                                 for j in range(1, len(r.request.prompt))])
+        return out
 
     # ---- decode ------------------------------------------------------------------------------------
     def _decode(self) -> list[TokenEvent]:
@@ -316,7 +356,10 @@ class GenerationLoop:
         for i, slot in enumerate(slots):
             row = self.rows[slot]
             row.length += 1  # its last token is now in the cache
+            wants_logits = row.request.output_logits
             events.append(self._emit(slot, row, chosen[i], choice, i))
+            if wants_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
+                events[-1].logits = logits[slot].clone()
         return events
 
     def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:

@@ -134,7 +134,8 @@ class SamplingParams:
     `eos_token_ids` end the request (and are forbidden before `min_new_tokens`); `seed` gives the request
     its own generator; `generator` shares one (its draws then depend on the rows around it); neither:
     torch's global generator. `logprobs`: how many of the most likely tokens to report per step (0:
-    only the chosen token's; None: none)."""
+    only the chosen token's; None: none). `prompt_logprobs` (vLLM's name): the same for every prompt
+    token (its log-probability given the tokens before it), computed by the prefill."""
 
     do_sample: bool = False
     temperature: Optional[float] = None
@@ -149,6 +150,7 @@ class SamplingParams:
     seed: Optional[int] = None
     generator: Optional[torch.Generator] = None
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         check_options(self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
@@ -166,6 +168,10 @@ class SamplingParams:
             _number(self.logprobs, "logprobs", integer=True)
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20.")
+        if self.prompt_logprobs is not None:
+            _number(self.prompt_logprobs, "prompt_logprobs", integer=True)
+            if not 0 <= self.prompt_logprobs <= 20:
+                raise ValueError(f"prompt_logprobs={self.prompt_logprobs} must be between 0 and 20.")
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
 
     # what actually applies (transformers skips neutral values)

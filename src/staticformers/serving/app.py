@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over the engine thread (FastAPI).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the chat template, `tools` passed to
-it, Qwen/Hermes tool calls returned as OpenAI `tool_calls`), `GET /v1/models`, `GET /health` (503 once
+it, Qwen/Hermes tool calls returned as OpenAI `tool_calls`), `POST /v1/responses` and
+`GET /v1/responses/{id}` (the Responses API, `routes/responses.py`), `POST /v1/load_lora_adapter` and
+`POST /v1/unload_lora_adapter` (`routes/adapters.py`, with `--enable-lora-runtime-updates`), `GET /v1/models`, `GET /health` (503 once
 the engine has failed or while it drains), `GET /metrics` (Prometheus), `POST /tokenize`,
 `POST /detokenize`. Streaming is server-sent events in OpenAI's chunk format, ending with
 `data: [DONE]`, with `stream_options.include_usage`.
@@ -26,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .protocol import ApiError
-from .routes import chat, completions, models, tokens
+from .routes import adapters, chat, completions, models, responses, tokens
 from .state import ServerState, error_response
 
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
@@ -71,7 +73,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    for group in (models, tokens, completions, chat):
+    for group in (models, tokens, completions, chat, responses, adapters):
         group.register(app, state)
     return app
 

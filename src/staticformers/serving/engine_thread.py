@@ -106,6 +106,13 @@ class EngineThread:
             self._cancels.append(request_id)
             self._cond.notify()
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a request submitted, waiting or running names adapter `name`."""
+        with self._cond:
+            if any(r.adapter == name for r, _ in self._incoming):
+                return True
+        return self.loop.uses_adapter(name)
+
     @property
     def waiting(self) -> int:
         return len(self._incoming) + self.loop.num_waiting

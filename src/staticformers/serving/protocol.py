@@ -170,10 +170,10 @@ def _choices(body: dict, prompts: int, settings: dict, stop_ids: list, max_n: in
     return out
 
 
-def _max_tokens(body: dict, names: tuple, default: Optional[int]) -> Optional[int]:
+def _max_tokens(body: dict, names: tuple, default: Optional[int], low: int = 1) -> Optional[int]:
     for name in names:
         if body.get(name) is not None:
-            return _integer(body, name, 1)
+            return _integer(body, name, low)
     return default
 
 
@@ -243,11 +243,16 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
         raise invalid("prompt", "", "is empty: pass some text")
     stream, include_usage = _common(body)
     logprobs = _integer(body, "logprobs", 0, 20)
+    echo = _boolean(body, "echo", False)
     settings, stop_ids = _sampling(body, defaults, eos, vocab, logprobs)
-    asked = _max_tokens(body, ("max_tokens",), 16)
+    # echo with logprobs scores the prompt too (the prefill's own output); max_tokens=0 then scores only
+    settings["prompt_logprobs"] = logprobs if echo else None
+    if body.get("max_tokens") == 0 and not echo:
+        raise invalid("max_tokens", 0, "is only allowed with echo=true (to score the prompt): ask for at least 1 token")
+    asked = _max_tokens(body, ("max_tokens",), 16, low=0 if echo else 1)
     return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
                _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
-               include_usage=include_usage, logprobs=logprobs, echo=_boolean(body, "echo", False),
+               include_usage=include_usage, logprobs=logprobs, echo=echo,
                skip_special_tokens=_boolean(body, "skip_special_tokens", True))
 
 

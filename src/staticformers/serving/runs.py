@@ -39,6 +39,7 @@ class Delta:
     text: str = ""
     tool_calls: list = field(default_factory=list)
     tokens: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
+    prompt_logprobs: Optional[list] = None  # the first delta's, when the prompt was scored (`TokenEvent`'s)
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
 
@@ -55,6 +56,8 @@ class ChoiceRun:
         self.arrival, self.last = arrival, None
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
+        # max_tokens=0 (echo, scoring the prompt): one token is generated, since a request ends with one, and dropped
+        self.silent = job.max_tokens[job.choices[index].prompt_index] == 0
 
     def _content(self, text: str, final: bool = False) -> tuple[str, list]:
         if self.tools is None:
@@ -81,6 +84,13 @@ class ChoiceRun:
                 text, calls = self._content(self.text.finish(), final=True)
                 yield Delta(self.index, text, calls, finish_reason=self.finish_reason)
                 return
+            if self.silent:  # its one event is its last
+                self.state.engine.cancel(self.request_id)
+                self.finish_reason = "length"
+                m.e2e.observe(now - self.arrival)
+                m.finished("length")
+                yield Delta(self.index, prompt_logprobs=event.prompt_logprobs, finish_reason="length")
+                return
             self.completion_tokens += 1
             m.generation_tokens.inc()
             if self.last is None:
@@ -104,7 +114,7 @@ class ChoiceRun:
                 self.finish_reason = reason
                 m.e2e.observe(now - self.arrival)
                 m.finished(reason if reason != "tool_calls" else "stop")
-            yield Delta(self.index, text, calls, tokens, reason)
+            yield Delta(self.index, text, calls, tokens, event.prompt_logprobs, reason)
             if final:
                 return
 
@@ -116,9 +126,18 @@ def _token_text(tokenizer, token: int) -> str:
     return tokenizer.decode([token])
 
 
-def completion_logprobs(tokenizer, tokens: list, offset: int) -> dict:
-    """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`)."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+def prompt_tokens(prompt: list, scores: Optional[list]) -> list:
+    """A scored prompt as `completion_logprobs`' tokens: (id, logprob, top), the first one's None (nothing
+    predicts it), as OpenAI's echo and vLLM report it."""
+    if scores is None:
+        return []
+    return [(t, None, None) if s is None else (t, s[0], s[1]) for t, s in zip(prompt, scores)]
+
+
+def completion_logprobs(tokenizer, tokens: list, offset: int, out: Optional[dict] = None) -> dict:
+    """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`),
+    appended to `out` when given (an echoed prompt's)."""
+    out = out if out is not None else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, logprob, top in tokens:
         text = _token_text(tokenizer, token)
         out["tokens"].append(text)
@@ -153,7 +172,7 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     response id and one ChoiceRun per choice."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     aloop = asyncio.get_running_loop()
-    requests = [GenerationRequest(job.prompts[c.prompt_index], job.max_tokens[c.prompt_index], c.sampling,
+    requests = [GenerationRequest(job.prompts[c.prompt_index], max(1, job.max_tokens[c.prompt_index]), c.sampling,
                                   request_id=f"{rid}-{c.index}", adapter=adapter) for c in job.choices]
     try:
         for r in requests:
@@ -290,5 +309,6 @@ async def reply(state: ServerState, request: Request, job: Job, prefix: str, ada
     return answer(state.tokenizer, job, rid, created, served, runs, collected)
 
 
-__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "reply", "sse", "start",
+__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "prompt_tokens", "reply",
+           "sse", "start",
            "streamed", "usage", "whole"]

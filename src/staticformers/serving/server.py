@@ -25,6 +25,9 @@ from typing import Optional
 logger = logging.getLogger("staticformers")
 
 
+RUNTIME_LORA_RANK = 16  # --max-lora-rank's default with run-time adapter updates (vLLM's)
+
+
 @dataclass
 class ServeOptions:
     """Everything `staticformers serve` takes (see `commands/serve.py` for each flag's meaning)."""
@@ -40,7 +43,7 @@ class ServeOptions:
     max_queued_requests: int = 256
     served_model_name: Optional[str] = None
     chat_template: Optional[str] = None
-    precompile: bool = False
+    precompile: Optional[bool] = None  # None: the device's default (on for Neuron and XLA, off for CPU and CUDA)
     backend: Optional[str] = None
     no_compile: bool = False
     tensor_parallel_size: int = 1
@@ -49,6 +52,10 @@ class ServeOptions:
     lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
     max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
+    enable_lora_runtime_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_root: Optional[str] = None  # the folder run-time loads must come from (None: every path refused)
+    precompile_prompt_logprobs: bool = False  # the warm-up also compiles the scoring prefills (echo with logprobs)
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
 
 
 def sampling_defaults(model) -> dict:
@@ -86,10 +93,16 @@ def load(options: ServeOptions):
 
         kwargs["distributed_config"] = DistributedConfig(tp_size=options.tensor_parallel_size)
     model = from_pretrained(options.model, dtype=options.dtype, device_map=options.device, **kwargs)
-    if options.lora_modules:  # stacked in one bank: a decode batch mixes rows of every adapter (adapter_bank.py)
+    if options.lora_modules or options.enable_lora_runtime_updates:
+        # stacked in one bank: a decode batch mixes rows of every adapter (adapters/bank.py); with run-time
+        # updates it covers every projection, with room for --max-loras adapters of rank --max-lora-rank
         from ..adapters.bank import bank_for_files
 
-        bank_for_files(model, options.lora_modules, options.max_loras, options.max_lora_rank)
+        runtime = options.enable_lora_runtime_updates
+        bank_for_files(model, options.lora_modules,
+                       options.max_loras or (max(len(options.lora_modules), 1) if runtime else None),
+                       options.max_lora_rank or (RUNTIME_LORA_RANK if runtime else None),
+                       target_modules="all-linear" if runtime else None)
     return model, tokenizer
 
 
@@ -121,6 +134,15 @@ class PrecompileBar:
         self.bar.close()
 
 
+def precompiles(engine, options: ServeOptions) -> bool:
+    """Whether the server compiles its plan before traffic: `--precompile` / `--no-precompile`, else the
+    device's default (`Backend.precompile_by_default`: Neuron and XLA, whose first request would otherwise
+    pay a compile)."""
+    if options.no_compile:
+        return False
+    return options.precompile if options.precompile is not None else bool(engine.backend.precompile_by_default)
+
+
 def build_loop(model, options: ServeOptions, progress=None, plan=None):
     """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
     settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
@@ -133,8 +155,8 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
-    if options.precompile and settings.enabled:
-        engine.precompile(settings, progress=progress)
+    if precompiles(engine, options) and settings.enabled:
+        engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
     return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
 
 
@@ -143,6 +165,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     from .state import ServerState
     from .engine_thread import EngineThread
     from .metrics import ServerMetrics
+    from .response_store import ResponseStore
 
     name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
     if name in options.lora_modules:
@@ -158,7 +181,9 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
-                       adapters=dict(options.lora_modules))
+                       adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
+                       runtime_lora=options.enable_lora_runtime_updates,
+                       lora_root=os.path.realpath(options.lora_root) if options.lora_root else None)
 
 
 def _uvicorn_server(app, grace: float):
@@ -239,7 +264,11 @@ def serve(options: ServeOptions) -> int:
     model, tokenizer = load(options)
     rank = torch.distributed.get_rank() if distributed else 0
     plan = serving_plan(model, options)
-    bar = PrecompileBar(plan.num_shapes) if options.precompile and not options.no_compile and rank == 0 else None
+    from ..backends import for_device
+
+    warm = options.precompile if options.precompile is not None else for_device(model.device).precompile_by_default
+    shapes = plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0)
+    bar = PrecompileBar(shapes) if warm and not options.no_compile and rank == 0 else None
     loop = build_loop(model, options, bar, plan=plan)
     if bar is not None:
         bar.close()

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from .engine_thread import EngineThread
 from .metrics import ServerMetrics
 from .protocol import ApiError
+from .response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 
@@ -39,6 +40,9 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict = field(default_factory=dict)  # LoRA adapter name -> the folder it was loaded from
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
+    runtime_lora: bool = False  # adapters may be loaded and unloaded at run time (routes/adapters.py)
+    lora_root: Optional[str] = None  # the real path run-time loads must resolve inside (None: refuse all)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,

@@ -17,7 +17,7 @@ import torch
 
 from ...adapters.bank import bank_of
 from ...compilation.compiler import cache_root
-from ...compilation.regions import has_decoder_layout, head_region
+from ...compilation.regions import ScoreRegions, has_decoder_layout, head_region
 from ...models.hooks import any_hooked, global_hooks, hooked
 from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
@@ -96,6 +96,8 @@ class CPUStepBuilder(StepBuilder):
                 return context.decode_step(cache.batch, cache.max_length, settings)
 
             return RegionalPrefill(self.model, dim, name, compile_one, ops, decode_for)
+        if kind == "score":
+            return ScoreRegions(self.model, dim, name, compile_one, ops)
         head_key = ("head", batch, ops.head_linear, settings)
         if head_key not in self.shared:  # one per batch bucket and head formulation: every KV length shares it
             label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
