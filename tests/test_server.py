@@ -308,18 +308,77 @@ def test_an_exception_in_a_step_is_500_and_the_server_goes_on(model, tok, folder
         s.stop()
 
 
-def test_health_is_503_once_the_engine_died(model, tok, folder, monkeypatch):
+def test_a_step_that_raises_past_the_loop_fails_its_rows_and_the_next_request_is_served(model, tok, folder, monkeypatch):
+    """Fault injection outside the loop's own recovery (its whole `step` raises once): that batch's request
+    gets a 500 in OpenAI's format, /health stays 200, and the next request is answered right."""
     s = start(model, tok, folder)
     try:
-        def broken(*args, **kwargs):
-            raise SystemError("the loop itself broke")
+        loop = s.state.engine.loop
+        real = loop.step
+        calls = {"n": 0}
 
-        monkeypatch.setattr(s.state.engine.loop, "step", broken)
+        def broken():
+            calls["n"] += 1
+            if calls["n"] == 2:  # after the prefill: the request holds a slot
+                raise SystemError("the loop itself broke")
+            return real()
+
+        monkeypatch.setattr(loop, "step", broken)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "the loop itself broke" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200
+        ok = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == tok.decode(greedy(model, tok("x")["input_ids"], 3, eos_token_id=None))
+        assert loop.running == 0 and loop.cache is None
+    finally:
+        s.stop()
+
+
+def test_a_one_token_request_beside_a_longer_one_never_breaks_the_server(server, model, tok):
+    """The reported defect: `max_tokens=1` (and a first-token EOS) joining with a longer request on an idle
+    server dropped the batch under the other row, and every later request got 503. Twelve rounds: every
+    answer is the model's greedy one, and /health stays 200."""
+    ids = tok("a b")["input_ids"]
+    longer = tok.decode(greedy(model, ids, 8, eos_token_id=None))
+
+    async def rounds():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            out = []
+            for _ in range(12):
+                one = {"model": "tiny", "prompt": "a b", "max_tokens": 1, "temperature": 0}
+                eight = {"model": "tiny", "prompt": "a b", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                out.append(await asyncio.gather(c.post(server.url + "/v1/completions", json=one),
+                                                c.post(server.url + "/v1/completions", json=eight)))
+            return out
+
+    for one, eight in asyncio.run(rounds()):
+        assert one.status_code == 200 and eight.status_code == 200, (one.text, eight.text)
+        assert eight.json()["choices"][0]["text"] == longer
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_health_is_503_once_the_engine_thread_died(model, tok, folder, monkeypatch):
+    """Only the engine thread's death (something that is not an `Exception`) stops the server: 500 for the
+    request it held, then 503 on /health and for every request, each in OpenAI's format."""
+    class Fatal(BaseException):
+        pass
+
+    s = start(model, tok, folder)
+    try:
+        def dead(*args, **kwargs):
+            raise Fatal("the thread is gone")
+
+        monkeypatch.setattr(s.state.engine.loop, "step", dead)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
         assert r.status_code == 500
-        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 503
-        assert httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 503
+        health = httpx.get(s.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "the thread is gone" in health.json()["error"]["message"]
+        later = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert later.status_code == 503 and later.json()["error"]["type"] == "server_error"
     finally:
         s.stop()
 
