@@ -19,6 +19,7 @@ import torch
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+transformers = pytest.importorskip("transformers")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 from staticformers.api.generate import engine_for  # noqa: E402
@@ -188,6 +189,60 @@ def test_logprobs_are_the_models(client, model, tok):
     assert entries[0].top_logprobs[0].logprob >= entries[0].top_logprobs[1].logprob
 
 
+def _own_bytes(hf_tok, token: int) -> bytes:
+    """A byte-level token's bytes, by transformers' own GPT-2 alphabet (the oracle for `bytes`)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    back = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(back[c] for c in hf_tok.convert_ids_to_tokens(token))
+
+
+def test_logprobs_of_byte_level_tokens_keep_their_own_keys_and_bytes(client, model, tok, folder):
+    """Byte-level tokens that are part of a character all decode to "\ufffd": completion `top_logprobs` keys
+    them `bytes:\\xNN` (OpenAI's form), so every one of the top 20 comes back with the model's number, and
+    chat `bytes` are each token's own bytes, which join into the answer's text."""
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def shown(t):
+        raw = _own_bytes(hf_tok, t)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    ids = tok("while")["input_ids"]
+    r = client.completions.create(model="tiny", prompt="while", max_tokens=4, temperature=0, logprobs=20,
+                                  extra_body={"ignore_eos": True})
+    tokens = greedy(model, ids, 4, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    top = torch.log_softmax(logits, -1).topk(20)
+    partial = 0
+    for position, got in enumerate(r.choices[0].logprobs.top_logprobs):
+        want = {shown(t): v for t, v in zip(top.indices[position].tolist(), top.values[position].tolist())}
+        assert len(want) == 20 and set(got) == set(want), (position, sorted(got), sorted(want))
+        for key, value in want.items():
+            assert abs(got[key] - value) < 1e-4, (position, key)
+        partial += sum(k.startswith("bytes:") for k in got)
+    assert partial >= 2  # byte-level tokens were among them (they collided before)
+    messages = [{"role": "user", "content": "é€"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=5, extra_body={"ignore_eos": True})
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    tokens = greedy(model, ids, 6, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    top5 = logits.topk(5).indices.tolist()
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 6
+    for e, t, tops in zip(entries, tokens, top5):
+        assert bytes(e.bytes) == _own_bytes(hf_tok, t) and e.token == shown(t)
+        assert [bytes(x.bytes) for x in e.top_logprobs] == [_own_bytes(hf_tok, i) for i in tops]
+        assert [x.token for x in e.top_logprobs] == [shown(i) for i in tops]
+    assert any(x.token.startswith("bytes:") for e in entries for x in e.top_logprobs)
+
+
 def test_models_health_tokenize_and_detokenize(server, tok):
     models = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
@@ -226,6 +281,56 @@ def test_invalid_fields_are_openai_errors(server, body, status, pattern):
     assert set(error) == {"message", "type", "param", "code"}
 
 
+# every field of the issue's list that would change the answer, on the endpoint that would read it
+UNHONOURED = [
+    ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "structured_outputs", {"regex": "a+"}), ("/v1/completions", "allowed_token_ids", [5]),
+    ("/v1/completions", "bad_words", ["x"]), ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 1), ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"), ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/tokenize", "chat_template", "{{ 'x' }}"), ("/detokenize", "skip_special_tokens", False),
+]
+
+
+@pytest.mark.parametrize("path,name,value", UNHONOURED, ids=[f"{p}:{n}" for p, n, _ in UNHONOURED])
+def test_a_field_that_would_change_the_answer_is_refused_by_name(server, path, name, value):
+    body = {"model": "tiny", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                                                 else {"prompt": "hi"} if "detok" not in path else {"tokens": [5]})}
+    if path in ("/tokenize", "/detokenize"):
+        body.pop("max_tokens")
+    r = httpx.post(server.url + path, json={**body, name: value}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == name and error["code"] == "unsupported_field" and set(error) == {"message", "type", "param", "code"}
+    assert error["message"] == (f"The field {name!r} is not supported by this server and would change the answer: "
+                                f"leave it out" + (" (for 'functions', send \"tools\" instead)" if name == "functions" else
+                                                   " (for 'function_call', send \"tool_choice\" instead)"
+                                                   if name == "function_call" else "") + ".")
+
+
+def test_every_unknown_field_is_named_and_descriptive_fields_pass(server, tok):
+    """Several unknown fields are named together; `user`, `metadata`, `store` (the fields that only describe
+    the client, `fields.DESCRIPTIVE`) pass on every endpoint and change nothing."""
+    from staticformers.serving.fields import DESCRIPTIVE
+
+    r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                   json={"model": "tiny", "prompt": "hi", "best_of": 1, "bad_words": ["x"], "use_beam_search": True})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("The fields 'bad_words', 'use_beam_search' are not supported")
+    described = {"user": "u-1", "metadata": {"team": "a"}, "store": False}
+    assert {"user", "metadata", "store"} <= DESCRIPTIVE
+    plain = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    want = httpx.post(server.url + "/v1/completions", json=plain, timeout=TIMEOUT).json()["choices"][0]["text"]
+    got = httpx.post(server.url + "/v1/completions", json={**plain, **described}, timeout=TIMEOUT)
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **described}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=TIMEOUT).status_code == 200
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi", **described}, timeout=TIMEOUT).status_code == 200
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [5], **described}, timeout=TIMEOUT).status_code == 200
+
+
 def test_bad_json_and_big_bodies(server):
     r = httpx.post(server.url + "/v1/completions", content=b"{nope", timeout=TIMEOUT,
                    headers={"content-type": "application/json"})
@@ -234,6 +339,56 @@ def test_bad_json_and_big_bodies(server):
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": "hi"}, timeout=TIMEOUT)
     assert r.status_code == 400 and "messages='hi'" in r.json()["error"]["message"]
+
+
+SURROGATE = '"\\ud800"'  # JSON text for a lone UTF-16 surrogate
+
+
+@pytest.mark.parametrize("path,body,where", [
+    ("/v1/completions", '{"model": "tiny", "prompt": %s}', "prompt"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
+                             '[{"type": "function", "function": {"name": %s}}]}', "tools[0].function.name"),
+    ("/tokenize", '{"prompt": %s}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", %s: 1}', "a key of body"),
+])
+def test_a_lone_surrogate_is_a_400_naming_where(server, path, body, where):
+    r = httpx.post(server.url + path, content=(body % SURROGATE).encode(), timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] == (f"{where} holds a lone UTF-16 surrogate ('\\ud800' at character 0), which is not "
+                                f"text: send valid Unicode."), error["message"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_deep_json_unknown_routes_and_handler_bugs_are_openai_json(server, monkeypatch):
+    """JSON nested 100k deep (RecursionError in the parser) and 65 deep (past the limit) are 400s; an
+    unknown route is 404 and a wrong method 405, in OpenAI's format; a handler that raises is a JSON 500
+    and the server goes on."""
+    for depth in (100_000, 65):
+        r = httpx.post(server.url + "/v1/completions", content=b"[" * depth + b"]" * depth, timeout=TIMEOUT,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "The request body nests JSON more than 64 levels deep"), r.text
+    deep_ok = {"model": "tiny", "prompt": "x", "max_tokens": 1, "metadata": {"a": {"b": {"c": [[[1]]]}}}}
+    assert httpx.post(server.url + "/v1/completions", json=deep_ok, timeout=TIMEOUT).status_code == 200
+    r = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "There is no endpoint /v1/nothing."
+    r = httpx.get(server.url + "/v1/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "/v1/completions does not take GET."
+
+    class Broken(dict):
+        def items(self):
+            raise KeyError("a bug")
+
+    monkeypatch.setattr(server.state, "adapters", Broken())
+    r = httpx.get(server.url + "/v1/models", timeout=TIMEOUT)
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "The server failed this request (KeyError): report it.", "type": "server_error", "param": None,
+        "code": None}
+    monkeypatch.undo()
+    assert httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code == 200
 
 
 def test_api_key(model, tok, folder):

@@ -2,9 +2,9 @@
 
 Why by hand rather than with pydantic models: every refusal must be OpenAI's error JSON with HTTP 400
 and a sentence naming the field and its value (`ApiError`), and fields we cannot honour must be
-refused, not silently ignored. Fields a client sends that change nothing here (`user`,
-`parallel_tool_calls`, `service_tier`, ...) are accepted. Defaults follow OpenAI, with the
-checkpoint's `generation_config.json` for the sampling defaults, as vLLM does.
+refused, not silently ignored: `fields.py` lists what each endpoint reads and the fields that only
+describe the client (`user`, `metadata`, `store`, ...), and `check_fields` refuses any other. Defaults
+follow OpenAI, with the checkpoint's `generation_config.json` for the sampling defaults, as vLLM does.
 
 `parse_completion` / `parse_chat` return a `Job`: the prompts as token ids, one `Choice` per
 generated sequence (prompt x `n`) with its `SamplingParams`, and what the response needs (stop
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..generation.sampling import SamplingParams
+from . import fields
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; longer lists only cost matching time)
 
@@ -37,6 +38,13 @@ class ApiError(Exception):
 
 def invalid(param: str, value: Any, must: str) -> ApiError:
     return ApiError(400, f"{param}={value!r} {must}.", param=param)
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuse (400) every field of `body` that `endpoint` does not honour (the table is `fields.py`)."""
+    refused = fields.refusal(body, endpoint)
+    if refused is not None:
+        raise ApiError(400, refused[0], param=refused[1], code="unsupported_field")
 
 
 @dataclass
@@ -216,6 +224,7 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
                      max_n: int) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    check_fields(body, "completion")
     model = body.get("model")
     prompt = body.get("prompt")
     vocab = tokenizer_vocab(tokenizer)
@@ -294,9 +303,10 @@ def _template_call(call: Any, i: int) -> dict:
 
 
 def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int, max_n: int,
-               chat_template: Optional[str] = None) -> Job:
+               chat_template: Optional[str] = None, endpoint: str = "chat") -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    check_fields(body, endpoint)
     messages = _messages(body)
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):

@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from ..generation.loop import GenerationRequest
 from ..generation.plan import PlanError
+from ..tokenization.token_bytes import shown_text, token_bytes
 from .engine_thread import Draining, EngineFailed, QueueFull, Sink
 from .protocol import ApiError, Job
 from .state import ServerState
@@ -117,23 +118,31 @@ def _token_text(tokenizer, token: int) -> str:
 
 
 def completion_logprobs(tokenizer, tokens: list, offset: int) -> dict:
-    """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`)."""
+    """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`).
+    A token that is part of a character is shown as `bytes:\\xNN` (`tokenization/token_bytes.py`), so the
+    top tokens, keyed by text, stay apart; two tokens of the same text (rare) keep the likelier one's key
+    and the other is keyed `token_id:N`, as vLLM names tokens by id."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, logprob, top in tokens:
-        text = _token_text(tokenizer, token)
-        out["tokens"].append(text)
+        out["tokens"].append(shown_text(tokenizer, token))
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in top} if top else None)
+        keyed = None
+        if top:
+            keyed = {}
+            for t, lp in top:  # most likely first
+                key = shown_text(tokenizer, t)
+                keyed[key if key not in keyed else f"token_id:{t}"] = lp
+        out["top_logprobs"].append(keyed)
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(_token_text(tokenizer, token))
     return out
 
 
 def chat_logprobs(tokenizer, tokens: list) -> list:
-    """A chat choice's `logprobs.content`: one entry per token, with its bytes and top logprobs."""
+    """A chat choice's `logprobs.content`: one entry per token, with its own bytes and the top logprobs."""
     def entry(token, logprob):
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": shown_text(tokenizer, token), "logprob": logprob,
+                "bytes": list(token_bytes(tokenizer, token))}
 
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]} for t, lp, top in tokens]
 

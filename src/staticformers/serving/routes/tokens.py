@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from ..protocol import ApiError, parse_chat
+from ..protocol import ApiError, check_fields, parse_chat
 from ..state import ServerState, check_model, read_body
 
 
@@ -16,10 +16,11 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def tokenize(request: Request):
         body = await _object(state, request)
         if "messages" in body:
-            job = parse_chat({**body, "max_tokens": None}, state.tokenizer, state.defaults, state.eos_token_ids,
-                             10**9, 1, state.chat_template)
+            job = parse_chat(body, state.tokenizer, state.defaults, state.eos_token_ids, 10**9, 1, state.chat_template,
+                             endpoint="tokenize")
             ids = job.prompts[0]
         elif isinstance(body.get("prompt"), str):
+            check_fields(body, "tokenize")
             add = body.get("add_special_tokens", True)
             if not isinstance(add, bool):
                 raise ApiError(400, f"add_special_tokens={add!r} must be true or false.", param="add_special_tokens")
@@ -32,6 +33,7 @@ def register(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await _object(state, request)
+        check_fields(body, "detokenize")
         tokens = body.get("tokens")
         vocab = len(state.tokenizer)
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
