@@ -272,6 +272,7 @@ def test_models_health_tokenize_and_detokenize(server, tok):
     ({"prompt": "x" * 10, "max_tokens": 300}, 400, r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256"),
     ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
     ({}, 400, "prompt is required"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, r"^min_tokens=9 is more than max_tokens=4: ask for at most 4\.$"),
 ])
 def test_invalid_fields_are_openai_errors(server, body, status, pattern):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=TIMEOUT)
@@ -391,6 +392,40 @@ def test_deep_json_unknown_routes_and_handler_bugs_are_openai_json(server, monke
     assert httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code == 200
 
 
+@pytest.mark.parametrize("tools,pattern", [
+    ([{"type": "function", "function": {"name": "a b"}}], r"^tools\[0\]\.function\.name='a b' must be 1 to 64 letters"),
+    ([{"type": "function", "function": {}}], r"^tools\[0\]\.function\.name=None must be 1 to 64 letters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+     r"^tools\[0\]\.function\.parameters='x' must be a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}],
+     r"^tools\[0\]\.function\.parameters=.* must be a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f"}}, {"name": "g"}], r"^tools\[1\]=\{'name': 'g'\} must be \{\"type\""),
+    ({"name": "f"}, r"^tools=\{'name': 'f'\} must be a list of tool objects"),
+])
+def test_a_malformed_tool_is_refused_naming_it(server, tools, pattern):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and re.search(pattern, r.json()["error"]["message"]), r.text
+
+
+def test_startup_refusals_an_empty_api_key_and_a_broken_chat_template(model, tok, folder, tmp_path, capsys):
+    """An empty --api-key would serve without auth, and a template that cannot render would make every chat
+    request a 400 blaming its messages: both are refused before serving."""
+    from staticformers.commands.cli import main
+
+    assert main(["serve", folder, "--api-key", ""]) == 2
+    assert "--api-key is empty, which would leave the server open to anyone" in capsys.readouterr().err
+    opts = ServeOptions(model=folder, api_key="  ")
+    with pytest.raises(ValueError, match=r"^The API key is empty"):
+        build_state(model, tok, build_loop(model, opts), opts)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    opts = ServeOptions(model=folder, chat_template=str(broken))
+    with pytest.raises(ValueError, match=rf"^--chat-template {re.escape(str(broken))} cannot render a chat of one user "
+                                         rf"message: The chat template has a Jinja syntax error at line 1: .*; fix the template\.$"):
+        build_state(model, tok, build_loop(model, opts), opts)
+
+
 def test_api_key(model, tok, folder):
     s = start(model, tok, folder, api_key="sekrit")
     try:
@@ -411,6 +446,11 @@ def test_api_key(model, tok, folder):
 def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
     s = start(model, tok, folder, max_batch_size=1, max_queued_requests=1)
     try:
+        never = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                           json={"model": "tiny", "prompt": ["go", "on"], "max_tokens": 2})  # on an idle server
+        assert never.status_code == 400 and never.json()["error"]["message"] == (
+            "This request asks for 2 sequences (prompts x n), more than the 1 the server's queue holds "
+            "(--max-queued-requests): ask for at most 1.")
         async def burst():
             async with httpx.AsyncClient(timeout=TIMEOUT) as c:
                 body = {"model": "tiny", "prompt": "go", "max_tokens": 40, "temperature": 0, "ignore_eos": True}

@@ -145,3 +145,16 @@ def test_lora_modules_refusals(folders):
     model, tok = load(opts)
     with pytest.raises(ValueError, match="adapter name 'sql' is the base model's served name"):
         build_state(model, tok, build_loop(model, opts), opts)
+
+
+def test_max_lora_rank_and_max_loras_below_the_adapters_are_refused(folders):
+    """--max-lora-rank 2 with a rank-8 adapter (it was raised to 8 silently), --max-loras 1 with two adapters."""
+    opts = ServeOptions(model=folders["base"], lora_modules={"sql": folders["sql"], "poem": folders["poem"]},
+                        max_lora_rank=2)
+    with pytest.raises(ValueError, match=r"^--max-lora-rank 2 is less than the rank 8 of adapter 'poem' \(.*poem\): "
+                                         r"pass --max-lora-rank 8 or more, or leave it out\.$"):
+        load(opts)
+    opts.max_lora_rank, opts.max_loras = None, 1
+    with pytest.raises(ValueError, match=r"^--max-loras 1 is less than the 2 adapters of --lora-modules: pass "
+                                         r"--max-loras 2 or more"):
+        load(opts)

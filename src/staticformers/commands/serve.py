@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if adapters and args.tensor_parallel_size > 1:
         raise ValueError("--lora-modules with --tensor-parallel-size > 1 is not supported: serve in one process, or merge "
                          "the adapter into the model (merge_and_unload) and serve that.")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty, which would leave the server open to anyone: pass a key, or leave the "
+                         "flag out to serve without one.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):

@@ -20,6 +20,7 @@ This module builds the app: the guard, the handler that turns `ApiError` into it
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Optional
 
@@ -71,8 +72,8 @@ class Guard:
     def refusal(self, scope) -> Optional[Response]:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if self.state.api_key and scope["path"].startswith(PROTECTED):
-            header = headers.get(b"authorization", b"").decode("latin-1")
-            if header != f"Bearer {self.state.api_key}":
+            header = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(header, f"Bearer {self.state.api_key}".encode()):  # in constant time
                 what = "is missing" if not header else "is wrong"
                 return error_response(401, f"The API key {what}: send it as 'Authorization: Bearer <key>'.",
                                       kind="authentication_error")

@@ -14,6 +14,7 @@ strings, logprobs, streaming options, echo, tools).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -254,6 +255,7 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     logprobs = _integer(body, "logprobs", 0, 20)
     settings, stop_ids = _sampling(body, defaults, eos, vocab, logprobs)
     asked = _max_tokens(body, ("max_tokens",), 16)
+    _check_min_tokens(settings, asked, "max_tokens")
     return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
                _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, echo=_boolean(body, "echo", False),
@@ -287,6 +289,42 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(tools: Any) -> Optional[list]:
+    """`tools` as OpenAI defines them: `{"type": "function", "function": {"name", "description"?,
+    "parameters"?}}`, the name of letters, digits, `_` and `-` (64 at most), the parameters a JSON Schema
+    object; anything else is refused naming the tool, rather than rendered into the prompt."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", tools, "must be a list of tool objects")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(where, tool, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise invalid(f"{where}.function.name", name, "must be 1 to 64 letters, digits, '_' or '-'")
+        if not isinstance(function.get("description", ""), str):
+            raise invalid(f"{where}.function.description", function["description"], "must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"
+                                           and isinstance(parameters.get("properties", {}), dict)
+                                           and isinstance(parameters.get("required", []), list)):
+            raise invalid(f"{where}.function.parameters", parameters,
+                          "must be a JSON Schema object ({\"type\": \"object\", \"properties\": {...}})")
+    return tools
+
+
+def _check_min_tokens(settings: dict, asked: Optional[int], name: str) -> None:
+    low = settings.get("min_new_tokens") or 0
+    if asked is not None and low > asked:
+        raise invalid("min_tokens", low, f"is more than {name}={asked}: ask for at most {asked}")
+
+
 def _template_call(call: Any, i: int) -> dict:
     import json
 
@@ -308,9 +346,7 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         raise ApiError(400, "The request body must be a JSON object.")
     check_fields(body, endpoint)
     messages = _messages(body)
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise invalid("tools", tools, "must be a list of tool objects")
+    tools = _tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise invalid("tool_choice", tool_choice, "is not supported: use \"auto\" or \"none\"")
@@ -340,6 +376,8 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         logprobs = None
     settings, stop_ids = _sampling(body, defaults, eos, tokenizer_vocab(tokenizer), logprobs)
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    _check_min_tokens(settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                      else "max_tokens")
     return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
                _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, tools=tools or None,

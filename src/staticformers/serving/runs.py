@@ -171,6 +171,10 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
         raise ApiError(400, str(err), param="max_tokens") from None
     except ValueError as err:
         raise ApiError(400, str(err)) from None
+    if len(requests) > state.engine.max_queued:  # it would never fit, however long the client waits
+        raise ApiError(400, f"This request asks for {len(requests)} sequences (prompts x n), more than the "
+                            f"{state.engine.max_queued} the server's queue holds (--max-queued-requests): ask for at "
+                            f"most {state.engine.max_queued}.", param="n")
     sinks = [Sink(aloop) for _ in requests]
     arrival = time.monotonic()
     try:

@@ -148,17 +148,33 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     if name in options.lora_modules:
         raise ValueError(f"The adapter name {name!r} is the base model's served name: give the adapter another name "
                          f"in --lora-modules (or the base another --served-model-name).")
-    metrics = ServerMetrics(name)
-    engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
+    if options.api_key is not None and not options.api_key.strip():
+        raise ValueError("The API key is empty, which would leave the server open to anyone: pass a key, or None to "
+                         "serve without one.")
     chat_template = None
     if options.chat_template:
         with open(options.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
+        check_chat_template(tokenizer, chat_template, options.chat_template)
+    metrics = ServerMetrics(name)
+    engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
     return ServerState(model_name=name, tokenizer=tokenizer, engine=engine, metrics=metrics,
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
                        adapters=dict(options.lora_modules))
+
+
+def check_chat_template(tokenizer, template: str, path: str) -> None:
+    """Refuse at start-up a `--chat-template` that cannot render a one-message chat, rather than answer every
+    chat request with a 400 that blames the client's messages."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # a syntax error, an undefined name, a raise_exception: the template's fault
+        raise ValueError(f"--chat-template {path} cannot render a chat of one user message: {err}" +
+                         ("" if "fix the template" in str(err) else " (fix the template, or leave the flag out to use "
+                                                                    "the tokenizer's).")) from None
 
 
 def _uvicorn_server(app, grace: float):
