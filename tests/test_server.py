@@ -426,6 +426,42 @@ def test_startup_refusals_an_empty_api_key_and_a_broken_chat_template(model, tok
         build_state(model, tok, build_loop(model, opts), opts)
 
 
+def test_a_huge_prompt_is_refused_by_its_length_and_tokenizing_never_blocks_other_connections(server, monkeypatch):
+    """A 3.9 MB prompt is refused by its characters, before it is tokenized; and while a (slowed) tokenizer
+    works on a request, /health still answers at once: tokenizing and templates run off the event loop."""
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "ab " * 1_300_000}, timeout=TIMEOUT)
+    assert r.status_code == 400 and re.fullmatch(r"The prompt has 3900000 characters, far more tokens than "
+                                                 r"--max-model-len=256 holds: shorten it\.", r.json()["error"]["message"])
+    real = server.state.tokenizer
+
+    class Slow:
+        def __call__(self, *args, **kwargs):
+            time.sleep(1.5)
+            return real(*args, **kwargs)
+
+        def __len__(self):
+            return len(real)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(server.state, "tokenizer", Slow())
+
+    async def both():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            slow = asyncio.create_task(c.post(server.url + "/v1/completions",
+                                              json={"model": "tiny", "prompt": "x", "max_tokens": 1}))
+            await asyncio.sleep(0.3)
+            start = time.monotonic()
+            health = await c.get(server.url + "/health")
+            waited = time.monotonic() - start
+            return (await slow), health, waited, slow
+
+    slow, health, waited, _ = asyncio.run(both())
+    assert slow.status_code == 200 and health.status_code == 200
+    assert waited < 1.0, waited  # it would wait out the 1.5 s tokenizer on the event loop
+
+
 def test_api_key(model, tok, folder):
     s = start(model, tok, folder, api_key="sekrit")
     try:

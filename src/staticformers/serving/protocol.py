@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -243,6 +244,8 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     else:
         raise invalid("prompt", prompt, "must be a string, a list of strings or a list of token ids")
     if texts[0] is not None:
+        for text in texts:
+            check_length(text, tokenizer, max_model_len, "prompt")
         ids = [tokenizer(t)["input_ids"] for t in texts]
         ids = [list(i.tolist() if hasattr(i, "tolist") else i) for i in ids]
     else:
@@ -365,6 +368,7 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         raise ApiError(400, f"The chat template could not render these messages: {err}", param="messages") from None
     except Exception as err:  # a template's own error (raise_exception, undefined variables)
         raise ApiError(400, f"The chat template refused these messages: {err}", param="messages") from None
+    check_length(text, tokenizer, max_model_len, "messages")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     stream, include_usage = _common(body)
@@ -382,6 +386,33 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
                _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, tools=tools or None,
                skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+
+
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, which for a
+    byte-level vocabulary counts bytes, never fewer than characters); computed once per tokenizer."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max((len(k) for k in tokenizer.get_vocab()), default=1)
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weakly referable: computed again next time
+        pass
+    return longest
+
+
+def check_length(text: str, tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text with so many characters that its tokens cannot fit the model: at
+    least `len(text) / longest_token` tokens (halved again for normalizers that join characters)."""
+    bound = 2 * longest_token(tokenizer) * max_model_len
+    if len(text) > bound:
+        raise ApiError(400, f"The {'prompt' if param == 'prompt' else 'rendered chat'} has {len(text)} characters, "
+                            f"far more tokens than --max-model-len={max_model_len} holds: shorten it.", param=param)
 
 
 def tokenizer_vocab(tokenizer) -> int:

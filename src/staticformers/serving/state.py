@@ -7,6 +7,7 @@ the same limits and refuse in the same words.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -56,8 +57,12 @@ async def read_body(state: ServerState, request: Request) -> Any:
         raw += chunk
         if len(raw) > state.max_body_bytes:
             raise ApiError(413, f"The request body is more than the limit of {state.max_body_bytes} bytes.")
+    return await asyncio.to_thread(_parsed, bytes(raw))  # a body of megabytes: off the event loop
+
+
+def _parsed(raw: bytes) -> Any:
     try:
-        body = json.loads(bytes(raw) or b"null")
+        body = json.loads(raw or b"null")
     except RecursionError:
         raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep: flatten it.") from None
     except ValueError:
