@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -499,6 +500,51 @@ def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
         assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
     finally:
         s.stop()
+
+
+def test_shutdown_past_the_grace_ends_every_answer_with_abort_and_done(model, tok, folder, caplog, monkeypatch):
+    """Three streams and one whole answer still running when the 2 s grace ends: each stream's last chunk
+    has finish_reason "abort" and is followed by `[DONE]`, the whole answer comes back with "abort", and
+    nothing is logged as an error (no ASGI traceback, no "Event loop is closed")."""
+    s = start(model, tok, folder)  # a grace of 2 s
+    engine = s.state.engine.loop.engine
+    real = engine.decode
+
+    def slow(*args, **kwargs):  # 240 steps take more than 7 s: past the grace on any machine
+        time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "decode", slow)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    results: dict = {}
+
+    def stream(i):
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+            results[i] = [line for line in r.iter_lines() if line]
+
+    def whole():
+        results["whole"] = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+
+    import threading
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)] + [threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while s.state.engine.running + s.state.engine.waiting < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        s.stop()
+        for t in threads:
+            t.join(timeout=30)
+    assert time.monotonic() - started < 15
+    for i in range(3):
+        lines = results[i]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort", lines[-2]
+    assert results["whole"].status_code == 200 and results["whole"].json()["choices"][0]["finish_reason"] == "abort"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):

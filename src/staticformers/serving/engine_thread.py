@@ -56,7 +56,10 @@ class Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the HTTP event loop is closed (the server stopped): nobody reads this answer
+            pass
 
 
 @dataclass

@@ -6,14 +6,16 @@ HTTP and the others follow its steps (`replication.py`). `Server` runs the same 
 background thread of the calling process (tests, the demo) and stops it on `stop()`.
 
 Shutdown: SIGTERM or Ctrl-C stop accepting connections, let in-flight requests finish for up to
-`grace` seconds (uvicorn's graceful shutdown while the engine thread keeps generating), cancel what is
-left, stop the engine and exit 0 (uvicorn would re-raise the signal after its shutdown, ending the
+`grace` seconds (uvicorn's graceful shutdown while the engine thread keeps generating), abort what is
+left (each answer ends with finish_reason "abort" and `[DONE]`; a second Ctrl-C aborts at once), stop
+the engine and exit 0 (uvicorn would re-raise the signal after its shutdown, ending the
 process with the signal's status; this server treats the signal as the normal way to stop).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -177,18 +179,31 @@ def check_chat_template(tokenizer, template: str, path: str) -> None:
                                                                     "the tokenizer's).")) from None
 
 
-def _uvicorn_server(app, grace: float):
+DRAIN_MARGIN = 5  # seconds uvicorn waits past --grace for the aborted answers to send their last chunk
+
+
+def _uvicorn_server(app, grace: float, engine):
+    """uvicorn's server, whose shutdown drains the engine at the same time: the engine gives the running
+    requests `grace` seconds, then aborts what is left, so every answer still ends as OpenAI's do (a last
+    chunk with finish_reason "abort", then `[DONE]`) before uvicorn, waiting `grace + DRAIN_MARGIN`,
+    would cut a connection. A second signal aborts at once (the answers still end cleanly); a third
+    exits without waiting."""
     import uvicorn
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # stop gracefully, then exit 0 (see the module docstring)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
-                self.should_exit = True
+        exits = 0
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(max(grace, 1)), lifespan="off",
-                            access_log=False)
+        def handle_exit(self, sig, frame):  # stop gracefully, then exit 0 (see the module docstring)
+            self.exits += 1
+            if self.exits <= 2:
+                threading.Thread(target=engine.shutdown, args=(grace if self.exits == 1 else 0.0,), daemon=True,
+                                 name="staticformers-drain").start()
+            else:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(math.ceil(grace)) + DRAIN_MARGIN,
+                            lifespan="off", access_log=False)
     return _Server(config)
 
 
@@ -218,7 +233,7 @@ class Server:
         self.state, self.grace = state, grace
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = _uvicorn_server(create_app(state), grace)
+        self.server = _uvicorn_server(create_app(state), grace, state.engine)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="staticformers-http")
 
@@ -232,8 +247,8 @@ class Server:
         return self.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=self.grace + 10)
+        self.server.handle_exit(signal.SIGTERM, None)  # the drain a signal starts
+        self.thread.join(timeout=self.grace + DRAIN_MARGIN + 10)
         self.state.engine.shutdown(self.grace)
         self.sock.close()
 
@@ -278,7 +293,7 @@ def serve(options: ServeOptions) -> int:
 
     sock = bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
-    server = _uvicorn_server(create_app(state), options.grace)
+    server = _uvicorn_server(create_app(state), options.grace, state.engine)
     print(f"staticformers: serving {state.model_name} on http://{host}:{port} "
           f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
           f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
