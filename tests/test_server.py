@@ -463,6 +463,30 @@ def test_a_huge_prompt_is_refused_by_its_length_and_tokenizing_never_blocks_othe
     assert waited < 1.0, waited  # it would wait out the 1.5 s tokenizer on the event loop
 
 
+def test_the_port_answers_503_with_the_reason_until_the_model_is_ready(server):
+    """`serve` binds its port before loading: until the app is ready every request (/health included) is a
+    503 in OpenAI's format saying what the server is doing, with Retry-After; then the real app answers."""
+    from staticformers.serving.app import create_app
+    from staticformers.serving.starting import Starting
+
+    starting = Starting("loading /models/x, then compiling its shape plan")
+
+    async def ask():
+        transport = httpx.ASGITransport(app=starting)
+        async with httpx.AsyncClient(transport=transport, base_url="http://starting") as c:
+            early = [await c.get("/health"), await c.post("/v1/completions", json={"prompt": "x"})]
+            starting.ready(create_app(server.state))
+            return early, await c.get("/health")
+
+    early, later = asyncio.run(ask())
+    for r in early:
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+        assert r.json()["error"] == {"message": "The server is starting (loading /models/x, then compiling its shape "
+                                                "plan): retry in a moment.", "type": "server_error", "param": None,
+                                     "code": None}
+    assert later.status_code == 200
+
+
 def test_api_key(model, tok, folder):
     s = start(model, tok, folder, api_key="sekrit")
     try:

@@ -183,6 +183,7 @@ DRAIN_MARGIN = 5  # seconds uvicorn waits past --grace for the aborted answers t
 
 
 def _uvicorn_server(app, grace: float, engine):
+    """(`engine`: the engine thread, or a callable giving it once it exists.)"""
     """uvicorn's server, whose shutdown drains the engine at the same time: the engine gives the running
     requests `grace` seconds, then aborts what is left, so every answer still ends as OpenAI's do (a last
     chunk with finish_reason "abort", then `[DONE]`) before uvicorn, waiting `grace + DRAIN_MARGIN`,
@@ -195,10 +196,11 @@ def _uvicorn_server(app, grace: float, engine):
 
         def handle_exit(self, sig, frame):  # stop gracefully, then exit 0 (see the module docstring)
             self.exits += 1
-            if self.exits <= 2:
-                threading.Thread(target=engine.shutdown, args=(grace if self.exits == 1 else 0.0,), daemon=True,
+            running = engine() if callable(engine) else engine
+            if self.exits <= 2 and running is not None:
+                threading.Thread(target=running.shutdown, args=(grace if self.exits == 1 else 0.0,), daemon=True,
                                  name="staticformers-drain").start()
-            else:
+            elif self.exits > 2:
                 self.force_exit = True
             self.should_exit = True
 
@@ -261,14 +263,57 @@ class Server:
 
 
 def serve(options: ServeOptions) -> int:
-    """Run the server until SIGTERM / Ctrl-C (every rank under torchrun); returns the exit code."""
+    """Run the server until SIGTERM / Ctrl-C (every rank under torchrun); returns the exit code. One process
+    binds its port before loading and answers 503 with the reason until it is ready (`starting.py`)."""
+    if options.tensor_parallel_size > 1:
+        return _serve_distributed(options)
+    from .app import create_app
+    from .starting import Starting
+
+    sock = bind(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    starting = Starting(f"loading {options.model}" + (", then compiling its shape plan" if options.precompile else ""))
+    box: dict = {}
+
+    def prepare():  # in a thread: the port already answers
+        try:
+            model, tokenizer = load(options)
+            plan = serving_plan(model, options)
+            bar = PrecompileBar(plan.num_shapes) if options.precompile and not options.no_compile else None
+            loop = build_loop(model, options, bar, plan=plan)
+            if bar is not None:
+                bar.close()
+            state = box["state"] = build_state(model, tokenizer, loop, options)
+            starting.ready(create_app(state))
+            print(f"staticformers: serving {state.model_name} on http://{host}:{port} ({loop.max_slots} slots, "
+                  f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+        except BaseException as err:  # told by the main thread, after the server stops
+            box["error"] = err
+            server.should_exit = True
+
+    server = _uvicorn_server(starting, options.grace, lambda: getattr(box.get("state"), "engine", None))
+    print(f"staticformers: listening on http://{host}:{port} (503 until the model is ready)", flush=True)
+    threading.Thread(target=prepare, name="staticformers-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if "state" in box:
+            box["state"].engine.shutdown(options.grace)
+        sock.close()
+    if "error" in box:
+        raise box["error"]
+    print("staticformers: stopped", flush=True)
+    return 0
+
+
+def _serve_distributed(options: ServeOptions) -> int:
+    """`serve` under torchrun: every rank loads its shards; rank 0 then serves HTTP (the others follow its
+    steps, `replication.py`)."""
     import torch
 
-    distributed = options.tensor_parallel_size > 1
-    if distributed:
-        torch.manual_seed(0)  # rows without a seed draw the same on every rank (replication.py)
+    torch.manual_seed(0)  # rows without a seed draw the same on every rank (replication.py)
     model, tokenizer = load(options)
-    rank = torch.distributed.get_rank() if distributed else 0
+    rank = torch.distributed.get_rank()
     plan = serving_plan(model, options)
     bar = PrecompileBar(plan.num_shapes) if options.precompile and not options.no_compile and rank == 0 else None
     loop = build_loop(model, options, bar, plan=plan)
@@ -282,13 +327,10 @@ def serve(options: ServeOptions) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         Follower(loop).run()
-        return _finish(distributed, model)
-    replicator = None
-    if distributed:
-        from .replication import Replicator
+        return _finish(True, model)
+    from .replication import Replicator
 
-        replicator = Replicator()
-    state = build_state(model, tokenizer, loop, options, replicator)
+    state = build_state(model, tokenizer, loop, options, Replicator())
     from .app import create_app
 
     sock = bind(options.host, options.port)
@@ -303,7 +345,7 @@ def serve(options: ServeOptions) -> int:
         state.engine.shutdown(options.grace)
         sock.close()
     print("staticformers: stopped", flush=True)
-    return _finish(distributed, model)
+    return _finish(True, model)
 
 
 def _finish(distributed: bool, model) -> int:
