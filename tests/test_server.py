@@ -273,6 +273,8 @@ def test_models_health_tokenize_and_detokenize(server, tok):
     ({"prompt": "x" * 10, "max_tokens": 300}, 400, r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256"),
     ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
     ({}, 400, "prompt is required"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     r"^stream_options.continuous_usage_stats=True is not supported: only include_usage is\.$"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, r"^min_tokens=9 is more than max_tokens=4: ask for at most 4\.$"),
 ])
 def test_invalid_fields_are_openai_errors(server, body, status, pattern):

@@ -208,6 +208,9 @@ def _common(body: dict) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options", options, "must be an object such as {\"include_usage\": true}")
+    if options and set(options) - {"include_usage"}:
+        extra = sorted(set(options) - {"include_usage"})[0]
+        raise invalid(f"stream_options.{extra}", options[extra], "is not supported: only include_usage is")
     include_usage = bool(options and options.get("include_usage"))
     if options and not stream:
         raise invalid("stream_options", options, "is only allowed with stream=true")
