@@ -351,8 +351,9 @@ class GenerationLoop:
             row.length += 1  # its last token is now in the cache
             self._emit(slot, row, chosen[i], choice, i)
 
-    def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> None:
-        """Record the row's new token and add its event to the step's; a finished row frees its slot."""
+    def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
+        """Record the row's new token and add its event to the step's (and return it); a finished row frees
+        its slot."""
         index = row.generated
         row.generated += 1
         row.last = token
@@ -371,6 +372,7 @@ class GenerationLoop:
         self._events.append(event)
         if reason is not None:
             self._free(slot)
+        return event
 
     # ---- the batch's shape -------------------------------------------------------------------------
     def _fit(self, count: int, need: int) -> None:
