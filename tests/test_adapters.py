@@ -262,6 +262,14 @@ def _rewrite_weights(folder, edit):
     (lambda f: _rewrite_weights(f, lambda t: t.update({
         "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(4, 32)})),
      "trained on another model"),
+    (lambda f: _edit_config(f, target_modules=["nope_proj"]),
+     r"adapter_model.safetensors: its adapter_config.json does not fit this model: target_modules entry 'nope_proj' "
+     r"matches no projection"),
+    (lambda f: _edit_config(f, target_modules=["q_proj"]),
+     r"has weights for model.layers.0.mlp.down_proj and \d+ more, which its adapter_config.json does not target "
+     r"\(target_modules=\['q_proj'\]\): the config and the weights disagree; fix the config\.$"),
+    (lambda f: _edit_config(f, rank_pattern={"q_proj(": 8}),
+     r"rank_pattern key 'q_proj\(' is not a regular expression \(missing \), unterminated subpattern"),
 ])
 def test_damaged_or_foreign_adapter_folders_are_refused_and_nothing_changes(tiny_checkpoints, tmp_path, damage,
                                                                            message):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+transformers = pytest.importorskip("transformers")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
 from staticformers.api.generate import engine_for  # noqa: E402
@@ -188,6 +190,60 @@ def test_logprobs_are_the_models(client, model, tok):
     assert entries[0].top_logprobs[0].logprob >= entries[0].top_logprobs[1].logprob
 
 
+def _own_bytes(hf_tok, token: int) -> bytes:
+    """A byte-level token's bytes, by transformers' own GPT-2 alphabet (the oracle for `bytes`)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    back = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(back[c] for c in hf_tok.convert_ids_to_tokens(token))
+
+
+def test_logprobs_of_byte_level_tokens_keep_their_own_keys_and_bytes(client, model, tok, folder):
+    """Byte-level tokens that are part of a character all decode to "\ufffd": completion `top_logprobs` keys
+    them `bytes:\\xNN` (OpenAI's form), so every one of the top 20 comes back with the model's number, and
+    chat `bytes` are each token's own bytes, which join into the answer's text."""
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+
+    def shown(t):
+        raw = _own_bytes(hf_tok, t)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    ids = tok("while")["input_ids"]
+    r = client.completions.create(model="tiny", prompt="while", max_tokens=4, temperature=0, logprobs=20,
+                                  extra_body={"ignore_eos": True})
+    tokens = greedy(model, ids, 4, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    top = torch.log_softmax(logits, -1).topk(20)
+    partial = 0
+    for position, got in enumerate(r.choices[0].logprobs.top_logprobs):
+        want = {shown(t): v for t, v in zip(top.indices[position].tolist(), top.values[position].tolist())}
+        assert len(want) == 20 and set(got) == set(want), (position, sorted(got), sorted(want))
+        for key, value in want.items():
+            assert abs(got[key] - value) < 1e-4, (position, key)
+        partial += sum(k.startswith("bytes:") for k in got)
+    assert partial >= 2  # byte-level tokens were among them (they collided before)
+    messages = [{"role": "user", "content": "é€"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=5, extra_body={"ignore_eos": True})
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    tokens = greedy(model, ids, 6, eos_token_id=None)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    top5 = logits.topk(5).indices.tolist()
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == 6
+    for e, t, tops in zip(entries, tokens, top5):
+        assert bytes(e.bytes) == _own_bytes(hf_tok, t) and e.token == shown(t)
+        assert [bytes(x.bytes) for x in e.top_logprobs] == [_own_bytes(hf_tok, i) for i in tops]
+        assert [x.token for x in e.top_logprobs] == [shown(i) for i in tops]
+    assert any(x.token.startswith("bytes:") for e in entries for x in e.top_logprobs)
+
+
 def test_models_health_tokenize_and_detokenize(server, tok):
     models = httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()
     assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
@@ -217,6 +273,9 @@ def test_models_health_tokenize_and_detokenize(server, tok):
     ({"prompt": "x" * 10, "max_tokens": 300}, 400, r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256"),
     ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
     ({}, 400, "prompt is required"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     r"^stream_options.continuous_usage_stats=True is not supported: only include_usage is\.$"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, r"^min_tokens=9 is more than max_tokens=4: ask for at most 4\.$"),
 ])
 def test_invalid_fields_are_openai_errors(server, body, status, pattern):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=TIMEOUT)
@@ -224,6 +283,56 @@ def test_invalid_fields_are_openai_errors(server, body, status, pattern):
     error = r.json()["error"]
     assert re.search(pattern, error["message"]), error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+# every field of the issue's list that would change the answer, on the endpoint that would read it
+UNHONOURED = [
+    ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "structured_outputs", {"regex": "a+"}), ("/v1/completions", "allowed_token_ids", [5]),
+    ("/v1/completions", "bad_words", ["x"]), ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 1), ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"), ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/tokenize", "chat_template", "{{ 'x' }}"), ("/detokenize", "skip_special_tokens", False),
+]
+
+
+@pytest.mark.parametrize("path,name,value", UNHONOURED, ids=[f"{p}:{n}" for p, n, _ in UNHONOURED])
+def test_a_field_that_would_change_the_answer_is_refused_by_name(server, path, name, value):
+    body = {"model": "tiny", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
+                                                 else {"prompt": "hi"} if "detok" not in path else {"tokens": [5]})}
+    if path in ("/tokenize", "/detokenize"):
+        body.pop("max_tokens")
+    r = httpx.post(server.url + path, json={**body, name: value}, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == name and error["code"] == "unsupported_field" and set(error) == {"message", "type", "param", "code"}
+    assert error["message"] == (f"The field {name!r} is not supported by this server and would change the answer: "
+                                f"leave it out" + (" (for 'functions', send \"tools\" instead)" if name == "functions" else
+                                                   " (for 'function_call', send \"tool_choice\" instead)"
+                                                   if name == "function_call" else "") + ".")
+
+
+def test_every_unknown_field_is_named_and_descriptive_fields_pass(server, tok):
+    """Several unknown fields are named together; `user`, `metadata`, `store` (the fields that only describe
+    the client, `fields.DESCRIPTIVE`) pass on every endpoint and change nothing."""
+    from staticformers.serving.fields import DESCRIPTIVE
+
+    r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                   json={"model": "tiny", "prompt": "hi", "best_of": 1, "bad_words": ["x"], "use_beam_search": True})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("The fields 'bad_words', 'use_beam_search' are not supported")
+    described = {"user": "u-1", "metadata": {"team": "a"}, "store": False}
+    assert {"user", "metadata", "store"} <= DESCRIPTIVE
+    plain = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    want = httpx.post(server.url + "/v1/completions", json=plain, timeout=TIMEOUT).json()["choices"][0]["text"]
+    got = httpx.post(server.url + "/v1/completions", json={**plain, **described}, timeout=TIMEOUT)
+    assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **described}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=TIMEOUT).status_code == 200
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi", **described}, timeout=TIMEOUT).status_code == 200
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [5], **described}, timeout=TIMEOUT).status_code == 200
 
 
 def test_bad_json_and_big_bodies(server):
@@ -234,6 +343,150 @@ def test_bad_json_and_big_bodies(server):
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": "hi"}, timeout=TIMEOUT)
     assert r.status_code == 400 and "messages='hi'" in r.json()["error"]["message"]
+
+
+SURROGATE = '"\\ud800"'  # JSON text for a lone UTF-16 surrogate
+
+
+@pytest.mark.parametrize("path,body,where", [
+    ("/v1/completions", '{"model": "tiny", "prompt": %s}', "prompt"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
+                             '[{"type": "function", "function": {"name": %s}}]}', "tools[0].function.name"),
+    ("/tokenize", '{"prompt": %s}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", %s: 1}', "a key of body"),
+])
+def test_a_lone_surrogate_is_a_400_naming_where(server, path, body, where):
+    r = httpx.post(server.url + path, content=(body % SURROGATE).encode(), timeout=TIMEOUT,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"] == (f"{where} holds a lone UTF-16 surrogate ('\\ud800' at character 0), which is not "
+                                f"text: send valid Unicode."), error["message"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_deep_json_unknown_routes_and_handler_bugs_are_openai_json(server, monkeypatch):
+    """JSON nested 100k deep (RecursionError in the parser) and 65 deep (past the limit) are 400s; an
+    unknown route is 404 and a wrong method 405, in OpenAI's format; a handler that raises is a JSON 500
+    and the server goes on."""
+    for depth in (100_000, 65):
+        r = httpx.post(server.url + "/v1/completions", content=b"[" * depth + b"]" * depth, timeout=TIMEOUT,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "The request body nests JSON more than 64 levels deep"), r.text
+    deep_ok = {"model": "tiny", "prompt": "x", "max_tokens": 1, "metadata": {"a": {"b": {"c": [[[1]]]}}}}
+    assert httpx.post(server.url + "/v1/completions", json=deep_ok, timeout=TIMEOUT).status_code == 200
+    r = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "There is no endpoint /v1/nothing."
+    r = httpx.get(server.url + "/v1/completions", timeout=TIMEOUT)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "/v1/completions does not take GET."
+
+    class Broken(dict):
+        def items(self):
+            raise KeyError("a bug")
+
+    monkeypatch.setattr(server.state, "adapters", Broken())
+    r = httpx.get(server.url + "/v1/models", timeout=TIMEOUT)
+    assert r.status_code == 500 and r.json()["error"] == {
+        "message": "The server failed this request (KeyError): report it.", "type": "server_error", "param": None,
+        "code": None}
+    monkeypatch.undo()
+    assert httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code == 200
+
+
+@pytest.mark.parametrize("tools,pattern", [
+    ([{"type": "function", "function": {"name": "a b"}}], r"^tools\[0\]\.function\.name='a b' must be 1 to 64 letters"),
+    ([{"type": "function", "function": {}}], r"^tools\[0\]\.function\.name=None must be 1 to 64 letters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+     r"^tools\[0\]\.function\.parameters='x' must be a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}],
+     r"^tools\[0\]\.function\.parameters=.* must be a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f"}}, {"name": "g"}], r"^tools\[1\]=\{'name': 'g'\} must be \{\"type\""),
+    ({"name": "f"}, r"^tools=\{'name': 'f'\} must be a list of tool objects"),
+])
+def test_a_malformed_tool_is_refused_naming_it(server, tools, pattern):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 400 and re.search(pattern, r.json()["error"]["message"]), r.text
+
+
+def test_startup_refusals_an_empty_api_key_and_a_broken_chat_template(model, tok, folder, tmp_path, capsys):
+    """An empty --api-key would serve without auth, and a template that cannot render would make every chat
+    request a 400 blaming its messages: both are refused before serving."""
+    from staticformers.commands.cli import main
+
+    assert main(["serve", folder, "--api-key", ""]) == 2
+    assert "--api-key is empty, which would leave the server open to anyone" in capsys.readouterr().err
+    opts = ServeOptions(model=folder, api_key="  ")
+    with pytest.raises(ValueError, match=r"^The API key is empty"):
+        build_state(model, tok, build_loop(model, opts), opts)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }")
+    opts = ServeOptions(model=folder, chat_template=str(broken))
+    with pytest.raises(ValueError, match=rf"^--chat-template {re.escape(str(broken))} cannot render a chat of one user "
+                                         rf"message: The chat template has a Jinja syntax error at line 1: .*; fix the template\.$"):
+        build_state(model, tok, build_loop(model, opts), opts)
+
+
+def test_a_huge_prompt_is_refused_by_its_length_and_tokenizing_never_blocks_other_connections(server, monkeypatch):
+    """A 3.9 MB prompt is refused by its characters, before it is tokenized; and while a (slowed) tokenizer
+    works on a request, /health still answers at once: tokenizing and templates run off the event loop."""
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "ab " * 1_300_000}, timeout=TIMEOUT)
+    assert r.status_code == 400 and re.fullmatch(r"The prompt has 3900000 characters, far more tokens than "
+                                                 r"--max-model-len=256 holds: shorten it\.", r.json()["error"]["message"])
+    real = server.state.tokenizer
+
+    class Slow:
+        def __call__(self, *args, **kwargs):
+            time.sleep(1.5)
+            return real(*args, **kwargs)
+
+        def __len__(self):
+            return len(real)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(server.state, "tokenizer", Slow())
+
+    async def both():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            slow = asyncio.create_task(c.post(server.url + "/v1/completions",
+                                              json={"model": "tiny", "prompt": "x", "max_tokens": 1}))
+            await asyncio.sleep(0.3)
+            start = time.monotonic()
+            health = await c.get(server.url + "/health")
+            waited = time.monotonic() - start
+            return (await slow), health, waited, slow
+
+    slow, health, waited, _ = asyncio.run(both())
+    assert slow.status_code == 200 and health.status_code == 200
+    assert waited < 1.0, waited  # it would wait out the 1.5 s tokenizer on the event loop
+
+
+def test_the_port_answers_503_with_the_reason_until_the_model_is_ready(server):
+    """`serve` binds its port before loading: until the app is ready every request (/health included) is a
+    503 in OpenAI's format saying what the server is doing, with Retry-After; then the real app answers."""
+    from staticformers.serving.app import create_app
+    from staticformers.serving.starting import Starting
+
+    starting = Starting("loading /models/x, then compiling its shape plan")
+
+    async def ask():
+        transport = httpx.ASGITransport(app=starting)
+        async with httpx.AsyncClient(transport=transport, base_url="http://starting") as c:
+            early = [await c.get("/health"), await c.post("/v1/completions", json={"prompt": "x"})]
+            starting.ready(create_app(server.state))
+            return early, await c.get("/health")
+
+    early, later = asyncio.run(ask())
+    for r in early:
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+        assert r.json()["error"] == {"message": "The server is starting (loading /models/x, then compiling its shape "
+                                                "plan): retry in a moment.", "type": "server_error", "param": None,
+                                     "code": None}
+    assert later.status_code == 200
 
 
 def test_api_key(model, tok, folder):
@@ -256,6 +509,11 @@ def test_api_key(model, tok, folder):
 def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
     s = start(model, tok, folder, max_batch_size=1, max_queued_requests=1)
     try:
+        never = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
+                           json={"model": "tiny", "prompt": ["go", "on"], "max_tokens": 2})  # on an idle server
+        assert never.status_code == 400 and never.json()["error"]["message"] == (
+            "This request asks for 2 sequences (prompts x n), more than the 1 the server's queue holds "
+            "(--max-queued-requests): ask for at most 1.")
         async def burst():
             async with httpx.AsyncClient(timeout=TIMEOUT) as c:
                 body = {"model": "tiny", "prompt": "go", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -268,6 +526,51 @@ def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
         assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
     finally:
         s.stop()
+
+
+def test_shutdown_past_the_grace_ends_every_answer_with_abort_and_done(model, tok, folder, caplog, monkeypatch):
+    """Three streams and one whole answer still running when the 2 s grace ends: each stream's last chunk
+    has finish_reason "abort" and is followed by `[DONE]`, the whole answer comes back with "abort", and
+    nothing is logged as an error (no ASGI traceback, no "Event loop is closed")."""
+    s = start(model, tok, folder)  # a grace of 2 s
+    engine = s.state.engine.loop.engine
+    real = engine.decode
+
+    def slow(*args, **kwargs):  # 240 steps take more than 7 s: past the grace on any machine
+        time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "decode", slow)
+    body = {"model": "tiny", "prompt": "go", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    results: dict = {}
+
+    def stream(i):
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+            results[i] = [line for line in r.iter_lines() if line]
+
+    def whole():
+        results["whole"] = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+
+    import threading
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)] + [threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while s.state.engine.running + s.state.engine.waiting < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        s.stop()
+        for t in threads:
+            t.join(timeout=30)
+    assert time.monotonic() - started < 15
+    for i in range(3):
+        lines = results[i]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort", lines[-2]
+    assert results["whole"].status_code == 200 and results["whole"].json()["choices"][0]["finish_reason"] == "abort"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
@@ -308,18 +611,77 @@ def test_an_exception_in_a_step_is_500_and_the_server_goes_on(model, tok, folder
         s.stop()
 
 
-def test_health_is_503_once_the_engine_died(model, tok, folder, monkeypatch):
+def test_a_step_that_raises_past_the_loop_fails_its_rows_and_the_next_request_is_served(model, tok, folder, monkeypatch):
+    """Fault injection outside the loop's own recovery (its whole `step` raises once): that batch's request
+    gets a 500 in OpenAI's format, /health stays 200, and the next request is answered right."""
     s = start(model, tok, folder)
     try:
-        def broken(*args, **kwargs):
-            raise SystemError("the loop itself broke")
+        loop = s.state.engine.loop
+        real = loop.step
+        calls = {"n": 0}
 
-        monkeypatch.setattr(s.state.engine.loop, "step", broken)
+        def broken():
+            calls["n"] += 1
+            if calls["n"] == 2:  # after the prefill: the request holds a slot
+                raise SystemError("the loop itself broke")
+            return real()
+
+        monkeypatch.setattr(loop, "step", broken)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "the loop itself broke" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200
+        ok = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert ok.status_code == 200
+        assert ok.json()["choices"][0]["text"] == tok.decode(greedy(model, tok("x")["input_ids"], 3, eos_token_id=None))
+        assert loop.running == 0 and loop.cache is None
+    finally:
+        s.stop()
+
+
+def test_a_one_token_request_beside_a_longer_one_never_breaks_the_server(server, model, tok):
+    """The reported defect: `max_tokens=1` (and a first-token EOS) joining with a longer request on an idle
+    server dropped the batch under the other row, and every later request got 503. Twelve rounds: every
+    answer is the model's greedy one, and /health stays 200."""
+    ids = tok("a b")["input_ids"]
+    longer = tok.decode(greedy(model, ids, 8, eos_token_id=None))
+
+    async def rounds():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            out = []
+            for _ in range(12):
+                one = {"model": "tiny", "prompt": "a b", "max_tokens": 1, "temperature": 0}
+                eight = {"model": "tiny", "prompt": "a b", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                out.append(await asyncio.gather(c.post(server.url + "/v1/completions", json=one),
+                                                c.post(server.url + "/v1/completions", json=eight)))
+            return out
+
+    for one, eight in asyncio.run(rounds()):
+        assert one.status_code == 200 and eight.status_code == 200, (one.text, eight.text)
+        assert eight.json()["choices"][0]["text"] == longer
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_health_is_503_once_the_engine_thread_died(model, tok, folder, monkeypatch):
+    """Only the engine thread's death (something that is not an `Exception`) stops the server: 500 for the
+    request it held, then 503 on /health and for every request, each in OpenAI's format."""
+    class Fatal(BaseException):
+        pass
+
+    s = start(model, tok, folder)
+    try:
+        def dead(*args, **kwargs):
+            raise Fatal("the thread is gone")
+
+        monkeypatch.setattr(s.state.engine.loop, "step", dead)
         body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "temperature": 0}
         r = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
         assert r.status_code == 500
-        assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 503
-        assert httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 503
+        health = httpx.get(s.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "the thread is gone" in health.json()["error"]["message"]
+        later = httpx.post(s.url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert later.status_code == 503 and later.json()["error"]["type"] == "server_error"
     finally:
         s.stop()
 

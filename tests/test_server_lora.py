@@ -270,3 +270,16 @@ def test_runtime_adapter_routes_are_behind_the_api_key_and_off_by_default(folder
         assert r.status_code == 400 and "--enable-lora-runtime-updates" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_max_lora_rank_and_max_loras_below_the_adapters_are_refused(folders):
+    """--max-lora-rank 2 with a rank-8 adapter (it was raised to 8 silently), --max-loras 1 with two adapters."""
+    opts = ServeOptions(model=folders["base"], lora_modules={"sql": folders["sql"], "poem": folders["poem"]},
+                        max_lora_rank=2)
+    with pytest.raises(ValueError, match=r"^--max-lora-rank 2 is less than the rank 8 of adapter 'poem' \(.*poem\): "
+                                         r"pass --max-lora-rank 8 or more, or leave it out\.$"):
+        load(opts)
+    opts.max_lora_rank, opts.max_loras = None, 1
+    with pytest.raises(ValueError, match=r"^--max-loras 1 is less than the 2 adapters of --lora-modules: pass "
+                                         r"--max-loras 2 or more"):
+        load(opts)

@@ -230,3 +230,46 @@ def test_seed_out_of_range_everywhere(seed):
         tiny_model().generate(torch.tensor([[1, 2]]), max_new_tokens=1, do_sample=True, seed=seed, disable_compile=True)
     with pytest.raises(ValueError, match=r"seed=.* must be an integer from 0 to 2\*\*64 - 1\."):
         AutoModelForCausalLM.from_config(tiny_model().config, seed=seed)
+
+
+# ---- data that carries no loss, labels outside the vocabulary ------------------------------------
+@pytest.mark.parametrize("case", ["labels all -100", "EOS alone"])
+def test_data_with_no_loss_token_is_refused_before_any_step(tmp_path, case):
+    """Every label -100, or rows holding a single token (EOS alone: nothing to predict after the shift):
+    refused before the model is touched, where it used to log a loss of 0.0 for every step."""
+    if case == "labels all -100":
+        data = [{"input_ids": d["input_ids"], "labels": [-100] * len(d["input_ids"])} for d in docs()]
+    else:
+        data = [{"input_ids": [2]} for _ in range(24)]
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"^None of the 24 rows of the training data has a token that carries loss "
+                                         r"\(every label is -100 after the shift"):
+        Trainer(model=model, args=args(tmp_path), train_dataset=data).train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_batch_with_no_loss_token_is_refused_at_its_step(tmp_path):
+    """Some rows carry loss, but the first batch (4 rows, no shuffling) is only rows without: that step is
+    refused with the count of such rows, and the data's warning named them first."""
+    data = [{"input_ids": [2, 3, 4], "labels": [-100, -100, -100]} for _ in range(4)] + docs(8)
+    from staticformers.training.data import StaticBatchSampler
+
+    class InOrder(Trainer):
+        def get_train_sampler(self, rows):
+            return StaticBatchSampler(rows.num_rows, 4, shuffle=False, drop_last=True)
+
+    trainer = InOrder(model=tiny_model(), args=args(tmp_path, max_steps=2), train_dataset=data)
+    with pytest.raises(ValueError, match=r"^Optimizer step 1 has no token that carries loss in its whole batch \(4 of "
+                                         r"the 12 training rows have none"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("bad", [64, 600, -5])
+def test_labels_outside_the_vocabulary_are_refused(tmp_path, bad):
+    data = docs()
+    data[3] = {"input_ids": data[3]["input_ids"], "labels": list(data[3]["input_ids"])}
+    data[3]["labels"][1] = bad
+    with pytest.raises(ValueError, match=rf"^The training data hold a label {bad} \(row \d+\), neither -100 \(no loss\) "
+                                         rf"nor a token id of this model's vocabulary of 64 ids"):
+        Trainer(model=tiny_model(), args=args(tmp_path), train_dataset=data).train()

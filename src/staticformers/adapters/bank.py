@@ -261,7 +261,16 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     read = {name: read_adapter(model, path, **hub) for name, path in adapters.items()}
     modules = sorted({m for _, weights in read.values() for m in weights}
                      | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ()))
-    rank = max([max_rank or 1] + [a["A"].shape[0] for _, w in read.values() for a in w.values()])
+    ranks = {name: max(a["A"].shape[0] for a in w.values()) for name, (_, w) in read.items() if w}
+    largest = max(ranks.values(), default=1)
+    if max_rank is not None and max_rank < largest:
+        name = max(ranks, key=ranks.get)
+        raise ValueError(f"--max-lora-rank {max_rank} is less than the rank {largest} of adapter {name!r} "
+                         f"({adapters[name]}): pass --max-lora-rank {largest} or more, or leave it out.")
+    if max_adapters is not None and max_adapters < len(adapters):
+        raise ValueError(f"--max-loras {max_adapters} is less than the {len(adapters)} adapters of --lora-modules: pass "
+                         f"--max-loras {len(adapters)} or more, or leave it out.")
+    rank = max(max_rank or 1, largest)
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)
     for name, (config, weights) in read.items():

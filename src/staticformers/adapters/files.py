@@ -28,7 +28,8 @@ import torch
 
 from .lora_config import AdapterConfigError, LoraConfig
 from .bank_registry import bank_of
-from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules, set_adapter, wrap)
+from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules, set_adapter,
+                   target_names, wrap)
 from ..utils.atomic_files import write_atomic, write_text_atomic
 from ..checkpoints.hub import resolve_file
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError, save_file
@@ -126,8 +127,19 @@ def read_weights(file: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def check_fits(model, config: LoraConfig, weights: dict, source: str) -> None:
-    """Every module of `weights` is a projection of `model` with the adapter's expected shapes."""
+    """Every module of `weights` is a projection of `model` that the adapter's config targets, with the
+    shapes the config gives it (PEFT refuses a config whose targets the model lacks, and applies no weight
+    of a module its config does not target)."""
     candidates = linear_candidates(model)
+    try:
+        targeted = set(target_names(model, config))
+    except AdapterConfigError as err:
+        raise AdapterFileError(f"{source}: its {ADAPTER_CONFIG} does not fit this model: {err}") from None
+    strays = sorted(m for m in weights if m in candidates and m not in targeted)
+    if strays:
+        raise AdapterFileError(f"{source} has weights for {strays[0]}{f' and {len(strays) - 1} more' if len(strays) > 1 else ''}"
+                               f", which its {ADAPTER_CONFIG} does not target (target_modules="
+                               f"{config.target_modules!r}): the config and the weights disagree; fix the config.")
     for module, parts in weights.items():
         layer = candidates.get(module)
         if layer is None:

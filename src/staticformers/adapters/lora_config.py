@@ -12,6 +12,7 @@ file does not know is accepted only while it holds its off value (None, False, e
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
@@ -118,6 +119,12 @@ class LoraConfig:
             if not isinstance(pattern, dict) or not all(isinstance(k, str) and valid(v) for k, v in pattern.items()):
                 raise bad(f"{name}={pattern!r} must map module names or patterns to "
                           f"{'positive integer ranks' if name == 'rank_pattern' else 'positive numbers'}.")
+            for key in pattern:
+                try:
+                    re.compile(rf"(.*\.)?({key})$")
+                except re.error as err:
+                    raise bad(f"{name} key {key!r} is not a regular expression ({err}): write a module name such as "
+                              f"\"q_proj\" or a valid pattern.") from None
 
     # ---- per module --------------------------------------------------------------------------------
     def rank_for(self, module_name: str) -> int:

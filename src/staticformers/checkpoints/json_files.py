@@ -18,6 +18,8 @@ def read_json_object(path: Union[str, os.PathLike], what_to_do: str, error: Type
             data = json.load(f)
     except json.JSONDecodeError as err:
         raise error(f"{path} is not valid JSON ({err.msg} at line {err.lineno}): {what_to_do}.") from None
+    except RecursionError:
+        raise error(f"{path} nests JSON too deeply to be read: {what_to_do}.") from None
     if not isinstance(data, dict):
         raise error(f"{path} should hold a JSON object but holds a {type(data).__name__}: {what_to_do}.")
     return data

@@ -158,8 +158,10 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self.tensors[name]["dtype"]]
 
-    def read(self, name: str, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> torch.Tensor:
-        """The tensor, converted to `dtype` on `device`; read straight into place when nothing changes."""
+    def read(self, name: str, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+             finite: bool = False) -> torch.Tensor:
+        """The tensor, converted to `dtype` on `device`; read straight into place when nothing changes. With
+        `finite`, a floating-point tensor holding NaN or an infinity is refused (checked on the host, as read)."""
         info = self.tensors[name]
         src = DTYPES[info["dtype"]]
         buf = torch.empty(info["shape"], dtype=src)
@@ -173,6 +175,9 @@ class SafetensorsFile:
                 if not more:
                     raise self._bad(f"tensor {name!r} is cut short")
                 got += more
+        if finite and buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
+            raise SafetensorsFormatError(f"{self.path}: tensor {name!r} holds NaN or infinite values, so the model "
+                                         f"would compute nothing useful: re-download or re-save the checkpoint.")
         if (dtype is None or dtype == src) and (device is None or torch.device(device) == buf.device):
             return buf
         return buf.to(device=device, dtype=dtype if dtype is not None else src)

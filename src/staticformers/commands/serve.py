@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--lora-root {args.lora_root!r} is not a folder: pass the folder adapters are loaded from.")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size {args.responses_store_size} must be 0 or more responses.")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty, which would leave the server open to anyone: pass a key, or leave the "
+                         "flag out to serve without one.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):

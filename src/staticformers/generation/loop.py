@@ -42,7 +42,12 @@ Design choices:
   idle again, so caches are never shared by two loops; `add` and `cancel` may be called from other
   threads.
 - **Failures stay inside the step.** An exception in a prefill or decode ends the requests of that
-  call with an event whose `error` is set (their slots are freed); the loop itself keeps working.
+  call with an event whose `error` is set (their slots are freed); the loop itself keeps working. An
+  exception anywhere else in a step (choosing shapes, moving the batch, emitting events) ends every
+  request of the batch that the step had not ended yet, and the batch is rebuilt from the queue.
+- **Rows end, the batch stays.** A row that ends (even on its first token, while others of its prefill
+  are still being emitted) only frees its slot; the batch is dropped at the end of a step that leaves
+  no row running, so the next request starts from the smallest shape it needs.
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ class GenerationLoop:
         self._cancelled: set = set()
         self._mutex = threading.Lock()  # guards `waiting` and `_cancelled` against other threads
         self._last_was_prefill = False
+        self._events: list = []  # what the current step produced so far
+        self._joining: list = []  # the rows the current step's prefill takes from the queue
         self._holding = False
         self._ids = itertools.count()
 
@@ -224,24 +231,53 @@ class GenerationLoop:
         if not self._holding:
             self.engine.lock.acquire()
             self._holding = True
+        self._events, self._joining = [], []
         try:
             self._reap()
             with self._mutex:
                 admit = bool(self.waiting) and len(self.rows) < self.max_slots and \
                     (not self.rows or not self._last_was_prefill)
             if admit:
-                events = self._admit()
+                self._admit()
                 self._last_was_prefill = True
             elif self.rows:
-                events = self._decode()
+                self._decode()
                 self._last_was_prefill = False
-            else:
-                events = []
             self._maybe_shrink()
-            return events
+        except Exception as exc:  # whatever broke, the requests it touched end with it and the loop starts clean
+            logger.exception("a generation step failed: its requests fail and the batch starts again")
+            self._fail_all(exc)
         finally:
+            if not self.rows:  # the next request starts from the smallest shape it needs
+                self.cache, self.sampler = None, None
             if self.idle:
                 self.close()
+        events, self._events, self._joining = self._events, [], []
+        return events
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """End every request of the batch (running or joining) that this step has not already ended, with
+        an error event, and drop the batch: the next step builds its state again from the waiting queue."""
+        ended = {e.request_id for e in self._events if e.finish_reason is not None}
+        held = {id(r) for r in self.rows.values()}
+        rows = list(self.rows.values()) + [r for r in self._joining if id(r) not in held]
+        for row in rows:
+            if row.request.request_id not in ended:
+                ended.add(row.request.request_id)
+                self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
+        self.rows.clear()
+        self.cache, self.sampler = None, None
+        self._last_was_prefill = False
+
+    def abandon(self, error: BaseException) -> list[TokenEvent]:
+        """End every running request with `error` and drop the batch (waiting requests stay queued):
+        for a caller whose `step` raised past the loop's own recovery. Returns their error events."""
+        self._events = []
+        self._fail_all(error)
+        events, self._events, self._joining = self._events, [], []
+        if self.idle:
+            self.close()
+        return events
 
     def close(self) -> None:
         """Drop the batch and let other loops use the engine (called by `step` when idle)."""
@@ -257,17 +293,18 @@ class GenerationLoop:
             self._free(slot)
 
     def _free(self, slot: int) -> None:
+        """Give a row's slot back. The batch itself is dropped by `step` once no row is left, never here:
+        rows that join in the same prefill still need it after an earlier one ends on its first token."""
         self.rows.pop(slot)
         if self.sampler is not None:
             self.sampler.clear_row(slot)
-        if not self.rows:
-            self.cache, self.sampler = None, None
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def _admit(self) -> list[TokenEvent]:
+    def _admit(self) -> None:
         with self._mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
             joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        self._joining = joining
         try:
             self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
@@ -289,18 +326,16 @@ class GenerationLoop:
             for slot in [s for s in range(self.cache.batch if self.cache else 0) if s not in self.rows]:
                 if self.sampler is not None:
                     self.sampler.clear_row(slot)
-            if not self.rows:
-                self.cache, self.sampler = None, None
-            return [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
-        events = []
-        for i, (slot, row) in enumerate(zip(slots, joining)):
+            self._events += [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
+            return
+        for slot, row in zip(slots, joining):  # every joining row holds its slot before any of them may end
             row.length = len(row.request.prompt)
             self.rows[slot] = row
-            events.append(self._emit(slot, row, tokens[i], choice, i))
-            events[-1].prompt_logprobs = prompt_scores[i]
+        for i, (slot, row) in enumerate(zip(slots, joining)):
+            event = self._emit(slot, row, tokens[i], choice, i)
+            event.prompt_logprobs = prompt_scores[i]
             if row.request.output_logits:
-                events[-1].logits = logits[i].clone()
-        return events
+                event.logits = logits[i].clone()
 
     @staticmethod
     def _prompt_scores(joining: list, scored: tuple) -> list:
@@ -321,7 +356,7 @@ class GenerationLoop:
         return out
 
     # ---- decode ------------------------------------------------------------------------------------
-    def _decode(self) -> list[TokenEvent]:
+    def _decode(self) -> None:
         cache = self.cache
         slots = sorted(self.rows)
         tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
@@ -347,23 +382,21 @@ class GenerationLoop:
             chosen = choice.ids.tolist()
         except Exception as exc:  # every running request was in this step
             logger.exception("decode step failed for %d request(s)", len(slots))
-            events = [TokenEvent(self.rows[s].request.request_id, None, self.rows[s].generated, "error", error=exc)
-                      for s in slots]
+            self._events += [TokenEvent(self.rows[s].request.request_id, None, self.rows[s].generated, "error",
+                                        error=exc) for s in slots]
             self.rows.clear()
-            self.cache, self.sampler = None, None
-            return events
-        events = []
+            return
         for i, slot in enumerate(slots):
             row = self.rows[slot]
             row.length += 1  # its last token is now in the cache
             wants_logits = row.request.output_logits
-            events.append(self._emit(slot, row, chosen[i], choice, i))
+            event = self._emit(slot, row, chosen[i], choice, i)
             if wants_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
-                events[-1].logits = logits[slot].clone()
-        return events
+                event.logits = logits[slot].clone()
 
     def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
-        """Record the row's new token and build its event; a finished row frees its slot."""
+        """Record the row's new token and add its event to the step's (and return it); a finished row frees
+        its slot."""
         index = row.generated
         row.generated += 1
         row.last = token
@@ -379,6 +412,7 @@ class GenerationLoop:
             if params.logprobs > 0 and choice.top_ids is not None:
                 ids, lps = choice.top_ids[i, :params.logprobs].tolist(), choice.top_logprobs[i, :params.logprobs].tolist()
                 event.top_logprobs = list(zip(ids, lps))
+        self._events.append(event)
         if reason is not None:
             self._free(slot)
         return event

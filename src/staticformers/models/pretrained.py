@@ -219,7 +219,8 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                 if where.get(name) != path:
                     continue
                 piece = layout[name]
-                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device)
+                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device,
+                               finite=True)
                 if piece.whole:
                     _set_tensor(model, piece.target, value)
                     continue

@@ -22,10 +22,13 @@ This module builds the app: the guard, the handler that turns `ApiError` into it
 
 from __future__ import annotations
 
+import hmac
+import logging
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import ApiError
 from .routes import adapters, chat, completions, models, responses, tokens
@@ -33,27 +36,46 @@ from .state import ServerState, error_response
 
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
+logger = logging.getLogger("staticformers")
+
 
 class Guard:
-    """The API key and the declared body size, checked before a handler runs (a plain ASGI middleware:
-    Starlette's `BaseHTTPMiddleware` would put every streamed chunk through one more queue)."""
+    """The API key and the declared body size, checked before a handler runs, and any exception a handler
+    lets out answered as OpenAI's JSON 500 (a plain ASGI middleware: Starlette's `BaseHTTPMiddleware`
+    would put every streamed chunk through one more queue)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self.refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as err:  # a bug: still OpenAI's JSON (once no answer has begun), never a bare 500
+            logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=err)
+            if started:
                 return
-        await self.app(scope, receive, send)
+            await error_response(500, f"The server failed this request ({type(err).__name__}): report it.",
+                                 kind="server_error")(scope, receive, send)
 
     def refusal(self, scope) -> Optional[Response]:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if self.state.api_key and scope["path"].startswith(PROTECTED):
-            header = headers.get(b"authorization", b"").decode("latin-1")
-            if header != f"Bearer {self.state.api_key}":
+            header = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(header, f"Bearer {self.state.api_key}".encode()):  # in constant time
                 what = "is missing" if not header else "is wrong"
                 return error_response(401, f"The API key {what}: send it as 'Authorization: Bearer <key>'.",
                                       kind="authentication_error")
@@ -72,6 +94,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):  # 404 no such route, 405 method
+        what = {404: f"There is no endpoint {request.url.path}.",
+                405: f"{request.url.path} does not take {request.method}."}.get(err.status_code, str(err.detail))
+        return error_response(err.status_code, what, kind="invalid_request_error" if err.status_code < 500
+                              else "server_error", headers=getattr(err, "headers", None))
 
     for group in (models, tokens, completions, chat, responses, adapters):
         group.register(app, state)

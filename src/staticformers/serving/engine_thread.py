@@ -10,8 +10,10 @@ steps), applies submissions and cancellations between steps, and sleeps when the
 - **Cancellation**: a client that goes away cancels its requests; their slots are freed before the
   next step.
 - **Failures**: an exception inside a step fails that step's requests (their events carry the error,
-  HTTP 500) and the loop goes on. Should the thread itself die, every waiting request gets the error
-  and `failed` is set (`/health` answers 503).
+  HTTP 500) and the loop goes on. So does one that escapes the loop's own step: the batch's requests
+  fail, the loop drops its batch (`GenerationLoop.abandon`) and the next request is served; a request
+  the loop cannot take fails alone. Only should the thread itself die (something that is not an
+  `Exception`), every waiting request gets the error and `failed` is set (`/health` answers 503).
 - **Draining**: `shutdown(grace)` refuses new requests, lets the running ones finish for up to `grace`
   seconds, cancels the rest (`finish_reason` "abort") and stops the thread.
 - **Tensor parallel**: with a `replicator` (`replication.py`), every change to the loop is broadcast
@@ -54,7 +56,10 @@ class Sink:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, event: TokenEvent) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the HTTP event loop is closed (the server stopped): nobody reads this answer
+            pass
 
 
 @dataclass
@@ -156,7 +161,7 @@ class EngineThread:
             while True:
                 command = self._take()
                 for request in command.adds:
-                    self.loop.add(request)
+                    self._add(request)
                 for request_id in command.cancels:
                     if self.loop.cancel(request_id):
                         sink = self._sinks.pop(request_id, None)
@@ -169,7 +174,12 @@ class EngineThread:
                 if command.stop:
                     break
                 if command.step:
-                    self._dispatch(self.loop.step())
+                    try:
+                        events = self.loop.step()
+                    except Exception as exc:  # the loop's batch is lost, not the server
+                        logger.exception("a generation step failed outside the loop's own recovery")
+                        events = self.loop.abandon(exc)
+                    self._dispatch(events)
         except BaseException as exc:  # the thread is dying: nobody may wait forever
             logger.exception("the engine thread stopped")
             self.failed = exc
@@ -180,6 +190,13 @@ class EngineThread:
                 sink.put(TokenEvent(request_id, None, 0, "error", error=exc))
         finally:
             self.loop.close()
+
+    def _add(self, request: GenerationRequest) -> None:
+        try:
+            self.loop.add(request)
+        except Exception as exc:  # validated by the handler already; should it still fail, it fails alone
+            logger.exception("the loop refused a request")
+            self._dispatch([TokenEvent(request.request_id, None, 0, "error", error=exc)])
 
     def _dispatch(self, events: list) -> None:
         for event in events:

@@ -2,9 +2,9 @@
 
 Why by hand rather than with pydantic models: every refusal must be OpenAI's error JSON with HTTP 400
 and a sentence naming the field and its value (`ApiError`), and fields we cannot honour must be
-refused, not silently ignored. Fields a client sends that change nothing here (`user`,
-`parallel_tool_calls`, `service_tier`, ...) are accepted. Defaults follow OpenAI, with the
-checkpoint's `generation_config.json` for the sampling defaults, as vLLM does.
+refused, not silently ignored: `fields.py` lists what each endpoint reads and the fields that only
+describe the client (`user`, `metadata`, `store`, ...), and `check_fields` refuses any other. Defaults
+follow OpenAI, with the checkpoint's `generation_config.json` for the sampling defaults, as vLLM does.
 
 `parse_completion` / `parse_chat` return a `Job`: the prompts as token ids, one `Choice` per
 generated sequence (prompt x `n`) with its `SamplingParams`, and what the response needs (stop
@@ -14,10 +14,13 @@ strings, logprobs, streaming options, echo, tools).
 from __future__ import annotations
 
 import math
+import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..generation.sampling import SamplingParams
+from . import fields
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; longer lists only cost matching time)
 
@@ -37,6 +40,13 @@ class ApiError(Exception):
 
 def invalid(param: str, value: Any, must: str) -> ApiError:
     return ApiError(400, f"{param}={value!r} {must}.", param=param)
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """Refuse (400) every field of `body` that `endpoint` does not honour (the table is `fields.py`)."""
+    refused = fields.refusal(body, endpoint)
+    if refused is not None:
+        raise ApiError(400, refused[0], param=refused[1], code="unsupported_field")
 
 
 @dataclass
@@ -198,6 +208,9 @@ def _common(body: dict) -> tuple[bool, bool]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise invalid("stream_options", options, "must be an object such as {\"include_usage\": true}")
+    if options and set(options) - {"include_usage"}:
+        extra = sorted(set(options) - {"include_usage"})[0]
+        raise invalid(f"stream_options.{extra}", options[extra], "is not supported: only include_usage is")
     include_usage = bool(options and options.get("include_usage"))
     if options and not stream:
         raise invalid("stream_options", options, "is only allowed with stream=true")
@@ -216,6 +229,7 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
                      max_n: int) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    check_fields(body, "completion")
     model = body.get("model")
     prompt = body.get("prompt")
     vocab = tokenizer_vocab(tokenizer)
@@ -233,6 +247,8 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     else:
         raise invalid("prompt", prompt, "must be a string, a list of strings or a list of token ids")
     if texts[0] is not None:
+        for text in texts:
+            check_length(text, tokenizer, max_model_len, "prompt")
         ids = [tokenizer(t)["input_ids"] for t in texts]
         ids = [list(i.tolist() if hasattr(i, "tolist") else i) for i in ids]
     else:
@@ -250,6 +266,7 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     if body.get("max_tokens") == 0 and not echo:
         raise invalid("max_tokens", 0, "is only allowed with echo=true (to score the prompt): ask for at least 1 token")
     asked = _max_tokens(body, ("max_tokens",), 16, low=0 if echo else 1)
+    _check_min_tokens(settings, asked, "max_tokens")
     return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
                _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, echo=echo,
@@ -283,6 +300,42 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(tools: Any) -> Optional[list]:
+    """`tools` as OpenAI defines them: `{"type": "function", "function": {"name", "description"?,
+    "parameters"?}}`, the name of letters, digits, `_` and `-` (64 at most), the parameters a JSON Schema
+    object; anything else is refused naming the tool, rather than rendered into the prompt."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise invalid("tools", tools, "must be a list of tool objects")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(where, tool, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise invalid(f"{where}.function.name", name, "must be 1 to 64 letters, digits, '_' or '-'")
+        if not isinstance(function.get("description", ""), str):
+            raise invalid(f"{where}.function.description", function["description"], "must be a string")
+        parameters = function.get("parameters")
+        if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"
+                                           and isinstance(parameters.get("properties", {}), dict)
+                                           and isinstance(parameters.get("required", []), list)):
+            raise invalid(f"{where}.function.parameters", parameters,
+                          "must be a JSON Schema object ({\"type\": \"object\", \"properties\": {...}})")
+    return tools
+
+
+def _check_min_tokens(settings: dict, asked: Optional[int], name: str) -> None:
+    low = settings.get("min_new_tokens") or 0
+    if asked is not None and low > asked:
+        raise invalid("min_tokens", low, f"is more than {name}={asked}: ask for at most {asked}")
+
+
 def _template_call(call: Any, i: int) -> dict:
     import json
 
@@ -299,13 +352,12 @@ def _template_call(call: Any, i: int) -> dict:
 
 
 def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int, max_n: int,
-               chat_template: Optional[str] = None) -> Job:
+               chat_template: Optional[str] = None, endpoint: str = "chat") -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    check_fields(body, endpoint)
     messages = _messages(body)
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise invalid("tools", tools, "must be a list of tool objects")
+    tools = _tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise invalid("tool_choice", tool_choice, "is not supported: use \"auto\" or \"none\"")
@@ -324,6 +376,7 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         raise ApiError(400, f"The chat template could not render these messages: {err}", param="messages") from None
     except Exception as err:  # a template's own error (raise_exception, undefined variables)
         raise ApiError(400, f"The chat template refused these messages: {err}", param="messages") from None
+    check_length(text, tokenizer, max_model_len, "messages")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
     stream, include_usage = _common(body)
@@ -335,10 +388,39 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         logprobs = None
     settings, stop_ids = _sampling(body, defaults, eos, tokenizer_vocab(tokenizer), logprobs)
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    _check_min_tokens(settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                      else "max_tokens")
     return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
                _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, tools=tools or None,
                skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+
+
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, which for a
+    byte-level vocabulary counts bytes, never fewer than characters); computed once per tokenizer."""
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max((len(k) for k in tokenizer.get_vocab()), default=1)
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weakly referable: computed again next time
+        pass
+    return longest
+
+
+def check_length(text: str, tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text with so many characters that its tokens cannot fit the model: at
+    least `len(text) / longest_token` tokens (halved again for normalizers that join characters)."""
+    bound = 2 * longest_token(tokenizer) * max_model_len
+    if len(text) > bound:
+        raise ApiError(400, f"The {'prompt' if param == 'prompt' else 'rendered chat'} has {len(text)} characters, "
+                            f"far more tokens than --max-model-len={max_model_len} holds: shorten it.", param=param)
 
 
 def tokenizer_vocab(tokenizer) -> int:

@@ -12,8 +12,8 @@ same text from both. Items of the input:
 - `function_call_output` (`call_id`, `output`): the tool's answer, a `tool` message.
 
 `instructions` go first as a system message and are not carried over from a previous response (as
-OpenAI does). Fields that would change the answer and cannot be honoured are refused in one sentence;
-fields that change nothing here are accepted (`ACCEPTED`).
+OpenAI does). Which fields are read is `fields.py`'s table, like every endpoint's; any other field that
+would change the answer is refused in one sentence.
 """
 
 from __future__ import annotations
@@ -21,14 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .protocol import ApiError, invalid
+from .protocol import ApiError, check_fields, invalid
 from .response_store import ResponseStore
 
-# fields that change nothing here: accepted and ignored (the others are used or refused)
-ACCEPTED = {"metadata", "user", "parallel_tool_calls", "service_tier", "include", "truncation", "safety_identifier",
-            "prompt_cache_key", "background"}
-USED = {"model", "input", "instructions", "previous_response_id", "max_output_tokens", "temperature", "top_p",
-        "tools", "tool_choice", "stream", "store", "text"}
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
@@ -114,9 +109,7 @@ def _tools(value: Any) -> Optional[list]:
 def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
-    unknown = sorted(set(body) - USED - ACCEPTED)
-    if unknown:
-        raise invalid(unknown[0], body[unknown[0]], "is not supported by /v1/responses here: leave it out")
+    check_fields(body, "responses")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("instructions", instructions, "must be a string")
@@ -162,4 +155,4 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
     return ResponseRequest(chat, messages, stream, store_it, echo)
 
 
-__all__ = ["ACCEPTED", "ResponseRequest", "parse_response_request"]
+__all__ = ["ResponseRequest", "parse_response_request"]

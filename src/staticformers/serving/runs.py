@@ -22,6 +22,7 @@ from fastapi.responses import StreamingResponse
 
 from ..generation.loop import GenerationRequest
 from ..generation.plan import PlanError
+from ..tokenization.token_bytes import shown_text, token_bytes
 from .engine_thread import Draining, EngineFailed, QueueFull, Sink
 from .protocol import ApiError, Job
 from .state import ServerState
@@ -136,23 +137,31 @@ def prompt_tokens(prompt: list, scores: Optional[list]) -> list:
 
 def completion_logprobs(tokenizer, tokens: list, offset: int, out: Optional[dict] = None) -> dict:
     """A completion choice's `logprobs` (tokens, their logprobs, the top ones, text offsets from `offset`),
-    appended to `out` when given (an echoed prompt's)."""
+    appended to `out` when given (an echoed prompt's). A token that is part of a character is shown as
+    `bytes:\\xNN` (`tokenization/token_bytes.py`), so the top tokens, keyed by text, stay apart; two tokens of
+    the same text (rare) keep the likelier one's key and the other is keyed `token_id:N`, as vLLM names
+    tokens by id."""
     out = out if out is not None else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, logprob, top in tokens:
-        text = _token_text(tokenizer, token)
-        out["tokens"].append(text)
+        out["tokens"].append(shown_text(tokenizer, token))
         out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in top} if top else None)
+        keyed = None
+        if top:
+            keyed = {}
+            for t, lp in top:  # most likely first
+                key = shown_text(tokenizer, t)
+                keyed[key if key not in keyed else f"token_id:{t}"] = lp
+        out["top_logprobs"].append(keyed)
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(_token_text(tokenizer, token))
     return out
 
 
 def chat_logprobs(tokenizer, tokens: list) -> list:
-    """A chat choice's `logprobs.content`: one entry per token, with its bytes and top logprobs."""
+    """A chat choice's `logprobs.content`: one entry per token, with its own bytes and the top logprobs."""
     def entry(token, logprob):
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": shown_text(tokenizer, token), "logprob": logprob,
+                "bytes": list(token_bytes(tokenizer, token))}
 
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]} for t, lp, top in tokens]
 
@@ -181,6 +190,10 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
         raise ApiError(400, str(err), param="max_tokens") from None
     except ValueError as err:
         raise ApiError(400, str(err)) from None
+    if len(requests) > state.engine.max_queued:  # it would never fit, however long the client waits
+        raise ApiError(400, f"This request asks for {len(requests)} sequences (prompts x n), more than the "
+                            f"{state.engine.max_queued} the server's queue holds (--max-queued-requests): ask for at "
+                            f"most {state.engine.max_queued}.", param="n")
     sinks = [Sink(aloop) for _ in requests]
     arrival = time.monotonic()
     try:

@@ -6,14 +6,16 @@ HTTP and the others follow its steps (`replication.py`). `Server` runs the same 
 background thread of the calling process (tests, the demo) and stops it on `stop()`.
 
 Shutdown: SIGTERM or Ctrl-C stop accepting connections, let in-flight requests finish for up to
-`grace` seconds (uvicorn's graceful shutdown while the engine thread keeps generating), cancel what is
-left, stop the engine and exit 0 (uvicorn would re-raise the signal after its shutdown, ending the
+`grace` seconds (uvicorn's graceful shutdown while the engine thread keeps generating), abort what is
+left (each answer ends with finish_reason "abort" and `[DONE]`; a second Ctrl-C aborts at once), stop
+the engine and exit 0 (uvicorn would re-raise the signal after its shutdown, ending the
 process with the signal's status; this server treats the signal as the normal way to stop).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -171,12 +173,16 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     if name in options.lora_modules:
         raise ValueError(f"The adapter name {name!r} is the base model's served name: give the adapter another name "
                          f"in --lora-modules (or the base another --served-model-name).")
-    metrics = ServerMetrics(name)
-    engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
+    if options.api_key is not None and not options.api_key.strip():
+        raise ValueError("The API key is empty, which would leave the server open to anyone: pass a key, or None to "
+                         "serve without one.")
     chat_template = None
     if options.chat_template:
         with open(options.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
+        check_chat_template(tokenizer, chat_template, options.chat_template)
+    metrics = ServerMetrics(name)
+    engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
     return ServerState(model_name=name, tokenizer=tokenizer, engine=engine, metrics=metrics,
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
@@ -186,18 +192,45 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        lora_root=os.path.realpath(options.lora_root) if options.lora_root else None)
 
 
-def _uvicorn_server(app, grace: float):
+def check_chat_template(tokenizer, template: str, path: str) -> None:
+    """Refuse at start-up a `--chat-template` that cannot render a one-message chat, rather than answer every
+    chat request with a 400 that blames the client's messages."""
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as err:  # a syntax error, an undefined name, a raise_exception: the template's fault
+        raise ValueError(f"--chat-template {path} cannot render a chat of one user message: {err}" +
+                         ("" if "fix the template" in str(err) else " (fix the template, or leave the flag out to use "
+                                                                    "the tokenizer's).")) from None
+
+
+DRAIN_MARGIN = 5  # seconds uvicorn waits past --grace for the aborted answers to send their last chunk
+
+
+def _uvicorn_server(app, grace: float, engine):
+    """(`engine`: the engine thread, or a callable giving it once it exists.)"""
+    """uvicorn's server, whose shutdown drains the engine at the same time: the engine gives the running
+    requests `grace` seconds, then aborts what is left, so every answer still ends as OpenAI's do (a last
+    chunk with finish_reason "abort", then `[DONE]`) before uvicorn, waiting `grace + DRAIN_MARGIN`,
+    would cut a connection. A second signal aborts at once (the answers still end cleanly); a third
+    exits without waiting."""
     import uvicorn
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # stop gracefully, then exit 0 (see the module docstring)
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            else:
-                self.should_exit = True
+        exits = 0
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(max(grace, 1)), lifespan="off",
-                            access_log=False)
+        def handle_exit(self, sig, frame):  # stop gracefully, then exit 0 (see the module docstring)
+            self.exits += 1
+            running = engine() if callable(engine) else engine
+            if self.exits <= 2 and running is not None:
+                threading.Thread(target=running.shutdown, args=(grace if self.exits == 1 else 0.0,), daemon=True,
+                                 name="staticformers-drain").start()
+            elif self.exits > 2:
+                self.force_exit = True
+            self.should_exit = True
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(math.ceil(grace)) + DRAIN_MARGIN,
+                            lifespan="off", access_log=False)
     return _Server(config)
 
 
@@ -227,7 +260,7 @@ class Server:
         self.state, self.grace = state, grace
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = _uvicorn_server(create_app(state), grace)
+        self.server = _uvicorn_server(create_app(state), grace, state.engine)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="staticformers-http")
 
@@ -241,8 +274,8 @@ class Server:
         return self.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=self.grace + 10)
+        self.server.handle_exit(signal.SIGTERM, None)  # the drain a signal starts
+        self.thread.join(timeout=self.grace + DRAIN_MARGIN + 10)
         self.state.engine.shutdown(self.grace)
         self.sock.close()
 
@@ -254,21 +287,71 @@ class Server:
         self.stop()
 
 
-def serve(options: ServeOptions) -> int:
-    """Run the server until SIGTERM / Ctrl-C (every rank under torchrun); returns the exit code."""
-    import torch
-
-    distributed = options.tensor_parallel_size > 1
-    if distributed:
-        torch.manual_seed(0)  # rows without a seed draw the same on every rank (replication.py)
-    model, tokenizer = load(options)
-    rank = torch.distributed.get_rank() if distributed else 0
-    plan = serving_plan(model, options)
+def _precompile_bar(model, plan, options: ServeOptions) -> Optional[PrecompileBar]:
+    """The warm-up's progress bar over every shape it compiles, or None when the plan is not compiled first
+    (`--no-precompile`, or the device's default; `--no-compile`)."""
     from ..backends import for_device
 
     warm = options.precompile if options.precompile is not None else for_device(model.device).precompile_by_default
-    shapes = plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0)
-    bar = PrecompileBar(shapes) if warm and not options.no_compile and rank == 0 else None
+    if not warm or options.no_compile:
+        return None
+    return PrecompileBar(plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0))
+
+
+def serve(options: ServeOptions) -> int:
+    """Run the server until SIGTERM / Ctrl-C (every rank under torchrun); returns the exit code. One process
+    binds its port before loading and answers 503 with the reason until it is ready (`starting.py`)."""
+    if options.tensor_parallel_size > 1:
+        return _serve_distributed(options)
+    from .app import create_app
+    from .starting import Starting
+
+    sock = bind(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    starting = Starting(f"loading {options.model}" + (", then compiling its shape plan" if options.precompile else ""))
+    box: dict = {}
+
+    def prepare():  # in a thread: the port already answers
+        try:
+            model, tokenizer = load(options)
+            plan = serving_plan(model, options)
+            bar = _precompile_bar(model, plan, options)
+            loop = build_loop(model, options, bar, plan=plan)
+            if bar is not None:
+                bar.close()
+            state = box["state"] = build_state(model, tokenizer, loop, options)
+            starting.ready(create_app(state))
+            print(f"staticformers: serving {state.model_name} on http://{host}:{port} ({loop.max_slots} slots, "
+                  f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+        except BaseException as err:  # told by the main thread, after the server stops
+            box["error"] = err
+            server.should_exit = True
+
+    server = _uvicorn_server(starting, options.grace, lambda: getattr(box.get("state"), "engine", None))
+    print(f"staticformers: listening on http://{host}:{port} (503 until the model is ready)", flush=True)
+    threading.Thread(target=prepare, name="staticformers-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if "state" in box:
+            box["state"].engine.shutdown(options.grace)
+        sock.close()
+    if "error" in box:
+        raise box["error"]
+    print("staticformers: stopped", flush=True)
+    return 0
+
+
+def _serve_distributed(options: ServeOptions) -> int:
+    """`serve` under torchrun: every rank loads its shards; rank 0 then serves HTTP (the others follow its
+    steps, `replication.py`)."""
+    import torch
+
+    torch.manual_seed(0)  # rows without a seed draw the same on every rank (replication.py)
+    model, tokenizer = load(options)
+    rank = torch.distributed.get_rank()
+    plan = serving_plan(model, options)
+    bar = _precompile_bar(model, plan, options) if rank == 0 else None
     loop = build_loop(model, options, bar, plan=plan)
     if bar is not None:
         bar.close()
@@ -280,18 +363,15 @@ def serve(options: ServeOptions) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         Follower(loop).run()
-        return _finish(distributed, model)
-    replicator = None
-    if distributed:
-        from .replication import Replicator
+        return _finish(True, model)
+    from .replication import Replicator
 
-        replicator = Replicator()
-    state = build_state(model, tokenizer, loop, options, replicator)
+    state = build_state(model, tokenizer, loop, options, Replicator())
     from .app import create_app
 
     sock = bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
-    server = _uvicorn_server(create_app(state), options.grace)
+    server = _uvicorn_server(create_app(state), options.grace, state.engine)
     print(f"staticformers: serving {state.model_name} on http://{host}:{port} "
           f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
           f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
@@ -301,7 +381,7 @@ def serve(options: ServeOptions) -> int:
         state.engine.shutdown(options.grace)
         sock.close()
     print("staticformers: stopped", flush=True)
-    return _finish(distributed, model)
+    return _finish(True, model)
 
 
 def _finish(distributed: bool, model) -> int:

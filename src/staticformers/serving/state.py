@@ -7,6 +7,7 @@ the same limits and refuse in the same words.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .protocol import ApiError
 from .response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_DEPTH = 64  # levels of JSON nesting a body may have (OpenAI's own schemas allow far fewer)
 
 
 @dataclass
@@ -59,10 +61,42 @@ async def read_body(state: ServerState, request: Request) -> Any:
         raw += chunk
         if len(raw) > state.max_body_bytes:
             raise ApiError(413, f"The request body is more than the limit of {state.max_body_bytes} bytes.")
+    return await asyncio.to_thread(_parsed, bytes(raw))  # a body of megabytes: off the event loop
+
+
+def _parsed(raw: bytes) -> Any:
     try:
-        return json.loads(bytes(raw) or b"null")
+        body = json.loads(raw or b"null")
+    except RecursionError:
+        raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep: flatten it.") from None
     except ValueError:
         raise ApiError(400, "The request body is not valid JSON.") from None
+    check_text(body)
+    return body
+
+
+def check_text(body: Any) -> None:
+    """Refuse (400) a body nested more than `MAX_DEPTH` deep or holding a string that is not valid Unicode
+    (a lone UTF-16 surrogate such as "\\ud800", which JSON allows and no tokenizer can encode), naming
+    where. Iterative: a deep body cannot exhaust the stack here."""
+    stack = [(body, "body", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth >= MAX_DEPTH and isinstance(value, (dict, list)):  # the 65th container, counting the body
+            raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep (at {where}): "
+                                f"flatten it.")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ApiError(400, f"{where} holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
+                                    f"{err.start}), which is not text: send valid Unicode.") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, f"a key of {where}", depth + 1))
+                stack.append((v, f"{where}.{k}" if where != "body" else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
 def check_model(state: ServerState, name: Any) -> tuple[Optional[str], str]:
@@ -76,4 +110,5 @@ def check_model(state: ServerState, name: Any) -> tuple[Optional[str], str]:
                    param="model", kind="invalid_request_error", code="model_not_found")
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerState", "check_model", "error_response", "read_body"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_DEPTH", "ServerState", "check_model", "check_text", "error_response",
+           "read_body"]

@@ -1,7 +1,8 @@
 """Chat templates: render a conversation with a model's Jinja template, the way transformers does.
 
 Chat templates come from the Hub and are untrusted code, so they run in jinja2's
-`ImmutableSandboxedEnvironment` (jinja2 >= 3.1.6, which closed the known sandbox escapes), with the
+`ImmutableSandboxedEnvironment` (jinja2 >= 3.1.6, which closed the known sandbox escapes), bounded in
+time and in what it makes (`template_bounds.py`), with the
 settings and helpers that templates are written against: `trim_blocks`, `lstrip_blocks`, the
 `loopcontrols` extension, `raise_exception`, `strftime_now`, a `tojson` filter that does not escape
 HTML (Jinja's own does), a `dict` constructor and a `namespace` that refuses dunder attributes.
@@ -29,7 +30,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .template_bounds import BoundedSandbox, bounded
 
 # Names a message's reasoning is passed under; templates read the first one.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -120,7 +122,7 @@ def compile_template(source: str) -> jinja2.Template:
             f"Chat templates need jinja2>=3.1.6 (older versions have sandbox escapes) but {jinja2.__version__} "
             "is installed: run `pip install -U jinja2`."
         )
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -248,7 +250,7 @@ def render(
             text, spans = _render_recording_spans(compiled, variables)
             all_spans.append(spans)
         else:
-            text = compiled.render(**variables)
+            text = "".join(bounded(compiled.generate(**variables)))
         if continue_final_message:
             if final_text.strip() not in text or _CONTINUE_TAG.strip() not in text:
                 raise ValueError(
@@ -266,7 +268,7 @@ def _render_recording_spans(compiled: jinja2.Template, variables: dict) -> tuple
     spans: list[tuple[int, int]] = []
     token = _SPANS.set((chunks, spans))
     try:
-        for chunk in compiled.generate(**variables):
+        for chunk in bounded(compiled.generate(**variables)):
             chunks.append(chunk)
     finally:
         _SPANS.reset(token)

@@ -6,6 +6,10 @@
   the device has, before the first step allocates it.
 - `check_token_ids`: every id in the rows (the pad id included) inside the model's vocabulary,
   instead of an IndexError from the embedding.
+- `check_labels`: every label -100 or inside the vocabulary, instead of cross-entropy's IndexError.
+- `check_loss_tokens` / `check_batch_has_loss`: data in which no row carries loss (labels all -100,
+  rows of EOS alone) is refused before training, and so is an optimizer step whose whole batch has
+  none: either would log a loss of 0 and learn nothing.
 - `check_finite_weights`: before a checkpoint is written, every weight finite; a non-finite one
   stops training (`TrainingDivergedError`) so a checkpoint with NaN or inf is never written, and
   never named "the last good checkpoint".
@@ -18,6 +22,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from ..backends.memory_check import check_fits, training_step_bytes
+from .documents import IGNORE_INDEX as IGNORE
 from .state_files import nonfinite
 
 
@@ -54,6 +59,41 @@ def check_token_ids(rows, vocab_size: int, what: str) -> None:
     source = "the pad token id" if bad == rows.pad_token_id else "a token id"
     raise ValueError(f"The {what} hold {source} {bad} (row {row}), outside this model's vocabulary of {vocab_size} ids: "
                      f"tokenize with the model's own tokenizer, or fix the input_ids.")
+
+
+def check_labels(rows, vocab_size: int, what: str) -> None:
+    """Every label of `rows.labels` either -100 (no loss) or a token id in [0, vocab_size), instead of
+    cross-entropy's IndexError ("Target 600 is out of bounds") at the first step."""
+    labels = rows.labels
+    bad = (labels != IGNORE) & ((labels < 0) | (labels >= vocab_size))
+    if not bool(bad.any()):
+        return
+    row, col = (int(i) for i in bad.nonzero()[0])
+    raise ValueError(f"The {what} hold a label {int(labels[row, col])} (row {row}), neither -100 (no loss) nor a token "
+                     f"id of this model's vocabulary of {vocab_size} ids: give labels that are input_ids or -100.")
+
+
+def rows_without_loss(labels: torch.Tensor) -> int:
+    """Rows of `labels` with no token that carries loss (every label -100 after the causal shift)."""
+    return int(((labels[:, 1:] != IGNORE).sum(dim=1) == 0).sum()) if labels.numel() else 0
+
+
+def check_loss_tokens(rows, what: str) -> None:
+    """Refuse data in which no row has a token that carries loss: every optimizer step would log a loss of
+    0 and learn nothing."""
+    if rows.num_rows and rows.loss_tokens == 0:
+        raise ValueError(f"None of the {rows.num_rows} rows of the {what} has a token that carries loss (every label "
+                         f"is -100 after the shift to the next token: labels all masked, or rows of one token such as "
+                         f"EOS alone), so nothing would be learned: give labels that are not -100, or longer rows.")
+
+
+def check_batch_has_loss(items: int, step: int, rows_without: int, rows: int) -> None:
+    """Refuse an optimizer step whose whole batch (every micro-batch of the window, every rank) has no token
+    that carries loss: it would log a loss of 0 and move nothing but the optimizer's state."""
+    if items == 0:
+        raise ValueError(f"Optimizer step {step} has no token that carries loss in its whole batch ({rows_without} of "
+                         f"the {rows} training rows have none: labels all -100 or a single token): drop those rows "
+                         f"from the data, or give them labels.")
 
 
 def check_finite_weights(named: Iterable[tuple[str, torch.Tensor]], step: int,

@@ -62,7 +62,8 @@ from .arguments import TrainingArguments
 from .step_functions import StepFunction
 from .chat_data import use_chat_template_file
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
-from .guards import TrainingDivergedError, check_finite_weights, check_max_length, check_step_memory, check_token_ids
+from .guards import (TrainingDivergedError, check_batch_has_loss, check_finite_weights, check_labels, check_loss_tokens,
+                     check_max_length, check_step_memory, check_token_ids, rows_without_loss)
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, StepMeter, format_postfix, progress_bar
@@ -157,6 +158,7 @@ class Trainer:
         self.train_step = StepFunction("train", compiled, self.args.torch_compile_backend, ops=ops)
         self.eval_step = StepFunction("eval", compiled, self.args.torch_compile_backend, ops=ops)
         self._train_rows: Optional[RowTable] = None
+        self._rows_without_loss = 0  # training rows with no token that carries loss (counted with the rows)
         self._eval_rows: list[tuple[Any, RowTable]] = []  # (dataset, rows), matched by identity
         self._reporter: Optional[MetricsReporter] = None
         self.first_step_seconds: Optional[float] = None
@@ -239,6 +241,12 @@ class Trainer:
             rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
                               a.packing_strategy, a.long_documents, a.assistant_only_loss, a.completion_only_loss)
             self._check_rows(rows, "training data")
+            check_loss_tokens(rows, "training data")
+            self._rows_without_loss = rows_without_loss(rows.labels)
+            if self._rows_without_loss:
+                logger.warning("%d of the %d training rows have no token that carries loss (labels all -100 or a "
+                               "single token): they only add padding to their batches.", self._rows_without_loss,
+                               rows.num_rows)
             self._train_rows = rows
         return self._train_rows
 
@@ -246,6 +254,7 @@ class Trainer:
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab is not None:
             check_token_ids(rows, vocab, what)
+            check_labels(rows, vocab, what)
 
     def get_eval_rows(self, eval_dataset: Any = None) -> RowTable:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -494,7 +503,10 @@ class Trainer:
         and the schedule step and the gradients are dropped."""
         items = sum(count_label_tokens(b["labels"]) for b in host)
         tokens = sum(int((b["labels"] != -100).sum()) for b in host)
-        num_items = self.reduce_sum(torch.tensor(max(items, 1), dtype=torch.long, device=self.device))
+        total = int(self.reduce_sum(torch.tensor(items, dtype=torch.long, device=self.device)))
+        check_batch_has_loss(total, self.state.global_step + 1, self._rows_without_loss, self._train_rows.num_rows
+                             if self._train_rows is not None else 0)
+        num_items = torch.tensor(total, dtype=torch.long, device=self.device)
         step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in host:
             loss = self.compute_loss(model, self.move_batch(batch), num_items)

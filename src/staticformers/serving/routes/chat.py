@@ -5,6 +5,7 @@ request's life is `serving/runs.py`."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -23,8 +24,9 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat(request: Request):
         body = await read_body(state, request)
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
-        job = parse_chat(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, state.max_n,
-                         state.chat_template)
+        job = await asyncio.to_thread(parse_chat, body, state.tokenizer, state.defaults, state.eos_token_ids,
+                                      state.max_model_len, state.max_n, state.chat_template)  # rendering, tokenizing:
+        # off the event loop, so one long prompt or slow template never stalls the other connections
         return await reply(state, request, job, "chatcmpl", adapter, served, _chunks, _answer, CHUNK)
 
 

@@ -5,6 +5,7 @@ chat is only the JSON of a choice; the request's life is `serving/runs.py`."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -23,8 +24,8 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         body = await read_body(state, request)
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
-        job = parse_completion(body, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len,
-                               state.max_n)
+        job = await asyncio.to_thread(parse_completion, body, state.tokenizer, state.defaults, state.eos_token_ids,
+                                      state.max_model_len, state.max_n)  # tokenizing: off the event loop
         return await reply(state, request, job, "cmpl", adapter, served, _chunks, _answer, KIND)
 
 
