@@ -266,6 +266,9 @@ def serve(options: ServeOptions) -> int:
     print(f"staticformers: serving {state.model_name} on http://{host}:{port} "
           f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
           f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+    note = compile_note(options, plan)
+    if note:
+        print(f"staticformers: {note}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:
@@ -273,6 +276,15 @@ def serve(options: ServeOptions) -> int:
         sock.close()
     print("staticformers: stopped", flush=True)
     return _finish(distributed, model)
+
+
+def compile_note(options: ServeOptions, plan) -> Optional[str]:
+    """What a server that did not precompile will do on its first requests (they wait while their shapes
+    compile), or None when nothing compiles while serving."""
+    if options.precompile or options.no_compile:
+        return None
+    return (f"the shape plan ({plan.num_shapes} shapes at most) was not compiled ahead: a request whose shape is "
+            f"new waits while it compiles (tens of seconds on a CPU); --precompile compiles them all before serving")
 
 
 def _finish(distributed: bool, model) -> int:
@@ -284,4 +296,4 @@ def _finish(distributed: bool, model) -> int:
     return 0
 
 
-__all__ = ["ServeOptions", "Server", "serve", "build_loop", "build_state", "load"]
+__all__ = ["ServeOptions", "Server", "serve", "build_loop", "build_state", "compile_note", "load"]
