@@ -91,7 +91,7 @@ def test_doctor_prints_its_version_and_what_to_install_for_neuron(capsys, monkey
     hint = out.strip().splitlines()[-1]
     assert hint.startswith("torch-neuronx is not installed: the neuron device is TorchNeuron's (Trn2/Trn3")
     assert "pip install 'torch-neuronx==2.13.*'" in hint and "--extra-index-url https://pip.repos.neuron.amazonaws.com" in hint
-    assert "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
+    assert "make demo VENV=" in hint and "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["staticformers"] == staticformers.__version__ and info["neuron_hint"] == hint
