@@ -17,13 +17,16 @@ It runs as a list of stages (`STAGES`), each printing a numbered header and then
              streamed (greedy), after a first call that loads the graphs, timed apart; then a table
              of new tokens and tokens/s per prompt.
 6. chat      the same model fine-tuned on synthetic questions about those docs with assistant-only
-             loss (`examples/demo_chat.py`: a `messages` dataset, a training chat template), saved
-             under `.demo/chat`.
+             loss (`examples/demo_chat.py`: 36 `messages` conversations, a training chat template, a
+             cosine schedule), saved under `.demo/chat`, then evaluated: the trained questions answered
+             exactly as the docs say, and the same statements asked in a phrasing it never saw (a probe).
 7. serve     `staticformers serve`'s server on the chat model (in this process, 127.0.0.1, a free
              port), its shape plan compiled first (one decode shape: four slots); four questions sent at
-             once through the `openai` client (one streamed, one phrased in a way training never saw),
-             answered in one batch through the chat template; the answers against the docs', a summary
-             of the server's metrics (nothing compiled while serving); then it stops.
+             once through the `openai` client (one streamed; three as trained, one phrased in a way
+             training never saw), answered in one batch through the chat template; the answers against
+             the docs', a summary of the server's metrics (nothing compiled while serving); then it stops.
+
+Each stage's header ends with the time since the demo started (cumulative, not the stage's own).
 
 A second run finds `.demo/model` and `.demo/chat` and skips stages 2, 3 and 6's training (`--retrain`
 trains again; `--steps N` changes the training length); its graphs all come from the on-disk cache.
@@ -194,6 +197,7 @@ def compile_plan(demo: Demo) -> None:
 def generate(demo: Demo) -> None:
     from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan, TextStreamer
     from staticformers.compilation.summary import CacheWatch, graphs_line
+    from staticformers.utils.durations import duration
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, device_map="auto")
@@ -215,9 +219,9 @@ def generate(demo: Demo) -> None:
         rows.append((prompt, out.shape[1] - ids.shape[1], time.perf_counter() - start))
     more = sum(r["graphs"] for r in model.compile_stats()) - graphs
     width = max(len(p) for p in PROMPTS)
-    print(f"\n{'prompt':<{width}}  {'new tokens':>10}  {'seconds':>7}  {'tokens/s':>8}")
+    print(f"\n{'prompt':<{width}}  {'new tokens':>10}  {'time':>8}  {'tokens/s':>8}")
     for prompt, new, seconds in rows + [("all", sum(r[1] for r in rows), sum(r[2] for r in rows))]:
-        print(f"{prompt:<{width}}  {new:>10}  {seconds:>7.2f}  {new / seconds:>8.0f}")
+        print(f"{prompt:<{width}}  {new:>10}  {duration(seconds):>8}  {new / seconds:>8.0f}")
     print("no prompt compiled a graph: every shape was in the plan" if not more else
           f"{more} more graph(s) compiled while answering")
     demo.results["generated"] = rows
@@ -232,9 +236,9 @@ def chat_trained(demo: Demo) -> bool:
 
 
 def chat(demo: Demo) -> None:
-    from demo_chat import chat_stage
+    from demo_chat import STEPS, chat_stage
 
-    demo.results["chat"] = chat_stage(MODEL_DIR, CHAT_DIR, steps=min(60, demo.args.steps), answer=False)
+    demo.results["chat"] = chat_stage(MODEL_DIR, CHAT_DIR, steps=min(STEPS, demo.args.steps), answer=False)
 
 
 # ---- 7. serve ------------------------------------------------------------------------------------
@@ -243,10 +247,11 @@ def serve(demo: Demo) -> None:
 
     import httpx
     import openai
-    from demo_chat import questions
+    from demo_chat import conversations, questions
 
     from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan
     from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
+    from staticformers.utils.durations import duration
 
     model = AutoModelForCausalLM.from_pretrained(CHAT_DIR, device_map="auto")
     tok = AutoTokenizer.from_pretrained(CHAT_DIR)
@@ -281,11 +286,14 @@ def serve(demo: Demo) -> None:
 
         with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
             answers = list(pool.map(ask, [q for q, _, _ in asked], [i == 0 for i in range(len(asked))]))
-        exact = 0
+        trained_questions = {m["messages"][0]["content"] for m in conversations()[0]}
+        exact = {True: [], False: []}  # trained question or not -> answered exactly as the docs say
         for (question, _, docs), (answer, how, seconds) in zip(asked, answers):
             answer = answer.strip()
-            exact += answer == docs
-            print(f"  Q: {question}\n  A: {answer}   ({how}, {seconds:.2f} s)"
+            trained = question in trained_questions
+            exact[trained].append(answer == docs)
+            print(f"  Q: {question}   ({'as trained' if trained else 'a phrasing training never saw'})\n"
+                  f"  A: {answer}   ({how}, {duration(seconds)})"
                   + ("" if answer == docs else f"\n     docs: {docs}"))
         text = httpx.get(server.url + "/metrics", timeout=60).text
 
@@ -293,10 +301,15 @@ def serve(demo: Demo) -> None:
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith(f"staticformers:{name}") and not line.startswith("#"))
 
-        print(f"{exact} of {len(asked)} answers exactly as the docs say. metrics: {value('request_success_total'):.0f} "
+        probe = ("got the docs' answer too: the answer follows the statement the question names, whatever words "
+                 "surround it" if all(exact[False]) else "did not get the docs' answer: the model learned these "
+                 "question-answer pairs, not what the words around the statement mean")
+        print(f"{sum(exact[True])} of {len(exact[True])} trained questions answered exactly as the docs say; the new "
+              f"phrasing {probe}.")
+        print(f"metrics: {value('request_success_total'):.0f} "
               f"requests finished, {value('prompt_tokens_total'):.0f} prompt and "
               f"{value('generation_tokens_total'):.0f} generated tokens, time to first token "
-              f"{value('time_to_first_token_seconds_sum') / max(value('time_to_first_token_seconds_count'), 1):.2f} s "
+              f"{duration(value('time_to_first_token_seconds_sum') / max(value('time_to_first_token_seconds_count'), 1))} "
               f"on average, {value('graphs_compiled_total') - compiled_before:.0f} graphs compiled while serving")
     print("server stopped")
     demo.results["served"] = answers
@@ -308,7 +321,7 @@ STAGES = [
     Stage("train", "a small Qwen3 trained from scratch on the same text", train, skip=lambda d: d.trained),
     Stage("compile", "the shape plan compiled ahead of time into the on-disk cache", compile_plan),
     Stage("generate", "answers streamed from the trained model", generate),
-    Stage("chat", "fine-tuned on Q&A conversations with assistant-only loss", chat, skip=chat_trained,
+    Stage("chat", "fine-tuned on Q&A conversations with assistant-only loss, then evaluated", chat, skip=chat_trained,
           reuses=CHAT_DIR),
     Stage("serve", "an OpenAI-compatible server on the chat model, four questions at once", serve),
 ]
@@ -326,7 +339,7 @@ def main(argv=None) -> int:
         if stage.skip(demo):
             print(f"\n{header} -- skipped: reusing {shown(stage.reuses)} (--retrain to train again)")
             continue
-        print(f"\n{header}  ({time.perf_counter() - demo.start:.0f} s)", flush=True)
+        print(f"\n{header}  (at {time.perf_counter() - demo.start:.0f} s since the demo started)", flush=True)
         stage.run(demo)
     print(f"\ndemo done in {time.perf_counter() - demo.start:.0f} s")
     return 0

@@ -3,6 +3,7 @@ the error, --chat-template, train's --tokenizer hint, and --stats telling compil
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def test_doctor_prints_its_version_and_what_to_install_for_neuron(capsys, monkey
     hint = out.strip().splitlines()[-1]
     assert hint.startswith("torch-neuronx is not installed: the neuron device is TorchNeuron's (Trn2/Trn3")
     assert "pip install 'torch-neuronx==2.13.*'" in hint and "--extra-index-url https://pip.repos.neuron.amazonaws.com" in hint
-    assert "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
+    assert "make demo VENV=" in hint and "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["staticformers"] == staticformers.__version__ and info["neuron_hint"] == hint
@@ -161,6 +162,19 @@ def test_the_prompt_streams_before_the_continuation(checkpoint, capsys):
     assert main(["generate", checkpoint, "The French", "--device", "cpu", "--max-new-tokens", "3", "--stats"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("The French") and "3 new tokens" in err
+    # a short generation's time in milliseconds, not "0.01 s"
+    summary = next(line for line in err.splitlines() if "new tokens" in line)
+    assert re.match(r"3 new tokens in \d+(\.\d+)? (us|ms|s) on cpu; ", summary), summary
+    assert re.search(r"\(first call \d+(\.\d+)? (us|ms|s)\) calls \d+", err), err
+
+
+def test_durations_read_in_milliseconds_below_a_second():
+    from staticformers.utils.durations import duration
+
+    assert [duration(s) for s in (0.0004, 0.0012, 0.0123, 0.123, 0.9999, 1.234, 12.34, 123.4)] == [
+        "400 us", "1.20 ms", "12.3 ms", "123 ms", "1000 ms", "1.23 s", "12.3 s", "123 s"]
+    with pytest.raises(ValueError, match="non-negative number of seconds"):
+        duration(float("nan"))
 
 
 def test_chat_without_a_template_names_the_flag(no_template, tmp_path, capsys):

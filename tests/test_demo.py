@@ -27,20 +27,27 @@ def test_demo_first_and_second_run(tmp_path):
     first = run_demo(tmp_path, "--steps", "4")
     for n, stage in enumerate(demo.STAGES, 1):
         assert f"[{n}/{len(demo.STAGES)}] {stage.name}: " in first
+    headers = [line for line in first.splitlines() if line.startswith("[")]
+    assert len(headers) == len(demo.STAGES) and all(line.endswith(" s since the demo started)") for line in headers)
     assert "4 steps in" in first and "held-out loss" in first and "training compile" not in first
     assert (tmp_path / "model" / "model.safetensors").exists() and (tmp_path / "corpus.txt").exists()
     assert "prefill  [1, 16]" in first and "decode   [1, 1, 256]" in first  # the compile stage's lines
     for prompt in demo.PROMPTS:
         assert f"> {prompt}" in first
     table = first[first.index("prompt  "):].splitlines()
-    assert table[0].split()[-3:] == ["tokens", "seconds", "tokens/s"]
+    assert table[0].split()[-3:] == ["tokens", "time", "tokens/s"]
+    assert all(line.split()[-2] in ("us", "ms", "s") for line in table[1:len(demo.PROMPTS) + 2])  # "12.3 ms"
     counts = [int(line[len(max(demo.PROMPTS, key=len)):].split()[0]) for line in table[1:len(demo.PROMPTS) + 1]]
     assert all(1 <= c <= demo.MAX_NEW_TOKENS for c in counts)  # what was generated, not the maximum
     assert "no prompt compiled a graph" in first
     assert not [line for line in first.splitlines() if line.lstrip().startswith("{")] and '"retired"' not in first
-    # the chat stage fine-tunes with assistant-only loss; the serve stage answers four questions at once
+    # the chat stage fine-tunes with assistant-only loss and evaluates; the serve stage answers four questions at
+    # once, three as trained and one phrased anew
     assert "with assistant-only loss" in first and (tmp_path / "chat" / "model.safetensors").exists()
-    assert first.count("  Q: ") == 4 and "streamed in" in first and "0 graphs compiled while serving" in first
+    assert "cosine after" in first and "evaluation (greedy answers, teacher-forced): the 36 trained questions: " in first
+    assert first.count("  Q: ") == 4 and first.count("(as trained)") == 3 and "streamed in" in first
+    assert " of 3 trained questions answered exactly as the docs say; the new phrasing " in first
+    assert "0 graphs compiled while serving" in first
     assert "4 requests finished" in first and "server stopped" in first
 
     second = run_demo(tmp_path)

@@ -71,5 +71,5 @@ def test_without_matplotlib_one_warning_and_metrics_stay(tmp_path, monkeypatch, 
             assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")][:2] == [1, 2]
             assert trainer.write_loss_curve() is None
     warnings = [r.getMessage() for r in caplog.records if "matplotlib" in r.getMessage()]
-    assert len(warnings) == 1 and "staticformers[plot]" in warnings[0] and "metrics.jsonl" in warnings[0]
+    assert len(warnings) == 1 and "pip install -e '.[plot]'" in warnings[0] and "metrics.jsonl" in warnings[0]
     assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))

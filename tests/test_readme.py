@@ -88,3 +88,18 @@ def test_readme_shell_block_runs(block, after_demo, tmp_path):
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     # nothing a new user would take for a problem (PyTorch's notices included: distributed/quiet.py)
     assert "Warning" not in res.stderr and "warning" not in res.stderr.lower().replace("no warning", ""), res.stderr[-3000:]
+
+
+def test_the_readme_installs_from_the_clone_with_extras_that_exist():
+    """The package is not on an index: every `pip install` of it in README.md is from the clone (`-e .` with
+    extras pyproject.toml declares), and the serve extra holds what `staticformers serve` imports."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    text = open(README, encoding="utf-8").read()
+    extras = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]
+    assert not re.search(r"pip install\s+['\"]?staticformers", text), "README installs staticformers from an index"
+    installs = re.findall(r"pip install -e '\.\[([a-z,]+)\]'", text)
+    assert installs and any("serve" in i.split(",") for i in installs)
+    for names in installs:
+        assert set(names.split(",")) <= set(extras), names
+    assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {"fastapi", "uvicorn", "prometheus_client"}

@@ -114,6 +114,8 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(folder):
                     text.append(json.loads(line[6:])["choices"][0]["text"])
         assert p.proc.wait(timeout=LIMIT) == 0, p.output()
         assert "".join(text) == greedy_text(folder, "for x in", 60)
+        # started without --precompile: it said that new shapes compile on the request that needs them
+        assert "was not compiled ahead: a request whose shape is new waits while it compiles" in p.output()
         with pytest.raises(httpx.HTTPError):
             httpx.get(p.url + "/health", timeout=5)
     finally:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..generation.streamers import TextStreamer, _ids_of
+from ..utils.durations import duration
 
 HELP = "generate text from a prompt with the compiled engine, streaming it to the terminal"
 
@@ -89,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         rows = model.compile_stats()
         first_calls = sum(r["first_call_seconds"] for r in rows)
-        print(f"\n{streamer.new_tokens} new tokens in {seconds:.2f} s on {model.device}; "
+        print(f"\n{streamer.new_tokens} new tokens in {duration(seconds)} on {model.device}; "
               f"{graphs_line(rows, cache.answered, first_calls)}", file=sys.stderr)
         for row in rows:
             print(f"  {row['kind']:8s} {str(row['shape']):16s} {row['backend']:10s} graphs {row['graphs']} "
-                  f"(first call {row['first_call_seconds']:.2f} s) calls {row['calls']}", file=sys.stderr)
+                  f"(first call {duration(row['first_call_seconds'])}) calls {row['calls']}", file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,8 @@ def check_backend(name: Optional[str]) -> None:
 # what a host needs for the `neuron` device (the README's "Trainium / Inferentia" section says more)
 NEURON_INSTALL = ("the neuron device is TorchNeuron's (Trn2/Trn3, Neuron SDK 2.33 or later): pip install "
                   "'torch-neuronx==2.13.*' 'neuronx-cc==2.*' --extra-index-url https://pip.repos.neuron.amazonaws.com "
-                  "(and SKIP_TORCH=1 for this checkout's make targets, so they keep that torch); Inf2/Trn1's "
+                  "into a venv, then `make demo VENV=that-venv` in this checkout, which keeps its torch (SKIP_TORCH=1 keeps "
+                  "any venv's torch); Inf2/Trn1's "
                   "XLA-based torch-neuronx (2.9 and before) has no neuron device, and staticformers does not drive it "
                   "(README: \"Trainium / Inferentia\")")
 

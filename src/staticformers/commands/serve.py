@@ -1,6 +1,6 @@
 """`staticformers serve PATH`: an OpenAI-compatible server with continuous batching over fixed slots.
 
-Needs the `serve` extra (`pip install 'staticformers[serve]'`: FastAPI, uvicorn, prometheus_client).
+Needs the `serve` extra (`pip install -e '.[serve]'` in the checkout: FastAPI, uvicorn, prometheus_client).
 Under torchrun with `--tensor-parallel-size N`, rank 0 serves HTTP and every rank runs the steps on
 its shards: `torchrun --nproc_per_node=N -m staticformers serve PATH --tensor-parallel-size N`.
 """

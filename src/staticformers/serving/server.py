@@ -323,6 +323,7 @@ def serve(options: ServeOptions) -> int:
             starting.ready(create_app(state))
             print(f"staticformers: serving {state.model_name} on http://{host}:{port} ({loop.max_slots} slots, "
                   f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+            _say_compile_note(options, loop)
         except BaseException as err:  # told by the main thread, after the server stops
             box["error"] = err
             server.should_exit = True
@@ -375,6 +376,7 @@ def _serve_distributed(options: ServeOptions) -> int:
     print(f"staticformers: serving {state.model_name} on http://{host}:{port} "
           f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
           f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+    _say_compile_note(options, loop)
     try:
         server.run(sockets=[sock])
     finally:
@@ -382,6 +384,22 @@ def _serve_distributed(options: ServeOptions) -> int:
         sock.close()
     print("staticformers: stopped", flush=True)
     return _finish(True, model)
+
+
+def compile_note(options: ServeOptions, loop) -> Optional[str]:
+    """What a server that did not precompile will do on its first requests (they wait while their shapes
+    compile), or None when nothing compiles while serving."""
+    plan = loop.plan
+    if options.no_compile or precompiles(loop.engine, options):
+        return None
+    return (f"the shape plan ({plan.num_shapes} shapes at most) was not compiled ahead: a request whose shape is "
+            f"new waits while it compiles (tens of seconds on a CPU); --precompile compiles them all before serving")
+
+
+def _say_compile_note(options: ServeOptions, loop) -> None:
+    note = compile_note(options, loop)
+    if note:
+        print(f"staticformers: {note}", flush=True)
 
 
 def _finish(distributed: bool, model) -> int:
@@ -393,4 +411,4 @@ def _finish(distributed: bool, model) -> int:
     return 0
 
 
-__all__ = ["ServeOptions", "Server", "serve", "build_loop", "build_state", "load"]
+__all__ = ["ServeOptions", "Server", "serve", "build_loop", "build_state", "compile_note", "load"]

@@ -1,5 +1,5 @@
 """`output_dir/loss_curve.png`: the training loss, the evaluation loss and the learning rate, drawn with
-matplotlib (the optional `plot` extra: `pip install staticformers[plot]`).
+matplotlib (the optional `plot` extra: `pip install -e '.[plot]'` in the checkout).
 
 The figure is built on matplotlib's object API (`Figure` + the Agg canvas), never through `pyplot`,
 so a trainer in a notebook or a GUI program does not change the caller's backend or open windows.
@@ -71,7 +71,7 @@ def write_loss_curve(path: str, log_history: Sequence[dict], title: str = "Train
         if not _warned_missing:
             _warned_missing = True
             logger.warning("loss_curve.png is not drawn because matplotlib is not installed: "
-                           "pip install 'staticformers[plot]' (the numbers are in metrics.jsonl).")
+                           "pip install -e '.[plot]' in the staticformers checkout (the numbers are in metrics.jsonl).")
         return None
     fig.savefig(path, format="png")
     return path
