@@ -180,6 +180,7 @@ class Engine:
             check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp), self.model.device,
                        f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
             cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp)
+            self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
 
     def step(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
