@@ -9,7 +9,10 @@ reads them through `counters()`, so a compilation has one meaning in the whole l
 The persistent cache (`xr.initialize_cache`) must be set before the PJRT runtime starts: `prepare()`
 does it the first time a device is resolved, under `$STATICFORMERS_CACHE/xla`, unless the user pointed
 `$XLA_PERSISTENT_CACHE_PATH` elsewhere; a second process then loads every graph the first compiled
-(`PersistentCacheHit` grows, `UncachedCompile` counts a compile-or-load either way).
+(`PersistentCacheHit` grows, `UncachedCompile` counts a compile-or-load either way). XLA's CPU plugin
+(torch_xla 2.9) writes its executables there but cannot load them back ("Deserializing serialized
+executable not supported": `PersistentCacheDeserializeFailure`), so on the CPU every process compiles;
+TPU and Neuron's plugin load them.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Counters:
     uncached_compiles: int
     cached_compiles: int
     persistent_hits: int
+    persistent_found_unloadable: int  # in the persistent cache, but this PJRT plugin cannot load it (the CPU's)
     compile_seconds: float
     transfers_from_device: int  # D2H transfers (each `tolist()`, `item()`, `cpu()`)
     transfers_to_device: int
@@ -107,7 +111,8 @@ class Counters:
         return Counters(*(a - b for a, b in zip(self.astuple(), other.astuple())))
 
     def astuple(self) -> tuple:
-        return (self.uncached_compiles, self.cached_compiles, self.persistent_hits, self.compile_seconds,
+        return (self.uncached_compiles, self.cached_compiles, self.persistent_hits, self.persistent_found_unloadable,
+                self.compile_seconds,
                 self.transfers_from_device, self.transfers_to_device, self.executions)
 
 
@@ -129,7 +134,7 @@ def counters() -> Counters:
     to_device, _ = _metric(met, "TransferToDeviceTime")
     executions, _ = _metric(met, "ExecuteTime")
     return Counters(counter("UncachedCompile"), counter("CachedCompile"), counter("PersistentCacheHit"),
-                    compile_ns / 1e9, from_device, to_device, executions)
+                    counter("PersistentCacheDeserializeFailure"), compile_ns / 1e9, from_device, to_device, executions)
 
 
 __all__ = ["Counters", "counters", "prepare", "sync", "pjrt_device", "device_count", "torch_xla_module", "cache_path"]
