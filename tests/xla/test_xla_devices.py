@@ -46,3 +46,20 @@ def test_dynamic_shapes_are_refused(xla_models):
     model, _, _ = xla_models("qwen3")
     with pytest.raises(ValueError, match=r"XLA compiles one graph per shape: drop CompileConfig\(dynamic=True\)"):
         model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, compile_config=CompileConfig(dynamic=True))
+
+
+def test_pipeline_on_xla_gives_the_cpus_greedy_text(tmp_path):
+    from staticformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from tiny import build_hf_model
+    from tokenizer_fixtures import build_qwen
+
+    build_qwen(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=64).save_pretrained(str(tmp_path))
+    pipe = pipeline("text-generation", model=str(tmp_path), device="xla")
+    assert pipe.model.device.type == "xla"
+    text = pipe("for x in", max_new_tokens=6, do_sample=False, return_full_text=False)[0]["generated_text"]
+    cpu = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    ids = tok("for x in")["input_ids"]
+    out = cpu.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, disable_compile=True)
+    assert text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
