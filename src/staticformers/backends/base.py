@@ -90,6 +90,7 @@ class Backend:
     pin_memory = False  # host batches are pinned for faster copies to this device
     tf32 = False  # this kind has TF32 matmul modes (`TrainingArguments.tf32`)
     host_generators = False  # sampling draws noise with CPU generators and sends it (a device draw would recompile)
+    trains_where_loaded = False  # the Trainer keeps a model loaded on this kind there ("auto" would not pick it)
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:

@@ -166,9 +166,13 @@ class Trainer:
     # hooks (the distributed layer overrides these)
     # =============================================================================================
     def setup_device(self) -> torch.device:
-        """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU)."""
+        """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU), or the XLA device a
+        model was loaded on (`device_map="xla"`: asked for by name, since "auto" never picks XLA's CPU plugin)."""
         if self.distributed is not None:
             return self.distributed.setup_device()
+        placed = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
+        if placed is not None and for_device(placed).trains_where_loaded and not self.args.use_cpu:
+            return placed
         return self.args.device
 
     def data_parallel_info(self) -> tuple[int, int]:
@@ -514,6 +518,7 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
+        self.backend.flush(self.device)  # a lazily traced device runs the optimizer step as a graph of its own
         return _Step(loss_value, norm_value, lr, tokens)
 
     def _after_step(self, run: _Run, pos: int, step: _Step, step_start: float) -> None:

@@ -94,6 +94,7 @@ class XLABackend(Backend):
 
     name = kind = "xla"
     host_generators = True  # sampling draws come from CPU generators (a device draw is a new graph per step)
+    trains_where_loaded = True  # a model loaded with device_map="xla" trains there
 
     def compile_defaults(self, compile_backend: str) -> dict:
         return {}
