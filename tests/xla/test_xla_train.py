@@ -25,15 +25,15 @@ def docs(n=48, seed=0):
             for k in torch.randint(3, 30, (n,), generator=g)]
 
 
-def train(tmp_path, device: str, steps: int):
+def train(tmp_path, device: str, steps: int, resume: str = None, **kw):
     cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     if device == "xla":
         model.to(torch.device("xla", 0))
-    args = TrainingArguments(output_dir=str(tmp_path / device), max_length=32, per_device_train_batch_size=4,
-                             max_steps=steps, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                             learning_rate=1e-3, seed=0, packing=True)
+    base = dict(output_dir=str(tmp_path / device), max_length=32, per_device_train_batch_size=4, max_steps=steps,
+                logging_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-3, seed=0, packing=True)
+    args = TrainingArguments(**{**base, **kw})
     trainer = Trainer(model=model, args=args, train_dataset=docs())
     compiles = []
     step = trainer._optimizer_step
@@ -45,7 +45,7 @@ def train(tmp_path, device: str, steps: int):
         return out
 
     trainer._optimizer_step = counted
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     return trainer, losses, compiles
 
@@ -56,3 +56,10 @@ def test_trainer_on_xla_compiles_nothing_after_step_two(tmp_path):
     assert len(compiles) == 5 and sum(compiles[2:]) == 0, compiles
     _, cpu_losses, _ = train(tmp_path, "cpu", steps=5)
     assert len(losses) == 5 and losses == pytest.approx(cpu_losses, rel=tol.FP32_TRAINED)
+
+
+def test_save_and_exact_resume_on_xla(tmp_path):
+    _, whole, _ = train(tmp_path, "xla", steps=4, save_strategy="steps", save_steps=2)
+    _, rest, compiles = train(tmp_path, "xla", steps=4, resume=str(tmp_path / "xla" / "checkpoint-2"))
+    assert len(compiles) == 2  # the resumed run made steps 3 and 4; its history holds the restored 1 and 2
+    assert len(whole) == len(rest) == 4 and rest == pytest.approx(whole, rel=tol.FP32_TRAINED)

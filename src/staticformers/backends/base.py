@@ -91,6 +91,7 @@ class Backend:
     tf32 = False  # this kind has TF32 matmul modes (`TrainingArguments.tf32`)
     host_generators = False  # sampling draws noise with CPU generators and sends it (a device draw would recompile)
     trains_where_loaded = False  # the Trainer keeps a model loaded on this kind there ("auto" would not pick it)
+    torch_load_maps = True  # torch.load(map_location=device) works for this kind (XLA's: it does not)
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:

@@ -317,7 +317,10 @@ class Trainer:
             from ..models.pretrained import save_pretrained
 
             save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
-        torch.save(self.optimizer.state_dict(), os.path.join(directory, ckpt.OPTIMIZER))
+        # on the host: a device's own storage tag (an XLA device's) is one torch.load cannot map back
+        host = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                            self.optimizer.state_dict())
+        torch.save(host, os.path.join(directory, ckpt.OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
         torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
         with open(os.path.join(directory, ckpt.TRAINING_ARGS), "w", encoding="utf-8") as f:
@@ -334,7 +337,8 @@ class Trainer:
         expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
         weights = read_weights(directory, expected, names_for(getattr(self.model, "config", None)))
         files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
-        loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        target = self.device if self.backend.torch_load_maps else None  # else on the host; load_state_dict moves it
+        loaded = {name: load_torch_file(path, target if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
         check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))
         apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
         check_optimizer_state(self.optimizer, files[ckpt.OPTIMIZER])

@@ -95,6 +95,7 @@ class XLABackend(Backend):
     name = kind = "xla"
     host_generators = True  # sampling draws come from CPU generators (a device draw is a new graph per step)
     trains_where_loaded = True  # a model loaded with device_map="xla" trains there
+    torch_load_maps = False  # "don't know how to restore data location ... xla:0": checkpoints load on the host
 
     def compile_defaults(self, compile_backend: str) -> dict:
         return {}
