@@ -63,3 +63,15 @@ def test_pipeline_on_xla_gives_the_cpus_greedy_text(tmp_path):
     ids = tok("for x in")["input_ids"]
     out = cpu.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, disable_compile=True)
     assert text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_the_xla_generator_state_round_trips_whatever_its_size():
+    import torch_xla.core.xla_model as xm
+
+    backend, device = for_device("xla"), torch.device("xla", 0)
+    for seed in (3, 2**63 + 12345, 2**64 - 1):  # XLA's seed is an unsigned 64-bit value
+        xm.set_rng_state(seed, device)
+        state = backend.rng_state(device)
+        xm.set_rng_state(0, device)
+        backend.set_rng_state(device, state)
+        assert int(xm.get_rng_state(device)) == seed

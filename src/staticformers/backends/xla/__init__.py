@@ -135,12 +135,14 @@ class XLABackend(Backend):
     def rng_state(self, device: torch.device) -> Optional[torch.Tensor]:
         import torch_xla.core.xla_model as xm
 
-        return torch.tensor([xm.get_rng_state(device)], dtype=torch.int64)
+        seed = int(xm.get_rng_state(device))  # an unsigned 64-bit value: kept as two 32-bit halves
+        return torch.tensor([seed & 0xFFFFFFFF, seed >> 32], dtype=torch.int64)
 
     def set_rng_state(self, device: torch.device, state: torch.Tensor) -> None:
         import torch_xla.core.xla_model as xm
 
-        xm.set_rng_state(int(state.view(-1)[0]), device)
+        low, high = (int(v) for v in state.view(-1)[:2])
+        xm.set_rng_state(low | (high << 32), device)
 
     def before_process_group(self, device: torch.device) -> None:
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" c10d backend
