@@ -11,7 +11,17 @@ TORCH_SPEC ?= torch==2.13.0
 # non-empty: keep the venv's torch (SKIP_TORCH=1, or torch-neuronx found in the venv)
 KEEP_TORCH := $(if $(SKIP_TORCH),SKIP_TORCH=$(SKIP_TORCH),$(shell test -x $(PY) && $(PY) -c "import importlib.util as u; print('torch-neuronx' if u.find_spec('torch_neuronx') else '')" 2>/dev/null))
 
-.PHONY: demo test setup clean bench
+# The XLA suite (tests/xla) runs in an environment of its own: torch_xla pins its torch (2.9, a CUDA build on
+# PyPI, about 7 GB), which must not replace the main one. It lives outside the clone, named by the hash of
+# requirements/xla.txt, so a fresh clone on the same machine (CI) reuses it; XLA_VENV=... points elsewhere,
+# SKIP_XLA=1 leaves the XLA suite out of `make test`.
+XLA_REQUIREMENTS := requirements/xla.txt
+XLA_HASH := $(shell sha256sum $(XLA_REQUIREMENTS) 2>/dev/null | cut -c1-12)
+XLA_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/staticformers/venv-xla-$(XLA_HASH)
+XLA_PY := $(XLA_VENV)/bin/python
+XLA_STAMP := $(XLA_VENV)/.installed
+
+.PHONY: demo test test-xla setup setup-xla clean bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +44,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+ifeq ($(SKIP_XLA),)
+	$(MAKE) test-xla
+endif
+
+# no prerequisite on the requirements file: its hash names the folder, and a fresh clone's newer file
+# must not reinstall 7 GB
+$(XLA_STAMP):
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install -q --upgrade pip
+	$(XLA_PY) -m pip install -q -r $(XLA_REQUIREMENTS)
+	touch $(XLA_STAMP)
+
+setup-xla: $(XLA_STAMP)
+
+# the package from this checkout (PYTHONPATH), on XLA's CPU device
+test-xla: $(XLA_STAMP)
+	PJRT_DEVICE=CPU PYTHONPATH=$(CURDIR)/src $(XLA_PY) -m pytest -q tests/xla
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -20,6 +20,7 @@ seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cach
     python bench/generate.py --dtypes float32 bfloat16 --batches 1 8 --repeats 3
     python bench/generate.py --device cuda --size 1.7b --dtypes bfloat16 --batches 1 8
     python bench/generate.py --mixed            # compile counts / seconds (runs subprocesses)
+    python bench/generate.py --device xla       # XLA's CPU device, in the XLA environment (generate_xla.py)
 """
 
 from __future__ import annotations
@@ -348,7 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory", action="store_true", help="measure peak memory of staticformers")
     ap.add_argument("--_mixed_case", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_memory_case", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-backend", default="eager", help="--device xla: the compile backend of the CPU contender")
     args = ap.parse_args(argv)
+    if args.device.split(":")[0] == "xla":  # its own script: it runs in the XLA environment (bench/generate_xla.py)
+        from generate_xla import main as xla_main
+
+        return xla_main(args)
     device = check_device(args.device)
     if (args.mixed or args.memory) and device.type != "cpu":
         raise SystemExit("--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu.")

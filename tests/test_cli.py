@@ -121,7 +121,7 @@ def test_device_cuda_without_a_gpu_is_refused_in_the_command_line_s_words(checkp
     assert main(["generate", checkpoint, "hi", "--device", "cpu:3"]) == 2
     assert "--device cpu:3: this machine has 1 cpu device(s): pass --device cpu." in capsys.readouterr().err
     assert main(["generate", checkpoint, "hi", "--device", "gpu"]) == 2
-    assert "--device 'gpu' is not a device: pass auto, neuron, cuda" in capsys.readouterr().err
+    assert "--device 'gpu' is not a device: pass auto, neuron, xla, cuda" in capsys.readouterr().err
 
 
 def test_train_help_shows_the_defaults(capsys):

@@ -14,7 +14,7 @@ def test_auto_is_cpu_here_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="staticformers"):
         assert resolve_device("auto") == torch.device("cpu")
         assert resolve_device(None) == torch.device("cpu")
-    assert "chose cpu" in caplog.text and "neuron, cuda" in caplog.text
+    assert "chose cpu" in caplog.text and "neuron, xla, cuda" in caplog.text
 
 
 def test_auto_finds_neuron_first(fake_neuron, caplog):
@@ -49,6 +49,17 @@ def test_unavailable_devices_are_refused_with_what_to_do():
         resolve_device(torch.device("cuda"))
     with pytest.raises(DeviceUnavailableError, match="asks for an accelerator, and none is available"):
         resolve_device(0)
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("torch_xla") is not None, reason="torch_xla is here")
+def test_xla_without_torch_xla_is_refused_with_what_to_install():
+    with pytest.raises(DeviceUnavailableError, match=r"'xla' is not available here: install torch-xla with the torch it "
+                                                     r"pins \(the `xla` extra\) and set PJRT_DEVICE"):
+        resolve_device("xla")
+    assert kind_of("xla").compile_backend == "openxla" and kind_of("xla:1").dist_backend == "xla"
+    info = describe()
+    assert info["torch_xla"] is None and info["pjrt_device"] is None
+    assert info["devices"]["xla"]["available"] is False
 
 
 def test_bad_device_values():

@@ -1,8 +1,9 @@
 """The device interface the engine and the Trainer call, and one backend per device kind.
 
 `for_device(device)` returns the backend of a device's kind: `cpu/` (inductor tuned for the CPU: per-layer
-regions, weight-streaming formulations, saved compiled functions), `cuda.py` (CUDA, XPU, MPS), `neuron.py`
-(Trainium/Inferentia), `xla.py` (torch_xla), and `base.Backend`, the generic answers, for any other kind. `devices.py` resolves
+regions, weight-streaming formulations, saved compiled functions), `cuda.py` (CUDA, XPU, MPS), `xla/`
+(torch_xla on PJRT: TPU, Neuron's plugin, XLA's CPU device), `neuron.py` (Trainium/Inferentia), and
+`base.Backend`, the generic answers, for any other kind. `devices.py` resolves
 `device_map=` / `device=` values; `memory_check.py` refuses allocations the device cannot hold.
 
 What a backend answers is listed in `base.py`. The engine reaches it through the interface declared on

@@ -97,6 +97,9 @@ class Backend:
     fused_optimizer = False  # torch's fused AdamW kernel exists on this kind
     pin_memory = False  # host batches are pinned for faster copies to this device
     tf32 = False  # this kind has TF32 matmul modes (`TrainingArguments.tf32`)
+    host_generators = False  # sampling draws noise with CPU generators and sends it (a device draw would recompile)
+    trains_where_loaded = False  # the Trainer keeps a model loaded on this kind there ("auto" would not pick it)
+    torch_load_maps = True  # torch.load(map_location=device) works for this kind (XLA's: it does not)
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:
@@ -126,6 +129,10 @@ class Backend:
         return StepBuilder(self, model, tp)
 
     # ---- running ---------------------------------------------------------------------------------
+    def flush(self, device: torch.device) -> None:
+        """End of one loop step, before its ids are read: on a lazily traced device, run what is queued as
+        one graph (so each step's leftovers form the same graph every time); nothing elsewhere."""
+
     def synchronize(self, device: torch.device) -> None:
         """Wait for the device to finish queued work (timers and benchmarks)."""
         mod = getattr(torch, device.type, None)

@@ -1,17 +1,23 @@
 """Device kinds and the one resolver behind every `device_map=` and `device=` argument.
 
 The seed's first limitation is that `device_map="auto"` silently loads on the CPU on Trainium. Here
-`"auto"` looks for Neuron first, then CUDA, XPU, MPS and the CPU, and logs which it chose and why.
+`"auto"` looks for Neuron first, then an XLA accelerator, CUDA, XPU, MPS and the CPU, and logs which it
+chose and why.
 Each kind also knows what the rest of the library needs to ask of it: its `torch.compile` backend,
 its `torch.distributed` backend, whether it does bf16, and how many devices it has.
 
 Neuron is available when `torch_neuronx` imports and `torch.neuron.is_available()` is true. Tests
 install a stand-in `torch.neuron` module; nothing here caches availability, so they can.
+
+XLA (`torch_xla` on PJRT) is available when `torch_xla` imports; its PJRT device is `$PJRT_DEVICE`
+(TPU, NEURON, CUDA, or CPU, which emulates a compile-per-shape device on the host). `"auto"` picks it
+only when that device is an accelerator: the CPU plugin is chosen by name alone (`device_map="xla"`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import logging
 from dataclasses import dataclass
@@ -24,7 +30,7 @@ logger = logging.getLogger("staticformers")
 DeviceLike = Union[str, int, torch.device, None]
 
 # the order in which "auto" looks
-AUTO_ORDER = ("neuron", "cuda", "xpu", "mps", "cpu")
+AUTO_ORDER = ("neuron", "xla", "cuda", "xpu", "mps", "cpu")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,36 @@ def _neuron_count() -> int:
     return int(mod.device_count()) if mod is not None else 0
 
 
+def _xla_module():
+    """`torch_xla` when it is installed and imports with this torch, else None (never raises)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return None
+    try:
+        from .xla import runtime
+    except Exception:  # a torch_xla built for another torch
+        return None
+    return runtime.torch_xla_module()
+
+
+def _xla_available() -> bool:
+    return _xla_module() is not None
+
+
+def _xla_count() -> int:
+    from .xla import runtime
+
+    return runtime.device_count()
+
+
+def xla_accelerator() -> bool:
+    """Whether torch_xla is here with a PJRT device that is not the CPU plugin (what "auto" may pick)."""
+    if not _xla_available():
+        return False
+    from .xla import runtime
+
+    return runtime.pjrt_device() not in (None, "CPU")
+
+
 def _xpu_available() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
@@ -85,6 +121,7 @@ def _mps_available() -> bool:
 
 _AVAILABLE: dict[str, Callable[[], bool]] = {
     "neuron": _neuron_available,
+    "xla": _xla_available,
     "cuda": lambda: torch.cuda.is_available(),
     "xpu": _xpu_available,
     "mps": _mps_available,
@@ -92,6 +129,7 @@ _AVAILABLE: dict[str, Callable[[], bool]] = {
 }
 _COUNT: dict[str, Callable[[], int]] = {
     "neuron": _neuron_count,
+    "xla": _xla_count,
     "cuda": lambda: torch.cuda.device_count(),
     "xpu": lambda: torch.xpu.device_count(),
     "mps": lambda: 1,
@@ -102,6 +140,11 @@ KINDS: dict[str, DeviceKind] = {
     "neuron": DeviceKind(
         "neuron", "neuron", "neuron",
         "install torch-neuronx on a Trainium/Inferentia instance, or use device_map=\"auto\"",
+    ),
+    "xla": DeviceKind(
+        "xla", "openxla", "xla",
+        "install torch-xla with the torch it pins (the `xla` extra) and set PJRT_DEVICE (TPU, NEURON, or CPU to "
+        "emulate one on the host), or use device_map=\"auto\"",
     ),
     "cuda": DeviceKind(
         "cuda", "inductor", "nccl",
@@ -129,11 +172,11 @@ def kind_of(device: torch.device | str) -> DeviceKind:
 
 
 def auto_device() -> torch.device:
-    """The first available of neuron, cuda, xpu, mps, cpu; logged at INFO with the reason."""
+    """The first available of neuron, an XLA accelerator, cuda, xpu, mps, cpu; logged at INFO with the reason."""
     skipped = []
     for name in AUTO_ORDER:
         kind = KINDS[name]
-        if kind.is_available():
+        if xla_accelerator() if name == "xla" else kind.is_available():
             reason = "is available" if not skipped else f"is available ({', '.join(skipped)} not found)"
             logger.info("device_map=\"auto\" chose %s: %s", name, reason)
             return torch.device(name, 0) if name not in ("cpu", "mps") else torch.device(name)
@@ -144,7 +187,7 @@ def auto_device() -> torch.device:
 def resolve_device(device: DeviceLike = "auto") -> torch.device:
     """Turn any `device_map`/`device` value into a torch.device that exists on this machine.
 
-    Accepts "auto", "neuron", "neuron:N", "cuda", "cuda:N", "xpu", "mps", "cpu", a torch.device, an int
+    Accepts "auto", "neuron", "neuron:N", "xla", "xla:N", "cuda", "cuda:N", "xpu", "mps", "cpu", a torch.device, an int
     (an index on the best accelerator here), or None (same as "auto"). A device that is not here is
     refused with one sentence saying what to do.
     """
@@ -171,7 +214,7 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
         base = name.split(":")[0]
         if base not in KINDS:
             raise ValueError(
-                f"Unknown device {device!r}: use one of \"auto\", \"neuron\", \"cuda\", \"xpu\", \"mps\", \"cpu\" "
+                f"Unknown device {device!r}: use one of \"auto\", \"neuron\", \"xla\", \"cuda\", \"xpu\", \"mps\", \"cpu\" "
                 f"(optionally with \":N\"), an int index or a torch.device."
             )
         if base == "neuron":
@@ -189,13 +232,17 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
         raise ValueError(f"device={device!r} is not a device: pass \"auto\", a device name, an index or a torch.device.")
     kind = KINDS.get(device.type)
     if kind is None:
-        raise ValueError(f"Device type {device.type!r} is not supported: use neuron, cuda, xpu, mps or cpu.")
+        raise ValueError(f"Device type {device.type!r} is not supported: use neuron, xla, cuda, xpu, mps or cpu.")
     if not kind.is_available():
         raise DeviceUnavailableError(f"Device {str(device)!r} is not available here: {kind.what_to_do}.")
     if device.index is not None:
         _check_index(str(device), kind, device.index)
-    elif device.type in ("cuda", "xpu"):
+    elif device.type in ("cuda", "xpu", "xla"):
         device = torch.device(device.type, 0)
+    if device.type == "xla":
+        from .xla import runtime
+
+        runtime.prepare()  # the persistent compilation cache must be set before the runtime starts
     return device
 
 
@@ -208,7 +255,7 @@ def _check_index(label: str, kind: DeviceKind, index: int) -> None:
 
 
 def compile_backend_for(device: torch.device | str) -> str:
-    """The torch.compile backend for a device: "neuron" on Neuron, "inductor" elsewhere."""
+    """The torch.compile backend for a device: "neuron" on Neuron, "openxla" on XLA, "inductor" elsewhere."""
     return kind_of(device).compile_backend
 
 
@@ -220,7 +267,7 @@ def default_backend(device: torch.device | str) -> str:
 
 
 def dist_backend_for(device: torch.device | str) -> str:
-    """The torch.distributed backend for a device: neuron, nccl, xccl or gloo."""
+    """The torch.distributed backend for a device: neuron, xla, nccl, xccl or gloo."""
     return kind_of(device).dist_backend
 
 
@@ -255,11 +302,26 @@ def describe() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_neuronx": _neuron_version(),
+        "torch_xla": _xla_version(),
+        "pjrt_device": _pjrt_device(),
         "devices": kinds,
         "auto": str(chosen),
         "auto_compile_backend": compile_backend_for(chosen),
         "auto_bf16": supports_bf16(chosen),
     }
+
+
+def _xla_version() -> str | None:
+    mod = _xla_module()
+    return getattr(mod, "__version__", None) if mod is not None else None
+
+
+def _pjrt_device() -> str | None:
+    if not _xla_available():
+        return None
+    from .xla import runtime
+
+    return runtime.pjrt_device()
 
 
 def _neuron_version() -> str | None:

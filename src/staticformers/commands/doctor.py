@@ -21,7 +21,9 @@ def run(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"staticformers {info['staticformers']}  python {info['python']}  torch {info['torch']}  "
-          f"torch-neuronx {info['torch_neuronx'] or 'not installed'}")
+          f"torch-neuronx {info['torch_neuronx'] or 'not installed'}  "
+          f"torch_xla {info['torch_xla'] or 'not installed'}"
+          + (f" (PJRT device {info['pjrt_device']}, {info['devices']['xla']['count']} device(s))" if info["torch_xla"] else ""))
     print(f"{'device':<8}{'available':<11}{'count':<7}{'compile':<10}{'c10d':<8}bf16")
     for name, d in info["devices"].items():
         print(f"{name:<8}{str(d['available']):<11}{d['count']:<7}{d['compile_backend']:<10}{d['dist_backend']:<8}"

@@ -14,7 +14,7 @@ def check_backend(name: Optional[str]) -> None:
     import torch._dynamo
 
     known = torch._dynamo.list_backends(exclude_tags=())
-    if name == "neuron" or name in known:  # "neuron" registers itself when torch-neuronx loads with the device
+    if name in ("neuron", "lazy") or name in known:  # "neuron" registers itself when torch-neuronx loads; "lazy": XLA's tracing
         return
     common = [b for b in ("inductor", "aot_eager", "eager", "cudagraphs") if b in known]
     raise ValueError(f"--backend {name!r} is not a torch.compile backend here: use {', '.join(common)} "
@@ -26,11 +26,13 @@ NEURON_INSTALL = ("the neuron device is TorchNeuron's (Trn2/Trn3, Neuron SDK 2.3
                   "'torch-neuronx==2.13.*' 'neuronx-cc==2.*' --extra-index-url https://pip.repos.neuron.amazonaws.com "
                   "into a venv, then `make demo VENV=that-venv` in this checkout, which keeps its torch (SKIP_TORCH=1 keeps "
                   "any venv's torch); Inf2/Trn1's "
-                  "XLA-based torch-neuronx (2.9 and before) has no neuron device, and staticformers does not drive it "
-                  "(README: \"Trainium / Inferentia\")")
+                  "XLA-based torch-neuronx (2.9 and before) has no neuron device: use device_map=\"xla\" there "
+                  "with PJRT_DEVICE=NEURON (README: \"Trainium / Inferentia\", \"XLA devices\")")
 
 _MISSING = {  # kind -> (what is wrong, what else to do)
     "cuda": ("this PyTorch ({torch}) sees no CUDA GPU here", "run on a machine with an NVIDIA GPU and a CUDA build of PyTorch"),
+    "xla": ("torch_xla does not import with this PyTorch ({torch}) here, and it provides the xla device",
+            "install torch-xla with the torch it pins, in an environment of its own (README: \"XLA devices\")"),
     "neuron": ("torch-neuronx is not installed here, and it provides the neuron device",
                "install it on a Trainium instance (staticformers doctor says which)"),
     "xpu": ("this PyTorch ({torch}) sees no Intel GPU here", "run on a machine with one and PyTorch's XPU build"),
@@ -56,7 +58,7 @@ def check_device(name: str) -> None:
         raise ValueError(f"--device {name}: {why.format(torch=torch.__version__)}: leave --device out (auto picks "
                          f"{auto_device()} here), or {fix}.") from None
     except ValueError:
-        raise ValueError(f"--device {name!r} is not a device: pass auto, neuron, cuda, xpu, mps or cpu, optionally "
+        raise ValueError(f"--device {name!r} is not a device: pass auto, neuron, xla, cuda, xpu, mps or cpu, optionally "
                          f"with :N (cuda:1).") from None
 
 

@@ -48,5 +48,9 @@ class DeviceBackend(Protocol):
 
     def steps_for(self, model, tp: int = 1) -> StepBuilder: ...
 
+    def flush(self, device) -> None: ...
+
+    host_generators: bool
+
 
 __all__ = ["StepContext", "StepBuilder", "DeviceBackend"]

@@ -185,6 +185,7 @@ class Engine:
             check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp), self.model.device,
                        f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
             cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp)
+            self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
 
     def step(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
@@ -273,13 +274,16 @@ class Engine:
                 with routed(self.model, None, b):
                     if kind != "decode":
                         cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
-                        g.step(torch.zeros(b, n, dtype=torch.long, device=device),
-                               torch.full((b,), n - 1, dtype=torch.long, device=device), cache,
-                               torch.arange(b, device=device), checked=True)
+                        # inputs made on the host and sent, as a real call's are (made on a lazily traced
+                        # device, they would be a graph of their own)
+                        g.step(torch.zeros(b, n, dtype=torch.long).to(device),
+                               torch.full((b,), n - 1, dtype=torch.long).to(device), cache,
+                               torch.arange(b).to(device), checked=True)
                     else:
                         # two tensors, never one passed twice: Dynamo would guard on the aliasing
-                        g.step(torch.zeros(b, 1, dtype=torch.long, device=device),
-                               torch.zeros(b, 1, dtype=torch.long, device=device), checked=True)
+                        g.step(torch.zeros(b, 1, dtype=torch.long).to(device),
+                               torch.zeros(b, 1, dtype=torch.long).to(device), checked=True)
+                self.backend.flush(device)  # a lazily traced device runs what the step queued (a prefill's insert)
                 row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
                        "cache_hit": cache_answers() > hits, "graphs": self.graph_count() - before}
                 rows.append(row)

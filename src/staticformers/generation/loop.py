@@ -66,7 +66,7 @@ from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache
 from .engine import CompileSettings, Engine
 from .plan import ShapePlan
-from .sampling import RowSampler, SamplingParams
+from .sampling import Choice, RowSampler, SamplingParams
 
 logger = logging.getLogger("staticformers")
 
@@ -320,6 +320,7 @@ class GenerationLoop:
                 prompt_scores = self._prompt_scores(joining, out[2]) if scoring else [None] * len(joining)
                 choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
                 self.sampler.observe(slots, choice.ids)
+            choice = self._to_host(choice)
             tokens = choice.ids.tolist()
         except Exception as exc:  # the joining requests fail; the running ones are untouched
             logger.exception("prefill failed for %d request(s)", len(joining))
@@ -379,6 +380,7 @@ class GenerationLoop:
                     mine_logits = logits.index_select(0, index) if self.sampler.needs_logits(slots) else logits
                 choice = self.sampler.choose(mine_logits, mine_argmax, slots, [self.rows[s].generated for s in slots])
                 self.sampler.observe(slots, choice.ids)
+            choice = self._to_host(choice)
             chosen = choice.ids.tolist()
         except Exception as exc:  # every running request was in this step
             logger.exception("decode step failed for %d request(s)", len(slots))
@@ -393,6 +395,13 @@ class GenerationLoop:
             event = self._emit(slot, row, chosen[i], choice, i)
             if wants_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
                 event.logits = logits[slot].clone()
+
+    def _to_host(self, choice: Choice) -> Choice:
+        """The step's results on the host, the only thing a step reads back: the device first runs what the
+        step queued (`flush`: one graph on a lazily traced device), then the ids (and logprobs) cross."""
+        self.engine.backend.flush(self.engine.model.device)
+        return Choice(*(t.cpu() if t is not None else None
+                        for t in (choice.ids, choice.logprobs, choice.top_ids, choice.top_logprobs)))
 
     def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
         """Record the row's new token and add its event to the step's (and return it); a finished row frees
@@ -425,7 +434,7 @@ class GenerationLoop:
         device = self.engine.model.device
         if self.cache is None:
             self.cache = self.engine.cache(batch, kv)
-            self.sampler = RowSampler(batch, self.vocab, device)
+            self.sampler = RowSampler(batch, self.vocab, device, self.engine.backend.host_generators)
             return
         if batch <= self.cache.batch and kv <= self.cache.max_length:
             return

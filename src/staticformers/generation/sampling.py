@@ -55,15 +55,16 @@ def temperature(logits: torch.Tensor, value) -> torch.Tensor:
     return logits / value
 
 
-def top_k(logits: torch.Tensor, k, min_tokens_to_keep: int = 1) -> torch.Tensor:
-    """Keep the `k` largest logits of each row (`k` an int, or a `[rows]` tensor with 0 = keep all)."""
+def top_k(logits: torch.Tensor, k, min_tokens_to_keep: int = 1, largest: Optional[int] = None) -> torch.Tensor:
+    """Keep the `k` largest logits of each row (`k` an int, or a `[rows]` tensor with 0 = keep all; then
+    `largest`, when given, is at least its largest value: how wide a `topk` to take without reading `k`)."""
     vocab = logits.shape[-1]
     if isinstance(k, int):
         k = min(max(int(k), min_tokens_to_keep), vocab)
         threshold = torch.topk(logits, k)[0][..., -1, None]
         return logits.masked_fill(logits < threshold, NEG_INF)
     k = torch.where(k > 0, k.clamp(min=min_tokens_to_keep), vocab).clamp(max=vocab)
-    values = torch.topk(logits, int(k.max()))[0]
+    values = torch.topk(logits, min(int(largest), vocab) if largest is not None else int(k.max()))[0]
     threshold = values.gather(1, (k - 1).view(-1, 1))
     return logits.masked_fill(logits < threshold, NEG_INF)
 
@@ -207,8 +208,10 @@ class Choice:
 class RowSampler:
     """Per-slot settings and penalty state of one batch of `slots` rows (see the module docstring)."""
 
-    def __init__(self, slots: int, vocab_size: int, device: torch.device):
+    def __init__(self, slots: int, vocab_size: int, device: torch.device, host_generators: bool = False):
         self.slots, self.vocab, self.device = int(slots), int(vocab_size), torch.device(device)
+        # draws made on the host and sent (a lazily traced device would compile a new graph per draw)
+        self.host_generators = bool(host_generators)
         self.params: list[Optional[SamplingParams]] = [None] * self.slots
         self.generators: list[Optional[torch.Generator]] = [None] * self.slots
         self.prompt_seen: Optional[torch.Tensor] = None  # [slots, vocab] bool, when a row is penalised
@@ -220,7 +223,7 @@ class RowSampler:
         self.params[slot] = params
         self._tables.clear()
         if params.seed is not None:
-            g = torch.Generator(device=self.device)
+            g = torch.Generator(device="cpu" if self.host_generators else self.device)
             g.manual_seed(params.seed % 2**64)
             self.generators[slot] = g
         else:
@@ -280,17 +283,18 @@ class RowSampler:
             x = x - t["frequency"] * counts - t["presence"] * (counts > 0).float()
         banned = [i for i, (r, s) in enumerate(zip(rows, steps)) if s < self.params[r].min_new_tokens
                   and self.params[r].eos_token_ids]
-        if banned:
-            x = x.clone()
+        if banned:  # a mask made on the host: indexing with Python ints would be a new graph per row on XLA
+            mask = torch.zeros(len(rows), self.vocab, dtype=torch.bool)
             for i in banned:
-                x[i, list(self.params[rows[i]].eos_token_ids)] = NEG_INF
+                mask[i, [t for t in self.params[rows[i]].eos_token_ids if 0 <= t < self.vocab]] = True
+            x = x.masked_fill(mask.to(x.device), NEG_INF)
         ids = x.argmax(dim=-1)
         if t["sampling"]:
             y = x
             if t["temperature"] is not None:
                 y = temperature(y, t["temperature"])
             if t["top_k"] is not None:
-                y = top_k(y, t["top_k"])
+                y = top_k(y, t["top_k"], largest=t["top_k_max"])
             if t["top_p"] is not None:
                 y = top_p(y, t["top_p_on"], threshold=t["top_p"])
             if t["min_p"] is not None:
@@ -342,6 +346,10 @@ class RowSampler:
         t["temperature"] = col(temps) if any(v != 1.0 for v in temps) else None
         ks = [p.top_k if p.sampling and p.top_k else 0 for p in ps]
         t["top_k"] = torch.tensor(ks, dtype=torch.long).to(dev) if any(ks) else None
+        # the most any row keeps, known here (no read from the device), rounded up to a power of two so that
+        # a compile-per-shape device sees few distinct `topk` widths
+        widest = self.vocab if 0 in ks else max(ks)
+        t["top_k_max"] = min(self.vocab, 1 << max(0, widest - 1).bit_length())
         tps = [p.top_p if p.sampling and p.top_p is not None and p.top_p < 1.0 else 1.0 for p in ps]
         t["top_p"] = col([1 - v for v in tps]) if any(v < 1.0 for v in tps) else None
         t["top_p_on"] = col([v < 1.0 for v in tps], torch.bool)
@@ -353,7 +361,7 @@ class RowSampler:
 
     def _noise(self, rows: list, sample_rows: list) -> torch.Tensor:
         """`[n, vocab]` Exp(1) noise: each sampling row draws from its own generator (1 elsewhere)."""
-        noise = torch.ones(len(rows), self.vocab, device=self.device)
+        noise = torch.ones(len(rows), self.vocab, device="cpu" if self.host_generators else self.device)
         for i in sample_rows:
             noise[i].exponential_(generator=self.generators[rows[i]])
-        return noise
+        return noise.to(self.device)

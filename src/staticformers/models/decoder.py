@@ -547,6 +547,16 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def _apply(self, fn, recurse=True):
+        """`to()`, `float()`, ... and then the tie again: a conversion that cannot reuse the tensors (the CPU to
+        an XLA device) gives each module a new parameter, and tied weights would train as two."""
+        out = super()._apply(fn, recurse)
+        head, embed = self.lm_head.weight, self.model.embed_tokens.weight
+        if (self.config.tie_word_embeddings and head is not embed and head.shape == embed.shape
+                and head.device == embed.device):
+            self.tie_weights()
+        return out
+
     # ---- properties ------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

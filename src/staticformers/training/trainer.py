@@ -168,9 +168,13 @@ class Trainer:
     # hooks (the distributed layer overrides these)
     # =============================================================================================
     def setup_device(self) -> torch.device:
-        """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU)."""
+        """The device to train on: `args.device` (Neuron first, then CUDA, ..., the CPU), or the XLA device a
+        model was loaded on (`device_map="xla"`: asked for by name, since "auto" never picks XLA's CPU plugin)."""
         if self.distributed is not None:
             return self.distributed.setup_device()
+        placed = next((p.device for p in self.model.parameters()), None) if self.model is not None else None
+        if placed is not None and for_device(placed).trains_where_loaded and not self.args.use_cpu:
+            return placed
         return self.args.device
 
     def data_parallel_info(self) -> tuple[int, int]:
@@ -322,7 +326,10 @@ class Trainer:
             from ..models.pretrained import save_pretrained
 
             save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
-        torch.save(self.optimizer.state_dict(), os.path.join(directory, ckpt.OPTIMIZER))
+        # on the host: a device's own storage tag (an XLA device's) is one torch.load cannot map back
+        host = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                            self.optimizer.state_dict())
+        torch.save(host, os.path.join(directory, ckpt.OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
         torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
         with open(os.path.join(directory, ckpt.TRAINING_ARGS), "w", encoding="utf-8") as f:
@@ -339,7 +346,8 @@ class Trainer:
         expected = {n: tuple(m.shape) for n, m in zip(self.master.names, self.master.master)}
         weights = read_weights(directory, expected, names_for(getattr(self.model, "config", None)))
         files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
-        loaded = {name: load_torch_file(path, self.device if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        target = self.device if self.backend.torch_load_maps else None  # else on the host; load_state_dict moves it
+        loaded = {name: load_torch_file(path, target if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
         check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))
         apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
         check_optimizer_state(self.optimizer, files[ckpt.OPTIMIZER])
@@ -526,6 +534,7 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
+        self.backend.flush(self.device)  # a lazily traced device runs the optimizer step as a graph of its own
         return _Step(loss_value, norm_value, lr, tokens)
 
     def _after_step(self, run: _Run, pos: int, step: _Step, step_start: float) -> None:
