@@ -89,6 +89,12 @@ class Backend:
     fused_optimizer = False  # torch's fused AdamW kernel exists on this kind
     pin_memory = False  # host batches are pinned for faster copies to this device
     tf32 = False  # this kind has TF32 matmul modes (`TrainingArguments.tf32`)
+    # how a quantized linear's product is computed here (`models/quantization.py`), said in `doctor` and docs
+    int8_linear = "the int8 weight widened to the activations' dtype in the graph, the product, then the row scales"
+
+    def fp8_arithmetic(self, device: torch.device) -> bool:
+        """Whether `device` computes in fp8 (e4m3), so that fp8 weights are worth storing there."""
+        return False
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:

@@ -111,6 +111,8 @@ class CPUBackend(Backend):
     regional_by_default = True
     per_rank_device = False
     hosts_memory = fused_optimizer = True
+    int8_linear = ("at batch-1 decode a multiply-and-sum over the int8 rows, each row's sum times its scale "
+                   "(inductor streams the int8 bytes, `formulations.project`); elsewhere widened in the graph")
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":

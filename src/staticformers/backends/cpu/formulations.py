@@ -27,6 +27,7 @@ from torch import nn
 from ...adapters.lora import LoraLinear
 from ...models.decoder import causal_rows
 from ...models.ops import Ops, expert_product, sdpa
+from ...models.quantization import QuantLinear, widen
 from .onednn import onednn_available, onednn_linear
 from .thresholds import threshold
 
@@ -35,6 +36,10 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
+    A quantized layer (`QuantLinear`) reduces over its int8 values (widened inside the loop, so the int8
+    bytes are what is read) and scales each row's sum; oneDNN's GEMM does not take it, so `"onednn"` runs
+    its generic form.
+
     The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
     loop inductor generates reads each weight row once for all the tokens of a small decode batch.
     A LoRA layer computes its base projection this way and adds its adapters itself."""
@@ -42,10 +47,14 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
         return layer(x)
     if isinstance(layer, LoraLinear):
         return layer(x, base=lambda base, h: project(base, h, how))
+    quantized = isinstance(layer, QuantLinear)
     if how == "onednn":
-        return onednn_linear(layer, x)
+        return layer(x) if quantized else onednn_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
-    y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
+    y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
+    if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
+        y = y * layer.weight_scale.float()
+    y = y.t()
     if layer.bias is not None:
         y = y + layer.bias.float()
     return y.reshape(*lead, -1).to(x.dtype)
@@ -138,13 +147,18 @@ class CPUOps(Ops):
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return project(layer, x, self.head_linear)
 
-    def expert_matmul(self, x, weight, index=None):
+    def expert_matmul(self, x, weight, scale=None, index=None):
         """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1
-        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does."""
+        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does
+        (a quantized stack's rows as stored, each sum times its row's scale)."""
         if self.linears != "reduce":
-            return expert_product(x, weight, index)
+            return expert_product(x, weight, scale, index)
         w = weight if index is None else weight[index]
-        return (x.unsqueeze(-2).float() * w.unsqueeze(-3).float()).sum(-1).to(x.dtype)
+        y = (x.unsqueeze(-2).float() * widen(w, torch.float32).unsqueeze(-3)).sum(-1)
+        if scale is not None:
+            s = scale if index is None else scale[index]
+            y = y * s.transpose(-1, -2).float()
+        return y.to(x.dtype)
 
     def attention(self, q, k, v, mask, scale):
         if self.attention_kind == "reduce" and q.shape[2] == 1:
