@@ -13,8 +13,9 @@ one (`weight_packed` int32 holding four offset bytes each, `weight_shape`), or `
 `re:` patterns. What is refused, one sentence each: other bit widths (int4 and the like), group or block
 scales, asymmetric weights, quantized activations, sparsity and several config groups.
 
-What is written: `int-quantized` (or `float-quantized`), strategy "channel", the scale in the model's
-dtype, the skipped modules under `ignore`.
+What is written: `pack-quantized` for int8 (what llm-compressor writes for 8-bit weight-only, and what
+transformers' compressed-tensors loader expects of such a config), `float-quantized` for fp8; strategy
+"channel", the scale in the model's dtype, the skipped modules under `ignore`.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def write_config(kind: str, ignore: list[str]) -> dict:
     weights = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True, "strategy": "channel",
                "group_size": None, "block_structure": None, "dynamic": False, "actorder": None,
                "observer": "minmax", "observer_kwargs": {}}
+    fmt = "pack-quantized" if kind == "int8" else "float-quantized"
     return {
         "quant_method": "compressed-tensors",
-        "format": "int-quantized" if kind == "int8" else "float-quantized",
+        "format": fmt,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": fmt,
                                       "input_activations": None, "output_activations": None}},
         "ignore": list(ignore),
         "kv_cache_scheme": None,

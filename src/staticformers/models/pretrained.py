@@ -32,7 +32,7 @@ from ..checkpoints.hub import CheckpointNotFoundError, is_local, resolve_file
 from .decoder import CausalLM
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from ..checkpoints.weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
-from ..checkpoints.compressed_tensors import scheme_of, unpack_int8
+from ..checkpoints.compressed_tensors import pack_int8, scheme_of, unpack_int8
 from .quantization import FP8, QuantizationConfig, as_quantization_config, prepare_for_checkpoint, quantize_model
 
 logger = logging.getLogger("staticformers")
@@ -408,6 +408,19 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def _packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' `pack-quantized` names: each int8 `X.weight` as `X.weight_packed` (four values to an
+    int32) and `X.weight_shape`."""
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8 and name.endswith(".weight") and tensor.dim() == 2:
+            out[name + "_packed"] = pack_int8(tensor)
+            out[name + "_shape"] = torch.tensor(tensor.shape, dtype=torch.int32)
+        else:
+            out[name] = tensor
+    return out
+
+
 def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                     state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
     """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
@@ -423,6 +436,9 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
     os.makedirs(directory, exist_ok=True)
     tensors = state_dict if state_dict is not None else export_state_dict(model)
     tensors = names_for(model.config).to_hub(tensors)  # the Hub's names (a mixture: one tensor per expert)
+    scheme = scheme_of(model.config.extra)
+    if scheme is not None and scheme.format == "pack-quantized":
+        tensors = _packed(tensors)
     limit = parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
