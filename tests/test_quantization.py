@@ -15,7 +15,7 @@ from staticformers import (AutoConfig, AutoModelForCausalLM, CompileConfig, Lora
                            TorchAoConfig)
 from staticformers.api.generate import engine_for
 from staticformers.checkpoints.compressed_tensors import QuantizationFormatError, pack_int8, unpack_int8
-from staticformers.models import quantization as q
+from staticformers.models import moe, quantization as q
 from staticformers.models.moe import Experts
 from staticformers.models.quantization import QuantLinear, dequantize, quantize_rows
 import tolerances as tol
@@ -212,7 +212,8 @@ def test_save_and_load_do_not_quantise_again_and_transformers_reads_the_files(ti
     model.save_pretrained(tmp_path)
     config = json.load(open(tmp_path / "config.json"))["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
-    monkeypatch.setattr(q, "quantize_rows", lambda *a, **k: pytest.fail("quantized again"))
+    for module in (q, moe):
+        monkeypatch.setattr(module, "quantize_rows", lambda *a, **k: pytest.fail("quantized again"))
     again = AutoModelForCausalLM.from_pretrained(tmp_path)
     mine, theirs = dict(model.named_parameters()), dict(again.named_parameters())
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import PLAIN, Ops
+from .quantized_values import FP8, quantize_rows
 
 # rows per block of the "blocks" formulation: padding at most (E - 1) * BLOCK rows per layer, and one
 # gathered copy of an expert's weights per block (a block of B rows does B/2 FLOPs per byte copied)
@@ -210,8 +211,6 @@ class Experts(nn.Module):
         """Store both stacks quantized per output row (`models/quantization.py`): `gate_up_proj` and
         `down_proj` in `kind`'s dtype, `gate_up_proj_scale` `[E, 2I, 1]` and `down_proj_scale` `[E, H, 1]` in
         the model's; `empty`: only the shapes and dtypes (a meta-built model about to load a quantized file)."""
-        from .quantization import FP8, quantize_rows
-
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name)
             if empty:

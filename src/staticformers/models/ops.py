@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quantized_values import widen
+
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Scaled dot-product attention; `mask` is boolean `[b, 1, q, kv]` (True = may attend) or None for plain
@@ -43,8 +45,6 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.
     w = weight if index is None else weight.index_select(0, index)
     if scale is None:
         return torch.matmul(x, w.transpose(-1, -2))
-    from .quantization import widen
-
     s = scale if index is None else scale.index_select(0, index)
     return torch.matmul(x, widen(w, x.dtype).transpose(-1, -2)) * s.transpose(-1, -2).to(x.dtype)
 

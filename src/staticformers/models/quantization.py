@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .moe import Experts
+from .quantized_values import FP8, dequantize, quantize_rows, widen
+
 KINDS = {"int8_weight_only": "int8", "float8_weight_only": "fp8"}
-FP8 = torch.float8_e4m3fn
-QMAX = {"int8": 127.0, "fp8": 448.0}
 # torchao's config classes that mean the same thing as a quant_type string (per-channel: group_size None)
 _TORCHAO_CLASSES = {"Int8WeightOnlyConfig": "int8_weight_only", "Float8WeightOnlyConfig": "float8_weight_only"}
 
@@ -106,34 +107,6 @@ def as_quantization_config(value) -> QuantizationConfig:
                              bool(getattr(value, "include_input_output_embeddings", False)))
     raise ValueError(f"quantization_config={value!r} is not a quantization config: pass "
                      f"QuantizationConfig(\"int8_weight_only\") or TorchAoConfig(\"int8_weight_only\").")
-
-
-# ---------------------------------------------------------------------------------------------
-# the numbers
-# ---------------------------------------------------------------------------------------------
-def quantize_rows(w: torch.Tensor, kind: str, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(q, scale)`: `w` `[..., out, in]` per output row, symmetric; `scale` `[..., out, 1]` in `scale_dtype`,
-    and `q` computed against the scale as stored, so `q * scale` is within half a step of `w` (int8)."""
-    wf = w.detach().float()
-    amax = wf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QMAX[kind], torch.ones_like(amax)).to(scale_dtype)
-    ratio = wf / scale.float()
-    if kind == "int8":
-        return ratio.round().clamp(-127, 127).to(torch.int8), scale
-    return ratio.clamp(-448, 448).to(FP8), scale
-
-
-def widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The stored values in `dtype`, exactly. int8 goes through bfloat16 first: inductor's freezing keeps
-    an int8 -> bf16 conversion of a constant in the graph (so the int8 bytes are what is read), where it
-    would fold any other into a wide copy of the weight."""
-    return q.to(torch.bfloat16).to(dtype) if q.dtype == torch.int8 else q.to(dtype)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """`q * scale` in `dtype` (default: the scale's)."""
-    dtype = dtype or scale.dtype
-    return (widen(q, torch.float32) * scale.float()).to(dtype)
 
 
 class QuantLinear(nn.Linear):
@@ -228,8 +201,6 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> list[str]:
 
 
 def _experts(model: nn.Module) -> dict:
-    from .moe import Experts
-
     return {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
 
 
