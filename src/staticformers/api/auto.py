@@ -152,6 +152,10 @@ def from_pretrained(
     if distributed_config is not None:
         from ..distributed.sharded_loading import load_distributed
 
+        if "quantization_config" in resolved.config.extra:
+            raise ValueError(f"{path} holds a quantized checkpoint, and loading one with distributed_config "
+                             f"(tensor-parallel scales) is not supported yet: load it in one process.")
+
         model = load_distributed(resolved.config, resolved.files, resolved.dtype, distributed_config, device_map,
                                  model_class=model_class)
     else:
