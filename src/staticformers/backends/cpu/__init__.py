@@ -111,8 +111,9 @@ class CPUBackend(Backend):
     regional_by_default = True
     per_rank_device = False
     hosts_memory = fused_optimizer = True
-    int8_linear = ("at batch-1 decode a multiply-and-sum over the int8 rows, each row's sum times its scale "
-                   "(inductor streams the int8 bytes, `formulations.project`); elsewhere widened in the graph")
+    int8_linear = ("ATen's weight-only int8 kernel (`_weight_int8pack_mm`: int8 rows, a scale per output "
+                   "column) at inference, every batch (`formulations.int8_linear`); widened in the graph when "
+                   "a gradient is wanted (an adapter training over it)")
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":
