@@ -94,16 +94,22 @@ def test_bad_configs_get_one_sentence(bad, pattern):
         bad()
 
 
-def test_the_cpu_int8_reduction_equals_the_generic_product():
-    """The batch-1 decode formulation (a multiply-and-sum over the int8 rows, times the row scales) against
-    `QuantLinear.forward`, for a projection and for gathered experts."""
-    from staticformers.backends.cpu.formulations import CPUOps
+def test_the_cpus_int8_kernel_and_reduction_equal_the_generic_product():
+    """The CPU's int8 projection (ATen's int8 kernel at inference; with a gradient wanted, the multiply-and-
+    sum over the int8 rows times the row scales) against `QuantLinear.forward`, and gathered experts."""
+    from staticformers.backends.cpu.formulations import CPUOps, int8_linear, project
     from staticformers.models.ops import PLAIN
 
     torch.manual_seed(0)
     layer = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), "int8")
-    x = torch.randn(1, 1, 64)
+    x = torch.randn(2, 3, 64)
     tol.assert_close(CPUOps("reduce", "reduce").linear(layer, x), layer(x))
+    tol.assert_close(int8_linear(layer, x), layer(x))
+    wanting = x.clone().requires_grad_()
+    reduced = project(layer, wanting, "reduce")
+    reduced.sum().backward()
+    tol.assert_close(reduced.detach(), layer(x))
+    assert wanting.grad is not None
     experts = Experts(4, 64, 32)
     experts.reset_parameters(0.05)
     experts.quantize("int8")

@@ -8,8 +8,7 @@ config asks for it (`modules_to_not_convert` default; BENCHMARKS.md measures wha
 
 How one computes: `QuantLinear.forward` is the generic form (the int8 weight widened in the graph, the
 product, then the scale per output column), what `Ops.linear` runs; a backend may compute it its own way
-through the ops seam (the CPU's batch-1 decode: a multiply-and-sum that streams the int8 bytes,
-`backends/cpu/formulations.py`). A mixture's stacked experts hold `gate_up_proj` / `down_proj` quantized
+through the ops seam (the CPU: ATen's weight-only int8 kernel at inference, `backends/cpu/formulations.py`). A mixture's stacked experts hold `gate_up_proj` / `down_proj` quantized
 with `*_scale` `[E, out, 1]` beside them (`moe.Experts`). Shapes do not change, so no new graph is compiled.
 
 Names users know: transformers' `TorchAoConfig("int8_weight_only")` (its 4.x spelling; a torchao
