@@ -61,6 +61,9 @@ def test_every_family_quantizes_within_the_int8_bound(tiny_checkpoints, family):
     params = dict(model.named_parameters())
     assert all(torch.equal(params[k], before[k]) for k in exact if k in params)
     assert type(model.lm_head) is torch.nn.Linear
+    from staticformers.backends.cpu import plain_projections
+
+    assert plain_projections(model)  # the CPU keeps its measured formulations for an int8 model
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     # the product's error: sum over `in` of |x| * scale/2, relative to the logits' scale (loose, an int8 bound)
     tol.assert_close(model(ids).logits, ref(ids).logits, rel=0.1)
