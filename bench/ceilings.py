@@ -113,6 +113,11 @@ def _multiply_and_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32)
 
 
+def _multiply_and_sum_int8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same over int8 rows, widened to bf16 inside the loop (what an int8 decode step reads)."""
+    return (x.unsqueeze(-2) * w.to(torch.bfloat16)).sum(-1, dtype=torch.float32)
+
+
 class MemoryCeiling:
     """The memory bandwidth a decode step over `nbytes` of weights can reach on `device` (module docstring),
     sampled as often as the caller likes: `sample()` between the contenders' runs, `result()` the best rate
@@ -130,6 +135,17 @@ class MemoryCeiling:
             self._make = lambda: {"copy": copy()}
             self.bytes = 2 * nbytes
             self.what = f"device-to-device copy of {nbytes / 1e9:.3f} GB (bytes read + written)"
+        elif dtype == torch.int8:  # int8 weights (bench/generate.py --quantization): no int8 GEMV in torch
+            rows = max(nbytes // cols, 1)
+            w = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+            x = torch.randn(cols).to(torch.bfloat16)
+            reduction = torch.compile(_multiply_and_sum_int8, backend="inductor", fullgraph=True, dynamic=False)
+            probes = {"sum": lambda: w.sum(dtype=torch.int32),
+                      "compiled multiply-and-sum": lambda: reduction(x, w)}
+            self._make = lambda: probes
+            self.bytes = rows * cols
+            self.what = (f"the best of sum and a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) "
+                         f"over a {rows} x {cols} int8 matrix ({self.bytes / 1e6:.1f} MB)")
         else:
             size = torch.tensor([], dtype=dtype).element_size()
             rows = max(nbytes // (cols * size), 1)

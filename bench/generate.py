@@ -21,6 +21,7 @@ seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cach
     python bench/generate.py --device cuda --size 1.7b --dtypes bfloat16 --batches 1 8
     python bench/generate.py --mixed            # compile counts / seconds (runs subprocesses)
     python bench/generate.py --device xla       # XLA's CPU device, in the XLA environment (generate_xla.py)
+    python bench/generate.py --dtypes bfloat16 --which sf --quantization int8   # int8 beside bf16, same run
 """
 
 from __future__ import annotations
@@ -87,9 +88,16 @@ def hf_static_compile_config(device: torch.device, backend: str):
     return cc
 
 
+QUANTIZED = {  # contender -> our QuantizationConfig's fields (--quantization int8)
+    "sf_int8": dict(quant_type="int8_weight_only"),  # the default: the lm_head stays exact
+    "sf_int8_head": dict(quant_type="int8_weight_only", include_input_output_embeddings=True),
+}
+
+
 def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch.device, ref_dir: str,
                  prompt: int, compile_mode: str | None, backend: str):
-    """name -> fn(max_new_tokens) for each contender on `device`; "_sf_model" -> our model."""
+    """name -> fn(max_new_tokens) for each contender on `device`; "_sf_model" -> our model ("_<name>_model"
+    for the quantized contenders of `QUANTIZED`)."""
     import transformers
 
     from staticformers import AutoModelForCausalLM, CompileConfig
@@ -120,6 +128,17 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
         runners["sf"] = lambda n: sf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                                               compile_config=config)
         runners["_sf_model"] = sf
+    for name, fields in QUANTIZED.items():
+        if name not in which:
+            continue
+        from staticformers import QuantizationConfig
+
+        qm = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, device_map=str(device),
+                                                  quantization_config=QuantizationConfig(**fields))
+        config = CompileConfig(backend=None if backend == "inductor" else backend, mode=compile_mode)
+        runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                                         do_sample=False, compile_config=config))(qm)
+        runners[f"_{name}_model"] = qm
     return runners
 
 
@@ -154,6 +173,7 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     reset_peak_memory(device)
     runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
     sf_model = runners.pop("_sf_model", None)
+    quantized = {name: runners.pop(f"_{name}_model") for name in QUANTIZED if f"_{name}_model" in runners}
     warm, graphs_in_warmup = {}, {}
     for name, fn in runners.items():  # warm-up: compiles, caches
         before = dynamo_graphs()
@@ -200,7 +220,13 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
                  "decode_tok_s_per_seq": round((new - 1) / decode_s, 1),
                  "step_ms": round(per_step * 1000, 3),
                  "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
-        if weight_bytes:
+        if name in quantized:  # its own bytes, against the int8 probe (`add_utilisation`)
+            q_bytes = weights_read_per_step(quantized[name])
+            entry["weight_bytes_per_step"] = q_bytes
+            entry["int8_gb_s"] = sig((q_bytes + kv_bytes_avg) / per_step / 1e9)
+            if weight_bytes:
+                entry["weight_bytes_vs_sf"] = round(q_bytes / weight_bytes, 3)
+        elif weight_bytes:
             entry["weights_gb_s"] = sig((weight_bytes + kv_bytes_avg) / per_step / 1e9)
             entry["prefill_tflop_s"] = sig(prefill_flops / ttft / 1e12)  # the first token's time is the prompt's pass
         out[name] = entry
@@ -213,6 +239,11 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
+    for name in quantized:
+        if "sf" in out:
+            out[f"ratio_decode_{name}_vs_sf"] = round(out[name]["decode_tok_s"] / out["sf"]["decode_tok_s"], 2)
+            out[f"ratio_ttft_{name}_vs_sf"] = round(out["sf"]["ttft_ms"] / out[name]["ttft_ms"], 2)
+        out[f"{name}_graphs"] = sum(s["graphs"] for s in quantized[name].compile_stats())
     if sf_model is not None:
         stats = sf_model.compile_stats()
         out["sf_graphs"] = sum(s["graphs"] for s in stats)
@@ -234,21 +265,29 @@ def add_utilisation(case: dict, ceiling: dict) -> None:
         entry["prefill_flops_utilisation"] = sig(entry["prefill_tflop_s"] / ceiling["matmul"]["tflop_s"])
         if entry["bandwidth_utilisation"] > 1:
             misses.append(name)
+    int8 = ceiling.get("int8_memory")
+    for name, entry in case.items():
+        if isinstance(entry, dict) and "int8_gb_s" in entry and int8 is not None:
+            entry["int8_bandwidth_utilisation"] = sig(entry["int8_gb_s"] / int8["gb_s"])
+            if entry["int8_bandwidth_utilisation"] > 1:
+                misses.append(name)
     case["ceiling_gb_s"] = ceiling["memory"]["gb_s"]
+    if int8 is not None:
+        case["int8_ceiling_gb_s"] = int8["gb_s"]
     case["ceiling_misses"] = misses
 
 
 # ---------------------------------------------------------------------------------------------
 # memory (one contender per subprocess, so peaks do not mix)
 # ---------------------------------------------------------------------------------------------
-def memory_case(dtype_name: str, batch: int, baseline: str = "compiler") -> dict:
+def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantized: str = "") -> dict:
     """Peak RSS of a second `generate` over the RSS before loading, against weights + KV cache.
 
     `baseline="compiler"`: the compiler itself is loaded first (one trivial compile: inductor's modules,
     its worker pool). `"library"`: a tiny model (hidden 64, 2 layers) is loaded, compiled and generated
     with first, at the same batch, then deleted: what the first compile of a process brings in whatever
     the model (code paths, runtime pools, freed heap a later compile reuses) is then in the baseline,
-    so the figure is what this model adds."""
+    so the figure is what this model adds. `quantized`: one of `QUANTIZED`'s contenders, loaded that way."""
     import gc
 
     import psutil
@@ -266,7 +305,13 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler") -> dict
         del tiny
         gc.collect()
     base = psutil.Process().memory_info().rss
-    sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
+    if quantized:
+        from staticformers import QuantizationConfig
+
+        sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype,
+                                                  quantization_config=QuantizationConfig(**QUANTIZED[quantized]))
+    else:
+        sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
     ids = torch.randint(1, int(_config(REF_DIR)["vocab_size"]), (batch, PROMPT))
     sf.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False)  # compile (or warm cache)
     with PeakRSS() as peak:
@@ -274,7 +319,7 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler") -> dict
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in sf.parameters()}.values())
     kv = sum(c.nbytes for c in engine_for(sf).caches.values())
     used = peak.peak - base
-    return {"dtype": dtype_name, "batch": batch, "baseline": baseline,
+    return {"dtype": dtype_name, "batch": batch, "baseline": baseline, "quantized": quantized or None,
             "weights_mb": round(weights / 2**20, 1), "kv_mb": round(kv / 2**20, 1),
             "peak_over_baseline_mb": round(used / 2**20, 1), "ratio": round(used / (weights + kv), 2)}
 
@@ -348,13 +393,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed", action="store_true", help="measure compile counts/seconds for mixed prompt lengths")
     ap.add_argument("--memory", action="store_true", help="measure peak memory of staticformers")
     ap.add_argument("--_mixed_case", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--_memory_case", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--_memory_case", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-backend", default="eager", help="--device xla: the compile backend of the CPU contender")
+    ap.add_argument("--quantization", choices=["int8"], default=None,
+                    help="add our weight-only int8 contenders (sf_int8: head exact; sf_int8_head: head int8 too) "
+                         "beside sf, with an int8 same-bytes probe; with --memory, their peak memory too")
     args = ap.parse_args(argv)
     if args.device.split(":")[0] == "xla":  # its own script: it runs in the XLA environment (bench/generate_xla.py)
         from generate_xla import main as xla_main
 
         return xla_main(args)
+    if args.quantization:
+        args.which = list(args.which) + [n for n in QUANTIZED if n not in args.which]
     device = check_device(args.device)
     if (args.mixed or args.memory) and device.type != "cpu":
         raise SystemExit("--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu.")
@@ -370,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(mixed_case(*args._mixed_case)))
         return
     if args._memory_case:
-        print(json.dumps(memory_case(args._memory_case[0], int(args._memory_case[1]), args._memory_case[2])))
+        print(json.dumps(memory_case(args._memory_case[0], int(args._memory_case[1]), *args._memory_case[2:])))
         return
     report = {"device": device_info(device), "model": REF_DIR, "size": size, "compile_mode": args.compile_mode,
               "backend": args.backend, "hf_static_compile": "transformers' automatic (inductor, reduce-overhead)"
@@ -394,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batches:
                 for baseline in ("compiler", "library"):
                     report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline], env))
+                    for name in QUANTIZED if args.quantization else ():
+                        report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline, name], env))
     else:
         weights = _weight_elements(REF_DIR)  # elements read per decode step
         cols = int(_config(REF_DIR)["hidden_size"])
@@ -403,16 +455,26 @@ def main(argv: list[str] | None = None) -> None:
             memory[dtype] = MemoryCeiling(device, weights * dt.itemsize, dt, cols)
             memory[dtype].sample()
             report["ceilings"][dtype] = {"memory": memory[dtype].result(), "matmul": matmul_ceiling(device, dtype=dt)}
+        if args.quantization:  # the same-bytes probe of the int8 weights (one byte an element)
+            memory["int8"] = MemoryCeiling(device, weights, torch.int8, cols)
+            memory["int8"].sample()
         for dtype in args.dtypes:
             for batch in args.batches:
                 report["cases"].append(bench_case(dtype, batch, args.repeats, args.which, device, REF_DIR, args.prompt,
                                                   args.new, args.compile_mode, args.backend, report["ceilings"][dtype],
                                                   memory[dtype]))
+                if "int8" in memory:
+                    memory["int8"].sample()
                 _write(report, args.out)
         for dtype in args.dtypes:  # a last sample, then every case against the run's best
             memory[dtype].sample()
             report["ceilings"][dtype]["memory"] = memory[dtype].result()
             memory[dtype].close()
+        if "int8" in memory:
+            memory["int8"].sample()
+            for dtype in args.dtypes:
+                report["ceilings"][dtype]["int8_memory"] = memory["int8"].result()
+            memory["int8"].close()
         for case in report["cases"]:
             add_utilisation(case, report["ceilings"][case["dtype"]])
     report["pressure_after"] = pressure()

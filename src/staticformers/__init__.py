@@ -38,6 +38,8 @@ _EXPORTS = {
     "Trainer": "staticformers.training.trainer",
     "DistributedConfig": "staticformers.distributed.distributed_config",
     "LoraConfig": "staticformers.adapters.lora_config",
+    "QuantizationConfig": "staticformers.models.quantization",
+    "TorchAoConfig": "staticformers.models.quantization",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -29,6 +29,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..models.quantization import compute_dtype
 from .files import read_adapter
 from .bank_registry import bank_of, drop_bank, set_bank
 from .lora import BASE, LoraLinear, lora_modules, target_names, wrap
@@ -58,9 +59,10 @@ class AdapterBank:
         self.rows = torch.zeros(MAX_ROWS, dtype=torch.long, device=weight.device)
         for layer in layers.values():
             w = layer.base_layer.weight
-            layer.register_buffer("lora_bank_A", torch.zeros(capacity + 1, rank, layer.in_features, dtype=w.dtype,
+            dtype = compute_dtype(layer.base_layer)  # a quantized base: its scales' dtype
+            layer.register_buffer("lora_bank_A", torch.zeros(capacity + 1, rank, layer.in_features, dtype=dtype,
                                                              device=w.device), persistent=False)
-            layer.register_buffer("lora_bank_B", torch.zeros(capacity + 1, layer.out_features, rank, dtype=w.dtype,
+            layer.register_buffer("lora_bank_B", torch.zeros(capacity + 1, layer.out_features, rank, dtype=dtype,
                                                              device=w.device), persistent=False)
             layer.lora_routing = self
 

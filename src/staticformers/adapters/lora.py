@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..models.quantization import QuantLinear, compute_dtype
 from .bank_registry import bank_of
 from .lora_config import ALL_LINEAR, DEFAULT_TARGETS, AdapterConfigError, LoraConfig
 
@@ -206,7 +207,7 @@ def wrap(model: nn.Module, names: Iterable[str]) -> dict[str, LoraLinear]:
 
 def adapter_dtype(layer: LoraLinear) -> torch.dtype:
     """The dtype of a new adapter beside this base: float32 under a bf16/fp16 base (PEFT's autocast), else the base's."""
-    dtype = layer.base_layer.weight.dtype
+    dtype = compute_dtype(layer.base_layer)  # a quantized base (int8 values): its scales' dtype
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
@@ -337,6 +338,10 @@ def merge_and_unload(model, adapter_names: Optional[list] = None, safe_merge: bo
     unknown = [n for n in names if n not in configs]
     if unknown:
         raise ValueError(f"The model has no adapter named {unknown[0]!r}: it has {', '.join(map(repr, configs))}.")
+    quantized = [n for n, layer in lora_modules(model).items() if isinstance(layer.base_layer, QuantLinear)]
+    if quantized:
+        raise ValueError(f"merge_and_unload over a quantized base ({quantized[0]}) would round the adapter away: load "
+                         f"the unquantized base, load the adapter there and merge, then quantize.")
     detach_bank(model)
     with torch.no_grad():
         for name, layer in lora_modules(model).items():

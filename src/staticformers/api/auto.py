@@ -29,6 +29,7 @@ from ..models.pretrained import save_pretrained as save_checkpoint_folder
 from ..backends.memory_check import check_fits
 from ..models.decoder import CausalLM
 from ..utils.seeds import check_seed
+from .quantization import check_device
 
 
 class ModelForCausalLM(CausalLM):
@@ -56,6 +57,14 @@ class ModelForCausalLM(CausalLM):
             save_pretrained_distributed(self, save_directory, max_shard_size=max_shard_size, **kwargs)
         else:
             save_checkpoint_folder(self, save_directory, max_shard_size=max_shard_size, **kwargs)
+
+    def quantize(self, quantization_config) -> list[str]:
+        """Quantize this model's weights in place (`QuantizationConfig("int8_weight_only")`, transformers'
+        `TorchAoConfig` spelling too); returns the modules quantized. `save_pretrained` then writes a
+        compressed-tensors checkpoint that loads quantized."""
+        from .quantization import quantize
+
+        return quantize(self, quantization_config)
 
     def generate(self, *args, **kwargs):
         from .generate import generate
@@ -127,14 +136,25 @@ def from_pretrained(
     `dtype`: None or "auto" keeps the checkpoint's dtype; "bfloat16", torch.float32, ... convert.
     `device_map`: "auto" (Neuron first), "neuron", "cuda:N", "cpu", an index or a torch.device;
     None loads on the CPU, as transformers does. `distributed_config`: partition the model over the
-    torchrun job while it loads (`distributed/sharded_loading.py`).
+    torchrun job while it loads (`distributed/sharded_loading.py`). `quantization_config`: weight-only int8
+    (`QuantizationConfig("int8_weight_only")`, or transformers' `TorchAoConfig` spelling) applied as it loads
+    (`api/quantization.py`); a compressed-tensors checkpoint loads quantized without it.
     """
     path = os.fspath(pretrained_model_name_or_path)
     if adapter_files.is_adapter_folder(path) and not os.path.isfile(os.path.join(path, "config.json")):
         return _with_adapter(path, device_map, distributed_config, model_class, kwargs)
     resolved = resolve(pretrained_model_name_or_path, **kwargs)
+    if resolved.quantization is not None:
+        if distributed_config is not None:
+            raise ValueError("quantization_config with distributed_config is not supported yet: quantize in one "
+                             "process, save_pretrained, and load that folder with distributed_config.")
+        check_device(resolved.quantization, resolve_device(device_map) if device_map is not None else torch.device("cpu"))
     if distributed_config is not None:
         from ..distributed.sharded_loading import load_distributed
+
+        if "quantization_config" in resolved.config.extra:
+            raise ValueError(f"{path} holds a quantized checkpoint, and loading one with distributed_config "
+                             f"(tensor-parallel scales) is not supported yet: load it in one process.")
 
         model = load_distributed(resolved.config, resolved.files, resolved.dtype, distributed_config, device_map,
                                  model_class=model_class)

@@ -100,6 +100,12 @@ class Backend:
     host_generators = False  # sampling draws noise with CPU generators and sends it (a device draw would recompile)
     trains_where_loaded = False  # the Trainer keeps a model loaded on this kind there ("auto" would not pick it)
     torch_load_maps = True  # torch.load(map_location=device) works for this kind (XLA's: it does not)
+    # how a quantized linear's product is computed here (`models/quantization.py`), said in `doctor` and docs
+    int8_linear = "the int8 weight widened to the activations' dtype in the graph, the product, then the row scales"
+
+    def fp8_arithmetic(self, device: torch.device) -> bool:
+        """Whether `device` computes in fp8 (e4m3), so that fp8 weights are worth storing there."""
+        return False
 
     # ---- compiling -------------------------------------------------------------------------------
     def compile_defaults(self, compile_backend: str) -> dict:

@@ -15,6 +15,10 @@ class CUDABackend(Backend):
     name = kind = "cuda"
     fused_optimizer = pin_memory = tf32 = True
 
+    def fp8_arithmetic(self, device: torch.device) -> bool:
+        """fp8 tensor cores: compute capability 8.9 (Ada) and later."""
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
     def available_memory(self, device: torch.device) -> Optional[int]:
         if not torch.cuda.is_available():
             return None

@@ -6,7 +6,8 @@ experts on the Hub store one tensor per expert and projection: Qwen3-MoE
 `model.layers.3.block_sparse_moe.experts.7.w1.weight` (`w1` gate, `w3` up, `w2` down) with its router at
 `block_sparse_moe.gate.weight`. The model holds each sparse layer's experts stacked, as transformers 5
 holds them in memory: `mlp.experts.gate_up_proj` `[E, 2I, H]` (each expert's gate rows, then its up rows)
-and `mlp.experts.down_proj` `[E, H, I]`, so one batched matmul reads them at once (`moe.py`).
+and `mlp.experts.down_proj` `[E, H, I]`, so one batched matmul reads them at once (`moe.py`); quantized, their
+scales `gate_up_proj_scale` / `down_proj_scale` `[E, rows, 1]` map to each expert's `weight_scale`.
 
 A `Piece` says where one Hub tensor lives: parameter `target`, expert `expert` (None: the whole
 parameter), rows `rows` of that expert's matrix. Loading fills each stacked parameter piece by piece
@@ -38,7 +39,7 @@ class ExpertNames:
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
-_STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
 _ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.weight$")
 
 
@@ -83,12 +84,13 @@ class CheckpointNames:
             m = _STACKED.match(name)
             if m and len(shape) == 3:
                 prefix = f"{m['layer']}.{n.block}.experts"
+                leaf = "weight_scale" if m["scale"] else "weight"  # a quantized stack's scales `[E, rows, 1]`
                 experts, rows, cols = shape
                 if m["kind"] == "gate_up_proj":
                     half = rows // 2
-                    return [Piece(f"{prefix}.{e}.{proj}.weight", name, (half, cols), e, (start, start + half))
+                    return [Piece(f"{prefix}.{e}.{proj}.{leaf}", name, (half, cols), e, (start, start + half))
                             for e in range(experts) for proj, start in ((n.gate, 0), (n.up, half))]
-                return [Piece(f"{prefix}.{e}.{n.down}.weight", name, (rows, cols), e) for e in range(experts)]
+                return [Piece(f"{prefix}.{e}.{n.down}.{leaf}", name, (rows, cols), e) for e in range(experts)]
             m = _ROUTER.match(name)
             if m:
                 return [Piece(f"{m['layer']}.{n.block}.gate.weight", name, shape)]

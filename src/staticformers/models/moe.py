@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops import PLAIN, Ops
+from .quantized_values import FP8, quantize_rows
 
 # rows per block of the "blocks" formulation: padding at most (E - 1) * BLOCK rows per layer, and one
 # gathered copy of an expert's weights per block (a block of B rows does B/2 FLOPs per byte copied)
@@ -95,12 +96,13 @@ def _swiglu(h: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def expert_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, ops: Ops = PLAIN, first: int = 0, total: Optional[int] = None,
-               how: Optional[str] = None) -> torch.Tensor:
+               how: Optional[str] = None, scales: Optional[tuple] = None) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
 
     x `[T, H]`; weights, experts `[T, k]` (global expert ids); gate_up `[E_l, 2I, H]`, down `[E_l, H, I]`:
     experts `first .. first + E_l - 1` of `total` (a rank's slice under expert parallelism; routes to
-    the others count for nothing). `how`: a formulation (default: `formulation(T, k, E_l)`)."""
+    the others count for nothing). `how`: a formulation (default: `formulation(T, k, E_l)`). `scales`:
+    quantized stacks' `(gate_up_scale [E_l, 2I, 1], down_scale [E_l, H, 1])`, None for full-precision ones."""
     local = gate_up.shape[0]
     total = local if total is None else total
     idx = experts if first == 0 else experts - first
@@ -111,6 +113,9 @@ def expert_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ga
     else:
         valid = None
     how = how or formulation(x.shape[0], experts.shape[-1], local)
+    gate_up, down = (gate_up, None), (down, None)
+    if scales is not None:
+        gate_up, down = (gate_up[0], scales[0]), (down[0], scales[1])
     if how == "selected":
         return _selected(x, weights, idx, gate_up, down, ops)
     if how == "dense":
@@ -130,16 +135,16 @@ def _selected(x, weights, idx, gate_up, down, ops: Ops) -> torch.Tensor:
     t, k = idx.shape
     pairs = idx.reshape(-1)
     rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, H]
-    h = ops.expert_matmul(rows, gate_up, pairs)  # [T*k, 1, 2I]
-    y = ops.expert_matmul(_swiglu(h), down, pairs).squeeze(1)  # [T*k, H]
+    h = ops.expert_matmul(rows, *gate_up, index=pairs)  # [T*k, 1, 2I]
+    y = ops.expert_matmul(_swiglu(h), *down, index=pairs).squeeze(1)  # [T*k, H]
     return _weighted(y, weights.reshape(-1), x.dtype).view(t, k, -1).sum(dim=1)
 
 
 def _dense(x, weights, idx, gate_up, down, ops: Ops) -> torch.Tensor:
     t = x.shape[0]
-    local = gate_up.shape[0]
-    h = ops.expert_matmul(x.unsqueeze(0), gate_up)  # [E, T, 2I]
-    y = ops.expert_matmul(_swiglu(h), down)  # [E, T, H]
+    local = gate_up[0].shape[0]
+    h = ops.expert_matmul(x.unsqueeze(0), *gate_up)  # [E, T, 2I]
+    y = ops.expert_matmul(_swiglu(h), *down)  # [E, T, H]
     # each token's weight per expert, zero where not chosen (scatter_add: masked routes may share an index)
     per_expert = torch.zeros(t, local, dtype=weights.dtype, device=x.device).scatter_add(1, idx, weights)
     return _weighted(y, per_expert.t(), x.dtype).sum(dim=0)
@@ -147,7 +152,7 @@ def _dense(x, weights, idx, gate_up, down, ops: Ops) -> torch.Tensor:
 
 def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, block: int = BLOCK) -> torch.Tensor:
     t, k = idx.shape
-    local = gate_up.shape[0]
+    local = gate_up[0].shape[0]
     n = num_blocks(t, k, local, block)
     slots = n * block
     device = x.device
@@ -173,8 +178,8 @@ def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, block: int = BLOCK)
     block_expert = (torch.arange(n, device=device).unsqueeze(1) >= ends.unsqueeze(0)).sum(1).clamp(max=local - 1)
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row t: the zero token of padding slots
     rows = padded.index_select(0, slot_token).view(n, block, -1)
-    h = ops.expert_matmul(rows, gate_up, block_expert)  # [n, B, 2I]
-    y = ops.expert_matmul(_swiglu(h), down, block_expert).reshape(slots, -1)  # [n*B, H]
+    h = ops.expert_matmul(rows, *gate_up, index=block_expert)  # [n, B, 2I]
+    y = ops.expert_matmul(_swiglu(h), *down, index=block_expert).reshape(slots, -1)  # [n*B, H]
     out = padded.new_zeros(t + 1, x.shape[1]).index_add(0, slot_token, _weighted(y, slot_weight, x.dtype))
     return out[:t]
 
@@ -196,14 +201,37 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.exchange: Optional[Callable] = None
 
+    quantized: Optional[str] = None  # "int8" / "fp8" once `quantize` ran: the weights' kind, with `*_scale` beside them
+
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=std)
 
+    def quantize(self, kind: str, empty: bool = False) -> None:
+        """Store both stacks quantized per output row (`models/quantization.py`): `gate_up_proj` and
+        `down_proj` in `kind`'s dtype, `gate_up_proj_scale` `[E, 2I, 1]` and `down_proj_scale` `[E, H, 1]` in
+        the model's; `empty`: only the shapes and dtypes (a meta-built model about to load a quantized file)."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            if empty:
+                q = torch.empty(w.shape, dtype=torch.int8 if kind == "int8" else FP8, device=w.device)
+                scale = torch.empty(*w.shape[:-1], 1, dtype=w.dtype, device=w.device)
+            else:
+                q, scale = quantize_rows(w, kind, w.dtype)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(scale, requires_grad=False))
+        self.quantized = kind
+
+    def scales(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.gate_up_proj_scale, self.down_proj_scale) if self.quantized else None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         if self.exchange is not None:
+            if self.quantized:
+                raise ValueError("Expert parallelism over quantized experts is not supported: load the model "
+                                 "unquantized for expert parallelism.")
             return self.exchange(self, x, weights, experts, ops)
-        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops)
+        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops, scales=self.scales())
 
 
 class SparseMoeBlock(nn.Module):

@@ -8,9 +8,12 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
 - `ops.linear(layer, x)` for every projection inside a decoder layer,
 - `ops.head(layer, x)` for the `lm_head`,
 - `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
-- `ops.expert_matmul(x, weight, index)` for the products of stacked experts (`moe.py`),
+- `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
 
-and never asks which device it runs on. `Ops()` is the plain path: the module itself (so hooks and
+and never asks which device it runs on. A quantized projection (`quantization.QuantLinear`: int8 or fp8
+weights, one scale per output channel) comes through `linear`/`head` like any other: the plain path runs
+its own forward (the weight widened in the graph, the product, the scale), and a backend that computes
+an int8 product its own way checks for it there; quantized experts pass their `scale` `[E, out, 1]`. `Ops()` is the plain path: the module itself (so hooks and
 wrappers such as LoRA layers run) and PyTorch's SDPA. Backends (`staticformers.backends`) subclass it.
 An `Ops` is compared and hashed by its `key`, so compiled graphs can be keyed on the formulation.
 """
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quantized_values import widen
+
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """Scaled dot-product attention; `mask` is boolean `[b, 1, q, kv]` (True = may attend) or None for plain
@@ -33,10 +38,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-def expert_product(x: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`Ops.expert_matmul`'s plain form: the gathered matrices (if `index`), then one batched matmul."""
+def expert_product(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                   index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`Ops.expert_matmul`'s plain form: the gathered matrices (if `index`), then one batched matmul; a
+    quantized stack's values widened to `x`'s dtype, and its per-row `scale` applied to the product."""
     w = weight if index is None else weight.index_select(0, index)
-    return torch.matmul(x, w.transpose(-1, -2))
+    if scale is None:
+        return torch.matmul(x, w.transpose(-1, -2))
+    s = scale if index is None else scale.index_select(0, index)
+    return torch.matmul(x, widen(w, x.dtype).transpose(-1, -2)) * s.transpose(-1, -2).to(x.dtype)
 
 
 class Ops:
@@ -59,10 +69,12 @@ class Ops:
                   scale: float) -> torch.Tensor:
         return sdpa(q, k, v, mask, scale)
 
-    def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                      index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`x` `[G, R, in]` (or `[1, R, in]`, shared by every group) times the transposed stacked weights
-        `weight` `[E, out, in]`, one matrix per group: `weight[index]` (`index` `[G]`), or all E in order."""
-        return expert_product(x, weight, index)
+        `weight` `[E, out, in]`, one matrix per group: `weight[index]` (`index` `[G]`), or all E in order;
+        `scale` `[E, out, 1]` for a quantized stack (None otherwise)."""
+        return expert_product(x, weight, scale, index)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Ops) and self.key == other.key

@@ -32,6 +32,8 @@ from ..checkpoints.hub import CheckpointNotFoundError, is_local, resolve_file
 from .decoder import CausalLM
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from ..checkpoints.weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
+from ..checkpoints.compressed_tensors import pack_int8, scheme_of, unpack_int8
+from .quantization import FP8, QuantizationConfig, as_quantization_config, prepare_for_checkpoint, quantize_model
 
 logger = logging.getLogger("staticformers")
 
@@ -100,10 +102,10 @@ def _index_shards(index: str) -> list[str]:
 
 
 def _checkpoint_dtype(files: list[str]) -> Optional[torch.dtype]:
-    """The dtype of the first floating tensor in the first shard, read from its header alone."""
+    """The dtype of the first floating tensor in the first shard (fp8 weights aside), read from its header alone."""
     with open_weights(files[0]) as f:
         for name in f.keys():
-            if f.dtype(name).is_floating_point:
+            if f.dtype(name).is_floating_point and f.dtype(name) != FP8:
                 return f.dtype(name)
     return None
 
@@ -139,32 +141,81 @@ def check_checkpoint(model: CausalLM, files: list[str]) -> dict[str, str]:
     return checkpoint_layout(model, files)[1]
 
 
+def quantized_targets(model: CausalLM) -> dict[str, torch.dtype]:
+    """The parameters stored quantized (int8 or fp8 values), by name, with their dtype."""
+    return {n: p.dtype for n, p in model.named_parameters() if p.dtype in (torch.int8, FP8)}
+
+
+def _file_name(name: str, f: SafetensorsFile, scheme) -> Optional[str]:
+    """The model's name for file tensor `name` under a compressed-tensors `scheme`: a `pack-quantized`
+    `X.weight_packed` is `X.weight`; "" for what holds nothing to load (`weight_shape`, a zero point,
+    which symmetric weights store as zeros); `name` itself otherwise."""
+    if scheme is None:
+        return name
+    if name.endswith((".weight_shape", ".weight_zero_point")):
+        return ""
+    if scheme.format == "pack-quantized" and name.endswith(".weight_packed"):
+        return name[: -len("_packed")]
+    return name
+
+
+def _stored_shape_fits(name: str, stored: tuple, want: tuple, packed: bool) -> bool:
+    """Whether a stored quantized tensor of shape `stored` fills `want`: packed rows hold four values per
+    int32; a per-tensor scale (`[]` or `[1]`) fills a per-row one."""
+    if packed:
+        return stored == (want[0], -(-want[1] // 4))
+    if name.endswith("weight_scale") and stored in ((), (1,)):
+        return True
+    return stored == want
+
+
 def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piece], dict[str, str]]:
     """`check_checkpoint`'s checks, and (the file names' pieces of the model's parameters, which file holds
-    each name): names as the files spell them, through the family's adapter (`checkpoint_names.py`)."""
+    each name): names as the files spell them, through the family's adapter (`checkpoint_names.py`); a
+    quantized model's (`prepare_for_checkpoint`) values must be stored in its dtype, int8 or fp8."""
+    scheme = scheme_of(model.config.extra)
     present = set()
     for path in files:
         with open_weights(path) as f:
-            present.update(f.keys())
+            present.update(filter(None, (_file_name(n, f, scheme) for n in f.keys())))
     layout = names_for(model.config).layout(expected_weights(model), present)
     expected = {hub: piece.shape for hub, piece in layout.items()}
+    quantized = quantized_targets(model)
     tied = model.config.tie_word_embeddings
     where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
         with open_weights(path) as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _file_name(stored, f, scheme)
+                if not name:
+                    continue
                 if name not in expected:
                     if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
                         unexpected.append(name)
                     continue
                 if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
-                if not f.dtype(name).is_floating_point:
+                want = quantized.get(layout[name].target)
+                packed = stored != name
+                have = f.dtype(stored)
+                if want is not None and have != (torch.int32 if packed else want):
                     raise CheckpointError(
-                        f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(f.dtype(name))}, but this "
+                        f"Weight {stored} in {os.path.basename(path)} is stored as {dtype_name(have)}, but config.json's "
+                        f"quantization_config says {dtype_name(want)}: the config and the weights come from different "
+                        f"exports.")
+                if want is None and (not have.is_floating_point or have == FP8):
+                    raise CheckpointError(
+                        f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(have)}, but this "
                         f"model's weights are floating point: the file holds another kind of checkpoint (quantized?); "
                         f"export it in float32, bfloat16 or float16.")
+                if want is not None or name.endswith("weight_scale"):
+                    if not _stored_shape_fits(name, f.shape(stored), expected[name], packed):
+                        raise CheckpointError(
+                            f"Weight {stored} in {os.path.basename(path)} has shape {list(f.shape(stored))}, which does "
+                            f"not fit {list(expected[name])}: the config and the weights come from different models.")
+                    where[name] = path
+                    continue
                 if f.shape(name) != expected[name]:
                     raise CheckpointError(
                         f"Weight {name} in {os.path.basename(path)} has shape {list(f.shape(name))} but config.json "
@@ -212,15 +263,25 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
     stacked parameter (a mixture's experts) is allocated once and filled from its pieces."""
     layout, where = checkpoint_layout(model, files)
     shapes = target_shapes(layout)
+    scheme = scheme_of(model.config.extra)
+    quantized = quantized_targets(model)
     stacked: dict[str, torch.Tensor] = {}
     for path in files:
         with SafetensorsFile(path) as f:
-            for name in f.keys():
-                if where.get(name) != path:
+            for stored in f.keys():
+                name = _file_name(stored, f, scheme)
+                if not name or where.get(name) != path:
                     continue
                 piece = layout[name]
-                value = f.read(name, dtype=dtype if f.dtype(name).is_floating_point else None, device=device,
-                               finite=True)
+                if piece.target in quantized:  # int8 / fp8 values as stored (unpacked from int32 if packed)
+                    value = f.read(stored, device=device)
+                    if stored != name:
+                        value = unpack_int8(value, piece.shape)
+                else:
+                    value = f.read(stored, dtype=dtype if f.dtype(stored).is_floating_point else None, device=device,
+                                   finite=True)
+                    if tuple(value.shape) != piece.shape:  # a per-tensor scale, one per row here
+                        value = value.reshape(1, 1).expand(piece.shape).contiguous()
                 if piece.whole:
                     _set_tensor(model, piece.target, value)
                     continue
@@ -251,6 +312,7 @@ class Resolved:
     files: list
     dtype: torch.dtype
     hub: dict
+    quantization: Optional[QuantizationConfig] = None  # asked for at load (`quantization_config=`)
 
 
 def resolve(
@@ -263,6 +325,7 @@ def resolve(
     token: Optional[str] = None,
     config: Optional[ModelConfig] = None,
     torch_dtype: Union[str, torch.dtype, None] = None,
+    quantization_config=None,
     **kwargs,
 ) -> Resolved:
     """Check the arguments of `from_pretrained` and find the checkpoint's config, files and target dtype.
@@ -284,14 +347,26 @@ def resolve(
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
     untie_stored_head(config, files)
-    return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub)
+    quantization = as_quantization_config(quantization_config) if quantization_config is not None else None
+    return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub, quantization)
 
 
 def load_model(resolved: Resolved, device: torch.device, model_class: type = CausalLM) -> CausalLM:
-    """A model of `model_class` built on the meta device and filled from the files, in one process."""
+    """A model of `model_class` built on the meta device and filled from the files, in one process; a
+    compressed-tensors checkpoint (config.json's `quantization_config`) loads quantized, as stored; with
+    `quantization_config` asked for, the loaded model is quantized (`models/quantization.py`)."""
     with torch.device("meta"):
         model = model_class(resolved.config)
+    scheme = scheme_of(resolved.config.extra, os.path.join(resolved.path, "config.json"))
+    if scheme is not None:
+        if resolved.quantization is not None:
+            raise ValueError(f"{resolved.path} is quantized already ({scheme.format}); load it without "
+                             f"quantization_config.")
+        with torch.device("meta"):
+            prepare_for_checkpoint(model, scheme)
     load_weights(model, resolved.files, device, resolved.dtype)
+    if resolved.quantization is not None:
+        quantize_model(model, resolved.quantization)
     return model
 
 
@@ -334,6 +409,19 @@ def export_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def _packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """compressed-tensors' `pack-quantized` names: each int8 `X.weight` as `X.weight_packed` (four values to an
+    int32) and `X.weight_shape`."""
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8 and name.endswith(".weight") and tensor.dim() == 2:
+            out[name + "_packed"] = pack_int8(tensor)
+            out[name + "_shape"] = torch.tensor(tensor.shape, dtype=torch.int32)
+        else:
+            out[name] = tensor
+    return out
+
+
 def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
                     state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
     """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
@@ -349,6 +437,9 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
     os.makedirs(directory, exist_ok=True)
     tensors = state_dict if state_dict is not None else export_state_dict(model)
     tensors = names_for(model.config).to_hub(tensors)  # the Hub's names (a mixture: one tensor per expert)
+    scheme = scheme_of(model.config.extra)
+    if scheme is not None and scheme.format == "pack-quantized":
+        tensors = _packed(tensors)
     limit = parse_size(max_shard_size)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -360,7 +451,8 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
         shards[-1][name] = tensor
         size += nbytes
     write_weights(directory, shards, metadata={"format": "pt"})  # the old weights stay until the new ones are in
-    model.config.dtype = next(iter(tensors.values())).dtype if tensors else model.config.dtype
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point() and t.dtype != FP8]
+    model.config.dtype = floats[0] if floats else model.config.dtype
     model.config.save_pretrained(directory)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(directory)

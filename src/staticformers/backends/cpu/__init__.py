@@ -23,6 +23,7 @@ from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
 from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
+from ...models.quantization import QuantLinear
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
 from .regions import RegionalDecode, RegionalPrefill
 from .thresholds import threshold
@@ -30,12 +31,13 @@ from .thresholds import threshold
 
 def plain_projections(model) -> bool:
     """Whether every projection a formulation may compute itself is a plain `nn.Linear` with no hooks:
-    reductions and oneDNN read `weight` and `bias` directly, which would skip what a Linear subclass
-    (quantisation) or a forward hook does. A LoRA layer is no Linear: its `base_layer` is, which the
-    formulations compute, the layer adding its adapters (`ops.project`)."""
+    reductions and oneDNN read `weight` and `bias` directly, which would skip what a Linear subclass or a
+    forward hook does. The one subclass they know is a quantized projection (`QuantLinear`: the
+    formulations compute it through the CPU's int8 kernel). A LoRA layer is no Linear: its `base_layer` is,
+    which the formulations compute, the layer adding its adapters (`ops.project`)."""
     if global_hooks():
         return False
-    return not any(isinstance(m, torch.nn.Linear) and (type(m) is not torch.nn.Linear or hooked(m))
+    return not any(isinstance(m, torch.nn.Linear) and (type(m) not in (torch.nn.Linear, QuantLinear) or hooked(m))
                    for m in model.modules())
 
 
@@ -113,6 +115,9 @@ class CPUBackend(Backend):
     regional_by_default = True
     per_rank_device = False
     hosts_memory = fused_optimizer = True
+    int8_linear = ("ATen's weight-only int8 kernel (`_weight_int8pack_mm`: int8 rows, a scale per output "
+                   "column) at inference, every batch (`formulations.int8_linear`); widened in the graph when "
+                   "a gradient is wanted (an adapter training over it)")
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":

@@ -8,6 +8,7 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   tokens of a small decode batch: a batch-1 decode step streams its weights at close to the memory
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
+- `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) through ATen's int8 kernel.
 - `attend_decode`: one query per row as fused reductions over the cache (no matmul calls, no KV copy);
   `attend_grouped`: matmul + float32 softmax + matmul with the query heads grouped per KV head;
   `attend_blocks`: causal self-attention in query blocks of 128, skipping most of the masked triangle
@@ -27,6 +28,7 @@ from torch import nn
 from ...adapters.lora import LoraLinear
 from ...models.decoder import causal_rows
 from ...models.ops import Ops, expert_product, sdpa
+from ...models.quantization import QuantLinear, widen
 from .onednn import onednn_available, onednn_linear
 from .thresholds import threshold
 
@@ -35,20 +37,48 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
+    An int8 layer (`QuantLinear`) at inference runs ATen's weight-only int8 kernel (`int8_linear`) whatever
+    `how` says; with a gradient wanted it reduces over its int8 values (`"reduce"`) or runs its generic form.
+
     The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
     loop inductor generates reads each weight row once for all the tokens of a small decode batch.
     A LoRA layer computes its base projection this way and adds its adapters itself."""
+    quantized = isinstance(layer, QuantLinear)
+    if quantized and int8_kernel(layer, x):
+        return int8_linear(layer, x)
     if how is None:
         return layer(x)
     if isinstance(layer, LoraLinear):
         return layer(x, base=lambda base, h: project(base, h, how))
     if how == "onednn":
-        return onednn_linear(layer, x)
+        return layer(x) if quantized else onednn_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
-    y = (layer.weight.float().unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1).t()
+    y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
+    if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
+        y = y * layer.weight_scale.float()
+    y = y.t()
     if layer.bias is not None:
         y = y + layer.bias.float()
     return y.reshape(*lead, -1).to(x.dtype)
+
+
+def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
+    """Whether `int8_linear` computes `layer(x)`: int8 values, an activation dtype the kernel takes, the
+    scales in it, and no gradient wanted (the kernel has no backward)."""
+    return (layer.kind == "int8" and x.dtype in (torch.bfloat16, torch.float32, torch.float16)
+            and layer.weight_scale.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """An int8 projection through ATen's `_weight_int8pack_mm` (int8 rows times the activations, each output
+    column times its scale): it reads the int8 bytes with full-width vector loads, where inductor's own
+    reduction over int8 loads half-width vectors and ran 3-4x slower than the bf16 reduction
+    (BENCHMARKS.md, weight-only int8)."""
+    lead = x.shape[:-1]
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale.view(-1))
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.reshape(*lead, -1)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -138,13 +168,18 @@ class CPUOps(Ops):
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return project(layer, x, self.head_linear)
 
-    def expert_matmul(self, x, weight, index=None):
+    def expert_matmul(self, x, weight, scale=None, index=None):
         """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1
-        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does."""
+        decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does
+        (a quantized stack's rows as stored, each sum times its row's scale)."""
         if self.linears != "reduce":
-            return expert_product(x, weight, index)
+            return expert_product(x, weight, scale, index)
         w = weight if index is None else weight[index]
-        return (x.unsqueeze(-2).float() * w.unsqueeze(-3).float()).sum(-1).to(x.dtype)
+        y = (x.unsqueeze(-2).float() * widen(w, torch.float32).unsqueeze(-3)).sum(-1)
+        if scale is not None:
+            s = scale if index is None else scale[index]
+            y = y * s.transpose(-1, -2).float()
+        return y.to(x.dtype)
 
     def attention(self, q, k, v, mask, scale):
         if self.attention_kind == "reduce" and q.shape[2] == 1:
