@@ -12,7 +12,6 @@ import json
 import logging
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,15 +32,9 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
     """A tiny Qwen3 with a Qwen-style tokenizer and chat template (tools included), 256 positions."""
-    from tiny import build_hf_model
-    from tokenizer_fixtures import build_qwen
+    from tiny import save_served
 
-    path = Path(tmp_path_factory.mktemp("served"))
-    build_qwen(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(path))
-    return str(path)
+    return save_served("qwen3", tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")

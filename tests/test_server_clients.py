@@ -8,7 +8,6 @@ One server for the module: starting one costs more than the requests."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,15 +28,9 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    from tiny import build_hf_model
-    from tokenizer_fixtures import build_qwen
+    from tiny import save_served
 
-    path = Path(tmp_path_factory.mktemp("served_clients"))
-    build_qwen(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(path))
-    return str(path)
+    return save_served("qwen3", tmp_path_factory.mktemp("served_clients"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,15 +26,9 @@ LIMIT = 240.0
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    from tiny import build_hf_model
-    from tokenizer_fixtures import build_qwen
+    from tiny import save_served
 
-    path = Path(tmp_path_factory.mktemp("served_process"))
-    build_qwen(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    build_hf_model("llama", vocab_size=len(tok), max_position_embeddings=256,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(path))
-    return str(path)
+    return save_served("llama", tmp_path_factory.mktemp("served_process"))
 
 
 class Process:

@@ -64,3 +64,16 @@ def save_tiny(family: str, directory: str, seed: int = 0, dtype=torch.float32, *
     os.makedirs(directory, exist_ok=True)
     build_hf_model(family, seed=seed, dtype=dtype, **overrides).save_pretrained(directory)
     return directory
+
+
+def save_served(family: str, directory, positions: int = 256) -> str:
+    """A tiny `family` checkpoint with a Qwen-style tokenizer and chat template (tools included) in
+    `directory`: what the server tests serve. Returns the folder."""
+    from staticformers import AutoTokenizer
+    from tokenizer_fixtures import build_qwen
+
+    build_qwen(directory)
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    build_hf_model(family, vocab_size=len(tok), max_position_embeddings=positions,
+                   eos_token_id=tok.eos_token_id).save_pretrained(str(directory))
+    return str(directory)

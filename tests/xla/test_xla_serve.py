@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -26,15 +25,9 @@ LIMIT = 300.0
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    from tiny import build_hf_model
-    from tokenizer_fixtures import build_qwen
+    from tiny import save_served
 
-    path = Path(tmp_path_factory.mktemp("served_xla"))
-    build_qwen(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=64,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(path))
-    return str(path)
+    return save_served("qwen3", tmp_path_factory.mktemp("served_xla"), positions=64)
 
 
 def cpu_greedy(folder: str, prompt: str, n: int) -> str:

@@ -208,7 +208,7 @@ def _without_autocast(device: torch.device):
     try:
         if torch.is_autocast_enabled(device_kind(device)):
             return torch.autocast(device_kind(device), enabled=False)
-    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+    except (RuntimeError, TypeError, ValueError):  # a device kind autocast does not know
         pass
     return contextlib.nullcontext()
 
