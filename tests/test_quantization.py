@@ -233,8 +233,9 @@ def test_save_and_load_do_not_quantise_again_and_transformers_reads_the_files(ti
         AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=INT8)
     from staticformers import DistributedConfig
 
-    with pytest.raises(ValueError, match="holds a quantized checkpoint, and loading one with distributed_config"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, distributed_config=DistributedConfig(tp_size=2))
+    with pytest.raises(ValueError, match="quantized already"):  # tensor parallel: test_distributed_quantization.py
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=INT8,
+                                             distributed_config=DistributedConfig(tp_size=2))
 
 
 def test_the_int_quantized_format_and_its_refusals_are_read(tiny_checkpoints, tmp_path):

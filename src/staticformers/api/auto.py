@@ -145,19 +145,14 @@ def from_pretrained(
         return _with_adapter(path, device_map, distributed_config, model_class, kwargs)
     resolved = resolve(pretrained_model_name_or_path, **kwargs)
     if resolved.quantization is not None:
-        if distributed_config is not None:
-            raise ValueError("quantization_config with distributed_config is not supported yet: quantize in one "
-                             "process, save_pretrained, and load that folder with distributed_config.")
         check_device(resolved.quantization, resolve_device(device_map) if device_map is not None else torch.device("cpu"))
     if distributed_config is not None:
         from ..distributed.sharded_loading import load_distributed
 
-        if "quantization_config" in resolved.config.extra:
-            raise ValueError(f"{path} holds a quantized checkpoint, and loading one with distributed_config "
-                             f"(tensor-parallel scales) is not supported yet: load it in one process.")
-
+        if resolved.quantization is not None and "quantization_config" in resolved.config.extra:
+            raise ValueError(f"{path} is quantized already; load it without quantization_config.")
         model = load_distributed(resolved.config, resolved.files, resolved.dtype, distributed_config, device_map,
-                                 model_class=model_class)
+                                 model_class=model_class, quantization=resolved.quantization)
     else:
         device = resolve_device(device_map) if device_map is not None else torch.device("cpu")
         model = load_model(resolved, device, model_class)

@@ -169,8 +169,8 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> list[str]:
     from ..checkpoints.compressed_tensors import write_config
 
     if getattr(model, "parallel_dims", None) is not None:
-        raise ValueError("Quantize before partitioning: pass quantization_config to from_pretrained together with "
-                         "distributed_config is not supported yet; quantize and save in one process, then load that.")
+        raise ValueError("This model is partitioned already: quantize it as it loads, from_pretrained(..., "
+                         "quantization_config=..., distributed_config=DistributedConfig(tp_size=N)).")
     if any(".lora_" in n for n, _ in model.named_modules()):
         raise ValueError("This model has LoRA adapters: quantize the base first, then add or load the adapters.")
     if is_quantized(model):
