@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=2 tests/distributed_quant_worker.py CHECKPOINT 
 At tp_size=2 on gloo, two loads in one launch (one launch costs most of the test's time):
 1. CHECKPOINT (fp32) quantised to int8 as it loads (`quantization_config` with `distributed_config`);
 2. INT8_CHECKPOINT, a `pack-quantized` int8 checkpoint saved by one process, loaded as stored.
-For each: the prompt's logits, greedy tokens by full forward passes, and the placements and local shapes of
+For each: the prompt's logits, greedy tokens by full forward passes and by `model.generate` (the engine, whose
+CPU int8 kernel must leave a tensor-parallel layer to its own hooks), and the placements and local shapes of
 a colwise (q_proj) and a rowwise (o_proj) projection's int8 weight and scales. Then FSDP over the int8
 checkpoint, which is refused (the sentence is recorded). Each rank writes
 OUT_DIR/rank{r}.json; the test compares them with the same int8 model in one process.
@@ -52,7 +53,9 @@ def shards(model) -> dict:
 def run(model) -> dict:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT)).logits[0].tolist()
-    return {"logits": logits, "greedy": greedy(model, PROMPT, NEW_TOKENS), "shards": shards(model)}
+    generated = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
+    return {"logits": logits, "greedy": greedy(model, PROMPT, NEW_TOKENS), "shards": shards(model),
+            "generate": generated[0, len(PROMPT[0]):].tolist()}
 
 
 def main(path: str, int8_path: str, out: str) -> None:

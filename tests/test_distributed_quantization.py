@@ -2,7 +2,7 @@
 
 One torchrun launch (tests/distributed_quant_worker.py) quantises a tiny untied Llama as it loads at
 tp_size=2, and loads the int8 checkpoint one process saved (`pack-quantized`) at tp_size=2; each gives the
-prompt's logits and greedy tokens. The int8 values and scales are the same numbers in both (each row's
+prompt's logits and greedy tokens (by forward passes and by `generate`). The int8 values and scales are the same numbers in both (each row's
 scale depends on that row only, and a colwise shard holds whole rows), so only the order of fp32 sums
 differs: the logits agree within `FP32_REORDERED` and the greedy tokens exactly.
 """
@@ -37,7 +37,9 @@ def one_process(checkpoint, tmp_path_factory):
     model.save_pretrained(saved)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(W.PROMPT)).logits[0]
-    return {"logits": logits, "greedy": W.greedy(model, W.PROMPT, W.NEW_TOKENS)}, saved
+    generated = model.generate(torch.tensor(W.PROMPT), max_new_tokens=W.NEW_TOKENS, do_sample=False, disable_compile=True)
+    return {"logits": logits, "greedy": W.greedy(model, W.PROMPT, W.NEW_TOKENS),
+            "generate": generated[0, len(W.PROMPT[0]):].tolist()}, saved
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def test_tp2_int8_matches_one_process_int8(launched, one_process, how):
         got = rank[how]
         tol.assert_close(torch.tensor(got["logits"]), expected["logits"])
         assert got["greedy"] == expected["greedy"]
+        assert got["generate"] == expected["generate"] == expected["greedy"]
         shards = got["shards"]  # hidden 64 at tp 2: q_proj's rows and o_proj's columns halved
         assert shards["q_proj.weight"] == [["S(0)"], [32, 64], "torch.int8"]
         assert shards["q_proj.weight_scale"] == [["S(0)"], [32, 1], "torch.float32"]

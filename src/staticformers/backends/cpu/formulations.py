@@ -27,6 +27,7 @@ from torch import nn
 
 from ...adapters.lora import LoraLinear
 from ...models.decoder import causal_rows
+from ...models.hooks import hooked
 from ...models.ops import Ops, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
 from .onednn import onednn_available, onednn_linear
@@ -64,8 +65,10 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
 
 def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
     """Whether `int8_linear` computes `layer(x)`: int8 values, an activation dtype the kernel takes, the
-    scales in it, and no gradient wanted (the kernel has no backward)."""
-    return (layer.kind == "int8" and x.dtype in (torch.bfloat16, torch.float32, torch.float16)
+    scales in it, no gradient wanted (the kernel has no backward), and no forward hook on the layer (tensor
+    parallel's hooks lay out its input and output around `layer(x)`, which the kernel would skip)."""
+    return (layer.kind == "int8" and not hooked(layer)
+            and x.dtype in (torch.bfloat16, torch.float32, torch.float16)
             and layer.weight_scale.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad))
 
 
