@@ -22,6 +22,11 @@ seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cach
     python bench/generate.py --mixed            # compile counts / seconds (runs subprocesses)
     python bench/generate.py --device xla       # XLA's CPU device, in the XLA environment (generate_xla.py)
     python bench/generate.py --dtypes bfloat16 --which sf --quantization int8   # int8 beside bf16, same run
+    python bench/generate.py --which sf openvino openvino_int8 --quantization int8   # OpenVINO's too (CPU)
+
+`openvino` and `openvino_int8` (bench/openvino_peer.py) are OpenVINO through optimum-intel, exported once
+from the reference, its precision pinned to the case's dtype (`INFERENCE_PRECISION_HINT`); they need the
+`openvino` extra, which pins a transformers of its own, so they run in a venv of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ceilings import (Clock, MemoryCeiling, check_device, device_info, matmul_ceiling,  # noqa: E402
                       peak_memory_gb, reset_peak_memory, sig)
 from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
+
+import openvino_peer  # noqa: E402  (imports optimum-intel only when one of its contenders runs)
 
 REF_DIR = os.environ.get("STATICFORMERS_BENCH_MODEL") or reference_dir("41m")
 PROMPT, NEW = 128, 128
@@ -139,6 +146,10 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
         runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                                          do_sample=False, compile_config=config))(qm)
         runners[f"_{name}_model"] = qm
+    if any(n in which for n in openvino_peer.CONTENDERS):
+        ov, runners["_openvino_info"] = openvino_peer.make_runners(str(dtype).removeprefix("torch."), which, ref_dir,
+                                                                   ids, mask)
+        runners.update(ov)
     return runners
 
 
@@ -174,6 +185,7 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
     sf_model = runners.pop("_sf_model", None)
     quantized = {name: runners.pop(f"_{name}_model") for name in QUANTIZED if f"_{name}_model" in runners}
+    openvino_info = runners.pop("_openvino_info", {})
     warm, graphs_in_warmup = {}, {}
     for name, fn in runners.items():  # warm-up: compiles, caches
         before = dynamo_graphs()
@@ -220,7 +232,12 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
                  "decode_tok_s_per_seq": round((new - 1) / decode_s, 1),
                  "step_ms": round(per_step * 1000, 3),
                  "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
-        if name in quantized:  # its own bytes, against the int8 probe (`add_utilisation`)
+        if name in openvino_info:
+            entry.update(openvino_info[name])
+        if name == "openvino_int8":  # its bytes are its own (int8, embedding and head included): the file's size
+            if weight_bytes:
+                entry["weight_file_bytes_vs_sf"] = round(entry["weight_file_bytes"] / weight_bytes, 3)
+        elif name in quantized:  # its own bytes, against the int8 probe (`add_utilisation`)
             q_bytes = weights_read_per_step(quantized[name])
             entry["weight_bytes_per_step"] = q_bytes
             entry["int8_gb_s"] = sig((q_bytes + kv_bytes_avg) / per_step / 1e9)
@@ -239,6 +256,10 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
+    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8")):
+        if ours in out and peer in out:
+            out[f"ratio_decode_{ours}_vs_{peer}"] = round(out[ours]["decode_tok_s"] / out[peer]["decode_tok_s"], 2)
+            out[f"ratio_ttft_{ours}_vs_{peer}"] = round(out[peer]["ttft_ms"] / out[ours]["ttft_ms"], 2)
     for name in quantized:
         if "sf" in out:
             out[f"ratio_decode_{name}_vs_sf"] = round(out[name]["decode_tok_s"] / out["sf"]["decode_tok_s"], 2)
@@ -384,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
     ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"])
+    ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"],
+                    help="contenders: hf, hf_static, sf, and on the CPU openvino, openvino_int8 (the openvino extra)")
     ap.add_argument("--compile-mode", default=None,
                     help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--backend", default="inductor",
@@ -406,6 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quantization:
         args.which = list(args.which) + [n for n in QUANTIZED if n not in args.which]
     device = check_device(args.device)
+    if not (args.mixed or args.memory):
+        openvino_peer.check(args.which, args.dtypes, device.type)
     if (args.mixed or args.memory) and device.type != "cpu":
         raise SystemExit("--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu.")
     global REF_DIR
