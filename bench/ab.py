@@ -77,13 +77,19 @@ def gemv_ms(dtype_name: str, rows: int = 81_250, cols: int = 512, repeats: int =
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
-    out = subprocess.run([sys.executable, "-c", CHILD, ref, dtype, str(batch), str(repeats)], env=env,
-                         capture_output=True, text=True, timeout=1800)
+def run_child(tree: str, script: str, args: list, **env) -> dict:
+    """Run `script` (Python source) in a fresh process importing `tree`'s `src/`, with `args` and extra
+    environment `env`; returns the JSON object its last line prints."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"), **env)
+    out = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
+                         timeout=1800)
     if out.returncode:
         raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
+    return run_child(tree, CHILD, [ref, dtype, batch, repeats])
 
 
 def main() -> None:

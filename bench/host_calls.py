@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from ab import run_child  # noqa: E402
 
 CHILD = r"""
 import cProfile, json, pstats, sys, torch
@@ -44,14 +48,9 @@ print(json.dumps({"prefill_calls": c1, "decode_step_calls": (c41 - c9) / 32}))
 
 
 def count(tree: str, batch: int, backend: str, work: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.join(tree, "src"),
-               STATICFORMERS_CACHE=os.path.join(work, "cache-" + os.path.basename(os.path.abspath(tree))))
-    folder = os.path.join(work, f"tiny-{os.path.basename(os.path.abspath(tree))}")
-    out = subprocess.run([sys.executable, "-c", CHILD, folder, os.path.join(tree, "tests"), str(batch), backend],
-                         env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    name = os.path.basename(os.path.abspath(tree))
+    return run_child(tree, CHILD, [os.path.join(work, f"tiny-{name}"), os.path.join(tree, "tests"), batch, backend],
+                     STATICFORMERS_CACHE=os.path.join(work, "cache-" + name))
 
 
 def main() -> None:

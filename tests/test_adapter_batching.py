@@ -14,6 +14,8 @@ from staticformers.api.generate import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 
+from loop_driver import run_loop
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 EAGER = CompileConfig(backend="eager")
@@ -49,18 +51,6 @@ def solo(path, adapter, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def run(loop, arrivals):
-    out, step = {}, 0
-    while arrivals or not loop.idle:
-        for r in arrivals.pop(step, []):
-            loop.add(r)
-        for event in loop.step():
-            assert event.error is None, event.error
-            out.setdefault(event.request_id, []).append(event.token)
-        step += 1
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_checkpoints, tmp_path_factory):
     path = tiny_checkpoints("qwen3")
@@ -92,19 +82,19 @@ def test_a_mixed_batch_gives_each_row_its_own_models_tokens_and_compiles_nothing
              0: solo(path, folders["c"], rows[2], 5)}
     counters.clear()  # the solo runs above compile their own models' graphs
     loop = GenerationLoop(engine, settings)
-    got = run(loop, {0: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in range(4)],
+    got = run_loop(loop, {0: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in range(4)],
                      3: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in (4, 5)]})
     assert got == expected
     assert counters["stats"]["unique_graphs"] == 0
 
     # another adapter of rank <= the bank's, put into a free slot: in place, nothing compiles
     bank.load("c", folders["c"])
-    got = run(GenerationLoop(engine, settings), {0: [GenerationRequest(rows[0], 6, request_id="c", adapter="c"),
+    got = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest(rows[0], 6, request_id="c", adapter="c"),
                                                      GenerationRequest(rows[1], 6, request_id="b", adapter="b")]})
     assert got == {"c": later["c"], "b": later["b"]}
     # loaded over named adapter "a" (same modules, same rank): its tensors and its bank slot, in place
     model.load_adapter(folders["c"], adapter_name="a")
-    got = run(GenerationLoop(engine, settings), {0: [GenerationRequest(rows[2], 5, request_id=0, adapter="a")]})
+    got = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest(rows[2], 5, request_id=0, adapter="a")]})
     assert got == {0: later[0]}
     assert counters["stats"]["unique_graphs"] == 0
 

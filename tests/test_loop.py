@@ -16,6 +16,8 @@ from staticformers.generation.loop import GenerationLoop, GenerationRequest
 from staticformers.generation.plan import PlanError
 from staticformers.generation.sampling import SamplingParams
 
+from loop_driver import run_loop
+
 transformers = pytest.importorskip("transformers")
 
 EAGER = CompileConfig(backend="eager")
@@ -31,21 +33,6 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def prompts(lengths, seed=0, vocab=128):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def run_loop(loop: GenerationLoop, arrivals: dict) -> dict:
-    """Step the loop; `arrivals[step]` is a list of requests added before that step. Returns id -> tokens."""
-    out: dict = {}
-    step = 0
-    while arrivals or not loop.idle:
-        for request in arrivals.pop(step, []):
-            loop.add(request)
-        for event in loop.step():
-            assert event.error is None, event.error
-            out.setdefault(event.request_id, []).append(event.token)
-        step += 1
-        assert step < 10_000
-    return out
 
 
 @pytest.fixture(scope="module")

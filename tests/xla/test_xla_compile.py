@@ -22,6 +22,7 @@ from staticformers.generation.generation_config import GenerationConfig  # noqa:
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402
 from staticformers.generation.sampling import SamplingParams  # noqa: E402
 
+from loop_driver import run_loop  # noqa: E402
 from xla_support import PLAN  # noqa: E402
 
 
@@ -52,19 +53,6 @@ def schedule(seed: int, n: int = 50) -> dict:
     return arrivals
 
 
-def run(loop, arrivals: dict) -> dict:
-    out: dict = {}
-    step = 0
-    while arrivals or not loop.idle:
-        for request in arrivals.pop(step, []):
-            loop.add(request)
-        for event in loop.step():
-            assert event.error is None, event.error
-            out.setdefault(event.request_id, []).append(event.token)
-        step += 1
-    return out
-
-
 @pytest.fixture
 def loop(xla_models):
     model, _, _ = xla_models("qwen3")
@@ -73,9 +61,9 @@ def loop(xla_models):
 
 
 def test_fifty_mixed_requests_compile_nothing_once_warm(loop):
-    warm = run(loop, schedule(seed=1))
+    warm = run_loop(loop, schedule(seed=1))
     before = runtime.counters()
-    out = run(loop, schedule(seed=2))
+    out = run_loop(loop, schedule(seed=2))
     grown = runtime.counters() - before
     assert len(warm) == len(out) == 50
     assert grown.uncached_compiles == 0, grown
