@@ -189,15 +189,13 @@ def test_responses_function_calls_parse(server, tok):
 # ---------------------------------------------------------------------------------------------
 def test_the_plan_is_precompiled_by_default_on_neuron_and_xla_only():
     import argparse
-    from types import SimpleNamespace
 
     from staticformers.backends import for_device
     from staticformers.commands.serve import add_arguments
     from staticformers.serving.server import precompiles
 
     def warm(kind, **flags):
-        engine = SimpleNamespace(backend=for_device(kind))
-        return precompiles(engine, ServeOptions(model="m", **flags))
+        return precompiles(for_device(kind), ServeOptions(model="m", **flags))
 
     assert [warm(k) for k in ("neuron", "xla", "cpu", "cuda")] == [True, True, False, False]
     assert not warm("neuron", precompile=False) and warm("cpu", precompile=True)

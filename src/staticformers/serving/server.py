@@ -136,13 +136,13 @@ class PrecompileBar:
         self.bar.close()
 
 
-def precompiles(engine, options: ServeOptions) -> bool:
+def precompiles(backend, options: ServeOptions) -> bool:
     """Whether the server compiles its plan before traffic: `--precompile` / `--no-precompile`, else the
     device's default (`Backend.precompile_by_default`: Neuron and XLA, whose first request would otherwise
     pay a compile)."""
     if options.no_compile:
         return False
-    return options.precompile if options.precompile is not None else bool(engine.backend.precompile_by_default)
+    return options.precompile if options.precompile is not None else bool(backend.precompile_by_default)
 
 
 def build_loop(model, options: ServeOptions, progress=None, plan=None):
@@ -157,7 +157,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
                                 CompileConfig(backend=options.backend))
-    if precompiles(engine, options) and settings.enabled:
+    if precompiles(engine.backend, options) and settings.enabled:
         engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
     return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
 
@@ -292,8 +292,7 @@ def _precompile_bar(model, plan, options: ServeOptions) -> Optional[PrecompileBa
     (`--no-precompile`, or the device's default; `--no-compile`)."""
     from ..backends import for_device
 
-    warm = options.precompile if options.precompile is not None else for_device(model.device).precompile_by_default
-    if not warm or options.no_compile:
+    if not precompiles(for_device(model.device), options):
         return None
     return PrecompileBar(plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0))
 
@@ -390,7 +389,7 @@ def compile_note(options: ServeOptions, loop) -> Optional[str]:
     """What a server that did not precompile will do on its first requests (they wait while their shapes
     compile), or None when nothing compiles while serving."""
     plan = loop.plan
-    if options.no_compile or precompiles(loop.engine, options):
+    if options.no_compile or precompiles(loop.engine.backend, options):
         return None
     return (f"the shape plan ({plan.num_shapes} shapes at most) was not compiled ahead: a request whose shape is "
             f"new waits while it compiles (tens of seconds on a CPU); --precompile compiles them all before serving")
