@@ -114,15 +114,20 @@ class _Row:
     generated: int = 0
     last: int = 0  # the last token, fed to the next decode step
     cancelled: bool = False
+    tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
 
 
 class GenerationLoop:
     """Continuous batching over the slots of the engine's static caches (see the module docstring)."""
 
     def __init__(self, engine: Engine, settings: CompileSettings, plan: Optional[ShapePlan] = None,
-                 max_batch_size: Optional[int] = None):
+                 max_batch_size: Optional[int] = None, speculator=None):
         self.engine, self.settings = engine, settings
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
+        # speculative decoding (`speculative/step.py`): its verify step replaces the decode step
+        self.speculator = speculator
+        if speculator is not None:
+            self.plan = speculator.plan_for(self.plan)
         largest = self.plan.batch_sizes[-1]
         self.max_slots = min(int(max_batch_size), largest) if max_batch_size else largest
         self.vocab = engine.model.config.vocab_size
@@ -162,6 +167,8 @@ class GenerationLoop:
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
         need = self.plan.positions_needed(len(prompt), n)
+        if self.speculator is not None:
+            need = self.speculator.need(need, self.plan)
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)
         return need, slot
@@ -241,7 +248,10 @@ class GenerationLoop:
                 self._admit()
                 self._last_was_prefill = True
             elif self.rows:
-                self._decode()
+                if self.speculator is not None:
+                    self.speculator.decode(self)
+                else:
+                    self._decode()
                 self._last_was_prefill = False
             self._maybe_shrink()
         except Exception as exc:  # whatever broke, the requests it touched end with it and the loop starts clean
@@ -409,6 +419,7 @@ class GenerationLoop:
         index = row.generated
         row.generated += 1
         row.last = token
+        row.tokens.append(token)
         params = row.request.sampling
         reason = None
         if token in params.eos_token_ids and row.generated > params.min_new_tokens:
@@ -452,6 +463,8 @@ class GenerationLoop:
                 kv > self.cache.max_length:
             return
         if not self.engine.warm("decode", batch, kv, self.settings):
+            return
+        if self.speculator is not None and not self.speculator.warm(self.engine, batch, kv, self.settings):
             return
         slots = sorted(self.rows)
         self._move(batch, kv, slots, list(range(len(slots))))
