@@ -27,6 +27,7 @@ from ..generation.engine import CompileSettings, Engine
 from ..generation.loop import GenerationLoop, GenerationRequest
 from ..generation.plan import ShapePlan
 from ..generation.sampling import SamplingParams
+from .speculative import SPECULATIVE_ARGUMENTS, speculator_from_generate
 
 logger = logging.getLogger("staticformers")
 
@@ -238,7 +239,9 @@ def generate(
     `shape_plan` replaces the plan for this call; `seed` (row i of the batch samples with seed + i) or
     `generator` (shared by the rows) makes sampling reproducible. `adapter_names` (PEFT's): one adapter
     name per row ("__base__": none), the rows batched together over stacked adapter weights
-    (`adapter_bank.py`).
+    (`adapter_bank.py`). Speculative decoding, with transformers' names: `prompt_lookup_num_tokens=k`
+    (and `max_matching_ngram_size`), or `assistant_model=draft` with `num_assistant_tokens=k`
+    (`speculative.py`); greedy output is the output without it, sampling keeps its distribution.
     """
     if inputs is not None and input_ids is not None:
         raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
@@ -250,7 +253,10 @@ def generate(
     if kwargs.pop("output_scores", False):
         raise ValueError("output_scores=True (the processed scores) is not available here: pass output_logits=True "
                          "with return_dict_in_generate=True for the unprocessed logits of each step.")
+    speculative = {key: kwargs.pop(key) for key in SPECULATIVE_ARGUMENTS if key in kwargs}
     config = merged_config(model, generation_config, kwargs)
+    speculator = speculator_from_generate(  # speculative.py; the draft compiles as the model does
+        model, speculative, lambda draft: (engine_for(draft), compile_settings(draft, config, compile_config)))
     engine = engine_for(model)
     ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
     if config.cache_implementation not in (None, "static"):
@@ -275,10 +281,12 @@ def generate(
         raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
     new: list[list[int]] = [[] for _ in prompts]
     step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    with engine.lock:
+    draft_lock = speculator.proposer.engine.lock if speculator is not None and hasattr(speculator.proposer, "engine") \
+        else contextlib.nullcontext()
+    with engine.lock, draft_lock:
         if adapter_names is not None:
             bank_for_names(model, adapter_names)
-        loop = GenerationLoop(engine, settings, plan)
+        loop = GenerationLoop(engine, settings, plan, speculator=speculator)
         for request in requests:  # every request is checked before any device work
             loop.validate(request)
         engine.check_weights()

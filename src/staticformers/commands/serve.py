@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shard the model over N ranks (run under torchrun --nproc_per_node=N)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
     p.add_argument("--no-compile", action="store_true", help="run the steps eagerly")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, with vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                        "\"prompt_lookup_max\": 4}' (prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' "
+                        "(a draft model sharing the tokenizer)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="PEFT LoRA adapters served beside the base model, unmerged: a request whose `model` is NAME "
                         "uses that adapter; one batch mixes rows of every adapter and of none")
@@ -128,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty, which would leave the server open to anyone: pass a key, or leave the "
                          "flag out to serve without one.")
+    if args.speculative_config is not None:
+        from ..api.speculative import parse_speculative_config
+
+        parse_speculative_config(args.speculative_config)  # refused before anything loads
+        if args.tensor_parallel_size > 1:
+            raise ValueError("--speculative-config with --tensor-parallel-size > 1 is not supported: serve in one process.")
     if args.grace < 0:
         raise ValueError(f"--grace {args.grace} must be 0 or more seconds.")
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
@@ -143,5 +153,6 @@ def run(args: argparse.Namespace) -> int:
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
                            max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
                            enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
-                           precompile_prompt_logprobs=args.precompile_prompt_logprobs)
+                           precompile_prompt_logprobs=args.precompile_prompt_logprobs,
+                           speculative_config=args.speculative_config)
     return serve(options)

@@ -85,6 +85,7 @@ class EngineThread:
         self._sinks: dict[Any, Sink] = {}
         self._stop = False
         self._graphs = loop.engine.graph_count()
+        self._spec: dict = {}  # speculative decoding's counters as last reported
         if metrics is not None and self._graphs:  # "since start": what --precompile compiled counts too
             metrics.graphs.inc(self._graphs)
         self.thread = threading.Thread(target=self._run, name="staticformers-engine", daemon=True)
@@ -215,6 +216,12 @@ class EngineThread:
             if graphs > self._graphs:
                 m.graphs.inc(graphs - self._graphs)
             self._graphs = graphs
+            spec = self.loop.speculator
+            if spec is not None:  # counters since start: add what the loop counted since the last events
+                for counter, total, key in ((m.spec_draft_tokens, spec.num_draft_tokens, "draft"),
+                                            (m.spec_accepted_tokens, spec.num_accepted_tokens, "accepted")):
+                    counter.inc(total - self._spec.get(key, 0))
+                    self._spec[key] = total
 
 
 __all__ = ["EngineThread", "Sink", "Command", "QueueFull", "Draining", "EngineFailed"]

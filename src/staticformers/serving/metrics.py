@@ -59,6 +59,10 @@ class ServerMetrics:
         self.padding = gauge("num_slots_padding", "Slots of the current decode batch that carry no request.")
         self.graphs = counter("graphs_compiled_total", "Graphs compiled (or loaded from the on-disk cache) since start, "
                                                        "precompiling included.")
+        # speculative decoding (--speculative-config): tokens proposed, and those the target accepted
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Proposed tokens the target accepted.")
         self._families = {
             "ttft": histogram("time_to_first_token_seconds", "Arrival to the first token, per request."),
             "itl": histogram("inter_token_latency_seconds", "Time between two tokens of one request."),

@@ -58,6 +58,7 @@ class ServeOptions:
     lora_root: Optional[str] = None  # the folder run-time loads must come from (None: every path refused)
     precompile_prompt_logprobs: bool = False  # the warm-up also compiles the scoring prefills (echo with logprobs)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
+    speculative_config: Optional[object] = None  # vLLM's --speculative-config: a JSON object (str) or a dict
 
 
 def sampling_defaults(model) -> dict:
@@ -154,12 +155,35 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     from ..generation.loop import GenerationLoop
 
     plan = plan or serving_plan(model, options)
+    config = GenerationConfig(disable_compile=options.no_compile)
+    compile_config = CompileConfig(backend=options.backend)
+    speculator = speculative(model, options, config, compile_config)
+    if speculator is not None:
+        plan = speculator.plan_for(plan)  # its verify step is a shape of the plan, precompiled with the rest
     engine = engine_for(model, plan)
-    settings = compile_settings(model, GenerationConfig(disable_compile=options.no_compile),
-                                CompileConfig(backend=options.backend))
+    settings = compile_settings(model, config, compile_config)
     if precompiles(engine.backend, options) and settings.enabled:
         engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
-    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
+        draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
+        if draft is not None:
+            draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
+    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size, speculator=speculator)
+
+
+def speculative(model, options: ServeOptions, config, compile_config):
+    """The loop's `Speculator` from `--speculative-config` (its draft model loaded like the model), or None."""
+    if options.speculative_config is None:
+        return None
+    from ..api.auto import from_pretrained
+    from ..api.generate import compile_settings, engine_for
+    from ..api.speculative import parse_speculative_config, speculator_from_config
+
+    parsed = parse_speculative_config(options.speculative_config)
+    draft = None
+    if parsed["model"] is not None:
+        draft = from_pretrained(parsed["model"], dtype=options.dtype, device_map=str(model.device))
+    return speculator_from_config(model, parsed, lambda d: (engine_for(d), compile_settings(d, config, compile_config)),
+                                  draft)
 
 
 def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):

@@ -38,19 +38,6 @@ from .acceptance import verify
 logger = logging.getLogger("staticformers")
 
 
-def with_extend(plan: ShapePlan, width: int) -> ShapePlan:
-    """`plan` with the extend width `(width, width)` (every position's logits) added."""
-    widths = tuple(getattr(plan, "extend_widths", ()) or ())
-    if (width, width) in widths:
-        return plan
-    requested = dict(plan._requested)
-    if plan.bound:  # keep the buckets it was completed with
-        requested.update(prompt_lengths=plan.prompt_lengths, kv_lengths=plan.kv_lengths,
-                         max_model_len=plan.max_model_len, batch_sizes=plan.batch_sizes)
-    requested["extend_widths"] = widths + ((width, width),)
-    return ShapePlan(**requested)
-
-
 class Speculator:
     """Speculative decoding for one loop (see the module docstring); `proposer`: a `PromptLookup` or a
     `DraftModel`, which knows its k."""
@@ -69,7 +56,8 @@ class Speculator:
 
     # ---- what the loop asks before it runs ----------------------------------------------------------
     def plan_for(self, plan: ShapePlan) -> ShapePlan:
-        return with_extend(plan, self.width)
+        """`plan` with the verify step's extend width `(k+1, k+1)` (every position's logits)."""
+        return plan.with_extend_widths((self.width, self.width))
 
     def need(self, need: int, plan: ShapePlan) -> int:
         """A row's cache positions with speculation: k more, up to the plan's largest KV length."""
@@ -78,7 +66,7 @@ class Speculator:
     def warm(self, engine, batch: int, kv: int, settings) -> bool:
         """Whether a batch may move to `(batch, kv)` without compiling: its verify step is built, and the
         proposer's own steps."""
-        return engine.warm(("extend", self.width, self.width), batch, kv, settings) and \
+        return engine.warm("extend", batch, (kv, self.width, self.width), settings) and \
             self.proposer.warm(batch, kv)
 
     # ---- the step --------------------------------------------------------------------------------
@@ -112,7 +100,7 @@ class Speculator:
         try:
             with torch.no_grad():
                 argmax, logits = loop.engine.extend(loop.settings, cache, tokens.to(device), positions.to(device),
-                                                    keep.to(device), adapters)
+                                                    keep.to(device), adapters, plan=loop.plan)
                 if len(slots) != cache.batch:
                     index = torch.tensor(slots, dtype=torch.long).to(device)
                     argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
@@ -155,4 +143,4 @@ class Speculator:
         return loop._to_host(choice)
 
 
-__all__ = ["Speculator", "with_extend"]
+__all__ = ["Speculator"]
