@@ -130,8 +130,10 @@ class DraftModel:
         previous = feed[:, 0]
         with torch.no_grad():
             for j in range(span):
-                inputs = torch.where(fed[:, j], feed[:, j], previous).view(batch, 1).contiguous()
-                argmax, logits = self.engine.decode(self.settings, self.cache, inputs, positions[:, j:j + 1].contiguous())
+                # fresh tensors of standard strides, as the warm-up's (a view's strides would miss its guards)
+                inputs = torch.where(fed[:, j], feed[:, j], previous).view(batch, 1).clone(memory_format=torch.contiguous_format)
+                at = positions[:, j:j + 1].clone(memory_format=torch.contiguous_format)
+                argmax, logits = self.engine.decode(self.settings, self.cache, inputs, at)
                 chosen = argmax
                 if sampling:
                     mine = logits.index_select(0, index).float()
