@@ -39,7 +39,7 @@ def test_speculative_serving_answers_as_without_and_counts_tokens(folder, method
     tok = AutoTokenizer.from_pretrained(folder)
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram" else \
         {"model": folder, "num_speculative_tokens": 2}  # the model as its own draft: every proposal accepted
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2, max_model_len=64,
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=1, max_model_len=64,
                         precompile=True, speculative_config=config)
     loop = build_loop(model, opts)
     graphs = engine_for(model).graph_count()
