@@ -54,7 +54,8 @@ def run(model, settings, requests: dict, speculator=None, plan=None) -> dict:
 def test_lookup_proposes_what_followed_the_latest_longest_ngram():
     history = [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3]
     assert lookup(history, 2, max_ngram=3) == [7, 5]  # "2 3" last followed by 7 5 (the 3-gram "5 2 3" never occurred)
-    assert lookup(history, 9, max_ngram=3) == [7, 5, 2, 3]  # up to the end of the history
+    assert lookup(history, 9, max_ngram=3) == [9, 1, 2, 3, 7, 5, 2, 3]  # none followed by 9: the first, to the end
+    assert lookup([6, 6, 6, 6, 6], 2) == [6, 6]  # in a run: the latest occurrence that two tokens follow
     assert lookup([4, 5, 6], 3) == []
     assert lookup([4, 5, 4], 3, max_ngram=1) == [5, 4]
     assert lookup(history, 2, max_ngram=3, min_ngram=3) == []

@@ -8,8 +8,9 @@ per batch bucket and KV length, for no fewer host reads: the proposals feed the 
 which are made on the host anyway.
 
 The match follows transformers' `prompt_lookup_num_tokens` and vLLM's `ngram` method: try the longest
-n-gram first (`max_ngram` down to `min_ngram`); the proposal is the up-to-k tokens after its latest
-earlier occurrence.
+n-gram first (`max_ngram` down to `min_ngram`); the proposal is the k tokens after its latest earlier
+occurrence that k tokens follow, else the tokens after its first occurrence (inside a run of one
+repeated token, the latest occurrence is the suffix's neighbour, followed by one token only).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np
 
 
 def lookup(history: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of `history`'s last n tokens (the
-    longest n in `max_ngram..min_ngram` that occurs); [] when none does."""
+    """Up to `k` tokens that followed an earlier occurrence of `history`'s last n tokens (the longest n in
+    `max_ngram..min_ngram` that occurs; the module docstring says which occurrence); [] when none does."""
     if k < 1:
         return []
     seq = np.asarray(history, dtype=np.int64)
@@ -32,7 +33,8 @@ def lookup(history: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 
         windows = np.lib.stride_tricks.sliding_window_view(seq[:size - 1], n)
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= size]  # occurrences followed by k tokens
+            start = int(full[-1] if full.size else hits[0]) + n
             return seq[start:start + k].tolist()
     return []
 

@@ -1,0 +1,188 @@
+"""Speculative decoding on the reference model: decode tokens/s without speculation, with prompt lookup and
+with a draft model, batch 1 and 8, the same run, interleaved A B A B; acceptance reported.
+
+The reference checkpoint (bench/reference.py, 41.6M parameters, float32) has random weights. Prompts are
+extractive in shape: a document of random tokens, then a span of it as the question (a model that answers
+by copying continues the span). The draft is the target's first `--draft-layers` layers with its
+embedding, final norm and head (a layer-skipping draft that needs no training and shares the tokenizer;
+the run says how often the target agreed with it). Every mode's greedy tokens are checked equal to the
+mode without speculation. Prints one JSON object (written to `--out` as well): per batch and mode, time
+to first token, decode tokens/s (after the first token), the ratio to no speculation, proposed and
+accepted tokens and the acceptance rate, verify steps, graphs compiled while timed (0 expected), the
+host-side cost of the n-gram search, and /proc/pressure/cpu before and after.
+
+    python bench/speculative.py --batches 1 8 --repeats 2 --out bench/results/speculative.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
+
+from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan  # noqa: E402
+from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
+from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
+from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402
+from staticformers.generation.speculative.draft import DraftModel  # noqa: E402
+from staticformers.generation.speculative.prompt_lookup import PromptLookup, lookup  # noqa: E402
+from staticformers.generation.speculative.step import Speculator  # noqa: E402
+
+
+def extractive_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of `length` tokens: a random document, then 16 of its tokens from its middle."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batch):
+        doc = torch.randint(10, vocab, (length - 16,), generator=gen).tolist()
+        start = len(doc) // 3
+        out.append(doc + doc[start:start + 16])
+    return out
+
+
+def layer_draft(ref_dir: str, layers: int):
+    """The reference's first `layers` layers, its embedding, norm and head: a draft sharing the tokenizer."""
+    from staticformers import AutoConfig
+
+    target = AutoModelForCausalLM.from_pretrained(ref_dir)
+    cfg = AutoConfig.for_model("qwen3", **{**SIZES["41m"], "num_hidden_layers": layers})
+    draft = AutoModelForCausalLM.from_config(cfg)
+    missing, _ = draft.load_state_dict(target.state_dict(), strict=False)
+    assert not missing, missing
+    return draft.eval()
+
+
+def run_once(model, settings, plan, prompts: list, new: int, speculator=None) -> dict:
+    """One generation of `prompts`: its tokens, time to first token and decode seconds."""
+    loop = GenerationLoop(engine_for(model), settings, plan, speculator=speculator)
+    for i, p in enumerate(prompts):
+        loop.add(GenerationRequest(p, new, request_id=i))
+    tokens: dict = {}
+    start = time.perf_counter()
+    first = None
+    while not loop.idle:
+        for event in loop.step():
+            assert event.error is None, event.error
+            tokens.setdefault(event.request_id, []).append(event.token)
+        if first is None and len(tokens) == len(prompts):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"tokens": [tokens[i] for i in range(len(prompts))], "ttft": first - start, "decode": end - first}
+
+
+def lookup_cost_us(prompts: list, k: int, max_ngram: int) -> float:
+    """The host-side n-gram search per row and step, in microseconds (median over the prompts)."""
+    times = []
+    for p in prompts:
+        history = p + p[:64]
+        start = time.perf_counter()
+        for _ in range(100):
+            lookup(history, k, max_ngram)
+        times.append((time.perf_counter() - start) / 100 * 1e6)
+    return round(statistics.median(times), 1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="proposed tokens per step (num_speculative_tokens)")
+    ap.add_argument("--ngram", type=int, default=4, help="prompt_lookup_max")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
+    ap.add_argument("--modes", nargs="+", default=["none", "lookup", "draft"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), "k": args.k, "ngram": args.ngram,
+              "prompt": args.prompt, "new": args.new, "draft_layers": args.draft_layers,
+              "note": "machine shared with other work; see pressure_before/after", "cases": []}
+    ref_dir = build_reference(reference_dir())
+    model = AutoModelForCausalLM.from_pretrained(ref_dir)
+    draft = layer_draft(ref_dir, args.draft_layers)
+    config = GenerationConfig()
+    cc = CompileConfig(backend=args.backend)
+    settings = compile_settings(model, config, cc)
+    draft_settings = compile_settings(draft, config, cc)
+    kv = 1 << (args.prompt + args.new + args.k).bit_length()
+    plan = ShapePlan(batch_sizes=sorted(set(args.batches)), prompt_lengths=[args.prompt], kv_lengths=[kv],
+                     max_model_len=kv, extend_widths=[(args.k + 1, args.k + 1)])
+    report["plan"] = str(plan)
+    report["compile_backend"] = settings.label
+    vocab = model.config.vocab_size
+
+    def speculator(mode: str):
+        if mode == "lookup":
+            return Speculator(PromptLookup(args.k, max_ngram=args.ngram))
+        if mode == "draft":
+            return Speculator(DraftModel(engine_for(draft), draft_settings, args.k))
+        return None
+
+    engines = [engine_for(model), engine_for(draft)]
+    for batch in args.batches:
+        prompts = extractive_prompts(batch, args.prompt, vocab, seed=batch)
+        case = {"batch": batch, "lookup_host_us_per_row_step": lookup_cost_us(prompts, args.k, args.ngram)}
+        start = time.perf_counter()
+        reference = None
+        with torch.no_grad():
+            for mode in args.modes:  # warm-up: compiles every shape the mode uses
+                out = run_once(model, settings, plan, prompts, args.new, speculator(mode))
+                if mode == "none":
+                    reference = out["tokens"]
+        case["warmup_seconds"] = round(time.perf_counter() - start, 1)
+        rows = {mode: {"ttft": [], "decode": [], "drafted": 0, "accepted": 0, "steps": 0, "graphs": 0}
+                for mode in args.modes}
+        for _ in range(args.repeats):  # interleaved A B A B
+            for mode in args.modes:
+                spec = speculator(mode)
+                before = sum(e.graph_count() for e in engines)
+                with torch.no_grad():
+                    out = run_once(model, settings, plan, prompts, args.new, spec)
+                r = rows[mode]
+                r["graphs"] += sum(e.graph_count() for e in engines) - before
+                r["ttft"].append(out["ttft"])
+                r["decode"].append(out["decode"])
+                if reference is not None:
+                    assert out["tokens"] == reference, f"{mode}: greedy tokens differ from no speculation"
+                if spec is not None:
+                    r["drafted"] += spec.num_draft_tokens
+                    r["accepted"] += spec.num_accepted_tokens
+                    r["steps"] += spec.num_steps
+        for mode, r in rows.items():
+            decode = statistics.median(r["decode"])
+            entry = {"ttft_ms": round(statistics.median(r["ttft"]) * 1000, 1),
+                     "decode_tok_s": round(batch * (args.new - 1) / decode, 1),
+                     "decode_runs_s": [round(x, 3) for x in r["decode"]], "graphs_while_timed": r["graphs"]}
+            if mode != "none":
+                entry.update(proposed=r["drafted"], accepted=r["accepted"], verify_steps=r["steps"],
+                             acceptance=round(r["accepted"] / max(r["drafted"], 1), 3),
+                             tokens_per_verify_row=round((r["accepted"] + r["steps"] * batch) / max(r["steps"] * batch, 1), 2))
+            case[mode] = entry
+        for mode in args.modes:
+            if mode != "none" and "none" in case:
+                case[f"ratio_{mode}_decode"] = round(case[mode]["decode_tok_s"] / case["none"]["decode_tok_s"], 2)
+        case["pressure_after"] = pressure()
+        report["cases"].append(case)
+        print(json.dumps(case), file=sys.stderr, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    report["pressure_after"] = pressure()
+    print(json.dumps(report, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
