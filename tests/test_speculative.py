@@ -275,3 +275,33 @@ def test_a_draft_with_a_larger_vocabulary_or_the_model_itself_is_refused(tiny_ch
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=model)
     with pytest.raises(ValueError, match="Pass prompt_lookup_num_tokens or assistant_model, not both"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, assistant_model=big, prompt_lookup_num_tokens=2)
+
+
+def test_lora_rows_of_one_batch_speculate_with_their_own_adapters(tiny_checkpoints):
+    """Rows of two adapters and of none, batched over the adapter bank: with prompt lookup, each row's
+    tokens equal its tokens without (the verify step routes every row through its own adapter)."""
+    from staticformers import LoraConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
+    for name, seed in (("a", 1), ("b", 2)):
+        torch.manual_seed(seed)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                     init_lora_weights=False), adapter_name=name)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(4.0)  # large enough that the adapters change the tokens
+    model.enable_adapter_batching(max_adapters=3)
+    settings = compile_settings(model, EAGER_RUN)
+    p = prompts()
+
+    def requests(names):
+        return {0: [GenerationRequest(p[0][:23], 12, request_id=0, adapter=names[0]),
+                    GenerationRequest(p[1], 12, request_id=1, adapter=names[1])],
+                1: [GenerationRequest(p[2][:23], 12, request_id=2, adapter=names[2])]}
+
+    expected = run(model, settings, requests(["a", "__base__", "b"]))
+    assert expected[0] != run(model, settings, requests(["b", "__base__", "a"]))[0]
+    spec = Speculator(PromptLookup(3))
+    assert run(model, settings, requests(["a", "__base__", "b"]), spec) == expected
+    assert spec.num_steps > 0 and spec.num_accepted_tokens > 0
