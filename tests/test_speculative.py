@@ -255,7 +255,7 @@ def test_generate_takes_transformers_names(tiny_checkpoints):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0 must be a positive integer"),
-    (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size="3"), r"prompt_lookup_max='3' must be a positive integer"),
+    (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size="3"), r"max_matching_ngram_size='3' must be a positive integer"),
     (dict(num_assistant_tokens=3), r"num_assistant_tokens needs an assistant_model"),
     (dict(max_matching_ngram_size=3), r"max_matching_ngram_size needs prompt_lookup_num_tokens"),
     (dict(assistant_model="a path"), r"assistant_model must be a staticformers model"),
@@ -305,3 +305,27 @@ def test_lora_rows_of_one_batch_speculate_with_their_own_adapters(tiny_checkpoin
     spec = Speculator(PromptLookup(3))
     assert run(model, settings, requests(["a", "__base__", "b"]), spec) == expected
     assert spec.num_steps > 0 and spec.num_accepted_tokens > 0
+
+
+def test_a_failing_draft_ends_its_rows_with_an_error_and_the_loop_goes_on(tiny_checkpoints):
+    """A draft step that raises fails the requests of that step (error events), as a failing decode step
+    does; the next request is served."""
+    path = tiny_checkpoints("llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    settings = compile_settings(model, EAGER_RUN)
+    proposer = DraftModel(engine_for(perturbed(path)), settings, 2)
+    loop = GenerationLoop(engine_for(model), settings, speculator=Speculator(proposer))
+    real = proposer.propose
+
+    def broken(**kwargs):
+        raise RuntimeError("draft broke")
+
+    proposer.propose = broken
+    loop.add(GenerationRequest(prompts()[0], 6, request_id="x"))
+    events = []
+    while not loop.idle:
+        events += loop.step()
+    assert events[-1].finish_reason == "error" and "draft broke" in str(events[-1].error)
+    proposer.propose = real
+    expected = run(model, settings, {0: [GenerationRequest(prompts()[1], 6, request_id="y")]})
+    assert run_loop(loop, {0: [GenerationRequest(prompts()[1], 6, request_id="y")]}) == expected

@@ -52,6 +52,8 @@ def speculator_from_generate(model, kwargs: dict, parts: Callable) -> Optional[S
     if k is not None:
         raise ValueError("num_assistant_tokens needs an assistant_model (or use prompt_lookup_num_tokens).")
     if lookup is not None:
+        if ngram is not None and (not isinstance(ngram, int) or isinstance(ngram, bool) or ngram < 1):
+            raise ValueError(f"max_matching_ngram_size={ngram!r} must be a positive integer.")
         return Speculator(PromptLookup(lookup, max_ngram=2 if ngram is None else ngram))
     if ngram is not None:
         raise ValueError("max_matching_ngram_size needs prompt_lookup_num_tokens.")

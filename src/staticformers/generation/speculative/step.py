@@ -80,7 +80,12 @@ class Speculator:
             return
         histories = [list(r.request.prompt) + r.tokens for r in rows]
         limits = [max(0, min(self.k, r.request.max_new_tokens - r.generated - 1)) for r in rows]
-        proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
+        try:
+            proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
+        except Exception as exc:  # a draft model's step failed: the rows of this step fail, as a decode's would
+            logger.exception("speculative proposals failed for %d request(s)", len(slots))
+            self._fail(loop, rows, exc)
+            return
         if not any(proposals):
             loop._decode()
             return
@@ -113,8 +118,7 @@ class Speculator:
                 choice = self._logprobs(loop, logits, slots, verdict)
         except Exception as exc:  # every running request was in this step
             logger.exception("speculative step failed for %d request(s)", len(slots))
-            loop._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in rows]
-            loop.rows.clear()
+            self._fail(loop, rows, exc)
             return
         if hasattr(self.proposer, "accepted"):
             self.proposer.accepted(rows, verdict.accepted)
@@ -127,6 +131,12 @@ class Speculator:
                     event.logits = logits[i, j].clone()
                 if event.finish_reason is not None:
                     break
+
+    @staticmethod
+    def _fail(loop, rows: list, exc: BaseException) -> None:
+        """End every running request with an error event (their slots are freed), as a failed decode does."""
+        loop._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in rows]
+        loop.rows.clear()
 
     @staticmethod
     def _logprobs(loop, logits: torch.Tensor, slots: list, verdict) -> Choice:
