@@ -281,8 +281,8 @@ def generate(
         raise ValueError(f"A streamer follows one sequence; this batch has {len(prompts)}: stream batch 1.")
     new: list[list[int]] = [[] for _ in prompts]
     step_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    draft_lock = speculator.proposer.engine.lock if speculator is not None and hasattr(speculator.proposer, "engine") \
-        else contextlib.nullcontext()
+    draft_engine = getattr(speculator.proposer, "engine", None) if speculator is not None else None
+    draft_lock = draft_engine.lock if draft_engine is not None else contextlib.nullcontext()
     with engine.lock, draft_lock:
         if adapter_names is not None:
             bank_for_names(model, adapter_names)
@@ -290,6 +290,8 @@ def generate(
         for request in requests:  # every request is checked before any device work
             loop.validate(request)
         engine.check_weights()
+        if draft_engine is not None:
+            draft_engine.check_weights()
         for request in requests:
             loop.add(request)
         if streamer is not None:
