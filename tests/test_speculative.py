@@ -211,7 +211,8 @@ def _exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torc
 def test_sampled_tokens_keep_the_targets_distribution_and_plain_acceptance_does_not(small_vocab, proposer,
                                                                                     monkeypatch):
     """1200 seeded requests: the 2nd and 3rd tokens (both verified) match the target's exact marginals
-    by a chi-square test (p > 0.001); the same draws with every proposal accepted do not (p < 1e-6)."""
+    by a chi-square test (p > 0.001), as sampling without speculation does; the same draws with every
+    proposal accepted do not (p < 1e-6)."""
     model, draft = small_vocab
     temperature, draws = 0.9, DRAWS
     prompt = [0, 1, 2, 3, 4, 5, 6, 7, 1, 3, 5, 7, 0, 2, 4, 6]  # every token occurs: lookup always proposes
@@ -219,18 +220,21 @@ def test_sampled_tokens_keep_the_targets_distribution_and_plain_acceptance_does_
     plan = ShapePlan(batch_sizes=[32], prompt_lengths=[16], kv_lengths=[32], max_model_len=32)
     settings = compile_settings(model, EAGER_RUN)
 
-    def sample():
+    def sample(speculate: bool = True):
         prop = PromptLookup(2) if proposer == "lookup" else \
             DraftModel(engine_for(draft), compile_settings(draft, EAGER_RUN), 2)
-        spec = Speculator(prop)
+        spec = Speculator(prop) if speculate else None
         requests = {0: [GenerationRequest(prompt, 4, request_id=i,
                                           sampling=SamplingParams(do_sample=True, temperature=temperature, seed=i))
                         for i in range(draws)]}
         out = run(model, settings, requests, spec, plan)
-        assert spec.num_draft_tokens >= draws
+        assert spec is None or spec.num_draft_tokens >= draws
         tokens = torch.tensor([out[i] for i in range(draws)])
         return [torch.bincount(tokens[:, j], minlength=VOCAB) for j in (1, 2)]
 
+    if proposer == "lookup":  # the oracle itself: sampling without speculation matches it
+        c1, c2 = sample(speculate=False)
+        assert _chi_square_p(c1, m1) > 1e-3 and _chi_square_p(c2, m2) > 1e-3
     c1, c2 = sample()
     assert _chi_square_p(c1, m1) > 1e-3 and _chi_square_p(c2, m2) > 1e-3
     monkeypatch.setattr(acceptance, "accept_rule", lambda p_d, q_d, u: torch.ones_like(u, dtype=torch.bool))

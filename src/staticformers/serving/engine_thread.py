@@ -216,7 +216,7 @@ class EngineThread:
             if graphs > self._graphs:
                 m.graphs.inc(graphs - self._graphs)
             self._graphs = graphs
-            spec = self.loop.speculator
+            spec = getattr(self.loop, "speculator", None)  # a loop without speculative decoding has none
             if spec is not None:  # counters since start: add what the loop counted since the last events
                 for counter, total, key in ((m.spec_draft_tokens, spec.num_draft_tokens, "draft"),
                                             (m.spec_accepted_tokens, spec.num_accepted_tokens, "accepted")):
