@@ -333,3 +333,41 @@ def test_a_failing_draft_ends_its_rows_with_an_error_and_the_loop_goes_on(tiny_c
     proposer.propose = real
     expected = run(model, settings, {0: [GenerationRequest(prompts()[1], 6, request_id="y")]})
     assert run_loop(loop, {0: [GenerationRequest(prompts()[1], 6, request_id="y")]}) == expected
+
+
+def test_rows_near_the_end_of_the_cache_decode_plainly_and_the_draft_catches_up(tiny_checkpoints):
+    """A row that fills its 64-position cache: the steps where it has fewer than k positions left are plain
+    decode steps for the batch. A draft that meets rows after plain steps prefills their prompts and
+    feeds what they generated since. Every token equals the loop's without speculation."""
+    path = tiny_checkpoints("llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    settings = compile_settings(model, EAGER_RUN)
+    plan = ShapePlan(batch_sizes=[2], prompt_lengths=[32, 64], kv_lengths=[64], max_model_len=64)
+    p = prompts()
+
+    def requests():
+        return {0: [GenerationRequest(p[1][:9] * 3 + p[1][:3], 34, request_id="full")],
+                2: [GenerationRequest(p[0][:20], 40, request_id="later")]}
+
+    expected = run(model, settings, requests(), plan=plan)
+    for proposer in (PromptLookup(3), DraftModel(engine_for(perturbed(path)), settings, 3)):
+        spec = Speculator(proposer)
+        loop = GenerationLoop(engine_for(model), settings, plan, speculator=spec)
+        assert loop.validate(GenerationRequest(p[1][:9] * 3 + p[1][:3], 34)) == 64  # 63 positions, + k capped
+        assert run_loop(loop, requests()) == expected
+        assert spec.num_steps > 0
+
+    # the draft meets rows that already generated 5 tokens without it: their prompts, then what they missed
+    proposer = DraftModel(engine_for(perturbed(path)), settings, 3)
+    spec = Speculator(proposer)
+    speculative, plain = spec.decode, {"left": 4}
+
+    def decode(loop):
+        if plain["left"]:
+            plain["left"] -= 1
+            return loop._decode()
+        return speculative(loop)
+
+    spec.decode = decode
+    assert run(model, settings, requests(), spec, plan) == expected
+    assert spec.num_accepted_tokens > 0

@@ -12,8 +12,9 @@ Design choices:
 - **Catching up.** A row that accepted every proposal holds one token the draft never ran (its last
   proposal), so it feeds two tokens before proposing; a step runs as many draft decode steps as its
   most behind row needs (k, or k+1), each row reading its proposals from the steps after its own
-  catch-up. Rows the target advanced further without the draft (plain decode steps near the end of
-  the cache) are prefilled again.
+  catch-up. A row new to the draft has its prompt prefilled (it fits the plan's prompt buckets, as the
+  target's prefill did) and feeds what it generated since; so does a row the target advanced without
+  the draft (plain decode steps near the end of the cache).
 - **Chained on the device.** A draft step's input is the previous step's output (or a catch-up token
   made on the host); the proposals cross to the host once, after the k steps.
 - **Sampling rows draw from q**, the draft's distribution after the row's temperature, top-k, top-p and
@@ -96,29 +97,32 @@ class DraftModel:
         """Up to `limits[i]` proposals per row and, when a row samples, q `[n, k, vocab]` (the target's vocab)."""
         self._follow(loop, slots)
         rows = [loop.rows[s] for s in slots]
-        fresh = [i for i, (row, h) in enumerate(zip(rows, histories))
-                 if id(row) not in self.known or len(h) - self.known[id(row)].length > 2]
-        if fresh:  # the tokens already in the target's row, into the same slot of the draft's cache
+        fresh = [i for i, row in enumerate(rows) if id(row) not in self.known]
+        if fresh:  # the prompt into the same slot of the draft's cache (the tokens after it are fed below)
             with torch.no_grad():
-                self.engine.prefill(self.settings, [histories[i][:-1] for i in fresh], self.cache,
+                self.engine.prefill(self.settings, [rows[i].request.prompt for i in fresh], self.cache,
                                     [slots[i] for i in fresh], self.plan)
             for i in fresh:
-                self.known[id(rows[i])] = _State(rows[i], slots[i], len(histories[i]) - 1)
+                self.known[id(rows[i])] = _State(rows[i], slots[i], len(rows[i].request.prompt))
         states = [self.known[id(r)] for r in rows]
         for st, h in zip(states, histories):
             st.fed = len(h) - st.length
         span = max((st.fed - 1 + m for st, m in zip(states, limits) if m > 0), default=0)
         if span == 0:
             return [[] for _ in rows], None
+        for st in states:  # a row with nothing to propose feeds what fits in the others' steps
+            st.fed = min(st.fed, span)
         batch = self.cache.batch
         feed = torch.zeros(batch, span, dtype=torch.long)
         fed = torch.zeros(batch, span, dtype=torch.bool)
         positions = torch.arange(span).repeat(batch, 1)
         for slot, st, h in zip(slots, states, histories):
-            n = min(st.fed, span)
-            feed[slot, :n] = torch.as_tensor(h[st.length:st.length + n], dtype=torch.long)
-            fed[slot, :n] = True
+            feed[slot, :st.fed] = torch.as_tensor(h[st.length:st.length + st.fed], dtype=torch.long)
+            fed[slot, :st.fed] = True
             positions[slot] += st.length
+        # a row past its own proposals keeps running (its outputs unused): clamped into the cache, where its
+        # real positions never reach (each is at most length + k - 1 < K - 1, the verify's own bound)
+        positions.clamp_(max=self.cache.max_length - 1)
         device = self.engine.model.device
         sampler = loop.sampler
         t = sampler._table(tuple(slots))
