@@ -130,13 +130,16 @@ class DraftModel:
         vocab = loop.vocab
         index = torch.tensor(slots, dtype=torch.long).to(device)
         outs, qs = [], []
-        feed, fed, positions = feed.to(device), fed.to(device), positions.to(device)
-        previous = feed[:, 0]
+        previous = None
         with torch.no_grad():
             for j in range(span):
-                # fresh tensors of standard strides, as the warm-up's (a view's strides would miss its guards)
-                inputs = torch.where(fed[:, j], feed[:, j], previous).view(batch, 1).clone(memory_format=torch.contiguous_format)
-                at = positions[:, j:j + 1].clone(memory_format=torch.contiguous_format)
+                # each step's inputs made on the host, of standard strides, as the warm-up's (a lazily traced
+                # device would compile a graph per column index; a view's strides would miss the guards);
+                # a row past its catch-up takes the previous step's output, on the device
+                fed_j = fed[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                feed_j = feed[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                at = positions[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                inputs = feed_j if previous is None else torch.where(fed_j, feed_j, previous.view(batch, 1))
                 argmax, logits = self.engine.decode(self.settings, self.cache, inputs, at)
                 chosen = argmax
                 if sampling:
