@@ -7,8 +7,7 @@ Design choices:
   lengths (`plan_for`); its proposals come from its own `[B, 1]` decode graph.
 - **Its rows mirror the target's slots.** Its cache has the target batch's shape `(B, K)`; a row's
   draft keys and values sit in the row's target slot. When the target batch moves to another shape,
-  the draft's rows are copied along (`KVCache.copy_rows`); a row the draft has not seen yet is
-  prefilled with the tokens in its target row.
+  the draft's rows are copied along (`KVCache.copy_rows`).
 - **Catching up.** A row that accepted every proposal holds one token the draft never ran (its last
   proposal), so it feeds two tokens before proposing; a step runs as many draft decode steps as its
   most behind row needs (k, or k+1), each row reading its proposals from the steps after its own
