@@ -25,7 +25,7 @@ step. Design choices:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
