@@ -116,16 +116,19 @@ class CPUStepBuilder(StepBuilder):
         regions: its own `prepare` and layer regions, and a kept-position head that every K shares."""
         kv, tokens, kept = dim
         backend = self.backend
+        # the head is a GEMM like the step's linears: over several kept rows a reduction per weight row
+        # (decode's head at small batches) is slower than the GEMM (BENCHMARKS.md, speculative decoding)
+        head = ops.linears
 
         def compile_one(fn, label):
             return backend.compile_one(fn, label, (batch, tokens), settings, precompile=True)
 
-        head_key = ("extend_head", batch, tokens, kept, ops.head_linear, settings)
+        head_key = ("extend_head", batch, tokens, kept, head, settings)
         if head_key not in self.shared:
-            label = f"extend_head_b{batch}_t{tokens}_n{kept}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
+            label = f"extend_head_b{batch}_t{tokens}_n{kept}{'_' + head if head else ''}_{settings.backend}"
             self.shared[head_key] = compile_one(kept_head_region, label)
         return RegionalExtend(self.model, context.cache(batch, kv), name, compile_one, self.shared[head_key],
-                              CPUOps(None, None, ops.head_linear), ops)
+                              CPUOps(None, None, head), ops)
 
 
 class CPUBackend(Backend):
