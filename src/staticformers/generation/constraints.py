@@ -110,10 +110,12 @@ class GrammarCompiler:
         """The id of a token spelled `text` in the vocabulary (e.g. `</think>`), None if there is none."""
         return self._token_ids.get(text)
 
-    def compile(self, spec: StructuredOutputs, param: str = "structured_outputs") -> Grammar:
-        """The grammar of `spec`; a bad schema, regex or grammar is a `ValueError` naming it and the error."""
+    def compile(self, spec: StructuredOutputs, param: Optional[str] = None) -> Grammar:
+        """The grammar of `spec`; a bad schema, regex or grammar is a `ValueError` naming it (`param`, by
+        default `structured_outputs.<kind>`) and the library's error."""
         ll = self.ll.LLMatcher
         kind = spec.kind()
+        param = param or f"structured_outputs.{kind}"
         options = {"whitespace_flexible": bool(spec.whitespace)}
         if not spec.whitespace:
             options.update(item_separator=", ", key_separator=": ")
@@ -141,12 +143,12 @@ class GrammarCompiler:
             else:
                 text = ll.grammar_from_lark(spec.lark)
         except ValueError as err:
-            raise ValueError(f"{param}.{kind} is not valid: {_first_line(err)}.") from None
+            raise ValueError(f"{param} is not valid: {_first_line(err)}.") from None
         except Exception as err:  # the GBNF converter's own errors
-            raise ValueError(f"{param}.{kind} is not valid: {_first_line(err)}.") from None
+            raise ValueError(f"{param} is not valid: {_first_line(err)}.") from None
         error = ll.validate_grammar(text, self.tokenizer)
         if error:
-            raise ValueError(f"{param}.{kind} is not valid: {_first_line(error)}.")
+            raise ValueError(f"{param} is not valid: {_first_line(error)}.")
         return Grammar(self, text)
 
 

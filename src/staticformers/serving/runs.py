@@ -20,13 +20,15 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ..generation.constraints import compiler_for
 from ..generation.loop import GenerationRequest
 from ..generation.plan import PlanError
 from ..tokenization.token_bytes import shown_text, token_bytes
 from .engine_thread import Draining, EngineFailed, QueueFull, Sink
 from .protocol import ApiError, Job
 from .state import ServerState
-from .text import ChoiceText, ToolCallParser
+from .text import CLOSE, OPEN, ChoiceText, ToolCallParser
+from .tool_grammar import tool_call_grammar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,8 +183,10 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     response id and one ChoiceRun per choice."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     aloop = asyncio.get_running_loop()
+    grammar = constraint(state, job)
     requests = [GenerationRequest(job.prompts[c.prompt_index], max(1, job.max_tokens[c.prompt_index]), c.sampling,
-                                  request_id=f"{rid}-{c.index}", adapter=adapter) for c in job.choices]
+                                  request_id=f"{rid}-{c.index}", adapter=adapter, structured_outputs=grammar)
+                for c in job.choices]
     try:
         for r in requests:
             state.engine.loop.validate(r)
@@ -211,6 +215,23 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival, m)
             for c, r, s in zip(job.choices, requests, sinks)]
     return rid, runs
+
+
+def constraint(state: ServerState, job: Job):
+    """The job's compiled grammar (None: free): its `structured_outputs` / `response_format`, or a forced tool
+    call; a bad schema, regex or grammar, or a server without llguidance, is a 400 naming the field."""
+    spec, param = job.structured, job.structured_param
+    if job.tool_choice is not None:
+        name = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
+        vocab = state.tokenizer.get_vocab()
+        spec = tool_call_grammar(job.tools, name, job.parallel_tool_calls, vocab.get(OPEN), vocab.get(CLOSE))
+        param = "tool_choice"
+    if spec is None:
+        return None
+    try:
+        return compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids).compile(spec, param)
+    except ValueError as err:
+        raise ApiError(400, str(err), param=param) from None
 
 
 def cancel(state: ServerState, runs: list, disconnected: bool) -> None:
