@@ -41,6 +41,7 @@ class Delta:
     index: int
     text: str = ""
     tool_calls: list = field(default_factory=list)
+    call_deltas: list = field(default_factory=list)  # the same calls as OpenAI's streamed deltas (`text.py`)
     tokens: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
     prompt_logprobs: Optional[list] = None  # the first delta's, when the prompt was scored (`TokenEvent`'s)
     finish_reason: Optional[str] = None
@@ -62,14 +63,14 @@ class ChoiceRun:
         # max_tokens=0 (echo, scoring the prompt): one token is generated, since a request ends with one, and dropped
         self.silent = job.max_tokens[job.choices[index].prompt_index] == 0
 
-    def _content(self, text: str, final: bool = False) -> tuple[str, list]:
+    def _content(self, text: str, final: bool = False) -> tuple[str, list, list]:
         if self.tools is None:
-            return text, []
+            return text, [], []
         out, calls = self.tools.feed(text)
         if final:
             more, tail = self.tools.finish()
             out, calls = out + more, calls + tail
-        return out, calls
+        return out, calls, self.tools.take_deltas()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         m = self.metrics
@@ -84,8 +85,8 @@ class ChoiceRun:
             if event.token is None:  # cancelled by the server (shutdown)
                 self.finish_reason = event.finish_reason or "abort"
                 m.finished(self.finish_reason)
-                text, calls = self._content(self.text.finish(), final=True)
-                yield Delta(self.index, text, calls, finish_reason=self.finish_reason)
+                text, calls, deltas = self._content(self.text.finish(), final=True)
+                yield Delta(self.index, text, calls, deltas, finish_reason=self.finish_reason)
                 return
             if self.silent:  # its one event is its last
                 self.state.engine.cancel(self.request_id)
@@ -110,14 +111,14 @@ class ChoiceRun:
             final = reason is not None
             if final:
                 piece += self.text.finish()
-            text, calls = self._content(piece, final)
+            text, calls, deltas = self._content(piece, final)
             if final:
-                if self.tools is not None and self.tools.calls:
+                if self.tools is not None and self.tools.calls and reason == "stop":  # a cut answer stays "length"
                     reason = "tool_calls"
                 self.finish_reason = reason
                 m.e2e.observe(now - self.arrival)
                 m.finished(reason if reason != "tool_calls" else "stop")
-            yield Delta(self.index, text, calls, tokens, event.prompt_logprobs, reason)
+            yield Delta(self.index, text, calls, deltas, tokens, event.prompt_logprobs, reason)
             if final:
                 return
 

@@ -32,9 +32,8 @@ def register(app: FastAPI, state: ServerState) -> None:
 
 def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) -> Callable[[Delta], Optional[dict]]:
     """The streamed chunk of each delta (None when it adds nothing): a choice's first chunk carries the
-    role, and tool calls are numbered across a choice's chunks."""
+    role; tool calls stream as deltas numbered across a choice's chunks (`text.ToolCallParser`)."""
     opened = set()
-    calls_seen = [0] * n
 
     def chunk(d: Delta) -> Optional[dict]:
         delta: dict = {}
@@ -43,9 +42,8 @@ def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) ->
             delta["role"] = "assistant"
         if d.text:
             delta["content"] = d.text
-        if d.tool_calls:
-            delta["tool_calls"] = [{"index": calls_seen[d.index] + i, **call} for i, call in enumerate(d.tool_calls)]
-            calls_seen[d.index] += len(d.tool_calls)
+        if d.call_deltas:  # OpenAI's call deltas: index, id and name first, then the arguments in fragments
+            delta["tool_calls"] = d.call_deltas
         logprobs = {"content": chat_logprobs(tokenizer, d.tokens)} if job.logprobs is not None and d.tokens else None
         if not delta and logprobs is None and d.finish_reason is None:
             return None
