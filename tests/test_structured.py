@@ -127,3 +127,23 @@ def test_a_mixed_batch_gives_each_row_its_solo_tokens_and_compiles_nothing(serve
                                                            2: [request(i) for i in range(4, 7)]})
     assert together == alone
     assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_a_grammar_that_waits_for_a_token_leaves_the_tokens_before_it_free(served):
+    """What a reasoning parser asks (`Grammar.waiting_for("</think>")`): up to and including the token the row
+    is free, as if unconstrained; after it, the grammar holds."""
+    folder, tok = served
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    engine = engine_for(model, PLAN)
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    params = SamplingParams(do_sample=True, temperature=1.0, seed=11)
+    free = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest([5, 6, 7], 40, params, request_id=0)]})[0]
+    k = 4
+    while free[k] in free[:k]:  # the first occurrence of the token at k is where the grammar starts
+        k += 1
+    grammar = compiler_for(tok, model.config.vocab_size).compile(StructuredOutputs(regex=REGEX)).waiting_for(free[k])
+    params = SamplingParams(do_sample=True, temperature=1.0, seed=11)
+    got = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest([5, 6, 7], 40, params, request_id=0,
+                                                                            structured_outputs=grammar)]})[0]
+    assert got[:k + 1] == free[:k + 1]
+    assert re.fullmatch(REGEX, tok.decode(got[k + 1:], skip_special_tokens=True))

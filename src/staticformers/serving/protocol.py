@@ -80,6 +80,7 @@ class Job:
     structured_param: Optional[str] = None  # the field that asked for it (named by a refusal)
     tool_choice: Any = None  # chat: "required" or {"type": "function", ...} forces a call (`tool_grammar.py`)
     parallel_tool_calls: bool = True
+    reasoning: Optional[str] = None  # chat with a reasoning parser: where the answer starts (`reasoning.prompt_state`)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ..tokenization.token_bytes import shown_text, token_bytes
 from .engine_thread import Draining, EngineFailed, QueueFull, Sink
 from .protocol import ApiError, Job
 from .state import ServerState
+from .reasoning import PARSERS, ReasoningSplitter
 from .text import CLOSE, OPEN, ChoiceText, ToolCallParser
 from .tool_grammar import tool_call_grammar
 
@@ -42,6 +43,7 @@ class Delta:
     text: str = ""
     tool_calls: list = field(default_factory=list)
     call_deltas: list = field(default_factory=list)  # the same calls as OpenAI's streamed deltas (`text.py`)
+    reasoning: str = ""  # with a reasoning parser: the thinking's text (`reasoning.py`)
     tokens: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
     prompt_logprobs: Optional[list] = None  # the first delta's, when the prompt was scored (`TokenEvent`'s)
     finish_reason: Optional[str] = None
@@ -57,20 +59,25 @@ class ChoiceRun:
         self.metrics = metrics or state.metrics  # counted under the name the request asked for
         self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
         self.tools = ToolCallParser() if job.tools else None
+        self.reasoner = ReasoningSplitter(state.reasoning_parser, job.reasoning) if job.reasoning else None
         self.arrival, self.last = arrival, None
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         # max_tokens=0 (echo, scoring the prompt): one token is generated, since a request ends with one, and dropped
         self.silent = job.max_tokens[job.choices[index].prompt_index] == 0
 
-    def _content(self, text: str, final: bool = False) -> tuple[str, list, list]:
+    def _content(self, text: str, final: bool = False) -> tuple[str, list, list, str]:
+        """(content, tool calls, their deltas, reasoning) of a text delta: the reasoning split out first."""
+        reasoning = ""
+        if self.reasoner is not None:
+            reasoning, text = self.reasoner.feed(text, final)
         if self.tools is None:
-            return text, [], []
+            return text, [], [], reasoning
         out, calls = self.tools.feed(text)
         if final:
             more, tail = self.tools.finish()
             out, calls = out + more, calls + tail
-        return out, calls, self.tools.take_deltas()
+        return out, calls, self.tools.take_deltas(), reasoning
 
     async def deltas(self) -> AsyncIterator[Delta]:
         m = self.metrics
@@ -85,8 +92,8 @@ class ChoiceRun:
             if event.token is None:  # cancelled by the server (shutdown)
                 self.finish_reason = event.finish_reason or "abort"
                 m.finished(self.finish_reason)
-                text, calls, deltas = self._content(self.text.finish(), final=True)
-                yield Delta(self.index, text, calls, deltas, finish_reason=self.finish_reason)
+                text, calls, deltas, reasoning = self._content(self.text.finish(), final=True)
+                yield Delta(self.index, text, calls, deltas, reasoning, finish_reason=self.finish_reason)
                 return
             if self.silent:  # its one event is its last
                 self.state.engine.cancel(self.request_id)
@@ -111,14 +118,14 @@ class ChoiceRun:
             final = reason is not None
             if final:
                 piece += self.text.finish()
-            text, calls, deltas = self._content(piece, final)
+            text, calls, deltas, reasoning = self._content(piece, final)
             if final:
                 if self.tools is not None and self.tools.calls and reason == "stop":  # a cut answer stays "length"
                     reason = "tool_calls"
                 self.finish_reason = reason
                 m.e2e.observe(now - self.arrival)
                 m.finished(reason if reason != "tool_calls" else "stop")
-            yield Delta(self.index, text, calls, deltas, tokens, event.prompt_logprobs, reason)
+            yield Delta(self.index, text, calls, deltas, reasoning, tokens, event.prompt_logprobs, reason)
             if final:
                 return
 
@@ -230,9 +237,13 @@ def constraint(state: ServerState, job: Job):
     if spec is None:
         return None
     try:
-        return compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids).compile(spec, param)
+        compiler = compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids)
+        grammar = compiler.compile(spec, param)
     except ValueError as err:
         raise ApiError(400, str(err), param=param) from None
+    if job.reasoning in ("open", "reasoning"):  # the answer after the thinking is constrained, not the thinking
+        grammar = grammar.waiting_for(compiler.token_id(PARSERS[state.reasoning_parser][1]))
+    return grammar
 
 
 def cancel(state: ServerState, runs: list, disconnected: bool) -> None:
