@@ -52,12 +52,18 @@ def pressure() -> str:
 
 def tokenizers_under_test(root: str) -> dict:
     """name -> (tokenizer.json text, eos id, folder)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from tokenizer_fixtures import QWEN_SPLIT, build_qwen
+    from tokenizer_fixtures import build_qwen
 
     tiny = build_qwen(__import__("pathlib").Path(root) / "tiny")
-    out = {"tiny_bpe": str(tiny)}
-    big = os.path.join(root, "bpe32k")
+    return {"tiny_bpe": str(tiny), "bpe32k": byte_level_bpe(os.path.join(root, "bpe32k"))}
+
+
+def byte_level_bpe(big: str, vocab: int = 32000) -> str:
+    """A byte-level BPE of `vocab` tokens (Qwen's split regex, ChatML specials) trained on Python's standard
+    library, saved as a tokenizer folder `big`; returns it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizer_fixtures import QWEN_SPLIT
+
     os.makedirs(big, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -65,14 +71,13 @@ def tokenizers_under_test(root: str) -> dict:
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    trainer = trainers.BpeTrainer(vocab_size=32000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
     tok.train(files, trainer)
     tok.save(os.path.join(big, "tokenizer.json"))
     with open(os.path.join(big, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}, f)
-    out["bpe32k"] = big
-    return out
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "model_max_length": 1 << 20}, f)
+    return big
 
 
 def walk(tokenizer, text: str) -> list:

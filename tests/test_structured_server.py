@@ -14,6 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
+httpx = pytest.importorskip("httpx")
 pytest.importorskip("llguidance")
 pytest.importorskip("fastapi")
 
@@ -62,6 +63,9 @@ def test_json_schema_strict_answers_all_validate(client):
         jsonschema.validate(json.loads(c.message.content), SCHEMA)
         assert c.finish_reason == "stop"
     assert len({c.message.content for c in choices}) > 5  # sampled, not one forced answer
+    metrics = httpx.get(str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics", timeout=30).text
+    steps = re.search(r'^staticformers:structured_mask_steps\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
+    assert steps and float(steps.group(1)) > 0  # the mask's host time is reported
 
 
 def test_regex_choice_and_grammar_answers_all_match(client):

@@ -162,6 +162,7 @@ def _first_line(err: Any) -> str:
 _COMPILERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 _POOL: Optional[ThreadPoolExecutor] = None  # one worker thread fills the masks of every batch
+MASK_TIME = {"seconds": 0.0, "steps": 0}  # host time filling masks in this process, and the steps that filled one
 
 
 def compiler_for(tokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> GrammarCompiler:
@@ -252,8 +253,11 @@ class RowConstraints:
                         words[t >> 5] |= _bit(t & 31)
             if not bool(words.any()):  # nothing allowed (a broken grammar state): the row is ended by `advance`
                 words.fill_(-1)
-        self.fill_seconds += time.perf_counter() - began
+        spent = time.perf_counter() - began
+        self.fill_seconds += spent
         self.fills += 1
+        MASK_TIME["seconds"] += spent  # written by the one worker thread only
+        MASK_TIME["steps"] += 1
         return mask
 
     def advance(self, slot: int, token: int) -> bool:
@@ -282,4 +286,4 @@ def unpack(mask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor
     return ((words >> (ids & 31).to(torch.int32)) & 1).bool()
 
 
-__all__ = ["Grammar", "GrammarCompiler", "RowConstraints", "StructuredOutputs", "compiler_for", "unpack"]
+__all__ = ["MASK_TIME", "Grammar", "GrammarCompiler", "RowConstraints", "StructuredOutputs", "compiler_for", "unpack"]
