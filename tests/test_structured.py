@@ -147,3 +147,14 @@ def test_a_grammar_that_waits_for_a_token_leaves_the_tokens_before_it_free(serve
                                                                             structured_outputs=grammar)]})[0]
     assert got[:k + 1] == free[:k + 1]
     assert re.fullmatch(REGEX, tok.decode(got[k + 1:], skip_special_tokens=True))
+
+
+def test_without_llguidance_a_constraint_is_refused_in_one_sentence(served, monkeypatch):
+    import sys
+
+    folder, _ = served
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # as if not installed
+    fresh = AutoTokenizer.from_pretrained(folder)  # no compiler cached for it
+    with pytest.raises(ValueError, match=r"^Constrained decoding needs the llguidance package, which is not installed: "
+                                         r"pip install 'staticformers\[structured\]'\.$"):
+        compiler_for(fresh, len(fresh))

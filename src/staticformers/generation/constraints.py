@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,9 +102,11 @@ class GrammarCompiler:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("Constrained decoding needs a fast tokenizer (one read from tokenizer.json).")
-        eos = [int(t) for t in eos_token_ids] or [getattr(tokenizer, "eos_token_id", None) or 0]
+        eos = [int(t) for t in eos_token_ids]
+        if not eos and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos = [int(tokenizer.eos_token_id)]
         self.vocab_size = int(vocab_size)
-        self.tokenizer = self.ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        self.tokenizer = self.ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
         self._token_ids = {t: i for t, i in tokenizer.get_vocab().items()} if hasattr(tokenizer, "get_vocab") else {}
 
     def token_id(self, text: str) -> Optional[int]:
@@ -232,10 +235,9 @@ class RowConstraints:
     def fill(self, rows: Sequence[int]) -> torch.Tensor:
         """The packed allowed-token mask of `rows`, `[len(rows), ceil(vocab/32)]` int32 on the host: all ones
         for a free row; a constrained row's grammar decides, with its stop ids allowed when it accepts."""
-        import time
+        import llguidance.torch as lt
 
         began = time.perf_counter()
-        import llguidance.torch as lt
 
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
         for i, r in enumerate(rows):
