@@ -7,6 +7,8 @@ each library, in the same process:
 
 - `tokenizer_s`: building the library's tokenizer object (once per server);
 - `compile_ms`: compiling each grammar (a JSON schema, any JSON object, a regex, a small EBNF), cold;
+- `step_overhead` (32k only): one decode step of 16 JSON-schema rows, our own code: the mask's host fill
+  for the 16 rows and `RowSampler.choose` with the mask, against a free greedy batch's `choose`;
 - `mask_us`: the host time to fill one row of the packed `[1, ceil(vocab/32)]` int32 bitmask, per token,
   walking a valid answer token by token (mean, median, max), plus advancing the matcher by that token.
 
@@ -155,6 +157,41 @@ def bench_xgrammar(tok, vocab: int, eos: int, grammars: dict) -> dict:
     return out
 
 
+def step_overhead(tok, vocab: int, rows: int = 16, steps: int = 40) -> dict:
+    """What one decode step of `rows` JSON-schema rows adds on the host and in the sampler, our own code
+    (`RowConstraints.fill`, `RowSampler.choose` with the mask) against a free greedy batch's `choose` (the
+    graph's argmax as it is): medians over `steps` steps, rows walking a valid answer."""
+    import torch
+
+    from staticformers.generation.constraints import RowConstraints, StructuredOutputs, compiler_for
+    from staticformers.generation.sampling import RowSampler, SamplingParams
+
+    grammar = compiler_for(tok, vocab).compile(StructuredOutputs(json=SCHEMA))
+    answer = walk(tok, ANSWER_SCHEMA)
+    constraints, sampler = RowConstraints(rows, vocab), RowSampler(rows, vocab, torch.device("cpu"))
+    for r in range(rows):
+        constraints.set_row(r, grammar, ())
+        sampler.set_row(r, SamplingParams(), [1])
+    logits, argmax = torch.randn(rows, vocab), torch.zeros(rows, dtype=torch.long)
+    fill, masked, free = [], [], []
+    for i in range(min(steps, len(answer) - 1)):
+        t0 = time.perf_counter()
+        mask = constraints.fill(list(range(rows)))
+        t1 = time.perf_counter()
+        sampler.choose(logits, argmax, list(range(rows)), [i] * rows, mask)
+        t2 = time.perf_counter()
+        sampler.choose(logits, argmax, list(range(rows)), [i] * rows)
+        t3 = time.perf_counter()
+        fill.append(t1 - t0)
+        masked.append(t2 - t1)
+        free.append(t3 - t2)
+        for r in range(rows):
+            constraints.advance(r, answer[i])
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
+    return {"rows": rows, "vocab": vocab, "steps": len(fill), "mask_fill_ms": ms(fill),
+            "choose_with_mask_ms": ms(masked), "choose_free_greedy_ms": ms(free)}
+
+
 def _stats(times: list) -> dict:
     us = sorted(t * 1e6 for t in times)
     return {"tokens": len(us), "mask_us_mean": round(statistics.mean(us), 1),
@@ -177,6 +214,8 @@ def main(argv=None) -> None:
             row = {"vocab": vocab}
             for lib, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
                 row[lib] = fn(tok, vocab, eos, grammars)
+            if vocab >= 32000:
+                row["step_overhead"] = step_overhead(tok, vocab)
             result["tokenizers"][name] = row
     result["pressure_after"] = pressure()
     text = json.dumps(result, indent=2)

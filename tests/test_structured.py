@@ -158,3 +158,11 @@ def test_without_llguidance_a_constraint_is_refused_in_one_sentence(served, monk
     with pytest.raises(ValueError, match=r"^Constrained decoding needs the llguidance package, which is not installed: "
                                          r"pip install 'staticformers\[structured\]'\.$"):
         compiler_for(fresh, len(fresh))
+
+
+def test_unpack_reads_bit_v_and_31_of_word_v_shift_5():
+    from staticformers.generation.constraints import unpack
+
+    mask = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    want = torch.tensor([[(int(mask[r, v >> 5]) >> (v & 31)) & 1 for v in range(150)] for r in range(3)]).bool()
+    assert torch.equal(unpack(mask, 150, torch.device("cpu")), want)

@@ -281,11 +281,18 @@ def _bit(k: int) -> int:
     return (1 << k) if k < 31 else -(1 << 31)
 
 
+_BITS: dict = {}  # device -> [256, 8] bool: the bits of each byte value, lowest first
+
+
 def unpack(mask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """`[n, ceil(vocab/32)]` int32 -> `[n, vocab]` bool on `device`: bit `v & 31` of word `v >> 5`."""
-    ids = torch.arange(vocab, device=device)
-    words = mask.to(device).index_select(1, ids >> 5)
-    return ((words >> (ids & 31).to(torch.int32)) & 1).bool()
+    """`[n, ceil(vocab/32)]` int32 (on the host) -> `[n, vocab]` bool on `device`: bit `v & 31` of word `v >> 5`.
+    The words cross as their bytes (little-endian: bit `k` of a word is bit `k & 7` of its byte `k >> 3`)
+    and each byte becomes its 8 bits by a table lookup, cheaper than shifting every id's word."""
+    table = _BITS.get(device)
+    if table is None:
+        table = _BITS[device] = ((torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1).bool().to(device)
+    as_bytes = mask.contiguous().view(torch.uint8).to(device)
+    return table[as_bytes.long()].view(mask.shape[0], -1)[:, :vocab]
 
 
 __all__ = ["MASK_TIME", "Grammar", "GrammarCompiler", "RowConstraints", "StructuredOutputs", "compiler_for", "unpack"]

@@ -293,7 +293,7 @@ class RowSampler:
                 mask[i, [t for t in self.params[rows[i]].eos_token_ids if 0 <= t < self.vocab]] = True
             x = x.masked_fill(mask.to(x.device), NEG_INF)
         if allowed is not None:
-            x = x.masked_fill(~unpack(allowed, self.vocab, x.device), NEG_INF)
+            x = torch.where(unpack(allowed, self.vocab, x.device), x, NEG_INF)
         ids = x.argmax(dim=-1)
         if t["sampling"]:
             y = x

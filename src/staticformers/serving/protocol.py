@@ -231,7 +231,7 @@ STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 def structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
     """The constraint a body asks for: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
     `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`), and the field that asked.
-    Its content (schema, regex, grammar) is checked when it is compiled (`runs.start`)."""
+    Its content (schema, regex, grammar) is checked when it is compiled (`runs.constraint`)."""
     fmt, extra = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and extra is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid("structured_outputs", extra, "cannot be combined with response_format: send one of them")
