@@ -2,7 +2,8 @@
 sampling at temperature 1: every one of 50 answers parses and validates (`jsonschema`) for a strict JSON
 schema, and matches its regex, choice or EBNF grammar (only the mask can make that true); `tool_choice`
 "required" or a named function always gives valid `tool_calls`, streamed deltas joining to the whole
-answer's; a bad schema, regex or grammar is a 400 naming the field. One server for the module."""
+answer's; the Responses API takes the same (`text.format`, a named function); a bad schema, regex or grammar
+is a 400 naming the field. One server for the module."""
 
 from __future__ import annotations
 
@@ -147,3 +148,18 @@ def test_forced_tool_calls_are_always_valid_and_stream_as_they_answer(client):
         [(c.function.name, c.function.arguments) for c in whole]
     assert all(c["id"] for c in calls.values())
     assert fragments > len(calls)  # the arguments came in pieces after each call's id and name
+
+
+def test_the_responses_api_takes_a_json_schema_and_a_forced_call(client):
+    fmt = {"format": {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}}
+    for _ in range(3):  # sampled (the Responses API takes no seed)
+        r = client.responses.create(model="tiny", input="Hello there", text=fmt, temperature=1.0, max_output_tokens=60)
+        jsonschema.validate(json.loads(r.output_text), SCHEMA)
+        assert r.text.format.type == "json_schema"
+    weather = {"type": "function", **WEATHER["function"]}
+    r = client.responses.create(model="tiny", input="Hello there", tools=[weather], temperature=1.0,
+                                tool_choice={"type": "function", "name": "weather"}, parallel_tool_calls=False,
+                                max_output_tokens=60)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
