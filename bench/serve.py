@@ -14,6 +14,13 @@ request at a time:
 - **sequential**: our `model.generate()` one request after another (what a script without a server
   does; its tokens/s does not depend on the client count).
 
+With `--structured`, the server serves the same weights with a byte-level BPE of the model's vocabulary
+size (the word-level one has no JSON characters), and every client count runs twice, alternately:
+**sf_server** unconstrained and **sf_structured** with a JSON schema on every request
+(`response_format` json_schema); reported then: their tokens/s ratio at the largest client count, and
+the grammar mask's host time per step and its share of the wall time (the server's
+`staticformers:structured_mask_seconds` and `..._steps`, read before and after).
+
 Reported per contender and client count: output tokens/s, time to first token p50/p99, inter-token
 latency p50/p99, and wall time; then the ratios the serving issue targets (at the largest client count
 ours against hf_cb and against sequential; at 1 client our TTFT against a bare `generate()`'s, i.e.
@@ -29,12 +36,14 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -140,7 +149,39 @@ def parse_graphs_compiled(text: str) -> float:
     return sum(float(v) for v in values)
 
 
-async def http_run(url: str, jobs: list, clients: int) -> dict:
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "score": {"type": "number"}, "done": {"type": "boolean"}}, "required": ["title", "tags", "score", "done"]}
+
+
+def mask_time(url: str) -> tuple:
+    """(seconds, steps) of the server's grammar-mask filling so far (`/metrics`)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = [re.search(rf"^staticformers:structured_mask_{k}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+              for k in ("seconds", "steps")]
+    return tuple(float(v.group(1)) if v else 0.0 for v in values)
+
+
+def structured_folder(folder: str, vocab: int) -> str:
+    """The reference weights beside a byte-level BPE tokenizer of `vocab` tokens (hard links, built once)."""
+    from grammar_libs import byte_level_bpe
+
+    out = folder.rstrip("/") + "-bytes"
+    if not os.path.exists(os.path.join(out, "tokenizer.json")):
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(folder):
+            if not name.startswith("tokenizer") and not os.path.exists(os.path.join(out, name)):
+                try:  # the server refuses links that leave the folder: hard links, or copies
+                    os.link(os.path.join(folder, name), os.path.join(out, name))
+                except OSError:
+                    shutil.copy2(os.path.join(folder, name), os.path.join(out, name))
+        byte_level_bpe(out, vocab)
+    return out
+
+
+async def http_run(url: str, jobs: list, clients: int, extra: Optional[dict] = None) -> dict:
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -155,7 +196,7 @@ async def http_run(url: str, jobs: list, clients: int) -> dict:
             except asyncio.QueueEmpty:
                 return
             body = {"model": "ref", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-                    "ignore_eos": True}
+                    "ignore_eos": True, **(extra or {})}
             start = last = time.perf_counter()
             first = True
             async with c.stream("POST", url + "/v1/completions", json=body) as r:
@@ -277,11 +318,15 @@ def main(argv=None) -> None:
     p.add_argument("--peers", default="hf_cb,sequential", help="comma-separated: hf_cb, sequential (or none)")
     p.add_argument("--backend", default=None, help="our compile backend (default: the device's)")
     p.add_argument("--no-compile", action="store_true", help="our steps eagerly (a short time budget)")
+    p.add_argument("--structured", action="store_true",
+                   help="also run every client count with a JSON schema on every request (see the docstring)")
+    p.add_argument("--rounds", type=int, default=1, help="timed passes per client count (A B, then B A, ...)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     folder = build_reference(size=args.size, dtype=args.dtype)
     vocab = reference_config(args.size).vocab_size
     ensure_tokenizer(folder, vocab)
+    served = structured_folder(folder, vocab) if args.structured else folder
     jobs = workload(args.requests, args.prompt, args.new, vocab)
     slots = max(args.clients)
     max_len = 1 << (args.prompt + args.new - 1).bit_length()
@@ -290,14 +335,41 @@ def main(argv=None) -> None:
     peers = [x for x in args.peers.split(",") if x and x != "none"]
 
     extra = (["--backend", args.backend] if args.backend else []) + (["--no-compile"] if args.no_compile else [])
-    server = ServerProcess(folder, args.device, slots, max_len, extra)
+    server = ServerProcess(served, args.device, slots, max_len, extra)
+    constrained = {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": STRUCTURED_SCHEMA,
+                                                                               "strict": True}}}
     try:
         for c in sorted(set(args.clients)):  # warm-up: every shape the runs will meet
             asyncio.run(http_run(server.url, jobs, c))
+            if args.structured:
+                asyncio.run(http_run(server.url, jobs, c, constrained))
         warm = graphs_compiled(server.url)
-        for c in args.clients:
-            result["sf_server"][str(c)] = asyncio.run(http_run(server.url, jobs, c))
-            print(json.dumps({"sf_server": c, **result["sf_server"][str(c)]}), file=sys.stderr, flush=True)
+        if args.structured:
+            result["sf_structured"], mask = {}, {}
+        pairs: dict = {}  # client count -> per round [free tok/s, structured tok/s, mask ms per step]
+        for r in range(args.rounds):
+            for i, c in enumerate(args.clients):
+                order = ["free", "structured"] if (i + r) % 2 == 0 else ["structured", "free"]
+                got = {}
+                for kind in order if args.structured else ["free"]:
+                    if kind == "free":
+                        result["sf_server"][str(c)] = got["free"] = asyncio.run(http_run(server.url, jobs, c))
+                        print(json.dumps({"sf_server": c, "round": r, **got["free"]}), file=sys.stderr, flush=True)
+                        continue
+                    before = mask_time(server.url)
+                    run = asyncio.run(http_run(server.url, jobs, c, constrained))
+                    seconds, steps = (a - b for a, b in zip(mask_time(server.url), before))
+                    run["mask_ms_per_step"] = round(1000 * seconds / steps, 3) if steps else None
+                    run["mask_steps"] = int(steps)
+                    run["mask_share_of_wall"] = round(seconds / run["wall_s"], 4)
+                    result["sf_structured"][str(c)] = got["structured"] = run
+                    print(json.dumps({"sf_structured": c, "round": r, **run}), file=sys.stderr, flush=True)
+                if args.structured:
+                    pairs.setdefault(str(c), []).append([got["free"]["output_tokens_per_s"],
+                                                         got["structured"]["output_tokens_per_s"],
+                                                         got["structured"]["mask_ms_per_step"]])
+        if args.structured:
+            result["structured_rounds"] = pairs
         result["sf_graphs_after_warmup"] = graphs_compiled(server.url) - warm  # 0 expected
     finally:
         server.stop()
@@ -331,6 +403,9 @@ def main(argv=None) -> None:
         ratios["throughput_vs_hf_cb_at_max_clients"] = round(ours_top / result["hf_cb"][top]["output_tokens_per_s"], 2)
     if "sequential" in result:
         ratios["throughput_vs_sequential_at_max_clients"] = round(ours_top / result["sequential"]["output_tokens_per_s"], 2)
+    if "sf_structured" in result:  # the median over rounds of each round's ratio
+        ratios["structured_vs_free_throughput_at_max_clients"] = round(
+            statistics.median(s / f for f, s, _ in result["structured_rounds"][top]), 2)
     if "1" in result["sf_server"]:
         ratios["ttft_1_client_vs_bare_generate"] = round(result["sf_server"]["1"]["ttft_ms_p50"]
                                                          / result["bare_generate_ttft_ms"], 2)

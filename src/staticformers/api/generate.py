@@ -24,6 +24,7 @@ from ..backends.devices import default_backend
 from ..utils.seeds import check_seed
 from ..generation.generation_config import CompileConfig, GenerationConfig
 from ..generation.engine import CompileSettings, Engine
+from ..generation.constraints import Grammar, StructuredOutputs, compiler_for
 from ..generation.loop import GenerationLoop, GenerationRequest
 from ..generation.plan import ShapePlan
 from ..generation.sampling import SamplingParams
@@ -214,6 +215,39 @@ def _without_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def _grammars(structured: Any, tokenizer, vocab: int, eos: list, rows: int) -> list:
+    """One compiled grammar (or None) per row from `generate`'s `structured_outputs` (see `generate`)."""
+    if structured is None:
+        return [None] * rows
+    per_row = isinstance(structured, (list, tuple))
+    specs = list(structured) if per_row else [structured] * rows
+    if len(specs) != rows:
+        raise ValueError(f"structured_outputs lists {len(specs)} constraints for a batch of {rows} rows: pass one per "
+                         f"row or a single one for all.")
+    out, compiled = [], {}
+    for given in specs:
+        spec = given
+        if spec is None or isinstance(spec, Grammar):
+            out.append(spec)
+            continue
+        if isinstance(spec, dict):
+            unknown = set(spec) - {"json", "regex", "choice", "grammar", "json_object", "whitespace"}
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}: use json, regex, choice, "
+                                 f"grammar or json_object.")
+            spec = StructuredOutputs(**spec)
+        if not isinstance(spec, StructuredOutputs):
+            raise TypeError(f"structured_outputs must be a StructuredOutputs, a dict or a Grammar, not "
+                            f"{type(spec).__name__}.")
+        if tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer to compile its grammar: pass tokenizer=.")
+        key = id(given)  # one compile per distinct constraint given (the list repeats the same object)
+        if key not in compiled:
+            compiled[key] = compiler_for(tokenizer, vocab, eos).compile(spec)
+        out.append(compiled[key])
+    return out
+
+
 def generate(
     model,
     inputs: Optional[torch.Tensor] = None,
@@ -242,12 +276,18 @@ def generate(
     (`adapter_bank.py`). Speculative decoding, with transformers' names: `prompt_lookup_num_tokens=k`
     (and `max_matching_ngram_size`), or `assistant_model=draft` with `num_assistant_tokens=k`
     (`speculative.py`); greedy output is the output without it, sampling keeps its distribution.
+    `structured_outputs` (vLLM's name): a `StructuredOutputs`, a dict of its fields
+    (`{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`, `{"grammar": ebnf}`, `{"json_object": True}`)
+    or a compiled `Grammar`, or one per row (None: free); it needs `tokenizer=` unless compiled. A row
+    whose grammar is complete ends there.
     """
     if inputs is not None and input_ids is not None:
         raise ValueError("Pass the prompt once: inputs or input_ids, not both.")
     input_ids = inputs if input_ids is None else input_ids
     no_eos = "eos_token_id" in kwargs and kwargs["eos_token_id"] is None
     adapter_names = kwargs.pop("adapter_names", None)
+    structured = kwargs.pop("structured_outputs", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     as_dict = bool(kwargs.pop("return_dict_in_generate", False))
     want_logits = bool(kwargs.pop("output_logits", False))
     if kwargs.pop("output_scores", False):
@@ -271,9 +311,10 @@ def generate(
     if adapter_names is not None and (not isinstance(adapter_names, (list, tuple)) or len(adapter_names) != len(prompts)
                                       or not all(isinstance(n, str) for n in adapter_names)):
         raise ValueError(f"adapter_names must list one adapter name per row ({len(prompts)}), \"__base__\" for none.")
+    grammars = _grammars(structured, tokenizer, model.config.vocab_size, eos, len(prompts))
     requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i,
                                   adapter=adapter_names[i] if adapter_names is not None else None,
-                                  output_logits=as_dict and want_logits)
+                                  output_logits=as_dict and want_logits, structured_outputs=grammars[i])
                 for i, p in enumerate(prompts)]
     settings = compile_settings(model, config, compile_config)
     plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None

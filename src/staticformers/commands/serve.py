@@ -82,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
                         "default); one more evicts the oldest (default 1024; 0 keeps none)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                   help="split a chat answer's <think>...</think> into message.reasoning_content (and "
+                        "delta.reasoning_content when streaming), vLLM's flag; structured outputs then constrain "
+                        "only the answer after it")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -154,5 +158,6 @@ def run(args: argparse.Namespace) -> int:
                            max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
                            enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
                            precompile_prompt_logprobs=args.precompile_prompt_logprobs,
-                           speculative_config=args.speculative_config)
+                           speculative_config=args.speculative_config,
+                           reasoning_parser=args.reasoning_parser)
     return serve(options)

@@ -35,6 +35,9 @@ Design choices:
   place. Rows of different adapters (and of none) share one batch and one graph of its shape.
 - **Sampling per row on the device** (`sampling.RowSampler`): each request has its own settings and
   seed; only the chosen ids (and log-probabilities when asked) come back to the host.
+- **Grammars per row as data** (`constraints.RowConstraints`): a request's `structured_outputs` is
+  matched on the host; its row's words of one packed bitmask are filled while the device step runs and
+  mask the logits before the choice; no graph is added. A complete grammar ends its row ("stop").
 - **Prompt log-probabilities from the prefill.** When a joining request asks for them
   (`SamplingParams.prompt_logprobs`), its prefill batch runs the engine's scoring prefill (the same
   shape, `Engine.prefill(..., scores=True)`), and the request's first event carries them.
@@ -64,6 +67,7 @@ import torch
 from ..adapters.bank import bank_of
 from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache
+from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
 from .plan import ShapePlan
 from .sampling import Choice, RowSampler, SamplingParams
@@ -83,6 +87,7 @@ class GenerationRequest:
     request_id: Any = None
     adapter: Optional[str] = None
     output_logits: bool = False  # each event carries the raw logits its token was chosen from (transformers' name)
+    structured_outputs: Optional[Grammar] = None  # vLLM's name: the grammar the answer matches (`constraints.py`)
 
 
 @dataclass
@@ -135,6 +140,7 @@ class GenerationLoop:
         self.rows: dict[int, _Row] = {}
         self.cache: Optional[KVCache] = None
         self.sampler: Optional[RowSampler] = None
+        self.constraints: Optional[RowConstraints] = None
         self.moves = 0  # batch moves to another shape (reported)
         self._cancelled: set = set()
         self._mutex = threading.Lock()  # guards `waiting` and `_cancelled` against other threads
@@ -166,6 +172,13 @@ class GenerationLoop:
             raise ValueError(f"max_new_tokens={n!r} must be a positive integer.")
         if not isinstance(request.sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
+        grammar = request.structured_outputs
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise TypeError(f"structured_outputs must be a compiled Grammar (GrammarCompiler.compile), not "
+                            f"{type(grammar).__name__}.")
+        if grammar is not None and grammar.compiler.vocab_size != self.vocab:
+            raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} ids, "
+                             f"the model has {self.vocab}: compile it with vocab_size={self.vocab}.")
         need = self.plan.positions_needed(len(prompt), n)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
@@ -259,7 +272,7 @@ class GenerationLoop:
             self._fail_all(exc)
         finally:
             if not self.rows:  # the next request starts from the smallest shape it needs
-                self.cache, self.sampler = None, None
+                self.cache, self.sampler, self.constraints = None, None, None
             if self.idle:
                 self.close()
         events, self._events, self._joining = self._events, [], []
@@ -276,7 +289,7 @@ class GenerationLoop:
                 ended.add(row.request.request_id)
                 self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
         self.rows.clear()
-        self.cache, self.sampler = None, None
+        self.cache, self.sampler, self.constraints = None, None, None
         self._last_was_prefill = False
 
     def abandon(self, error: BaseException) -> list[TokenEvent]:
@@ -291,7 +304,7 @@ class GenerationLoop:
 
     def close(self) -> None:
         """Drop the batch and let other loops use the engine (called by `step` when idle)."""
-        self.cache, self.sampler = None, None
+        self.cache, self.sampler, self.constraints = None, None, None
         if self._holding:
             self._holding = False
             self.engine.lock.release()
@@ -308,6 +321,8 @@ class GenerationLoop:
         self.rows.pop(slot)
         if self.sampler is not None:
             self.sampler.clear_row(slot)
+        if self.constraints is not None:
+            self.constraints.clear_row(slot)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -320,6 +335,8 @@ class GenerationLoop:
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
                 self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
+                self.constraints.set_row(slot, row.request.structured_outputs, row.request.sampling.eos_token_ids)
+            pending = self.constraints.start(slots)  # filled while the prefill runs
             banked = bank_of(self.engine.model) is not None
             scoring = any(r.request.sampling.prompt_logprobs is not None for r in joining)
             with torch.no_grad():
@@ -328,7 +345,7 @@ class GenerationLoop:
                                           scores=scoring)
                 argmax, logits = out[:2]
                 prompt_scores = self._prompt_scores(joining, out[2]) if scoring else [None] * len(joining)
-                choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots))
+                choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots), self.constraints.mask(pending))
                 self.sampler.observe(slots, choice.ids)
             choice = self._to_host(choice)
             tokens = choice.ids.tolist()
@@ -337,6 +354,8 @@ class GenerationLoop:
             for slot in [s for s in range(self.cache.batch if self.cache else 0) if s not in self.rows]:
                 if self.sampler is not None:
                     self.sampler.clear_row(slot)
+                if self.constraints is not None:
+                    self.constraints.clear_row(slot)
             self._events += [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
             return
         for slot, row in zip(slots, joining):  # every joining row holds its slot before any of them may end
@@ -379,16 +398,20 @@ class GenerationLoop:
         adapters = [self.rows[s].adapter if s in self.rows else 0 for s in range(cache.batch)] \
             if bank_of(self.engine.model) is not None else None
         try:
+            pending = self.constraints.start(slots)  # the host fills the mask while the device computes
             with torch.no_grad():
                 argmax, logits = self.engine.decode(self.settings, cache, tokens.to(device), positions.to(device),
                                                     adapters)
+                allowed = self.constraints.mask(pending)
                 if len(slots) == cache.batch:
                     mine_argmax, mine_logits = argmax, logits
                 else:
                     index = torch.tensor(slots, dtype=torch.long).to(device)
                     mine_argmax = argmax.index_select(0, index)
-                    mine_logits = logits.index_select(0, index) if self.sampler.needs_logits(slots) else logits
-                choice = self.sampler.choose(mine_logits, mine_argmax, slots, [self.rows[s].generated for s in slots])
+                    mine_logits = logits.index_select(0, index) \
+                        if self.sampler.needs_logits(slots) or allowed is not None else logits
+                choice = self.sampler.choose(mine_logits, mine_argmax, slots, [self.rows[s].generated for s in slots],
+                                             allowed)
                 self.sampler.observe(slots, choice.ids)
             choice = self._to_host(choice)
             chosen = choice.ids.tolist()
@@ -424,6 +447,8 @@ class GenerationLoop:
         reason = None
         if token in params.eos_token_ids and row.generated > params.min_new_tokens:
             reason = "stop"
+        elif self.constraints is not None and self.constraints.advance(slot, token):
+            reason = "stop"  # its grammar is complete
         elif row.generated >= row.request.max_new_tokens:
             reason = "length"
         event = TokenEvent(row.request.request_id, token, index, reason)
@@ -446,6 +471,7 @@ class GenerationLoop:
         if self.cache is None:
             self.cache = self.engine.cache(batch, kv)
             self.sampler = RowSampler(batch, self.vocab, device, self.engine.backend.host_generators)
+            self.constraints = RowConstraints(batch, self.vocab)
             return
         if batch <= self.cache.batch and kv <= self.cache.max_length:
             return
@@ -475,6 +501,7 @@ class GenerationLoop:
             device = target.keys[0].device
             target.copy_rows(self.cache, torch.tensor(src, device=device), torch.tensor(dst, device=device))
         self.sampler.resize(batch, src, dst)
+        self.constraints.resize(batch, src, dst)
         self.rows = {d: self.rows[s] for s, d in zip(src, dst)}
         logger.debug("batch moved from %s to %s", self.cache.shape, target.shape)
         self.cache = target

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..utils.seeds import check_seed
+from .constraints import unpack
 
 NEG_INF = float("-inf")
 
@@ -266,10 +267,13 @@ class RowSampler:
     def needs_logits(self, rows: Sequence[int]) -> bool:
         return any(self.params[r] is not None and self.params[r].needs_logits for r in rows)
 
-    def choose(self, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int], steps: Sequence[int]) -> Choice:
+    def choose(self, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int], steps: Sequence[int],
+               allowed: Optional[torch.Tensor] = None) -> Choice:
         """Next ids for `rows` (slots) from their `[n, vocab]` logits and the graph's argmax; `steps[i]` is
-        how many tokens row `rows[i]` has generated (0 = its first)."""
-        if not self.needs_logits(rows):
+        how many tokens row `rows[i]` has generated (0 = its first). `allowed`: the rows' packed token
+        bitmask `[n, ceil(vocab/32)]` int32 (`constraints.py`; all ones for a free row), applied to every
+        row's logits before argmax or draw, so the graph's argmax is not the answer then."""
+        if not self.needs_logits(rows) and allowed is None:
             return Choice(argmax)
         rows = list(rows)
         t = self._table(tuple(rows))
@@ -288,6 +292,8 @@ class RowSampler:
             for i in banned:
                 mask[i, [t for t in self.params[rows[i]].eos_token_ids if 0 <= t < self.vocab]] = True
             x = x.masked_fill(mask.to(x.device), NEG_INF)
+        if allowed is not None:
+            x = torch.where(unpack(allowed, self.vocab, x.device), x, NEG_INF)
         ids = x.argmax(dim=-1)
         if t["sampling"]:
             y = x

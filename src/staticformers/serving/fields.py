@@ -21,7 +21,7 @@ DESCRIPTIVE = frozenset({"user", "metadata", "store", "service_tier", "prompt_ca
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
              "min_tokens", "stop", "stop_token_ids", "ignore_eos", "seed", "n", "best_of", "logit_bias",
              "skip_special_tokens")
-_GENERATION = ("model", "stream", "stream_options", "response_format", "max_tokens") + _SAMPLING
+_GENERATION = ("model", "stream", "stream_options", "response_format", "structured_outputs", "max_tokens") + _SAMPLING
 _TEMPLATE = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
              "add_generation_prompt")
 

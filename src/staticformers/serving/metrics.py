@@ -12,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..generation.constraints import MASK_TIME
+
 PREFIX = "staticformers:"
 # latencies from a millisecond to a few minutes
 _SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -57,6 +59,10 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests holding a decode slot.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
         self.padding = gauge("num_slots_padding", "Slots of the current decode batch that carry no request.")
+        gauge("structured_mask_seconds", "Host seconds spent filling grammar masks (structured outputs) since start."
+              ).set_function(lambda: MASK_TIME["seconds"])
+        gauge("structured_mask_steps", "Steps (prefills and decodes) that filled a grammar mask since start."
+              ).set_function(lambda: MASK_TIME["steps"])
         self.graphs = counter("graphs_compiled_total", "Graphs compiled (or loaded from the on-disk cache) since start, "
                                                        "precompiling included.")
         # speculative decoding (--speculative-config): tokens proposed, and those the target accepted

@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..generation.constraints import StructuredOutputs
 from ..generation.sampling import SamplingParams
 from . import fields
 
@@ -75,6 +76,11 @@ class Job:
     echo: bool = False
     skip_special_tokens: bool = True
     tools: Optional[list] = None  # chat: tools given and tool_choice not "none"
+    structured: Optional[StructuredOutputs] = None  # the constraint every choice's answer matches
+    structured_param: Optional[str] = None  # the field that asked for it (named by a refusal)
+    tool_choice: Any = None  # chat: "required" or {"type": "function", ...} forces a call (`tool_grammar.py`)
+    parallel_tool_calls: bool = True
+    reasoning: Optional[str] = None  # chat with a reasoning parser: where the answer starts (`reasoning.prompt_state`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +222,54 @@ def _common(body: dict) -> tuple[bool, bool]:
         raise invalid("stream_options", options, "is only allowed with stream=true")
     _refuse(body, "logit_bias", why="is not supported: leave it out")
     _refuse(body, "suffix", why="is not supported: leave it out")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", None)):
-        raise invalid("response_format", fmt, "is not supported beyond {\"type\": \"text\"}")
     return stream, include_usage
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
+    """The constraint a body asks for: OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+    `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`), and the field that asked.
+    Its content (schema, regex, grammar) is checked when it is compiled (`runs.constraint`)."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("structured_outputs", extra, "cannot be combined with response_format: send one of them")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            pass
+        elif kind == "json_object":
+            return StructuredOutputs(json_object=True), "response_format"
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise invalid("response_format.json_schema", spec,
+                              "must be {\"name\": ..., \"schema\": {...}, \"strict\": true}")
+            return StructuredOutputs(json=spec.get("schema", {})), "response_format.json_schema.schema"
+        else:
+            raise invalid("response_format", fmt, "must have type \"text\", \"json_object\" or \"json_schema\"")
+    if extra is None:
+        return None, None
+    if not isinstance(extra, dict):
+        raise invalid("structured_outputs", extra, f"must be an object with one of {', '.join(STRUCTURED_KEYS)}")
+    given = {k: v for k, v in extra.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(STRUCTURED_KEYS))
+    if unknown:
+        raise invalid(f"structured_outputs.{unknown[0]}", extra[unknown[0]],
+                      f"is not supported: use one of {', '.join(STRUCTURED_KEYS)}")
+    if len(given) != 1:
+        raise invalid("structured_outputs", extra, f"must set exactly one of {', '.join(STRUCTURED_KEYS)}")
+    key, value = next(iter(given.items()))
+    if key == "json_object" and value is not True:
+        raise invalid("structured_outputs.json_object", value, "must be true")
+    if key in ("regex", "grammar") and not isinstance(value, str):
+        raise invalid(f"structured_outputs.{key}", value, "must be a string")
+    if key == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise invalid("structured_outputs.choice", value, "must be a non-empty list of non-empty strings")
+    if key == "json" and not isinstance(value, (dict, str)):
+        raise invalid("structured_outputs.json", value, "must be a JSON schema (an object or its text)")
+    return StructuredOutputs(**{key: value}), f"structured_outputs.{key}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,10 +317,12 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
         raise invalid("max_tokens", 0, "is only allowed with echo=true (to score the prompt): ask for at least 1 token")
     asked = _max_tokens(body, ("max_tokens",), 16, low=0 if echo else 1)
     _check_min_tokens(settings, asked, "max_tokens")
+    spec, param = structured(body)
     return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
                _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, echo=echo,
-               skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+               skip_special_tokens=_boolean(body, "skip_special_tokens", True), structured=spec,
+               structured_param=param)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -358,11 +410,10 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
     check_fields(body, endpoint)
     messages = _messages(body)
     tools = _tools(body.get("tools"))
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice", tool_choice, "is not supported: use \"auto\" or \"none\"")
+    tool_choice = _tool_choice(body.get("tool_choice"), tools)
     if tool_choice == "none":
         tools = None
+    parallel = _boolean(body, "parallel_tool_calls", True)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs", kwargs, "must be an object")
@@ -390,10 +441,35 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     _check_min_tokens(settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None
                       else "max_tokens")
+    spec, param = structured(body)
+    forced = tool_choice not in (None, "none", "auto") and bool(tools)
+    if forced and spec is not None:
+        raise invalid(param.split(".")[0], body.get(param.split(".")[0]),
+                      "cannot be combined with a forced tool call (tool_choice): send one of them")
     return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
                _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, tools=tools or None,
-               skip_special_tokens=_boolean(body, "skip_special_tokens", True))
+               skip_special_tokens=_boolean(body, "skip_special_tokens", True), structured=spec,
+               structured_param=param, tool_choice=tool_choice if forced else None, parallel_tool_calls=parallel)
+
+
+def _tool_choice(choice: Any, tools: Optional[list]) -> Any:
+    """OpenAI's `tool_choice`: "none", "auto", "required" (both need `tools`) or `{"type": "function",
+    "function": {"name": ...}}` naming one of the tools."""
+    if choice in (None, "none", "auto"):
+        return choice
+    if choice == "required":
+        if not tools:
+            raise invalid("tool_choice", choice, "needs tools: pass the tools the model must choose from")
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        names = [t["function"]["name"] for t in tools or []]
+        if name not in names:
+            raise invalid("tool_choice.function.name", name, f"must name one of the tools ({', '.join(names) or 'none given'})")
+        return choice
+    raise invalid("tool_choice", choice, "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                         "\"function\": {\"name\": ...}}")
 
 
 _LONGEST_TOKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

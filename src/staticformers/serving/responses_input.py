@@ -125,13 +125,15 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
     if "input" not in body:
         raise ApiError(400, "input is required: pass a string or a list of input items.", param="input")
     messages = earlier + _items(body["input"])
-    fmt = body.get("text")
-    if fmt is not None and not (isinstance(fmt, dict) and (fmt.get("format") or {}).get("type", "text") == "text"):
-        raise invalid("text", fmt, "is not supported beyond {\"format\": {\"type\": \"text\"}}")
+    response_format, text_echo = _text_format(body.get("text"))
     tools = _tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise invalid("tool_choice", tool_choice, "is not supported: use \"auto\" or \"none\"")
+    chat_choice = tool_choice
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "function" not in tool_choice:
+        chat_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}  # chat's spelling
+    elif tool_choice not in (None, "auto", "none", "required"):
+        raise invalid("tool_choice", tool_choice, "must be \"auto\", \"none\", \"required\" or "
+                                                  "{\"type\": \"function\", \"name\": ...}")
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
         raise invalid("store", store_it, "must be true or false")
@@ -140,8 +142,12 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
         raise invalid("stream", stream, "must be true or false")
     chat = {"model": body.get("model"),
             "messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
-            "tools": tools, "tool_choice": tool_choice, "temperature": body.get("temperature"),
+            "tools": tools, "tool_choice": chat_choice, "temperature": body.get("temperature"),
             "top_p": body.get("top_p")}
+    if response_format is not None:
+        chat["response_format"] = response_format
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     limit = body.get("max_output_tokens")
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -151,8 +157,25 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": body.get("tools") or [],
             "tool_choice": tool_choice or "auto", "previous_response_id": previous, "store": store_it,
             "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "text": {"format": {"type": "text"}}}
+            "text": text_echo}
     return ResponseRequest(chat, messages, stream, store_it, echo)
+
+
+def _text_format(text) -> tuple:
+    """The Responses API's `text.format` as chat's `response_format` (None for text), and as echoed back:
+    `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name", "schema", "strict"}`."""
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    kind = (fmt or {}).get("type", "text") if isinstance(fmt, (dict, type(None))) else None
+    if kind == "text":
+        return None, {"format": {"type": "text"}}
+    if kind == "json_object":
+        return {"type": "json_object"}, {"format": fmt}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}, {"format": fmt}
+    raise invalid("text", text, "must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}}")
 
 
 __all__ = ["ResponseRequest", "parse_response_request"]

@@ -20,13 +20,16 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from ..generation.constraints import compiler_for
 from ..generation.loop import GenerationRequest
 from ..generation.plan import PlanError
 from ..tokenization.token_bytes import shown_text, token_bytes
 from .engine_thread import Draining, EngineFailed, QueueFull, Sink
 from .protocol import ApiError, Job
 from .state import ServerState
-from .text import ChoiceText, ToolCallParser
+from .reasoning import PARSERS, ReasoningSplitter
+from .text import CLOSE, OPEN, ChoiceText, ToolCallParser
+from .tool_grammar import tool_call_grammar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,6 +42,8 @@ class Delta:
     index: int
     text: str = ""
     tool_calls: list = field(default_factory=list)
+    call_deltas: list = field(default_factory=list)  # the same calls as OpenAI's streamed deltas (`text.py`)
+    reasoning: str = ""  # with a reasoning parser: the thinking's text (`reasoning.py`)
     tokens: list = field(default_factory=list)  # (token id, logprob, top [(id, logprob)])
     prompt_logprobs: Optional[list] = None  # the first delta's, when the prompt was scored (`TokenEvent`'s)
     finish_reason: Optional[str] = None
@@ -54,20 +59,25 @@ class ChoiceRun:
         self.metrics = metrics or state.metrics  # counted under the name the request asked for
         self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
         self.tools = ToolCallParser() if job.tools else None
+        self.reasoner = ReasoningSplitter(state.reasoning_parser, job.reasoning) if job.reasoning else None
         self.arrival, self.last = arrival, None
         self.completion_tokens = 0
         self.finish_reason: Optional[str] = None
         # max_tokens=0 (echo, scoring the prompt): one token is generated, since a request ends with one, and dropped
         self.silent = job.max_tokens[job.choices[index].prompt_index] == 0
 
-    def _content(self, text: str, final: bool = False) -> tuple[str, list]:
+    def _content(self, text: str, final: bool = False) -> tuple[str, list, list, str]:
+        """(content, tool calls, their deltas, reasoning) of a text delta: the reasoning split out first."""
+        reasoning = ""
+        if self.reasoner is not None:
+            reasoning, text = self.reasoner.feed(text, final)
         if self.tools is None:
-            return text, []
+            return text, [], [], reasoning
         out, calls = self.tools.feed(text)
         if final:
             more, tail = self.tools.finish()
             out, calls = out + more, calls + tail
-        return out, calls
+        return out, calls, self.tools.take_deltas(), reasoning
 
     async def deltas(self) -> AsyncIterator[Delta]:
         m = self.metrics
@@ -82,8 +92,8 @@ class ChoiceRun:
             if event.token is None:  # cancelled by the server (shutdown)
                 self.finish_reason = event.finish_reason or "abort"
                 m.finished(self.finish_reason)
-                text, calls = self._content(self.text.finish(), final=True)
-                yield Delta(self.index, text, calls, finish_reason=self.finish_reason)
+                text, calls, deltas, reasoning = self._content(self.text.finish(), final=True)
+                yield Delta(self.index, text, calls, deltas, reasoning, finish_reason=self.finish_reason)
                 return
             if self.silent:  # its one event is its last
                 self.state.engine.cancel(self.request_id)
@@ -108,14 +118,14 @@ class ChoiceRun:
             final = reason is not None
             if final:
                 piece += self.text.finish()
-            text, calls = self._content(piece, final)
+            text, calls, deltas, reasoning = self._content(piece, final)
             if final:
-                if self.tools is not None and self.tools.calls:
+                if self.tools is not None and self.tools.calls and reason == "stop":  # a cut answer stays "length"
                     reason = "tool_calls"
                 self.finish_reason = reason
                 m.e2e.observe(now - self.arrival)
                 m.finished(reason if reason != "tool_calls" else "stop")
-            yield Delta(self.index, text, calls, tokens, event.prompt_logprobs, reason)
+            yield Delta(self.index, text, calls, deltas, reasoning, tokens, event.prompt_logprobs, reason)
             if final:
                 return
 
@@ -181,8 +191,10 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     response id and one ChoiceRun per choice."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     aloop = asyncio.get_running_loop()
+    grammar = constraint(state, job)
     requests = [GenerationRequest(job.prompts[c.prompt_index], max(1, job.max_tokens[c.prompt_index]), c.sampling,
-                                  request_id=f"{rid}-{c.index}", adapter=adapter) for c in job.choices]
+                                  request_id=f"{rid}-{c.index}", adapter=adapter, structured_outputs=grammar)
+                for c in job.choices]
     try:
         for r in requests:
             state.engine.loop.validate(r)
@@ -211,6 +223,27 @@ def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = No
     runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival, m)
             for c, r, s in zip(job.choices, requests, sinks)]
     return rid, runs
+
+
+def constraint(state: ServerState, job: Job):
+    """The job's compiled grammar (None: free): its `structured_outputs` / `response_format`, or a forced tool
+    call; a bad schema, regex or grammar, or a server without llguidance, is a 400 naming the field."""
+    spec, param = job.structured, job.structured_param
+    if job.tool_choice is not None:
+        name = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
+        vocab = state.tokenizer.get_vocab()
+        spec = tool_call_grammar(job.tools, name, job.parallel_tool_calls, vocab.get(OPEN), vocab.get(CLOSE))
+        param = "tool_choice"
+    if spec is None:
+        return None
+    try:
+        compiler = compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids)
+        grammar = compiler.compile(spec, param)
+    except ValueError as err:
+        raise ApiError(400, str(err), param=param) from None
+    if job.reasoning in ("open", "reasoning"):  # the answer after the thinking is constrained, not the thinking
+        grammar = grammar.waiting_for(compiler.token_id(PARSERS[state.reasoning_parser][1]))
+    return grammar
 
 
 def cancel(state: ServerState, runs: list, disconnected: bool) -> None:

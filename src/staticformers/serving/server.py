@@ -59,6 +59,7 @@ class ServeOptions:
     precompile_prompt_logprobs: bool = False  # the warm-up also compiles the scoring prefills (echo with logprobs)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
     speculative_config: Optional[object] = None  # vLLM's --speculative-config: a JSON object (str) or a dict
+    reasoning_parser: Optional[str] = None  # vLLM's --reasoning-parser: "qwen3" splits <think>...</think> out
 
 
 def sampling_defaults(model) -> dict:
@@ -191,6 +192,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
     from .state import ServerState
     from .engine_thread import EngineThread
     from .metrics import ServerMetrics
+    from .reasoning import check_parser
     from .response_store import ResponseStore
 
     name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
@@ -211,6 +213,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
+                       reasoning_parser=check_parser(options.reasoning_parser),
                        adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
                        runtime_lora=options.enable_lora_runtime_updates,
                        lora_root=os.path.realpath(options.lora_root) if options.lora_root else None)

@@ -39,6 +39,7 @@ class ServerState:
     eos_token_ids: list = field(default_factory=list)
     api_key: Optional[str] = None
     chat_template: Optional[str] = None
+    reasoning_parser: Optional[str] = None  # --reasoning-parser: chat answers' thinking split out (`reasoning.py`)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict = field(default_factory=dict)  # LoRA adapter name -> the folder it was loaded from

@@ -7,12 +7,16 @@
 - `ToolCallParser` splits a chat model's text into content and tool calls written in the Qwen/Hermes
   style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, streamed or not: text before a
   call streams as content, a call is emitted whole once its closing tag arrives (OpenAI's `tool_calls`,
-  arguments as a JSON string), and a block whose JSON does not parse is returned as content.
+  arguments as a JSON string), and a block whose JSON does not parse is returned as content. For
+  streaming it also gives OpenAI's call deltas as text arrives (`take_deltas`): once `{"name": "...",
+  "arguments": ` is read, one delta with the call's index, id and name, then the arguments' text in
+  fragments (the last `}` held back until the block ends), which join to exactly the whole call's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -87,6 +91,20 @@ def parse_call(block: str) -> Optional[dict]:
     return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": arguments}}
 
 
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+def _arguments(text: str, final: bool) -> str:
+    """The arguments' text that is known after a call's header: all but the closing `}` of the call (and
+    the whitespace around it, and what could begin `</tool_call>`) until the block is complete."""
+    if not final:
+        text = text[:len(text) - _held(text, [CLOSE])]
+    text = text.rstrip()
+    if text.endswith("}"):
+        text = text[:-1].rstrip()
+    return text
+
+
 @dataclass
 class ToolCallParser:
     """Content and tool calls of a chat answer (see the module docstring); feed it text deltas."""
@@ -95,6 +113,51 @@ class ToolCallParser:
     calls: list = field(default_factory=list)
     _buffer: str = ""  # text not yet classified
     _inside: bool = False
+    _streaming: Optional[dict] = None  # the call whose arguments are streaming (its header was read)
+    _start: int = 0  # where its arguments begin in `_buffer`
+    _deltas: list = field(default_factory=list)  # OpenAI call deltas not yet taken
+
+    def take_deltas(self) -> list:
+        """The call deltas (`{"index", "id", "type", "function": {"name", "arguments"}}`, then `{"index",
+        "function": {"arguments"}}` fragments) produced since the last call."""
+        out, self._deltas = self._deltas, []
+        return out
+
+    def _stream(self, final: bool) -> None:
+        """Inside a block: read its header when it is complete, then pass on the arguments known so far."""
+        if self._streaming is None:
+            m = HEADER.match(self._buffer)
+            if m is None:
+                return
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                return
+            index = len(self.calls)  # the calls before it are complete
+            self._streaming = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""},
+                               "index": index}
+            self._start = m.end()
+            self._deltas.append({"index": index, "id": self._streaming["id"], "type": "function",
+                                 "function": {"name": name, "arguments": ""}})
+        known = _arguments(self._buffer[self._start:], final)
+        sent = self._streaming["function"]["arguments"]
+        if len(known) > len(sent) and known.startswith(sent):
+            self._deltas.append({"index": self._streaming["index"], "function": {"arguments": known[len(sent):]}})
+            self._streaming["function"]["arguments"] = known
+
+    def _close(self, block: str) -> Optional[dict]:
+        """The call a complete block holds (None: not a call): the streamed one, or the block parsed whole."""
+        if self._streaming is not None:
+            self._buffer, rest = block, self._buffer
+            self._stream(final=True)
+            self._buffer = rest
+            call, self._streaming = self._streaming, None
+            call.pop("index")
+            return call
+        call = parse_call(block)
+        if call is not None:
+            self._deltas.append({"index": len(self.calls), **call})
+        return call
 
     def feed(self, text: str) -> tuple[str, list]:
         """Add text; return (content delta, new tool calls)."""
@@ -107,11 +170,12 @@ class ToolCallParser:
                     break
                 block, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE):]
                 self._inside = False
-                call = parse_call(block)
+                call = self._close(block)
                 if call is None:
                     out += OPEN + block + CLOSE
                 else:
                     new.append(call)
+                    self.calls.append(call)
                 continue
             start = self._buffer.find(OPEN)
             if start >= 0:
@@ -123,15 +187,16 @@ class ToolCallParser:
             out += self._buffer[:len(self._buffer) - keep]
             self._buffer = self._buffer[len(self._buffer) - keep:]
             break
+        if self._inside:
+            self._stream(final=False)
         self.content += out
-        self.calls += new
         return out, new
 
     def finish(self) -> tuple[str, list]:
         """The end of the answer: an unclosed block is tried as a call, else returned as content."""
         out, new = "", []
         if self._inside:
-            call = parse_call(self._buffer)
+            call = self._close(self._buffer)
             if call is None:
                 out = OPEN + self._buffer
             else:

@@ -78,6 +78,12 @@ class Speculator:
         if any(r.length + self.k >= cache.max_length for r in rows):
             loop._decode()  # some row lacks room for k more positions
             return
+        if loop.constraints is not None and loop.constraints.active(slots):
+            # a grammar's mask at each verified position would need its matcher advanced along every
+            # proposal and rolled back: not done yet, so a step with a constrained row decodes one token
+            # (its mask applied as always), and the batch speculates again once no row is constrained
+            loop._decode()
+            return
         histories = [list(r.request.prompt) + r.tokens for r in rows]
         limits = [max(0, min(self.k, r.request.max_new_tokens - r.generated - 1)) for r in rows]
         try:

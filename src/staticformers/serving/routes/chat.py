@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from fastapi import FastAPI, Request
 
 from ..protocol import Job, parse_chat
+from ..reasoning import prompt_state
 from ..runs import Delta, chat_logprobs, reply, usage
 from ..state import ServerState, check_model, read_body
 
@@ -27,25 +28,27 @@ def register(app: FastAPI, state: ServerState) -> None:
         job = await asyncio.to_thread(parse_chat, body, state.tokenizer, state.defaults, state.eos_token_ids,
                                       state.max_model_len, state.max_n, state.chat_template)  # rendering, tokenizing:
         # off the event loop, so one long prompt or slow template never stalls the other connections
+        if state.reasoning_parser is not None:
+            job.reasoning = prompt_state(state.reasoning_parser, job.prompt_texts[0])
         return await reply(state, request, job, "chatcmpl", adapter, served, _chunks, _answer, CHUNK)
 
 
 def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) -> Callable[[Delta], Optional[dict]]:
     """The streamed chunk of each delta (None when it adds nothing): a choice's first chunk carries the
-    role, and tool calls are numbered across a choice's chunks."""
+    role; tool calls stream as deltas numbered across a choice's chunks (`text.ToolCallParser`)."""
     opened = set()
-    calls_seen = [0] * n
 
     def chunk(d: Delta) -> Optional[dict]:
         delta: dict = {}
         if d.index not in opened:
             opened.add(d.index)
             delta["role"] = "assistant"
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
         if d.text:
             delta["content"] = d.text
-        if d.tool_calls:
-            delta["tool_calls"] = [{"index": calls_seen[d.index] + i, **call} for i, call in enumerate(d.tool_calls)]
-            calls_seen[d.index] += len(d.tool_calls)
+        if d.call_deltas:  # OpenAI's call deltas: index, id and name first, then the arguments in fragments
+            delta["tool_calls"] = d.call_deltas
         logprobs = {"content": chat_logprobs(tokenizer, d.tokens)} if job.logprobs is not None and d.tokens else None
         if not delta and logprobs is None and d.finish_reason is None:
             return None
@@ -66,6 +69,8 @@ def _answer(tokenizer, job: Job, rid: str, created: int, served: str, runs: list
         message: dict = {"role": "assistant", "content": content if (content or not calls) else None}
         if calls:
             message["tool_calls"] = calls
+        if job.reasoning is not None:
+            message["reasoning_content"] = run.reasoner.reasoning
         tokens = [t for d in deltas for t in d.tokens]
         choices.append({"index": run.index, "message": message,
                         "logprobs": {"content": chat_logprobs(tokenizer, tokens)}
