@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
-from ..compilation.steps import DecodeStep, PrefillStep, ScoreStep, Step, whole_decode, whole_prefill, whole_score
+from ..compilation.steps import (DecodeStep, ExtendStep, PrefillStep, ScoreStep, Step, whole_decode, whole_extend,
+                                 whole_prefill, whole_score)
 from ..models.ops import PLAIN, Ops
 
 
@@ -32,7 +33,11 @@ def host_available_memory() -> Optional[int]:
         return None
 
 
-def step_name(kind: str, batch: int, dim: int, settings) -> str:
+def step_name(kind: str, batch: int, dim, settings) -> str:
+    """A step's compiled name; an extend step's `dim` is `(K, T, n)`."""
+    if kind == "extend":
+        kv, tokens, kept = dim
+        return f"extend_b{batch}_t{tokens}_n{kept}_kv{kv}_{settings.backend}"
     return f"{kind}_b{batch}_{'kv' if kind == 'decode' else 'l'}{dim}_{settings.backend}"
 
 
@@ -60,9 +65,10 @@ class StepBuilder:
     def ops(self, kind: str, batch: int, settings) -> Ops:
         return PLAIN
 
-    def build(self, kind: str, batch: int, dim: int, settings, context) -> Step:
+    def build(self, kind: str, batch: int, dim, settings, context) -> Step:
         """The whole-model step of one shape: `prefill [batch, dim]`, `score [batch, dim]` (a prefill with the
-        prompt's log-probabilities) or `decode [batch, 1]` over `[batch, dim]`."""
+        prompt's log-probabilities), `decode [batch, 1]` over `[batch, dim]`, or `extend [batch, T]` over
+        `[batch, K]` keeping `n` positions (`dim` = `(K, T, n)`)."""
         model, ops = self.model, self.ops(kind, batch, settings)
         name = step_name(kind, batch, dim, settings)
         if kind == "prefill":
@@ -73,6 +79,15 @@ class StepBuilder:
             fn = whole_score(model, dim, ops)
             compiled = self.backend.compile_one(fn, name, (batch, dim), settings) if settings.enabled else None
             return ScoreStep(fn, compiled)
+        if kind == "extend":
+            kv, tokens, _ = dim
+            cache = context.cache(batch, kv)
+            graphs = cuda_graphs(settings)
+            if graphs:
+                cache.mark_static()
+            fn = whole_extend(model, cache, ops)
+            compiled = self.backend.compile_one(fn, name, (batch, tokens, kv), settings) if settings.enabled else None
+            return ExtendStep(fn, compiled, cache, cuda_graphs=graphs)
         cache = context.cache(batch, dim)
         graphs = cuda_graphs(settings)
         if graphs:

@@ -91,6 +91,13 @@ def head_region(model, hidden, ops: Ops):
     return logits.argmax(-1), logits, normed
 
 
+def kept_head_region(model, hidden, keep_index, ops: Ops):
+    """Final norm and head at each row's kept positions (`hidden` `[b, T, hidden]`, `keep_index` `[b, n]`): the
+    argmax `[b, n]` and logits `[b, n, vocab]` (an extend step's; one per batch, tokens and kept count)."""
+    logits = model.head(model.model.norm(take(hidden, keep_index)), ops=ops).logits
+    return logits.argmax(-1), logits
+
+
 def score_head_region(model, hidden, input_ids, last_index, ops: Ops):
     """Final norm and head over every prompt position (`hidden` `[b, L, hidden]`): the argmax and logits at
     each row's last token (`last_index` `[b]`) and the prompt's scores (`prompt_scores.py`)."""
@@ -229,14 +236,19 @@ class DecodeRegions(GenerationRegions):
         super().release()
         self.cache, self.fns, self.parts = None, None, []
 
-    def body(self, fns: tuple, input_ids, position_ids):
-        """The step with `fns` = (prepare, {kind: layer}, head): `self.fns`, or their raw forms."""
-        prepare, layer, head = fns
+    def layers(self, fns: tuple, input_ids, position_ids):
+        """`prepare` and every layer over the cache (each written at the rows' positions): the last hidden
+        states. `fns` = (prepare, {kind: layer}, head): `self.fns`, or their raw forms."""
+        prepare, layer, _ = fns
         views = self.cache.layer_views()
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
         for (module, kind), kv in zip(self.runs, views):
             x = layer[kind](module, x, cos, sin, masks, kv, position_ids, self.ops)
-        argmax, logits, _ = head(self.model, x, self.head_ops)
+        return x
+
+    def body(self, fns: tuple, input_ids, position_ids):
+        """The step with `fns` (see `layers`): the argmax and logits at each row's one position."""
+        argmax, logits, _ = fns[2](self.model, self.layers(fns, input_ids, position_ids), self.head_ops)
         return argmax, logits
 
     def last_row(self, x: torch.Tensor, position_ids: torch.Tensor, checked: bool):
@@ -252,6 +264,19 @@ class DecodeRegions(GenerationRegions):
         x = self.layer[kind](module, x, cos, sin, masks, views[-1], position_ids, self.ops, checked=checked)
         argmax, logits, _ = self.head(self.model, x, self.head_ops, checked=checked)
         return argmax, logits
+
+
+class ExtendRegions(DecodeRegions):
+    """An extend step `[B, T]` over `cache` as regions: `prepare` and a layer region per kind of this shape
+    (the same region functions as decode's, T tokens per row), then `head` (`kept_head_region`, shared by
+    every KV length of the batch, tokens and kept count) at each row's kept positions."""
+
+    def body(self, fns: tuple, input_ids, position_ids, keep_index):
+        """The step with `fns` (see `DecodeRegions.layers`): the argmax and logits at the kept positions."""
+        return fns[2](self.model, self.layers(fns, input_ids, position_ids), keep_index, self.head_ops)
+
+    def last_row(self, *args, **kwargs):
+        raise TypeError("An extend step finishes no prefill: a prefill finishes with its cache's decode step.")
 
 
 class PrefillRegions(GenerationRegions):
@@ -330,6 +355,6 @@ class ScoreRegions(GenerationRegions):
 
 
 __all__ = ["prepare_region", "layer_region", "routed_layer_region", "prefill_layer_region", "head_region",
-           "score_head_region", "ScoreRegions",
+           "score_head_region", "kept_head_region", "ScoreRegions", "ExtendRegions",
            "loss_head_region", "has_decoder_layout", "routes_logits", "region_name", "layer_regions", "regional_loss",
            "compile_blocks", "GenerationRegions", "DecodeRegions", "PrefillRegions"]

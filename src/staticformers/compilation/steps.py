@@ -11,6 +11,10 @@ graphs (what every device can run; a backend may supply others, `staticformers.b
   kind of its own, built and compiled when scoring is asked for; its cache insert is the prefill's.
 - **decode** `[batch, 1]` over a `[batch, KV]` static cache: each row's token at its own position; the
   cache is written in place at those positions and attention masked from them (`cache.py`).
+- **extend** `[batch, T]` over a `[batch, KV]` static cache: T tokens per row at that row's positions
+  (written in place like decode's, each attending to its row's cache up to itself), returning the
+  argmax and logits at `n` kept positions per row (`keep_index` `[batch, n]`): a speculative step's
+  verification (every position kept) or a chunk of a long prompt (its last token kept).
 
 A step answers like a compiled function (`graphs`, `compile_seconds`, `first_call_seconds`,
 `release`; `uses`: the engine's shared functions it calls) so the engine reports every step the same
@@ -66,6 +70,18 @@ def whole_decode(model, cache: KVCache, ops: Ops = PLAIN) -> Callable:
         return logits.argmax(-1), logits
 
     return decode
+
+
+def whole_extend(model, cache: KVCache, ops: Ops = PLAIN) -> Callable:
+    """`extend(input_ids [b, T], position_ids [b, T], keep_index [b, n]) -> (argmax [b, n], logits [b, n, vocab])`
+    over `cache`."""
+
+    def extend(input_ids, position_ids, keep_index):
+        logits = model(input_ids=input_ids, position_ids=position_ids, kv_cache=cache, keep_index=keep_index,
+                       ops=ops, output_router_logits=False).logits
+        return logits.argmax(-1), logits
+
+    return extend
 
 
 class Step:
@@ -144,3 +160,12 @@ class DecodeStep(Step):
     def release(self) -> None:
         super().release()
         self.cache = None
+
+
+class ExtendStep(DecodeStep):
+    """A whole extend graph over its cache: `(input_ids [B, T], position_ids [B, T], keep_index [B, n])`."""
+
+    def __call__(self, input_ids, position_ids, keep_index, checked: bool = False):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.run(input_ids, position_ids, keep_index, checked=checked)

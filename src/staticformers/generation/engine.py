@@ -13,6 +13,10 @@ Design choices (the why of this file):
   step takes one token and one position per row, the cache is written at each row's position and the
   mask is built from the positions on the device (`models/kv_cache.py`, `models/decoder.py`). The host sends
   `[B, 1]` token ids, `[B, 1]` positions and the slot indices of an insert, nothing that grows.
+- **Several tokens per row over the cache: extend.** A step of the plan's extend widths (`plan.py`) runs
+  `[B, T]` tokens, each row at its own positions over the `[B, K]` cache like decode, and returns the
+  logits at `n` kept positions per row (`extend`): what speculative decoding verifies and a long prompt
+  is prefilled by, in chunks. Its graphs are declared by the plan and compiled ahead like the others.
 - **Prompt scores come from the prefill.** A prefill asked to score its prompts (`scores=True`) runs the
   step kind `"score"` of the same `[B, L]` shape instead: the same prefill, with the head over every
   position and the prompt's log-probabilities and top tokens as fixed-shape outputs
@@ -188,13 +192,15 @@ class Engine:
             self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
 
-    def step(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> Graph:
-        """The step of `kind` for `[batch, dim]` (prefill: dim = prompt bucket; decode: the KV length)."""
+    def step(self, kind: str, batch: int, dim, settings: CompileSettings) -> Graph:
+        """The step of `kind` for `[batch, dim]` (prefill: dim = prompt bucket; decode: the KV length;
+        extend: `(K, T, n)`, the KV length, tokens per row and kept positions)."""
         key = (kind, batch, dim, settings)
         g = self.graphs.get(key)
         if g is None:
             step = self.steps.build(kind, batch, dim, settings, self._context)
-            shape = (batch, 1, dim) if kind == "decode" else (batch, dim)
+            shape = (batch, 1, dim) if kind == "decode" else (batch, dim[1], dim[0], dim[2]) if kind == "extend" \
+                else (batch, dim)
             g = self.graphs[key] = Graph(kind, shape, settings, step)
         return g
 
@@ -242,6 +248,26 @@ class Engine:
         with routed(self.model, adapters, cache.batch):
             return g.step(tokens, positions, checked=checked)
 
+    def extend(self, settings: CompileSettings, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+               keep: torch.Tensor, adapters: Optional[Sequence[int]] = None,
+               plan: Optional[ShapePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`T` tokens per row over every row of `cache`: `tokens` and `positions` `[B, T]`, `keep` `[B, n]`
+        (indices into `0..T-1`), on the device; `adapters` as `prefill`'s. Every row's keys and values
+        are written at its positions: a row with nothing to add is given positions at or after its
+        length (a row writes a position before it attends to it, so what lands there is never read).
+        Returns the argmax and logits at the kept positions, `[B, n]` and `[B, n, vocab]`. The width
+        `(T, n)` must be one of the extend widths of `plan` (default: the engine's)."""
+        plan = plan or self.plan
+        t, n = tokens.shape[-1], keep.shape[-1]
+        if (t, n) not in plan.extend_widths:
+            shape_violation(f"An extend step of {t} tokens keeping {n} is not among the plan's extend widths "
+                            f"{list(plan.extend_widths)}: declare it (ShapePlan(extend_widths=...)).")
+        g = self.step("extend", cache.batch, (cache.max_length, t, n), settings)
+        checked = self._check(g, (cache.batch, t), tokens)
+        g.calls += 1
+        with routed(self.model, adapters, cache.batch):
+            return g.step(tokens, positions, keep, checked=checked)
+
     @staticmethod
     def _check(g: Graph, expected: tuple, x: torch.Tensor) -> bool:
         """Whether `x` has the step's declared shape (a violation raises in strict mode, warns else)."""
@@ -266,13 +292,19 @@ class Engine:
         jobs = [("decode", b, k) for b, k in plan.decode_shapes()] + [("prefill", b, n) for b, n in plan.prefill_shapes()]
         if scores:
             jobs += [("score", b, n) for b, n in plan.prefill_shapes()]
+        jobs += [("extend", b, (k, t, n)) for b, k, t, n in plan.extend_shapes()]
         with torch.no_grad():
             for kind, b, n in jobs:
                 hits, before = cache_answers(), self.graph_count()
                 start = time.perf_counter()
                 g = self.step(kind, b, n, settings)
                 with routed(self.model, None, b):
-                    if kind != "decode":
+                    if kind == "extend":
+                        k, t, kept = n
+                        g.step(torch.zeros(b, t, dtype=torch.long).to(device),
+                               torch.arange(t).repeat(b, 1).to(device),
+                               torch.arange(t - kept, t).repeat(b, 1).to(device), checked=True)
+                    elif kind != "decode":
                         cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
                         # inputs made on the host and sent, as a real call's are (made on a lazily traced
                         # device, they would be a graph of their own)
@@ -291,7 +323,7 @@ class Engine:
                     progress(row)
         return rows
 
-    def warm(self, kind: str, batch: int, dim: int, settings: CompileSettings) -> bool:
+    def warm(self, kind: str, batch: int, dim, settings: CompileSettings) -> bool:
         """Whether the step of this shape exists and has run (its graphs are built)."""
         g = self.graphs.get((kind, batch, dim, settings))
         return g is not None and g.step is not None and (not settings.enabled or g.step.first_call_seconds > 0

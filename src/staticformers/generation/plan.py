@@ -13,8 +13,14 @@ lists three sets of buckets and the engine pads every request up to the smallest
   and new tokens (`positions_needed`), so memory follows what a call needs and never
   `max_position_embeddings` blindly (Qwen3's 40,960 positions would cost gigabytes a sequence).
 
+An optional fourth set, **extend widths** `(T, n)`, declares steps that run `T` new tokens per row over
+the static cache, each row at its own positions, and return the logits at `n` of them: the verify step
+of speculative decoding (`T = n = k + 1`) and the chunks of a chunked prefill (`T` the chunk, `n = 1`).
+An extend step runs over a `[B, K]` cache, so each width adds `len(batch) * len(kv)` shapes; a plan
+without widths has none (`with_extend_widths` adds them to a plan).
+
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
-of shapes is `len(batch) * (len(prompt) + len(kv))`, printed by `str(plan)` and by
+of shapes is `len(batch) * (len(prompt) + len(kv) * (1 + len(extend)))`, printed by `str(plan)` and by
 `staticformers compile`; each shape is one graph, or (on the CPU) a few small ones, its regions
 (`steps.py`).
 """
@@ -40,6 +46,22 @@ def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
         n *= 2
     out.append(high)
     return tuple(out)
+
+
+def _check_widths(widths, max_model_len: Optional[int]) -> tuple[tuple[int, int], ...]:
+    """Extend widths as sorted `(T, n)` pairs: `T` tokens per row, `n` kept positions, `1 <= n <= T`."""
+    out = set()
+    for w in widths:
+        try:
+            t, n = (int(v) for v in w)
+        except (TypeError, ValueError):
+            raise PlanError(f"An extend width is a pair (tokens, kept positions), got {w!r}.") from None
+        if t < 1 or not 1 <= n <= t:
+            raise PlanError(f"The extend width {w!r} must have tokens >= 1 and 1 <= kept positions <= tokens.")
+        if max_model_len is not None and t > max_model_len:
+            raise PlanError(f"The extend width {w!r} has more tokens than max_model_len={max_model_len}: lower it.")
+        out.add((t, n))
+    return tuple(sorted(out))
 
 
 def _check_buckets(name: str, values: Sequence[int]) -> tuple[int, ...]:
@@ -74,6 +96,7 @@ class ShapePlan:
         max_batch_size: int = 8,
         min_prompt_length: int = 16,
         min_kv_length: int = 256,
+        extend_widths: Sequence[Sequence[int]] = (),
     ):
         if max_model_len is not None and int(max_model_len) < 2:
             raise PlanError(f"max_model_len must be at least 2, got {max_model_len}.")
@@ -81,12 +104,14 @@ class ShapePlan:
             raise PlanError(f"max_batch_size must be at least 1, got {max_batch_size}.")
         self._requested = dict(batch_sizes=batch_sizes, prompt_lengths=prompt_lengths, kv_lengths=kv_lengths,
                                max_model_len=max_model_len, max_batch_size=int(max_batch_size),
-                               min_prompt_length=int(min_prompt_length), min_kv_length=int(min_kv_length))
+                               min_prompt_length=int(min_prompt_length), min_kv_length=int(min_kv_length),
+                               extend_widths=_check_widths(extend_widths, None))
         self.max_model_len = int(max_model_len) if max_model_len is not None else None
         self.batch_sizes = _check_buckets("batch_sizes", batch_sizes) if batch_sizes is not None else \
             _powers_of_two(1, int(max_batch_size))
         self.prompt_lengths: tuple[int, ...] = ()
         self.kv_lengths: tuple[int, ...] = ()
+        self.extend_widths = _check_widths(extend_widths, self.max_model_len)
         if self.max_model_len is not None or (prompt_lengths is not None and kv_lengths is not None):
             self._complete()
 
@@ -107,6 +132,7 @@ class ShapePlan:
                 f"The plan's buckets go beyond max_model_len={m} (prompt up to {self.prompt_lengths[-1]}, "
                 f"KV up to {self.kv_lengths[-1]}): lower them or raise max_model_len."
             )
+        self.extend_widths = _check_widths(self.extend_widths, m)
 
     @property
     def bound(self) -> bool:
@@ -123,6 +149,17 @@ class ShapePlan:
             return self
         r = dict(self._requested)
         r["max_model_len"] = min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        return ShapePlan(**r)
+
+    def with_extend_widths(self, *widths: Sequence[int]) -> "ShapePlan":
+        """This plan with the extend widths `widths` `(T, n)` added (itself when it has them all)."""
+        wanted = _check_widths(widths, self.max_model_len)
+        if set(wanted) <= set(self.extend_widths):
+            return self
+        r = dict(self._requested)
+        r["extend_widths"] = tuple(sorted(set(self.extend_widths) | set(wanted)))
+        if self.bound:  # keep what binding filled in
+            r.update(prompt_lengths=self.prompt_lengths, kv_lengths=self.kv_lengths, max_model_len=self.max_model_len)
         return ShapePlan(**r)
 
     # ---- first fit -----------------------------------------------------------------------------
@@ -192,12 +229,17 @@ class ShapePlan:
         self._need_bound()
         return [(b, kv) for b in self.batch_sizes for kv in self.kv_lengths]
 
+    def extend_shapes(self) -> list[tuple[int, int, int, int]]:
+        """`(B, K, T, n)`: an extend step of `[B, T]` tokens over a `[B, K]` cache, `n` positions kept."""
+        self._need_bound()
+        return [(b, kv, t, n) for b in self.batch_sizes for kv in self.kv_lengths for t, n in self.extend_widths]
+
     @property
     def num_shapes(self) -> int:
-        return len(self.prefill_shapes()) + len(self.decode_shapes())
+        return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.extend_shapes())
 
     def key(self) -> tuple:
-        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len)
+        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len, self.extend_widths)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShapePlan) and self.key() == other.key()
@@ -206,8 +248,9 @@ class ShapePlan:
         return hash(self.key())
 
     def __repr__(self) -> str:
+        widths = f", extend_widths={[list(w) for w in self.extend_widths]}" if self.extend_widths else ""
         return (f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
-                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len})")
+                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths})")
 
     def __str__(self) -> str:
         if not self.bound:
@@ -218,4 +261,7 @@ class ShapePlan:
             f"  prompt buckets  {', '.join(map(str, self.prompt_lengths))}   (prefill [batch, prompt])",
             f"  KV lengths      {', '.join(map(str, self.kv_lengths))}   (decode [batch, 1] over the cache)",
         ]
+        if self.extend_widths:
+            widths = ", ".join(f"{t} keep {n}" for t, n in self.extend_widths)
+            lines.append(f"  extend widths   {widths}   (extend [batch, tokens] over the cache)")
         return "\n".join(lines)

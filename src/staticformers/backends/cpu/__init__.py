@@ -17,7 +17,7 @@ import torch
 
 from ...adapters.bank import bank_of
 from ...compilation.compiler import cache_root
-from ...compilation.regions import ScoreRegions, has_decoder_layout, head_region
+from ...compilation.regions import ScoreRegions, has_decoder_layout, head_region, kept_head_region
 from ...models.hooks import any_hooked, global_hooks, hooked
 from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
@@ -25,7 +25,7 @@ from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
 from ...models.quantization import QuantLinear
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
-from .regions import RegionalDecode, RegionalPrefill
+from .regions import RegionalDecode, RegionalExtend, RegionalPrefill
 from .thresholds import threshold
 
 
@@ -90,6 +90,9 @@ class CPUStepBuilder(StepBuilder):
         name = step_name(kind, batch, dim, settings)
         backend = self.backend
 
+        if kind == "extend":
+            return self._extend(batch, dim, settings, context, ops, name)
+
         def compile_one(fn, label):
             return backend.compile_one(fn, label, (batch, 1 if kind == "decode" else dim), settings, precompile=True)
 
@@ -105,6 +108,23 @@ class CPUStepBuilder(StepBuilder):
             label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
             self.shared[head_key] = backend.compile_one(head_region, label, (batch, 1), settings, precompile=True)
         return RegionalDecode(self.model, context.cache(batch, dim), name, compile_one, self.shared[head_key],
+                              CPUOps(None, None, ops.head_linear), ops)
+
+
+    def _extend(self, batch: int, dim: tuple, settings, context, ops: CPUOps, name: str) -> RegionalExtend:
+        """An extend step `[batch, T]` over the `[batch, K]` cache keeping `n` positions (`dim` = `(K, T, n)`) as
+        regions: its own `prepare` and layer regions, and a kept-position head that every K shares."""
+        kv, tokens, kept = dim
+        backend = self.backend
+
+        def compile_one(fn, label):
+            return backend.compile_one(fn, label, (batch, tokens), settings, precompile=True)
+
+        head_key = ("extend_head", batch, tokens, kept, ops.head_linear, settings)
+        if head_key not in self.shared:
+            label = f"extend_head_b{batch}_t{tokens}_n{kept}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
+            self.shared[head_key] = compile_one(kept_head_region, label)
+        return RegionalExtend(self.model, context.cache(batch, kv), name, compile_one, self.shared[head_key],
                               CPUOps(None, None, ops.head_linear), ops)
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ...compilation.regions import DecodeRegions, PrefillRegions
+from ...compilation.regions import DecodeRegions, ExtendRegions, PrefillRegions
 from .compiled import SKIP_GUARDS, unguarded
 
 
@@ -76,6 +76,24 @@ class RegionalDecode(_Warm, DecodeRegions):
         return out
 
 
+class RegionalExtend(_Warm, ExtendRegions):
+    """An extend step `[B, T]` over its cache as regions, warmed (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._warm = {}
+
+    def __call__(self, input_ids, position_ids, keep_index, checked: bool = False):
+        start = time.perf_counter()
+        if self.calls and self._ready(checked):
+            raw = lambda: (self.prepare.raw, {k: f.raw for k, f in self.layer.items()}, self.head.raw)  # noqa: E731
+            out = self._warm_step("extend", self.body, raw)(input_ids, position_ids, keep_index)
+        else:
+            out = self.body(self.fns, input_ids, position_ids, keep_index)
+        self.timed(start)
+        return out
+
+
 class RegionalPrefill(_Warm, PrefillRegions):
     """A prefill step `[b, L]` as regions, warmed, finished through the decode step of the cache it fills."""
 
@@ -97,4 +115,4 @@ class RegionalPrefill(_Warm, PrefillRegions):
         return out
 
 
-__all__ = ["RegionalDecode", "RegionalPrefill"]
+__all__ = ["RegionalDecode", "RegionalExtend", "RegionalPrefill"]
