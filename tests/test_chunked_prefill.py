@@ -138,3 +138,30 @@ def test_chunking_is_refused_without_a_declared_width(qwen3):
     loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK)
     with pytest.raises(PlanError, match="more than the largest prompt bucket"):  # scored prompts are not chunked
         loop.add(GenerationRequest(prompts([40])[0], 2, SamplingParams(prompt_logprobs=1)))
+
+
+def test_mixed_traffic_compiles_nothing_outside_the_plan(tiny_checkpoints, monkeypatch):
+    """After `precompile` of a plan with a chunk width, traffic mixing short prompts, prompts longer than the
+    largest bucket, prefix hits and partial hits, greedy and seeded, compiles no graph (Dynamo's counters,
+    strict shapes): chunks and block copies stay inside the declared shapes."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    small = ShapePlan(batch_sizes=[2], prompt_lengths=[16, 32], kv_lengths=[128], max_model_len=128,
+                      extend_widths=((CHUNK, 1),))
+    engine = engine_for(model, small)
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    engine.precompile(settings)
+    system = prompts([40], seed=8)[0]
+    rows = [system + [5], prompts([7], seed=9)[0], system + [6, 7, 8], prompts([90], seed=10)[0], system[:20] + [9],
+            system + [4]]
+    counters.clear()
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, prefix_block_size=8)
+    arrivals = {0: [GenerationRequest(rows[0], 5, request_id=0), GenerationRequest(rows[1], 30, request_id=1)],
+                8: [GenerationRequest(rows[2], 4, SamplingParams(do_sample=True, seed=3), request_id=2),
+                    GenerationRequest(rows[3], 6, request_id=3)],
+                20: [GenerationRequest(rows[4], 3, request_id=4)], 30: [GenerationRequest(rows[5], 3, request_id=5)]}
+    out = run_loop(loop, arrivals)
+    assert sorted(out) == list(range(6)) and loop.prefix.hits > 0 and loop.chunks > 0
+    assert counters["stats"]["unique_graphs"] == 0
