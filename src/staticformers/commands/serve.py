@@ -78,6 +78,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
                         "default); one more evicts the oldest (default 1024; 0 keeps none)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="run prompts longer than a chunk as chunks between decode steps (a running request waits "
+                        "at most one chunk per token; prompts longer than the largest prompt bucket run)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
+                   help="tokens one chunk step computes (default 512): the chunk width is N over the largest batch "
+                        "bucket, since a chunk step runs every row of the batch")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="keep prompt prefixes' keys and values on the device and copy them into requests that "
+                        "start the same way (hashed in blocks, per adapter)")
+    p.add_argument("--prefix-cache-blocks", type=_positive, default=512, metavar="N",
+                   help="blocks the prefix cache holds (default 512; the least recently used is evicted)")
+    p.add_argument("--block-size", type=_positive, default=32, metavar="TOKENS",
+                   help="tokens per prefix-cache block (default 32)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -143,5 +156,9 @@ def run(args: argparse.Namespace) -> int:
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
                            max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
                            enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
-                           precompile_prompt_logprobs=args.precompile_prompt_logprobs)
+                           precompile_prompt_logprobs=args.precompile_prompt_logprobs,
+                           enable_chunked_prefill=args.enable_chunked_prefill,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size)
     return serve(options)

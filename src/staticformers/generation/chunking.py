@@ -57,6 +57,21 @@ def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
     return width
 
 
+DEFAULT_BATCHED_TOKENS = 512
+
+
+def serving_chunk(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int:
+    """The server's chunk width from `--max-num-batched-tokens` (vLLM's name: the tokens one step computes,
+    default 512). An extend step computes `[B, C]` tokens over the whole batch, so C is the budget over the
+    largest batch bucket, and at most the largest prompt bucket (which prefills a prompt's first chunk)."""
+    budget = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else int(max_num_batched_tokens)
+    largest = plan.batch_sizes[-1]
+    if budget < largest:
+        raise PlanError(f"--max-num-batched-tokens {budget} is less than the largest batch bucket ({largest}): a chunk "
+                        f"step computes a chunk for every row, so give at least one token per row.")
+    return min(budget // largest, plan.prompt_lengths[-1])
+
+
 def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chunked: bool) -> int:
     """`plan.positions_needed`, except that a chunked prompt may be longer than the largest prompt bucket
     (it never runs as one prefill): only `max_model_len` and the largest KV length bound it."""
@@ -147,4 +162,4 @@ def run_chunk(loop) -> None:
             event.logits = mine_logits[i].clone()
 
 
-__all__ = ["chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "run_chunk"]
+__all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "run_chunk"]

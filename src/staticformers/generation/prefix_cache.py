@@ -39,6 +39,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..backends.memory_check import check_fits
 from ..models.kv_cache import KVCache
 
 
@@ -52,6 +53,8 @@ class PrefixCache:
             raise ValueError(f"prefix cache block_size={block_size} must be a positive number of tokens.")
         c = model.config
         self.blocks, self.block_size = int(blocks), int(block_size)
+        check_fits(self.bytes_for(model, self.blocks, self.block_size, tp), model.device,
+                   f"The prefix cache ({self.blocks} blocks of {self.block_size} tokens)", "give it fewer blocks")
         shape = (self.blocks, c.num_key_value_heads // tp, self.block_size, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]

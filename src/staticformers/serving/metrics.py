@@ -57,6 +57,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests holding a decode slot.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
         self.padding = gauge("num_slots_padding", "Slots of the current decode batch that carry no request.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.graphs = counter("graphs_compiled_total", "Graphs compiled (or loaded from the on-disk cache) since start, "
                                                        "precompiling included.")
         self._families = {

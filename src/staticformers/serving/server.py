@@ -58,6 +58,11 @@ class ServeOptions:
     lora_root: Optional[str] = None  # the folder run-time loads must come from (None: every path refused)
     precompile_prompt_logprobs: bool = False  # the warm-up also compiles the scoring prefills (echo with logprobs)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
+    enable_chunked_prefill: bool = False  # prompts longer than a chunk run in chunks between decode steps
+    max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: the chunk width times the largest batch
+    enable_prefix_caching: bool = False  # prompt prefixes' keys and values kept and copied into joining rows
+    prefix_cache_blocks: int = 512  # the pool's blocks (least recently used evicted)
+    block_size: int = 32  # tokens per prefix block
 
 
 def sampling_defaults(model) -> dict:
@@ -113,7 +118,12 @@ def serving_plan(model, options: ServeOptions):
     from ..generation.plan import ShapePlan
 
     plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
-    return plan.bind(model.config.max_position_embeddings)
+    plan = plan.bind(model.config.max_position_embeddings)
+    if options.enable_chunked_prefill or options.enable_prefix_caching:
+        from ..generation.chunking import serving_chunk
+
+        plan = plan.with_extend_widths((serving_chunk(plan, options.max_num_batched_tokens), 1))
+    return plan
 
 
 class PrecompileBar:
@@ -159,7 +169,10 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
                                 CompileConfig(backend=options.backend))
     if precompiles(engine.backend, options) and settings.enabled:
         engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
-    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size)
+    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size,
+                          chunked_prefill=True if options.enable_chunked_prefill else None,  # the plan's width
+                          prefix_caching=options.enable_prefix_caching, prefix_cache_blocks=options.prefix_cache_blocks,
+                          prefix_block_size=options.block_size)
 
 
 def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
