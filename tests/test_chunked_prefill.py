@@ -128,6 +128,25 @@ def test_a_long_prefill_delays_running_rows_by_at_most_one_chunk_per_token(qwen3
     assert steps == 2 and tokens == 30
 
 
+def test_a_scored_prompt_is_not_chunked(qwen3):
+    """A 30-token prompt asking for its log-probabilities runs in one prefill even with chunks of 16: the same
+    scores and tokens as without chunking."""
+    model, engine, settings = qwen3
+    prompt = prompts([30], seed=6)[0]
+
+    def run(loop):
+        loop.add(GenerationRequest(prompt, 3, SamplingParams(prompt_logprobs=2), request_id=0))
+        events = []
+        while not loop.idle:
+            events += loop.step()
+        return [e.token for e in events], events[0].prompt_logprobs
+
+    plain_tokens, plain_scores = run(GenerationLoop(engine, settings))
+    tokens, scores = run(GenerationLoop(engine, settings, chunked_prefill=CHUNK))
+    assert tokens == plain_tokens and len(scores) == 30
+    assert [s and s[0] for s in scores] == pytest.approx([s and s[0] for s in plain_scores], abs=1e-5)
+
+
 def test_chunking_is_refused_without_a_declared_width(qwen3):
     model, engine, settings = qwen3
     with pytest.raises(PlanError, match=r"declares no extend width \(8, 1\)"):

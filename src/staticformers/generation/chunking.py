@@ -135,7 +135,7 @@ def run_chunk(loop) -> None:
     try:
         with torch.no_grad():
             argmax, logits = engine.extend(loop.settings, cache, tokens.to(device), positions.to(device),
-                                           keep.to(device), adapters)
+                                           keep.to(device), adapters, plan=loop.plan)
             choice = None
             if done:
                 index = torch.tensor(done, dtype=torch.long).to(device)

@@ -350,7 +350,8 @@ class GenerationLoop:
                     continue
                 prompt = row.request.prompt
                 whole.append((slot, row))
-                given.append(prompt[:self.chunk] if self.chunked else prompt)
+                scored = row.request.sampling.prompt_logprobs is not None  # scored in one prefill, never chunked
+                given.append(prompt[:self.chunk] if self.chunked and not scored else prompt)
             done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.request.prompt)]
             if whole:
                 banked = bank_of(self.engine.model) is not None
