@@ -3,8 +3,9 @@ server twice on the same requests, with and without the feature, and reports the
 
 - **shared-prefix**: `--clients` clients (16), each request a shared `--system`-token system prompt (1,000)
   and a short user turn of its own; one request in ten starts with a system prompt of its own instead (a
-  miss), so about 90% of prompt tokens can hit. A warm-up pass of the same requests first (compiles; the
-  pool then holds the shared prompt: the steady state of a server that has seen it). Reported: median
+  miss), so about 90% of prompt tokens can hit. A warm-up pass of requests of the same shapes first
+  (compiles; the pool then holds the shared prompt: the steady state of a server that has seen it; the
+  measured pass's user turns and own system prompts are new). Reported: median
   TTFT, output tokens/s, and the hit rate the server counted during the measured pass
   (`prefix_cache_hits / prefix_cache_queries` on `/metrics`), with and without `--enable-prefix-caching`.
 - **long-prompt**: `--clients - 1` clients decoding (short prompts, `--new` tokens each) when one
@@ -72,12 +73,13 @@ def _pct(values, q):
 
 
 def shared_prefix_jobs(requests: int, system: int, vocab: int, seed: int = 0) -> list:
-    """`requests` prompts: one in ten a system prompt of its own, the others the shared one; each then a user
-    turn of 8-24 tokens (so a prompt stays within 1,024 tokens: the default prompt bucket)."""
+    """`requests` prompts: one in ten a system prompt of its own, the others the shared one (the same for every
+    seed); each then a user turn of 8-24 tokens (so a prompt stays within 1,024 tokens: the default prompt
+    bucket). Another `seed` gives other user turns and other own system prompts (misses)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(1, vocab, (system,), generator=g).tolist()
+    shared = torch.randint(1, vocab, (system,), generator=torch.Generator().manual_seed(0)).tolist()
+    g = torch.Generator().manual_seed(1000 + seed)
     jobs = []
     for i in range(requests):
         head = torch.randint(1, vocab, (system,), generator=g).tolist() if i % 10 == 9 else shared
@@ -110,13 +112,13 @@ async def _clients_run(url: str, prompts: list, clients: int, new: int) -> dict:
 
 
 def shared_prefix(server_factory, args, vocab: int) -> dict:
-    prompts = shared_prefix_jobs(args.requests, args.system, vocab)
+    warm, prompts = (shared_prefix_jobs(args.requests, args.system, vocab, seed) for seed in (0, 1))
     out = {"workload": "shared-prefix", "clients": args.clients[-1], "requests": args.requests, "system": args.system,
            "new": args.new}
     for label, extra in (("no_cache", []), ("prefix_cache", ["--enable-prefix-caching"])):
         server = server_factory(extra)
         try:
-            asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))  # warm-up
+            asyncio.run(_clients_run(server.url, warm, args.clients[-1], args.new))  # warm-up: other turns
             q0, h0, g0 = (counter(server.url, n) for n in ("prefix_cache_queries_total", "prefix_cache_hits_total",
                                                              "graphs_compiled_total"))
             row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))
