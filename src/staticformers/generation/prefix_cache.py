@@ -16,9 +16,11 @@ Design choices:
 - **A bounded pool on the device**, `blocks` rows of `[kv_heads, block_size, head_dim]` per layer, with LRU
   eviction. A match touches its blocks deepest first, so a chain's first blocks are the last evicted
   (a block is useless once its parent is gone).
-- **Fixed-shape copies.** Loading or storing moves one block at a time with tensor indices (the row, the
-  pool row, the block's positions): one copy shape per cache shape, whatever the hit's length, so no hit
-  creates a graph.
+- **Fixed-shape copies.** Loading is one gather of a whole row's worth of blocks (`K / block_size` pool
+  rows, those past the hit taken from a scratch row: what lands after the hit is written by the row
+  before it is read), storing one scatter of the row's blocks (those not stored sent to the scratch row),
+  with host-made tensor indices: one copy shape per cache shape, whatever the hit's length, so no hit
+  creates a graph (on a lazily traced device too).
 - **Counted as vLLM counts.** `queries`: prompt tokens looked up; `hits`: prompt tokens served from the pool
   (`prefix_cache_queries`, `prefix_cache_hits` on `/metrics`).
 - **Keys and values depend on the prefix alone.** Attention is causal, a mixture of experts routes each
@@ -55,7 +57,8 @@ class PrefixCache:
         self.blocks, self.block_size = int(blocks), int(block_size)
         check_fits(self.bytes_for(model, self.blocks, self.block_size, tp), model.device,
                    f"The prefix cache ({self.blocks} blocks of {self.block_size} tokens)", "give it fewer blocks")
-        shape = (self.blocks, c.num_key_value_heads // tp, self.block_size, c.head_dim)
+        # one row more than `blocks`: the scratch row, where the fixed-size copies send the blocks they skip
+        shape = (self.blocks + 1, c.num_key_value_heads // tp, self.block_size, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
         self.device = model.device
@@ -64,12 +67,11 @@ class PrefixCache:
         self.queries = self.hits = 0  # prompt tokens looked up, and served from the pool
         self.evictions = 0
         self.owner: Any = None
-        self._offsets = torch.arange(self.block_size)
 
     @staticmethod
     def bytes_for(model, blocks: int, block_size: int, tp: int = 1) -> int:
         """What the pool allocates, in bytes."""
-        return KVCache.bytes_for(model, blocks, block_size, tp)
+        return KVCache.bytes_for(model, blocks + 1, block_size, tp)
 
     # ---- the index ---------------------------------------------------------------------------------
     def block_keys(self, prompt: Sequence[int], adapter: str) -> list[bytes]:
@@ -111,30 +113,43 @@ class PrefixCache:
 
     # ---- moving keys and values ----------------------------------------------------------------------
     def load(self, cache: KVCache, slot: int, rows: Sequence[int]) -> None:
-        """Copy pool rows `rows` into positions `0..len(rows) * block_size - 1` of the cache row `slot`."""
-        for j, row in enumerate(rows):
-            self._copy(cache.keys, cache.values, slot, j * self.block_size, self.keys, self.values, row, 0)
+        """Copy pool rows `rows` into positions `0..len(rows) * block_size - 1` of the cache row `slot`: one
+        gather of every block position of the row (`cache.max_length // block_size` blocks), the blocks not
+        hit taken from the pool's scratch row. What lands after the hit is never read: the row writes those
+        positions (its chunks, its decode steps) before it attends to them."""
+        index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
+        index[:len(rows)] = torch.as_tensor(list(rows), dtype=torch.long)
+        index, slot_index, positions = self._indices(index, slot)
+        for dst, src in zip(cache.keys + cache.values, self.keys + self.values):
+            b, h, bs, d = src[index].shape
+            dst[slot_index, :, positions] = src[index].transpose(1, 2).reshape(1, b * bs, h, d)
 
     def store(self, cache: KVCache, slot: int, prompt: Sequence[int], adapter: str) -> int:
         """Keep every full block of `prompt` (whose keys and values are in positions `0..len - 1` of the cache
         row `slot`) that the pool does not hold, evicting the least recently used; returns how many were
-        stored."""
-        stored = 0
+        stored. One scatter of every block position of the row, the blocks not stored sent to the scratch
+        row."""
         keys = self.block_keys(prompt, adapter)
+        index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
+        stored = []
         for j, key in enumerate(keys):
             if key in self.index:
-                self.index.move_to_end(key)
                 continue
             row = self._take(set(keys[:j]))
             if row is None:  # every row holds this prompt's own earlier blocks
                 break
-            self._copy(self.keys, self.values, row, 0, cache.keys, cache.values, slot, j * self.block_size)
-            self.index[key] = row
-            stored += 1
+            index[j] = row
+            stored.append((key, row))
+        if stored:
+            index, slot_index, positions = self._indices(index, slot)
+            for dst, src in zip(self.keys + self.values, cache.keys + cache.values):
+                _, h, bs, d = dst.shape
+                dst[index] = src[slot_index, :, positions].reshape(-1, bs, h, d).transpose(1, 2)
+            self.index.update(stored)
         for key in reversed(keys):  # the chain's first blocks most recently used, as `match` leaves them
             if key in self.index:
                 self.index.move_to_end(key)
-        return stored
+        return len(stored)
 
     def _take(self, keep: set) -> Optional[int]:
         """A free pool row, or the least recently used block's (not one of `keep`)."""
@@ -146,17 +161,13 @@ class PrefixCache:
                 return self.index.pop(key)
         return None
 
-    def _copy(self, dst_keys, dst_values, dst_row: int, dst_start: int, src_keys, src_values, src_row: int,
-              src_start: int) -> None:
-        """One block, every layer: `dst[dst_row, :, dst_start + i] = src[src_row, :, src_start + i]` for i in
-        `0..block_size - 1`, with tensor indices of fixed shape (host-made, then sent)."""
-        offsets = self._offsets
-        index = torch.stack([torch.full_like(offsets, dst_row), dst_start + offsets,
-                             torch.full_like(offsets, src_row), src_start + offsets]).to(self.device)
-        d_row, d_pos, s_row, s_pos = index.view(4, 1, -1).unbind(0)
-        for dst, src in ((dst_keys, src_keys), (dst_values, src_values)):
-            for d, s in zip(dst, src):
-                d[d_row, :, d_pos] = s[s_row, :, s_pos]
+    def _indices(self, index: torch.Tensor, slot: int) -> tuple:
+        """The pool rows `index`, the slot `[1, 1]` and the row's block positions `[1, blocks * block_size]`,
+        made on the host and sent together (fixed shapes for a cache shape: no hit length makes a graph)."""
+        positions = torch.arange(index.shape[0] * self.block_size)
+        packed = torch.cat([index, torch.tensor([slot]), positions]).to(self.device)
+        n = index.shape[0]
+        return packed[:n], packed[n:n + 1].view(1, 1), packed[n + 1:].view(1, -1)
 
     @property
     def used(self) -> int:
