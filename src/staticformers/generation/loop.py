@@ -346,6 +346,7 @@ class GenerationLoop:
                 hit = self._match_prefix(row)
                 if hit:
                     self.prefix.load(self.cache, slot, hit)
+                    self.engine.backend.flush(self.engine.model.device)  # its own graph on a lazily traced device
                     row.length = len(hit) * self.prefix.block_size
                     continue
                 prompt = row.request.prompt
@@ -408,7 +409,8 @@ class GenerationLoop:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on)."""
         if self.prefix is not None:
             self.prefix.owned_by(self.engine._fingerprint())
-            self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, row.adapter))
+            if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, row.adapter)):
+                self.engine.backend.flush(self.engine.model.device)
 
     def _fail_rows(self, slots: list, exc: BaseException) -> None:
         """End the rows `slots` with an error event and free their slots."""
