@@ -159,6 +159,7 @@ def test_chunking_is_refused_without_a_declared_width(qwen3):
         loop.add(GenerationRequest(prompts([40])[0], 2, SamplingParams(prompt_logprobs=1)))
 
 
+@pytest.mark.slow
 def test_mixed_traffic_compiles_nothing_outside_the_plan(tiny_checkpoints, monkeypatch):
     """After `precompile` of a plan with a chunk width, traffic mixing short prompts, prompts longer than the
     largest bucket, prefix hits and partial hits, greedy and seeded, compiles no graph (Dynamo's counters,

@@ -92,6 +92,7 @@ def test_a_small_pool_evicts_the_least_recently_used_blocks_and_stays_correct(ti
     assert loop.prefix.evictions == 3 * 4 and loop.prefix.used == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral-window", "qwen3-moe", "mixtral"])
 def test_window_and_moe_families_give_the_tokens_of_no_caching(tiny_checkpoints, family):
     """Sliding-window (window 5: every block here is older than the window, still usable: the
