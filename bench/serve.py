@@ -27,6 +27,9 @@ ours against hf_cb and against sequential; at 1 client our TTFT against a bare `
 `generate(max_new_tokens=1)` on the same prompts). The CPU pressure is recorded before and after.
 
     python bench/serve.py --device cpu --clients 1 4 8 16 --out bench/results/serve.json
+
+`--workload shared-prefix` and `--workload long-prompt` run the prefix-caching and chunked-prefill
+workloads instead (`serve_workloads.py`: our server with and without the feature, same requests).
 """
 
 from __future__ import annotations
@@ -322,10 +325,18 @@ def main(argv=None) -> None:
                    help="also run every client count with a JSON schema on every request (see the docstring)")
     p.add_argument("--rounds", type=int, default=1, help="timed passes per client count (A B, then B A, ...)")
     p.add_argument("--out", default=None)
+    p.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt"])
+    p.add_argument("--system", type=int, default=1000, help="shared-prefix: the shared system prompt's tokens")
+    p.add_argument("--long", type=int, default=2000, help="long-prompt: the long prompt's tokens")
+    p.add_argument("--long-delay", type=float, default=1.0, help="long-prompt: seconds before it arrives")
+    p.add_argument("--max-model-len", type=int, default=2048, help="shared-prefix, long-prompt: the servers'")
+    p.add_argument("--server-args", default="", help="more `staticformers serve` flags for every server")
     args = p.parse_args(argv)
     folder = build_reference(size=args.size, dtype=args.dtype)
     vocab = reference_config(args.size).vocab_size
     ensure_tokenizer(folder, vocab)
+    if args.workload != "mixed":
+        return run_workload(args, folder, vocab)
     served = structured_folder(folder, vocab) if args.structured else folder
     jobs = workload(args.requests, args.prompt, args.new, vocab)
     slots = max(args.clients)
@@ -412,6 +423,31 @@ def main(argv=None) -> None:
     result["ratios"] = ratios
     result["pressure_after"] = pressure()
     result["torch"] = torch.__version__
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+def run_workload(args, folder: str, vocab: int) -> None:
+    """`--workload shared-prefix` / `long-prompt` (`serve_workloads.py`), its JSON printed and written."""
+    import torch
+
+    import serve_workloads
+    from reference import pressure
+
+    base = (["--backend", args.backend] if args.backend else []) + (["--no-compile"] if args.no_compile else []) + \
+        args.server_args.split()
+
+    def server(extra):
+        return ServerProcess(folder, args.device, max(args.clients), args.max_model_len, base + extra)
+
+    before = pressure()
+    run = serve_workloads.shared_prefix if args.workload == "shared-prefix" else serve_workloads.long_prompt
+    result = {"device": args.device, "size": args.size, "server_args": base, "pressure_before": before,
+              **run(server, args, vocab), "pressure_after": pressure(), "torch": torch.__version__}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

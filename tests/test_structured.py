@@ -169,9 +169,9 @@ def test_unpack_reads_bit_v_and_31_of_word_v_shift_5():
 
 
 def test_a_speculating_loop_decodes_constrained_rows_exactly_and_speculates_the_free_ones(served):
-    """Grammar masks are not applied at verified positions yet: a step with a constrained row decodes one
-    token, masked as always, so constrained rows are exactly what they are without speculation and free
-    rows still speculate (with prompt lookup, greedy output is the output without it)."""
+    """A row with a grammar proposes nothing and takes its one token per step at position 0 under its mask,
+    drawing what a decode step draws, so constrained rows are exactly what they are without speculation;
+    free rows of the same steps speculate (with prompt lookup, greedy output is the output without it)."""
     from staticformers.generation.speculative.prompt_lookup import PromptLookup
     from staticformers.generation.speculative.step import Speculator
 

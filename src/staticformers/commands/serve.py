@@ -86,6 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split a chat answer's <think>...</think> into message.reasoning_content (and "
                         "delta.reasoning_content when streaming), vLLM's flag; structured outputs then constrain "
                         "only the answer after it")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="run prompts longer than a chunk as chunks between decode steps (a running request waits "
+                        "at most one chunk per token; prompts longer than the largest prompt bucket run)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
+                   help="tokens one chunk step computes (default 512): the chunk width is N over the largest batch "
+                        "bucket, since a chunk step runs every row of the batch")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="keep prompt prefixes' keys and values on the device and copy them into requests that "
+                        "start the same way (hashed in blocks, per adapter)")
+    p.add_argument("--prefix-cache-blocks", type=_positive, default=512, metavar="N",
+                   help="blocks the prefix cache holds (default 512; the least recently used is evicted)")
+    p.add_argument("--block-size", type=_positive, default=32, metavar="TOKENS",
+                   help="tokens per prefix-cache block (default 32)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -159,5 +172,9 @@ def run(args: argparse.Namespace) -> int:
                            enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
                            precompile_prompt_logprobs=args.precompile_prompt_logprobs,
                            speculative_config=args.speculative_config,
-                           reasoning_parser=args.reasoning_parser)
+                           reasoning_parser=args.reasoning_parser,
+                           enable_chunked_prefill=args.enable_chunked_prefill,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_prefix_caching=args.enable_prefix_caching,
+                           prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size)
     return serve(options)

@@ -3,7 +3,8 @@
 plan.py (every shape, decided before the first request), engine.py (the steps per shape and the static
 caches; it calls the device's backend through device_interface.py), loop.py (requests join and leave a
 batch of slots between decode steps), sampling.py (per-row logits processors and draws on the device),
-streamers.py (text out as tokens arrive), generation_config.py (GenerationConfig, CompileConfig).
+streamers.py (text out as tokens arrive), generation_config.py (GenerationConfig, CompileConfig),
+chunking.py (a prompt in chunks between decode steps), prefix_cache.py (prompt prefixes kept on the device).
 
 May import: backends, compilation, adapters, models, checkpoints, utils; never training (the two are
 independent), api, serving or commands.

@@ -48,6 +48,11 @@ Design choices:
   call with an event whose `error` is set (their slots are freed); the loop itself keeps working. An
   exception anywhere else in a step (choosing shapes, moving the batch, emitting events) ends every
   request of the batch that the step had not ended yet, and the batch is rebuilt from the queue.
+- **Chunked prefill and prefix caching** (`chunked_prefill=C`, `prefix_caching=True`): a prompt longer
+  than C runs as chunks through the engine's extend step, one chunk of every prefilling row per
+  prefill-like call, interleaved with decode steps (`chunking.py`); a prompt whose first blocks were
+  computed before has them copied from the device pool into its slot and prefills only the rest
+  (`prefix_cache.py`).
 - **Rows end, the batch stays.** A row that ends (even on its first token, while others of its prefill
   are still being emitted) only frees its slot; the batch is dropped at the end of a step that leaves
   no row running, so the next request starts from the smallest shape it needs.
@@ -69,7 +74,9 @@ from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
+from .chunking import chunk_width, decoding, positions_needed, prefilling, run_chunk
 from .plan import ShapePlan
+from .prefix_cache import PrefixCache, adapter_key
 from .sampling import Choice, RowSampler, SamplingParams
 
 logger = logging.getLogger("staticformers")
@@ -123,10 +130,16 @@ class _Row:
 
 
 class GenerationLoop:
-    """Continuous batching over the slots of the engine's static caches (see the module docstring)."""
+    """Continuous batching over the slots of the engine's static caches (see the module docstring).
+
+    `chunked_prefill`: a chunk width C the plan declares as an extend width `(C, 1)` (True: the widest it
+    declares), None: every prompt in one prefill. `prefix_caching`: keep prompt prefixes in a pool of
+    `prefix_cache_blocks` blocks of `prefix_block_size` tokens (the rest of a prompt that hits runs through
+    the extend step: the plan must declare one)."""
 
     def __init__(self, engine: Engine, settings: CompileSettings, plan: Optional[ShapePlan] = None,
-                 max_batch_size: Optional[int] = None, speculator=None):
+                 max_batch_size: Optional[int] = None, speculator=None, chunked_prefill=None,
+                 prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32):
         self.engine, self.settings = engine, settings
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
         # speculative decoding (`speculative/step.py`): its verify step replaces the decode step
@@ -149,6 +162,13 @@ class GenerationLoop:
         self._joining: list = []  # the rows the current step's prefill takes from the queue
         self._holding = False
         self._ids = itertools.count()
+        self.chunked = chunked_prefill is not None and chunked_prefill is not False
+        self.chunk = chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill) \
+            if self.chunked or prefix_caching else None
+        self.prefix = PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp) \
+            if prefix_caching else None
+        self.chunks = 0  # extend steps run for chunks (reported)
+        self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> int:
@@ -179,7 +199,9 @@ class GenerationLoop:
         if grammar is not None and grammar.compiler.vocab_size != self.vocab:
             raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} ids, "
                              f"the model has {self.vocab}: compile it with vocab_size={self.vocab}.")
-        need = self.plan.positions_needed(len(prompt), n)
+        if self.chunked and request.sampling.prompt_logprobs is not None:
+            self.plan.prompt_bucket(len(prompt))  # scored prompts run in one prefill
+        need = positions_needed(self.plan, len(prompt), n, self.chunked)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
         slot = self.adapter_slot(request)
@@ -254,13 +276,19 @@ class GenerationLoop:
         self._events, self._joining = [], []
         try:
             self._reap()
+            busy = bool(decoding(self.rows))
+            turn = not busy or not self._last_was_prefill  # at most one prefill-like call between decode steps
             with self._mutex:
-                admit = bool(self.waiting) and len(self.rows) < self.max_slots and \
-                    (not self.rows or not self._last_was_prefill)
-            if admit:
-                self._admit()
-                self._last_was_prefill = True
-            elif self.rows:
+                admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots
+            chunk = turn and bool(prefilling(self.rows))
+            if chunk and (not admit or self._chunk_turn):
+                run_chunk(self)
+                self._last_was_prefill, self._chunk_turn = True, False
+            elif admit:
+                if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
+                    run_chunk(self)
+                self._last_was_prefill, self._chunk_turn = True, True
+            elif busy:
                 if self.speculator is not None:
                     self.speculator.decode(self)
                 else:
@@ -325,7 +353,10 @@ class GenerationLoop:
             self.constraints.clear_row(slot)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Give waiting requests free slots and prefill them: a prefix-cache hit has its blocks copied, a
+        prompt longer than the chunk width gets its first chunk; the rest of both runs as chunks
+        (`chunking.py`). Returns whether a prefill ran (False: only hits joined)."""
         with self._mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
             joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
@@ -336,19 +367,44 @@ class GenerationLoop:
             for slot, row in zip(slots, joining):
                 self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
                 self.constraints.set_row(slot, row.request.structured_outputs, row.request.sampling.eos_token_ids)
-            pending = self.constraints.start(slots)  # filled while the prefill runs
-            banked = bank_of(self.engine.model) is not None
-            scoring = any(r.request.sampling.prompt_logprobs is not None for r in joining)
-            with torch.no_grad():
-                out = self.engine.prefill(self.settings, [r.request.prompt for r in joining], self.cache,
-                                          slots, self.plan, [r.adapter for r in joining] if banked else None,
-                                          scores=scoring)
-                argmax, logits = out[:2]
-                prompt_scores = self._prompt_scores(joining, out[2]) if scoring else [None] * len(joining)
-                choice = self.sampler.choose(logits, argmax, slots, [0] * len(slots), self.constraints.mask(pending))
-                self.sampler.observe(slots, choice.ids)
-            choice = self._to_host(choice)
-            tokens = choice.ids.tolist()
+            whole, given = [], []  # the rows this prefill runs, and the tokens each one gets
+            for slot, row in zip(slots, joining):
+                hit = self._match_prefix(row)
+                if hit:
+                    self.prefix.load(self.cache, slot, hit)
+                    self.engine.backend.flush(self.engine.model.device)  # its own graph on a lazily traced device
+                    row.length = len(hit) * self.prefix.block_size
+                    continue
+                prompt = row.request.prompt
+                whole.append((slot, row))
+                scored = row.request.sampling.prompt_logprobs is not None  # scored in one prefill, never chunked
+                given.append(prompt[:self.chunk] if self.chunked and not scored else prompt)
+            done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.request.prompt)]
+            if whole:
+                banked = bank_of(self.engine.model) is not None
+                scoring = any(r.request.sampling.prompt_logprobs is not None for _, r in whole)
+                mine = [s for s, _ in whole]
+                done_slots = [mine[i] for i in done]
+                pending = self.constraints.start(done_slots)  # filled while the prefill runs
+                with torch.no_grad():
+                    out = self.engine.prefill(self.settings, given, self.cache, mine, self.plan,
+                                              [r.adapter for _, r in whole] if banked else None, scores=scoring)
+                    argmax, logits = out[:2]
+                    prompt_scores = self._prompt_scores([r for _, r in whole], out[2]) if scoring else \
+                        [None] * len(whole)
+                    if len(done) < len(whole):  # rows that only started their prompt choose nothing yet
+                        index = torch.tensor(done, dtype=torch.long).to(logits.device)
+                        argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
+                        prompt_scores = [prompt_scores[i] for i in done]
+                    if done_slots:
+                        choice = self.sampler.choose(logits, argmax, done_slots, [0] * len(done_slots),
+                                                     self.constraints.mask(pending))
+                        self.sampler.observe(done_slots, choice.ids)
+                if done_slots:
+                    choice = self._to_host(choice)
+                    tokens = choice.ids.tolist()
+                else:
+                    self.engine.backend.flush(self.engine.model.device)
         except Exception as exc:  # the joining requests fail; the running ones are untouched
             logger.exception("prefill failed for %d request(s)", len(joining))
             for slot in [s for s in range(self.cache.batch if self.cache else 0) if s not in self.rows]:
@@ -357,15 +413,41 @@ class GenerationLoop:
                 if self.constraints is not None:
                     self.constraints.clear_row(slot)
             self._events += [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
-            return
-        for slot, row in zip(slots, joining):  # every joining row holds its slot before any of them may end
-            row.length = len(row.request.prompt)
+            return True
+        for i, (slot, row) in enumerate(whole):  # every joining row holds its slot before any of them may end
+            row.length = len(given[i])
+        for slot, row in zip(slots, joining):
             self.rows[slot] = row
-        for i, (slot, row) in enumerate(zip(slots, joining)):
-            event = self._emit(slot, row, tokens[i], choice, i)
-            event.prompt_logprobs = prompt_scores[i]
+        for j, i in enumerate(done):
+            slot, row = whole[i]
+            self._store_prefix(slot, row)
+            event = self._emit(slot, row, tokens[j], choice, j)
+            event.prompt_logprobs = prompt_scores[j]
             if row.request.output_logits:
-                event.logits = logits[i].clone()
+                event.logits = logits[j].clone()
+        return bool(whole)
+
+    def _match_prefix(self, row: _Row) -> list:
+        """The pool rows of the prefix cache's longest match for a joining row ([] when caching is off, or the
+        request scores its prompt, which needs every position's logits)."""
+        if self.prefix is None or row.request.sampling.prompt_logprobs is not None:
+            return []
+        self.prefix.owned_by(self.engine._fingerprint())
+        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, row.adapter))
+
+    def _store_prefix(self, slot: int, row: _Row) -> None:
+        """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on)."""
+        if self.prefix is not None:
+            self.prefix.owned_by(self.engine._fingerprint())
+            if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, row.adapter)):
+                self.engine.backend.flush(self.engine.model.device)
+
+    def _fail_rows(self, slots: list, exc: BaseException) -> None:
+        """End the rows `slots` with an error event and free their slots."""
+        for slot in slots:
+            row = self.rows[slot]
+            self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
+            self._free(slot)
 
     @staticmethod
     def _prompt_scores(joining: list, scored: tuple) -> list:
@@ -388,12 +470,12 @@ class GenerationLoop:
     # ---- decode ------------------------------------------------------------------------------------
     def _decode(self) -> None:
         cache = self.cache
-        slots = sorted(self.rows)
+        slots = decoding(self.rows)
         tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
         positions = torch.zeros(cache.batch, 1, dtype=torch.long)
-        for slot in slots:
-            tokens[slot, 0] = self.rows[slot].last
-            positions[slot, 0] = self.rows[slot].length
+        for slot, row in self.rows.items():  # a prefilling row writes at its length: its next chunk rewrites it
+            tokens[slot, 0] = row.last
+            positions[slot, 0] = row.length
         device = self.engine.model.device
         adapters = [self.rows[s].adapter if s in self.rows else 0 for s in range(cache.batch)] \
             if bank_of(self.engine.model) is not None else None
@@ -417,9 +499,7 @@ class GenerationLoop:
             chosen = choice.ids.tolist()
         except Exception as exc:  # every running request was in this step
             logger.exception("decode step failed for %d request(s)", len(slots))
-            self._events += [TokenEvent(self.rows[s].request.request_id, None, self.rows[s].generated, "error",
-                                        error=exc) for s in slots]
-            self.rows.clear()
+            self._fail_rows(sorted(self.rows), exc)  # the prefilling rows too: their positions were in the step
             return
         for i, slot in enumerate(slots):
             row = self.rows[slot]

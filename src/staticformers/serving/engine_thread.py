@@ -86,6 +86,7 @@ class EngineThread:
         self._stop = False
         self._graphs = loop.engine.graph_count()
         self._spec: dict = {}  # speculative decoding's counters as last reported
+        self._prefix = (0, 0)  # the prefix cache's queries and hits already counted
         if metrics is not None and self._graphs:  # "since start": what --precompile compiled counts too
             metrics.graphs.inc(self._graphs)
         self.thread = threading.Thread(target=self._run, name="staticformers-engine", daemon=True)
@@ -212,6 +213,11 @@ class EngineThread:
             m.running.set(self.loop.running)
             m.waiting.set(self.waiting)
             m.padding.set(self.loop.padding_slots)
+            prefix = getattr(self.loop, "prefix", None)
+            if prefix is not None:  # tokens, as vLLM counts them
+                m.prefix_queries.inc(prefix.queries - self._prefix[0])
+                m.prefix_hits.inc(prefix.hits - self._prefix[1])
+                self._prefix = (prefix.queries, prefix.hits)
             graphs = self.loop.engine.graph_count()
             if graphs > self._graphs:
                 m.graphs.inc(graphs - self._graphs)

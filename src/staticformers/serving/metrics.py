@@ -63,6 +63,8 @@ class ServerMetrics:
               ).set_function(lambda: MASK_TIME["seconds"])
         gauge("structured_mask_steps", "Steps (prefills and decodes) that filled a grammar mask since start."
               ).set_function(lambda: MASK_TIME["steps"])
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.graphs = counter("graphs_compiled_total", "Graphs compiled (or loaded from the on-disk cache) since start, "
                                                        "precompiling included.")
         # speculative decoding (--speculative-config): tokens proposed, and those the target accepted

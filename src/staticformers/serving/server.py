@@ -60,6 +60,11 @@ class ServeOptions:
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
     speculative_config: Optional[object] = None  # vLLM's --speculative-config: a JSON object (str) or a dict
     reasoning_parser: Optional[str] = None  # vLLM's --reasoning-parser: "qwen3" splits <think>...</think> out
+    enable_chunked_prefill: bool = False  # prompts longer than a chunk run in chunks between decode steps
+    max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: the chunk width times the largest batch
+    enable_prefix_caching: bool = False  # prompt prefixes' keys and values kept and copied into joining rows
+    prefix_cache_blocks: int = 512  # the pool's blocks (least recently used evicted)
+    block_size: int = 32  # tokens per prefix block
 
 
 def sampling_defaults(model) -> dict:
@@ -115,7 +120,12 @@ def serving_plan(model, options: ServeOptions):
     from ..generation.plan import ShapePlan
 
     plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
-    return plan.bind(model.config.max_position_embeddings)
+    plan = plan.bind(model.config.max_position_embeddings)
+    if options.enable_chunked_prefill or options.enable_prefix_caching:
+        from ..generation.chunking import serving_chunk
+
+        plan = plan.with_extend_widths((serving_chunk(plan, options.max_num_batched_tokens), 1))
+    return plan
 
 
 class PrecompileBar:
@@ -168,7 +178,10 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
         if draft is not None:
             draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
-    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size, speculator=speculator)
+    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size, speculator=speculator,
+                          chunked_prefill=True if options.enable_chunked_prefill else None,  # the plan's width
+                          prefix_caching=options.enable_prefix_caching, prefix_cache_blocks=options.prefix_cache_blocks,
+                          prefix_block_size=options.block_size)
 
 
 def speculative(model, options: ServeOptions, config, compile_config):

@@ -133,6 +133,24 @@ def _noise(sampler: RowSampler, row: int, shape: tuple, kind: str) -> torch.Tens
     return out
 
 
+def _uniforms(sampler: RowSampler, row: int, k: int, proposed: int) -> torch.Tensor:
+    """A row's acceptance uniforms `[k]`: drawn when it proposed something, none drawn otherwise."""
+    if proposed == 0:
+        return torch.zeros(k, device="cpu" if sampler.host_generators else sampler.device)
+    return _noise(sampler, row, (k,), "uniform")
+
+
+def _races(sampler: RowSampler, row: int, width: int, vocab: int, proposed: int) -> torch.Tensor:
+    """A row's exponential noise `[width, vocab]`. A row that proposed nothing emits position 0 only, and
+    draws exactly what a decode step draws for it (one `[vocab]` race): a seeded row's stream then does not
+    depend on whether the step was a verify or a decode step, which other rows decide."""
+    if proposed == 0:
+        out = torch.ones(width, vocab, device="cpu" if sampler.host_generators else sampler.device)
+        out[0].exponential_(generator=sampler.generators[row])
+        return out
+    return _noise(sampler, row, (width, vocab), "exp")
+
+
 def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int],
            steps: Sequence[int], proposals: Sequence[Sequence[int]], q: Optional[torch.Tensor] = None,
            allowed: Optional[torch.Tensor] = None) -> Verdict:
@@ -170,8 +188,8 @@ def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows
         # p == q leaves no residual; then nothing is ever rejected there, and p stands in
         rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p[:, :k])
         dist[:, :k] = torch.where(proposed.unsqueeze(-1), rest, p[:, :k])
-        u = torch.stack([_noise(sampler, rows[i], (k,), "uniform") for i in sample_rows]).to(device)
-        noise = torch.stack([_noise(sampler, rows[i], (width, vocab), "exp") for i in sample_rows]).to(device)
+        u = torch.stack([_uniforms(sampler, rows[i], k, counts[i]) for i in sample_rows]).to(device)
+        noise = torch.stack([_races(sampler, rows[i], width, vocab, counts[i]) for i in sample_rows]).to(device)
         accept_s = accept_rule(p_d, q_d, u)
         drawn = race(dist, noise)  # [s, T]
         chosen = chosen.index_copy(0, idx, drawn)

@@ -25,13 +25,15 @@ step. Design choices:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ...adapters.bank import bank_of
 from ..loop import TokenEvent
 from ..plan import ShapePlan
+from ..chunking import decoding, prefilling
+from ..constraints import unpack
 from ..sampling import Choice
 from .acceptance import verify
 
@@ -48,7 +50,6 @@ class Speculator:
         self.num_draft_tokens = 0  # proposed
         self.num_accepted_tokens = 0
         self.num_steps = 0  # verify steps run
-        self.allowed = None  # per-position grammar masks, when structured output lands (acceptance.py)
 
     @property
     def width(self) -> int:
@@ -69,23 +70,35 @@ class Speculator:
         return engine.warm("extend", batch, (kv, self.width, self.width), settings) and \
             self.proposer.warm(batch, kv)
 
+    def _allowed(self, packed: Optional[torch.Tensor], n: int, vocab: int, device) -> Optional[torch.Tensor]:
+        """The rows' grammar masks at position 0 (`packed`: `[n, words]`, all ones for a free row), as the
+        `[n, k+1, vocab]` bool mask `verify` takes; later positions are free (a row with a grammar proposes
+        nothing, so it emits position 0 only)."""
+        if packed is None:
+            return None
+        allowed = torch.ones(n, self.width, vocab, dtype=torch.bool, device=device)
+        allowed[:, 0] = unpack(packed, vocab, device)
+        return allowed
+
     # ---- the step --------------------------------------------------------------------------------
     def decode(self, loop) -> None:
         """One speculative step of `loop` (in place of `loop._decode()`)."""
         cache = loop.cache
-        slots = sorted(loop.rows)
+        slots = decoding(loop.rows)  # rows still prefilling a chunked prompt take part harmlessly, below
         rows = [loop.rows[s] for s in slots]
         if any(r.length + self.k >= cache.max_length for r in rows):
             loop._decode()  # some row lacks room for k more positions
             return
-        if loop.constraints is not None and loop.constraints.active(slots):
-            # a grammar's mask at each verified position would need its matcher advanced along every
-            # proposal and rolled back: not done yet, so a step with a constrained row decodes one token
-            # (its mask applied as always), and the batch speculates again once no row is constrained
-            loop._decode()
-            return
+        # A row with a grammar (structured outputs, waiting for its trigger or not) gets no proposals: masks
+        # at later verified positions would need its matcher advanced along each proposal and rolled back
+        # (not done yet). It takes its one token at position 0 under its mask, as a decode step gives it,
+        # while the other rows speculate.
+        grammars = loop.constraints
+        held = {s for s in slots if grammars is not None and grammars.rows[s] is not None}
+        pending = grammars.start(slots) if held else None  # filled while the proposals and the step run
         histories = [list(r.request.prompt) + r.tokens for r in rows]
-        limits = [max(0, min(self.k, r.request.max_new_tokens - r.generated - 1)) for r in rows]
+        limits = [0 if s in held else max(0, min(self.k, r.request.max_new_tokens - r.generated - 1))
+                  for s, r in zip(slots, rows)]
         try:
             proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
         except Exception as exc:  # a draft model's step failed: the rows of this step fail, as a decode's would
@@ -93,6 +106,8 @@ class Speculator:
             self._fail(loop, rows, exc)
             return
         if not any(proposals):
+            if pending is not None:
+                pending.result()  # the decode step fills its own
             loop._decode()
             return
         self.num_steps += 1
@@ -104,6 +119,8 @@ class Speculator:
             tokens[slot, 0] = row.last
             tokens[slot, 1:1 + len(p)] = torch.as_tensor(p, dtype=torch.long)
             positions[slot] += row.length
+        for slot in prefilling(loop.rows):  # at its length and after: its next chunk writes there again
+            positions[slot] = (positions[slot] + loop.rows[slot].length).clamp_(max=cache.max_length - 1)
         keep = torch.arange(width).repeat(cache.batch, 1)
         device = loop.engine.model.device
         adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
@@ -117,7 +134,9 @@ class Speculator:
                     argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
                 loop.engine.backend.flush(device)
                 steps = [r.generated for r in rows]
-                verdict = verify(loop.sampler, logits, argmax, slots, steps, proposals, q, self.allowed)
+                allowed = self._allowed(grammars.mask(pending), len(slots), logits.shape[-1], device) \
+                    if pending is not None else None
+                verdict = verify(loop.sampler, logits, argmax, slots, steps, proposals, q, allowed)
                 flat_rows = [s for s, out in zip(slots, verdict.tokens) for _ in out]
                 flat_ids = torch.tensor([t for out in verdict.tokens for t in out], dtype=torch.long)
                 loop.sampler.observe(flat_rows, flat_ids.to(loop.sampler.device))

@@ -1,0 +1,167 @@
+"""Chunked prefill on fixed slots: a prompt runs as chunks of C tokens at its row's own positions, between
+the decode steps of the running rows.
+
+Why this exists: one long prefill used to stall every running row for its whole length, and a prompt longer
+than the largest prompt bucket could not run at all. With a chunk width C (`chunked_prefill=C` on the loop,
+`--max-num-batched-tokens` in the server):
+
+- A joining prompt longer than C has its first C tokens prefilled as usual (the plan's `[b, L]` prefill,
+  the token it would give dropped) and the rest, C tokens at a time, through the engine's **extend step**
+  with `T = C`, `n = 1`: chunk k writes positions `s..s+C-1` of the row (s = what the row holds so far) and
+  attends to everything before it; the logits come back at the chunk's last real token only, and the
+  last chunk's choose the first new token. A prompt whose prefix came from the prefix cache
+  (`prefix_cache.py`) starts its chunks after the copied blocks. Every chunk is one `[B, C]` extend graph of
+  the batch's cache, a shape the plan declares (`ShapePlan(extend_widths=((C, 1),))`): no new shape for
+  any prompt length up to `max_model_len`.
+- **Every prefilling row advances in the same call.** The step is `[B, C]` whatever the number of rows that
+  chunk, so every row with prompt left takes its next chunk in it. Rows that do not chunk (decoding rows,
+  free slots) take part at positions at or after their length, clamped to K-1: what they write there is
+  harmless (a row writes a position before it attends to it) and their outputs are dropped.
+- **Bounded inter-token latency.** A chunk is a prefill-like call: the loop runs at most one of them
+  (a chunk or an admission) between two decode steps, so a running row waits at most one chunk of
+  work per token, however long the joining prompt (`loop.py`'s step rule).
+- A row is *prefilling* while `row.length < len(prompt)`; the decode step leaves it out (it takes part at
+  its length, harmlessly, like a free slot).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .plan import PlanError, ShapePlan
+
+logger = logging.getLogger("staticformers")
+
+
+def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
+    """The extend width the loop chunks with: `width`, checked against the plan, or (None) the widest the
+    plan declares with one kept position. Refuses a plan without one, in one sentence."""
+    declared = [t for t, n in getattr(plan, "extend_widths", ()) if n == 1]
+    if width is None:
+        if not declared:
+            raise PlanError("Chunked prefill and prefix caching run the rest of a prompt through the extend step, "
+                            "and this plan declares no extend width with one kept position: pass "
+                            "ShapePlan(extend_widths=((C, 1),)) with a chunk width C.")
+        return max(declared)
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise PlanError(f"chunked_prefill={width!r} must be a positive chunk width in tokens.")
+    if width not in declared:
+        raise PlanError(f"chunked_prefill={width}: the plan declares no extend width ({width}, 1) (it declares "
+                        f"{list(getattr(plan, 'extend_widths', ()))}): add it to ShapePlan(extend_widths=...).")
+    if width > plan.prompt_lengths[-1]:
+        raise PlanError(f"chunked_prefill={width} is wider than the largest prompt bucket "
+                        f"({plan.prompt_lengths[-1]}), which prefills a prompt's first chunk: lower it.")
+    return width
+
+
+DEFAULT_BATCHED_TOKENS = 512
+
+
+def serving_chunk(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int:
+    """The server's chunk width from `--max-num-batched-tokens` (vLLM's name: the tokens one step computes,
+    default 512). An extend step computes `[B, C]` tokens over the whole batch, so C is the budget over the
+    largest batch bucket, and at most the largest prompt bucket (which prefills a prompt's first chunk)."""
+    budget = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else int(max_num_batched_tokens)
+    largest = plan.batch_sizes[-1]
+    if budget < largest:
+        raise PlanError(f"--max-num-batched-tokens {budget} is less than the largest batch bucket ({largest}): a chunk "
+                        f"step computes a chunk for every row, so give at least one token per row.")
+    return min(budget // largest, plan.prompt_lengths[-1])
+
+
+def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chunked: bool) -> int:
+    """`plan.positions_needed`, except that a chunked prompt may be longer than the largest prompt bucket
+    (it never runs as one prefill): only `max_model_len` and the largest KV length bound it."""
+    if not chunked or prompt_len <= plan.prompt_lengths[-1]:
+        return plan.positions_needed(prompt_len, max_new_tokens)
+    total = prompt_len + max_new_tokens
+    if total > plan.max_model_len:
+        raise PlanError(
+            f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {total} positions exceed "
+            f"max_model_len={plan.max_model_len}; lower max_new_tokens to at most "
+            f"{max(plan.max_model_len - prompt_len, 0)} or raise max_model_len.")
+    need = prompt_len + max_new_tokens - 1
+    if need > plan.kv_lengths[-1]:
+        raise PlanError(
+            f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens} needs {need} cache "
+            f"positions, more than the largest KV length ({plan.kv_lengths[-1]}): lower max_new_tokens to at "
+            f"most {plan.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan.")
+    return need
+
+
+def prefilling(rows: dict) -> list[int]:
+    """The slots whose prompt is not all in the cache yet."""
+    return sorted(s for s, r in rows.items() if r.length < len(r.request.prompt))
+
+
+def decoding(rows: dict) -> list[int]:
+    """The slots whose prompt is in the cache (they take part in decode steps)."""
+    return sorted(s for s, r in rows.items() if r.length >= len(r.request.prompt))
+
+
+def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """The extend step's host inputs for one chunk of every prefilling row: tokens, positions `[B, C]`,
+    keep `[B, 1]`, and each prefilling slot's chunk length."""
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    keep = torch.zeros(batch, 1, dtype=torch.long)
+    starts = torch.zeros(batch, 1, dtype=torch.long)
+    taken = {}
+    for slot, row in rows.items():
+        starts[slot, 0] = row.length  # decoding rows: their next position, written before it is read
+        if row.length < len(row.request.prompt):
+            piece = row.request.prompt[row.length:row.length + width]
+            tokens[slot, :len(piece)] = torch.as_tensor(piece, dtype=torch.long)
+            keep[slot, 0] = len(piece) - 1
+            taken[slot] = len(piece)
+    positions = (starts + torch.arange(width).view(1, -1)).clamp_(max=kv - 1)
+    return tokens, positions, keep, taken
+
+
+def run_chunk(loop) -> None:
+    """One extend step: the next chunk of every prefilling row of `loop` (`GenerationLoop`); a row whose
+    prompt it finishes gets its first token (and has its blocks stored in the prefix cache)."""
+    from ..adapters.bank import bank_of
+
+    cache, engine = loop.cache, loop.engine
+    device = engine.model.device
+    tokens, positions, keep, taken = chunk_inputs(loop.rows, cache.batch, cache.max_length, loop.chunk)
+    adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
+        if bank_of(engine.model) is not None else None
+    slots = sorted(taken)
+    done = [s for s in slots if loop.rows[s].length + taken[s] >= len(loop.rows[s].request.prompt)]
+    try:
+        pending = loop.constraints.start(done)  # the grammars' masks of the rows this chunk finishes
+        with torch.no_grad():
+            argmax, logits = engine.extend(loop.settings, cache, tokens.to(device), positions.to(device),
+                                           keep.to(device), adapters, plan=loop.plan)
+            choice = None
+            if done:
+                index = torch.tensor(done, dtype=torch.long).to(device)
+                mine_logits = logits[:, 0].index_select(0, index)
+                choice = loop.sampler.choose(mine_logits, argmax[:, 0].index_select(0, index), done, [0] * len(done),
+                                             loop.constraints.mask(pending))
+                loop.sampler.observe(done, choice.ids)
+        if choice is not None:
+            choice = loop._to_host(choice)
+            chosen = choice.ids.tolist()
+        else:
+            engine.backend.flush(device)
+    except Exception as exc:  # the chunking rows fail; the decoding rows' positions were only written ahead
+        logger.exception("chunked prefill failed for %d request(s)", len(slots))
+        loop._fail_rows(slots, exc)
+        return
+    for slot in slots:
+        loop.rows[slot].length += taken[slot]
+    loop.chunks += 1
+    for i, slot in enumerate(done):
+        row = loop.rows[slot]
+        loop._store_prefix(slot, row)
+        event = loop._emit(slot, row, chosen[i], choice, i)
+        if row.request.output_logits:
+            event.logits = mine_logits[i].clone()
+
+
+__all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "run_chunk"]
