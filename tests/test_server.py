@@ -510,7 +510,13 @@ def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
         async def burst():
             async with httpx.AsyncClient(timeout=TIMEOUT) as c:
                 body = {"model": "tiny", "prompt": "go", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-                return await asyncio.gather(*[c.post(s.url + "/v1/completions", json=body) for _ in range(6)])
+                first = asyncio.ensure_future(c.post(s.url + "/v1/completions", json=body))
+                deadline = time.monotonic() + 60
+                while s.state.engine.running < 1 and not first.done():  # it holds the one slot: the queue is empty
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.005)
+                rest = await asyncio.gather(*[c.post(s.url + "/v1/completions", json=body) for _ in range(5)])
+                return [await first] + list(rest)
 
         replies = asyncio.run(burst())
         codes = sorted(r.status_code for r in replies)

@@ -244,8 +244,8 @@ class GenerationLoop:
 
     def uses_adapter(self, name: str) -> bool:
         """Whether a waiting or running request names adapter `name` (callable from other threads)."""
-        with self._mutex:
-            if any(r.request.adapter == name for r in self.waiting):
+        with self._mutex:  # the rows a prefill is taking in are in neither `waiting` nor `rows` until it ends
+            if any(r.request.adapter == name for r in list(self.waiting) + list(self._joining)):
                 return True
         return any(r.request.adapter == name for r in list(self.rows.values()))
 
@@ -360,7 +360,7 @@ class GenerationLoop:
         with self._mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
             joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        self._joining = joining
+            self._joining = joining  # in the same critical section: `uses_adapter` never misses them
         try:
             self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]

@@ -81,6 +81,7 @@ class EngineThread:
         self.draining = False
         self._cond = threading.Condition()
         self._incoming: list = []  # (request, sink)
+        self._adding: list = []  # requests taken from `_incoming` that the loop has not queued yet
         self._cancels: list = []
         self._sinks: dict[Any, Sink] = {}
         self._stop = False
@@ -116,7 +117,7 @@ class EngineThread:
     def uses_adapter(self, name: str) -> bool:
         """Whether a request submitted, waiting or running names adapter `name`."""
         with self._cond:
-            if any(r.adapter == name for r, _ in self._incoming):
+            if any(r.adapter == name for r, _ in self._incoming) or any(r.adapter == name for r in self._adding):
                 return True
         return self.loop.uses_adapter(name)
 
@@ -156,6 +157,7 @@ class EngineThread:
             for request, sink in self._incoming:
                 self._sinks[request.request_id] = sink
             self._incoming, self._cancels = [], []
+            self._adding = list(command.adds)  # until the loop holds them (`_run`): an unload waits for them too
         return command
 
     def _run(self) -> None:
@@ -164,6 +166,8 @@ class EngineThread:
                 command = self._take()
                 for request in command.adds:
                     self._add(request)
+                with self._cond:
+                    self._adding = []
                 for request_id in command.cancels:
                     if self.loop.cancel(request_id):
                         sink = self._sinks.pop(request_id, None)
