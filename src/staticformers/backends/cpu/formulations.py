@@ -31,6 +31,7 @@ from ...models.decoder import causal_rows
 from ...models.hooks import hooked
 from ...models.ops import Ops, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
+from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .thresholds import threshold
 
@@ -90,10 +91,11 @@ def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is bf16's rounding of the
     activations, the scales and the result: each output within about 3 * 2**-9 of the sum of its terms'
     magnitudes, the size of the int8 rounding of the weights themselves."""
-    lead = x.shape[:-1]
-    kernel_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(kernel_dtype), layer.weight,
-                                  layer.weight_scale.view(-1).to(kernel_dtype)).to(x.dtype)
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    if x.dtype == torch.float32:  # one opaque operator: the casts and the kernel (`int8_kernel.py`)
+        y = int8_linear_bf16(rows, layer.weight, layer.weight_scale.view(-1))
+    else:
+        y = torch._weight_int8pack_mm(rows, layer.weight, layer.weight_scale.view(-1))
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*lead, -1)
