@@ -24,6 +24,11 @@ seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cach
     python bench/generate.py --dtypes bfloat16 --which sf --quantization int8   # int8 beside bf16, same run
     python bench/generate.py --which sf openvino openvino_int8 --quantization int8   # OpenVINO's too (CPU)
 
+`torchao_int8` is transformers' model with torchao's `Int8WeightOnlyConfig` (`quantize_`, the head exact),
+run as `hf_static` is (the `bench` extra's torchao):
+
+    python bench/generate.py --which sf hf_static torchao_int8 --quantization int8
+
 `openvino` and `openvino_int8` (bench/openvino_peer.py) are OpenVINO through optimum-intel, exported once
 from the reference, its precision pinned to the case's dtype (`INFERENCE_PRECISION_HINT`); they need the
 `openvino` extra, which pins a transformers of its own, so they run in a venv of their own.
@@ -146,11 +151,35 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
         runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                                          do_sample=False, compile_config=config))(qm)
         runners[f"_{name}_model"] = qm
+    if "torchao_int8" in which:  # torchao's own weight-only int8 on transformers' model, compiled as hf_static
+        runners["torchao_int8"], runners["_torchao_info"] = torchao_runner(dtype, device, ref_dir, ids_dev, mask_dev,
+                                                                           backend)
     if any(n in which for n in openvino_peer.CONTENDERS):
         ov, runners["_openvino_info"] = openvino_peer.make_runners(str(dtype).removeprefix("torch."), which, ref_dir,
                                                                    ids, mask)
         runners.update(ov)
     return runners
+
+
+def torchao_runner(dtype: torch.dtype, device: torch.device, ref_dir: str, ids, mask, backend: str):
+    """transformers' model of the reference with torchao's `Int8WeightOnlyConfig` (per output channel, as
+    ours) applied by `quantize_` to every projection, the `lm_head` left exact (as `sf_int8` and transformers'
+    `TorchAoConfig` default), generated with the static cache and the same compile as `hf_static`."""
+    import torchao
+    import transformers
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).to(device).eval()
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear)
+              and name != "lm_head")
+    cc = hf_static_compile_config(device, backend)
+
+    def run(n):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                              cache_implementation="static", compile_config=cc)
+
+    return run, {"torchao_int8": {"torchao": torchao.__version__,
+                                  "weight_type": type(model.model.layers[0].mlp.up_proj.weight).__name__}}
 
 
 def _config(ref_dir: str) -> dict:
@@ -185,7 +214,7 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
     sf_model = runners.pop("_sf_model", None)
     quantized = {name: runners.pop(f"_{name}_model") for name in QUANTIZED if f"_{name}_model" in runners}
-    openvino_info = runners.pop("_openvino_info", {})
+    openvino_info = {**runners.pop("_openvino_info", {}), **runners.pop("_torchao_info", {})}
     warm, graphs_in_warmup = {}, {}
     for name, fn in runners.items():  # warm-up: compiles, caches
         before = dynamo_graphs()
@@ -256,7 +285,8 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
-    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8")):
+    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8"),
+                       ("sf_int8", "torchao_int8"), ("torchao_int8", "hf_static")):
         if ours in out and peer in out:
             out[f"ratio_decode_{ours}_vs_{peer}"] = round(out[ours]["decode_tok_s"] / out[peer]["decode_tok_s"], 2)
             out[f"ratio_ttft_{ours}_vs_{peer}"] = round(out[peer]["ttft_ms"] / out[ours]["ttft_ms"], 2)
@@ -406,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"],
-                    help="contenders: hf, hf_static, sf, and on the CPU openvino, openvino_int8 (the openvino extra)")
+                    help="contenders: hf, hf_static, sf, torchao_int8 (torchao's int8 on hf_static), and on the CPU "
+                         "openvino, openvino_int8 (the openvino extra)")
     ap.add_argument("--compile-mode", default=None,
                     help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--backend", default="inductor",

@@ -13,7 +13,9 @@ same process, alternating, with medians. The ways timed (`--ways`):
 - `reduce_i32`: the int8 rows viewed as int32 (four values an element) and unpacked with shifts in the
   compiled loop, so that inductor loads full-width vectors;
 - `reduce_i32_split`: the same, with the activations split by byte position first, so the loop is four
-  contiguous products over the int32 columns.
+  contiguous products over the int32 columns;
+- `reduce_i32_blocks`: the int8 weight stored interleaved (byte i of int32 column k is column i * in/4 + k),
+  so each unpacked byte position multiplies a contiguous quarter of the activations, with no copy.
 
 Each (shape, rows, dtype, threads) case times every way `--rounds` times in turn (A B C A B C ...), each
 a median of `--calls` calls, and reports the medians and the ratios to `aten`. Prints JSON, with
@@ -62,6 +64,22 @@ def reduce_i32_split(packed, scale, x):
     return (y * scale.float()).t().to(x.dtype)
 
 
+def interleave_int32(q: torch.Tensor) -> torch.Tensor:
+    """`[out, in]` int8 stored as `[out, in/4]` int32 whose byte i of element k is column `i * in/4 + k`: the
+    four unpacked values of a loop step then multiply four contiguous runs of the activations."""
+    k4 = q.shape[1] // 4
+    return q.reshape(q.shape[0], 4, k4).transpose(1, 2).contiguous().view(torch.int32).reshape(q.shape[0], k4)
+
+
+def reduce_i32_blocks(packed, scale, x):
+    """The interleaved int32 rows (`interleave_int32`) unpacked with shifts, each byte position against its
+    contiguous quarter of the activations."""
+    k4 = packed.shape[1]
+    xr = x.reshape(-1, 4, k4).float()  # [rows, 4, in/4]: quarter i is contiguous
+    y = sum(((packed << (24 - 8 * i)) >> 24).float().unsqueeze(1) * xr[:, i].unsqueeze(0) for i in range(4)).sum(-1)
+    return (y * scale.float()).t().to(x.dtype)
+
+
 def reduce_i8(q, scale, x):
     return ((q.float().unsqueeze(1) * x.reshape(1, -1, x.shape[-1]).float()).sum(-1) * scale.float()).t().to(x.dtype)
 
@@ -96,6 +114,8 @@ def ways_for(shape, rows, dtype, wanted):
         ways["reduce_i32"] = lambda: c_i32(packed, s_dt, x)
         c_i32s = torch.compile(reduce_i32_split, fullgraph=True, dynamic=False)
         ways["reduce_i32_split"] = lambda: c_i32s(packed, s_dt, x)
+        c_i32b, blocks = torch.compile(reduce_i32_blocks, fullgraph=True, dynamic=False), interleave_int32(q)
+        ways["reduce_i32_blocks"] = lambda: c_i32b(blocks, s_dt, x)
     if dtype == torch.bfloat16:
         ways.pop("aten_bf16")
     exact = x.float() @ dense.float().t()
@@ -121,7 +141,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--ways", nargs="+",
                     default=["aten", "aten_bf16", "generic", "dense", "reduce_bf16", "reduce_i8", "reduce_i32",
-                             "reduce_i32_split"])
+                             "reduce_i32_split", "reduce_i32_blocks"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
