@@ -41,6 +41,7 @@ import sys
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -331,6 +332,20 @@ def add_utilisation(case: dict, ceiling: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # memory (one contender per subprocess, so peaks do not mix)
 # ---------------------------------------------------------------------------------------------
+SAVED_ENV = "STATICFORMERS_BENCH_INT8_SAVED"  # the folder of `save_int8`, for the memory subprocesses
+
+
+def save_int8(dtype_name: str) -> str:
+    """The reference quantized as `sf_int8` and saved (a compressed-tensors folder), in a temporary folder."""
+    from staticformers import AutoModelForCausalLM, QuantizationConfig
+
+    folder = tempfile.mkdtemp(prefix="sf-bench-int8-")
+    model = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=getattr(torch, dtype_name),
+                                                 quantization_config=QuantizationConfig(**QUANTIZED["sf_int8"]))
+    model.save_pretrained(folder)
+    return folder
+
+
 def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantized: str = "") -> dict:
     """Peak RSS of a second `generate` over the RSS before loading, against weights + KV cache.
 
@@ -338,7 +353,8 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     its worker pool). `"library"`: a tiny model (hidden 64, 2 layers) is loaded, compiled and generated
     with first, at the same batch, then deleted: what the first compile of a process brings in whatever
     the model (code paths, runtime pools, freed heap a later compile reuses) is then in the baseline,
-    so the figure is what this model adds. `quantized`: one of `QUANTIZED`'s contenders, loaded that way."""
+    so the figure is what this model adds. `quantized`: one of `QUANTIZED`'s contenders, loaded that way
+    (quantised as it loads), or "sf_int8_saved": `sf_int8` saved once and loaded from its int8 folder."""
     import gc
 
     import psutil
@@ -356,7 +372,9 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
         del tiny
         gc.collect()
     base = psutil.Process().memory_info().rss
-    if quantized:
+    if quantized == "sf_int8_saved":  # an int8 folder saved once by the parent: loaded as it is stored
+        sf = AutoModelForCausalLM.from_pretrained(os.environ[SAVED_ENV], dtype=dtype)
+    elif quantized:
         from staticformers import QuantizationConfig
 
         sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype,
@@ -499,8 +517,12 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batches:
                 for baseline in ("compiler", "library"):
                     report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline], env))
-                    for name in QUANTIZED if args.quantization else ():
+                    for name in [*QUANTIZED, "sf_int8_saved"] if args.quantization else ():
+                        if name == "sf_int8_saved" and SAVED_ENV not in env:
+                            env[SAVED_ENV] = save_int8(dtype)
                         report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline, name], env))
+                if SAVED_ENV in env:  # saved per dtype
+                    shutil.rmtree(env.pop(SAVED_ENV), ignore_errors=True)
     else:
         weights = _weight_elements(REF_DIR)  # elements read per decode step
         cols = int(_config(REF_DIR)["hidden_size"])
