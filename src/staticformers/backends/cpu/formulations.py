@@ -87,7 +87,7 @@ def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     reduction over int8 loads half-width vectors and ran 3-4x slower than the bf16 reduction.
 
     float32 activations go through it in bfloat16 (cast in, the result cast back): this PyTorch's kernel has
-    no fast float32 path, and ran 10-50x slower in float32 than in bfloat16 on the reference's projections
+    no fast float32 path, and ran 8-60x slower in float32 than in bfloat16 on the reference's projections
     (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is bf16's rounding of the
     activations, the scales and the result: each output within about 3 * 2**-9 of the sum of its terms'
     magnitudes, the size of the int8 rounding of the weights themselves."""

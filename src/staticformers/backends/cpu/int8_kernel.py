@@ -1,6 +1,6 @@
 """ATen's weight-only int8 kernel for float32 activations, as an operator the CPU's compiled graphs call whole.
 
-Why this exists: `torch._weight_int8pack_mm` has no fast float32 path in this PyTorch (it ran 10-50x slower
+Why this exists: `torch._weight_int8pack_mm` has no fast float32 path in this PyTorch (it ran 8-60x slower
 in float32 than in bfloat16 on the reference's projections: `bench/int8_kernels.py`, BENCHMARKS.md), so a
 float32 model's int8 decode runs it in bfloat16. Written inline in a graph, that casts the float32 scales
 to bfloat16, and inductor's lowering of the kernel takes its scale input only as a stored buffer: a cast
