@@ -146,6 +146,9 @@ def test_the_cpus_int8_projection_is_the_kernel_in_bf16_for_few_float32_rows_and
             assert float(err.max()) > 1e-6  # bf16 did round: the kernel ran in bf16, not float32
         for how in (None, "onednn"):
             tol.assert_close(project(layer, prompt, how), layer(prompt))
+        # the float32 kernel is one opaque operator: it traces whole (its shape function), as graphs call it
+        traced = torch.compile(lambda x: project(layer, x), backend="aot_eager", fullgraph=True, dynamic=False)
+        tol.assert_close(traced(few), project(layer, few))
 
 
 # ---------------------------------------------------------------------------------------------
