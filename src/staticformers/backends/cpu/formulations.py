@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...adapters.lora import LoraLinear
@@ -52,7 +53,7 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     if quantized and int8_kernel(layer, x):
         return int8_linear(layer, x)
     if how is None:
-        return layer(x)
+        return widened_linear(layer, x) if quantized and not hooked(layer) else layer(x)
     if isinstance(layer, LoraLinear):
         return layer(x, base=lambda base, h: project(base, h, how))
     if how == "onednn":
@@ -102,13 +103,21 @@ def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """An int8 layer's generic form with oneDNN's float32 GEMM: the int8 weight widened to float32 in the
-    graph, the product, then the scale per output column (`QuantLinear.forward` for another dtype, or
-    with a gradient wanted)."""
-    if x.dtype != torch.float32 or not onednn_available() or (torch.is_grad_enabled() and x.requires_grad):
+    """An int8 layer's generic form for a prompt's rows: the int8 weight widened to the activations' dtype
+    in the graph, the GEMM (oneDNN's in float32), then the scale per output column, applied in float32.
+
+    The float32 scales are what keeps this a GEMM: inductor rewrites a bf16 `F.linear(x, w.to(bf16)) *
+    scales` with bf16 scales back into ATen's int8 kernel whatever the rows, and that kernel is 2.2x slower
+    than the GEMM on a 128-row prompt (BENCHMARKS.md, weight-only int8). With a gradient wanted, the
+    layer's own forward."""
+    if torch.is_grad_enabled() and x.requires_grad:
         return layer(x)
-    y = torch.ops.staticformers.onednn_linear(x, widen(layer.weight, torch.float32), None)
-    y = y * layer.weight_scale.view(-1).to(y.dtype)
+    w = widen(layer.weight, x.dtype)
+    if x.dtype == torch.float32 and onednn_available():
+        y = torch.ops.staticformers.onednn_linear(x, w, None)
+    else:
+        y = F.linear(x, w)
+    y = (y.float() * layer.weight_scale.view(-1).float()).to(x.dtype)
     return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
