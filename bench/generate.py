@@ -24,6 +24,11 @@ seconds for ten prompt lengths from 17 to 255, cold and with a warm on-disk cach
     python bench/generate.py --dtypes bfloat16 --which sf --quantization int8   # int8 beside bf16, same run
     python bench/generate.py --which sf openvino openvino_int8 --quantization int8   # OpenVINO's too (CPU)
 
+`torchao_int8` is transformers' model with torchao's `Int8WeightOnlyConfig` (`quantize_`, the head exact),
+run as `hf_static` is (the `bench` extra's torchao):
+
+    python bench/generate.py --which sf hf_static torchao_int8 --quantization int8
+
 `openvino` and `openvino_int8` (bench/openvino_peer.py) are OpenVINO through optimum-intel, exported once
 from the reference, its precision pinned to the case's dtype (`INFERENCE_PRECISION_HINT`); they need the
 `openvino` extra, which pins a transformers of its own, so they run in a venv of their own.
@@ -36,6 +41,7 @@ import sys
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -146,11 +152,35 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
         runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
                                                          do_sample=False, compile_config=config))(qm)
         runners[f"_{name}_model"] = qm
+    if "torchao_int8" in which:  # torchao's own weight-only int8 on transformers' model, compiled as hf_static
+        runners["torchao_int8"], runners["_torchao_info"] = torchao_runner(dtype, device, ref_dir, ids_dev, mask_dev,
+                                                                           backend)
     if any(n in which for n in openvino_peer.CONTENDERS):
         ov, runners["_openvino_info"] = openvino_peer.make_runners(str(dtype).removeprefix("torch."), which, ref_dir,
                                                                    ids, mask)
         runners.update(ov)
     return runners
+
+
+def torchao_runner(dtype: torch.dtype, device: torch.device, ref_dir: str, ids, mask, backend: str):
+    """transformers' model of the reference with torchao's `Int8WeightOnlyConfig` (per output channel, as
+    ours) applied by `quantize_` to every projection, the `lm_head` left exact (as `sf_int8` and transformers'
+    `TorchAoConfig` default), generated with the static cache and the same compile as `hf_static`."""
+    import torchao
+    import transformers
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).to(device).eval()
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear)
+              and name != "lm_head")
+    cc = hf_static_compile_config(device, backend)
+
+    def run(n):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                              cache_implementation="static", compile_config=cc)
+
+    return run, {"torchao_int8": {"torchao": torchao.__version__,
+                                  "weight_type": type(model.model.layers[0].mlp.up_proj.weight).__name__}}
 
 
 def _config(ref_dir: str) -> dict:
@@ -185,7 +215,7 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     runners = make_runners(dtype, batch, which, device, ref_dir, prompt, compile_mode, backend)
     sf_model = runners.pop("_sf_model", None)
     quantized = {name: runners.pop(f"_{name}_model") for name in QUANTIZED if f"_{name}_model" in runners}
-    openvino_info = runners.pop("_openvino_info", {})
+    openvino_info = {**runners.pop("_openvino_info", {}), **runners.pop("_torchao_info", {})}
     warm, graphs_in_warmup = {}, {}
     for name, fn in runners.items():  # warm-up: compiles, caches
         before = dynamo_graphs()
@@ -256,7 +286,8 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
-    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8")):
+    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8"),
+                       ("sf_int8", "torchao_int8"), ("torchao_int8", "hf_static")):
         if ours in out and peer in out:
             out[f"ratio_decode_{ours}_vs_{peer}"] = round(out[ours]["decode_tok_s"] / out[peer]["decode_tok_s"], 2)
             out[f"ratio_ttft_{ours}_vs_{peer}"] = round(out[peer]["ttft_ms"] / out[ours]["ttft_ms"], 2)
@@ -301,6 +332,20 @@ def add_utilisation(case: dict, ceiling: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # memory (one contender per subprocess, so peaks do not mix)
 # ---------------------------------------------------------------------------------------------
+SAVED_ENV = "STATICFORMERS_BENCH_INT8_SAVED"  # the folder of `save_int8`, for the memory subprocesses
+
+
+def save_int8(dtype_name: str) -> str:
+    """The reference quantized as `sf_int8` and saved (a compressed-tensors folder), in a temporary folder."""
+    from staticformers import AutoModelForCausalLM, QuantizationConfig
+
+    folder = tempfile.mkdtemp(prefix="sf-bench-int8-")
+    model = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=getattr(torch, dtype_name),
+                                                 quantization_config=QuantizationConfig(**QUANTIZED["sf_int8"]))
+    model.save_pretrained(folder)
+    return folder
+
+
 def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantized: str = "") -> dict:
     """Peak RSS of a second `generate` over the RSS before loading, against weights + KV cache.
 
@@ -308,7 +353,8 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     its worker pool). `"library"`: a tiny model (hidden 64, 2 layers) is loaded, compiled and generated
     with first, at the same batch, then deleted: what the first compile of a process brings in whatever
     the model (code paths, runtime pools, freed heap a later compile reuses) is then in the baseline,
-    so the figure is what this model adds. `quantized`: one of `QUANTIZED`'s contenders, loaded that way."""
+    so the figure is what this model adds. `quantized`: one of `QUANTIZED`'s contenders, loaded that way
+    (quantised as it loads), or "sf_int8_saved": `sf_int8` saved once and loaded from its int8 folder."""
     import gc
 
     import psutil
@@ -326,7 +372,9 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
         del tiny
         gc.collect()
     base = psutil.Process().memory_info().rss
-    if quantized:
+    if quantized == "sf_int8_saved":  # an int8 folder saved once by the parent: loaded as it is stored
+        sf = AutoModelForCausalLM.from_pretrained(os.environ[SAVED_ENV], dtype=dtype)
+    elif quantized:
         from staticformers import QuantizationConfig
 
         sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype,
@@ -406,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"],
-                    help="contenders: hf, hf_static, sf, and on the CPU openvino, openvino_int8 (the openvino extra)")
+                    help="contenders: hf, hf_static, sf, torchao_int8 (torchao's int8 on hf_static), and on the CPU "
+                         "openvino, openvino_int8 (the openvino extra)")
     ap.add_argument("--compile-mode", default=None,
                     help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--backend", default="inductor",
@@ -468,8 +517,12 @@ def main(argv: list[str] | None = None) -> None:
             for batch in args.batches:
                 for baseline in ("compiler", "library"):
                     report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline], env))
-                    for name in QUANTIZED if args.quantization else ():
+                    for name in [*QUANTIZED, "sf_int8_saved"] if args.quantization else ():
+                        if name == "sf_int8_saved" and SAVED_ENV not in env:
+                            env[SAVED_ENV] = save_int8(dtype)
                         report["cases"].append(_subprocess(["--_memory_case", dtype, str(batch), baseline, name], env))
+                if SAVED_ENV in env:  # saved per dtype
+                    shutil.rmtree(env.pop(SAVED_ENV), ignore_errors=True)
     else:
         weights = _weight_elements(REF_DIR)  # elements read per decode step
         cols = int(_config(REF_DIR)["hidden_size"])

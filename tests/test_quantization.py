@@ -98,16 +98,20 @@ def test_bad_configs_get_one_sentence(bad, pattern):
 
 
 def test_the_cpus_int8_kernel_and_reduction_equal_the_generic_product():
-    """The CPU's int8 projection (ATen's int8 kernel at inference; with a gradient wanted, the multiply-and-
-    sum over the int8 rows times the row scales) against `QuantLinear.forward`, and gathered experts."""
+    """The CPU's int8 projection (ATen's int8 kernel at inference, here in bf16; with a gradient wanted, the
+    multiply-and-sum over the int8 rows times the row scales) against `QuantLinear.forward`, and gathered
+    experts."""
     from staticformers.backends.cpu.formulations import CPUOps, int8_linear, project
     from staticformers.models.ops import PLAIN
 
     torch.manual_seed(0)
     layer = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), "int8")
     x = torch.randn(2, 3, 64)
-    tol.assert_close(CPUOps("reduce", "reduce").linear(layer, x), layer(x))
-    tol.assert_close(int8_linear(layer, x), layer(x))
+    with torch.no_grad():
+        bf16 = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True).bfloat16(), "int8")
+        xb = x.bfloat16()
+        # bf16 both ways: the kernel and the widened product each round their output once (2**-9 relative)
+        tol.assert_close(int8_linear(bf16, xb).float(), bf16(xb).float(), rel=2 ** -7)
     wanting = x.clone().requires_grad_()
     reduced = project(layer, wanting, "reduce")
     reduced.sum().backward()
@@ -120,6 +124,31 @@ def test_the_cpus_int8_kernel_and_reduction_equal_the_generic_product():
     got = CPUOps("reduce", "reduce").expert_matmul(rows, experts.gate_up_proj, experts.gate_up_proj_scale, index=index)
     want = PLAIN.expert_matmul(rows, experts.gate_up_proj, experts.gate_up_proj_scale, index=index)
     tol.assert_close(got, want)
+
+
+def test_the_cpus_int8_projection_is_the_kernel_in_bf16_for_few_float32_rows_and_the_widened_gemm_for_a_prompt():
+    """float32 activations: up to `INT8_KERNEL_MAX_ROWS` rows ATen's int8 kernel runs in bf16, so each output is
+    within bf16's rounding of the activations, the scales and the result (2**-9 relative each) of the sum of
+    its terms' magnitudes; a prompt's rows run the widened weight's GEMM (plain, or oneDNN's), equal to the
+    generic product in float32."""
+    from staticformers.backends.cpu.formulations import INT8_KERNEL_MAX_ROWS, int8_kernel, project
+
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), "int8")
+    few, prompt = torch.randn(2, INT8_KERNEL_MAX_ROWS // 2, 64), torch.randn(2, INT8_KERNEL_MAX_ROWS, 64)
+    with torch.no_grad():
+        assert int8_kernel(layer, few) and not int8_kernel(layer, prompt)
+        for how in (None, "reduce", "onednn"):
+            got, want = project(layer, few, how), layer(few)
+            magnitudes = few.abs() @ layer.dequantized().float().abs().t()
+            err = (got - want).abs()
+            assert (err <= 3 * 2 ** -9 * magnitudes + 1e-5).all(), float((err / magnitudes).max())
+            assert float(err.max()) > 1e-6  # bf16 did round: the kernel ran in bf16, not float32
+        for how in (None, "onednn"):
+            tol.assert_close(project(layer, prompt, how), layer(prompt))
+        # the float32 kernel is one opaque operator: it traces whole (its shape function), as graphs call it
+        traced = torch.compile(lambda x: project(layer, x), backend="aot_eager", fullgraph=True, dynamic=False)
+        tol.assert_close(traced(few), project(layer, few))
 
 
 # ---------------------------------------------------------------------------------------------

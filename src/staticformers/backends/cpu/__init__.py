@@ -139,8 +139,9 @@ class CPUBackend(Backend):
     per_rank_device = False
     hosts_memory = fused_optimizer = True
     int8_linear = ("ATen's weight-only int8 kernel (`_weight_int8pack_mm`: int8 rows, a scale per output "
-                   "column) at inference, every batch (`formulations.int8_linear`); widened in the graph when "
-                   "a gradient is wanted (an adapter training over it)")
+                   "column) at inference up to `int8_kernel_max_rows` rows, in bf16 for float32 activations "
+                   "(`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an adapter training "
+                   "over it), through the int8 weight widened in the graph, then the GEMM")
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":

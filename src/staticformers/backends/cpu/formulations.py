@@ -8,7 +8,8 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   tokens of a small decode batch: a batch-1 decode step streams its weights at close to the memory
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
-- `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) through ATen's int8 kernel.
+- `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of a few rows (decode)
+  through ATen's int8 kernel, in bf16 for float32 activations; a prompt's through the widened weight's GEMM.
 - `attend_decode`: one query per row as fused reductions over the cache (no matmul calls, no KV copy);
   `attend_grouped`: matmul + float32 softmax + matmul with the query heads grouped per KV head;
   `attend_blocks`: causal self-attention in query blocks of 128, skipping most of the masked triangle
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...adapters.lora import LoraLinear
@@ -30,6 +32,7 @@ from ...models.decoder import causal_rows
 from ...models.hooks import hooked
 from ...models.ops import Ops, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
+from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .thresholds import threshold
 
@@ -38,8 +41,10 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
-    An int8 layer (`QuantLinear`) at inference runs ATen's weight-only int8 kernel (`int8_linear`) whatever
-    `how` says; with a gradient wanted it reduces over its int8 values (`"reduce"`) or runs its generic form.
+    An int8 layer (`QuantLinear`) at inference runs ATen's weight-only int8 kernel (`int8_linear`) up to
+    `INT8_KERNEL_MAX_ROWS` rows whatever `how` says; past them (a prompt), or with a gradient wanted, it
+    reduces over its int8 values (`"reduce"`) or runs its generic form (the weight widened, then the GEMM:
+    oneDNN's for `"onednn"`).
 
     The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
     loop inductor generates reads each weight row once for all the tokens of a small decode batch.
@@ -48,11 +53,11 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     if quantized and int8_kernel(layer, x):
         return int8_linear(layer, x)
     if how is None:
-        return layer(x)
+        return widened_linear(layer, x) if quantized and not hooked(layer) else layer(x)
     if isinstance(layer, LoraLinear):
         return layer(x, base=lambda base, h: project(base, h, how))
     if how == "onednn":
-        return layer(x) if quantized else onednn_linear(layer, x)
+        return widened_linear(layer, x) if quantized else onednn_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
     y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
     if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
@@ -63,25 +68,57 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     return y.reshape(*lead, -1).to(x.dtype)
 
 
+INT8_KERNEL_MAX_ROWS = threshold("int8_kernel_max_rows")  # thresholds.py
+
+
 def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
     """Whether `int8_linear` computes `layer(x)`: int8 values, an activation dtype the kernel takes, the
-    scales in it, no gradient wanted (the kernel has no backward), and no forward hook on the layer (tensor
-    parallel's hooks lay out its input and output around `layer(x)`, which the kernel would skip)."""
+    scales in it, at most `INT8_KERNEL_MAX_ROWS` rows (past them the widened weight's GEMM is faster), no
+    gradient wanted (the kernel has no backward), and no forward hook on the layer (tensor parallel's hooks
+    lay out its input and output around `layer(x)`, which the kernel would skip)."""
     return (layer.kind == "int8" and not hooked(layer)
             and x.dtype in (torch.bfloat16, torch.float32, torch.float16)
-            and layer.weight_scale.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad))
+            and layer.weight_scale.dtype == x.dtype and x.numel() <= INT8_KERNEL_MAX_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """An int8 projection through ATen's `_weight_int8pack_mm` (int8 rows times the activations, each output
     column times its scale): it reads the int8 bytes with full-width vector loads, where inductor's own
-    reduction over int8 loads half-width vectors and ran 3-4x slower than the bf16 reduction
-    (BENCHMARKS.md, weight-only int8)."""
-    lead = x.shape[:-1]
-    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale.view(-1))
+    reduction over int8 loads half-width vectors and ran 3-4x slower than the bf16 reduction.
+
+    float32 activations go through it in bfloat16 (cast in, the result cast back): this PyTorch's kernel has
+    no fast float32 path, and ran 8-60x slower in float32 than in bfloat16 on the reference's projections
+    (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is bf16's rounding of the
+    activations, the scales and the result: each output within about 3 * 2**-9 of the sum of its terms'
+    magnitudes, the size of the int8 rounding of the weights themselves."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    if x.dtype == torch.float32:  # one opaque operator: the casts and the kernel (`int8_kernel.py`)
+        y = int8_linear_bf16(rows, layer.weight, layer.weight_scale.view(-1))
+    else:
+        y = torch._weight_int8pack_mm(rows, layer.weight, layer.weight_scale.view(-1))
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
     return y.reshape(*lead, -1)
+
+
+def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """An int8 layer's generic form for a prompt's rows: the int8 weight widened to the activations' dtype
+    in the graph, the GEMM (oneDNN's in float32), then the scale per output column, applied in float32.
+
+    The float32 scales are what keeps this a GEMM: inductor rewrites a bf16 `F.linear(x, w.to(bf16)) *
+    scales` with bf16 scales back into ATen's int8 kernel whatever the rows, and that kernel is 2.2x slower
+    than the GEMM on a 128-row prompt (BENCHMARKS.md, weight-only int8). With a gradient wanted, the
+    layer's own forward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return layer(x)
+    w = widen(layer.weight, x.dtype)
+    if x.dtype == torch.float32 and onednn_available():
+        y = torch.ops.staticformers.onednn_linear(x, w, None)
+    else:
+        y = F.linear(x, w)
+    y = (y.float() * layer.weight_scale.view(-1).float()).to(x.dtype)
+    return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
