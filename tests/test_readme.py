@@ -92,7 +92,7 @@ def test_readme_shell_block_runs(block, after_demo, tmp_path):
 
 def test_the_readme_installs_from_the_clone_with_extras_that_exist():
     """The package is not on an index: every `pip install` of it in README.md is from the clone (`-e .` with
-    extras pyproject.toml declares), and the serve extra holds what `staticformers serve` imports."""
+    extras pyproject.toml declares), and the serve extra holds what `staticformers serve` imports (llguidance: structured outputs)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     text = open(README, encoding="utf-8").read()
@@ -102,4 +102,4 @@ def test_the_readme_installs_from_the_clone_with_extras_that_exist():
     assert installs and any("serve" in i.split(",") for i in installs)
     for names in installs:
         assert set(names.split(",")) <= set(extras), names
-    assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {"fastapi", "uvicorn", "prometheus_client"}
+    assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {"fastapi", "uvicorn", "prometheus_client", "llguidance"}
