@@ -29,6 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from reference import pressure  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
@@ -42,14 +43,6 @@ ANSWER_REGEX = "123-hello.world"
 EBNF = 'root ::= "(" expr ")"\nexpr ::= term (("+" | "*") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'
 LARK = 'start: "(" expr ")"\nexpr: term (("+" | "*") term)*\nterm: /[0-9]+/ | "(" expr ")"\n'
 ANSWER_EBNF = "(12+(3*45)+6)"
-
-
-def pressure() -> str:
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return f.readline().strip()
-    except OSError:
-        return "n/a"
 
 
 def tokenizers_under_test(root: str) -> dict:

@@ -18,7 +18,7 @@ CHAT = [[{"role": "user", "content": "hi"}]]
     ("{{ 'a' * 10**9 }}", r"^The chat template repeats a value of length 1 1000000000 times, more than the 16777216"),
     ("{{ [1, 2] * 10**8 }}", r"^The chat template repeats a value of length 2 100000000 times"),
     ("{{ 10 ** 100000000 }}", r"^The chat template computes 10 \*\* 100000000, an integer of more than 4096 bits"),
-    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", r"^The chat template made more than 16777216 characters"),
+    ("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}", r"^The chat template made more than 16777216 characters"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
      r"^The chat template ran for more than 0.3 s and was stopped"),
     ("{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",

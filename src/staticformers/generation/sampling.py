@@ -126,6 +126,21 @@ def check_options(do_sample: bool, temperature_: Optional[float], top_k_: Option
             raise ValueError(f"{name}={value} must be in [-2, 2].")
 
 
+def warped(logits: torch.Tensor, t: dict) -> torch.Tensor:
+    """The rows' sampling distributions: temperature, top-k, top-p and min-p of a row table `t`
+    (`RowSampler._table`), then softmax (one row of `t` per row of `logits`)."""
+    y = logits
+    if t["temperature"] is not None:
+        y = temperature(y, t["temperature"])
+    if t["top_k"] is not None:
+        y = top_k(y, t["top_k"], largest=t["top_k_max"])
+    if t["top_p"] is not None:
+        y = top_p(y, t["top_p_on"], threshold=t["top_p"])
+    if t["min_p"] is not None:
+        y = min_p(y, t["min_p"])
+    return torch.softmax(y, dim=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # one request's settings
 # ---------------------------------------------------------------------------------------------
@@ -296,16 +311,7 @@ class RowSampler:
             x = torch.where(unpack(allowed, self.vocab, x.device), x, NEG_INF)
         ids = x.argmax(dim=-1)
         if t["sampling"]:
-            y = x
-            if t["temperature"] is not None:
-                y = temperature(y, t["temperature"])
-            if t["top_k"] is not None:
-                y = top_k(y, t["top_k"], largest=t["top_k_max"])
-            if t["top_p"] is not None:
-                y = top_p(y, t["top_p_on"], threshold=t["top_p"])
-            if t["min_p"] is not None:
-                y = min_p(y, t["min_p"])
-            probs = torch.softmax(y, dim=-1)
+            probs = warped(x, t)
             race = torch.where(probs > 0, probs / self._noise(rows, t["sample_rows"]), -1.0)  # a 0 draw: inf, never NaN
             drawn = race.argmax(dim=-1)
             ids = torch.where(t["do_sample"], drawn, ids)

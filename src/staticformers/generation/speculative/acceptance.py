@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..sampling import NEG_INF, RowSampler, min_p, repetition_penalty, temperature, top_k, top_p
+from ..sampling import NEG_INF, RowSampler, min_p, repetition_penalty, temperature, top_k, top_p, warped
 
 
 def accept_rule(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -107,17 +107,7 @@ def draft_distribution(sampler: RowSampler, logits: torch.Tensor, rows: Sequence
     """A draft model's sampling distribution for `rows` (`[n, vocab]` logits, padded to the target's
     vocabulary): the rows' temperature, top-k, top-p and min-p. Any q is exact under the rejection rule;
     the row's own warping makes q closer to p, so more proposals are accepted."""
-    t = sampler._table(tuple(rows))
-    y = logits.float()
-    if t["temperature"] is not None:
-        y = temperature(y, t["temperature"])
-    if t["top_k"] is not None:
-        y = top_k(y, t["top_k"], largest=t["top_k_max"])
-    if t["top_p"] is not None:
-        y = top_p(y, t["top_p_on"], threshold=t["top_p"])
-    if t["min_p"] is not None:
-        y = min_p(y, t["min_p"])
-    return torch.softmax(y, dim=-1)
+    return warped(logits.float(), sampler._table(tuple(rows)))
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
