@@ -423,11 +423,16 @@ def main(argv=None) -> None:
     result["ratios"] = ratios
     result["pressure_after"] = pressure()
     result["torch"] = torch.__version__
+    report(result, args.out)
+
+
+def report(result: dict, out) -> None:
+    """The run's JSON, printed, and written to `out` when given."""
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             f.write(text)
 
 
@@ -448,12 +453,7 @@ def run_workload(args, folder: str, vocab: int) -> None:
     run = serve_workloads.shared_prefix if args.workload == "shared-prefix" else serve_workloads.long_prompt
     result = {"device": args.device, "size": args.size, "server_args": base, "pressure_before": before,
               **run(server, args, vocab), "pressure_after": pressure(), "torch": torch.__version__}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from staticformers.generation.speculative.draft import DraftModel
 from staticformers.generation.speculative.prompt_lookup import PromptLookup, lookup
 from staticformers.generation.speculative.step import Speculator
 
-from loop_driver import run_loop
+from loop_driver import run_loop, run_loop_events
 from tiny import FAMILIES
 
 EAGER = CompileConfig(backend="eager")
@@ -101,19 +101,6 @@ def _workload(eos: int) -> dict:
     }
 
 
-def _events(loop, arrivals: dict) -> dict:
-    out: dict = {}
-    step = 0
-    while arrivals or not loop.idle:
-        for request in arrivals.pop(step, []):
-            loop.add(request)
-        for event in loop.step():
-            assert event.error is None, event.error
-            out.setdefault(event.request_id, []).append(event)
-        step += 1
-    return out
-
-
 def test_a_mixed_workload_keeps_every_row_exact_and_compiles_nothing_outside_the_plan(tiny_checkpoints):
     """Greedy rows (penalties, a stop id cutting an accepted run, logprobs, logits, a 2-token request)
     equal the loop without speculation; every graph built is a shape the plan declares, and the same
@@ -123,15 +110,15 @@ def test_a_mixed_workload_keeps_every_row_exact_and_compiles_nothing_outside_the
     draft = perturbed(path)
     settings = compile_settings(model, GenerationConfig(), EAGER)
     plan = ShapePlan(batch_sizes=[2, 4, 8], prompt_lengths=[32, 64], kv_lengths=[64, 128], max_model_len=128)
-    base = _events(GenerationLoop(engine_for(model), settings, plan), _workload(eos=-1))
+    base = run_loop_events(GenerationLoop(engine_for(model), settings, plan), _workload(eos=-1))
     eos = base["stop"][5].token  # a stop id the row meets after its min_new_tokens
-    base = _events(GenerationLoop(engine_for(model), settings, plan), _workload(eos))
+    base = run_loop_events(GenerationLoop(engine_for(model), settings, plan), _workload(eos))
     assert base["stop"][-1].finish_reason == "stop"
 
     for proposer in (PromptLookup(3), DraftModel(engine_for(draft), compile_settings(draft, GenerationConfig(), EAGER), 3)):
         spec = Speculator(proposer)
         loop = GenerationLoop(engine_for(model), settings, plan, speculator=spec)
-        got = _events(loop, _workload(eos))
+        got = run_loop_events(loop, _workload(eos))
         for rid in ("plain", "penalised", "stop", "short", "logprobs", "logits"):
             assert [e.token for e in got[rid]] == [e.token for e in base[rid]], (type(proposer).__name__, rid)
             assert [e.finish_reason for e in got[rid]] == [e.finish_reason for e in base[rid]]
@@ -151,7 +138,7 @@ def test_a_mixed_workload_keeps_every_row_exact_and_compiles_nothing_outside_the
                 assert tuple(g.shape) in shapes[g.kind], (g.kind, g.shape)
         assert any(g.kind == "extend" and g.calls for g in engine_for(model).graphs.values())
         before = [e.graph_count() for e in engines]
-        again = _events(GenerationLoop(engine_for(model), settings, plan, speculator=Speculator(proposer)), _workload(eos))
+        again = run_loop_events(GenerationLoop(engine_for(model), settings, plan, speculator=Speculator(proposer)), _workload(eos))
         assert [e.graph_count() for e in engines] == before
         assert [e.token for e in again["sampled"]] == [e.token for e in got["sampled"]]  # seeded: reproducible
 

@@ -127,6 +127,7 @@ def run_chunk(loop) -> None:
 
     cache, engine = loop.cache, loop.engine
     device = engine.model.device
+    loop._own_prefixes()
     tokens, positions, keep, taken = chunk_inputs(loop.rows, cache.batch, cache.max_length, loop.chunk)
     adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
         if bank_of(engine.model) is not None else None

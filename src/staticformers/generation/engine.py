@@ -171,6 +171,10 @@ class Engine:
                     self._retire(self.graphs.pop(k))
         self._ident, self._versions = ident, versions
 
+    def weights_fingerprint(self) -> tuple:
+        """The weights' identity and version counters now (`_Fingerprint`): equal while nothing changed them."""
+        return self._fingerprint()
+
     def reset(self) -> None:
         """Forget every step and cache (they are rebuilt on demand)."""
         for g in self.graphs.values():

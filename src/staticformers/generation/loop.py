@@ -362,6 +362,7 @@ class GenerationLoop:
             joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
             self._joining = joining  # in the same critical section: `uses_adapter` never misses them
         try:
+            self._own_prefixes()
             self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
@@ -427,18 +428,22 @@ class GenerationLoop:
                 event.logits = logits[j].clone()
         return bool(whole)
 
+    def _own_prefixes(self) -> None:
+        """Before a prefill or chunk matches or stores prefixes: empty the pool if the weights changed (once per
+        call: the fingerprint walks the parameters)."""
+        if self.prefix is not None:
+            self.prefix.owned_by(self.engine.weights_fingerprint())
+
     def _match_prefix(self, row: _Row) -> list:
         """The pool rows of the prefix cache's longest match for a joining row ([] when caching is off, or the
         request scores its prompt, which needs every position's logits)."""
         if self.prefix is None or row.request.sampling.prompt_logprobs is not None:
             return []
-        self.prefix.owned_by(self.engine._fingerprint())
         return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, row.adapter))
 
     def _store_prefix(self, slot: int, row: _Row) -> None:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on)."""
         if self.prefix is not None:
-            self.prefix.owned_by(self.engine._fingerprint())
             if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, row.adapter)):
                 self.engine.backend.flush(self.engine.model.device)
 
