@@ -162,8 +162,15 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["none", "lookup", "draft"],
                     help="none, lookup, draft (the reference's first layers); trained_draft times a trained "
                          "target with none, lookup (if asked) and its trained draft (bench/trained_pair.py)")
+    ap.add_argument("--target", choices=["reference", "trained", "both"], default=None,
+                    help="which target the modes run on (default: trained when trained_draft is asked, else reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    target = args.target or ("trained" if "trained_draft" in args.modes else "reference")
+    if target == "reference" and "trained_draft" in args.modes:
+        ap.error("trained_draft runs on the trained target: pass --target trained or both.")
+    if target == "trained" and "draft" in args.modes:
+        ap.error("draft (the reference's first layers) runs on the reference: pass --target reference or both.")
 
     report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), "k": args.k, "ngram": args.ngram,
               "prompt": args.prompt, "new": args.new, "draft_layers": args.draft_layers,
@@ -207,19 +214,19 @@ def main(argv=None) -> None:
 
     with torch.no_grad():
         reference_modes = [m for m in args.modes if m != "trained_draft"]
-        if [m for m in reference_modes if m != "none"]:
+        if target in ("reference", "both"):
             ref_dir = build_reference(reference_dir())
             model = AutoModelForCausalLM.from_pretrained(ref_dir)
             drafts = {"draft": layer_draft(ref_dir, args.draft_layers)} if "draft" in reference_modes else {}
             vocab = model.config.vocab_size
             run_cases(model, drafts, reference_modes, lambda b: extractive_prompts(b, args.prompt, vocab, seed=b),
                       "reference")
-        if "trained_draft" in args.modes:
+        if target in ("trained", "both"):
             from trained_pair import corpus_prompts, trained_pair
 
             pair = trained_pair()
             report["trained_pair"] = pair.report
-            modes = ["none"] + [m for m in ("lookup", "trained_draft") if m in args.modes]
+            modes = [m for m in args.modes if m != "draft"]
             run_cases(pair.target, {"trained_draft": pair.draft}, modes,
                       lambda b: corpus_prompts(pair.settings, b, args.prompt, seed=1000 + b), "trained target")
     report["pressure_after"] = pressure()
