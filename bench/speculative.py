@@ -32,6 +32,7 @@ from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan  # noqa
 from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402
+from staticformers.generation.sampling import SamplingParams  # noqa: E402
 from staticformers.generation.speculative.draft import DraftModel  # noqa: E402
 from staticformers.generation.speculative.prompt_lookup import PromptLookup, lookup  # noqa: E402
 from staticformers.generation.speculative.step import Speculator  # noqa: E402
@@ -60,11 +61,13 @@ def layer_draft(ref_dir: str, layers: int):
     return draft.eval()
 
 
-def run_once(model, settings, plan, prompts: list, new: int, speculator=None) -> dict:
-    """One generation of `prompts`: its tokens, time to first token and decode seconds."""
+def run_once(model, settings, plan, prompts: list, new: int, speculator=None, temperature=None) -> dict:
+    """One generation of `prompts` (greedy, or sampled at `temperature` with a seed per row): its tokens, time
+    to first token and decode seconds."""
     loop = GenerationLoop(engine_for(model), settings, plan, speculator=speculator)
     for i, p in enumerate(prompts):
-        loop.add(GenerationRequest(p, new, request_id=i))
+        sampling = SamplingParams(do_sample=True, temperature=temperature, seed=i) if temperature else SamplingParams()
+        loop.add(GenerationRequest(p, new, sampling, request_id=i))
     tokens: dict = {}
     start = time.perf_counter()
     first = None
@@ -101,17 +104,19 @@ def labelled(modes: list, ks: list) -> list:
     return out
 
 
-def time_case(model, settings, plan, prompts: list, new: int, entries: list, repeats: int, engines: list) -> dict:
+def time_case(model, settings, plan, prompts: list, new: int, entries: list, repeats: int, engines: list,
+              temperature=None) -> dict:
     """One batch: warm every entry (label, make speculator) up, then time them interleaved A B C A B C; each
-    entry's greedy tokens are checked equal to the first entry's (no speculation)."""
+    entry's greedy tokens are checked equal to the first entry's (no speculation). Sampled rows
+    (`temperature`) are not compared: speculation keeps their distribution, not their draws."""
     batch = len(prompts)
     case: dict = {"batch": batch}
     start = time.perf_counter()
     reference = None
     with torch.no_grad():
         for label, make in entries:  # warm-up: compiles every shape the mode uses
-            out = run_once(model, settings, plan, prompts, new, make())
-            if label == "none":
+            out = run_once(model, settings, plan, prompts, new, make(), temperature)
+            if label == "none" and not temperature:
                 reference = out["tokens"]
     case["warmup_seconds"] = round(time.perf_counter() - start, 1)
     rows = {label: {"ttft": [], "decode": [], "drafted": 0, "accepted": 0, "steps": 0, "graphs": 0}
@@ -121,7 +126,7 @@ def time_case(model, settings, plan, prompts: list, new: int, entries: list, rep
             spec = make()
             before = sum(e.graph_count() for e in engines)
             with torch.no_grad():
-                out = run_once(model, settings, plan, prompts, new, spec)
+                out = run_once(model, settings, plan, prompts, new, spec, temperature)
             r = rows[label]
             r["graphs"] += sum(e.graph_count() for e in engines) - before
             r["ttft"].append(out["ttft"])
@@ -162,6 +167,8 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=["none", "lookup", "draft"],
                     help="none, lookup, draft (the reference's first layers); trained_draft times a trained "
                          "target with none, lookup (if asked) and its trained draft (bench/trained_pair.py)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample at this temperature (a seed per row) instead of greedy; tokens are then not compared")
     ap.add_argument("--target", choices=["reference", "trained", "both"], default=None,
                     help="which target the modes run on (default: trained when trained_draft is asked, else reference)")
     ap.add_argument("--out", default=None)
@@ -174,6 +181,7 @@ def main(argv=None) -> None:
 
     report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), "k": args.k, "ngram": args.ngram,
               "prompt": args.prompt, "new": args.new, "draft_layers": args.draft_layers,
+              "temperature": args.temperature,
               "note": "machine shared with other work; see pressure_before/after", "cases": []}
     config = GenerationConfig()
     cc = CompileConfig(backend=args.backend)
@@ -205,7 +213,7 @@ def main(argv=None) -> None:
         for batch in args.batches:
             prompts = prompts_for(batch)
             before = pressure()
-            case = time_case(model, settings, plan, prompts, args.new, entries, args.repeats, engines)
+            case = time_case(model, settings, plan, prompts, args.new, entries, args.repeats, engines, args.temperature)
             case = {"model": section, **case, "pressure_before": before, "pressure_after": pressure(),
                     "lookup_host_us_per_row_step": lookup_cost_us(prompts, max(args.k), args.ngram)}
             report["cases"].append(case)

@@ -39,11 +39,13 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--checkpoint", default=None, help="a model folder (default: the 41.6M reference)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), **vars(args)}
-    model = AutoModelForCausalLM.from_pretrained(build_reference(reference_dir()), dtype=args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint or build_reference(reference_dir()),
+                                                 dtype=args.dtype)
     plan = ShapePlan(batch_sizes=[args.batch], prompt_lengths=[16], kv_lengths=[args.kv], max_model_len=args.kv,
                      extend_widths=[(k + 1, k + 1) for k in args.k])
     engine = engine_for(model)
