@@ -5,13 +5,23 @@ The reference checkpoint (bench/reference.py, 41.6M parameters, float32) has ran
 extractive in shape: a document of random tokens, then a span of it as the question (a model that answers
 by copying continues the span). The draft is the target's first `--draft-layers` layers with its
 embedding, final norm and head (a layer-skipping draft that needs no training and shares the tokenizer;
-the run says how often the target agreed with it). Every mode's greedy tokens are checked equal to the
-mode without speculation. Prints one JSON object (written to `--out` as well): per batch and mode, time
-to first token, decode tokens/s (after the first token), the ratio to no speculation, proposed and
-accepted tokens and the acceptance rate, verify steps, graphs compiled while timed (0 expected), the
+the run says how often the target agreed with it).
+
+`--modes ... trained_draft` (or `--target trained`) runs on a trained pair instead (bench/trained_pair.py:
+a target of the reference's shape and a 2-layer draft, trained on the same synthetic corpus, cached), with
+prompts drawn from that corpus's held-out documents.
+
+`--k` takes several values: each speculating mode runs at each k in the same process and plan (labelled
+`lookup_k8`, ...). The default, 4 and 8, holds the best k of each batch on the 2-core CPU this was measured
+on (BENCHMARKS.md: 8 at batch 1, 4 at batch 8). Greedy runs check every mode's tokens equal to the mode
+without speculation; `--temperature` samples instead (a seed per row; tokens not compared, the
+distribution is what speculation keeps). Prints one JSON object (written to `--out` as well): per batch and
+mode, time to first token, decode tokens/s (after the first token), the ratio to no speculation, proposed
+and accepted tokens and the acceptance rate, verify steps, graphs compiled while timed (0 expected), the
 host-side cost of the n-gram search, and /proc/pressure/cpu before and after.
 
-    python bench/speculative.py --batches 1 8 --repeats 2 --out bench/results/speculative.json
+    python bench/speculative.py --batches 1 8 --modes none lookup --repeats 3 --out bench/results/speculative.json
+    python bench/speculative.py --modes none lookup trained_draft --k 4 8 --repeats 3
 """
 
 from __future__ import annotations
@@ -158,7 +168,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--k", type=int, nargs="+", default=[4],
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 8],
                     help="proposed tokens per step (num_speculative_tokens); several: each speculating mode at each k")
     ap.add_argument("--ngram", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--draft-layers", type=int, default=2)

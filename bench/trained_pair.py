@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -122,12 +123,9 @@ def _batches(s: PairSettings, chain: Chain, count: int, seed: int) -> torch.Tens
 
 
 def held_out_loss(model, data: torch.Tensor) -> float:
+    """Mean next-token cross-entropy (nats) over `data` `[batches, batch, seq]`."""
     with torch.no_grad():
-        return round(statistics_mean([float(model(input_ids=x, labels=x).loss) for x in data]), 4)
-
-
-def statistics_mean(values: list) -> float:
-    return sum(values) / len(values)
+        return round(statistics.mean(float(model(input_ids=x, labels=x).loss) for x in data), 4)
 
 
 def greedy_follows(model, chain: Chain, prompts: torch.Tensor, new: int = 32) -> float:
@@ -158,7 +156,7 @@ def train(model, data: torch.Tensor, s: PairSettings, label: str) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 20 == 0 or step == len(data) - 1:
             print(f"{label} step {step} loss {losses[-1]:.3f} ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr, flush=True)
