@@ -14,7 +14,7 @@ from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
 from staticformers.api.generate import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
-from staticformers.generation.sampling import SamplingParams
+from staticformers.generation.sampling import RowSampler, SamplingParams
 from staticformers.generation.speculative import acceptance
 from staticformers.generation.speculative.draft import DraftModel
 from staticformers.generation.speculative.prompt_lookup import PromptLookup, lookup
@@ -358,3 +358,32 @@ def test_rows_near_the_end_of_the_cache_decode_plainly_and_the_draft_catches_up(
     spec.decode = decode
     assert run(model, settings, requests(), spec, plan) == expected
     assert spec.num_accepted_tokens > 0
+
+
+def test_a_sampling_row_draws_one_race_per_verify_where_it_stops():
+    """Per verify, a sampling row draws its k acceptance uniforms, then one `[vocab]` exponential race at the
+    position where it stops (not one per verified position); a row with no proposal draws exactly what a
+    decode step draws. Checked on the rows' generators, and on the token: the race at the stop, from the
+    residual after a rejection."""
+    vocab, k = 16, 3
+    sampler = RowSampler(2, vocab, torch.device("cpu"))
+    for row in (0, 1):
+        sampler.set_row(row, SamplingParams(do_sample=True, seed=row), [1, 2])
+    logits = torch.randn(2, k + 1, vocab, generator=torch.Generator().manual_seed(3))
+    proposals = [[5, 6, 7], []]
+    logits[0, 0, 5] = logits[0, 1, 6] = 6.0  # the first two proposals all but certain: row 0 stops later
+    verdict = acceptance.verify(sampler, logits, logits.argmax(-1), [0, 1], [0, 0], proposals)
+
+    p = torch.softmax(logits.float(), -1)
+    g0, g1 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    u = torch.empty(k).uniform_(generator=g0)
+    a = 0
+    while a < k and u[a] < p[0, a, proposals[0][a]]:
+        a += 1
+    dist = p[0, a] if a == k else p[0, a].scatter(0, torch.tensor([proposals[0][a]]), 0.0)
+    want0 = int(acceptance.race(dist, torch.empty(vocab).exponential_(generator=g0)))
+    want1 = int(acceptance.race(p[1, 0], torch.empty(vocab).exponential_(generator=g1)))
+    assert verdict.accepted == [a, 0] and 0 < a < k
+    assert verdict.tokens == [proposals[0][:a] + [want0], [want1]]
+    for row, g in ((0, g0), (1, g1)):  # nothing else was drawn from either row's stream
+        assert torch.equal(sampler.generators[row].get_state(), g.get_state())

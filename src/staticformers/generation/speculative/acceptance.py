@@ -130,15 +130,12 @@ def _uniforms(sampler: RowSampler, row: int, k: int, proposed: int) -> torch.Ten
     return _noise(sampler, row, (k,), "uniform")
 
 
-def _races(sampler: RowSampler, row: int, width: int, vocab: int, proposed: int) -> torch.Tensor:
-    """A row's exponential noise `[width, vocab]`. A row that proposed nothing emits position 0 only, and
-    draws exactly what a decode step draws for it (one `[vocab]` race): a seeded row's stream then does not
-    depend on whether the step was a verify or a decode step, which other rows decide."""
-    if proposed == 0:
-        out = torch.ones(width, vocab, device="cpu" if sampler.host_generators else sampler.device)
-        out[0].exponential_(generator=sampler.generators[row])
-        return out
-    return _noise(sampler, row, (width, vocab), "exp")
+def _race_noise(sampler: RowSampler, row: int, vocab: int) -> torch.Tensor:
+    """A row's exponential noise for its one draw of this step, `[vocab]`: the draw a decode step makes for
+    it. A row draws once per step whatever it accepted (at the position where it stops), so a seeded row's
+    stream does not depend on whether the step was a verify or a decode step (which other rows decide), and
+    a verify draws `vocab` exponentials per row, not `(k+1) * vocab`."""
+    return _noise(sampler, row, (vocab,), "exp")
 
 
 def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int],
@@ -172,17 +169,31 @@ def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows
         qs = q.index_select(0, idx).float() if q is not None else None
         p_d = p[:, :k].gather(2, ds.unsqueeze(-1)).squeeze(-1)
         q_d = qs.gather(2, ds.unsqueeze(-1)).squeeze(-1) if qs is not None else torch.ones_like(p_d)
-        proposed = torch.tensor([[j < counts[i] for j in range(k)] for i in sample_rows], device=device)
-        dist = p.clone()
-        rest = residual(p[:, :k], qs, ds)
-        # p == q leaves no residual; then nothing is ever rejected there, and p stands in
-        rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p[:, :k])
-        dist[:, :k] = torch.where(proposed.unsqueeze(-1), rest, p[:, :k])
         u = torch.stack([_uniforms(sampler, rows[i], k, counts[i]) for i in sample_rows]).to(device)
-        noise = torch.stack([_races(sampler, rows[i], width, vocab, counts[i]) for i in sample_rows]).to(device)
         accept_s = accept_rule(p_d, q_d, u)
-        drawn = race(dist, noise)  # [s, T]
-        chosen = chosen.index_copy(0, idx, drawn)
+        # where each sampling row stops: its first proposal not accepted (or after its last one); its one draw
+        # is made there, from the residual after a rejection, from p after its last proposal
+        ok = accept_s.cpu()
+        stops = []
+        for j, i in enumerate(sample_rows):
+            a = 0
+            while a < counts[i] and bool(ok[j, a]):
+                a += 1
+            stops.append(a)
+        s_index = torch.arange(len(sample_rows), device=device)
+        at = torch.tensor(stops, dtype=torch.long, device=device)
+        p_at = p[s_index, at]  # [s, V]
+        rejected = torch.tensor([a < counts[i] for a, i in zip(stops, sample_rows)], device=device)
+        before = at.clamp(max=k - 1)  # the proposal rejected there (unused where none was)
+        rest = residual(p_at, qs[s_index, before] if qs is not None else None, ds[s_index, before])
+        # p == q leaves no residual; then nothing is ever rejected there, and p stands in
+        rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p_at)
+        dist = torch.where(rejected.unsqueeze(-1), rest, p_at)
+        noise = torch.stack([_race_noise(sampler, rows[i], vocab) for i in sample_rows]).to(device)
+        drawn = race(dist, noise)  # [s]
+        rows_chosen = chosen.index_select(0, idx)
+        rows_chosen[s_index, at] = drawn
+        chosen = chosen.index_copy(0, idx, rows_chosen)
         accept = torch.zeros(n, k, dtype=torch.bool, device=device).index_copy(0, idx, accept_s)
     chosen = chosen.cpu()
     accept = accept.cpu() if accept is not None else None
