@@ -173,17 +173,12 @@ def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows
         accept_s = accept_rule(p_d, q_d, u)
         # where each sampling row stops: its first proposal not accepted (or after its last one); its one draw
         # is made there, from the residual after a rejection, from p after its last proposal
-        ok = accept_s.cpu()
-        stops = []
-        for j, i in enumerate(sample_rows):
-            a = 0
-            while a < counts[i] and bool(ok[j, a]):
-                a += 1
-            stops.append(a)
+        s_counts = torch.tensor([counts[i] for i in sample_rows], dtype=torch.long, device=device)
+        held = accept_s & (torch.arange(k, device=device) < s_counts.unsqueeze(-1))
+        at = held.long().cumprod(-1).sum(-1)  # [s]: accepted proposals before the first one not accepted
         s_index = torch.arange(len(sample_rows), device=device)
-        at = torch.tensor(stops, dtype=torch.long, device=device)
         p_at = p[s_index, at]  # [s, V]
-        rejected = torch.tensor([a < counts[i] for a, i in zip(stops, sample_rows)], device=device)
+        rejected = at < s_counts
         before = at.clamp(max=k - 1)  # the proposal rejected there (unused where none was)
         rest = residual(p_at, qs[s_index, before] if qs is not None else None, ds[s_index, before])
         # p == q leaves no residual; then nothing is ever rejected there, and p stands in
