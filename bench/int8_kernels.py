@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import pressure  # noqa: E402
+from reference import report as write_report  # noqa: E402
 
 # the reference's projections (41m): q/o, k/v, gate/up, down, and the tied head
 SHAPES = {"q_o": (512, 512), "k_v": (256, 512), "gate_up": (1536, 512), "down": (512, 1536), "head": (32000, 512)}
@@ -172,10 +173,7 @@ def main(argv=None):
                         with open(args.out, "w") as f:
                             json.dump(report, f, indent=1)
     report["pressure_after"] = pressure()
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,16 @@ def pressure() -> str:
         return "n/a"
 
 
+def report(result: dict, out) -> None:
+    """A benchmark's JSON, printed, and written to `out` when given: every benchmark ends this way."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def reference_config(size: str = "41m"):
     """The size's staticformers ModelConfig (a Qwen3 config, or Qwen3-MoE for `moe50m`)."""
     from staticformers import AutoConfig

@@ -50,6 +50,7 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from reference import report  # noqa: E402
 
 
 def percentile(values: list, q: float):
@@ -424,16 +425,6 @@ def main(argv=None) -> None:
     result["pressure_after"] = pressure()
     result["torch"] = torch.__version__
     report(result, args.out)
-
-
-def report(result: dict, out) -> None:
-    """The run's JSON, printed, and written to `out` when given."""
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
 
 
 def run_workload(args, folder: str, vocab: int) -> None:

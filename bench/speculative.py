@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
+from reference import report as write_report  # noqa: E402
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan  # noqa: E402
 from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
@@ -248,8 +249,7 @@ def main(argv=None) -> None:
             run_cases(pair.target, {"trained_draft": pair.draft}, modes,
                       lambda b: corpus_prompts(pair.settings, b, args.prompt, seed=1000 + b), "trained target")
     report["pressure_after"] = pressure()
-    print(json.dumps(report, indent=1))
-    write()
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

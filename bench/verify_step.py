@@ -14,7 +14,6 @@ and /proc/pressure/cpu before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import build_reference, pressure, reference_dir  # noqa: E402
+from reference import report as write_report  # noqa: E402
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan  # noqa: E402
 from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
@@ -85,10 +85,7 @@ def main(argv=None) -> None:
                               "vs_decode": round(statistics.median(t) / base, 2)} for name, t in times.items()}
     report["compile_backend"] = settings.label
     report["pressure_after"] = pressure()
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
