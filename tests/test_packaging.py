@@ -55,3 +55,11 @@ def test_make_pins_torch_unless_told_or_a_neuron_sdk_is_there(tmp_path):
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     plan = _make_plan(tmp_path, neuron)
     assert "pip install -q 'torch" not in plan and "-m venv" not in plan and "(torch-neuronx)" in plan
+
+
+def test_the_cpus_int8_kernel_source_ships_in_the_package():
+    """backends/cpu/int8_gemv.cpp is built from source where it runs, so a wheel must carry it."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "backends/cpu/*.cpp" in project["tool"]["setuptools"]["package-data"]["staticformers"]
+    assert os.path.exists(os.path.join(ROOT, "src", "staticformers", "backends", "cpu", "int8_gemv.cpp"))

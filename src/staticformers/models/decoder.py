@@ -262,9 +262,14 @@ class Attention(nn.Module):
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
         s, head_dim]`, as `forward` computes them."""
-        b, s, _ = x.shape
-        k = ops.linear(self.k_proj, x).view(b, s, -1, self.head_dim)
-        v = ops.linear(self.v_proj, x).view(b, s, -1, self.head_dim)
+        k, v = ops.linear_group((self.k_proj, self.v_proj), x)
+        return self.rotated_keys_values(k, v, cos, sin)
+
+    def rotated_keys_values(self, k, v, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projected keys and values `[b, s, kv_heads * head_dim]` as attention reads them: `[b, kv_heads,
+        s, head_dim]`, the keys normalised and rotated."""
+        b, s, _ = k.shape
+        k, v = k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
@@ -272,14 +277,20 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
                 keep: Optional[Keep] = None):
         """Self-attention of `x` (the layer's normalised input); `keep`: the output at the kept positions
-        only, the keys and values (and the cache) at every position."""
-        k, v = self.keys_values(x, cos, sin, ops)
+        only, the keys and values (and the cache) at every position. Without `keep`, q, k and v are one
+        `ops.linear_group` call (a backend may compute them in one pass over their input)."""
+        if keep is None:
+            q, k, v = ops.linear_group((self.q_proj, self.k_proj, self.v_proj), x)
+            k, v = self.rotated_keys_values(k, v, cos, sin)
+        else:
+            k, v = self.keys_values(x, cos, sin, ops)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
         if keep is not None:
             x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
-        b, s, _ = x.shape
-        q = ops.linear(self.q_proj, x).view(b, s, -1, self.head_dim)
+            q = ops.linear(self.q_proj, x)
+        b, s, _ = q.shape
+        q = q.view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -296,7 +307,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x, ops: Ops = PLAIN):
-        return ops.linear(self.down_proj, F.silu(ops.linear(self.gate_proj, x)) * ops.linear(self.up_proj, x))
+        gate, up = ops.linear_group((self.gate_proj, self.up_proj), x)
+        return ops.linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

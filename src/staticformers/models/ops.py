@@ -5,7 +5,8 @@ shape is faster with another formulation of the same math (a weight-streaming re
 decode row on a CPU, an operator the compiler cannot reach, attention in query blocks), the caller
 passes an `Ops` object to `model(..., ops=...)`; the model calls
 
-- `ops.linear(layer, x)` for every projection inside a decoder layer,
+- `ops.linear(layer, x)` for every projection inside a decoder layer, and `ops.linear_group(layers, x)` for
+  projections of one input (q, k and v; gate and up), which a backend may compute in one call,
 - `ops.head(layer, x)` for the `lm_head`,
 - `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
 - `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
@@ -61,6 +62,10 @@ class Ops:
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
+
+    def linear_group(self, layers: tuple, x: torch.Tensor) -> tuple:
+        """`tuple(self.linear(layer, x) for layer in layers)`: projections of one input."""
+        return tuple(self.linear(layer, x) for layer in layers)
 
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)

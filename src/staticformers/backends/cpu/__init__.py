@@ -138,10 +138,11 @@ class CPUBackend(Backend):
     regional_by_default = True
     per_rank_device = False
     hosts_memory = fused_optimizer = True
-    int8_linear = ("ATen's weight-only int8 kernel (`_weight_int8pack_mm`: int8 rows, a scale per output "
-                   "column) at inference up to `int8_kernel_max_rows` rows, in bf16 for float32 activations "
-                   "(`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an adapter training "
-                   "over it), through the int8 weight widened in the graph, then the GEMM")
+    int8_linear = ("one decode row (`int8_gemv_max_rows`): a streaming C++ kernel built with inductor's toolchain "
+                   "(`int8_gemv.py`), several projections of one input in one call; a few rows (up to "
+                   "`int8_kernel_max_rows`): ATen's weight-only int8 kernel (`_weight_int8pack_mm`), in bf16 for "
+                   "float32 activations (`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an "
+                   "adapter training over it), through the int8 weight widened in the graph, then the GEMM")
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":

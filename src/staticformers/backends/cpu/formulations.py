@@ -8,8 +8,9 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   tokens of a small decode batch: a batch-1 decode step streams its weights at close to the memory
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
-- `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of a few rows (decode)
-  through ATen's int8 kernel, in bf16 for float32 activations; a prompt's through the widened weight's GEMM.
+- `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
+  decode) through the streaming kernel of `int8_gemv.py`, of a few rows through ATen's int8 kernel (in
+  bf16 for float32 activations); a prompt's through the widened weight's GEMM.
 - `attend_decode`: one query per row as fused reductions over the cache (no matmul calls, no KV copy);
   `attend_grouped`: matmul + float32 softmax + matmul with the query heads grouped per KV head;
   `attend_blocks`: causal self-attention in query blocks of 128, skipping most of the masked triangle
@@ -32,6 +33,7 @@ from ...models.decoder import causal_rows
 from ...models.hooks import hooked
 from ...models.ops import Ops, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
+from .int8_gemv import int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .thresholds import threshold
@@ -69,30 +71,67 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
 
 
 INT8_KERNEL_MAX_ROWS = threshold("int8_kernel_max_rows")  # thresholds.py
+INT8_GEMV_MAX_ROWS = threshold("int8_gemv_max_rows")
 
 
 def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
-    """Whether `int8_linear` computes `layer(x)`: int8 values, an activation dtype the kernel takes, the
-    scales in it, at most `INT8_KERNEL_MAX_ROWS` rows (past them the widened weight's GEMM is faster), no
-    gradient wanted (the kernel has no backward), and no forward hook on the layer (tensor parallel's hooks
-    lay out its input and output around `layer(x)`, which the kernel would skip)."""
-    return (layer.kind == "int8" and not hooked(layer)
-            and x.dtype in (torch.bfloat16, torch.float32, torch.float16)
-            and layer.weight_scale.dtype == x.dtype and x.numel() <= INT8_KERNEL_MAX_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and x.requires_grad))
+    """Whether `int8_linear` computes `layer(x)`: int8 values, an activation dtype a kernel takes, at most
+    `INT8_KERNEL_MAX_ROWS` rows (past them the widened weight's GEMM is faster), no gradient wanted (the
+    kernels have no backward), and no forward hook on the layer (tensor parallel's hooks lay out its input
+    and output around `layer(x)`, which a kernel would skip). ATen's kernel wants the scales in the
+    activations' dtype; the streaming kernel (`int8_gemv`) takes bf16 or float32 scales with either."""
+    if (layer.kind != "int8" or hooked(layer) or x.numel() > INT8_KERNEL_MAX_ROWS * x.shape[-1]
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return False
+    if streams(layer, x):
+        return True
+    return x.dtype in (torch.bfloat16, torch.float32, torch.float16) and layer.weight_scale.dtype == x.dtype
+
+
+def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
+    """Whether `int8_linear` runs the streaming kernel (`int8_gemv.py`): at most `INT8_GEMV_MAX_ROWS` rows
+    (past them it widens the weight again for each row, and ATen's kernel is faster), on a CPU it is built
+    for."""
+    return x.numel() <= INT8_GEMV_MAX_ROWS * x.shape[-1] and int8_gemv_supports(x, layer.weight_scale)
+
+
+def streamed_together(layers: tuple, x: torch.Tensor) -> bool:
+    """Whether `int8_linears` computes these projections of `x` in one call of the streaming kernel: each
+    one an int8 layer it would stream alone, their scales of one dtype, at most `int8_gemv.GROUP` of them."""
+    return (all(isinstance(layer, QuantLinear) and int8_kernel(layer, x) and streams(layer, x) for layer in layers)
+            and int8_gemv_supports(x, *(layer.weight_scale for layer in layers)))
+
+
+def int8_linears(layers: tuple, x: torch.Tensor) -> tuple:
+    """`tuple(int8_linear(layer, x) for layer in layers)` in one call of the streaming kernel (check
+    `streamed_together` first): a decode step's q, k and v, or its gate and up, cost one call, not three."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    ys = int8_gemv(rows, [layer.weight for layer in layers], [layer.weight_scale.view(-1) for layer in layers])
+    out = []
+    for layer, y in zip(layers, ys):
+        if layer.bias is not None:
+            y = y + layer.bias.to(y.dtype)
+        out.append(y.reshape(*lead, -1))
+    return tuple(out)
 
 
 def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """An int8 projection through ATen's `_weight_int8pack_mm` (int8 rows times the activations, each output
-    column times its scale): it reads the int8 bytes with full-width vector loads, where inductor's own
-    reduction over int8 loads half-width vectors and ran 3-4x slower than the bf16 reduction.
+    """An int8 projection of a few rows (`int8_kernel` says which) through one of two kernels:
 
-    float32 activations go through it in bfloat16 (cast in, the result cast back): this PyTorch's kernel has
-    no fast float32 path, and ran 8-60x slower in float32 than in bfloat16 on the reference's projections
-    (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is bf16's rounding of the
-    activations, the scales and the result: each output within about 3 * 2**-9 of the sum of its terms'
-    magnitudes, the size of the int8 rounding of the weights themselves."""
+    - one row (a batch-1 decode step): `int8_gemv`, which streams the int8 weight once at close to the
+      memory's rate, in float32 for float32 activations and bf16 ones alike;
+    - a few rows: ATen's `_weight_int8pack_mm` (int8 rows times the activations, each output column times
+      its scale), which widens each weight value once for all the rows. Inductor's own reduction over int8
+      loads half-width vectors and ran 3-4x slower than the bf16 reduction.
+
+      float32 activations go through ATen's kernel in bfloat16 (cast in, the result cast back): this
+      PyTorch's kernel has no fast float32 path, and ran 8-60x slower in float32 than in bfloat16 on the
+      reference's projections (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is
+      bf16's rounding of the activations, the scales and the result: each output within about 3 * 2**-9 of
+      the sum of its terms' magnitudes, the size of the int8 rounding of the weights themselves."""
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    if streams(layer, x):
+        return int8_linears((layer,), x)[0]
     if x.dtype == torch.float32:  # one opaque operator: the casts and the kernel (`int8_kernel.py`)
         y = int8_linear_bf16(rows, layer.weight, layer.weight_scale.view(-1))
     else:
@@ -207,6 +246,12 @@ class CPUOps(Ops):
 
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return project(layer, x, self.head_linear)
+
+    def linear_group(self, layers: tuple, x: torch.Tensor) -> tuple:
+        """Projections of one input: int8 ones that stream (one decode row) in one kernel call."""
+        if streamed_together(layers, x):
+            return int8_linears(layers, x)
+        return super().linear_group(layers, x)
 
     def expert_matmul(self, x, weight, scale=None, index=None):
         """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1

@@ -36,6 +36,11 @@ TABLE = {
         "up to this many rows (batch x positions) an int8 projection runs ATen's int8 kernel (in bf16 for "
         "float32 activations); past it, a prompt's, the int8 weight widened to the activations' dtype, then "
         "the GEMM, which beat the kernel from 32 rows in bf16"),
+    "int8_gemv_max_rows": Threshold(
+        1, "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
+        "up to this many rows an int8 projection runs the streaming kernel (`int8_gemv.py`); past it, ATen's "
+        "int8 kernel, which widens each weight value once for all the rows where the streaming kernel widens "
+        "it again per row"),
     "realize_reads_threshold": Threshold(
         2, "bench/generate.py (BENCHMARKS.md, Generation)",
         "inductor's `realize_reads_threshold` on the CPU: a pointwise result read by this many consumers is "

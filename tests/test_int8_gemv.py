@@ -1,0 +1,139 @@
+"""int8_gemv.py: the CPU's streaming int8 kernel for a decode row against the exact product, for every pairing of
+activation and scale dtypes, grouped calls, the rows' tail past the vector width, the formulation that picks it
+(one row: the kernel; more: ATen's), q/k/v and gate/up as one call, a traced graph calling it whole, the
+fallback where it cannot be built, and bad input refused in one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staticformers.backends.cpu import formulations as f
+from staticformers.backends.cpu import int8_gemv as g
+from staticformers.models.quantization import QuantLinear
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not g.loaded(), reason="the int8 kernel cannot be built here (no C++ compiler, or no "
+                                                        "AVX2/AVX-512 for inductor)")]
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product in float64 from the same inputs, and the sum of its terms' magnitudes (for the bound)."""
+    xd, wd, sd = x.double(), w.double(), s.double()
+    return (xd @ wd.t()) * sd, (xd.abs() @ wd.abs().t()) * sd.abs()
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+    """float32 sums of K terms: within K * 2**-24 of the magnitudes (any order), plus the output's rounding
+    to its dtype (bf16: half a unit in the last place, 2**-8 relative)."""
+    want, mags = exact(x, w, s)
+    k = x.shape[-1]
+    bound = k * 2 ** -24 * mags + (2 ** -8 * want.abs() if y.dtype == torch.bfloat16 else 0) + 1e-30
+    err = (y.double() - want).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [512, 100])  # a whole number of vector iterations, and a scalar tail
+def test_the_kernel_is_the_exact_product_for_each_dtype_pairing(act, scale, k):
+    torch.manual_seed(0)
+    ws = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n in (40, 24, 24)]
+    ss = [(torch.rand(w.shape[0]) * 0.02 + 1e-3).to(scale) for w in ws]
+    for rows in (1, 3):
+        x = torch.randn(rows, k).to(act)
+        assert g.supports(x, *ss)
+        ys = g.int8_gemv(x, ws, ss)
+        assert [y.shape for y in ys] == [(rows, w.shape[0]) for w in ws] and all(y.dtype == act for y in ys)
+        for y, w, s in zip(ys, ws, ss):
+            check(y, x, w, s)
+
+
+def test_a_non_contiguous_input_is_read_as_its_values():
+    torch.manual_seed(1)
+    w = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    s = torch.rand(32) * 0.01
+    x = torch.randn(64, 2).t()  # [2, 64], transposed
+    check(g.int8_gemv(x, [w], [s])[0], x, w, s)
+    check(g.int8_gemv(x, [w.t().contiguous().t()], [s])[0], x, w, s)
+
+
+def test_one_decode_row_runs_the_kernel_and_a_few_rows_atens():
+    """A float32 layer's one row through the kernel is float32-exact (no bf16 rounding, which ATen's kernel in
+    bf16 makes for a few float32 rows)."""
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), "int8")
+    one, few = torch.randn(1, 1, 64), torch.randn(2, 1, 64)
+    with torch.no_grad():
+        assert f.streams(layer, one) and not f.streams(layer, few)
+        assert f.int8_kernel(layer, one) and f.int8_kernel(layer, few)
+        for how in (None, "reduce", "onednn"):
+            got = f.project(layer, one, how)
+            want = layer(one)
+            _, mags = exact(one.reshape(1, 64), layer.weight, layer.weight_scale.view(-1))
+            assert ((got - want).abs().reshape(1, -1) <= 64 * 2 ** -24 * mags.float() + 1e-6).all()
+
+
+def test_q_k_v_and_gate_up_are_one_call_and_mixed_groups_are_not(monkeypatch):
+    torch.manual_seed(0)
+    layers = tuple(QuantLinear.from_linear(torch.nn.Linear(64, n, bias=b).bfloat16(), "int8")
+                   for n, b in ((64, True), (32, False), (32, False)))
+    calls = []
+    real = f.int8_gemv
+
+    def counting(x, weights, scales):
+        calls.append(len(weights))
+        return real(x, weights, scales)
+
+    monkeypatch.setattr(f, "int8_gemv", counting)
+    ops = f.CPUOps("reduce", "reduce", "reduce")
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        together = ops.linear_group(layers, x)
+        assert calls == [3]
+        alone = [ops.linear(layer, x) for layer in layers]
+        assert calls == [3, 1, 1, 1]
+        for a, b in zip(together, alone):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same sums, in the same order
+        plain = torch.nn.Linear(64, 16).bfloat16()
+        mixed = ops.linear_group((layers[0], plain), x)
+        assert calls == [3, 1, 1, 1, 1]  # the int8 one alone; the plain one as a reduction
+        torch.testing.assert_close(mixed[1], plain(x), rtol=2 ** -7, atol=1e-3)
+
+
+def test_a_traced_graph_calls_the_kernel_whole():
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "int8")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        traced = torch.compile(lambda x: f.project(layer, x, "reduce"), backend=backend, fullgraph=True)
+        torch.testing.assert_close(traced(x), f.project(layer, x, "reduce"), rtol=0, atol=0)
+    assert any("int8_gemv" in t for t in seen), seen
+
+
+def test_where_the_kernel_cannot_run_atens_does(monkeypatch):
+    monkeypatch.setitem(g._STATE, "loaded", False)
+    torch.manual_seed(0)
+    layer = QuantLinear.from_linear(torch.nn.Linear(64, 48), "int8").bfloat16()
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert not f.streams(layer, x) and f.int8_kernel(layer, x)
+        got = f.project(layer, x, "reduce").reshape(1, -1).double()
+        want, mags = exact(x.reshape(1, -1), layer.weight, layer.weight_scale.view(-1))
+        want = want + layer.bias.double()
+        assert ((got - want).abs() <= 3 * 2 ** -8 * (mags + layer.bias.double().abs())).all()  # bf16 roundings
+
+
+def test_bad_input_is_refused_in_one_sentence():
+    w = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"weight 0 must be int8 \[out, 32\]"):
+        g.int8_gemv(torch.randn(1, 32), [w], [torch.ones(8)])
+    with pytest.raises(RuntimeError, match=r"scale 1 must be Float \[8\]"):
+        g.int8_gemv(torch.randn(1, 64), [w, w], [torch.ones(8), torch.ones(4)])
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        g.int8_gemv(torch.randn(1, 64).half(), [w], [torch.ones(8)])
