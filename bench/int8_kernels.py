@@ -15,7 +15,12 @@ same process, alternating, with medians. The ways timed (`--ways`):
 - `reduce_i32_split`: the same, with the activations split by byte position first, so the loop is four
   contiguous products over the int32 columns;
 - `reduce_i32_blocks`: the int8 weight stored interleaved (byte i of int32 column k is column i * in/4 + k),
-  so each unpacked byte position multiplies a contiguous quarter of the activations, with no copy.
+  so each unpacked byte position multiplies a contiguous quarter of the activations, with no copy;
+- `stream`: the CPU backend's streaming kernel for a decode row (`backends/cpu/int8_gemv.py`).
+
+`--copies N` gives `aten`, `aten_bf16`, `stream`, `dense` and `reduce_bf16` N copies of the weight, each call
+the next one, so that with N large enough (N x the weight's bytes well past the last-level cache) they read
+from memory, as in a decode step, not from cache.
 
 Each (shape, rows, dtype, threads) case times every way `--rounds` times in turn (A B C A B C ...), each
 a median of `--calls` calls, and reports the medians and the ratios to `aten`. Prints JSON, with
@@ -39,6 +44,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import pressure  # noqa: E402
 from reference import report as write_report  # noqa: E402
+
+from staticformers.backends.cpu import int8_gemv  # noqa: E402
 
 # the reference's projections (41m): q/o, k/v, gate/up, down, and the tied head
 SHAPES = {"q_o": (512, 512), "k_v": (256, 512), "gate_up": (1536, 512), "down": (512, 1536), "head": (32000, 512)}
@@ -89,7 +96,18 @@ def reduce_dense(w, x):
     return (w.float().unsqueeze(1) * x.reshape(1, -1, x.shape[-1]).float()).sum(-1).t().to(x.dtype)
 
 
-def ways_for(shape, rows, dtype, wanted):
+def rotating(items: list):
+    """A function returning the next of `items` at each call (one weight copy after another)."""
+    state = {"i": -1}
+
+    def next_item():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+
+    return next_item
+
+
+def ways_for(shape, rows, dtype, wanted, copies: int = 1):
     out_f, in_f = shape
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(out_f, in_f, generator=gen) * 0.05
@@ -100,17 +118,22 @@ def ways_for(shape, rows, dtype, wanted):
     s_dt, s_bf = scale.to(dtype), scale.to(torch.bfloat16)
     dense_bf = dense.to(torch.bfloat16)
     packed = q.view(torch.int32)
+    qs, denses = rotating([q] + [q.clone() for _ in range(copies - 1)]), rotating([dense] + [dense.clone() for _ in
+                                                                                          range(copies - 1)])
     ways = {
-        "aten": lambda: torch._weight_int8pack_mm(x, q, s_dt.view(-1)),
-        "aten_bf16": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s_bf.view(-1)).to(dtype),
+        "aten": lambda: torch._weight_int8pack_mm(x, qs(), s_dt.view(-1)),
+        "aten_bf16": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), qs(), s_bf.view(-1)).to(dtype),
         "generic": lambda: F.linear(x, q.to(dtype)) * s_dt.view(-1),
-        "dense": lambda: F.linear(x, dense),
+        "dense": lambda: F.linear(x, denses()),
     }
+    if int8_gemv.supports(x, s_dt):
+        ways["stream"] = lambda: int8_gemv.int8_gemv(x, [qs()], [s_dt.view(-1)])[0]
     if rows <= 8:
         c_bf = torch.compile(reduce_dense, fullgraph=True, dynamic=False)
+        dense_bfs = rotating([dense_bf] + [dense_bf.clone() for _ in range(copies - 1)])
         c_i8 = torch.compile(reduce_i8, fullgraph=True, dynamic=False)
         c_i32 = torch.compile(reduce_i32, fullgraph=True, dynamic=False)
-        ways["reduce_bf16"] = lambda: c_bf(dense_bf, x)
+        ways["reduce_bf16"] = lambda: c_bf(dense_bfs(), x)
         ways["reduce_i8"] = lambda: c_i8(q, s_dt, x)
         ways["reduce_i32"] = lambda: c_i32(packed, s_dt, x)
         c_i32s = torch.compile(reduce_i32_split, fullgraph=True, dynamic=False)
@@ -142,7 +165,8 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--ways", nargs="+",
                     default=["aten", "aten_bf16", "generic", "dense", "reduce_bf16", "reduce_i8", "reduce_i32",
-                             "reduce_i32_split", "reduce_i32_blocks"])
+                             "reduce_i32_split", "reduce_i32_blocks", "stream"])
+    ap.add_argument("--copies", type=int, default=1, help="weight copies, one call each in turn (past the cache: memory)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -154,7 +178,7 @@ def main(argv=None):
             dtype = getattr(torch, dtype_name)
             for rows in args.rows:
                 for shape_name in args.shapes:
-                    ways, errors = ways_for(SHAPES[shape_name], rows, dtype, args.ways)
+                    ways, errors = ways_for(SHAPES[shape_name], rows, dtype, args.ways, args.copies)
                     for fn in ways.values():  # warm: compile, pack, caches
                         fn(), fn()
                     times = {k: [] for k in ways}
@@ -162,7 +186,7 @@ def main(argv=None):
                         for k, fn in ways.items():
                             times[k].append(time_calls(fn, args.calls))
                     ms = {k: round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
-                    case = {"threads": threads, "dtype": dtype_name, "rows": rows, "shape": shape_name,
+                    case = {"threads": threads, "dtype": dtype_name, "rows": rows, "shape": shape_name, "copies": args.copies,
                             "out_in": SHAPES[shape_name], "ms": ms,
                             "vs_aten": {k: round(v / ms["aten"], 3) for k, v in ms.items()} if "aten" in ms else None,
                             "max_rel_error": {k: float(f"{v:.2e}") for k, v in errors.items()},
