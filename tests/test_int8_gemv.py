@@ -137,3 +137,21 @@ def test_bad_input_is_refused_in_one_sentence():
         g.int8_gemv(torch.randn(1, 64), [w, w], [torch.ones(8), torch.ones(4)])
     with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
         g.int8_gemv(torch.randn(1, 64).half(), [w], [torch.ones(8)])
+
+
+def test_a_fresh_process_calling_the_operator_first_loads_its_kernel():
+    """A graph saved by another process calls the operator before anything asked `supports`: the fallback
+    kernel loads the C++ one, which then takes the calls."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from staticformers.backends.cpu import int8_gemv as g\n"
+            "assert 'loaded' not in g._STATE\n"
+            "w = torch.randint(-127, 128, (8, 64), dtype=torch.int8); x = torch.randn(1, 64); s = torch.rand(8)\n"
+            "y = torch.ops.staticformers.int8_gemv(x, [w], [s])[0]\n"
+            "assert g._STATE['loaded']\n"
+            "assert torch.allclose(y, (x.double() @ w.double().t() * s.double()).float(), rtol=1e-5, atol=1e-5)\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

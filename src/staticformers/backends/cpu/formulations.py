@@ -97,7 +97,7 @@ def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
 
 def streamed_together(layers: tuple, x: torch.Tensor) -> bool:
     """Whether `int8_linears` computes these projections of `x` in one call of the streaming kernel: each
-    one an int8 layer it would stream alone, their scales of one dtype, at most `int8_gemv.GROUP` of them."""
+    one an int8 layer it would stream alone, their scales of one dtype."""
     return (all(isinstance(layer, QuantLinear) and int8_kernel(layer, x) and streams(layer, x) for layer in layers)
             and int8_gemv_supports(x, *(layer.weight_scale for layer in layers)))
 
@@ -106,7 +106,8 @@ def int8_linears(layers: tuple, x: torch.Tensor) -> tuple:
     """`tuple(int8_linear(layer, x) for layer in layers)` in one call of the streaming kernel (check
     `streamed_together` first): a decode step's q, k and v, or its gate and up, cost one call, not three."""
     lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    ys = int8_gemv(rows, [layer.weight for layer in layers], [layer.weight_scale.view(-1) for layer in layers])
+    # the scales as stored (`[out, 1]`): the kernel reads `out` values, and a view would cost a call per scale
+    ys = int8_gemv(rows, [layer.weight for layer in layers], [layer.weight_scale for layer in layers])
     out = []
     for layer, y in zip(layers, ys):
         if layer.bias is not None:

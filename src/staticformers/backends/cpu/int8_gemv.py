@@ -26,6 +26,8 @@ import warnings
 
 import torch
 
+from .operators import define
+
 OP = "staticformers::int8_gemv"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_gemv.cpp")
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
@@ -79,35 +81,41 @@ def supports(x: torch.Tensor, *scales: torch.Tensor) -> bool:
 
 
 def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
-    """The operator's kernel until the C++ one is loaded (a graph traced in another process calls it first):
-    load it, then call it. Where it cannot load, one clear error."""
+    """The operator's kernel for every dispatch key without its own: on the CPU until the C++ kernel is
+    loaded (a graph traced in another process calls it first), which this loads, then calls. Anything else
+    gets one clear error."""
+    if x.device.type != "cpu":
+        raise RuntimeError(f"staticformers::int8_gemv runs on the CPU only, and got activations on {x.device}; "
+                           "int8 projections on other devices run their backend's own form.")
     if not loaded():
         raise RuntimeError("staticformers::int8_gemv was called on a machine where its kernel cannot be built "
                            "(see the warning above); recompile the graph here, where ATen's kernel is chosen.")
-    return torch.ops.staticformers.int8_gemv(x, weights, scales)
+    if getattr(_CALLING, "again", False):  # loaded, yet dispatch came back here: the kernel did not register
+        raise RuntimeError("staticformers::int8_gemv's CPU kernel was built but did not register; "
+                           "clear inductor's cache folder and run again.")
+    _CALLING.again = True
+    try:
+        return torch.ops.staticformers.int8_gemv(x, weights, scales)
+    finally:
+        _CALLING.again = False
 
 
-def _define() -> None:
-    global _LIBRARY
-    if hasattr(torch.ops.staticformers, "int8_gemv"):  # another copy of this package defined it
-        return
-    _LIBRARY = torch.library.Library("staticformers", "FRAGMENT")
-    _LIBRARY.define("int8_gemv(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]")
-    # a kernel for every backend key without its own: the C++ CPU kernel, once registered, takes precedence
-    _LIBRARY.impl("int8_gemv", _first_call, "CompositeExplicitAutograd")
-
-    @torch.library.register_fake(OP)
-    def _shape(x, weights, scales):
-        return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+_CALLING = threading.local()
 
 
-_LIBRARY = None
-_define()
+def _shape(x, weights, scales):
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
+# a kernel for every backend key without its own: the C++ CPU kernel, once registered, takes precedence
+define("int8_gemv", "(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]", _first_call,
+       "CompositeExplicitAutograd", _shape)
 
 
 def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:
     """`[x @ w.T * s for w, s in zip(weights, scales)]` in one call, for `x` `[rows, in]` (bfloat16 or
-    float32), int8 weights `[out_i, in]` and their scales `[out_i]` (bfloat16 or float32, all of one dtype),
+    float32), int8 weights `[out_i, in]` and their scales, `out_i` values each (`[out_i]` or `[out_i, 1]`;
+    bfloat16 or float32, all of one dtype),
     each summed in float32 and returned in `x`'s dtype. Check `supports` first."""
     return torch.ops.staticformers.int8_gemv(x, list(weights), list(scales))
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .operators import define
+
 OP = "staticformers::int8_linear_bf16"
 
 
@@ -22,21 +24,11 @@ def _int8_linear_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return y.to(x.dtype)
 
 
-def _define() -> None:
-    global _LIBRARY
-    if hasattr(torch.ops.staticformers, "int8_linear_bf16"):  # another copy of this package defined it
-        return
-    _LIBRARY = torch.library.Library("staticformers", "FRAGMENT")
-    _LIBRARY.define("int8_linear_bf16(Tensor x, Tensor weight, Tensor scale) -> Tensor")
-    _LIBRARY.impl("int8_linear_bf16", _int8_linear_bf16, "CPU")
-
-    @torch.library.register_fake(OP)
-    def _shape(x, weight, scale):
-        return x.new_empty((x.shape[0], weight.shape[0]))
+def _shape(x, weight, scale):
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-_LIBRARY = None
-_define()
+define("int8_linear_bf16", "(Tensor x, Tensor weight, Tensor scale) -> Tensor", _int8_linear_bf16, "CPU", _shape)
 
 
 def int8_linear_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .operators import define
+
 OP = "staticformers::onednn_linear"
 
 
@@ -27,25 +29,18 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias, "none", [], "")
 
 
+def _shape(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _define() -> bool:
     """Define the operator (once, at import) when this PyTorch has oneDNN's linear; whether it did."""
-    global _LIBRARY
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
-    if hasattr(torch.ops.staticformers, "onednn_linear"):  # another copy of this package defined it
-        return True
-    _LIBRARY = torch.library.Library("staticformers", "DEF")
-    _LIBRARY.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    _LIBRARY.impl("onednn_linear", _onednn_linear, "CPU")
-
-    @torch.library.register_fake(OP)
-    def _shape(x, weight, bias):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
+    define("onednn_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _onednn_linear, "CPU", _shape)
     return True
 
 
-_LIBRARY = None
 ONEDNN = _define()  # a plain flag: read inside traced code
 
 

@@ -1,0 +1,32 @@
+"""Defining the CPU backend's own operators (`staticformers::...`), which compiled graphs call whole.
+
+Why this exists: each of the CPU's kernels that inductor cannot generate (oneDNN's float32 GEMM, ATen's int8
+kernel in bf16, the streaming int8 kernel) is one opaque operator with a shape function for tracing, defined
+once per process even when two copies of this package are imported. `define` is that step, written once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+_LIBRARIES: list = []  # the torch.library.Library objects: an operator lives as long as its library
+
+
+def define(name: str, schema: str, kernel: Callable, key: str, shape: Callable,
+           namespace: str = "staticformers") -> Optional[torch.library.Library]:
+    """Define `namespace::name` with `schema` (the part after the name), `kernel` for dispatch key `key` and
+    `shape` as its shape function, unless it is defined already (another copy of this package did it); the
+    library, or None when it was there."""
+    if hasattr(getattr(torch.ops, namespace), name):
+        return None
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(f"{name}{schema}")
+    library.impl(name, kernel, key)
+    torch.library.register_fake(f"{namespace}::{name}")(shape)
+    _LIBRARIES.append(library)
+    return library
+
+
+__all__ = ["define"]
