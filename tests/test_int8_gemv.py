@@ -12,9 +12,14 @@ from staticformers.backends.cpu import formulations as f
 from staticformers.backends.cpu import int8_gemv as g
 from staticformers.models.quantization import QuantLinear
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not g.loaded(), reason="the int8 kernel cannot be built here (no C++ compiler, or no "
-                                                        "AVX2/AVX-512 for inductor)")]
+pytestmark = pytest.mark.usefixtures("one_thread", "kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Built (or read from inductor's cache) when a test of this file runs, not when it is collected."""
+    if not g.loaded():
+        pytest.skip("the int8 kernel cannot be built here (no C++ compiler, or no AVX2/AVX-512 for inductor)")
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +63,27 @@ def test_a_non_contiguous_input_is_read_as_its_values():
     check(g.int8_gemv(x, [w.t().contiguous().t()], [s])[0], x, w, s)
 
 
+def test_the_threads_split_the_rows_of_a_group_and_sum_them_as_one_thread_does():
+    """Past the size that wakes the other threads, each thread takes a range of the group's rows (one starting
+    inside the second weight): the sums are the one-thread sums, bit for bit."""
+    torch.manual_seed(2)
+    ws = [torch.randint(-127, 128, (n, 256), dtype=torch.int8) for n in (300, 200)]
+    ss = [torch.rand(w.shape[0]) * 0.01 for w in ws]
+    x = torch.randn(2, 256)
+    alone = g.int8_gemv(x, ws, ss)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        split = g.int8_gemv(x, ws, ss)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split):
+        assert torch.equal(a, b)
+
+
 def test_one_decode_row_runs_the_kernel_and_a_few_rows_atens():
-    """A float32 layer's one row through the kernel is float32-exact (no bf16 rounding, which ATen's kernel in
-    bf16 makes for a few float32 rows)."""
+    """A float32 layer's one row through the kernel is float32-exact; a few rows run ATen's kernel in bf16,
+    within bf16's rounding of the activations, scales and result (3 * 2**-9 of the terms' magnitudes)."""
     torch.manual_seed(0)
     layer = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True), "int8")
     one, few = torch.randn(1, 1, 64), torch.randn(2, 1, 64)
@@ -72,6 +95,10 @@ def test_one_decode_row_runs_the_kernel_and_a_few_rows_atens():
             want = layer(one)
             _, mags = exact(one.reshape(1, 64), layer.weight, layer.weight_scale.view(-1))
             assert ((got - want).abs().reshape(1, -1) <= 64 * 2 ** -24 * mags.float() + 1e-6).all()
+        got, want = f.project(layer, few), layer(few)
+        _, mags = exact(few.reshape(2, 64), layer.weight, layer.weight_scale.view(-1))
+        err = (got - want).abs().reshape(2, -1)
+        assert (err <= 3 * 2 ** -9 * mags.float() + 1e-5).all() and float(err.max()) > 1e-6  # bf16 did round
 
 
 def test_q_k_v_and_gate_up_are_one_call_and_mixed_groups_are_not(monkeypatch):

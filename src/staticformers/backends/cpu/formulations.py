@@ -43,8 +43,8 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
-    An int8 layer (`QuantLinear`) at inference runs ATen's weight-only int8 kernel (`int8_linear`) up to
-    `INT8_KERNEL_MAX_ROWS` rows whatever `how` says; past them (a prompt), or with a gradient wanted, it
+    An int8 layer (`QuantLinear`) at inference runs an int8 kernel (`int8_linear`: the streaming kernel for
+    one row, ATen's up to `INT8_KERNEL_MAX_ROWS` rows) whatever `how` says; past them (a prompt), or with a gradient wanted, it
     reduces over its int8 values (`"reduce"`) or runs its generic form (the weight widened, then the GEMM:
     oneDNN's for `"onednn"`).
 

@@ -84,8 +84,9 @@ def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
     """The operator's kernel for every dispatch key without its own: on the CPU until the C++ kernel is
     loaded (a graph traced in another process calls it first), which this loads, then calls. Anything else
     gets one clear error."""
-    if x.device.type != "cpu":
-        raise RuntimeError(f"staticformers::int8_gemv runs on the CPU only, and got activations on {x.device}; "
+    devices = {t.device.type for t in (x, *weights, *scales)}
+    if devices != {"cpu"}:
+        raise RuntimeError(f"staticformers::int8_gemv runs on the CPU only, and got tensors on {sorted(devices)}; "
                            "int8 projections on other devices run their backend's own form.")
     if not loaded():
         raise RuntimeError("staticformers::int8_gemv was called on a machine where its kernel cannot be built "

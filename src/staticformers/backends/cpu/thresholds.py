@@ -33,8 +33,8 @@ TABLE = {
         "the query block of causal bf16 attention (`attend_blocks`); at least two blocks of queries take it"),
     "int8_kernel_max_rows": Threshold(
         16, "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
-        "up to this many rows (batch x positions) an int8 projection runs ATen's int8 kernel (in bf16 for "
-        "float32 activations); past it, a prompt's, the int8 weight widened to the activations' dtype, then "
+        "up to this many rows (batch x positions) an int8 projection runs an int8 kernel (one row: the streaming "
+        "kernel, `int8_gemv_max_rows`; more: ATen's, in bf16 for float32 activations); past it, a prompt's, the int8 weight widened to the activations' dtype, then "
         "the GEMM, which beat the kernel from 32 rows in bf16"),
     "int8_gemv_max_rows": Threshold(
         1, "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
