@@ -32,6 +32,8 @@ a median of `--calls` calls, and reports the medians and the ratios to `aten`. P
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import statistics
@@ -96,15 +98,9 @@ def reduce_dense(w, x):
     return (w.float().unsqueeze(1) * x.reshape(1, -1, x.shape[-1]).float()).sum(-1).t().to(x.dtype)
 
 
-def rotating(items: list):
-    """A function returning the next of `items` at each call (one weight copy after another)."""
-    state = {"i": -1}
-
-    def next_item():
-        state["i"] = (state["i"] + 1) % len(items)
-        return items[state["i"]]
-
-    return next_item
+def rotating(t: torch.Tensor, copies: int):
+    """A function returning, at each call, the next of `copies` copies of `t` (`t` itself first)."""
+    return functools.partial(next, itertools.cycle([t] + [t.clone() for _ in range(copies - 1)]))
 
 
 def ways_for(shape, rows, dtype, wanted, copies: int = 1):
@@ -118,8 +114,7 @@ def ways_for(shape, rows, dtype, wanted, copies: int = 1):
     s_dt, s_bf = scale.to(dtype), scale.to(torch.bfloat16)
     dense_bf = dense.to(torch.bfloat16)
     packed = q.view(torch.int32)
-    qs, denses = rotating([q] + [q.clone() for _ in range(copies - 1)]), rotating([dense] + [dense.clone() for _ in
-                                                                                          range(copies - 1)])
+    qs, denses = rotating(q, copies), rotating(dense, copies)
     ways = {
         "aten": lambda: torch._weight_int8pack_mm(x, qs(), s_dt.view(-1)),
         "aten_bf16": lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), qs(), s_bf.view(-1)).to(dtype),
@@ -130,7 +125,7 @@ def ways_for(shape, rows, dtype, wanted, copies: int = 1):
         ways["stream"] = lambda: int8_gemv.int8_gemv(x, [qs()], [s_dt.view(-1)])[0]
     if rows <= 8:
         c_bf = torch.compile(reduce_dense, fullgraph=True, dynamic=False)
-        dense_bfs = rotating([dense_bf] + [dense_bf.clone() for _ in range(copies - 1)])
+        dense_bfs = rotating(dense_bf, copies)
         c_i8 = torch.compile(reduce_i8, fullgraph=True, dynamic=False)
         c_i32 = torch.compile(reduce_i32, fullgraph=True, dynamic=False)
         ways["reduce_bf16"] = lambda: c_bf(dense_bfs(), x)
@@ -166,7 +161,8 @@ def main(argv=None):
     ap.add_argument("--ways", nargs="+",
                     default=["aten", "aten_bf16", "generic", "dense", "reduce_bf16", "reduce_i8", "reduce_i32",
                              "reduce_i32_split", "reduce_i32_blocks", "stream"])
-    ap.add_argument("--copies", type=int, default=1, help="weight copies, one call each in turn (past the cache: memory)")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="weight copies, one call each in turn (past the cache: from memory)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -186,8 +182,8 @@ def main(argv=None):
                         for k, fn in ways.items():
                             times[k].append(time_calls(fn, args.calls))
                     ms = {k: round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
-                    case = {"threads": threads, "dtype": dtype_name, "rows": rows, "shape": shape_name, "copies": args.copies,
-                            "out_in": SHAPES[shape_name], "ms": ms,
+                    case = {"threads": threads, "dtype": dtype_name, "rows": rows, "shape": shape_name,
+                            "copies": args.copies, "out_in": SHAPES[shape_name], "ms": ms,
                             "vs_aten": {k: round(v / ms["aten"], 3) for k, v in ms.items()} if "aten" in ms else None,
                             "max_rel_error": {k: float(f"{v:.2e}") for k, v in errors.items()},
                             "pressure_after": pressure()}

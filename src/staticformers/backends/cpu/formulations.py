@@ -44,8 +44,8 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     as a float32 multiply-and-sum over the weight rows (`"reduce"`).
 
     An int8 layer (`QuantLinear`) at inference runs an int8 kernel (`int8_linear`: the streaming kernel for
-    one row, ATen's up to `INT8_KERNEL_MAX_ROWS` rows) whatever `how` says; past them (a prompt), or with a gradient wanted, it
-    reduces over its int8 values (`"reduce"`) or runs its generic form (the weight widened, then the GEMM:
+    one row, ATen's up to `INT8_KERNEL_MAX_ROWS` rows) whatever `how` says; past them (a prompt), or with a
+    gradient wanted, it reduces over its int8 values (`"reduce"`) or runs its generic form (the weight widened, then the GEMM:
     oneDNN's for `"onednn"`).
 
     The reduction puts the weight's rows outermost (`[out, tokens]`, then transposed back), so the
@@ -80,12 +80,16 @@ def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
     kernels have no backward), and no forward hook on the layer (tensor parallel's hooks lay out its input
     and output around `layer(x)`, which a kernel would skip). ATen's kernel wants the scales in the
     activations' dtype; the streaming kernel (`int8_gemv`) takes bf16 or float32 scales with either."""
-    if (layer.kind != "int8" or hooked(layer) or x.numel() > INT8_KERNEL_MAX_ROWS * x.shape[-1]
-            or (torch.is_grad_enabled() and x.requires_grad)):
+    if not kernel_may_run(layer, x):
         return False
-    if streams(layer, x):
-        return True
-    return x.dtype in (torch.bfloat16, torch.float32, torch.float16) and layer.weight_scale.dtype == x.dtype
+    return streams(layer, x) or (x.dtype in (torch.bfloat16, torch.float32, torch.float16)
+                                 and layer.weight_scale.dtype == x.dtype)
+
+
+def kernel_may_run(layer: nn.Module, x: torch.Tensor) -> bool:
+    """What every int8 kernel needs of the layer and the call (see `int8_kernel`), dtypes aside."""
+    return (isinstance(layer, QuantLinear) and layer.kind == "int8" and not hooked(layer)
+            and x.numel() <= INT8_KERNEL_MAX_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
@@ -98,7 +102,7 @@ def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
 def streamed_together(layers: tuple, x: torch.Tensor) -> bool:
     """Whether `int8_linears` computes these projections of `x` in one call of the streaming kernel: each
     one an int8 layer it would stream alone, their scales of one dtype."""
-    return (all(isinstance(layer, QuantLinear) and int8_kernel(layer, x) and streams(layer, x) for layer in layers)
+    return (x.numel() <= INT8_GEMV_MAX_ROWS * x.shape[-1] and all(kernel_may_run(layer, x) for layer in layers)
             and int8_gemv_supports(x, *(layer.weight_scale for layer in layers)))
 
 
@@ -130,9 +134,9 @@ def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
       reference's projections (`bench/int8_kernels.py`; BENCHMARKS.md, weight-only int8). The cost is
       bf16's rounding of the activations, the scales and the result: each output within about 3 * 2**-9 of
       the sum of its terms' magnitudes, the size of the int8 rounding of the weights themselves."""
-    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     if streams(layer, x):
         return int8_linears((layer,), x)[0]
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     if x.dtype == torch.float32:  # one opaque operator: the casts and the kernel (`int8_kernel.py`)
         y = int8_linear_bf16(rows, layer.weight, layer.weight_scale.view(-1))
     else:

@@ -34,6 +34,7 @@ DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales
 
 _STATE: dict = {}  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
 _LOCK = threading.Lock()
+_CALLING = threading.local()  # `again`: this thread is inside `_first_call`'s re-dispatch
 
 
 def _build() -> None:
@@ -101,9 +102,6 @@ def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
         _CALLING.again = False
 
 
-_CALLING = threading.local()
-
-
 def _shape(x, weights, scales):
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
@@ -116,8 +114,8 @@ define("int8_gemv", "(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]",
 def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:
     """`[x @ w.T * s for w, s in zip(weights, scales)]` in one call, for `x` `[rows, in]` (bfloat16 or
     float32), int8 weights `[out_i, in]` and their scales, `out_i` values each (`[out_i]` or `[out_i, 1]`;
-    bfloat16 or float32, all of one dtype),
-    each summed in float32 and returned in `x`'s dtype. Check `supports` first."""
+    bfloat16 or float32, all of one dtype), each summed in float32 and returned in `x`'s dtype. Check
+    `supports` first."""
     return torch.ops.staticformers.int8_gemv(x, list(weights), list(scales))
 
 

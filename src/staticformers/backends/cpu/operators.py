@@ -7,7 +7,7 @@ once per process even when two copies of this package are imported. `define` is 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -15,18 +15,16 @@ _LIBRARIES: list = []  # the torch.library.Library objects: an operator lives as
 
 
 def define(name: str, schema: str, kernel: Callable, key: str, shape: Callable,
-           namespace: str = "staticformers") -> Optional[torch.library.Library]:
+           namespace: str = "staticformers") -> None:
     """Define `namespace::name` with `schema` (the part after the name), `kernel` for dispatch key `key` and
-    `shape` as its shape function, unless it is defined already (another copy of this package did it); the
-    library, or None when it was there."""
+    `shape` as its shape function, unless it is defined already (another copy of this package did it)."""
     if hasattr(getattr(torch.ops, namespace), name):
-        return None
+        return
     library = torch.library.Library(namespace, "FRAGMENT")
     library.define(f"{name}{schema}")
     library.impl(name, kernel, key)
     torch.library.register_fake(f"{namespace}::{name}")(shape)
     _LIBRARIES.append(library)
-    return library
 
 
 __all__ = ["define"]

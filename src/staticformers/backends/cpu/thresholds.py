@@ -34,8 +34,8 @@ TABLE = {
     "int8_kernel_max_rows": Threshold(
         16, "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
         "up to this many rows (batch x positions) an int8 projection runs an int8 kernel (one row: the streaming "
-        "kernel, `int8_gemv_max_rows`; more: ATen's, in bf16 for float32 activations); past it, a prompt's, the int8 weight widened to the activations' dtype, then "
-        "the GEMM, which beat the kernel from 32 rows in bf16"),
+        "kernel, `int8_gemv_max_rows`; more: ATen's, in bf16 for float32 activations); past it, a prompt's, the "
+        "int8 weight widened to the activations' dtype, then the GEMM, which beat the kernel from 32 rows in bf16"),
     "int8_gemv_max_rows": Threshold(
         1, "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
         "up to this many rows an int8 projection runs the streaming kernel (`int8_gemv.py`); past it, ATen's "
