@@ -32,10 +32,11 @@ FAMILIES = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
-    # Gemma 2: soft-capping on (a small attention cap so it bites), a window of 4 on its sliding layers
-    # (0 and 2), query_pre_attn_scalar unlike head_dim, untied
+    # Gemma 2: soft-capping on (weights 5x the default scale and small caps, so that both bite), a window of 4
+    # on its sliding layers (0 and 2), query_pre_attn_scalar unlike head_dim, untied
     "gemma2": ("Gemma2Config", dict(head_dim=16, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24,
-                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=False)),
+                                    initializer_range=0.1, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
+                                    tie_word_embeddings=False)),
     # Gemma 3 (text): sliding layers 0, 1, 3 (window 5, RoPE base 10000), full layer 2 (base 1e6 with linear
     # scaling), q/k norm, tied
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, num_hidden_layers=4, sliding_window=5, query_pre_attn_scalar=32,

@@ -47,7 +47,8 @@ def read(d: dict, fam, source: str, rope: Callable) -> dict:
     if checks.boolean(d.get("use_bidirectional_attention"), "use_bidirectional_attention", source):
         raise ConfigError(f"{source}: use_bidirectional_attention=true makes a {fam.architecture} an encoder "
                           f"(embedding models), which this causal decoder does not run: set it to false.")
-    scalar = checks.positive_number(d.get("query_pre_attn_scalar"), "query_pre_attn_scalar", source)
+    scalar = d.get("query_pre_attn_scalar")
+    checks.positive_number(scalar, "query_pre_attn_scalar", source)  # kept as written: transformers wants an int
     out = {
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": _cap(d.get("attn_logit_softcapping"), "attn_logit_softcapping", source),
