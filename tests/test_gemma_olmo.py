@@ -227,3 +227,59 @@ def test_lora_on_gemma3_equals_peft_both_ways(tiny_checkpoints, tmp_path):
     loaded = peft.PeftModel.from_pretrained(build_hf_model("gemma3"), str(tmp_path / "ours")).eval()
     with torch.no_grad():
         tol.assert_close(loaded(ids).logits, ours(ids).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# served, int8, and the CPU's attention formulations with a soft cap
+# ---------------------------------------------------------------------------------------------
+def test_an_int8_gemma2_is_served_with_its_own_greedy_tokens(tmp_path):
+    """Gemma 2 (soft caps, windows) quantized to int8 and served through the plan's compiled steps: the
+    openai client's completion equals the model's own greedy tokens."""
+    openai = pytest.importorskip("openai")
+    from staticformers import AutoTokenizer, QuantizationConfig
+    from staticformers.models.quantization import QuantLinear
+    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
+    from tiny import save_served
+
+    folder = save_served("gemma2", tmp_path, positions=128)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=QuantizationConfig("int8_weight_only"))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2)
+    server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+        ids = tok("Hello there, this is a longer prompt")["input_ids"]
+        reply = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                              compile_config=CompileConfig(backend="eager"))[0, len(ids):].tolist()
+        if tok.eos_token_id in want:
+            want = want[:want.index(tok.eos_token_id)]
+        assert reply.choices[0].text == tok.decode(want)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_the_cpus_attention_formulations_apply_the_soft_cap(queries):
+    """Fused reductions (one query), grouped matmuls and the plain path equal transformers' eager
+    attention with soft-capped scores, over a padded, windowed mask."""
+    from staticformers.backends.cpu.formulations import CPUOps
+    from staticformers.models.ops import Ops
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) * 3 for h, n in ((4, queries), (2, 9), (2, 9)))
+    pos = torch.arange(9 - queries, 9).view(1, 1, queries, 1)
+    keys = torch.arange(9).view(1, 1, 1, 9)
+    mask = ((keys <= pos) & (pos - keys < 4)).expand(2, 1, queries, 9).clone()
+    mask[1, ..., :2] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    additive = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    want = eager_attention_forward(module, q, k, v, additive, scaling=0.25, softcap=1.5)[0].transpose(1, 2)
+    for ops in (Ops(), CPUOps("reduce"), CPUOps("matmul"), CPUOps()):
+        tol.assert_close(ops.attention(q, k, v, mask, 0.25, softcap=1.5), want)
+    uncapped = Ops().attention(q, k, v, mask, 0.25)
+    assert (uncapped - want).abs().max() > 1e-2
