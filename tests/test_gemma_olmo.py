@@ -150,6 +150,7 @@ def test_what_we_save_transformers_loads_with_the_same_logits(tiny_checkpoints, 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = _ids(batch=2)
     tol.assert_close(_logits(ours, ids), _logits(theirs, ids))
+    assert ours.config.num_parameters == ours.num_parameters() == theirs.num_parameters()
     expected = hf_config(family)
     for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
                 "final_logit_softcapping", "hidden_activation", "rope_parameters", "tie_word_embeddings",
