@@ -1,8 +1,14 @@
-"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral, and its output type.
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3 and OLMo 2,
+and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
 embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
-(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Module and parameter names mirror
+(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Gemma and OLMo 2 add flags of
+their family row: the norm's flavour (`norm_variants.py`) and where the norms sit (`DecoderLayer.placement`:
+before attention and MLP, also after each, or after each only), q/k norm over the whole projection,
+embeddings scaled by sqrt(hidden), GELU-tanh, `query_pre_attn_scalar`, soft caps on attention scores
+(through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
+layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own). Module and parameter names mirror
 transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
 Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by
 `checkpoint_names.py`).
