@@ -284,3 +284,36 @@ def test_the_cpus_attention_formulations_apply_the_soft_cap(queries):
         tol.assert_close(ops.attention(q, k, v, mask, 0.25, softcap=1.5), want)
     uncapped = Ops().attention(q, k, v, mask, 0.25)
     assert (uncapped - want).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_regional_compiled_training_equals_eager(tiny_checkpoints, tmp_path, monkeypatch, family):
+    """The Trainer's layer and head regions (aot_eager: forward and backward graphs), with gradient
+    checkpointing and packed rows, train the same weights as eager: one region per layer kind (Gemma 2's
+    windowed and full layers; Gemma 3's sliding layers with their RoPE and its full layer) and the head."""
+    from staticformers import Trainer, TrainingArguments
+    from staticformers.training import step_functions as compiled
+
+    g = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
+            for n in torch.randint(3, 30, (24,), generator=g)]
+    runs = {}
+    for name in ("eager", "regional"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family))
+        if name == "regional":
+            monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (True, compiled.PLAIN))
+        args = TrainingArguments(output_dir=str(tmp_path / name), max_length=32, per_device_train_batch_size=4,
+                                 max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                                 learning_rate=1e-3, seed=0, packing=True, gradient_checkpointing=name == "regional",
+                                 torch_compile=name == "regional",
+                                 torch_compile_backend="aot_eager" if name == "regional" else None)
+        trainer = Trainer(model=model, args=args, train_dataset=docs)
+        trainer.train()
+        runs[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if name == "regional":
+            assert trainer.compile_stats()["train_graphs"] == 3
+    for k in runs["eager"]:
+        torch.testing.assert_close(runs["regional"][k], runs["eager"][k], rtol=1e-4, atol=1e-5)
