@@ -194,6 +194,15 @@ def test_bad_gemma_keys_get_one_sentence(change, words):
         ModelConfig.from_dict(raw)
 
 
+def test_tanh_gelu_is_refused_for_experts():
+    raw = {"architectures": ["MixtralForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu_pytorch_tanh"}
+    with pytest.raises(ConfigError, match="MixtralForCausalLM's experts compute SiLU only"):
+        ModelConfig.from_dict(raw)
+    llama = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})  # a dense MLP takes either
+    assert llama.hidden_act == "gelu_pytorch_tanh" and llama.to_dict()["hidden_act"] == "gelu_pytorch_tanh"
+
+
 def test_tensor_parallel_olmo2_is_refused():
     from staticformers.distributed.distributed_config import DistributedConfig, DistributedConfigError
 

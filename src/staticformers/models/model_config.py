@@ -323,6 +323,8 @@ class ModelConfig:
         act = checks.string(d.get(fam.act_key, "silu"), fam.act_key, source)
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: {fam.act_key}={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}.")
+        if fam.mlp == "moe" and act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: {fam.act_key}={act!r}: {arch}'s experts compute SiLU only: use \"silu\".")
         dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             architecture=arch,
