@@ -8,10 +8,11 @@ their family row: the norm's flavour (`norm_variants.py`) and where the norms si
 before attention and MLP, also after each, or after each only), q/k norm over the whole projection,
 embeddings scaled by sqrt(hidden), GELU-tanh, `query_pre_attn_scalar`, soft caps on attention scores
 (through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
-layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own). Module and parameter names mirror
-transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
-Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by
-`checkpoint_names.py`).
+layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
+
+Module and parameter names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`,
+`mlp.experts.gate_up_proj`), so a dense Hugging Face state dict loads with no renaming and ours saves
+back (the Hub's per-expert names are mapped by `checkpoint_names.py`).
 
 This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
 no compile calls, no loading or generation. What callers may change comes in through two arguments:
@@ -172,7 +173,8 @@ def local_rope_config(config: ModelConfig) -> ModelConfig:
     """`config` with the sliding layers' RoPE (`config.rope_local`) as its own: what their tables are built from."""
     local = dict(config.rope_local)
     theta = local.pop("rope_theta")
-    return dataclasses.replace(config, rope_theta=theta, rope_scaling=None if local.get("rope_type") == "default" else local)
+    scaling = None if local.get("rope_type") == "default" else local
+    return dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling)
 
 
 class RotaryEmbedding(nn.Module):
