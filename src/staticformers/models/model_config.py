@@ -1,13 +1,14 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
-The families (Qwen3, Llama, Qwen2, Mistral, Gemma 2, Gemma 3 (text), OLMo 2, and the mixtures of experts
-Qwen3-MoE and Mixtral) are one decoder with different flags: q/k RMSNorm, which projections carry a
-bias, the RoPE variant, tied embeddings, sliding-window attention, the norms' flavour and placement,
-and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all layers route each token
-to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint names (`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`).
-A family is a row of this table, not a copy of the model. This module is the only place that knows
-which family sets which flag, and which defaults each family's `config.json` leaves out (Qwen3
-without `head_dim` means 128, not hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's
+The families (Qwen3, Llama, Qwen2, Mistral, Gemma 2, Gemma 3 (text), OLMo 2, and the mixtures of
+experts Qwen3-MoE and Mixtral) are one decoder with different flags: q/k RMSNorm, which projections
+carry a bias, the RoPE variant, tied embeddings, sliding-window attention, the norms' flavour and
+placement, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all layers route
+each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint names
+(`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`). A family is a row
+of this table, not a copy of the model. This module is the only place that knows which family sets
+which flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim`
+means 128, not hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's
 (`query_pre_attn_scalar`, soft caps, the sliding layers' RoPE) by `config_gemma.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
