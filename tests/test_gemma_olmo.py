@@ -242,6 +242,7 @@ def test_lora_on_gemma3_equals_peft_both_ways(tiny_checkpoints, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # served, int8, and the CPU's attention formulations with a soft cap
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_an_int8_gemma2_is_served_with_its_own_greedy_tokens(tmp_path):
     """Gemma 2 (soft caps, windows) quantized to int8 and served through the plan's compiled steps: the
     openai client's completion equals the model's own greedy tokens."""
@@ -298,6 +299,7 @@ def test_the_cpus_attention_formulations_apply_the_soft_cap(queries):
 # ---------------------------------------------------------------------------------------------
 # training
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_regional_compiled_training_equals_eager(tiny_checkpoints, tmp_path, monkeypatch, family="gemma3"):
     """The Trainer's layer and head regions (aot_eager: forward and backward graphs), with gradient
     checkpointing and packed rows, train the same weights as eager: one region per layer kind (Gemma 3's
@@ -331,6 +333,7 @@ def test_regional_compiled_training_equals_eager(tiny_checkpoints, tmp_path, mon
 # ---------------------------------------------------------------------------------------------
 # chunked prefill
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_a_long_prompt_in_chunks_gives_transformers_tokens(tiny_checkpoints, family):
     """70 tokens against a largest prompt bucket of 16: the rest runs in chunks of the extend step (its
