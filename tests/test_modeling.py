@@ -71,7 +71,7 @@ def test_bf16_logits_close(family, tiny_checkpoints):
     torch.testing.assert_close(a[valid], b[valid], rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama-tied", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "llama-tied", "qwen2", "mistral", "gemma2", "gemma3", "olmo2"])
 def test_loss_matches_transformers(family, tiny_checkpoints):
     path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
@@ -84,8 +84,9 @@ def test_loss_matches_transformers(family, tiny_checkpoints):
     assert float(a) == pytest.approx(float(b), rel=tol.FP32_REORDERED)  # a loss near ln(128) = 4.85
 
 
-def test_loss_gradients_match_transformers(tiny_checkpoints):
-    path = tiny_checkpoints("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "olmo2"])
+def test_loss_gradients_match_transformers(tiny_checkpoints, family):
+    path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
     ids, _ = _inputs(left_pad=False)
     ours(input_ids=ids, labels=ids).loss.backward()

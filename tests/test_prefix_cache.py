@@ -93,7 +93,7 @@ def test_a_small_pool_evicts_the_least_recently_used_blocks_and_stays_correct(ti
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mistral-window", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen3-moe", "gemma2"])
 def test_window_and_moe_families_give_the_tokens_of_no_caching(tiny_checkpoints, family):
     """Sliding-window (window 5: every block here is older than the window, still usable: the
     cache keeps every position) and mixture-of-experts families, greedy and seeded."""

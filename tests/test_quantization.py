@@ -47,7 +47,7 @@ def check_within_int8_bound(before: dict, model) -> int:
     return checked
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3-moe", "mixtral", "gemma3", "olmo2"])
 def test_every_family_quantizes_within_the_int8_bound(tiny_checkpoints, family):
     path = tiny_checkpoints(family)
     ref = AutoModelForCausalLM.from_pretrained(path)

@@ -32,7 +32,24 @@ FAMILIES = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # Gemma 2: soft-capping on (weights 5x the default scale and small caps, so that both bite), a window of 4
+    # on its sliding layers (0 and 2), query_pre_attn_scalar unlike head_dim, untied
+    "gemma2": ("Gemma2Config", dict(head_dim=16, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=24,
+                                    initializer_range=0.1, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
+                                    tie_word_embeddings=False)),
+    # Gemma 3 (text): sliding layers 0, 1, 3 (window 5, RoPE base 10000), full layer 2 (base 1e6 with linear
+    # scaling), q/k norm, tied
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, num_hidden_layers=4, sliding_window=5, query_pre_attn_scalar=32,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                                     "sliding_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 1000000.0}})),
+    # OLMo 2: post-norms only, q/k norm over the whole projection, q/k/v/o biases
+    "olmo2": ("Olmo2Config", dict(attention_bias=True, eos_token_id=2)),
 }
+GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
 MOE_FAMILIES = ("qwen3-moe", "mixtral")
 
 

@@ -213,6 +213,11 @@ class DistributedConfig:
         tp = self.tp_size
         if tp == 1:
             return
+        family = getattr(config, "family", None)
+        if getattr(family, "qk_norm_over", "head") == "projection":
+            raise DistributedConfigError(
+                f"{config.architecture} normalises q and k over the whole projection, which tp_size={tp} would "
+                f"split across ranks (each rank's norm would see only its heads): use tp_size=1 with fsdp_size.")
         problems = []
         widths = ("intermediate_size",) if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)) else ()
         for name in ("num_attention_heads", "num_key_value_heads", *widths):

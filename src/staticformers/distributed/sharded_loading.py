@@ -84,7 +84,7 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         model.tie_weights()  # to_empty swaps unsharded parameters one module at a time, untying them
     read_sharded(model, files, layout)
-    model.model.rotary_emb.reset_parameters(device)
+    model.model.reset_rope(device)
     return model
 
 

@@ -1,11 +1,18 @@
-"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral, and its output type.
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3 and OLMo 2,
+and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
 embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
-(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Module and parameter names mirror
-transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
-Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by
-`checkpoint_names.py`).
+(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Gemma and OLMo 2 add flags of
+their family row: the norm's flavour (`norm_variants.py`) and where the norms sit (`DecoderLayer.placement`:
+before attention and MLP, also after each, or after each only), q/k norm over the whole projection,
+embeddings scaled by sqrt(hidden), GELU-tanh, `query_pre_attn_scalar`, soft caps on attention scores
+(through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
+layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
+
+Module and parameter names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`,
+`mlp.experts.gate_up_proj`), so a dense Hugging Face state dict loads with no renaming and ours saves
+back (the Hub's per-expert names are mapped by `checkpoint_names.py`).
 
 This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
 no compile calls, no loading or generation. What callers may change comes in through two arguments:
@@ -36,6 +43,7 @@ the model collects them, returns them and its load-balancing loss (`aux_loss`, a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -47,6 +55,7 @@ from torch import nn
 from .model_config import ModelConfig
 from .hooks import global_hooks, hooked
 from .moe import Experts, SparseMoeBlock, load_balancing_loss
+from .norm_variants import NORM_CLASSES, embedding_scale, make_norm, softcap
 from .ops import PLAIN, Ops
 
 if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
@@ -160,6 +169,14 @@ def rope_attention_factor(config: ModelConfig) -> float:
     return mscale(factor)
 
 
+def local_rope_config(config: ModelConfig) -> ModelConfig:
+    """`config` with the sliding layers' RoPE (`config.rope_local`) as its own: what their tables are built from."""
+    local = dict(config.rope_local)
+    theta = local.pop("rope_theta")
+    scaling = None if local.get("rope_type") == "default" else local
+    return dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for given positions; `inv_freq` is a non-persistent buffer rebuilt after meta init."""
 
@@ -247,15 +264,20 @@ class Attention(nn.Module):
         h, hd = config.hidden_size, config.head_dim
         self.layer_idx = layer_idx
         self.head_dim = hd
-        self.scale = hd ** -0.5
+        self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
+        self.softcap = config.attention_softcap
         self.window = config.layer_window(layer_idx)
         self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=config.o_bias)
+        # q/k norm per head (Qwen3, Gemma 3), or over the whole projection before the heads split (OLMo 2)
+        self.qk_norm_whole = config.family.qk_norm_over == "projection"
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            q_dim, k_dim = ((config.num_attention_heads * hd, config.num_key_value_heads * hd) if self.qk_norm_whole
+                            else (hd, hd))
+            self.q_norm = make_norm(config.family.norm, q_dim, config.rms_norm_eps, RMSNorm)
+            self.k_norm = make_norm(config.family.norm, k_dim, config.rms_norm_eps, RMSNorm)
         else:
             self.q_norm = self.k_norm = None
 
@@ -269,8 +291,10 @@ class Attention(nn.Module):
         """The projected keys and values `[b, s, kv_heads * head_dim]` as attention reads them: `[b, kv_heads,
         s, head_dim]`, the keys normalised and rotated."""
         b, s, _ = k.shape
+        if self.k_norm is not None and self.qk_norm_whole:
+            k = self.k_norm(k)
         k, v = k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.qk_norm_whole:
             k = self.k_norm(k)
         return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
@@ -290,11 +314,13 @@ class Attention(nn.Module):
             x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
             q = ops.linear(self.q_proj, x)
         b, s, _ = q.shape
+        if self.q_norm is not None and self.qk_norm_whole:
+            q = self.q_norm(q)
         q = q.view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        out = ops.attention(q, k, v, mask, self.scale)
+        out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap)
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -305,31 +331,49 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.tanh_gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma; otherwise SiLU
 
     def forward(self, x, ops: Ops = PLAIN):
         gate, up = ops.linear_group((self.gate_proj, self.up_proj), x)
-        return ops.linear(self.down_proj, F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return ops.linear(self.down_proj, act * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        fam, h, eps = config.family, config.hidden_size, config.rms_norm_eps
+        self.placement = fam.norm_placement  # "pre", "sandwich" (Gemma) or "post" (OLMo 2)
+        # the norms each placement has, by transformers' names (post_attention_layernorm: before the MLP
+        # for "pre", after attention otherwise)
+        self.input_layernorm = make_norm(fam.norm, h, eps, RMSNorm) if self.placement != "post" else None
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         self.sparse = config.layer_is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
+        self.rope = rope_key(config, layer_idx)
 
     @property
     def kind(self) -> tuple:
         """What makes two layers run the same code: the attention window and the MLP kind (layers of one
-        kind share a compiled layer region)."""
-        return (self.self_attn.window, "moe" if self.sparse else "dense")
+        kind share a compiled layer region), and, where sliding layers rotate with their own RoPE (Gemma 3),
+        which RoPE."""
+        kind = (self.self_attn.window, "moe" if self.sparse else "dense")
+        return kind if self.rope is None else kind + (self.rope,)
+
+    def attention_input(self, x):
+        """What attention reads: the normalised input (no norm before attention for OLMo 2)."""
+        return x if self.input_layernorm is None else self.input_layernorm(x)
 
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
         writes into a cache), without the rest of the layer."""
-        return self.self_attn.keys_values(self.input_layernorm(x), cos, sin, ops)
+        cos, sin = rope_tables(cos, sin, self.rope)
+        return self.self_attn.keys_values(self.attention_input(x), cos, sin, ops)
 
     def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
                 keep: Optional[Keep] = None, routed: bool = False):
@@ -337,15 +381,40 @@ class DecoderLayer(nn.Module):
         router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
         FSDP's among them, run as for any other call)."""
         mask = masks[self.self_attn.window]
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
+        cos, sin = rope_tables(cos, sin, self.rope)
+        attn = self.self_attn(self.attention_input(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
+        if self.placement != "pre":
+            attn = self.post_attention_layernorm(attn)
         x = (take(x, keep) if keep is not None else x) + attn
         logits = None
-        if self.sparse:
-            out, logits = self.mlp(self.post_attention_layernorm(x), ops)
-            x = x + out
+        if self.placement == "pre":
+            h = self.post_attention_layernorm(x)
         else:
-            x = x + self.mlp(self.post_attention_layernorm(x), ops)
+            h = self.pre_feedforward_layernorm(x) if self.placement == "sandwich" else x
+        if self.sparse:
+            out, logits = self.mlp(h, ops)
+        else:
+            out = self.mlp(h, ops)
+        if self.placement != "pre":
+            out = self.post_feedforward_layernorm(out)
+        x = x + out
         return (x, logits) if routed else x
+
+
+def rope_key(config: ModelConfig, layer_idx: int) -> Optional[str]:
+    """Which RoPE tables a layer reads: None where every layer shares one; "local" or "global" where
+    sliding layers have their own (Gemma 3's `rope_local`)."""
+    if config.rope_local is None:
+        return None
+    return "local" if config.layer_window(layer_idx) is not None else "global"
+
+
+def rope_tables(cos, sin, key: Optional[str]):
+    """A layer's cos/sin: the tensors themselves, or its own from the `{key: tensor}` that `prepare` builds
+    for a model with two RoPEs."""
+    if isinstance(cos, dict):
+        return cos[key], sin[key]
+    return cos, sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,8 +483,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.family.norm, config.hidden_size, config.rms_norm_eps, RMSNorm)
         self.rotary_emb = RotaryEmbedding(config)
+        # Gemma 3: the sliding layers' RoPE (its own base and scaling)
+        self.rotary_local = RotaryEmbedding(local_rope_config(config)) if config.rope_local is not None else None
+        self.embed_scale = config.hidden_size ** 0.5 if config.family.scaled_embedding else None
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.gradient_checkpointing = False
 
@@ -423,6 +495,8 @@ class DecoderModel(nn.Module):
         """What every layer takes besides the hidden states: `(x, cos, sin, masks)` (embedded input,
         rotary tables, one mask per sliding window)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embed_scale is not None and inputs_embeds is None:  # as transformers: not given embeddings
+            x = x * embedding_scale(self.embed_scale, x.dtype)
         b, s = x.shape[:2]
         segments = q_positions = None
         if position_ids is None:
@@ -436,6 +510,9 @@ class DecoderModel(nn.Module):
         kv_len = kv_cache.max_length if kv_cache is not None else s
         masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, q_positions, segments)
         cos, sin = self.rotary_emb(rope_positions, x.dtype)
+        if self.rotary_local is not None:
+            local_cos, local_sin = self.rotary_local(rope_positions, x.dtype)
+            cos, sin = {"global": cos, "local": local_cos}, {"global": sin, "local": local_sin}
         return x, cos, sin, masks
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None,
@@ -445,6 +522,12 @@ class DecoderModel(nn.Module):
         x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds)
         return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops,
                                          router_logits=router_logits))
+
+    def reset_rope(self, device: Optional[torch.device] = None) -> None:
+        """Recompute every RoPE's frequencies (on `device`, else where they are): a meta-built model's last step."""
+        self.rotary_emb.reset_parameters(device)
+        if self.rotary_local is not None:
+            self.rotary_local.reset_parameters(device)
 
     def effective_keep(self, keep: Optional[Keep], seq: int) -> Optional[Keep]:
         """`keep` as `run_layers` applies it: None when it keeps every position, or while forward hooks
@@ -550,10 +633,12 @@ class CausalLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, NORM_CLASSES):
+                module.reset_parameters()
             elif isinstance(module, Experts):
                 module.reset_parameters(std)
         self.tie_weights()
-        self.model.rotary_emb.reset_parameters()
+        self.model.reset_rope()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -648,7 +733,7 @@ class CausalLM(nn.Module):
         `router_logits` (the sparse layers' own, in layer order), the load-balancing loss, added to the
         loss times `router_aux_loss_coef` (a 2-D `attention_mask` keeps padding out of its statistics;
         with `num_items_in_batch` it is this batch's share of a summed loss, `moe.load_balancing_loss`)."""
-        logits = ops.head(self.lm_head, hidden)
+        logits = softcap(ops.head(self.lm_head, hidden), self.config.final_logit_softcapping)
         loss = aux = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)

@@ -1,13 +1,15 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
-The families (Qwen3, Llama, Qwen2, Mistral, and the mixtures of experts Qwen3-MoE and Mixtral) are one
-decoder with different flags: q/k RMSNorm, which projections carry a bias, the RoPE variant, tied
-embeddings, sliding-window attention, and the MLP kind each family declares (`mlp`: "dense", or "moe":
-some or all layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with
-its checkpoint names (`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`).
-A family is a row of this table, not a copy of the model. This module is the only place that knows
-which family sets which flag, and which defaults each family's `config.json` leaves out (Qwen3
-without `head_dim` means 128, not hidden/heads); the MoE keys are read by `config_moe.py`.
+The families (Qwen3, Llama, Qwen2, Mistral, Gemma 2, Gemma 3 (text), OLMo 2, and the mixtures of
+experts Qwen3-MoE and Mixtral) are one decoder with different flags: q/k RMSNorm, which projections
+carry a bias, the RoPE variant, tied embeddings, sliding-window attention, the norms' flavour and
+placement, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all layers route
+each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint names
+(`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`). A family is a row
+of this table, not a copy of the model. This module is the only place that knows which family sets
+which flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim`
+means 128, not hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's
+(`query_pre_attn_scalar`, soft caps, the sliding layers' RoPE) by `config_gemma.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -25,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from . import config_checks as checks
-from . import config_moe
+from . import config_gemma, config_moe
 from ..checkpoints.names import MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
 from .config_checks import ConfigError
 
@@ -56,6 +58,18 @@ class Family:
     routing_weights_fp32: bool = False  # routing weights stay float32 when they scale the experts (Mixtral)
     biases: bool = True  # attention_bias may add biases (False: Mixtral's projections never have one)
     sliding_needs_flag: bool = False  # sliding_window applies only with use_sliding_window (Qwen2, Qwen3, Qwen3-MoE)
+    # Gemma 2 / Gemma 3 / OLMo 2 (`norm_variants.py`, `config_gemma.py`)
+    norm: str = "rms"  # "rms" (Llama's), "offset" (Gemma: 1 + w, in float32), "float_weight" (OLMo 2: w in float32)
+    norm_placement: str = "pre"  # "pre": norms before attention and MLP; "sandwich": also after each (Gemma);
+    #                              "post": after each only (OLMo 2)
+    qk_norm_over: str = "head"  # q/k norm per head ("head") or over the whole projection ("projection", OLMo 2)
+    scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    act_key: str = "hidden_act"  # the config.json key of the MLP's activation (Gemma: hidden_activation)
+    gemma_keys: bool = False  # query_pre_attn_scalar, soft-capping (`config_gemma.py`)
+    attn_softcap: bool = False  # attn_logit_softcapping applies to attention scores (Gemma 2, not Gemma 3)
+    per_type_rope: bool = False  # sliding layers rotate with their own RoPE (Gemma 3: rope_local_base_freq)
+    sliding_pattern: Optional[int] = None  # layer_types when the file has none: every n-th layer full (Gemma)
+    sliding_pattern_key: Optional[str] = None  # the config.json key that overrides `sliding_pattern`
 
 
 FAMILIES: dict[str, Family] = {
@@ -97,9 +111,36 @@ FAMILIES: dict[str, Family] = {
         mlp="moe", expert_names=MIXTRAL_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
         always_norm_topk=True, routing_weights_fp32=True, biases=False,
     ),
+    "Gemma2ForCausalLM": Family(
+        "Gemma2ForCausalLM", "gemma2", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=256, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+                  "pad_token_id": 0, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                  "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+                  "attn_logit_softcapping": 50.0},
+        norm="offset", norm_placement="sandwich", scaled_embedding=True, act_key="hidden_activation",
+        gemma_keys=True, attn_softcap=True, sliding_pattern=2,
+    ),
+    "Gemma3ForCausalLM": Family(
+        "Gemma3ForCausalLM", "gemma3_text", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=256, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+                  "pad_token_id": 0, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                  "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1000000.0,
+                  "rope_local_base_freq": 10000.0},
+        norm="offset", norm_placement="sandwich", scaled_embedding=True, act_key="hidden_activation",
+        gemma_keys=True, per_type_rope=True, sliding_pattern=6, sliding_pattern_key="sliding_window_pattern",
+    ),
+    "Olmo2ForCausalLM": Family(
+        "Olmo2ForCausalLM", "olmo2", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1, "eos_token_id": 50279},
+        norm="float_weight", norm_placement="post", qk_norm_over="projection",
+    ),
 }
 
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 # keys this module turns into fields; everything else is kept in `extra` and written back unchanged
 _HANDLED = {
@@ -108,6 +149,7 @@ _HANDLED = {
     "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
     "hidden_act", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype",
     "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", *config_moe.HANDLED,
+    *config_gemma.HANDLED,
 }
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -169,6 +211,11 @@ class ModelConfig:
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
+    # Gemma (config_gemma.py): None where the family has no such key
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    rope_local: Optional[dict] = None  # the sliding layers' RoPE (rope_type, rope_theta, ...) when it differs
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -183,6 +230,11 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family.qk_norm
+
+    @property
+    def attention_softcap(self) -> Optional[float]:
+        """The soft cap on attention scores (Gemma 2), or None."""
+        return self.attn_logit_softcapping if self.family.attn_softcap else None
 
     @property
     def qkv_bias(self) -> bool:
@@ -219,11 +271,13 @@ class ModelConfig:
         h, i, v, hd = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         attn = h * q + 2 * h * kv + q * h
-        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
+        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        attn += ((q + kv) if self.family.qk_norm_over == "projection" else 2 * hd) * self.qk_norm
+        norms = {"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] * h
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * (attn + 2 * h) + mlps + h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * (attn + norms) + mlps + h
 
     # ---- reading ---------------------------------------------------------------------------------
     @classmethod
@@ -265,9 +319,13 @@ class ModelConfig:
             if layer_types is None and sliding is not None:
                 mwl = max_window_layers if max_window_layers is not None else 28
                 layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
-        act = checks.string(d.get("hidden_act", "silu"), "hidden_act", source)
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"{source}: hidden_act={act!r} is not supported; these families use \"silu\".")
+        if layer_types is None:
+            layer_types = config_gemma.default_layer_types(fam, d, layers, source)
+        act = checks.string(d.get(fam.act_key, "silu"), fam.act_key, source)
+        if act not in ACTIVATIONS:
+            raise ConfigError(f"{source}: {fam.act_key}={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}.")
+        if fam.mlp == "moe" and act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: {fam.act_key}={act!r}: {arch}'s experts compute SiLU only: use \"silu\".")
         dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             architecture=arch,
@@ -295,6 +353,7 @@ class ModelConfig:
             eos_token_id=checks.token_ids(d.get("eos_token_id"), "eos_token_id", source, vocab, allow_list=True),
             pad_token_id=checks.token_ids(d.get("pad_token_id"), "pad_token_id", source, vocab, allow_list=False),
             **config_moe.read(d, raw, fam, layers, source),
+            **config_gemma.read(d, fam, source, _rope),
             extra={k: copy.deepcopy(v) for k, v in raw.items() if k not in _HANDLED},
         )
 
@@ -351,6 +410,7 @@ class ModelConfig:
         elif self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
         out.update(config_moe.write(self))
+        config_gemma.write(self, out)
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)
         out.update(copy.deepcopy(self.extra))

@@ -8,7 +8,8 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
 - `ops.linear(layer, x)` for every projection inside a decoder layer, and `ops.linear_group(layers, x)` for
   projections of one input (q, k and v; gate and up), which a backend may compute in one call,
 - `ops.head(layer, x)` for the `lm_head`,
-- `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
+- `ops.attention(q, k, v, mask, scale, softcap=None)` for scaled dot-product attention with grouped KV heads
+  (`softcap`: Gemma 2's `tanh(s / c) * c` on the scores, which SDPA cannot apply: `capped_attention`),
 - `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
 
 and never asks which device it runs on. A quantized projection (`quantization.QuantLinear`: int8 or fp8
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm_variants import softcap as cap_scores
 from .quantized_values import widen
 
 
@@ -37,6 +39,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                     softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager attention computes it (SDPA has no cap): the
+    scores in q's dtype, `tanh(s / softcap) * softcap`, the mask, softmax in float32 cast back to q's dtype,
+    then the values. `mask` as `sdpa`'s (None: causal self-attention)."""
+    b, h, s, d = q.shape
+    kvh, kv_len = k.shape[1], k.shape[2]
+    qg = q.reshape(b, kvh, (h // kvh) * s, d)  # the query heads grouped per KV head
+    scores = cap_scores(torch.matmul(qg, k.transpose(-1, -2)) * scale, softcap).view(b, kvh, h // kvh, s, kv_len)
+    if mask is None:
+        mask = torch.ones(s, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - s)[None, None]
+    scores = scores.masked_fill(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs.view(b, kvh, -1, kv_len), v).view(b, h, s, d)
 
 
 def expert_product(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -71,7 +89,10 @@ class Ops:
         return layer(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  scale: float) -> torch.Tensor:
+                  scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+        """SDPA; with `softcap`, the manual `capped_attention`."""
+        if softcap is not None:
+            return capped_attention(q, k, v, mask, scale, softcap)
         return sdpa(q, k, v, mask, scale)
 
     def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,

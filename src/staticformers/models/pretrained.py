@@ -292,7 +292,7 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
     for name, value in stacked.items():
         _set_tensor(model, name, value)
     model.tie_weights()
-    model.model.rotary_emb.reset_parameters(device)
+    model.model.reset_rope(device)
 
 
 def _names(names: list[str], limit: int = 8) -> str:

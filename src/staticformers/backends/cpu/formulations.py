@@ -31,7 +31,8 @@ from torch import nn
 from ...adapters.lora import LoraLinear
 from ...models.decoder import causal_rows
 from ...models.hooks import hooked
-from ...models.ops import Ops, expert_product, sdpa
+from ...models.norm_variants import softcap as cap_scores
+from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
 from .int8_gemv import int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
@@ -165,14 +166,16 @@ def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                  softcap: Optional[float] = None) -> torch.Tensor:
     """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
     grouped per KV head, which inductor fuses into loops reading each cached key and value once
-    (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`."""
+    (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`;
+    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2)."""
     b, h, s, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, 1, d).float()
-    scores = (qg * k.unsqueeze(2).float()).sum(-1) * scale  # [b, kvh, g, L]
+    scores = cap_scores((qg * k.unsqueeze(2).float()).sum(-1) * scale, softcap)  # [b, kvh, g, L]
     if mask is not None:
         scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -180,13 +183,15 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     return out.reshape(b, h, s, d).to(v.dtype)
 
 
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head."""
+def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                   softcap: Optional[float] = None) -> torch.Tensor:
+    """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head;
+    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2)."""
     b, h, s, d = q.shape
     kvh, kv_len = k.shape[1], k.shape[2]
     g = h // kvh
     qg = q.reshape(b, kvh, g * s, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale
+    scores = cap_scores(torch.matmul(qg, k.transpose(-1, -2)).float() * scale, softcap)
     if mask is None:
         mask = causal_rows(s, kv_len, q.device)
     mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
@@ -271,11 +276,15 @@ class CPUOps(Ops):
             y = y * s.transpose(-1, -2).float()
         return y.to(x.dtype)
 
-    def attention(self, q, k, v, mask, scale):
+    def attention(self, q, k, v, mask, scale, softcap=None):
+        """With `softcap` (Gemma 2), the formulations that compute their scores themselves: fused reductions
+        for one query per row, grouped matmuls, or (None) the plain path's `capped_attention`."""
         if self.attention_kind == "reduce" and q.shape[2] == 1:
-            return attend_decode(q, k, v, mask, scale)
+            return attend_decode(q, k, v, mask, scale, softcap)
         if self.attention_kind is not None:
-            return attend_grouped(q, k, v, mask, scale)
+            return attend_grouped(q, k, v, mask, scale, softcap)
+        if softcap is not None:
+            return capped_attention(q, k, v, mask, scale, softcap)
         return attend(q, k, v, mask, scale, self.blocks)
 
 

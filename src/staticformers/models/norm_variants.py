@@ -1,0 +1,79 @@
+"""The RMSNorm flavours of Gemma and OLMo 2, and the soft cap Gemma 2 puts on logits.
+
+The decoder's own `RMSNorm` (`decoder.py`) is Llama's: normalise in float32, cast back, then multiply
+by the weight in the input's dtype. Two families round differently, and in bf16 the difference shows:
+
+- Gemma (2 and 3) stores the weight as an offset from one (zeros at init) and multiplies by `1 + w`
+  in float32 *before* casting back (`OffsetRMSNorm`);
+- OLMo 2 multiplies by `w` in float32 before casting back (`FloatWeightRMSNorm`).
+
+`make_norm(kind, dim, eps)` builds the one a family's `Family.norm` names. `softcap(x, cap)` is
+`tanh(x / cap) * cap`, in `x`'s dtype, as transformers computes Gemma 2's attention scores and final logits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: `x / rms(x) * (1 + w)`, all in float32, then cast to the input's dtype."""
+
+    init_value = 0.0
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class FloatWeightRMSNorm(nn.Module):
+    """OLMo 2's RMSNorm: `x / rms(x) * w` in float32 (the weight promoted), then cast to the input's dtype."""
+
+    init_value = 1.0
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+VARIANTS = {"offset": OffsetRMSNorm, "float_weight": FloatWeightRMSNorm}
+NORM_CLASSES = tuple(VARIANTS.values())
+
+
+def make_norm(kind: str, dim: int, eps: float, plain: type) -> nn.Module:
+    """The norm a family's `Family.norm` names ("rms": `plain`, the decoder's own; "offset"; "float_weight")."""
+    return plain(dim, eps) if kind == "rms" else VARIANTS[kind](dim, eps)
+
+
+def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """`tanh(x / cap) * cap` (Gemma 2's soft cap on attention scores and final logits); `x` when cap is None."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def embedding_scale(scale: float, dtype: torch.dtype) -> float:
+    """`scale` rounded to `dtype`, as transformers multiplies Gemma's embeddings by a tensor of that dtype
+    (sqrt(hidden) is exact in bf16 only for some widths)."""
+    return float(torch.tensor(scale, dtype=torch.float32).to(dtype))
