@@ -9,6 +9,7 @@ the config keys are `gguf_names.py`'s and `gguf_config.py`'s.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional
 
@@ -119,9 +120,19 @@ def _scalar(part, kind, gguf):
     return int(value)
 
 
+@functools.lru_cache(maxsize=2)
+def _opened(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
 def open_gguf(path: str, required_keys: Optional[tuple] = None) -> GGUFFile:
-    """A `GGUFFile`; `required_keys`: metadata keys whose absence is refused in one sentence."""
-    f = GGUFFile(path)
+    """A `GGUFFile`; `required_keys`: metadata keys whose absence is refused in one sentence. The last two
+    files opened are kept (by path, size and modification time): loading a model and then its tokenizer from
+    one file parses its metadata (a vocabulary of strings, slow to read) once."""
+    if not os.path.isfile(path):
+        return GGUFFile(path)  # refused there, in one sentence
+    stat = os.stat(path)
+    f = _opened(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
     for key in required_keys or ():
         if key not in f.metadata:
             raise GGUFError(f"{path} has no {key} key: it is not a complete model GGUF file.")
