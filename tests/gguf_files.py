@@ -95,11 +95,11 @@ def _k_blocks(shape: tuple, kind: str, rng: np.random.Generator) -> np.ndarray:
 
 
 def write_tiny_gguf(path: str, family: str, model, types: dict | None = None, tokenizer: str = "gpt2",
-                    seed: int = 0, **metadata) -> str:
+                    seed: int = 0, extra_tensors: dict | None = None, **metadata) -> str:
     """Write `model` (a tiny transformers model of `family`) as a GGUF file at `path`.
 
     `types`: GGUF tensor-name suffix (e.g. "attn_q.weight", "token_embd.weight") -> ggml type name; the rest
-    is F32. `tokenizer`: "gpt2" or "llama" (its vocabulary must be the model's vocab_size: build the model
+    is F32. `extra_tensors`: GGUF name -> float32 array, written as they are. `tokenizer`: "gpt2" or "llama" (its vocabulary must be the model's vocab_size: build the model
     with `vocab_size=len(tokens)`). `metadata`: extra keys, name -> value, written as they are."""
     arch = ARCH[family]
     cfg = model.config
@@ -171,6 +171,8 @@ def write_tiny_gguf(path: str, family: str, model, types: dict | None = None, to
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    for gname, value in (extra_tensors or {}).items():
+        w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -251,3 +251,14 @@ def test_gguf_with_distributed_config_is_refused_in_one_sentence(files):
     folder, file, _ = files["llama-f32"]
     with pytest.raises(ValueError, match="GGUF file .* distributed_config is not supported"):
         AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, distributed_config=object())
+
+
+def test_llama3_rope_factors_are_named_in_a_warning_and_the_rest_loads(tmp_path, vocab_sizes, caplog):
+    """Llama 3.1+ files carry rope_freqs.weight; transformers' GGUF loader ignores it, and so do we, saying so."""
+    hf = build_hf_model("llama", vocab_size=vocab_sizes["gpt2"])
+    write_tiny_gguf(str(tmp_path / "l3.gguf"), "llama", hf, extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)})
+    with caplog.at_level("WARNING", logger="staticformers"):
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="l3.gguf")
+    assert "rope_freqs.weight" in caplog.text and "plain RoPE" in caplog.text
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert_close(_logits(model, ids), _logits(hf, ids))

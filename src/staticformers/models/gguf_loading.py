@@ -9,6 +9,7 @@ dequantised tensor at a time (`checkpoints/gguf_file.py`, `checkpoints/gguf_name
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Union
 
@@ -22,6 +23,7 @@ from ..checkpoints.hub import resolve_file
 from .decoder import CausalLM
 from .model_config import ModelConfig, parse_dtype
 
+logger = logging.getLogger("staticformers")
 _FLOAT_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -79,6 +81,10 @@ def load_gguf_weights(model: CausalLM, f: GGUFFile, device: torch.device, dtype:
     converted to `dtype` on `device`, after every name and shape is checked."""
     f.check_types()
     layout = _layout(model, f)
+    if "rope_freqs.weight" in f.tensor_names:
+        logger.warning("%s carries rope_freqs.weight (Llama 3.1+'s RoPE scaling), which its metadata does not "
+                       "describe: the model runs plain RoPE, as transformers' GGUF loader does; for the scaled RoPE, "
+                       "load the model's safetensors checkpoint.", os.path.basename(f.path))
     cfg = model.config
     arch = f.architecture
     for name, target in layout.items():
