@@ -138,7 +138,8 @@ def from_pretrained(
     None loads on the CPU, as transformers does. `distributed_config`: partition the model over the
     torchrun job while it loads (`distributed/sharded_loading.py`). `quantization_config`: weight-only int8
     (`QuantizationConfig("int8_weight_only")`, or transformers' `TorchAoConfig` spelling) applied as it loads
-    (`api/quantization.py`); a compressed-tensors checkpoint loads quantized without it.
+    (`api/quantization.py`); a compressed-tensors checkpoint loads quantized without it. `gguf_file`: a
+    GGUF file in the folder or Hub repo (or its path), dequantised to `dtype` (`models/gguf_loading.py`).
     """
     path = os.fspath(pretrained_model_name_or_path)
     if adapter_files.is_adapter_folder(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -149,6 +150,9 @@ def from_pretrained(
     if distributed_config is not None:
         from ..distributed.sharded_loading import load_distributed
 
+        if resolved.gguf is not None:
+            raise ValueError("A GGUF file (gguf_file=) with distributed_config is not supported: load it without "
+                             "distributed_config, save_pretrained it to a folder, and load that folder partitioned.")
         if resolved.quantization is not None and "quantization_config" in resolved.config.extra:
             raise ValueError(f"{path} is quantized already; load it without quantization_config.")
         model = load_distributed(resolved.config, resolved.files, resolved.dtype, distributed_config, device_map,

@@ -313,6 +313,7 @@ class Resolved:
     dtype: torch.dtype
     hub: dict
     quantization: Optional[QuantizationConfig] = None  # asked for at load (`quantization_config=`)
+    gguf: Optional[object] = None  # the opened GGUF file (`gguf_file=`): `checkpoints/gguf_file.GGUFFile`
 
 
 def resolve(
@@ -326,6 +327,7 @@ def resolve(
     config: Optional[ModelConfig] = None,
     torch_dtype: Union[str, torch.dtype, None] = None,
     quantization_config=None,
+    gguf_file: Union[str, os.PathLike, None] = None,
     **kwargs,
 ) -> Resolved:
     """Check the arguments of `from_pretrained` and find the checkpoint's config, files and target dtype.
@@ -343,18 +345,32 @@ def resolve(
         dtype = torch_dtype
     path = os.fspath(pretrained_model_name_or_path)
     hub = _hub_kwargs(revision, cache_dir, local_files_only, token)
+    quantization = as_quantization_config(quantization_config) if quantization_config is not None else None
+    if gguf_file is not None:
+        from .gguf_loading import gguf_dtype, open_model_file, read_config
+
+        f = open_model_file(path, gguf_file, **hub)
+        config = config if config is not None else read_config(f)
+        return Resolved(path, config, [f.path], gguf_dtype(dtype, f), hub, quantization, gguf=f)
     if config is None:
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
     untie_stored_head(config, files)
-    quantization = as_quantization_config(quantization_config) if quantization_config is not None else None
     return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub, quantization)
 
 
 def load_model(resolved: Resolved, device: torch.device, model_class: type = CausalLM) -> CausalLM:
     """A model of `model_class` built on the meta device and filled from the files, in one process; a
     compressed-tensors checkpoint (config.json's `quantization_config`) loads quantized, as stored; with
-    `quantization_config` asked for, the loaded model is quantized (`models/quantization.py`)."""
+    `quantization_config` asked for, the loaded model is quantized (`models/quantization.py`); a GGUF file
+    (`gguf_file=`) loads dequantised (`gguf_loading.py`)."""
+    if resolved.gguf is not None:
+        from .gguf_loading import load_gguf_model
+
+        model = load_gguf_model(resolved.gguf, resolved.config, device, resolved.dtype, model_class)
+        if resolved.quantization is not None:
+            quantize_model(model, resolved.quantization)
+        return model
     with torch.device("meta"):
         model = model_class(resolved.config)
     scheme = scheme_of(resolved.config.extra, os.path.join(resolved.path, "config.json"))

@@ -19,6 +19,7 @@ Design choices:
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -160,13 +161,18 @@ class FastTokenizer:
     def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None, cache_dir: str | None = None,
                         local_files_only: bool = False, token: str | bool | None = None, subfolder: str = "",
                         **overrides: Any) -> "FastTokenizer":
-        """Load from a local folder or a Hub repo id (downloaded, or read from the cache when offline)."""
+        """Load from a local folder or a Hub repo id (downloaded, or read from the cache when offline); with
+        `gguf_file`, from that GGUF file's metadata (a file in the folder or repo, or a path)."""
+        gguf_file = overrides.pop("gguf_file", None)
         unknown = set(overrides) - _FROM_PRETRAINED_OVERRIDES - _IGNORED_FROM_PRETRAINED
         if unknown:
             raise TypeError(
                 f"AutoTokenizer.from_pretrained got unsupported argument(s) {sorted(unknown)}; it accepts "
                 f"{sorted(_FROM_PRETRAINED_OVERRIDES)} as overrides of tokenizer_config.json."
             )
+        if gguf_file is not None:
+            return cls._from_gguf(name_or_path, gguf_file, overrides, revision=revision, cache_dir=cache_dir,
+                                  local_files_only=local_files_only, token=token)
         folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir,
                                 local_files_only=local_files_only, token=token, subfolder=subfolder)
         files = read_folder(folder)
@@ -220,6 +226,42 @@ class FastTokenizer:
         if missing_extra:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing_extra])
 
+        tok = cls(backend, config, special_tokens=special, extra_special_tokens=extra, chat_template=template,
+                  name_or_path=str(name_or_path))
+        tok._check_sides()
+        return tok
+
+    @classmethod
+    def _from_gguf(cls, name_or_path: str | Path, gguf_file: str | os.PathLike, overrides: dict[str, Any],
+                   **hub: Any) -> "FastTokenizer":
+        """`from_pretrained(path, gguf_file=...)`: the tokenizer a GGUF file's metadata describes
+        (`gguf_tokenizer.py`), with the call's overrides applied as for a folder."""
+        from ..checkpoints.gguf_file import open_gguf
+        from ..checkpoints.hub import resolve_file
+        from .gguf_tokenizer import read_gguf_tokenizer
+
+        path = os.fspath(gguf_file)
+        if not os.path.isfile(path):
+            path = resolve_file(os.fspath(name_or_path), path, **hub)
+        parts = read_gguf_tokenizer(open_gguf(path))
+        special, extra, template, config = parts["special_tokens"], parts["extra_special_tokens"], \
+            parts["chat_template"], parts["config"]
+        for key, value in overrides.items():
+            if key in _IGNORED_FROM_PRETRAINED:
+                continue
+            if key in SPECIAL_TOKEN_NAMES:
+                special[key] = None if value is None else str(value)
+            elif key in ("extra_special_tokens", "additional_special_tokens"):
+                extra = [str(v) for v in value]
+            elif key == "chat_template":
+                template = value
+            else:
+                config[key] = value
+        backend = parts["backend"]
+        known = {t.content for t in backend.get_added_tokens_decoder().values()} | set(backend.get_vocab())
+        missing = [t for t in [*special.values(), *extra] if t is not None and t not in known]
+        if missing:
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         tok = cls(backend, config, special_tokens=special, extra_special_tokens=extra, chat_template=template,
                   name_or_path=str(name_or_path))
         tok._check_sides()
