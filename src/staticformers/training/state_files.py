@@ -145,7 +145,7 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
     `names`: the family's checkpoint-name adapter (`checkpoint_names.py`: a mixture of experts' files hold
     one tensor per expert, stacked here); None: the identity."""
     from ..adapters.files import AdapterFileError, read_checkpoint_adapter
-    from ..checkpoints.names import CheckpointNames
+    from ..checkpoints.names import CheckpointNames, file_shapes
     from ..models.pretrained import CheckpointError, open_weights, weight_files
 
     try:
@@ -171,7 +171,7 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
         except CheckpointError as err:
             raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
     layout = names.layout(expected, present)
-    target_names, expected = expected, {hub: piece.shape for hub, piece in layout.items()}
+    target_names, expected = expected, file_shapes(layout)
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         try:
