@@ -32,7 +32,8 @@ import torch
 from ..models.quantization import compute_dtype
 from .files import read_adapter
 from .bank_registry import bank_of, drop_bank, set_bank
-from .lora import BASE, LoraLinear, lora_modules, target_names, wrap
+from . import fused_targets
+from .lora import BASE, LoraLinear, linear_candidates, lora_modules, target_names, wrap
 from .lora_config import LoraConfig
 
 MAX_ROWS = 4096  # the largest batch the rows index holds
@@ -275,9 +276,10 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     rank = max(max_rank or 1, largest)
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)
-    for name, (config, weights) in read.items():
-        bank.put(name, {m: (w["A"], w["B"], config.scaling_for(m)) for m, w in weights.items()},
-                 source=adapters[name])
+    projections = linear_candidates(model)
+    for name, (config, weights) in read.items():  # weights per model module; scales by PEFT's module names
+        bank.put(name, {m: (w["A"], w["B"], config.scaling_for(fused_targets.peft_name(model, m, projections)))
+                        for m, w in weights.items()}, source=adapters[name])
     return bank
 
 
