@@ -97,3 +97,35 @@ def test_split_names_are_refused_on_phi3(tiny_checkpoints):
     assert not lora_modules(model)
     model.add_adapter(LoraConfig(target_modules="all-linear"))
     assert len(lora_modules(model)) == 2 * 7  # every split part adapted
+
+
+def test_phi3_lora_training_checkpoints_resume_exactly(tiny_checkpoints, tmp_path):
+    """The Trainer's checkpoints hold PEFT's fused names; resuming splits them back over the parts (A shared)."""
+    from staticformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    docs = [{"input_ids": torch.randint(3, 128, (16,), generator=g).tolist()} for _ in range(24)]
+
+    def run(out, resume=None):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("phi3"))
+        torch.manual_seed(1)
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["phi3"]))
+        args = TrainingArguments(output_dir=str(out), max_length=16, per_device_train_batch_size=4, max_steps=4,
+                                 logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True,
+                                 learning_rate=1e-2, seed=0, report_to=[])
+        trainer = Trainer(model=model, args=args, train_dataset=docs)
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer
+
+    whole, t1 = run(tmp_path / "whole")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "whole" / "checkpoint-2" / ADAPTER_WEIGHTS), "pt") as f:
+        assert "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight" in set(f.keys())
+    resumed, t2 = run(tmp_path / "again", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    for (n, a), (_, b) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(a, b), n
+    attn = resumed.model.layers[0].self_attn
+    assert attn.q_proj.lora_A["default"] is attn.v_proj.lora_A["default"]
+    assert [h["loss"] for h in t2.state.log_history if "grad_norm" in h] == \
+        [h["loss"] for h in t1.state.log_history if "grad_norm" in h]

@@ -294,10 +294,12 @@ def save_adapter(model, directory: str, adapter_name: Optional[str] = None, tens
     return directory
 
 
-def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optional[dict[str, torch.Tensor]]:
+def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
+                            fused=None) -> Optional[dict[str, torch.Tensor]]:
     """A training checkpoint's adapter as {param name: tensor} for the names in `expected` (one adapter's
-    weights, name -> shape), or None when `directory` holds no adapter. Raises AdapterFileError when the
-    file does not fit."""
+    weights, name -> shape), or None when `directory` holds no adapter. `fused`: the family's
+    `checkpoints.names.FusedNames`, whose fused modules' weights are split over their parts (A to each part
+    that holds its own, B by the parts' rows). Raises AdapterFileError when the file does not fit."""
     file = os.path.join(directory, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         if os.path.isfile(os.path.join(directory, ADAPTER_PICKLE)):
@@ -313,6 +315,16 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optio
     name = adapters.pop()
     out = {}
     for module, parts in weights.items():
+        pieces = _fused_parts(module, fused, name, expected)
+        if pieces:
+            start = 0
+            for piece in pieces:
+                if param_name(piece, "A", name) in expected:
+                    out[param_name(piece, "A", name)] = parts["A"]
+                rows = expected[param_name(piece, "B", name)][0]
+                out[param_name(piece, "B", name)] = parts["B"][start:start + rows]
+                start += rows
+            continue
         for part, value in parts.items():
             out[param_name(module, part, name)] = value
     extra = sorted(set(out) - set(expected))
@@ -325,6 +337,18 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optio
             raise AdapterFileError(f"{file}: {n} has shape {list(t.shape)}, not {list(expected[n])}: the checkpoint "
                                    f"belongs to another adapter or model.")
     return out
+
+
+def _fused_parts(module: str, fused, adapter: str, expected: dict) -> Optional[list[str]]:
+    """The model's parts of PEFT's fused `module` (`fused`: FusedNames) when `expected` holds their B, else None."""
+    m = re.match(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)$", module) if fused is not None else None
+    if m is None or param_name(module, "A", adapter) in expected:
+        return None
+    for name, parts in fused.groups:
+        full = [f"{m['layer']}.{p}" for p in parts]
+        if name == m["module"] and all(param_name(p, "B", adapter) in expected for p in full):
+            return full
+    return None
 
 
 __all__ = ["load_adapter", "save_adapter", "read_adapter", "read_config", "read_weights", "adapter_tensors",

@@ -149,7 +149,7 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
     from ..models.pretrained import CheckpointError, open_weights, weight_files
 
     try:
-        adapter = read_checkpoint_adapter(directory, expected)
+        adapter = read_checkpoint_adapter(directory, expected, getattr(names, "fused", None))
     except AdapterFileError as err:
         raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
     if adapter is not None:
