@@ -46,9 +46,10 @@ def _left_padded(lengths, seed):
 # greedy tokens of mixed batches
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", NEW)
-def test_greedy_mixed_batch_eager_and_compiled_equal_transformers(tiny_checkpoints, family):
-    """A left-padded batch of 5 rows (a bucket of 4, then 1), 16 new tokens: the engine's eager steps and
-    its compiled regions (eager backend) give transformers' greedy tokens; then batch 1."""
+def test_greedy_mixed_batch_compiled_and_batch_1_equal_transformers(tiny_checkpoints, family):
+    """A left-padded batch of 5 rows (a bucket of 4, then 1), 16 new tokens through the engine's compiled
+    regions (Dynamo's eager backend), and one row alone, 24 new tokens through its eager steps: transformers'
+    greedy tokens (test_generation.py runs single prompts of every family at the bucket edges)."""
     path = tiny_checkpoints(family)
     hf, ours = _hf(path), AutoModelForCausalLM.from_pretrained(path)
     engine_for(ours, PLAN)
@@ -56,13 +57,11 @@ def test_greedy_mixed_batch_eager_and_compiled_equal_transformers(tiny_checkpoin
     want = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0,
                        eos_token_id=None)
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(ours.generate(input_ids=ids, disable_compile=True, **kw), want)
     assert torch.equal(ours.generate(input_ids=ids, compile_config=CompileConfig(backend="eager"), **kw), want)
     one = ids[1:2]
     want_one = hf.generate(input_ids=one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=24,
                            pad_token_id=0, eos_token_id=None)
-    got = ours.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None,
-                        compile_config=CompileConfig(backend="eager"))
+    got = ours.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None, disable_compile=True)
     assert torch.equal(got, want_one)
 
 
@@ -179,6 +178,16 @@ def test_bad_phi3_configs_get_one_sentence(change, message):
         ModelConfig.from_dict(raw)
 
 
+def test_phi3_older_rope_type_names_mean_longrope():
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for old in ("su", "yarn"):
+        config = ModelConfig.from_dict(dict(architectures=["Phi3ForCausalLM"], vocab_size=128, hidden_size=64,
+                                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                            max_position_embeddings=512, original_max_position_embeddings=64,
+                                            rope_scaling={"type": old, **factors}))
+        assert config.rope_type == "longrope" and config.rope_scaling["original_max_position_embeddings"] == 64
+
+
 def test_bad_smollm3_and_granite_configs_get_one_sentence():
     base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=512)
@@ -196,3 +205,53 @@ def test_layers_without_rope_are_their_own_kind(tiny_checkpoints):
     kinds = [layer.kind for layer in model.model.layers]
     assert kinds[0] == kinds[2] and kinds[1] == kinds[3] and kinds[0] != kinds[1]
     assert region_name("layer", kinds[1]) == "layer_window6_norope"
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 and the server, on Phi-3 (fused names on disk)
+# ---------------------------------------------------------------------------------------------
+def test_phi3_int8_saves_fused_loads_in_transformers_and_is_served(tmp_path):
+    """int8 weights of the split parts are saved as compressed-tensors' packed `qkv_proj` / `gate_up_proj`
+    (values and per-row scales concatenated), load back bit for bit, and transformers reads them with our
+    logits; the folder is served through the openai client with the engine's tokens."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+
+    from staticformers import AutoTokenizer, TorchAoConfig
+    from staticformers.models.quantization import QuantLinear
+    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
+    from tiny import save_served
+
+    folder = save_served("phi3", tmp_path / "base", positions=128)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=TorchAoConfig("int8_weight_only"))
+    assert isinstance(model.model.layers[0].self_attn.k_proj, QuantLinear)
+    saved = tmp_path / "q"
+    model.save_pretrained(str(saved))
+    tok.save_pretrained(str(saved))
+    with safe_open(str(saved / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.self_attn.qkv_proj.weight_packed", "model.layers.0.self_attn.qkv_proj.weight_scale",
+            "model.layers.0.mlp.gate_up_proj.weight_packed"} <= names
+    assert not any(".q_proj." in n or ".up_proj." in n for n in names)
+    again = AutoModelForCausalLM.from_pretrained(str(saved))
+    mine, theirs = dict(model.named_parameters()), dict(again.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tol.assert_close(_hf(str(saved))(ids).logits, again(ids).logits)
+    opts = ServeOptions(model=str(saved), served_model_name="tiny", backend="eager", max_batch_size=2)
+    server = Server(build_state(again, tok, build_loop(again, opts), opts), grace=2.0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
+        prompt = tok("Hello there")["input_ids"]
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        want = again.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                              compile_config=CompileConfig(backend="eager"))[0, len(prompt):].tolist()
+        if tok.eos_token_id in want:
+            want = want[:want.index(tok.eos_token_id)]
+        assert reply.choices[0].text == tok.decode(want)
+    finally:
+        server.stop()

@@ -83,6 +83,16 @@ def longrope(scaling: dict, d: dict, dim: int, source: str) -> dict:
     return scaling
 
 
+def phi3_rope_type(d: dict) -> dict:
+    """`d` with Phi-3's older RoPE type names ("su", and "yarn", which Phi-3 used for LongRoPE) read as
+    "longrope", as transformers' Phi3Config does."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = d.get(key)
+        if isinstance(value, dict) and value.get("rope_type", value.get("type")) in ("su", "yarn"):
+            d = {**d, key: {**{k: v for k, v in value.items() if k != "type"}, "rope_type": "longrope"}}
+    return d
+
+
 def no_rope_layers(d: dict, layers: int, source: str) -> list:
     """SmolLM3's per-layer switch, 1 = this layer applies RoPE (see the module docstring)."""
     value = d.get("no_rope_layers")
@@ -133,4 +143,4 @@ def write(config) -> dict:
     return out
 
 
-__all__ = ["handled", "read", "write", "longrope", "rotary_dim", "smollm3_layer_types"]
+__all__ = ["handled", "phi3_rope_type", "read", "write", "longrope", "rotary_dim", "smollm3_layer_types"]

@@ -301,6 +301,8 @@ class ModelConfig:
         head_dim = head_dim or fam.default_head_dim or d["hidden_size"] // heads
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim={head_dim} is odd: rotary embeddings need an even head_dim.")
+        if fam.model_type == "phi3":
+            d = config_variants.phi3_rope_type(d)
         theta, scaling = _rope(d, source)
         variants = config_variants.read(d, fam, layers, head_dim, source)
         if scaling is not None and scaling["rope_type"] == "longrope":
