@@ -129,3 +129,42 @@ def test_phi3_lora_training_checkpoints_resume_exactly(tiny_checkpoints, tmp_pat
     assert attn.q_proj.lora_A["default"] is attn.v_proj.lora_A["default"]
     assert [h["loss"] for h in t2.state.log_history if "grad_norm" in h] == \
         [h["loss"] for h in t1.state.log_history if "grad_norm" in h]
+
+
+def test_phi3_adapters_batched_from_files_give_each_row_its_models_tokens(tiny_checkpoints, tmp_path):
+    """The server's path: two PEFT adapters on fused names read into the adapter bank (split over the parts),
+    one batch mixing them and the base: each row's greedy tokens equal its merged model's alone."""
+    from loop_driver import run_loop
+    from staticformers.adapters.bank import bank_for_files
+    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop, GenerationRequest
+
+    path = tiny_checkpoints("phi3")
+    folders = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        pm = peft_adapter("phi3", tmp_path / name, r=4 if name == "a" else 8)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        pm.save_pretrained(str(tmp_path / name))
+        folders[name] = str(tmp_path / name)
+    rows = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(4))
+
+    def solo(adapter, row):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        if adapter is not None:
+            model.load_adapter(folders[adapter])
+            model.merge_and_unload()
+        return model.generate(row[None], max_new_tokens=6, eos_token_id=None, disable_compile=True)[0, 6:].tolist()
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    bank_for_files(model, folders)
+    loop = GenerationLoop(engine_for(model), compile_settings(model, GenerationConfig(disable_compile=True)))
+    names = ["a", None, "b"]
+    got = run_loop(loop, {0: [GenerationRequest(rows[i].tolist(), 6, request_id=i, adapter=names[i])
+                              for i in range(3)]})
+    expected = {i: solo(names[i], rows[i]) for i in range(3)}
+    assert expected[0] != solo(None, rows[0]) and expected[2] != solo(None, rows[2])  # the adapters change tokens
+    assert got == expected

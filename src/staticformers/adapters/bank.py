@@ -262,7 +262,8 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     is changed; it covers the union of their layers and of `target_modules` (a `LoraConfig.target_modules`
     value, e.g. "all-linear": room for adapters loaded later)."""
     read = {name: read_adapter(model, path, **hub) for name, path in adapters.items()}
-    modules = sorted({m for _, weights in read.values() for m in weights}
+    projections = linear_candidates(model)
+    modules = sorted({fused_targets.peft_name(model, m, projections) for _, weights in read.values() for m in weights}
                      | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ()))
     ranks = {name: max(a["A"].shape[0] for a in w.values()) for name, (_, w) in read.items() if w}
     largest = max(ranks.values(), default=1)
@@ -276,7 +277,6 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     rank = max(max_rank or 1, largest)
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)
-    projections = linear_candidates(model)
     for name, (config, weights) in read.items():  # weights per model module; scales by PEFT's module names
         bank.put(name, {m: (w["A"], w["B"], config.scaling_for(fused_targets.peft_name(model, m, projections)))
                         for m, w in weights.items()}, source=adapters[name])
