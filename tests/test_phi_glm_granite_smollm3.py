@@ -111,6 +111,19 @@ def test_longrope_in_the_engine_chooses_by_the_cache_length(tiny_checkpoints):
     assert not torch.allclose(through_cache, short, atol=1e-3)
 
 
+def test_phi3_sliding_window_applies_to_every_layer(tiny_checkpoints):
+    """Phi-3-mini's configs set `sliding_window` (2047), which transformers applies to every layer."""
+    path = tiny_checkpoints("phi3", sliding_window=5)
+    hf, ours = _hf(path), AutoModelForCausalLM.from_pretrained(path)
+    assert all(layer.self_attn.window == 5 for layer in ours.model.layers)
+    ids, mask = _left_padded([12, 8, 3], seed=8)
+    with torch.no_grad():
+        real = mask.bool()
+        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[real],
+                         hf(input_ids=ids, attention_mask=mask).logits[real])
+        tol.assert_close(ours(input_ids=ids[:1]).logits, hf(input_ids=ids[:1]).logits)
+
+
 # ---------------------------------------------------------------------------------------------
 # saving: transformers loads what we write
 # ---------------------------------------------------------------------------------------------
