@@ -197,8 +197,8 @@ def test_refuses_unsupported_architecture(tiny_checkpoints, tmp_path):
 
 
 def test_refuses_unsupported_rope_and_bad_json(tiny_checkpoints, tmp_path):
-    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0})
-    with pytest.raises(ConfigError, match=r"RoPE scaling 'longrope' is not supported"):
+    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0})
+    with pytest.raises(ConfigError, match=r"RoPE scaling 'dynamic' is not supported"):
         AutoModelForCausalLM.from_pretrained(path)
     (path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json is not valid JSON"):

@@ -72,7 +72,8 @@ def test_greedy_with_speculation_is_greedy_without_for_every_family(tiny_checkpo
     each request's tokens equal the loop's without speculation; proposals were made, and the draft's accepted."""
     path = tiny_checkpoints(family)
     model = AutoModelForCausalLM.from_pretrained(path)
-    draft = perturbed(path)
+    # GLM-4's tiny model has nearly flat logits (post-sublayer norms): nudged by 0.2 its draft kept 0 of 31 argmaxes
+    draft = perturbed(path, scale=0.05 if family == "glm4" else 0.2)
     settings = compile_settings(model, EAGER_RUN)
 
     def requests():

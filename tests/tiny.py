@@ -48,6 +48,25 @@ FAMILIES = {
                                                                             "rope_theta": 1000000.0}})),
     # OLMo 2: post-norms only, q/k norm over the whole projection, q/k/v/o biases
     "olmo2": ("Olmo2Config", dict(attention_bias=True, eos_token_id=2)),
+    # fused qkv_proj / gate_up_proj on disk; Phi-4-mini's partial rotary (0.75 of head_dim 16) with LongRoPE short and
+    # long factors (6 each) switching at 64 positions (attention factor from max_position_embeddings / 64)
+    "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "phi4-longrope": ("Phi3Config", dict(num_hidden_layers=3, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         original_max_position_embeddings=64,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.75,
+                                                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                          "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 14.0]})),
+    # GLM-4: interleaved partial RoPE (0.5), q/k/v biases, fused gate_up_proj, norms after attention and MLP
+    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, eos_token_id=[2, 3])),
+    # Granite 3: the four multipliers, biases on attention and MLP
+    "granite": ("GraniteConfig", dict(embedding_multiplier=4.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                                      logits_scaling=3.0, attention_bias=True, mlp_bias=True)),
+    # SmolLM3: layers 1 and 3 without RoPE (sliding over 6 positions there), YaRN on the others
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+                                      sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                                       "original_max_position_embeddings": 64})),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
 MOE_FAMILIES = ("qwen3-moe", "mixtral")

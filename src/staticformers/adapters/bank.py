@@ -32,7 +32,8 @@ import torch
 from ..models.quantization import compute_dtype
 from .files import read_adapter
 from .bank_registry import bank_of, drop_bank, set_bank
-from .lora import BASE, LoraLinear, lora_modules, target_names, wrap
+from . import fused_targets
+from .lora import BASE, LoraLinear, linear_candidates, lora_modules, target_names, wrap
 from .lora_config import LoraConfig
 
 MAX_ROWS = 4096  # the largest batch the rows index holds
@@ -261,7 +262,8 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     is changed; it covers the union of their layers and of `target_modules` (a `LoraConfig.target_modules`
     value, e.g. "all-linear": room for adapters loaded later)."""
     read = {name: read_adapter(model, path, **hub) for name, path in adapters.items()}
-    modules = sorted({m for _, weights in read.values() for m in weights}
+    projections = linear_candidates(model)
+    modules = sorted({fused_targets.peft_name(model, m, projections) for _, weights in read.values() for m in weights}
                      | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ()))
     ranks = {name: max(a["A"].shape[0] for a in w.values()) for name, (_, w) in read.items() if w}
     largest = max(ranks.values(), default=1)
@@ -275,9 +277,9 @@ def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] 
     rank = max(max_rank or 1, largest)
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)
-    for name, (config, weights) in read.items():
-        bank.put(name, {m: (w["A"], w["B"], config.scaling_for(m)) for m, w in weights.items()},
-                 source=adapters[name])
+    for name, (config, weights) in read.items():  # weights per model module; scales by PEFT's module names
+        bank.put(name, {m: (w["A"], w["B"], config.scaling_for(fused_targets.peft_name(model, m, projections)))
+                        for m, w in weights.items()}, source=adapters[name])
     return bank
 
 

@@ -14,7 +14,10 @@ q_proj.lora_A.weight`), and the config as its LoraConfig's fields. Here:
 - loading an adapter under a name the model already holds, with the same modules and ranks, writes
   the new weights into the existing tensors (PEFT's hot-swap): parameter identity and addresses stay,
   so the generation engine's compiled steps keep running (nothing compiles);
-- saving writes the active adapter as PEFT does, each file replaced in one rename.
+- saving writes the active adapter as PEFT does, each file replaced in one rename;
+- a family whose checkpoints fuse projections (Phi-3's `qkv_proj`) has PEFT's fused module in the files
+  and its split parts in the model: A shared, B split by rows on reading, joined on saving
+  (`fused_targets.py`).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch
 
 from .lora_config import AdapterConfigError, LoraConfig
 from .bank_registry import bank_of
-from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules, set_adapter,
-                   target_names, wrap)
+from . import fused_targets
+from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules,
+                   peft_target_names, set_adapter, wrap)
 from ..utils.atomic_files import write_atomic, write_text_atomic
 from ..checkpoints.hub import resolve_file
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError, save_file
@@ -130,9 +134,10 @@ def check_fits(model, config: LoraConfig, weights: dict, source: str) -> None:
     """Every module of `weights` is a projection of `model` that the adapter's config targets, with the
     shapes the config gives it (PEFT refuses a config whose targets the model lacks, and applies no weight
     of a module its config does not target)."""
-    candidates = linear_candidates(model)
+    projections = linear_candidates(model)
+    candidates = fused_targets.candidates(projections, model)  # PEFT's names, as the files spell them
     try:
-        targeted = set(target_names(model, config))
+        targeted = set(peft_target_names(model, config, projections))
     except AdapterConfigError as err:
         raise AdapterFileError(f"{source}: its {ADAPTER_CONFIG} does not fit this model: {err}") from None
     strays = sorted(m for m in weights if m in candidates and m not in targeted)
@@ -141,29 +146,30 @@ def check_fits(model, config: LoraConfig, weights: dict, source: str) -> None:
                                f", which its {ADAPTER_CONFIG} does not target (target_modules="
                                f"{config.target_modules!r}): the config and the weights disagree; fix the config.")
     for module, parts in weights.items():
-        layer = candidates.get(module)
-        if layer is None:
+        features = candidates.get(module)
+        if features is None:
             raise AdapterFileError(f"{source} has weights for {module}, which is not a projection of this model's "
                                    f"decoder layers (staticformers puts adapters on those only): the adapter targets "
                                    f"other modules or was trained on another architecture.")
-        base = layer.base_layer if hasattr(layer, "base_layer") else layer
+        in_features, out_features = features
         r = config.rank_for(module)
         a, b = parts["A"], parts["B"]
-        if tuple(a.shape) != (r, base.in_features) or tuple(b.shape) != (base.out_features, r):
+        if tuple(a.shape) != (r, in_features) or tuple(b.shape) != (out_features, r):
             raise AdapterFileError(
                 f"{source}: {module}'s lora_A is {list(a.shape)} and lora_B {list(b.shape)}, but this model's layer "
-                f"is {base.in_features} -> {base.out_features} with r={r} in {ADAPTER_CONFIG}: the adapter was "
+                f"is {in_features} -> {out_features} with r={r} in {ADAPTER_CONFIG}: the adapter was "
                 f"trained on another model, or its config does not match its weights.")
 
 
 def read_adapter(model, path: str, **hub) -> tuple[LoraConfig, dict]:
-    """The adapter at `path` (folder or Hub id), checked against `model`; nothing is changed."""
+    """The adapter at `path` (folder or Hub id), checked against `model`, its weights per module of the model
+    (a fused module's split, `fused_targets.split`); nothing is changed."""
     path = os.fspath(path)
     config = read_config(path, **hub)
     file = weights_file(path, **hub)
     weights = read_weights(file)
     check_fits(model, config, weights, file)
-    return config, weights
+    return config, fused_targets.split(model, weights, linear_candidates(model))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,14 +203,18 @@ def _install(model, name: str, config: LoraConfig, weights: dict, trainable: boo
         raise ValueError("load_adapter on a partitioned model is not supported: load it in one process, or add a "
                          "new adapter with add_adapter and train it partitioned.")
     frozen = [p for n, p in model.named_parameters() if ".lora_" not in n]  # the base (other adapters keep theirs)
+    projections = linear_candidates(model)
     layers = wrap(model, list(weights))
     for module, layer in layers.items():
         a, b = weights[module]["A"], weights[module]["B"]
-        layer.add(name, config.rank_for(module), config.alpha_for(module), config.scaling_for(module),
+        peft = fused_targets.peft_name(model, module, projections)
+        layer.add(name, config.rank_for(peft), config.alpha_for(peft), config.scaling_for(peft),
                   float(config.lora_dropout), False, adapter_dtype(layer), layer.base_layer.weight.device)
         with torch.no_grad():
             layer.lora_A[name].weight.copy_(a)
             layer.lora_B[name].weight.copy_(b)
+    fused_targets.share_a(model, name, linear_candidates(model))
+    for layer in layers.values():
         for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
             p.requires_grad_(trainable)
     for p in frozen:  # the base is frozen, as PEFT's injection does it
@@ -214,14 +224,16 @@ def _install(model, name: str, config: LoraConfig, weights: dict, trainable: boo
 def _hot_swap(model, name: str, config: LoraConfig, weights: dict, source: str, trainable: bool) -> None:
     """New weights for adapter `name` written into its tensors (same modules, same ranks), in place."""
     layers = {m: layer for m, layer in lora_modules(model).items() if name in layer.lora_A}
-    if set(layers) != set(weights) or any(layers[m].r[name] != config.rank_for(m) for m in weights):
+    projections = linear_candidates(model)
+    peft = {m: fused_targets.peft_name(model, m, projections) for m in weights}
+    if set(layers) != set(weights) or any(layers[m].r[name] != config.rank_for(peft[m]) for m in weights):
         raise ValueError(f"The model has an adapter named {name!r} on other modules or with other ranks than "
                          f"{source}: pass another adapter_name, or model.delete_adapter({name!r}) first.")
     with torch.no_grad():
         for module, layer in layers.items():
             layer.lora_A[name].weight.copy_(weights[module]["A"])
             layer.lora_B[name].weight.copy_(weights[module]["B"])
-            layer.lora_alpha[name], layer.scaling[name] = config.alpha_for(module), config.scaling_for(module)
+            layer.lora_alpha[name], layer.scaling[name] = config.alpha_for(peft[module]), config.scaling_for(peft[module])
             for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
                 p.requires_grad_(trainable)
     model.peft_config[name] = config.copy(inference_mode=not trainable)
@@ -247,7 +259,7 @@ def adapter_tensors(model, adapter_name: str, tensors: Optional[dict] = None) ->
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
             out[peft_key(module, part)] = value.detach().to("cpu").contiguous()
-    return out
+    return fused_targets.fuse(model, out, peft_key, linear_candidates(model))
 
 
 def saved_adapter(model) -> str:
@@ -282,10 +294,12 @@ def save_adapter(model, directory: str, adapter_name: Optional[str] = None, tens
     return directory
 
 
-def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optional[dict[str, torch.Tensor]]:
+def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
+                            fused=None) -> Optional[dict[str, torch.Tensor]]:
     """A training checkpoint's adapter as {param name: tensor} for the names in `expected` (one adapter's
-    weights, name -> shape), or None when `directory` holds no adapter. Raises AdapterFileError when the
-    file does not fit."""
+    weights, name -> shape), or None when `directory` holds no adapter. `fused`: the family's
+    `checkpoints.names.FusedNames`, whose fused modules' weights are split over their parts (A to each part
+    that holds its own, B by the parts' rows). Raises AdapterFileError when the file does not fit."""
     file = os.path.join(directory, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         if os.path.isfile(os.path.join(directory, ADAPTER_PICKLE)):
@@ -301,6 +315,16 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optio
     name = adapters.pop()
     out = {}
     for module, parts in weights.items():
+        pieces = _fused_parts(module, fused, name, expected)
+        if pieces:
+            start = 0
+            for piece in pieces:
+                if param_name(piece, "A", name) in expected:
+                    out[param_name(piece, "A", name)] = parts["A"]
+                rows = expected[param_name(piece, "B", name)][0]
+                out[param_name(piece, "B", name)] = parts["B"][start:start + rows]
+                start += rows
+            continue
         for part, value in parts.items():
             out[param_name(module, part, name)] = value
     extra = sorted(set(out) - set(expected))
@@ -313,6 +337,18 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple]) -> Optio
             raise AdapterFileError(f"{file}: {n} has shape {list(t.shape)}, not {list(expected[n])}: the checkpoint "
                                    f"belongs to another adapter or model.")
     return out
+
+
+def _fused_parts(module: str, fused, adapter: str, expected: dict) -> Optional[list[str]]:
+    """The model's parts of PEFT's fused `module` (`fused`: FusedNames) when `expected` holds their B, else None."""
+    m = re.match(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)$", module) if fused is not None else None
+    if m is None or param_name(module, "A", adapter) in expected:
+        return None
+    for name, parts in fused.groups:
+        full = [f"{m['layer']}.{p}" for p in parts]
+        if name == m["module"] and all(param_name(p, "B", adapter) in expected for p in full):
+            return full
+    return None
 
 
 __all__ = ["load_adapter", "save_adapter", "read_adapter", "read_config", "read_weights", "adapter_tensors",

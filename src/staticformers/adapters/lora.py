@@ -15,6 +15,9 @@ the base is bf16/fp16 (PEFT's `autocast_adapter_dtype`), and only they train: `a
 the base. A module that wraps projections tells tensor parallel how its parts follow its base's
 style (`tensor_parallel_plan`).
 
+A family whose checkpoints fuse projections (Phi-3's `qkv_proj`) is adapted under PEFT's fused names, its
+split parts sharing one A (`fused_targets.py`).
+
 A batch whose rows use different adapters (`adapter_bank.py`) reads stacked weights instead of the
 named ones while the generation engine runs it (`lora_routing`).
 
@@ -35,6 +38,7 @@ from torch import nn
 
 from ..models.quantization import QuantLinear, compute_dtype
 from .bank_registry import bank_of
+from . import fused_targets
 from .lora_config import ALL_LINEAR, DEFAULT_TARGETS, AdapterConfigError, LoraConfig
 
 logger = logging.getLogger("staticformers")
@@ -154,9 +158,17 @@ def _layer_index(name: str) -> Optional[int]:
 
 
 def target_names(model: nn.Module, config: LoraConfig) -> list[str]:
-    """The full names of the modules `config` targets (PEFT's matching rules), checked: every named target
+    """The full names of the model's modules `config` targets (PEFT's matching rules, on PEFT's module names:
+    a fused projection's parts are targeted together, `fused_targets.py`), checked: every named target
     matches a projection; the output head is never one."""
-    candidates = linear_candidates(model)
+    projections = linear_candidates(model)
+    chosen = peft_target_names(model, config, projections)
+    return [part for parts in fused_targets.expand(model, chosen, projections).values() for part in parts]
+
+
+def peft_target_names(model: nn.Module, config: LoraConfig, projections: Optional[dict] = None) -> list[str]:
+    """`target_names` as PEFT names them (Phi-3's `...self_attn.qkv_proj`, not its parts)."""
+    candidates = fused_targets.candidates(projections if projections is not None else linear_candidates(model), model)
     targets = config.target_modules if config.target_modules is not None else DEFAULT_TARGETS
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         chosen = list(candidates)
@@ -247,14 +259,18 @@ def add_adapter(model, config: LoraConfig, adapter_name: Optional[str] = None, t
     if name in configs:
         raise ValueError(f"The model has an adapter named {name!r} already: pass another adapter_name, or "
                          f"model.delete_adapter({name!r}) first.")
+    projections = linear_candidates(model)
     names = target_names(model, config)
     for p in model.parameters():
         p.requires_grad_(False)
     layers = wrap(model, names)
     for module_name, layer in layers.items():
-        layer.add(name, config.rank_for(module_name), config.alpha_for(module_name), config.scaling_for(module_name),
+        peft = fused_targets.peft_name(model, module_name, projections)  # what rank_pattern / alpha_pattern name
+        layer.add(name, config.rank_for(peft), config.alpha_for(peft), config.scaling_for(peft),
                   float(config.lora_dropout), config.init_lora_weights, adapter_dtype(layer),
                   layer.base_layer.weight.device)
+    fused_targets.share_a(model, name, linear_candidates(model))
+    for layer in layers.values():
         for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
             p.requires_grad_(trainable)
     configs[name] = config.copy(base_model_name_or_path=getattr(model, "name_or_path", None),

@@ -15,6 +15,15 @@ parameter), rows `rows` of that expert's matrix. Loading fills each stacked para
 `torch.distributed.checkpoint` plans, so each rank reads only its experts' rows); saving splits the
 stacked tensors back into the Hub's names (`to_hub`), which transformers loads. A parameter a file holds
 whole under the model's own name (the stacked layout) is read whole: both layouts load.
+
+Some dense families store projections of one input fused (`FusedNames`): Phi-3's
+`self_attn.qkv_proj.weight` `[q + 2 kv, H]` (q's rows, then k's, then v's) and `mlp.gate_up_proj.weight`
+`[2I, H]` (gate's rows, then up's), GLM-4's `mlp.gate_up_proj.weight`. The model holds them split, as
+every other family does (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`), so tensor parallel shards
+each part by its own heads or columns and every backend's formulation applies unchanged. A split piece
+names the rows of the file's tensor it takes (`source_rows`); the layout then has one entry per piece,
+under the part's own name, each pointing at the same file tensor (`by_file` groups them back); saving
+concatenates the parts into the fused tensor again (`to_hub`).
 """
 
 from __future__ import annotations
@@ -39,6 +48,27 @@ class ExpertNames:
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
+
+@dataclass(frozen=True)
+class FusedNames:
+    """Projections a family's checkpoints store fused: {fused module: its parts in row order}, module names
+    relative to a decoder layer ("self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", ...))."""
+
+    groups: tuple  # ((fused, (part, ...)), ...)
+
+    def part_of(self, module: str) -> Optional[tuple[str, tuple]]:
+        """(fused module, its parts) for a part's module name relative to its layer, else None."""
+        for fused, parts in self.groups:
+            if module in parts:
+                return fused, parts
+        return None
+
+
+PHI3_FUSED = FusedNames((("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))))
+GLM4_FUSED = FusedNames((("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),))
+_LAYER_PART = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)\.(?P<leaf>weight|bias|weight_scale)$")
+
 _STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
 _ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.weight$")
 
@@ -52,10 +82,21 @@ class Piece:
     shape: tuple
     expert: Optional[int] = None  # index along the stacked experts; None: the whole parameter
     rows: Optional[tuple[int, int]] = None  # rows of that expert's matrix; None: all
+    source_rows: Optional[tuple[int, int]] = None  # rows of the file's tensor it takes (a fused one); None: all
+    source_shape: Optional[tuple] = None  # that fused tensor's shape (with source_rows)
 
     @property
     def whole(self) -> bool:
         return self.expert is None and self.rows is None
+
+    @property
+    def file_shape(self) -> tuple:
+        """The shape of the file's tensor this piece comes from."""
+        return self.source_shape if self.source_rows is not None else self.shape
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This piece's part of the file's tensor `tensor`."""
+        return tensor if self.source_rows is None else tensor[self.source_rows[0]:self.source_rows[1]]
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of `tensor` (the target parameter, whole) this piece is."""
@@ -73,12 +114,37 @@ class Piece:
 class CheckpointNames:
     """The adapter of one family (`names`: its `ExpertNames`, None for a dense family: the identity)."""
 
-    def __init__(self, names: Optional[ExpertNames] = None):
+    def __init__(self, names: Optional[ExpertNames] = None, fused: Optional[FusedNames] = None):
         self.names = names
+        self.fused = fused
 
-    def pieces(self, name: str, shape: tuple) -> list[Piece]:
-        """The Hub tensors that make up parameter `name` of `shape`."""
+    def _fused_piece(self, name: str, shape: tuple, expected: dict) -> Optional[Piece]:
+        """The piece of a fused file tensor that parameter `name` is (its parts' shapes from `expected`)."""
+        m = _LAYER_PART.match(name) if self.fused is not None else None
+        found = self.fused.part_of(m["module"]) if m else None
+        if found is None:
+            return None
+        fused, parts = found
+        names = [f"{m['layer']}.{p}.{m['leaf']}" for p in parts]
+        if not all(n in expected for n in names):
+            return None
+        start, rows = 0, None
+        for n in names:
+            count = expected[n][0]
+            if n == name:
+                rows = (start, start + count)
+            start += count
+        source_shape = (start, *shape[1:])
+        return Piece(f"{m['layer']}.{fused}.{m['leaf']}", name, shape, source_rows=rows, source_shape=source_shape)
+
+    def pieces(self, name: str, shape: tuple, expected: Optional[dict] = None) -> list[Piece]:
+        """The Hub tensors that make up parameter `name` of `shape` (`expected`: every parameter's shape,
+        which a fused family's split pieces need)."""
         shape = tuple(shape)
+        if self.fused is not None and expected is not None:
+            piece = self._fused_piece(name, shape, expected)
+            if piece is not None:
+                return [piece]
         n = self.names
         if n is not None:
             m = _STACKED.match(name)
@@ -98,29 +164,39 @@ class CheckpointNames:
 
     def layout(self, expected: dict[str, tuple], present=()) -> dict[str, Piece]:
         """Hub name -> Piece for every expected parameter (name -> shape); a parameter stored whole under
-        its own name (one of `present`, the files' names) is read whole."""
+        its own name (one of `present`, the files' names) is read whole. A split piece of a fused tensor is
+        keyed by its parameter's name (`piece.hub` is the file's name; `by_file` groups them)."""
         present = set(present)
+        expected = {k: tuple(v) for k, v in expected.items()}
         out: dict[str, Piece] = {}
         for name, shape in expected.items():
-            for piece in ([Piece(name, name, tuple(shape))] if name in present else self.pieces(name, shape)):
-                out[piece.hub] = piece
+            for piece in ([Piece(name, name, shape)] if name in present else self.pieces(name, shape, expected)):
+                out[piece.target if piece.source_rows is not None else piece.hub] = piece
         return out
 
     def to_hub(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state dict under the Hub's names: stacked experts split into one tensor per expert and
-        projection (copies: safetensors refuses tensors that share memory)."""
+        projection, split projections concatenated into their fused tensor (copies: safetensors refuses
+        tensors that share memory)."""
         out: dict[str, torch.Tensor] = {}
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        fused: dict[str, list] = {}
         for name, tensor in tensors.items():
-            for piece in self.pieces(name, tuple(tensor.shape)):
-                out[piece.hub] = tensor if piece.whole else piece.view(tensor).clone()
+            for piece in self.pieces(name, tuple(tensor.shape), shapes):
+                if piece.source_rows is not None:
+                    fused.setdefault(piece.hub, []).append((piece.source_rows[0], tensor))
+                else:
+                    out[piece.hub] = tensor if piece.whole else piece.view(tensor).clone()
+        for hub, parts in fused.items():
+            out[hub] = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
         return out
 
     def assemble(self, layout: dict[str, Piece], read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The parameters, from the Hub tensors `read` (hub name -> tensor, every piece of `layout`)."""
         out: dict[str, torch.Tensor] = {}
         shapes = target_shapes(layout)
-        for hub, piece in layout.items():
-            tensor = read[hub]
+        for piece in layout.values():
+            tensor = piece.source(read[piece.hub])
             if piece.whole:
                 out[piece.target] = tensor
                 continue
@@ -143,10 +219,24 @@ def target_shapes(layout: dict[str, Piece]) -> dict[str, tuple]:
     return {k: tuple(v) for k, v in shapes.items()}
 
 
+def by_file(layout: dict[str, Piece]) -> dict[str, list[Piece]]:
+    """The layout grouped by the files' tensor names: each name's pieces (several for a fused tensor)."""
+    out: dict[str, list[Piece]] = {}
+    for piece in layout.values():
+        out.setdefault(piece.hub, []).append(piece)
+    return out
+
+
+def file_shapes(layout: dict[str, Piece]) -> dict[str, tuple]:
+    """The shape each of the files' tensors must have."""
+    return {piece.hub: piece.file_shape for piece in layout.values()}
+
+
 def names_for(config) -> CheckpointNames:
     """The adapter of a model config's family (the identity for a dense family or an unknown config)."""
     family = getattr(config, "family", None)
-    return CheckpointNames(getattr(family, "expert_names", None))
+    return CheckpointNames(getattr(family, "expert_names", None), getattr(family, "fused_names", None))
 
 
-__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "Piece", "CheckpointNames", "target_shapes", "names_for"]
+__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED", "Piece",
+           "CheckpointNames", "target_shapes", "by_file", "file_shapes", "names_for"]

@@ -130,11 +130,11 @@ def routes_logits(model) -> bool:
 
 
 def region_name(base: str, kind: tuple) -> str:
-    """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe", and the
-    RoPE a layer reads where sliding layers have their own: "_rope_local")."""
-    window, mlp = kind[:2]
-    rope = "".join(f"_rope_{r}" for r in kind[2:])
-    return base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "") + rope
+    """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe", the RoPE
+    a layer reads where sliding layers have their own: "_rope_local", and "_norope")."""
+    window, mlp, *rest = kind
+    return (base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
+            + "".join(f"_{r}" for r in rest))
 
 
 def layer_regions(kinds, fn: Callable, base: str, compile_one: Callable) -> dict:

@@ -12,7 +12,9 @@ A mixture of experts' checkpoint holds one tensor per expert while the model hol
 (`checkpoint_names.py`). Given the checkpoint's layout, the reader describes each stacked parameter to
 DCP as one tensor whose chunks are the per-expert files' tensors (expert e's gate rows at offset
 `[e, 0, 0]`, its up rows at `[e, I, 0]`, ...), so DCP plans the stacked DTensor's shards as it plans
-any other, and a rank reads only the rows of the experts it holds.
+any other, and a rank reads only the rows of the experts it holds. A part of a fused tensor (Phi-3's
+`qkv_proj` holding q, k and v) is described as its own parameter's one chunk, read from the fused
+tensor's rows: each rank reads only its heads of each part.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.futures import Future
 
 from ..backends import for_device
-from ..checkpoints.names import Piece, target_shapes
+from ..checkpoints.names import Piece, by_file, target_shapes
 from ..checkpoints.safetensors_io import DTYPES, SafetensorsFile
 
 
@@ -107,8 +109,8 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         self.layout = layout or {}
         # (parameter, chunk offsets) -> (the file's name, one expert's tensor): on every rank (DCP may read
         # the metadata on one rank only)
-        self._file_name = {(p.target, tuple(p.offsets)): (hub, not p.whole) for hub, p in self.layout.items()
-                           if p.target != hub or not p.whole}
+        self._file_name = {(p.target, tuple(p.offsets)): (p.hub, not p.whole, (p.source_rows or (0,))[0])
+                           for p in self.layout.values() if p.target != p.hub or not p.whole}
 
     def read_metadata(self) -> Metadata:
         metadata = super().read_metadata()
@@ -116,22 +118,22 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
             return metadata
         tensors, storage = metadata.state_dict_metadata, metadata.storage_data
         shapes = target_shapes(self.layout)
-        for hub, piece in self.layout.items():
-            if piece.target == hub and piece.whole or hub not in tensors:
+        for hub, pieces in by_file(self.layout).items():
+            if hub not in tensors or all(p.target == hub and p.whole for p in pieces):
                 continue
             entry = tensors.pop(hub)
-            old = MetadataIndex(fqn=hub, offset=[0] * len(piece.shape))
-            info = storage.pop(old)
-            stacked = not piece.whole
-            offsets = list(piece.offsets)
-            sizes = [1, *piece.shape] if stacked else list(piece.shape)
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            if piece.target not in tensors:
-                tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
-                                                              size=torch.Size(shapes[piece.target]), chunks=[])
-            tensors[piece.target].chunks.append(chunk)
-            storage[MetadataIndex(fqn=piece.target, offset=offsets)] = _HFStorageInfo(
-                relative_path=info.relative_path, shape=torch.Size(sizes), dtype=info.dtype)
+            info = storage.pop(MetadataIndex(fqn=hub, offset=[0] * len(pieces[0].file_shape)))
+            for piece in pieces:
+                stacked = not piece.whole
+                offsets = list(piece.offsets)
+                sizes = [1, *piece.shape] if stacked else list(piece.shape)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                if piece.target not in tensors:
+                    tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
+                                                                  size=torch.Size(shapes[piece.target]), chunks=[])
+                tensors[piece.target].chunks.append(chunk)
+                storage[MetadataIndex(fqn=piece.target, offset=offsets)] = _HFStorageInfo(
+                    relative_path=info.relative_path, shape=torch.Size(sizes), dtype=info.dtype)
         return metadata
 
     def read_data(self, plan, planner) -> Future:
@@ -146,10 +148,12 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                         raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
                                              f"the shard {list(target.size())}")
                     index = req.storage_index
-                    name, stacked = self._file_name.get((index.fqn, tuple(index.offset)), (index.fqn, False))
+                    name, stacked, first_row = self._file_name.get((index.fqn, tuple(index.offset)),
+                                                                   (index.fqn, False, 0))
                     offsets, lengths, into = list(req.storage_offsets), list(req.lengths), target
                     if stacked:  # one expert's tensor: the chunk's leading dim of 1 is not in the file
                         offsets, lengths, into = offsets[1:], lengths[1:], target[0]
+                    offsets[0] += first_row  # a part of a fused tensor: its rows in the file
                     read_slice(f, name, offsets, lengths, into)
                     planner.commit_tensor(req, target)
         done: Future = Future()

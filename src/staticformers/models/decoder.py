@@ -1,18 +1,19 @@
-"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE, Mixtral, Gemma 2, Gemma 3 and OLMo 2,
-and its output type.
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3,
+OLMo 2, Qwen3-MoE and Mixtral, and its output type.
 
-Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
-embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
-(`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Gemma and OLMo 2 add flags of
-their family row: the norm's flavour (`norm_variants.py`) and where the norms sit (`DecoderLayer.placement`:
-before attention and MLP, also after each, or after each only), q/k norm over the whole projection,
-embeddings scaled by sqrt(hidden), GELU-tanh, `query_pre_attn_scalar`, soft caps on attention scores
-(through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
+Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, partial or
+interleaved rotation and layers without RoPE (`rope_variants.py`), tied embeddings, sliding window) and by
+the MLP each layer gets: a dense `MLP`, or a mixture of experts (`moe.SparseMoeBlock`) on the layers
+`config.layer_is_sparse` names. Further flags of a family row: the norm's flavour (`norm_variants.py`) and
+where the norms sit (`DecoderLayer.placement`: before attention and MLP, also after each (Gemma), or after
+each only (OLMo 2); GLM-4's own post-sub-layer norms), q/k norm over the whole projection, embeddings scaled
+by sqrt(hidden) (Gemma) or Granite's multipliers, GELU-tanh, `query_pre_attn_scalar`, soft caps on attention
+scores (through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
 layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
 
 Module and parameter names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`,
 `mlp.experts.gate_up_proj`), so a dense Hugging Face state dict loads with no renaming and ours saves
-back (the Hub's per-expert names are mapped by `checkpoint_names.py`).
+back (the Hub's per-expert and fused names are mapped by `checkpoints/names.py`).
 
 This file is the architecture and nothing else: no device checks, no kernel choices, no parallelism,
 no compile calls, no loading or generation. What callers may change comes in through two arguments:
@@ -57,6 +58,7 @@ from .hooks import global_hooks, hooked
 from .moe import Experts, SparseMoeBlock, load_balancing_loss
 from .norm_variants import NORM_CLASSES, embedding_scale, make_norm, softcap
 from .ops import PLAIN, Ops
+from . import rope_variants
 
 if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
     from ..distributed.mesh import ParallelDims
@@ -106,9 +108,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
-    """Inverse frequencies for the config's RoPE variant (default, linear, llama3, yarn)."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies for the config's RoPE variant (default, linear, llama3, yarn, longrope: its short
+    factors, or its `long` ones), over the rotated dims (`config.rotary_dim`)."""
+    dim = config.rotary_dim
+    if config.rope_type == "longrope":
+        return rope_variants.longrope_inv_freq(config, long, device)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
@@ -133,7 +138,7 @@ def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) ->
 def _yarn_inv_freq(config: ModelConfig, extrapolation: torch.Tensor, device) -> torch.Tensor:
     """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between (the paper's
     correction range from beta_fast/beta_slow rotations over the original context)."""
-    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    scaling, dim, base = config.rope_scaling, config.rotary_dim, config.rope_theta
     factor = float(scaling["factor"])
     original = float(scaling.get("original_max_position_embeddings") or config.max_position_embeddings)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
@@ -155,6 +160,8 @@ def _yarn_inv_freq(config: ModelConfig, extrapolation: torch.Tensor, device) -> 
 def rope_attention_factor(config: ModelConfig) -> float:
     """The factor YaRN applies to cos/sin (1.0 for every other variant)."""
     scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        return rope_variants.longrope_attention_factor(config)
     if scaling.get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -178,25 +185,38 @@ def local_rope_config(config: ModelConfig) -> ModelConfig:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for given positions; `inv_freq` is a non-persistent buffer rebuilt after meta init."""
+    """cos/sin for given positions; `inv_freq` (and LongRoPE's `long_inv_freq`) are non-persistent buffers
+    rebuilt after meta init. The tables cover the rotated dims, in GLM's interleaved layout for GLM-4."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        self.interleaved = config.family.rope_interleaved
         # computed on the CPU even under a meta-device context: pow on meta pages in kernels a load never needs
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
+        if config.rope_type == "longrope":
+            self.register_buffer("long_inv_freq", rope_inv_freq(config, torch.device("cpu"), long=True),
+                                 persistent=False)
         self.attention_factor = rope_attention_factor(config)
 
     def reset_parameters(self, device: Optional[torch.device] = None) -> None:
         """Recompute the frequencies (on `device`, else where they are): a meta-built model's last step."""
-        self.inv_freq = rope_inv_freq(self.config, device=device if device is not None else self.inv_freq.device)
+        device = device if device is not None else self.inv_freq.device
+        self.inv_freq = rope_inv_freq(self.config, device=device)
+        if self.config.rope_type == "longrope":
+            self.long_inv_freq = rope_inv_freq(self.config, device=device, long=True)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`long`: LongRoPE's long factors (`rope_variants.uses_long_factors`)."""
+        inv_freq = self.long_inv_freq if long else self.inv_freq
+        freqs = position_ids[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        if self.interleaved:
+            cos, sin = rope_variants.interleave(cos), rope_variants.interleave(sin)
         return cos.to(dtype), sin.to(dtype)
 
 
@@ -205,9 +225,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, head_dim]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, rotary_dim] (fewer dims than a head: only
+    those rotate); `interleaved`: GLM's adjacent pairs (`rope_variants`)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved or cos.shape[-1] != x.shape[-1]:
+        return rope_variants.rotate_part(x, cos, sin, rope_variants.rotate_pairs if interleaved else rotate_half)
     return x * cos + rotate_half(x) * sin
 
 
@@ -264,9 +287,14 @@ class Attention(nn.Module):
         h, hd = config.hidden_size, config.head_dim
         self.layer_idx = layer_idx
         self.head_dim = hd
-        self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
+        if config.attention_multiplier is not None:  # Granite
+            self.scale = config.attention_multiplier
+        else:
+            self.scale = (config.query_pre_attn_scalar or hd) ** -0.5
         self.softcap = config.attention_softcap
         self.window = config.layer_window(layer_idx)
+        self.rope = config.layer_uses_rope(layer_idx)  # False: a SmolLM3 layer without RoPE
+        self.interleaved = config.family.rope_interleaved
         self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
@@ -296,7 +324,8 @@ class Attention(nn.Module):
         k, v = k.view(b, s, -1, self.head_dim), v.view(b, s, -1, self.head_dim)
         if self.k_norm is not None and not self.qk_norm_whole:
             k = self.k_norm(k)
-        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        k = k.transpose(1, 2)
+        return (apply_rope(k, cos, sin, self.interleaved) if self.rope else k), v.transpose(1, 2)
 
     def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
                 keep: Optional[Keep] = None):
@@ -319,7 +348,9 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:
             q = self.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
+        q = q.transpose(1, 2)
+        if self.rope:
+            q = apply_rope(q, cos, sin, self.interleaved)
         out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap)
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 
@@ -356,18 +387,35 @@ class DecoderLayer(nn.Module):
         self.sparse = config.layer_is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
         self.rope = rope_key(config, layer_idx)
+        if config.family.post_sublayer_norms:  # GLM-4's norms of attention's and the MLP's outputs
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        else:
+            self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        self.residual_multiplier = config.residual_multiplier  # Granite's scale of each sub-layer's output
 
     @property
     def kind(self) -> tuple:
         """What makes two layers run the same code: the attention window and the MLP kind (layers of one
-        kind share a compiled layer region), and, where sliding layers rotate with their own RoPE (Gemma 3),
-        which RoPE."""
+        kind share a compiled layer region), which RoPE where sliding layers rotate with their own (Gemma 3),
+        and "norope" for a layer without RoPE (SmolLM3)."""
         kind = (self.self_attn.window, "moe" if self.sparse else "dense")
-        return kind if self.rope is None else kind + (self.rope,)
+        if self.rope is not None:
+            kind += (f"rope_{self.rope}",)
+        return kind if self.self_attn.rope else kind + ("norope",)
 
     def attention_input(self, x):
         """What attention reads: the normalised input (no norm before attention for OLMo 2)."""
         return x if self.input_layernorm is None else self.input_layernorm(x)
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: Optional[nn.Module]) -> torch.Tensor:
+        """`x` plus a sub-layer's output `out` (normed first where the family norms it, scaled by Granite's
+        residual_multiplier)."""
+        if norm is not None:
+            out = norm(out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return x + out
 
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
@@ -385,7 +433,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.attention_input(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
         if self.placement != "pre":
             attn = self.post_attention_layernorm(attn)
-        x = (take(x, keep) if keep is not None else x) + attn
+        x = self._residual(take(x, keep) if keep is not None else x, attn, self.post_self_attn_layernorm)
         logits = None
         if self.placement == "pre":
             h = self.post_attention_layernorm(x)
@@ -397,7 +445,7 @@ class DecoderLayer(nn.Module):
             out = self.mlp(h, ops)
         if self.placement != "pre":
             out = self.post_feedforward_layernorm(out)
-        x = x + out
+        x = self._residual(x, out, self.post_mlp_layernorm)
         return (x, logits) if routed else x
 
 
@@ -489,6 +537,7 @@ class DecoderModel(nn.Module):
         self.rotary_local = RotaryEmbedding(local_rope_config(config)) if config.rope_local is not None else None
         self.embed_scale = config.hidden_size ** 0.5 if config.family.scaled_embedding else None
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+        self.embedding_multiplier = config.embedding_multiplier
         self.gradient_checkpointing = False
 
     def prepare(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None):
@@ -497,6 +546,8 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_scale is not None and inputs_embeds is None:  # as transformers: not given embeddings
             x = x * embedding_scale(self.embed_scale, x.dtype)
+        if self.embedding_multiplier != 1.0:  # Granite
+            x = x * self.embedding_multiplier
         b, s = x.shape[:2]
         segments = q_positions = None
         if position_ids is None:
@@ -509,7 +560,8 @@ class DecoderModel(nn.Module):
                 segments = packed_segments(position_ids)
         kv_len = kv_cache.max_length if kv_cache is not None else s
         masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, q_positions, segments)
-        cos, sin = self.rotary_emb(rope_positions, x.dtype)
+        long = rope_variants.uses_long_factors(self.rotary_emb.config, kv_len)
+        cos, sin = self.rotary_emb(rope_positions, x.dtype, long=long)
         if self.rotary_local is not None:
             local_cos, local_sin = self.rotary_local(rope_positions, x.dtype)
             cos, sin = {"global": cos, "local": local_cos}, {"global": sin, "local": local_sin}
@@ -734,6 +786,8 @@ class CausalLM(nn.Module):
         loss times `router_aux_loss_coef` (a 2-D `attention_mask` keeps padding out of its statistics;
         with `num_items_in_batch` it is this batch's share of a summed loss, `moe.load_balancing_loss`)."""
         logits = softcap(ops.head(self.lm_head, hidden), self.config.final_logit_softcapping)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         loss = aux = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)

@@ -96,7 +96,7 @@ def load_gguf_weights(model: CausalLM, f: GGUFFile, device: torch.device, dtype:
         module = model.get_submodule(module_name)
         module._parameters[leaf] = nn.Parameter(value.to(device=device, dtype=dtype))
     model.tie_weights()
-    model.model.rotary_emb.reset_parameters(device)
+    model.model.reset_rope(device)
 
 
 def load_gguf_model(f: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -1,15 +1,16 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
-The families (Qwen3, Llama, Qwen2, Mistral, Gemma 2, Gemma 3 (text), OLMo 2, and the mixtures of
-experts Qwen3-MoE and Mixtral) are one decoder with different flags: q/k RMSNorm, which projections
-carry a bias, the RoPE variant, tied embeddings, sliding-window attention, the norms' flavour and
-placement, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all layers route
-each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint names
-(`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`). A family is a row
-of this table, not a copy of the model. This module is the only place that knows which family sets
-which flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim`
-means 128, not hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's
-(`query_pre_attn_scalar`, soft caps, the sliding layers' RoPE) by `config_gemma.py`.
+The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
+OLMo 2, and the mixtures of experts Qwen3-MoE and Mixtral) are one decoder with different flags: q/k
+RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention, the
+norms' flavour and placement, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
+layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
+names (`expert_names`: how the Hub spells one expert's tensors, `checkpoints/names.py`). A family is a row
+of this table, not a copy of the model. This module is the only place that knows which family sets which
+flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim` means 128, not
+hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's (`query_pre_attn_scalar`, soft caps, the
+sliding layers' RoPE) by `config_gemma.py`, those of partial and per-layer RoPE, LongRoPE and Granite's
+multipliers by `config_variants.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -28,13 +29,14 @@ import torch
 
 from . import config_checks as checks
 from . import config_gemma, config_moe
-from ..checkpoints.names import MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
+from . import config_variants
+from ..checkpoints.names import GLM4_FUSED, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
 
 # RoPE variants the decoder implements (see modeling.rope_inv_freq)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -70,6 +72,12 @@ class Family:
     per_type_rope: bool = False  # sliding layers rotate with their own RoPE (Gemma 3: rope_local_base_freq)
     sliding_pattern: Optional[int] = None  # layer_types when the file has none: every n-th layer full (Gemma)
     sliding_pattern_key: Optional[str] = None  # the config.json key that overrides `sliding_pattern`
+    fused_names: Optional[FusedNames] = None  # projections the checkpoints store fused (Phi-3's qkv_proj, gate_up_proj)
+    rope_interleaved: bool = False  # RoPE rotates pairs of adjacent dims (GLM-4), not the two halves
+    post_sublayer_norms: bool = False  # RMSNorm on attention's and the MLP's outputs (GLM-4's post_self_attn_layernorm,
+    # post_mlp_layernorm)
+    multipliers: bool = False  # Granite's embedding / attention / residual multipliers and logits_scaling
+    rope_per_layer: bool = False  # no_rope_layers says which layers apply RoPE (SmolLM3)
 
 
 FAMILIES: dict[str, Family] = {
@@ -136,6 +144,32 @@ FAMILIES: dict[str, Family] = {
         default_head_dim=None, sliding_all_layers=False,
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1, "eos_token_id": 50279},
         norm="float_weight", norm_placement="post", qk_norm_over="projection",
+    ),
+    "Phi3ForCausalLM": Family(
+        "Phi3ForCausalLM", "phi3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
+        default_head_dim=None, sliding_all_layers=True,
+        defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
+        biases=False, fused_names=PHI3_FUSED,
+    ),
+    "Glm4ForCausalLM": Family(
+        "Glm4ForCausalLM", "glm4", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
+        default_head_dim=128, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-07, "attention_bias": True,
+                  "partial_rotary_factor": 0.5},
+        fused_names=GLM4_FUSED, rope_interleaved=True, post_sublayer_norms=True,
+    ),
+    "GraniteForCausalLM": Family(
+        "GraniteForCausalLM", "granite", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+        multipliers=True,
+    ),
+    "SmolLM3ForCausalLM": Family(
+        "SmolLM3ForCausalLM", "smollm3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 4,
+                  "tie_word_embeddings": True},
+        sliding_needs_flag=True, rope_per_layer=True,
     ),
 }
 
@@ -216,6 +250,13 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
     rope_local: Optional[dict] = None  # the sliding layers' RoPE (rope_type, rope_theta, ...) when it differs
+    # RoPE variants and Granite's scales (config_variants.py reads them)
+    partial_rotary_factor: float = 1.0  # the fraction of each head that rotates
+    no_rope_layers: Optional[list] = None  # SmolLM3: 1 where a layer applies RoPE, 0 where not
+    embedding_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None  # the attention scale (None: head_dim ** -0.5)
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -258,6 +299,15 @@ class ModelConfig:
     def rope_type(self) -> str:
         return (self.rope_scaling or {}).get("rope_type", "default")
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head rotate (the first ones; `partial_rotary_factor`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k (SmolLM3's `no_rope_layers`: 1 where it does)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
+
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of one layer, or None for full attention."""
         if self.sliding_window is None:
@@ -273,7 +323,7 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         attn += ((q + kv) if self.family.qk_norm_over == "projection" else 2 * hd) * self.qk_norm
-        norms = {"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] * h
+        norms = ({"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms) * h
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
@@ -304,7 +354,13 @@ class ModelConfig:
         head_dim = head_dim or fam.default_head_dim or d["hidden_size"] // heads
         if head_dim % 2:
             raise ConfigError(f"{source}: head_dim={head_dim} is odd: rotary embeddings need an even head_dim.")
+        if fam.model_type == "phi3":
+            d = config_variants.phi3_rope_type(d)
         theta, scaling = _rope(d, source)
+        variants = config_variants.read(d, fam, layers, head_dim, source)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            rotary = config_variants.rotary_dim(head_dim, variants["partial_rotary_factor"], source)
+            scaling = config_variants.longrope(scaling, d, rotary, source)
         sliding = checks.optional_positive_int(d.get("sliding_window"), "sliding_window", source)
         use_sliding = checks.optional_boolean(d.get("use_sliding_window"), "use_sliding_window", source)
         max_window_layers = d.get("max_window_layers")
@@ -319,6 +375,8 @@ class ModelConfig:
             if layer_types is None and sliding is not None:
                 mwl = max_window_layers if max_window_layers is not None else 28
                 layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+        if fam.rope_per_layer and layer_types is None:
+            layer_types = config_variants.smollm3_layer_types(variants["no_rope_layers"], sliding)
         if layer_types is None:
             layer_types = config_gemma.default_layer_types(fam, d, layers, source)
         act = checks.string(d.get(fam.act_key, "silu"), fam.act_key, source)
@@ -354,7 +412,9 @@ class ModelConfig:
             pad_token_id=checks.token_ids(d.get("pad_token_id"), "pad_token_id", source, vocab, allow_list=False),
             **config_moe.read(d, raw, fam, layers, source),
             **config_gemma.read(d, fam, source, _rope),
-            extra={k: copy.deepcopy(v) for k, v in raw.items() if k not in _HANDLED},
+            **variants,
+            extra={k: copy.deepcopy(v) for k, v in raw.items()
+                   if k not in _HANDLED and k not in config_variants.handled(fam)},
         )
 
     @classmethod
@@ -376,6 +436,8 @@ class ModelConfig:
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling:
             rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        if self.partial_rotary_factor != 1.0 or self.model_type in ("phi3", "glm4"):
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
         out = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -397,7 +459,7 @@ class ModelConfig:
         }
         if self.model_type not in ("qwen2", "mixtral"):
             out["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "granite", "smollm3"):
             out["mlp_bias"] = self.mlp_bias
         if self.model_type in ("qwen2", "qwen3"):
             out["use_sliding_window"] = bool(self.use_sliding_window)
@@ -407,10 +469,17 @@ class ModelConfig:
         elif self.model_type == "qwen3_moe":
             out["use_sliding_window"] = bool(self.use_sliding_window)
             out["sliding_window"] = self.sliding_window
-        elif self.model_type in ("mistral", "mixtral"):
+        elif self.model_type in ("mistral", "mixtral", "phi3"):
             out["sliding_window"] = self.sliding_window
+        elif self.model_type == "smollm3":
+            out["use_sliding_window"] = bool(self.use_sliding_window)
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = self.layer_types or ["full_attention"] * self.num_hidden_layers
+        if self.model_type == "phi3":
+            out.pop("attention_bias", None)  # Phi-3's projections never carry a bias
         out.update(config_moe.write(self))
         config_gemma.write(self, out)
+        out.update(config_variants.write(self))
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)
         out.update(copy.deepcopy(self.extra))
@@ -455,6 +524,7 @@ def _rope(d: dict, source: str) -> tuple[float, Optional[dict]]:
     theta = checks.positive_number(theta, "rope_theta", source, above=1.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # config_variants.py reads it
     if rope_type not in ROPE_TYPES:
         raise ConfigError(
             f"{source}: RoPE scaling {rope_type!r} is not supported yet: supported are {', '.join(ROPE_TYPES)}."
@@ -462,7 +532,7 @@ def _rope(d: dict, source: str) -> tuple[float, Optional[dict]]:
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
-    if "factor" not in params:
+    if "factor" not in params and rope_type != "longrope":  # LongRoPE's defaults to max / original positions
         raise ConfigError(f"{source}: rope scaling {rope_type!r} needs a 'factor'.")
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..checkpoints.names import Piece, names_for, target_shapes
+from ..checkpoints.names import Piece, by_file, file_shapes, names_for, target_shapes
 from .model_config import ModelConfig, dtype_name, parse_dtype
 from ..utils.contained_paths import OutsideFolderError
 from ..checkpoints.hub import CheckpointNotFoundError, is_local, resolve_file
@@ -179,7 +179,8 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
         with open_weights(path) as f:
             present.update(filter(None, (_file_name(n, f, scheme) for n in f.keys())))
     layout = names_for(model.config).layout(expected_weights(model), present)
-    expected = {hub: piece.shape for hub, piece in layout.items()}
+    expected = file_shapes(layout)
+    pieces = by_file(layout)
     quantized = quantized_targets(model)
     tied = model.config.tie_word_embeddings
     where: dict[str, str] = {}
@@ -196,7 +197,7 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
                     continue
                 if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
-                want = quantized.get(layout[name].target)
+                want = quantized.get(pieces[name][0].target)
                 packed = stored != name
                 have = f.dtype(stored)
                 if want is not None and have != (torch.int32 if packed else want):
@@ -263,6 +264,7 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
     stacked parameter (a mixture's experts) is allocated once and filled from its pieces."""
     layout, where = checkpoint_layout(model, files)
     shapes = target_shapes(layout)
+    pieces = by_file(layout)
     scheme = scheme_of(model.config.extra)
     quantized = quantized_targets(model)
     stacked: dict[str, torch.Tensor] = {}
@@ -272,22 +274,24 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                 name = _file_name(stored, f, scheme)
                 if not name or where.get(name) != path:
                     continue
-                piece = layout[name]
-                if piece.target in quantized:  # int8 / fp8 values as stored (unpacked from int32 if packed)
+                first = pieces[name][0]
+                if first.target in quantized:  # int8 / fp8 values as stored (unpacked from int32 if packed)
                     value = f.read(stored, device=device)
                     if stored != name:
-                        value = unpack_int8(value, piece.shape)
+                        value = unpack_int8(value, first.file_shape)
                 else:
                     value = f.read(stored, dtype=dtype if f.dtype(stored).is_floating_point else None, device=device,
                                    finite=True)
-                    if tuple(value.shape) != piece.shape:  # a per-tensor scale, one per row here
-                        value = value.reshape(1, 1).expand(piece.shape).contiguous()
-                if piece.whole:
-                    _set_tensor(model, piece.target, value)
-                    continue
-                if piece.target not in stacked:
-                    stacked[piece.target] = torch.empty(shapes[piece.target], dtype=value.dtype, device=device)
-                piece.view(stacked[piece.target]).copy_(value)
+                    if tuple(value.shape) != first.file_shape:  # a per-tensor scale, one per row here
+                        value = value.reshape(1, 1).expand(first.file_shape).contiguous()
+                for piece in pieces[name]:  # several for a fused tensor (each part's rows)
+                    part = piece.source(value)
+                    if piece.whole:
+                        _set_tensor(model, piece.target, part if piece.source_rows is None else part.clone())
+                        continue
+                    if piece.target not in stacked:
+                        stacked[piece.target] = torch.empty(shapes[piece.target], dtype=value.dtype, device=device)
+                    piece.view(stacked[piece.target]).copy_(part)
                 del value
     for name, value in stacked.items():
         _set_tensor(model, name, value)

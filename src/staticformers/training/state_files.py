@@ -145,11 +145,11 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
     `names`: the family's checkpoint-name adapter (`checkpoint_names.py`: a mixture of experts' files hold
     one tensor per expert, stacked here); None: the identity."""
     from ..adapters.files import AdapterFileError, read_checkpoint_adapter
-    from ..checkpoints.names import CheckpointNames
+    from ..checkpoints.names import CheckpointNames, file_shapes
     from ..models.pretrained import CheckpointError, open_weights, weight_files
 
     try:
-        adapter = read_checkpoint_adapter(directory, expected)
+        adapter = read_checkpoint_adapter(directory, expected, getattr(names, "fused", None))
     except AdapterFileError as err:
         raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
     if adapter is not None:
@@ -171,7 +171,7 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
         except CheckpointError as err:
             raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
     layout = names.layout(expected, present)
-    target_names, expected = expected, {hub: piece.shape for hub, piece in layout.items()}
+    target_names, expected = expected, file_shapes(layout)
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         try:
