@@ -134,7 +134,7 @@ def region_name(base: str, kind: tuple) -> str:
     a layer reads where sliding layers have their own: "_rope_local", and "_norope")."""
     window, mlp, *rest = kind
     return (base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
-            + "".join(f"_{r}" for r in rest))
+            + "".join(f"_rope_{r}" if r in ("local", "global") else f"_{r}" for r in rest))
 
 
 def layer_regions(kinds, fn: Callable, base: str, compile_one: Callable) -> dict:

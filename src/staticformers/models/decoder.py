@@ -401,7 +401,7 @@ class DecoderLayer(nn.Module):
         and "norope" for a layer without RoPE (SmolLM3)."""
         kind = (self.self_attn.window, "moe" if self.sparse else "dense")
         if self.rope is not None:
-            kind += (f"rope_{self.rope}",)
+            kind += (self.rope,)
         return kind if self.self_attn.rope else kind + ("norope",)
 
     def attention_input(self, x):
