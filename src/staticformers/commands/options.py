@@ -27,7 +27,7 @@ NEURON_INSTALL = ("the neuron device is TorchNeuron's (Trn2/Trn3, Neuron SDK 2.3
                   "into a venv, then `make demo VENV=that-venv` in this checkout, which keeps its torch (SKIP_TORCH=1 keeps "
                   "any venv's torch); Inf2/Trn1's "
                   "XLA-based torch-neuronx (2.9 and before) has no neuron device: use device_map=\"xla\" there "
-                  "with PJRT_DEVICE=NEURON (README: \"Trainium / Inferentia\", \"XLA devices\")")
+                  "with PJRT_DEVICE=NEURON (docs/trainium.md, docs/xla.md)")
 
 _MISSING = {  # kind -> (what is wrong, what else to do)
     "cuda": ("this PyTorch ({torch}) sees no CUDA GPU here", "run on a machine with an NVIDIA GPU and a CUDA build of PyTorch"),
