@@ -192,6 +192,9 @@ def test_the_prompt_streams_before_the_continuation(checkpoint, capsys):
     assert main(["generate", checkpoint, "The French", "--device", "cpu", "--max-new-tokens", "3", "--stats"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("The French") and "3 new tokens" in err
+    # the first call's shapes are announced before they compile, each with an estimate of the rest
+    assert "compiling 2 shapes (" in err and "compiling shape 1/2\n" in err, err
+    assert re.search(r"compiling shape 2/2 \(about \d+(\.\d+)? (us|ms|s) left: ", err), err
     # a short generation's time in milliseconds, not "0.01 s"
     summary = next(line for line in err.splitlines() if "new tokens" in line)
     assert re.match(r"3 new tokens in \d+(\.\d+)? (us|ms|s) on cpu; ", summary), summary
