@@ -1,13 +1,20 @@
 # Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the suite).
-# Each creates $(VENV) if missing and installs torch first (the CPU build pinned here), then the package.
+# Each creates $(VENV) if missing and installs torch first (the pinned torch==2.13.0 from PyPI: on Linux x86_64
+# PyPI's wheel of it is a CUDA build, elsewhere a CPU one), then the package.
 # On a host whose torch must stay (a Neuron SDK's torch with torch-neuronx, a CUDA build): point VENV at
 # that environment; an installed torch-neuronx is detected and its torch kept, and SKIP_TORCH=1 keeps any
-# torch already there. TORCH_SPEC=... installs another torch instead of the pinned one.
+# torch already there. TORCH_SPEC=... installs another torch instead of the pinned one; its words are passed
+# to pip one by one, so it may carry pip options:
+#   make demo TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+# and TORCH_INDEX_URL=URL is the same index given apart (TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU build).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+# each word of TORCH_SPEC quoted on its own (a `>=` stays a version, not a shell redirection)
+TORCH_ARGS := $(foreach w,$(TORCH_SPEC),'$(w)')$(if $(TORCH_INDEX_URL), --index-url '$(TORCH_INDEX_URL)')
 # non-empty: keep the venv's torch (SKIP_TORCH=1, or torch-neuronx found in the venv)
 KEEP_TORCH := $(if $(SKIP_TORCH),SKIP_TORCH=$(SKIP_TORCH),$(shell test -x $(PY) && $(PY) -c "import importlib.util as u; print('torch-neuronx' if u.find_spec('torch_neuronx') else '')" 2>/dev/null))
 
@@ -29,7 +36,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 ifeq ($(KEEP_TORCH),)
-	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q $(TORCH_ARGS)
 else
 	@$(PY) -c "import torch" 2>/dev/null || { echo "$(VENV) has no torch to keep ($(KEEP_TORCH)): install the torch you need there first, or drop SKIP_TORCH." >&2; exit 2; }
 	@echo "keeping $(VENV)'s torch $$($(PY) -c 'import torch; print(torch.__version__)') ($(KEEP_TORCH))"

@@ -250,6 +250,8 @@ def serve(demo: Demo) -> None:
     from demo_chat import conversations, questions
 
     from staticformers import AutoModelForCausalLM, AutoTokenizer, ShapePlan
+    from staticformers.backends.devices import default_backend
+    from staticformers.compilation.progress import CompileProgress
     from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
     from staticformers.utils.durations import duration
 
@@ -260,7 +262,9 @@ def serve(demo: Demo) -> None:
     plan = ShapePlan(batch_sizes=[4], prompt_lengths=[32], kv_lengths=[256], max_model_len=256)
     start = time.perf_counter()
     rows = []
-    loop = build_loop(model, options, progress=rows.append, plan=plan)
+    announce = CompileProgress(plan.num_shapes, default_backend(model.device), write=lambda line: print(line, flush=True))
+    announce.begin()
+    loop = build_loop(model, options, progress=lambda row: (rows.append(row), announce(row)), plan=plan)
     print(f"compiled the serving plan: {sum(r['graphs'] for r in rows)} graphs for {len(rows)} shapes "
           f"({sum(r['cache_hit'] for r in rows)} from the on-disk cache) in {time.perf_counter() - start:.1f} s")
     asked = questions()

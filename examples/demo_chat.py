@@ -132,7 +132,7 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = STEPS, compile: bool =
         output_dir=os.path.join(out_dir, "run"), max_length=96, per_device_train_batch_size=8, max_steps=steps,
         learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10),
         logging_steps=max(1, steps // 6), save_strategy="no", bf16=bf16, torch_compile=compile, seed=0,
-        disable_tqdm=True, assistant_only_loss=True, chat_template_path=template_path, packing=True)
+        disable_tqdm=False, assistant_only_loss=True, chat_template_path=template_path, packing=True)  # the bar: a minutes-long stage must show progress
     trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tok)
     out = trainer.train()
     trainer.save_model(out_dir)

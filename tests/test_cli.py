@@ -88,13 +88,43 @@ def test_doctor_prints_its_version_and_what_to_install_for_neuron(capsys, monkey
     out = capsys.readouterr().out
     assert out.startswith(f"staticformers {staticformers.__version__}  python ")
     assert "torch-neuronx not installed" in out
-    hint = out.strip().splitlines()[-1]
+    lines = out.strip().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("torch-neuronx is not installed"))
+    assert all(len(line) <= 100 for line in lines[start:])  # wrapped, never one 600-character line
+    hint = " ".join(line.strip() for line in lines[start:])
     assert hint.startswith("torch-neuronx is not installed: the neuron device is TorchNeuron's (Trn2/Trn3")
     assert "pip install 'torch-neuronx==2.13.*'" in hint and "--extra-index-url https://pip.repos.neuron.amazonaws.com" in hint
     assert "make demo VENV=" in hint and "SKIP_TORCH=1" in hint and "Inf2/Trn1" in hint
     assert main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["staticformers"] == staticformers.__version__ and info["neuron_hint"] == hint
+
+
+def test_doctor_on_a_cpu_only_host_answers_without_importing_torch_and_as_torch_would():
+    """Where no accelerator can be here, doctor skips `import torch` (nearly all of its time), and its report
+    is the one the devices' probes give."""
+    import importlib.util
+
+    from staticformers.backends.devices import describe
+    from staticformers.commands import doctor
+
+    full = describe()
+    if any(d["available"] for name, d in full["devices"].items() if name != "cpu"):
+        pytest.skip("this machine has an accelerator: doctor probes it through torch")
+    assert doctor.cpu_only_report() == full
+    code = ("import sys; from staticformers.commands import doctor; from staticformers.commands.cli import main; "
+            "skip = doctor.may_skip_torch(); main(['doctor', '--json']); print(skip, 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    assert res.returncode == 0, res.stderr
+    report, verdict = res.stdout.rstrip("\n").rsplit("\n", 1)
+    assert json.loads(report)["devices"] == full["devices"]
+    plain = sys.platform.startswith("linux") and not any(os.path.exists(n) for n in doctor.ACCELERATOR_NODES) \
+        and not any(importlib.util.find_spec(m) for m in ("torch_neuronx", "torch_xla"))
+    if plain:  # nothing could be here but the CPU: torch is never imported
+        assert verdict == "True False", verdict
+    else:
+        assert verdict.endswith("True"), verdict
 
 
 def test_doctor_on_a_neuron_host_has_no_install_hint(fake_neuron, capsys):
@@ -162,6 +192,9 @@ def test_the_prompt_streams_before_the_continuation(checkpoint, capsys):
     assert main(["generate", checkpoint, "The French", "--device", "cpu", "--max-new-tokens", "3", "--stats"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("The French") and "3 new tokens" in err
+    # the first call's shapes are announced before they compile, each with an estimate of the rest
+    assert "compiling 2 shapes (" in err and "compiling shape 1/2\n" in err, err
+    assert re.search(r"compiling shape 2/2 \(about \d+(\.\d+)? (us|ms|s) left: ", err), err
     # a short generation's time in milliseconds, not "0.01 s"
     summary = next(line for line in err.splitlines() if "new tokens" in line)
     assert re.match(r"3 new tokens in \d+(\.\d+)? (us|ms|s) on cpu; ", summary), summary

@@ -17,14 +17,14 @@ def run_demo(folder, *flags):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), *flags], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
+    return res.stdout, res.stderr
 
 
 @pytest.mark.slow
 def test_demo_first_and_second_run(tmp_path):
     import demo  # examples/ (for its prompts and stage names)
 
-    first = run_demo(tmp_path, "--steps", "4")
+    first, first_err = run_demo(tmp_path, "--steps", "4")
     for n, stage in enumerate(demo.STAGES, 1):
         assert f"[{n}/{len(demo.STAGES)}] {stage.name}: " in first
     headers = [line for line in first.splitlines() if line.startswith("[")]
@@ -50,7 +50,10 @@ def test_demo_first_and_second_run(tmp_path):
     assert "0 graphs compiled while serving" in first
     assert "4 requests finished" in first and "server stopped" in first
 
-    second = run_demo(tmp_path)
+    # both training stages show the Trainer's bar (stage 6 ran minutes without one)
+    assert first_err.count("train: 100%") >= 2, first_err[-3000:]
+
+    second, _ = run_demo(tmp_path)
     n = len(demo.STAGES)
     assert f"[2/{n}] tokenizer: " in second and "skipped: reusing" in second and "steps in" not in second
     assert f"[6/{n}] chat: " in second and "skipped: reusing" in second

@@ -63,3 +63,19 @@ def test_the_cpus_int8_kernel_source_ships_in_the_package():
         project = tomllib.load(f)
     assert "backends/cpu/*.cpp" in project["tool"]["setuptools"]["package-data"]["staticformers"]
     assert os.path.exists(os.path.join(ROOT, "src", "staticformers", "backends", "cpu", "int8_gemv.cpp"))
+
+
+def test_torch_spec_may_name_an_index_and_each_word_reaches_pip_alone(tmp_path):
+    """`TORCH_SPEC='torch==2.13.0 --index-url URL'` (a CUDA build) was one quoted word pip refused as an
+    "Invalid requirement"; TORCH_INDEX_URL says the same apart, and a `>=` stays a version."""
+    url = "https://download.pytorch.org/whl/cu128"
+    plan = _make_plan(tmp_path, tmp_path / "fresh", f"TORCH_SPEC=torch==2.13.0 --index-url {url}")
+    assert f"pip install -q 'torch==2.13.0' '--index-url' '{url}'" in plan
+    plan = _make_plan(tmp_path, tmp_path / "fresh", "TORCH_SPEC=torch>=2.13", f"TORCH_INDEX_URL={url}")
+    assert f"pip install -q 'torch>=2.13' --index-url '{url}'" in plan
+
+
+def test_the_test_extra_builds_the_docs_and_draws_the_loss_curve():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        test = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    assert any(d.startswith("mkdocs") for d in test) and any(d.startswith("matplotlib") for d in test)

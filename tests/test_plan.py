@@ -49,3 +49,11 @@ def test_explicit_buckets():
     assert plan.max_model_len == 64 and plan.batch_bucket(2) == 3 and plan.prompt_bucket(9) == 24
     with pytest.raises(PlanError, match="beyond max_model_len"):
         ShapePlan(prompt_lengths=[128], kv_lengths=[64], max_model_len=64)
+
+
+def test_a_one_token_prompt_is_one_token_in_the_refusal():
+    plan = ShapePlan(max_model_len=256).bind(256)
+    with pytest.raises(PlanError, match=r"^The prompt has 1 token and max_new_tokens=300: 301 positions exceed"):
+        plan.positions_needed(1, 300)
+    with pytest.raises(PlanError, match=r"^The prompt has 2 tokens and"):
+        plan.positions_needed(2, 300)

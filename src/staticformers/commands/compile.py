@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..compilation.compiler import cache_root
+    from ..compilation.progress import CompileProgress
     from ..api.generate import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
@@ -56,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'step':8s} {'shape':18s} {'seconds':>8s}  {'graphs':>6s}  cache")
     start = time.perf_counter()
 
-    def show(row):
-        print(f"{row['kind']:8s} {str(row['shape']):18s} {row['seconds']:8.2f}  {row['graphs']:6d}  "
-              f"{'hit' if row['cache_hit'] else 'compiled'}",
-              flush=True)
+    def row_line(row) -> str:
+        return (f"{row['kind']:8s} {str(row['shape']):18s} {row['seconds']:8.2f}  {row['graphs']:6d}  "
+                f"{'hit' if row['cache_hit'] else 'compiled'}")
 
+    show = CompileProgress(plan.num_shapes, settings.backend, write=lambda line: print(line, flush=True),
+                           describe=row_line)
+    show.begin()
     rows = engine.precompile(settings, progress=show)
     hits = sum(r["cache_hit"] for r in rows)
     print(f"{len(rows)} shapes, {sum(r['graphs'] for r in rows)} graphs in {time.perf_counter() - start:.1f} s "

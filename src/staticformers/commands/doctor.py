@@ -1,10 +1,27 @@
-"""`staticformers doctor`: what the seed's device check prints (`True 4`), and more."""
+"""`staticformers doctor`: what the seed's device check prints (`True 4`), and more.
+
+Nearly all of a plain `doctor`'s time is `import torch` (seconds, and far more on a busy machine or with a
+CUDA build's libraries to map). On a host where no accelerator can be present (no NVIDIA, AMD or Neuron
+device node, no torch-neuronx or torch_xla installed, a Linux host and a CPU build of torch), the answer
+is known without it: the CPU alone, which `cpu_only_report` writes from `backends/devices.py`'s table
+(tests/test_cli.py checks the two reports are equal). Anywhere else, or when torch is already imported
+(tests, the demo), the devices are probed through torch as always.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import textwrap
 
 HELP = "show the devices here, the one \"auto\" picks, and versions"
+WIDTH = 100  # the hint's lines are wrapped at this width
+# device nodes whose presence means an accelerator may be here (NVIDIA, AMD ROCm, Neuron)
+ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/neuron0")
+# kind -> (compile backend, torch.distributed backend): the table of backends/devices.py, read without torch
+BACKENDS = {"neuron": ("neuron", "neuron"), "xla": ("openxla", "xla"), "cuda": ("inductor", "nccl"),
+            "xpu": ("inductor", "xccl"), "mps": ("inductor", "gloo"), "cpu": ("inductor", "gloo")}
 
 
 def add_arguments(parser) -> None:
@@ -13,9 +30,13 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from .. import __version__
-    from ..backends.devices import describe
 
-    info = {"staticformers": __version__, **describe()}
+    info = cpu_only_report() if may_skip_torch() else None
+    if info is None:
+        from ..backends.devices import describe
+
+        info = describe()
+    info = {"staticformers": __version__, **info}
     info["neuron_hint"] = neuron_hint(info)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -33,8 +54,39 @@ def run(args) -> int:
     print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']}, "
           f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
     if info["neuron_hint"]:
-        print(info["neuron_hint"])
+        print(textwrap.fill(info["neuron_hint"], WIDTH, subsequent_indent="  ", break_on_hyphens=False,
+                            break_long_words=False))
     return 0
+
+
+def may_skip_torch() -> bool:
+    """Whether this host can have no device but the CPU, told without importing torch."""
+    import importlib.metadata
+    import importlib.util
+
+    if "torch" in sys.modules or not sys.platform.startswith("linux"):  # macOS: MPS; elsewhere: ask torch
+        return False
+    if any(os.path.exists(node) for node in ACCELERATOR_NODES):
+        return False
+    if any(importlib.util.find_spec(name) is not None for name in ("torch_neuronx", "torch_xla")):
+        return False
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False  # let the import say what is wrong
+    return "+xpu" not in version  # an XPU build may see an Intel GPU
+
+
+def cpu_only_report() -> dict:
+    """`describe()`'s report for a host whose only device is the CPU (what `may_skip_torch` established)."""
+    import importlib.metadata
+    import platform
+
+    devices = {name: {"available": name == "cpu", "count": int(name == "cpu"), "compile_backend": compile,
+                      "dist_backend": dist, "bf16": name == "cpu"} for name, (compile, dist) in BACKENDS.items()}
+    return {"python": platform.python_version(), "torch": importlib.metadata.version("torch"), "torch_neuronx": None,
+            "torch_xla": None, "pjrt_device": None, "devices": devices, "auto": "cpu",
+            "auto_compile_backend": BACKENDS["cpu"][0], "auto_bf16": True}
 
 
 def neuron_hint(info: dict) -> str | None:

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     streamer = TerminalStreamer(tok, show_prompt=not args.chat, skip_special_tokens=True)
     start = time.perf_counter()
     with CacheWatch() as cache:
+        if not args.no_compile:
+            compile_first(model, plan, CompileConfig(backend=args.backend), ids.shape[1], args.max_new_tokens)
         model.generate(
             input_ids=ids, streamer=streamer, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
             do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -96,6 +98,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {row['kind']:8s} {str(row['shape']):16s} {row['backend']:10s} graphs {row['graphs']} "
                   f"(first call {duration(row['first_call_seconds'])}) calls {row['calls']}", file=sys.stderr)
     return 0
+
+
+def compile_first(model, plan, compile_config, prompt_len: int, max_new_tokens: int) -> None:
+    """Build the shapes this one request needs (its prefill and decode steps) before generating, saying how
+    many and how long the rest should take (`compilation/progress.py`) on stderr, so that the first token does
+    not wait in silence; nothing is said when they are all built already. A request the plan refuses is left
+    to `generate`, which says why."""
+    from ..api.generate import compile_settings, engine_for
+    from ..compilation.progress import CompileProgress
+    from ..generation.generation_config import GenerationConfig
+    from ..generation.plan import PlanError, ShapePlan
+
+    engine = engine_for(model)
+    plan = plan.bind(model.config.max_position_embeddings) if plan is not None else engine.plan
+    try:
+        need = plan.positions_needed(prompt_len, max_new_tokens)
+        kv, prompt = plan.kv_bucket(need), plan.prompt_bucket(prompt_len)
+    except (PlanError, ValueError):
+        return
+    settings = compile_settings(model, GenerationConfig(), compile_config)
+    if not settings.enabled or (engine.warm("decode", 1, kv, settings) and engine.warm("prefill", 1, prompt, settings)):
+        return
+    mine = ShapePlan(batch_sizes=[1], prompt_lengths=[prompt], kv_lengths=[kv], max_model_len=plan.max_model_len)
+    progress = CompileProgress(mine.num_shapes, settings.backend,
+                               describe=lambda r: f"  {r['kind']} {r['shape']}: {duration(r['seconds'])} "
+                                                  f"({'loaded from the on-disk cache' if r['cache_hit'] else 'compiled'})")
+    progress.begin()
+    engine.precompile(settings, plan=mine.bind(model.config.max_position_embeddings), progress=progress)
 
 
 class TerminalStreamer(TextStreamer):

@@ -21,18 +21,18 @@ def check_backend(name: Optional[str]) -> None:
                      f"(or leave it out for the device's own).")
 
 
-# what a host needs for the `neuron` device (the README's "Trainium / Inferentia" section says more)
+# what a host needs for the `neuron` device (docs/trainium.md says more)
 NEURON_INSTALL = ("the neuron device is TorchNeuron's (Trn2/Trn3, Neuron SDK 2.33 or later): pip install "
                   "'torch-neuronx==2.13.*' 'neuronx-cc==2.*' --extra-index-url https://pip.repos.neuron.amazonaws.com "
                   "into a venv, then `make demo VENV=that-venv` in this checkout, which keeps its torch (SKIP_TORCH=1 keeps "
                   "any venv's torch); Inf2/Trn1's "
                   "XLA-based torch-neuronx (2.9 and before) has no neuron device: use device_map=\"xla\" there "
-                  "with PJRT_DEVICE=NEURON (README: \"Trainium / Inferentia\", \"XLA devices\")")
+                  "with PJRT_DEVICE=NEURON (docs/trainium.md, docs/xla.md)")
 
 _MISSING = {  # kind -> (what is wrong, what else to do)
     "cuda": ("this PyTorch ({torch}) sees no CUDA GPU here", "run on a machine with an NVIDIA GPU and a CUDA build of PyTorch"),
     "xla": ("torch_xla does not import with this PyTorch ({torch}) here, and it provides the xla device",
-            "install torch-xla with the torch it pins, in an environment of its own (README: \"XLA devices\")"),
+            "install torch-xla with the torch it pins, in an environment of its own (docs/xla.md)"),
     "neuron": ("torch-neuronx is not installed here, and it provides the neuron device",
                "install it on a Trainium instance (staticformers doctor says which)"),
     "xpu": ("this PyTorch ({torch}) sees no Intel GPU here", "run on a machine with one and PyTorch's XPU build"),

@@ -80,13 +80,13 @@ def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chun
     total = prompt_len + max_new_tokens
     if total > plan.max_model_len:
         raise PlanError(
-            f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {total} positions exceed "
+            f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens}: {total} positions exceed "
             f"max_model_len={plan.max_model_len}; lower max_new_tokens to at most "
             f"{max(plan.max_model_len - prompt_len, 0)} or raise max_model_len.")
     need = prompt_len + max_new_tokens - 1
     if need > plan.kv_lengths[-1]:
         raise PlanError(
-            f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens} needs {need} cache "
+            f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens} needs {need} cache "
             f"positions, more than the largest KV length ({plan.kv_lengths[-1]}): lower max_new_tokens to at "
             f"most {plan.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan.")
     return need

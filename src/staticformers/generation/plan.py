@@ -179,7 +179,7 @@ class ShapePlan:
             if length >= n:
                 return length
         raise PlanError(
-            f"The prompt has {n} tokens, more than the largest prompt bucket ({self.prompt_lengths[-1]}, "
+            f"The prompt has {n} token{'s' if n != 1 else ''}, more than the largest prompt bucket ({self.prompt_lengths[-1]}, "
             f"max_model_len={self.max_model_len}): shorten it or use a plan with a larger max_model_len."
         )
 
@@ -201,14 +201,14 @@ class ShapePlan:
         total = prompt_len + max_new_tokens
         if total > self.max_model_len:
             raise PlanError(
-                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {total} positions exceed "
+                f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens}: {total} positions exceed "
                 f"max_model_len={self.max_model_len}; lower max_new_tokens to at most "
                 f"{max(self.max_model_len - prompt_len, 0)} or raise max_model_len."
             )
         need = max(prompt_len + max_new_tokens - 1, 1)
         if need > self.kv_lengths[-1]:
             raise PlanError(
-                f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens} needs {need} cache "
+                f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens} needs {need} cache "
                 f"positions, more than the largest KV length ({self.kv_lengths[-1]}): lower max_new_tokens to at "
                 f"most {self.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan."
             )

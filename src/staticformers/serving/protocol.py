@@ -200,10 +200,10 @@ def _fit(prompts: list, asked: Optional[int], max_model_len: int, name: str) -> 
     for ids in prompts:
         room = max_model_len - len(ids)
         if room < 1:
-            raise ApiError(400, f"The prompt has {len(ids)} tokens, which leaves no room for an answer within "
+            raise ApiError(400, f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''}, which leaves no room for an answer within "
                                 f"--max-model-len={max_model_len}: shorten it.", param="messages" if name == "chat" else "prompt")
         if asked is not None and len(ids) + asked > max_model_len:
-            raise ApiError(400, f"The prompt has {len(ids)} tokens and max_tokens={asked}: {len(ids) + asked} exceed "
+            raise ApiError(400, f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens={asked}: {len(ids) + asked} exceed "
                                 f"--max-model-len={max_model_len}; ask for at most {room} tokens.", param="max_tokens")
         out.append(asked if asked is not None else room)
     return out

@@ -130,14 +130,20 @@ def serving_plan(model, options: ServeOptions):
 
 class PrecompileBar:
     """`--precompile`'s progress: a bar over the plan's shapes (`total`), each shape's kind, size and seconds
-    beside it; its last line is printed once, by `close()`."""
+    beside it, and a line before each shape saying which it is and how long the rest should take
+    (`compilation/progress.py`); its last line is printed once, by `close()`."""
 
-    def __init__(self, total: int, file=None):
+    def __init__(self, total: int, file=None, backend: str = ""):
         from tqdm.auto import tqdm
 
+        from ..compilation.progress import CompileProgress
+
         self.bar = tqdm(desc="compiling the shape plan", unit="shape", total=total, file=file)
+        self.progress = CompileProgress(total, backend, write=lambda line: self.bar.write(line, file=file))
+        self.progress.begin()
 
     def __call__(self, row: dict) -> None:
+        self.progress(row)
         self.bar.set_postfix_str(f"{row['kind']} {row['shape']} {row['seconds']:.1f} s", refresh=False)
         if self.bar.n + 1 < self.bar.total:
             self.bar.update(1)
@@ -334,7 +340,10 @@ def _precompile_bar(model, plan, options: ServeOptions) -> Optional[PrecompileBa
 
     if not precompiles(for_device(model.device), options):
         return None
-    return PrecompileBar(plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0))
+    from ..backends.devices import default_backend
+
+    return PrecompileBar(plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0),
+                         backend=options.backend or default_backend(model.device))
 
 
 def serve(options: ServeOptions) -> int:
