@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -65,9 +66,27 @@ async def read_body(state: ServerState, request: Request) -> Any:
     return await asyncio.to_thread(_parsed, bytes(raw))  # a body of megabytes: off the event loop
 
 
+class _NotFinite(ValueError):
+    """A number JSON cannot carry back (NaN, Infinity, or one too large for a float)."""
+
+
+def _constant(text: str):
+    raise _NotFinite(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)
+    return value
+
+
 def _parsed(raw: bytes) -> Any:
     try:
-        body = json.loads(raw or b"null")
+        body = json.loads(raw or b"null", parse_constant=_constant, parse_float=_finite_float)
+    except _NotFinite as err:
+        raise ApiError(400, f"The request body holds the number {err}, which JSON does not allow and no answer "
+                            f"could repeat: send finite numbers.") from None
     except RecursionError:
         raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep: flatten it.") from None
     except ValueError:
