@@ -92,9 +92,14 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 def load(options: ServeOptions):
     """The tokenizer and the model (partitioned over the torchrun job with tensor parallel)."""
+    from ..adapters.lora import RESERVED
     from ..api.auto import from_pretrained
     from ..tokenization.tokenizer import AutoTokenizer
 
+    for name in options.lora_modules:
+        if name in RESERVED:
+            raise ValueError(f"The adapter name {name!r} in --lora-modules is reserved: {RESERVED[name]}. Pick another "
+                             f"name.")
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     kwargs = {}
     if options.tensor_parallel_size > 1:
