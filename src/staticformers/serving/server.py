@@ -51,6 +51,7 @@ class ServeOptions:
     tensor_parallel_size: int = 1
     grace: float = 30.0
     max_body_bytes: int = 4 * 2**20
+    max_grammar_bytes: int = 64 * 2**10  # the largest constraint (schema, regex, choices, grammar) compiled
     lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
     max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
@@ -231,6 +232,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
+                       max_grammar_bytes=options.max_grammar_bytes,
                        reasoning_parser=check_parser(options.reasoning_parser),
                        adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
                        runtime_lora=options.enable_lora_runtime_updates,
