@@ -1,7 +1,9 @@
 """Constraints compile off the event loop, bounded and cached: `/health` is answered while the largest
 grammar the server accepts (`--max-grammar-bytes`) compiles, counted in answers received during its compile,
 not in seconds; a larger one is a 400 naming the limit before anything compiles; the same constraint sent
-twice compiles once. One server for the module."""
+twice compiles once. A constraint whose text holds an added token's text (`<think>`, `<tool_call>`) is a
+400 saying why (llguidance's mask offered only the added token, its matcher refused it, and the answer was
+cut after it with finish "stop"). One server for the module."""
 
 from __future__ import annotations
 
@@ -128,3 +130,23 @@ def test_the_same_constraint_compiles_once(server, monkeypatch):
             "structured_outputs": {"json": body}}, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
     assert len(compiled) == 2, compiled  # one regex, one schema
+
+
+@pytest.mark.parametrize("field,value,param,held", [
+    ("structured_outputs", {"choice": ["<think>hello", "bye"]}, "structured_outputs.choice", "<think>"),
+    ("structured_outputs", {"regex": "a <tool_call> b"}, "structured_outputs.regex", "<tool_call>"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "object", "properties": {"tag": {"const": "</think>"}}, "required": ["tag"]}}},
+     "response_format.json_schema.schema", "</think>"),
+])
+def test_a_constraint_holding_an_added_token_s_text_is_a_400_saying_why(server, field, value, param, held):
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, field: value},
+        timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert error["message"] == (
+        f"{param} holds {held!r}, the text of one of the model's added tokens, which a constrained answer cannot "
+        f"write (the mask offers only the added token, which the grammar then refuses): leave it out of the "
+        f"constraint.")

@@ -118,6 +118,11 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.tokenizer = self.ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
         self._token_ids = {t: i for t, i in tokenizer.get_vocab().items()} if hasattr(tokenizer, "get_vocab") else {}
+        # the added tokens' texts (`<think>`, `<tool_call>`, ...): where a constraint's text holds one, llguidance's
+        # mask allows only the added token and its matcher then refuses it (the answer ends there), so such a
+        # constraint is refused (`compile`)
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added_texts = tuple(sorted({getattr(t, "content", str(t)) for t in decoder.values()} - {""}))
         self._compiled: OrderedDict = OrderedDict()  # `StructuredOutputs.text()` -> Grammar, least recent first
         self._compiled_lock = threading.Lock()
 
@@ -130,6 +135,13 @@ class GrammarCompiler:
         default `structured_outputs.<kind>`) and the library's error. The last `COMPILED_KEPT` grammars are
         kept by their text (`StructuredOutputs.text`): a client repeating its constraint compiles it once."""
         key = spec.text()
+        if spec.kind() != "lark":  # a forced tool call's grammar names added tokens on purpose, by their ids
+            held = [t for t in self.added_texts if t in key]
+            if held:
+                raise ValueError(f"{param or 'structured_outputs.' + spec.kind()} holds {held[0]!r}, the text of one "
+                                 f"of the model's added tokens, which a constrained answer cannot write (the mask "
+                                 f"offers only the added token, which the grammar then refuses): leave it out of the "
+                                 f"constraint.")
         with self._compiled_lock:
             grammar = self._compiled.get(key)
             if grammar is not None:
