@@ -49,11 +49,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# both suites run whatever the other's result; the target fails if either failed, and says which
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
-ifeq ($(SKIP_XLA),)
-	$(MAKE) test-xla
-endif
+	@main=0; $(PY) -m pytest -q -n 2 --dist loadfile tests || main=$$?; \
+	xla=skipped; if [ -z "$(SKIP_XLA)" ]; then xla=0; $(MAKE) test-xla || xla=$$?; fi; \
+	echo "make test: main suite exit $$main, XLA suite exit $$xla"; \
+	[ "$$main" = 0 ] && { [ "$$xla" = 0 ] || [ "$$xla" = skipped ]; }
 
 # no prerequisite on the requirements file: its hash names the folder, and a fresh clone's newer file
 # must not reinstall 7 GB

@@ -79,3 +79,34 @@ def test_the_test_extra_builds_the_docs_and_draws_the_loss_curve():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         test = tomllib.load(f)["project"]["optional-dependencies"]["test"]
     assert any(d.startswith("mkdocs") for d in test) and any(d.startswith("matplotlib") for d in test)
+
+
+def test_make_test_runs_the_xla_suite_when_the_main_suite_fails_and_reports_both(tmp_path):
+    """A main-suite failure must not hide the XLA suite: both run, both exit codes are printed, and the target
+    fails. Stand-in pythons record what they were asked to run; the main one fails its pytest run."""
+    import shutil
+    import stat
+    import subprocess
+    import sys
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed here")
+    log = tmp_path / "ran.log"
+    for name, pytest_status in (("main", 3), ("xla", 0)):
+        venv = tmp_path / name
+        (venv / "bin").mkdir(parents=True)
+        python = venv / "bin" / "python"
+        python.write_text(
+            "#!/bin/sh\n"
+            f"case \"$*\" in *pytest*) echo \"{name} $*\" >> {log}; exit {pytest_status};; esac\n"
+            f"exec {sys.executable} \"$@\"\n")
+        python.chmod(python.stat().st_mode | stat.S_IXUSR)
+        (venv / ".installed").touch()  # the set-up stamps, newer than pyproject.toml: nothing is installed
+    res = subprocess.run(["make", "-s", "-C", ROOT, "test", f"VENV={tmp_path / 'main'}",
+                          f"XLA_VENV={tmp_path / 'xla'}", "SKIP_TORCH=1"],
+                         capture_output=True, text=True, timeout=120)
+    ran = log.read_text().splitlines()
+    assert [line.split()[0] for line in ran] == ["main", "xla"], (ran, res.stdout, res.stderr)
+    assert "tests/xla" in ran[1]
+    assert res.returncode != 0
+    assert "make test: main suite exit 3, XLA suite exit 0" in res.stdout

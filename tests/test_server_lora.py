@@ -212,8 +212,10 @@ def test_adapters_load_use_unload_and_load_again_under_8_clients(server, client,
     for t in threads:
         t.start()
     try:
-        while len(done) < 7:
+        deadline = time.monotonic() + 300  # generous: 7 short answers; only a stuck server reaches it
+        while len(done) < 7 and time.monotonic() < deadline and not failures:
             time.sleep(0.01)
+        assert len(done) >= 7, f"the 7 clients had {len(done)} answers, not 7, within 300 s: {failures[:3]}"
         for _ in range(2):  # load, use (an 8th client), unload while its row runs, then again
             r = post(server, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]})
             assert r.status_code == 200, r.text
@@ -221,7 +223,9 @@ def test_adapters_load_use_unload_and_load_again_under_8_clients(server, client,
             assert ask("third")[:2] == (want["third"], "length")
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 running = pool.submit(ask, "third")
+                deadline = time.monotonic() + 120
                 while not server.state.engine.uses_adapter("third") and not running.done():
+                    assert time.monotonic() < deadline, "the 8th client's request was never queued within 120 s"
                     time.sleep(0.002)  # its row is queued or running: the unload below must wait for it
                 r = post(server, "/v1/unload_lora_adapter", {"lora_name": "third"})
                 assert r.status_code == 200, r.text

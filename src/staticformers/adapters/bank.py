@@ -33,11 +33,12 @@ from ..models.quantization import compute_dtype
 from .files import read_adapter
 from .bank_registry import bank_of, drop_bank, set_bank
 from . import fused_targets
-from .lora import BASE, LoraLinear, linear_candidates, lora_modules, target_names, wrap
+from .lora import BASE, RESERVED, LoraLinear, linear_candidates, lora_modules, target_names, wrap
 from .lora_config import LoraConfig
 
 MAX_ROWS = 4096  # the largest batch the rows index holds
 _serial = itertools.count(1)
+_loads = itertools.count(1)  # each write of a slot: a number no other write in this process has
 
 
 class AdapterBankError(ValueError):
@@ -54,6 +55,8 @@ class AdapterBank:
         self.slots: dict[str, int] = {}
         self.sources: dict[str, str] = {}  # name -> the folder it was read from ("" for a named adapter)
         self._versions: dict[str, tuple] = {}
+        self.loads: dict[int, int] = {}  # slot -> the load it holds (`load_of`)
+        self.changes = 0  # slots written or cleared so far (a reader compares it to skip unchanged banks)
         self.engaged = False
         self.serial = next(_serial)  # part of the engine's fingerprint (adapters.adapter_state)
         weight = next(iter(layers.values())).base_layer.weight
@@ -91,6 +94,8 @@ class AdapterBank:
     def put(self, name: str, weights: dict, source: str = "") -> int:
         """Write adapter `name` (module -> (A `[r, in]`, B `[out, r]`, scaling)) into its slot (a free one for a
         new name), in place; returns the slot."""
+        if name in RESERVED:
+            raise AdapterBankError(f"The adapter name {name!r} is reserved: {RESERVED[name]}. Pick another name.")
         outside = [m for m in weights if m not in self.layers]
         if outside:
             raise AdapterBankError(f"Adapter {name!r} has weights on {outside[0]}, which this bank does not cover: make "
@@ -117,7 +122,16 @@ class AdapterBank:
                     layer.lora_bank_A[slot, :r].copy_(a)
                     layer.lora_bank_B[slot, :, :r].copy_(b.float() * scaling)
         self.slots[name], self.sources[name] = slot, source
+        self.loads[slot] = next(_loads)
+        self.changes += 1
         return slot
+
+    def load_of(self, slot: int) -> int:
+        """Which write of `slot` it holds now: a number given at each `put` and never given again, so
+        anything computed with an adapter (the prefix cache's keys and values) can tell a reloaded adapter
+        from the one it replaced though the name and the slot are the same; 0 for slot 0 (no adapter) and
+        for a free slot."""
+        return self.loads.get(int(slot), 0)
 
     def put_named(self, name: str) -> int:
         """Copy the model's named adapter `name` into the bank (again, when it is there already)."""
@@ -141,6 +155,8 @@ class AdapterBank:
         slot = self.slots.pop(name)
         self.sources.pop(name, None)
         self._versions.pop(name, None)
+        self.loads.pop(slot, None)
+        self.changes += 1
         with torch.no_grad():
             for layer in self.layers.values():
                 layer.lora_bank_A[slot].zero_()

@@ -45,6 +45,7 @@ logger = logging.getLogger("staticformers")
 
 DEFAULT_ADAPTER = "default"
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch (`adapter_names`)
+RESERVED = {BASE: "it names the base model without an adapter"}  # names no adapter may take, and why
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 

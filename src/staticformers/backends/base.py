@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..compilation import inductor_cache_dir
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
 from ..compilation.steps import (DecodeStep, ExtendStep, PrefillStep, ScoreStep, Step, whole_decode, whole_extend,
                                  whole_prefill, whole_score)
@@ -136,7 +137,10 @@ class Backend:
         return settings.enabled and settings.backend == "inductor" and bool(dict(settings.options).get("freezing", False))
 
     def before_compile(self, settings) -> None:
-        """What a process needs before its first compile under `settings` (the persistent caches)."""
+        """What a process needs before its first compile under `settings`: a usable inductor cache folder
+        (checked before Dynamo is imported) and the persistent caches."""
+        if settings.enabled:
+            inductor_cache_dir.usable()
         if settings.enabled and settings.backend not in ("eager", "aot_eager"):
             enable_persistent_cache()
 

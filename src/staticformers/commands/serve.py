@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "anything or pausing running requests; an unload waits for the adapter's requests")
     p.add_argument("--lora-root", default=None, metavar="FOLDER",
                    help="the folder run-time adapter loads must come from (default: none, every load refused)")
+    p.add_argument("--max-grammar-bytes", type=int, default=64 * 2**10, metavar="N",
+                   help="the largest constraint a request may send (a JSON schema, regex, choice list or grammar, "
+                        "in bytes); its compile time grows faster than its size (default 65536)")
     p.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
                    help="responses of /v1/responses kept in memory for previous_response_id (store=true, OpenAI's "
                         "default); one more evicts the oldest (default 1024; 0 keeps none)")
@@ -144,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
                          "process.")
     if args.lora_root is not None and not os.path.isdir(args.lora_root):
         raise ValueError(f"--lora-root {args.lora_root!r} is not a folder: pass the folder adapters are loaded from.")
+    if args.max_grammar_bytes < 1:
+        raise ValueError(f"--max-grammar-bytes {args.max_grammar_bytes} must be at least 1 byte.")
     if args.responses_store_size < 0:
         raise ValueError(f"--responses-store-size {args.responses_store_size} must be 0 or more responses.")
     if args.api_key is not None and not args.api_key.strip():
@@ -169,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                            no_compile=args.no_compile, tensor_parallel_size=args.tensor_parallel_size,
                            grace=args.grace, lora_modules=adapters, max_loras=args.max_loras,
                            max_lora_rank=args.max_lora_rank, responses_store_size=args.responses_store_size,
+                           max_grammar_bytes=args.max_grammar_bytes,
                            enable_lora_runtime_updates=args.enable_lora_runtime_updates, lora_root=args.lora_root,
                            precompile_prompt_logprobs=args.precompile_prompt_logprobs,
                            speculative_config=args.speculative_config,

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import cache_safety
+from . import cache_safety, inductor_cache_dir
 
 logger = logging.getLogger("staticformers")
 
@@ -101,6 +101,7 @@ def enable_persistent_cache() -> str:
     if _ENABLED_FOR is not None or not _user_inductor_dir():
         # ours (first time, or the root moved since): inductor reads this variable at each lookup
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    inductor_cache_dir.usable()  # the user's folder, or ours, unusable: a temporary one, with one warning
     os.environ.setdefault("NEURON_COMPILE_CACHE_URL", os.path.join(root, "neuron"))
     try:
         import torch._inductor.config as inductor_config
@@ -282,6 +283,7 @@ def compile_function(
     `CompiledFunction` subclass a backend provides) and `extra` (its own fields) let a backend add
     behaviour to the call, never to what is counted.
     """
+    inductor_cache_dir.usable()  # before Dynamo is imported: an unusable folder would end the run
     if backend not in ("eager", "aot_eager") and not callable(backend):
         enable_persistent_cache()
     counter = GraphCounter(name, backend, mode, options, limit=1, shape=shape)
@@ -301,6 +303,7 @@ def compile_module_calls(modules, name: str, backend, limit: Optional[int] = Non
     Dynamo's per-code recompile limit with the others (`nn.Module.compile` puts every module of one class
     on one code object, and past that limit they would silently run eagerly). Returns the counters."""
     counters = []
+    inductor_cache_dir.usable()  # before Dynamo is imported: an unusable folder would end the run
     for i, module in enumerate(modules):
         counter = GraphCounter(f"{name}_{i}", backend, limit=limit)
         if not callable(backend) and backend not in ("eager", "aot_eager"):

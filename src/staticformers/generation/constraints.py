@@ -29,6 +29,7 @@ import re
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -36,6 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 INSTALL = "pip install 'staticformers[structured]'"
+COMPILED_KEPT = 64  # compiled grammars a compiler keeps by their text
 
 
 @dataclass
@@ -53,6 +55,14 @@ class StructuredOutputs:
     lark: Optional[str] = None
     # compact JSON (", " and ": " between items, no free whitespace), as json.dumps writes it; True allows any
     whitespace: bool = False
+
+    def text(self) -> str:
+        """The constraint as the client wrote it (a schema or list as compact JSON): what its size is
+        measured by, and what compiled grammars are cached by (`GrammarCompiler.compile`)."""
+        kind = self.kind()
+        value = getattr(self, kind)
+        body = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+        return f"{kind}:{int(self.whitespace)}:{body}"
 
     def kind(self) -> str:
         given = [k for k in ("json", "regex", "choice", "grammar", "lark") if getattr(self, k) is not None]
@@ -108,6 +118,13 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.tokenizer = self.ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
         self._token_ids = {t: i for t, i in tokenizer.get_vocab().items()} if hasattr(tokenizer, "get_vocab") else {}
+        # the added tokens' texts (`<think>`, `<tool_call>`, ...): where a constraint's text holds one, llguidance's
+        # mask allows only the added token and its matcher then refuses it (the answer ends there), so such a
+        # constraint is refused (`compile`)
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added_texts = tuple(sorted({getattr(t, "content", str(t)) for t in decoder.values()} - {""}))
+        self._compiled: OrderedDict = OrderedDict()  # `StructuredOutputs.text()` -> Grammar, least recent first
+        self._compiled_lock = threading.Lock()
 
     def token_id(self, text: str) -> Optional[int]:
         """The id of a token spelled `text` in the vocabulary (e.g. `</think>`), None if there is none."""
@@ -115,7 +132,29 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs, param: Optional[str] = None) -> Grammar:
         """The grammar of `spec`; a bad schema, regex or grammar is a `ValueError` naming it (`param`, by
-        default `structured_outputs.<kind>`) and the library's error."""
+        default `structured_outputs.<kind>`) and the library's error. The last `COMPILED_KEPT` grammars are
+        kept by their text (`StructuredOutputs.text`): a client repeating its constraint compiles it once."""
+        key = spec.text()
+        if spec.kind() != "lark":  # a forced tool call's grammar names added tokens on purpose, by their ids
+            held = [t for t in self.added_texts if t in key]
+            if held:
+                raise ValueError(f"{param or 'structured_outputs.' + spec.kind()} holds {held[0]!r}, the text of one "
+                                 f"of the model's added tokens, which a constrained answer cannot write (the mask "
+                                 f"offers only the added token, which the grammar then refuses): leave it out of the "
+                                 f"constraint.")
+        with self._compiled_lock:
+            grammar = self._compiled.get(key)
+            if grammar is not None:
+                self._compiled.move_to_end(key)
+                return grammar
+        grammar = self._compile(spec, param)
+        with self._compiled_lock:
+            self._compiled[key] = grammar
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutputs, param: Optional[str]) -> Grammar:
         ll = self.ll.LLMatcher
         kind = spec.kind()
         param = param or f"structured_outputs.{kind}"

@@ -167,6 +167,7 @@ class GenerationLoop:
             if self.chunked or prefix_caching else None
         self.prefix = PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp) \
             if prefix_caching else None
+        self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
         self.chunks = 0  # extend steps run for chunks (reported)
         self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
 
@@ -430,21 +431,33 @@ class GenerationLoop:
 
     def _own_prefixes(self) -> None:
         """Before a prefill or chunk matches or stores prefixes: empty the pool if the weights changed (once per
-        call: the fingerprint walks the parameters)."""
+        call: the fingerprint walks the parameters), and free the blocks of adapter loads the bank no longer
+        holds (an adapter unloaded or reloaded: its slot written in place, which the fingerprint cannot see)."""
         if self.prefix is not None:
             self.prefix.owned_by(self.engine.weights_fingerprint())
+            bank = bank_of(self.engine.model)
+            if bank is not None and bank.changes != self._bank_changes:
+                self._bank_changes = bank.changes
+                self.prefix.retire(lambda tag: tag is None or bank.load_of(tag[0]) == tag[1])
+
+    def _adapter_load(self, row: _Row) -> tuple:
+        """(the row's bank slot, the load it holds now): a reloaded adapter's prefixes are not the old one's."""
+        bank = bank_of(self.engine.model) if row.adapter else None
+        return row.adapter, bank.load_of(row.adapter) if bank is not None else 0
 
     def _match_prefix(self, row: _Row) -> list:
         """The pool rows of the prefix cache's longest match for a joining row ([] when caching is off, or the
         request scores its prompt, which needs every position's logits)."""
         if self.prefix is None or row.request.sampling.prompt_logprobs is not None:
             return []
-        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, row.adapter))
+        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, *self._adapter_load(row)))
 
     def _store_prefix(self, slot: int, row: _Row) -> None:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on)."""
         if self.prefix is not None:
-            if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, row.adapter)):
+            load = self._adapter_load(row)
+            if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, *load),
+                                 tag=load if row.adapter else None):
                 self.engine.backend.flush(self.engine.model.device)
 
     def _fail_rows(self, slots: list, exc: BaseException) -> None:

@@ -31,13 +31,17 @@ Design choices:
   never drops one, so no block is refused for a window.
 - **Weights change, pool empties.** The pool remembers the engine's weights fingerprint it was filled
   under (`owner`); new weights, an adapter swapped or trained in place drop every block.
+- **An adapter reloaded is another adapter.** The adapter bank rewrites a slot in place, which changes no
+  parameter, so the fingerprint cannot see it: each write of a slot gets a new load number
+  (`AdapterBank.load_of`), which the adapter's key includes, and `retire` frees the blocks of loads the
+  bank no longer holds (an adapter unloaded, or loaded again under its name from other files).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -67,6 +71,7 @@ class PrefixCache:
         self.queries = self.hits = 0  # prompt tokens looked up, and served from the pool
         self.evictions = 0
         self.owner: Any = None
+        self.tags: dict[bytes, Any] = {}  # block key -> the adapter load it was computed under (`retire`)
 
     @staticmethod
     def bytes_for(model, blocks: int, block_size: int, tp: int = 1) -> int:
@@ -93,7 +98,19 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.index.clear()
+        self.tags.clear()
         self.free = list(range(self.blocks))
+
+    def retire(self, live: Callable[[Any], bool]) -> int:
+        """Free the blocks whose tag (the adapter load given to `store`) `live` says is gone; returns how many.
+        Their keys can never match again (the key holds the load), so this only gives their rows back."""
+        dead = [key for key, tag in self.tags.items() if not live(tag)]
+        for key in dead:
+            self.tags.pop(key)
+            row = self.index.pop(key, None)
+            if row is not None:
+                self.free.append(row)
+        return len(dead)
 
     def match(self, prompt: Sequence[int], adapter: str) -> list[int]:
         """The pool rows of the longest cached prefix of `prompt` (whole blocks, leaving at least its last
@@ -124,11 +141,11 @@ class PrefixCache:
             b, h, bs, d = src[index].shape
             dst[slot_index, :, positions] = src[index].transpose(1, 2).reshape(1, b * bs, h, d)
 
-    def store(self, cache: KVCache, slot: int, prompt: Sequence[int], adapter: str) -> int:
+    def store(self, cache: KVCache, slot: int, prompt: Sequence[int], adapter: str, tag: Any = None) -> int:
         """Keep every full block of `prompt` (whose keys and values are in positions `0..len - 1` of the cache
         row `slot`) that the pool does not hold, evicting the least recently used; returns how many were
         stored. One scatter of every block position of the row, the blocks not stored sent to the scratch
-        row."""
+        row. `tag` (the adapter load) is what `retire` asks about."""
         keys = self.block_keys(prompt, adapter)
         index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
         stored = []
@@ -146,6 +163,7 @@ class PrefixCache:
                 _, h, bs, d = dst.shape
                 dst[index] = src[slot_index, :, positions].reshape(-1, bs, h, d).transpose(1, 2)
             self.index.update(stored)
+            self.tags.update((key, tag) for key, _ in stored)
         for key in reversed(keys):  # the chain's first blocks most recently used, as `match` leaves them
             if key in self.index:
                 self.index.move_to_end(key)
@@ -158,6 +176,7 @@ class PrefixCache:
         for key in self.index:
             if key not in keep:
                 self.evictions += 1
+                self.tags.pop(key, None)
                 return self.index.pop(key)
         return None
 
@@ -174,9 +193,10 @@ class PrefixCache:
         return len(self.index)
 
 
-def adapter_key(request_adapter: Optional[str], slot: int) -> str:
-    """What separates one adapter's prefixes from another's: the name the request gave and its bank slot."""
-    return repr((request_adapter, int(slot)))
+def adapter_key(request_adapter: Optional[str], slot: int, load: int = 0) -> str:
+    """What separates one adapter's prefixes from another's: the name the request gave, its bank slot and
+    the load that slot holds (`AdapterBank.load_of`: a new number each time the slot is written)."""
+    return repr((request_adapter, int(slot), int(load)))
 
 
 __all__ = ["PrefixCache", "adapter_key"]

@@ -90,14 +90,27 @@ def _number(body: dict, name: str, low: float, high: float, default=None, low_op
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(name, value, "must be a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise invalid(name, value, "must be a finite number")
     if value < low or value > high or (low_open and value == low):
         raise invalid(name, value, f"must be in {'(' if low_open else '['}{low}, {high}]")
     return float(value)
 
 
+def _finite(value) -> bool:
+    """Whether a JSON number is a finite float (an integer past a float's range is not: 10**400)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+INT64_MAX = 2**63 - 1  # the widest integer any field reaches the engine as (a torch.long)
+
+
 def _integer(body: dict, name: str, low: int, high: Optional[int] = None, default=None):
+    """An integer field in [low, high]; with no `high`, in [low, INT64_MAX] (a bigger one cannot reach the
+    engine, which holds it in 64 bits)."""
     value = body.get(name)
     if value is None:
         return default
@@ -105,6 +118,8 @@ def _integer(body: dict, name: str, low: int, high: Optional[int] = None, defaul
         raise invalid(name, value, "must be an integer")
     if value < low or (high is not None and value > high):
         raise invalid(name, value, f"must be between {low} and {high}" if high is not None else f"must be at least {low}")
+    if high is None and value > INT64_MAX:
+        raise invalid(name, value, f"must be an integer that fits in 64 bits (at most {INT64_MAX})")
     return value
 
 
@@ -152,6 +167,7 @@ def _sampling(body: dict, defaults: dict, eos: list[int], vocab: int, logprobs: 
     temperature = _number(body, "temperature", 0.0, 2.0, defaults.get("temperature", 1.0))
     top_p = _number(body, "top_p", 0.0, 1.0, defaults.get("top_p"), low_open=True)
     top_k = _integer(body, "top_k", -1, None, defaults.get("top_k"))
+    top_k = min(top_k, vocab) if top_k is not None else None  # a k past the vocabulary keeps every token
     min_p = _number(body, "min_p", 0.0, 1.0, defaults.get("min_p"))
     presence = _number(body, "presence_penalty", -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", -2.0, 2.0)
@@ -382,10 +398,15 @@ def _tools(tools: Any) -> Optional[list]:
     return tools
 
 
-def _check_min_tokens(settings: dict, asked: Optional[int], name: str) -> None:
+def _check_min_tokens(settings: dict, asked: Optional[int], name: str, fitted: Optional[list] = None) -> None:
+    """Refuse a min_tokens above what was asked (`asked`), or, with no max_tokens, above the room the
+    prompts leave (`fitted`)."""
     low = settings.get("min_new_tokens") or 0
     if asked is not None and low > asked:
         raise invalid("min_tokens", low, f"is more than {name}={asked}: ask for at most {asked}")
+    if asked is None and fitted and low > min(fitted):
+        raise invalid("min_tokens", low, f"is more than the {min(fitted)} tokens the prompt leaves within "
+                                         f"--max-model-len: ask for at most {min(fitted)}")
 
 
 def _template_call(call: Any, i: int) -> dict:
@@ -441,13 +462,15 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     _check_min_tokens(settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None
                       else "max_tokens")
+    fitted = _fit([ids], asked, max_model_len, "chat")
+    _check_min_tokens(settings, asked, "max_tokens", fitted)
     spec, param = structured(body)
     forced = tool_choice not in (None, "none", "auto") and bool(tools)
     if forced and spec is not None:
         raise invalid(param.split(".")[0], body.get(param.split(".")[0]),
                       "cannot be combined with a forced tool call (tool_choice): send one of them")
     return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
-               _fit([ids], asked, max_model_len, "chat"), stop=_stop(body), stream=stream,
+               fitted, stop=_stop(body), stream=stream,
                include_usage=include_usage, logprobs=logprobs, tools=tools or None,
                skip_special_tokens=_boolean(body, "skip_special_tokens", True), structured=spec,
                structured_param=param, tool_choice=tool_choice if forced else None, parallel_tool_calls=parallel)

@@ -58,7 +58,7 @@ class ChoiceRun:
         self.state, self.job, self.index, self.request_id, self.sink = state, job, index, request_id, sink
         self.metrics = metrics or state.metrics  # counted under the name the request asked for
         self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
-        self.tools = ToolCallParser() if job.tools else None
+        self.tools = ToolCallParser(forced=job.tool_choice is not None) if job.tools else None
         self.reasoner = ReasoningSplitter(state.reasoning_parser, job.reasoning) if job.reasoning else None
         self.arrival, self.last = arrival, None
         self.completion_tokens = 0
@@ -186,12 +186,13 @@ def usage(job: Job, runs: list) -> dict:
 # ---------------------------------------------------------------------------------------------
 # a job's requests: queued, followed, cancelled
 # ---------------------------------------------------------------------------------------------
-def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = None) -> tuple[str, list]:
+async def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str] = None) -> tuple[str, list]:
     """Validate and queue a job's requests (computed with `adapter`, None: the base model); returns the
-    response id and one ChoiceRun per choice."""
+    response id and one ChoiceRun per choice. Its grammar compiles in a worker thread: a large one takes
+    seconds, which the event loop (every other connection, `/health`) must not wait for."""
     rid = f"{prefix}-{uuid.uuid4().hex}"
     aloop = asyncio.get_running_loop()
-    grammar = constraint(state, job)
+    grammar = await asyncio.to_thread(constraint, state, job)
     requests = [GenerationRequest(job.prompts[c.prompt_index], max(1, job.max_tokens[c.prompt_index]), c.sampling,
                                   request_id=f"{rid}-{c.index}", adapter=adapter, structured_outputs=grammar)
                 for c in job.choices]
@@ -232,10 +233,17 @@ def constraint(state: ServerState, job: Job):
     if job.tool_choice is not None:
         name = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
         vocab = state.tokenizer.get_vocab()
-        spec = tool_call_grammar(job.tools, name, job.parallel_tool_calls, vocab.get(OPEN), vocab.get(CLOSE))
+        # a named function is exactly one call of it; "required" is one call, or several with parallel calls
+        spec = tool_call_grammar(job.tools, name, job.parallel_tool_calls and name is None, vocab.get(OPEN),
+                                 vocab.get(CLOSE))
         param = "tool_choice"
     if spec is None:
         return None
+    size = len(spec.text().encode("utf-8", "surrogatepass"))
+    if size > state.max_grammar_bytes:
+        raise ApiError(400, f"{param} is {size} bytes, more than this server compiles (--max-grammar-bytes="
+                            f"{state.max_grammar_bytes}): a grammar's compile time grows faster than its size; send a "
+                            f"smaller one, or restart the server with a larger --max-grammar-bytes.", param=param)
     try:
         compiler = compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids)
         grammar = compiler.compile(spec, param)
@@ -346,7 +354,7 @@ async def reply(state: ServerState, request: Request, job: Job, prefix: str, ada
     """A parsed job's whole life: queued, then streamed (`chunks(tokenizer, job, rid, created, served, n)`
     makes each delta's chunk) or answered whole (`answer(tokenizer, job, rid, created, served, runs,
     collected)`); `kind` is the streamed chunks' `object`."""
-    rid, runs = start(state, job, prefix, adapter)
+    rid, runs = await start(state, job, prefix, adapter)
     created = int(time.time())
     if job.stream:
         return streamed(state, job, rid, runs, chunks(state.tokenizer, job, rid, created, served, len(runs)), kind,

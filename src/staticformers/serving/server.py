@@ -51,6 +51,7 @@ class ServeOptions:
     tensor_parallel_size: int = 1
     grace: float = 30.0
     max_body_bytes: int = 4 * 2**20
+    max_grammar_bytes: int = 64 * 2**10  # the largest constraint (schema, regex, choices, grammar) compiled
     lora_modules: dict = field(default_factory=dict)  # adapter name -> PEFT folder (a request's `model` picks one)
     max_loras: Optional[int] = None  # adapters the bank has room for (default: as many as --lora-modules)
     max_lora_rank: Optional[int] = None  # the largest rank it holds (default: the largest given)
@@ -92,9 +93,14 @@ def stop_ids(model, tokenizer) -> list[int]:
 
 def load(options: ServeOptions):
     """The tokenizer and the model (partitioned over the torchrun job with tensor parallel)."""
+    from ..adapters.lora import RESERVED
     from ..api.auto import from_pretrained
     from ..tokenization.tokenizer import AutoTokenizer
 
+    for name in options.lora_modules:
+        if name in RESERVED:
+            raise ValueError(f"The adapter name {name!r} in --lora-modules is reserved: {RESERVED[name]}. Pick another "
+                             f"name.")
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     kwargs = {}
     if options.tensor_parallel_size > 1:
@@ -232,6 +238,7 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
                        max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
                        defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
                        api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
+                       max_grammar_bytes=options.max_grammar_bytes,
                        reasoning_parser=check_parser(options.reasoning_parser),
                        adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
                        runtime_lora=options.enable_lora_runtime_updates,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,6 +23,7 @@ from .protocol import ApiError
 from .response_store import ResponseStore
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2**10  # a constraint's text (schema, regex, choices, grammar), compiled off the loop
 MAX_DEPTH = 64  # levels of JSON nesting a body may have (OpenAI's own schemas allow far fewer)
 
 
@@ -41,6 +43,7 @@ class ServerState:
     chat_template: Optional[str] = None
     reasoning_parser: Optional[str] = None  # --reasoning-parser: chat answers' thinking split out (`reasoning.py`)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # --max-grammar-bytes: larger constraints are a 400
     created: int = field(default_factory=lambda: int(time.time()))
     adapters: dict = field(default_factory=dict)  # LoRA adapter name -> the folder it was loaded from
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' stored responses
@@ -65,9 +68,27 @@ async def read_body(state: ServerState, request: Request) -> Any:
     return await asyncio.to_thread(_parsed, bytes(raw))  # a body of megabytes: off the event loop
 
 
+class _NotFinite(ValueError):
+    """A number JSON cannot carry back (NaN, Infinity, or one too large for a float)."""
+
+
+def _constant(text: str):
+    raise _NotFinite(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)
+    return value
+
+
 def _parsed(raw: bytes) -> Any:
     try:
-        body = json.loads(raw or b"null")
+        body = json.loads(raw or b"null", parse_constant=_constant, parse_float=_finite_float)
+    except _NotFinite as err:
+        raise ApiError(400, f"The request body holds the number {err}, which JSON does not allow and no answer "
+                            f"could repeat: send finite numbers.") from None
     except RecursionError:
         raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep: flatten it.") from None
     except ValueError:
@@ -111,5 +132,5 @@ def check_model(state: ServerState, name: Any) -> tuple[Optional[str], str]:
                    param="model", kind="invalid_request_error", code="model_not_found")
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MAX_DEPTH", "ServerState", "check_model", "check_text", "error_response",
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_GRAMMAR_BYTES", "MAX_DEPTH", "ServerState", "check_model", "check_text", "error_response",
            "read_body"]

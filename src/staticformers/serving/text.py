@@ -6,17 +6,16 @@
   choice and is not included, and everything emitted joins to exactly the final text.
 - `ToolCallParser` splits a chat model's text into content and tool calls written in the Qwen/Hermes
   style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, streamed or not: text before a
-  call streams as content, a call is emitted whole once its closing tag arrives (OpenAI's `tool_calls`,
-  arguments as a JSON string), and a block whose JSON does not parse is returned as content. For
-  streaming it also gives OpenAI's call deltas as text arrives (`take_deltas`): once `{"name": "...",
-  "arguments": ` is read, one delta with the call's index, id and name, then the arguments' text in
-  fragments (the last `}` held back until the block ends), which join to exactly the whole call's.
+  call streams as content, a call is emitted whole once its closing tag arrives and its JSON parses
+  (OpenAI's `tool_calls`, arguments as a JSON string), and a block that is not a call (JSON that does
+  not parse, keys beside `name` and `arguments`) is returned as content. A call is streamed as one
+  OpenAI call delta (`take_deltas`) once its block is complete and parsed, never before: a call whose
+  arguments had streamed could not be taken back when its block then failed to parse.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Optional
@@ -78,86 +77,65 @@ def new_call_id() -> str:
 
 
 def parse_call(block: str) -> Optional[dict]:
-    """An OpenAI tool call from the JSON inside one `<tool_call>` block, or None when it is not one."""
+    """An OpenAI tool call from the JSON inside one `<tool_call>` block, or None when it is not one: the
+    block must be one JSON object of exactly a string `name` and `arguments` (or `parameters`) that are a
+    JSON object, given as an object or as the text of one. Anything else (cut short, keys beside them,
+    arguments that do not parse) is not a call, so every call returned carries arguments that parse."""
     try:
         data = json.loads(block.strip())
     except ValueError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    if not isinstance(arguments, str):
+    keys = set(data) - {"name"}
+    if len(keys) > 1 or not keys <= {"arguments", "parameters"}:
+        return None
+    arguments = data[keys.pop()] if keys else {}
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+    elif isinstance(arguments, dict):
         arguments = json.dumps(arguments, ensure_ascii=False)
+    else:
+        return None
     return {"id": new_call_id(), "type": "function", "function": {"name": data["name"], "arguments": arguments}}
-
-
-HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
-
-
-def _arguments(text: str, final: bool) -> str:
-    """The arguments' text that is known after a call's header: all but the closing `}` of the call (and
-    the whitespace around it, and what could begin `</tool_call>`) until the block is complete."""
-    if not final:
-        text = text[:len(text) - _held(text, [CLOSE])]
-    text = text.rstrip()
-    if text.endswith("}"):
-        text = text[:-1].rstrip()
-    return text
 
 
 @dataclass
 class ToolCallParser:
-    """Content and tool calls of a chat answer (see the module docstring); feed it text deltas."""
+    """Content and tool calls of a chat answer (see the module docstring); feed it text deltas.
 
+    `forced` (a forced tool call: `tool_choice` "required" or a named function): the grammar allows nothing
+    but calls and the newlines between them, so no content is returned, and a block cut short (the answer
+    ran out of tokens mid-call) is dropped rather than shown as content."""
+
+    forced: bool = False
     content: str = ""  # everything returned as content so far
     calls: list = field(default_factory=list)
     _buffer: str = ""  # text not yet classified
     _inside: bool = False
-    _streaming: Optional[dict] = None  # the call whose arguments are streaming (its header was read)
-    _start: int = 0  # where its arguments begin in `_buffer`
     _deltas: list = field(default_factory=list)  # OpenAI call deltas not yet taken
 
     def take_deltas(self) -> list:
-        """The call deltas (`{"index", "id", "type", "function": {"name", "arguments"}}`, then `{"index",
-        "function": {"arguments"}}` fragments) produced since the last call."""
+        """The call deltas (`{"index", "id", "type", "function": {"name", "arguments"}}`, one per call, its
+        arguments whole) produced since the last call."""
         out, self._deltas = self._deltas, []
         return out
 
-    def _stream(self, final: bool) -> None:
-        """Inside a block: read its header when it is complete, then pass on the arguments known so far."""
-        if self._streaming is None:
-            m = HEADER.match(self._buffer)
-            if m is None:
-                return
-            try:
-                name = json.loads(f'"{m.group(1)}"')
-            except ValueError:
-                return
-            index = len(self.calls)  # the calls before it are complete
-            self._streaming = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": ""},
-                               "index": index}
-            self._start = m.end()
-            self._deltas.append({"index": index, "id": self._streaming["id"], "type": "function",
-                                 "function": {"name": name, "arguments": ""}})
-        known = _arguments(self._buffer[self._start:], final)
-        sent = self._streaming["function"]["arguments"]
-        if len(known) > len(sent) and known.startswith(sent):
-            self._deltas.append({"index": self._streaming["index"], "function": {"arguments": known[len(sent):]}})
-            self._streaming["function"]["arguments"] = known
-
     def _close(self, block: str) -> Optional[dict]:
-        """The call a complete block holds (None: not a call): the streamed one, or the block parsed whole."""
-        if self._streaming is not None:
-            self._buffer, rest = block, self._buffer
-            self._stream(final=True)
-            self._buffer = rest
-            call, self._streaming = self._streaming, None
-            call.pop("index")
-            return call
+        """The call a complete block holds (None: not a call), its delta queued."""
         call = parse_call(block)
         if call is not None:
             self._deltas.append({"index": len(self.calls), **call})
+            self.calls.append(call)
         return call
+
+    def _content(self, text: str) -> str:
+        return "" if self.forced else text
 
     def feed(self, text: str) -> tuple[str, list]:
         """Add text; return (content delta, new tool calls)."""
@@ -172,40 +150,37 @@ class ToolCallParser:
                 self._inside = False
                 call = self._close(block)
                 if call is None:
-                    out += OPEN + block + CLOSE
+                    out += self._content(OPEN + block + CLOSE)
                 else:
                     new.append(call)
-                    self.calls.append(call)
                 continue
             start = self._buffer.find(OPEN)
             if start >= 0:
-                out += self._buffer[:start]
+                out += self._content(self._buffer[:start])
                 self._buffer = self._buffer[start + len(OPEN):]
                 self._inside = True
                 continue
             keep = _held(self._buffer, [OPEN])
-            out += self._buffer[:len(self._buffer) - keep]
+            out += self._content(self._buffer[:len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             break
-        if self._inside:
-            self._stream(final=False)
         self.content += out
         return out, new
 
     def finish(self) -> tuple[str, list]:
-        """The end of the answer: an unclosed block is tried as a call, else returned as content."""
+        """The end of the answer: an unclosed block is tried as a call, else returned as content (dropped
+        when `forced`)."""
         out, new = "", []
         if self._inside:
             call = self._close(self._buffer)
             if call is None:
-                out = OPEN + self._buffer
+                out = self._content(OPEN + self._buffer)
             else:
                 new.append(call)
         else:
-            out = self._buffer
+            out = self._content(self._buffer)
         self._buffer, self._inside = "", False
         self.content += out
-        self.calls += new
         return out, new
 
 

@@ -69,10 +69,14 @@ def loaded() -> bool:
     return _STATE["loaded"]
 
 
-@torch._dynamo.assume_constant_result
 def _runs(act: torch.dtype, scale: torch.dtype) -> bool:
     """`loaded()` for these dtypes, run once when a graph is traced and a constant in it."""
     return act in DTYPES and scale in DTYPES and loaded()
+
+
+# what `torch._dynamo.assume_constant_result` does, without importing Dynamo when this module loads: an
+# eager run never needs it, and importing it creates inductor's cache folder (which may be unusable)
+_runs._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def supports(x: torch.Tensor, *scales: torch.Tensor) -> bool:

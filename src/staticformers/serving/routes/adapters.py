@@ -11,8 +11,8 @@ added to and dropped from a running server, with `--enable-lora-runtime-updates`
   the slot is cleared once no submitted, waiting or running request uses it.
 - **Refusals** (OpenAI's error JSON): updates not enabled (400), a path outside `--lora-root` or no
   root set (403), a name already loaded (409), a full bank (409: unload one first, or start with a
-  larger `--max-loras`), an adapter that does not fit (rank above `--max-lora-rank`, other layers: 400),
-  an unknown name to unload (404). Both routes are under `/v1/`, behind the API key.
+  larger `--max-loras`), a reserved name such as `__base__` (400: it means the base model), an adapter
+  that does not fit (rank above `--max-lora-rank`, other layers: 400), an unknown name to unload (404). Both routes are under `/v1/`, behind the API key.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from fastapi.responses import PlainTextResponse
 
 from ...adapters.bank import AdapterBankError, bank_of
 from ...adapters.files import read_adapter
+from ...adapters.lora import RESERVED
 from ..protocol import ApiError
 from ..state import ServerState, read_body
 
@@ -47,6 +48,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name.strip():
             raise ApiError(400, f"lora_name={name!r} must be a non-empty string.", param="lora_name")
+        if name in RESERVED:
+            raise ApiError(400, f"lora_name={name!r} is reserved: {RESERVED[name]}. Pick another name.",
+                           param="lora_name")
         return name
 
     @app.post("/v1/load_lora_adapter")

@@ -40,7 +40,7 @@ def register(app: FastAPI, state: ServerState) -> None:
         job = parse_chat(req.chat, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, 1,
                          state.chat_template)
         rid = f"resp_{uuid.uuid4().hex}"
-        _, runs = start(state, job, "resp", adapter)
+        _, runs = await start(state, job, "resp", adapter)
         answer = Answer(state, req, rid, served, len(job.prompts[0]))
         if req.stream:
             return StreamingResponse(answer.events(runs), media_type="text/event-stream",
