@@ -149,6 +149,18 @@ def test_a_grammar_that_waits_for_a_token_leaves_the_tokens_before_it_free(serve
     assert re.fullmatch(REGEX, tok.decode(got[k + 1:], skip_special_tokens=True))
 
 
+def test_a_choice_of_thousands_of_strings_constrains_every_token(served):
+    """llguidance refuses a parser row of more than 2000 items when the first token is masked ("Current row
+    has 4760 items"), so a `choice` is one terminal: 4,759 strings answer one of them, whole."""
+    folder, tok = served
+    choices = [f"item{i}" for i in range(4759)]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompt = tok("Answer:", return_tensors="pt")["input_ids"]
+    out = model.generate(prompt, max_new_tokens=12, do_sample=True, temperature=1.0, seed=3,
+                         structured_outputs=[{"choice": choices}], tokenizer=tok, disable_compile=True)
+    assert tok.decode(out[0, prompt.shape[1]:], skip_special_tokens=True) in choices
+
+
 def test_without_llguidance_a_constraint_is_refused_in_one_sentence(served, monkeypatch):
     import sys
 
