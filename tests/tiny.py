@@ -32,8 +32,15 @@ FAMILIES = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # gpt-oss: attention sinks, sliding (window 4) and full layers alternating, YaRN (gpt-oss's truncate=False),
+    # biased router and experts, the clamped SwiGLU over interleaved gate/up
+    "gpt-oss": ("GptOssConfig", dict(head_dim=16, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32, sliding_window=4, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 64})),
 }
-MOE_FAMILIES = ("qwen3-moe", "mixtral")
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss")
 
 
 def hf_config(family: str, **overrides):
@@ -44,8 +51,9 @@ def hf_config(family: str, **overrides):
 
 
 def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """A transformers model with random weights (biases randomised too, so they are tested; a mixture's
-    router and experts scaled up, so that routing is decisive and a wrong expert shows in the logits)."""
+    """A transformers model with random weights (biases and gpt-oss's attention sinks randomised too, so they
+    are tested; a mixture's router and experts scaled up, so that routing is decisive and a wrong expert
+    shows in the logits)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -54,7 +62,9 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if ".mlp.gate.weight" in name or ".experts." in name:
+            if name.endswith(".sinks"):  # gpt-oss's sink logits, large enough to matter
+                p.add_(torch.randn_like(p))
+            if ".mlp.gate.weight" in name or ".mlp.router." in name or ".experts." in name:
                 p.mul_(5.0)
     return model.eval()
 

@@ -28,19 +28,25 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertNames:
-    """How a MoE family's Hub checkpoints name a sparse layer's tensors."""
+    """How a MoE family's Hub checkpoints name a sparse layer's tensors.
+
+    `stacked_transposed` (gpt-oss): the Hub stores the experts stacked under the model's names, each matrix
+    transposed (`gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]`), and the router as `mlp.router`."""
 
     block: str  # the sparse MLP's module name: "mlp" (Qwen3-MoE), "block_sparse_moe" (Mixtral)
     gate: str  # an expert's gate projection: "gate_proj" / "w1"
     up: str  # its up projection: "up_proj" / "w3"
     down: str  # its down projection: "down_proj" / "w2"
+    router: str = "gate"  # the router's module name in the block
+    stacked_transposed: bool = False
 
 
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "gate_up_proj", "down_proj", router="router", stacked_transposed=True)
 
 _STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
-_ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.weight$")
+_ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.(?P<leaf>weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -52,10 +58,24 @@ class Piece:
     shape: tuple
     expert: Optional[int] = None  # index along the stacked experts; None: the whole parameter
     rows: Optional[tuple[int, int]] = None  # rows of that expert's matrix; None: all
+    transposed: bool = False  # the Hub tensor is the whole parameter with its last two dims swapped
 
     @property
     def whole(self) -> bool:
         return self.expert is None and self.rows is None
+
+    @property
+    def target_shape(self) -> tuple:
+        """The shape this piece has in the model (`shape` is the Hub tensor's)."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape
+
+    def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole piece's Hub tensor as the model holds it."""
+        return tensor.transpose(-1, -2).contiguous() if self.transposed else tensor
+
+    def to_hub(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The model's parameter (whole) as the Hub stores it."""
+        return tensor.transpose(-1, -2).contiguous() if self.transposed else tensor
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of `tensor` (the target parameter, whole) this piece is."""
@@ -82,6 +102,10 @@ class CheckpointNames:
         n = self.names
         if n is not None:
             m = _STACKED.match(name)
+            if m and len(shape) == 3 and n.stacked_transposed:
+                if m["scale"]:  # int8 scales `[E, rows, 1]` have no Hub layout of their own: stored as held
+                    return [Piece(name, name, shape)]
+                return [Piece(name, name, (shape[0], shape[2], shape[1]), transposed=True)]
             if m and len(shape) == 3:
                 prefix = f"{m['layer']}.{n.block}.experts"
                 leaf = "weight_scale" if m["scale"] else "weight"  # a quantized stack's scales `[E, rows, 1]`
@@ -93,7 +117,7 @@ class CheckpointNames:
                 return [Piece(f"{prefix}.{e}.{n.down}.{leaf}", name, (rows, cols), e) for e in range(experts)]
             m = _ROUTER.match(name)
             if m:
-                return [Piece(f"{m['layer']}.{n.block}.gate.weight", name, shape)]
+                return [Piece(f"{m['layer']}.{n.block}.{n.router}.{m['leaf']}", name, shape)]
         return [Piece(name, name, shape)]
 
     def layout(self, expected: dict[str, tuple], present=()) -> dict[str, Piece]:
@@ -102,7 +126,10 @@ class CheckpointNames:
         present = set(present)
         out: dict[str, Piece] = {}
         for name, shape in expected.items():
-            for piece in ([Piece(name, name, tuple(shape))] if name in present else self.pieces(name, shape)):
+            pieces = self.pieces(name, shape)
+            if name in present and not any(p.hub == name for p in pieces):
+                pieces = [Piece(name, name, tuple(shape))]
+            for piece in pieces:
                 out[piece.hub] = piece
         return out
 
@@ -112,7 +139,7 @@ class CheckpointNames:
         out: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
             for piece in self.pieces(name, tuple(tensor.shape)):
-                out[piece.hub] = tensor if piece.whole else piece.view(tensor).clone()
+                out[piece.hub] = piece.to_hub(tensor) if piece.whole else piece.view(tensor).clone()
         return out
 
     def assemble(self, layout: dict[str, Piece], read: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -122,7 +149,7 @@ class CheckpointNames:
         for hub, piece in layout.items():
             tensor = read[hub]
             if piece.whole:
-                out[piece.target] = tensor
+                out[piece.target] = piece.to_model(tensor)
                 continue
             if piece.target not in out:
                 out[piece.target] = tensor.new_empty(shapes[piece.target])
@@ -135,7 +162,7 @@ def target_shapes(layout: dict[str, Piece]) -> dict[str, tuple]:
     shapes: dict[str, list] = {}
     for piece in layout.values():
         if piece.whole:
-            shapes[piece.target] = list(piece.shape)
+            shapes[piece.target] = list(piece.target_shape)
             continue
         end = [piece.expert + 1, (piece.rows[1] if piece.rows else piece.shape[0]), *piece.shape[1:]]
         old = shapes.get(piece.target)
@@ -149,4 +176,4 @@ def names_for(config) -> CheckpointNames:
     return CheckpointNames(getattr(family, "expert_names", None))
 
 
-__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "Piece", "CheckpointNames", "target_shapes", "names_for"]
+__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "GPT_OSS_NAMES", "Piece", "CheckpointNames", "target_shapes", "names_for"]

@@ -130,9 +130,11 @@ def routes_logits(model) -> bool:
 
 
 def region_name(base: str, kind: tuple) -> str:
-    """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe")."""
-    window, mlp = kind
-    return base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
+    """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe", then
+    the kind's further parts: "_sinks")."""
+    window, mlp, *rest = kind
+    return (base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
+            + "".join(f"_{part}" for part in rest))
 
 
 def layer_regions(kinds, fn: Callable, base: str, compile_one: Callable) -> dict:

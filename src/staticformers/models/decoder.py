@@ -258,6 +258,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: one sink logit per query head (attention_sinks.py)
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.family.attention_sinks else None
 
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
@@ -294,7 +296,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rope(q.transpose(1, 2), cos, sin)
-        out = ops.attention(q, k, v, mask, self.scale)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        out = ops.attention(q, k, v, mask, self.scale, **extra)
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -322,9 +325,10 @@ class DecoderLayer(nn.Module):
 
     @property
     def kind(self) -> tuple:
-        """What makes two layers run the same code: the attention window and the MLP kind (layers of one
-        kind share a compiled layer region)."""
-        return (self.self_attn.window, "moe" if self.sparse else "dense")
+        """What makes two layers run the same code: the attention window and the MLP kind, then what else
+        changes the attention ("sinks") (layers of one kind share a compiled layer region)."""
+        kind = (self.self_attn.window, "moe" if self.sparse else "dense")
+        return kind + (("sinks",) if self.self_attn.sinks is not None else ())
 
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
@@ -552,6 +556,8 @@ class CausalLM(nn.Module):
                 nn.init.ones_(module.weight)
             elif isinstance(module, Experts):
                 module.reset_parameters(std)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)
         self.tie_weights()
         self.model.rotary_emb.reset_parameters()
 

@@ -26,7 +26,7 @@ import torch
 
 from . import config_checks as checks
 from . import config_moe
-from ..checkpoints.names import MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
+from ..checkpoints.names import GPT_OSS_NAMES, MIXTRAL_NAMES, QWEN_MOE_NAMES, ExpertNames
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -56,6 +56,13 @@ class Family:
     routing_weights_fp32: bool = False  # routing weights stay float32 when they scale the experts (Mixtral)
     biases: bool = True  # attention_bias may add biases (False: Mixtral's projections never have one)
     sliding_needs_flag: bool = False  # sliding_window applies only with use_sliding_window (Qwen2, Qwen3, Qwen3-MoE)
+    # gpt-oss (family math in attention_sinks.py and expert_activations.py)
+    attention_sinks: bool = False  # a learned per-head logit joins each softmax as an extra column (`self_attn.sinks`)
+    alternating_sliding: bool = False  # without layer_types: sliding on even layers, full on odd ones
+    router_bias: bool = False  # the router (`mlp.gate`) carries a bias
+    topk_before_softmax: bool = False  # top-k over the router logits, then softmax over the chosen k
+    expert_bias: bool = False  # experts carry `gate_up_proj_bias` and `down_proj_bias`
+    expert_activation: str = "swiglu"  # "swiglu" (gate rows, then up rows) or "clamped_swiglu" (interleaved)
 
 
 FAMILIES: dict[str, Family] = {
@@ -96,6 +103,18 @@ FAMILIES: dict[str, Family] = {
                   "eos_token_id": 2, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
         mlp="moe", expert_names=MIXTRAL_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
         always_norm_topk=True, routing_weights_fp32=True, biases=False,
+    ),
+    "GptOssForCausalLM": Family(
+        "GptOssForCausalLM", "gpt_oss", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=64, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                  "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096},
+                  "sliding_window": 128, "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4,
+                  "intermediate_size": 2880},
+        mlp="moe", expert_names=GPT_OSS_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
+        always_norm_topk=True, attention_sinks=True, alternating_sliding=True, router_bias=True,
+        topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu",
     ),
 }
 
@@ -169,6 +188,8 @@ class ModelConfig:
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_jitter_noise: float = 0.0
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (config_moe.py)
+    swiglu_limit: float = 7.0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -220,6 +241,7 @@ class ModelConfig:
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * hd * self.qk_norm
+        attn += self.num_attention_heads * self.family.attention_sinks
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
@@ -233,6 +255,8 @@ class ModelConfig:
         arch = _architecture(d, source)
         fam = FAMILIES[arch]
         d = {**fam.defaults, **d}  # an explicit null (Mistral's sliding_window) stays null
+        if raw.get("rope_scaling") is not None and raw.get("rope_parameters") is None:
+            d.pop("rope_parameters", None)  # a family's default RoPE (gpt-oss: YaRN) only when the file names none
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in d or d[key] is None:
                 raise ConfigError(f"{source} has no {key!r}: it must be a positive integer.")
@@ -265,6 +289,8 @@ class ModelConfig:
             if layer_types is None and sliding is not None:
                 mwl = max_window_layers if max_window_layers is not None else 28
                 layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
+        if fam.alternating_sliding and layer_types is None:
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         act = checks.string(d.get("hidden_act", "silu"), "hidden_act", source)
         if act not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported; these families use \"silu\".")
@@ -350,6 +376,9 @@ class ModelConfig:
             out["sliding_window"] = self.sliding_window
         elif self.model_type in ("mistral", "mixtral"):
             out["sliding_window"] = self.sliding_window
+        elif self.family.alternating_sliding:
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = self.layer_types
         out.update(config_moe.write(self))
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)

@@ -8,7 +8,8 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
 - `ops.linear(layer, x)` for every projection inside a decoder layer, and `ops.linear_group(layers, x)` for
   projections of one input (q, k and v; gate and up), which a backend may compute in one call,
 - `ops.head(layer, x)` for the `lm_head`,
-- `ops.attention(q, k, v, mask, scale)` for scaled dot-product attention with grouped KV heads,
+- `ops.attention(q, k, v, mask, scale, sinks=None)` for scaled dot-product attention with grouped KV heads
+  (`sinks` `[heads]`: gpt-oss's per-head sink logits, `attention_sinks.py`; given only by a family that has them),
 - `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
 
 and never asks which device it runs on. A quantized projection (`quantization.QuantLinear`: int8 or fp8
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_sinks import attention_with_sinks
 from .quantized_values import widen
 
 
@@ -71,7 +73,9 @@ class Ops:
         return layer(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  scale: float) -> torch.Tensor:
+                  scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if sinks is not None:  # SDPA has no sink column
+            return attention_with_sinks(q, k, v, mask, scale, sinks)
         return sdpa(q, k, v, mask, scale)
 
     def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
