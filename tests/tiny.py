@@ -33,9 +33,10 @@ FAMILIES = {
                                          moe_intermediate_size=32, mlp_only_layers=[1], tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     # gpt-oss: attention sinks, sliding (window 4) and full layers alternating, YaRN (gpt-oss's truncate=False),
-    # biased router and experts, the clamped SwiGLU over interleaved gate/up
-    "gpt-oss": ("GptOssConfig", dict(head_dim=16, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
-                                     intermediate_size=32, sliding_window=4, tie_word_embeddings=False,
+    # biased router and experts, the clamped SwiGLU over interleaved gate/up (weights at std 0.1, so that the
+    # tokens, not the biases, decide the routing and the clamp is reached)
+    "gpt-oss": ("GptOssConfig", dict(head_dim=16, num_hidden_layers=3, initializer_range=0.1, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=32, sliding_window=4, tie_word_embeddings=False,
                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 64})),

@@ -107,8 +107,8 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         self.layout = layout or {}
         # (parameter, chunk offsets) -> (the file's name, one expert's tensor): on every rank (DCP may read
         # the metadata on one rank only)
-        self._file_name = {(p.target, tuple(p.offsets)): (hub, not p.whole) for hub, p in self.layout.items()
-                           if p.target != hub or not p.whole}
+        self._file_name = {(p.target, tuple(p.offsets)): (hub, not p.whole, p.transposed)
+                           for hub, p in self.layout.items() if p.target != hub or not p.whole or p.transposed}
 
     def read_metadata(self) -> Metadata:
         metadata = super().read_metadata()
@@ -117,14 +117,14 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         tensors, storage = metadata.state_dict_metadata, metadata.storage_data
         shapes = target_shapes(self.layout)
         for hub, piece in self.layout.items():
-            if piece.target == hub and piece.whole or hub not in tensors:
+            if piece.target == hub and piece.whole and not piece.transposed or hub not in tensors:
                 continue
             entry = tensors.pop(hub)
             old = MetadataIndex(fqn=hub, offset=[0] * len(piece.shape))
             info = storage.pop(old)
             stacked = not piece.whole
             offsets = list(piece.offsets)
-            sizes = [1, *piece.shape] if stacked else list(piece.shape)
+            sizes = [1, *piece.shape] if stacked else list(piece.target_shape)
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             if piece.target not in tensors:
                 tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
@@ -146,10 +146,13 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                         raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
                                              f"the shard {list(target.size())}")
                     index = req.storage_index
-                    name, stacked = self._file_name.get((index.fqn, tuple(index.offset)), (index.fqn, False))
+                    name, stacked, transposed = self._file_name.get((index.fqn, tuple(index.offset)),
+                                                                    (index.fqn, False, False))
                     offsets, lengths, into = list(req.storage_offsets), list(req.lengths), target
                     if stacked:  # one expert's tensor: the chunk's leading dim of 1 is not in the file
                         offsets, lengths, into = offsets[1:], lengths[1:], target[0]
+                    if transposed:  # the file holds the parameter with its last two dims swapped (gpt-oss)
+                        offsets[-2:], lengths[-2:], into = offsets[:-3:-1], lengths[:-3:-1], into.transpose(-1, -2)
                     read_slice(f, name, offsets, lengths, into)
                     planner.commit_tensor(req, target)
         done: Future = Future()
