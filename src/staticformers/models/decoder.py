@@ -83,18 +83,27 @@ class CausalLMOutput:
 # building blocks
 # ---------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity)."""
+    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity): the weight applied
+    after the cast (Llama's order), or before it, in float32 (`weight_in_fp32`: gpt-oss's order)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def layer_norm(config: ModelConfig) -> RMSNorm:
+    """A norm over the hidden size (a layer's and the final one), in the family's order."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, config.family.norm_weight_in_fp32)
 
 
 def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -317,9 +326,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = layer_norm(config)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = layer_norm(config)
         self.sparse = config.layer_is_sparse(layer_idx)
         self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
 
@@ -418,7 +427,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layer_norm(config)
         self.rotary_emb = RotaryEmbedding(config)
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.gradient_checkpointing = False

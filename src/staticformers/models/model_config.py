@@ -63,6 +63,7 @@ class Family:
     topk_before_softmax: bool = False  # top-k over the router logits, then softmax over the chosen k
     expert_bias: bool = False  # experts carry `gate_up_proj_bias` and `down_proj_bias`
     expert_activation: str = "swiglu"  # "swiglu" (gate rows, then up rows) or "clamped_swiglu" (interleaved)
+    norm_weight_in_fp32: bool = False  # RMSNorm multiplies its weight in float32, then casts (gpt-oss)
 
 
 FAMILIES: dict[str, Family] = {
@@ -114,7 +115,7 @@ FAMILIES: dict[str, Family] = {
                   "intermediate_size": 2880},
         mlp="moe", expert_names=GPT_OSS_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
         always_norm_topk=True, attention_sinks=True, alternating_sliding=True, router_bias=True,
-        topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu",
+        topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu", norm_weight_in_fp32=True,
     ),
 }
 
