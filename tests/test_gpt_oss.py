@@ -305,3 +305,35 @@ def test_cpu_formulations_take_the_sinks():
     one = attention_with_sinks(q[:, :, :1], k, v, mask[:, :, :1], 0.25, sinks)
     tol.assert_close(CPUOps("reduce").attention(q[:, :, :1], k, v, mask[:, :, :1], 0.25, sinks=sinks), one)
     assert not torch.allclose(one, attention_with_sinks(q[:, :, :1], k, v, mask[:, :, :1], 0.25, sinks - 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA on the attention projections, both ways with peft
+# ---------------------------------------------------------------------------------------------
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # what peft targets on gpt-oss (its experts are Parameters)
+
+
+def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path):
+    peft = pytest.importorskip("peft")
+    from staticformers import LoraConfig
+    from tiny import build_hf_model
+
+    path = tiny_checkpoints("gpt-oss")
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(build_hf_model("gpt-oss"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=ATTENTION, init_lora_weights=False, lora_dropout=0.0)).eval()
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ids, mask = _inputs()
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    ours.load_adapter(tmp_path / "peft")
+    with torch.no_grad():
+        want = pm(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
+        assert (want - _hf(path)(input_ids=ids, attention_mask=mask).logits[mask.bool()]).abs().max() > 1e-2
+    mine = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    mine.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=ATTENTION, init_lora_weights=False))
+    mine.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(build_hf_model("gpt-oss"), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        tol.assert_close(back(input_ids=ids).logits, mine(input_ids=ids).logits)
