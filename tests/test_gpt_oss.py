@@ -103,8 +103,12 @@ def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
 def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
     """Batch 1 (24 new tokens: past the window, over full and sliding layers) and a left-padded mixed batch,
     compiled, equal to transformers' greedy tokens."""
+    from staticformers import ShapePlan
+    from staticformers.api.generate import engine_for
+
     path = tiny_checkpoints("gpt-oss")
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine_for(ours, ShapePlan(batch_sizes=[1, 4], prompt_lengths=[16], kv_lengths=[48], max_model_len=48))
     config = CompileConfig(backend=backend)
     one = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
     want = ref.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
