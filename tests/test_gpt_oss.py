@@ -374,3 +374,34 @@ def test_compiled_training_steps_as_eager_with_a_region_per_layer_kind(tiny_chec
                      "model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"):
             assert not torch.equal(model.state_dict()[name], before[name]), name
     assert len(runs[True]) == 3 and runs[True] == pytest.approx(runs[False], rel=tol.FP32_TRAINED)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked prefill and prefix caching (the extend step over the cache, sinks and windows included)
+# ---------------------------------------------------------------------------------------------
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tiny_checkpoints):
+    from loop_driver import run_loop
+    from staticformers import ShapePlan
+    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop, GenerationRequest
+
+    path = tiny_checkpoints("gpt-oss")
+    model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
+                                         max_model_len=128, extend_widths=((16, 1),)))
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 128, (40,), generator=g).tolist()
+    long, second = shared + torch.randint(3, 128, (30,), generator=g).tolist(), shared + [5, 9, 11]
+
+    def want(prompt):
+        ids = torch.tensor([prompt])
+        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+
+    loop = GenerationLoop(engine, settings, chunked_prefill=16, prefix_caching=True, prefix_block_size=8)
+    out = run_loop(loop, {0: [GenerationRequest(long, 8, request_id="long")],
+                          12: [GenerationRequest(second, 8, request_id="second")]})
+    assert loop.chunks > 0 and loop.prefix.hits >= 40  # the shared 40 tokens came from the cache
+    assert out["long"] == want(long) and out["second"] == want(second)
