@@ -4,7 +4,7 @@ gpt-oss gives every attention head a parameter `sinks` `[heads]`. For each query
 appended to the row's scaled, masked scores as one more column; the softmax runs over the row plus
 that column, and the column is dropped before the values are weighed. So the weights of a row sum to
 less than one, and a row may attend to "nothing". transformers computes it in its eager attention
-(`eager_attention_forward` of `modeling_gpt_oss.py`, the max subtracted first); SDPA has no such
+(its gpt-oss eager attention, the max subtracted first); SDPA has no such
 column, so the ops seam (`ops.py`) takes this path only when sinks are given.
 
 - `softmax_with_sinks(scores, sinks)`: the softmax of scores `[..., kv]` with each row's sink logit

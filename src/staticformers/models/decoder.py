@@ -1,7 +1,7 @@
-"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE and Mixtral, and its output type.
+"""The one decoder behind Qwen3, Llama, Qwen2, Mistral, Qwen3-MoE, Mixtral and gpt-oss, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, tied
-embeddings, sliding window) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
+embeddings, sliding window, attention sinks (`attention_sinks.py`), where RMSNorm applies its weight) and by the MLP each layer gets: a dense `MLP`, or a mixture of experts
 (`moe.SparseMoeBlock`) on the layers `config.layer_is_sparse` names. Module and parameter names mirror
 transformers' (`model.layers.0.self_attn.q_proj.weight`, `mlp.experts.gate_up_proj`), so a dense Hugging
 Face state dict loads with no renaming and ours saves back (the Hub's per-expert names are mapped by

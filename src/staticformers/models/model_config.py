@@ -1,8 +1,9 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
-The families (Qwen3, Llama, Qwen2, Mistral, and the mixtures of experts Qwen3-MoE and Mixtral) are one
-decoder with different flags: q/k RMSNorm, which projections carry a bias, the RoPE variant, tied
-embeddings, sliding-window attention, and the MLP kind each family declares (`mlp`: "dense", or "moe":
+The families (Qwen3, Llama, Qwen2, Mistral, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss) are
+one decoder with different flags: q/k RMSNorm, which projections carry a bias, the RoPE variant, tied
+embeddings, sliding-window attention, gpt-oss's attention sinks, router and expert biases and clamped
+SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe":
 some or all layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with
 its checkpoint names (`expert_names`: how the Hub spells one expert's tensors, `checkpoint_names.py`).
 A family is a row of this table, not a copy of the model. This module is the only place that knows
