@@ -53,8 +53,11 @@ def test_router_logits_aux_loss_and_loss_match_transformers(family, tiny_checkpo
         b = ref(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
         plain = ours(input_ids=ids, attention_mask=mask, labels=labels)
     assert len(a.router_logits) == len(b.router_logits) == sum(layer.sparse for layer in ours.model.layers)
+    # gpt-oss: a padding query whose window holds only padding attends to its sink alone in transformers and
+    # to every key here (an unused row either way), so its router logits differ; the tokens' are compared
+    rows = mask.reshape(-1).bool() if family == "gpt-oss" else slice(None)
     for x, y in zip(a.router_logits, b.router_logits):
-        tol.assert_close(x, y)
+        tol.assert_close(x[rows], y[rows])
     assert float(a.aux_loss) == pytest.approx(float(b.aux_loss), rel=tol.FP32_REORDERED)
     assert float(a.loss) == pytest.approx(float(b.loss), rel=tol.FP32_REORDERED)
     # the aux loss is added (times router_aux_loss_coef) only when asked for, as transformers does
@@ -86,14 +89,23 @@ def test_gradients_with_the_aux_loss_match_transformers(family, tiny_checkpoints
     ref(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
     mine = dict(ours.named_parameters())
     theirs = dict(ref.named_parameters())
+    if family == "gpt-oss":  # transformers holds gpt-oss's experts transposed and its router as mlp.router
+        from staticformers.checkpoints.names import names_for
+
+        mine = names_for(ours.config).to_hub({n: p for n, p in mine.items()})
+        grads = names_for(ours.config).to_hub({n: p.grad for n, p in ours.named_parameters()})
+        mine = {n: torch.nn.Parameter(p.detach()) for n, p in mine.items()}
+        for n, p in mine.items():
+            p.grad = grads[n]
     assert set(mine) == set(theirs)  # transformers 5 holds the experts stacked under the same names
     for name, p in theirs.items():
         scale = max(float(p.grad.abs().max()), 1e-6)
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
-    assert float(mine["model.layers.0.mlp.gate.weight"].grad.abs().max()) > 0  # the router learns
+    router = "router" if family == "gpt-oss" else "gate"
+    assert float(mine[f"model.layers.0.mlp.{router}.weight"].grad.abs().max()) > 0  # the router learns
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])  # gpt-oss's stacked layout: test_gpt_oss.py
 def test_checkpoints_are_hub_layout_and_load_both_ways(family, tiny_checkpoints, tmp_path):
     """transformers' save (what tiny_checkpoints wrote) loads here; ours is the Hub's one-tensor-per-expert
     layout and loads in transformers with the same logits."""

@@ -72,7 +72,7 @@ def _force_routing(model, to_one: bool, seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # ours, transformers' gpt-oss
                 p.copy_(torch.zeros_like(p) if to_one else torch.randn(p.shape, generator=g))
 
 

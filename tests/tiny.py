@@ -67,9 +67,17 @@ FAMILIES = {
                                       sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                                                        "original_max_position_embeddings": 64})),
+    # gpt-oss: attention sinks, sliding (window 4) and full layers alternating, YaRN (gpt-oss's truncate=False),
+    # biased router and experts, the clamped SwiGLU over interleaved gate/up (weights at std 0.1, so that the
+    # tokens, not the biases, decide the routing and the clamp is reached)
+    "gpt-oss": ("GptOssConfig", dict(head_dim=16, num_hidden_layers=3, initializer_range=0.1, num_local_experts=4,
+                                     num_experts_per_tok=2, intermediate_size=32, sliding_window=4, tie_word_embeddings=False,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 64})),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
-MOE_FAMILIES = ("qwen3-moe", "mixtral")
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss")
 
 
 def hf_config(family: str, **overrides):
@@ -80,8 +88,9 @@ def hf_config(family: str, **overrides):
 
 
 def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """A transformers model with random weights (biases randomised too, so they are tested; a mixture's
-    router and experts scaled up, so that routing is decisive and a wrong expert shows in the logits)."""
+    """A transformers model with random weights (biases and gpt-oss's attention sinks randomised too, so they
+    are tested; a mixture's router and experts scaled up, so that routing is decisive and a wrong expert
+    shows in the logits)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -90,7 +99,9 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            if ".mlp.gate.weight" in name or ".experts." in name:
+            if name.endswith(".sinks"):  # gpt-oss's sink logits, large enough to matter
+                p.add_(torch.randn_like(p))
+            if ".mlp.gate.weight" in name or ".mlp.router." in name or ".experts." in name:
                 p.mul_(5.0)
     return model.eval()
 

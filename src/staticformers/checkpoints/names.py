@@ -37,16 +37,22 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertNames:
-    """How a MoE family's Hub checkpoints name a sparse layer's tensors."""
+    """How a MoE family's Hub checkpoints name a sparse layer's tensors.
+
+    `stacked_transposed` (gpt-oss): the Hub stores the experts stacked under the model's names, each matrix
+    transposed (`gate_up_proj` `[E, H, 2I]`, `down_proj` `[E, I, H]`), and the router as `mlp.router`."""
 
     block: str  # the sparse MLP's module name: "mlp" (Qwen3-MoE), "block_sparse_moe" (Mixtral)
     gate: str  # an expert's gate projection: "gate_proj" / "w1"
     up: str  # its up projection: "up_proj" / "w3"
     down: str  # its down projection: "down_proj" / "w2"
+    router: str = "gate"  # the router's module name in the block
+    stacked_transposed: bool = False
 
 
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "gate_up_proj", "down_proj", router="router", stacked_transposed=True)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ GLM4_FUSED = FusedNames((("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
 _LAYER_PART = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)\.(?P<leaf>weight|bias|weight_scale)$")
 
 _STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
-_ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.weight$")
+_ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.(?P<leaf>weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,7 @@ class Piece:
     rows: Optional[tuple[int, int]] = None  # rows of that expert's matrix; None: all
     source_rows: Optional[tuple[int, int]] = None  # rows of the file's tensor it takes (a fused one); None: all
     source_shape: Optional[tuple] = None  # that fused tensor's shape (with source_rows)
+    transposed: bool = False  # the Hub tensor is the whole parameter with its last two dims swapped
 
     @property
     def whole(self) -> bool:
@@ -97,6 +104,19 @@ class Piece:
     def source(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece's part of the file's tensor `tensor`."""
         return tensor if self.source_rows is None else tensor[self.source_rows[0]:self.source_rows[1]]
+
+    @property
+    def target_shape(self) -> tuple:
+        """The shape this piece has in the model (`shape` is the Hub tensor's)."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape
+
+    def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole piece's Hub tensor as the model holds it."""
+        return tensor.transpose(-1, -2).contiguous() if self.transposed else tensor
+
+    def to_hub(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The model's parameter (whole) as the Hub stores it."""
+        return tensor.transpose(-1, -2).contiguous() if self.transposed else tensor
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of `tensor` (the target parameter, whole) this piece is."""
@@ -148,6 +168,10 @@ class CheckpointNames:
         n = self.names
         if n is not None:
             m = _STACKED.match(name)
+            if m and len(shape) == 3 and n.stacked_transposed:
+                if m["scale"]:  # int8 scales `[E, rows, 1]` have no Hub layout of their own: stored as held
+                    return [Piece(name, name, shape)]
+                return [Piece(name, name, (shape[0], shape[2], shape[1]), transposed=True)]
             if m and len(shape) == 3:
                 prefix = f"{m['layer']}.{n.block}.experts"
                 leaf = "weight_scale" if m["scale"] else "weight"  # a quantized stack's scales `[E, rows, 1]`
@@ -159,7 +183,7 @@ class CheckpointNames:
                 return [Piece(f"{prefix}.{e}.{n.down}.{leaf}", name, (rows, cols), e) for e in range(experts)]
             m = _ROUTER.match(name)
             if m:
-                return [Piece(f"{m['layer']}.{n.block}.gate.weight", name, shape)]
+                return [Piece(f"{m['layer']}.{n.block}.{n.router}.{m['leaf']}", name, shape)]
         return [Piece(name, name, shape)]
 
     def layout(self, expected: dict[str, tuple], present=()) -> dict[str, Piece]:
@@ -170,7 +194,10 @@ class CheckpointNames:
         expected = {k: tuple(v) for k, v in expected.items()}
         out: dict[str, Piece] = {}
         for name, shape in expected.items():
-            for piece in ([Piece(name, name, shape)] if name in present else self.pieces(name, shape, expected)):
+            pieces = self.pieces(name, shape, expected)
+            if name in present and not any(p.hub == name and p.source_rows is None for p in pieces):
+                pieces = [Piece(name, name, shape)]  # stored whole under its own name
+            for piece in pieces:
                 out[piece.target if piece.source_rows is not None else piece.hub] = piece
         return out
 
@@ -186,7 +213,7 @@ class CheckpointNames:
                 if piece.source_rows is not None:
                     fused.setdefault(piece.hub, []).append((piece.source_rows[0], tensor))
                 else:
-                    out[piece.hub] = tensor if piece.whole else piece.view(tensor).clone()
+                    out[piece.hub] = piece.to_hub(tensor) if piece.whole else piece.view(tensor).clone()
         for hub, parts in fused.items():
             out[hub] = torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])])
         return out
@@ -198,7 +225,7 @@ class CheckpointNames:
         for piece in layout.values():
             tensor = piece.source(read[piece.hub])
             if piece.whole:
-                out[piece.target] = tensor
+                out[piece.target] = piece.to_model(tensor)
                 continue
             if piece.target not in out:
                 out[piece.target] = tensor.new_empty(shapes[piece.target])
@@ -211,7 +238,7 @@ def target_shapes(layout: dict[str, Piece]) -> dict[str, tuple]:
     shapes: dict[str, list] = {}
     for piece in layout.values():
         if piece.whole:
-            shapes[piece.target] = list(piece.shape)
+            shapes[piece.target] = list(piece.target_shape)
             continue
         end = [piece.expert + 1, (piece.rows[1] if piece.rows else piece.shape[0]), *piece.shape[1:]]
         old = shapes.get(piece.target)
@@ -238,5 +265,5 @@ def names_for(config) -> CheckpointNames:
     return CheckpointNames(getattr(family, "expert_names", None), getattr(family, "fused_names", None))
 
 
-__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED", "Piece",
+__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "GPT_OSS_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED", "Piece",
            "CheckpointNames", "target_shapes", "by_file", "file_shapes", "names_for"]

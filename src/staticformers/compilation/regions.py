@@ -131,7 +131,7 @@ def routes_logits(model) -> bool:
 
 def region_name(base: str, kind: tuple) -> str:
     """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe", the RoPE
-    a layer reads where sliding layers have their own: "_rope_local", and "_norope")."""
+    a layer reads where sliding layers have their own: "_rope_local", "_norope" and "_sinks")."""
     window, mlp, *rest = kind
     return (base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
             + "".join(f"_rope_{r}" if r in ("local", "global") else f"_{r}" for r in rest))

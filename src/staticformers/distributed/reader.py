@@ -109,8 +109,8 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         self.layout = layout or {}
         # (parameter, chunk offsets) -> (the file's name, one expert's tensor): on every rank (DCP may read
         # the metadata on one rank only)
-        self._file_name = {(p.target, tuple(p.offsets)): (p.hub, not p.whole, (p.source_rows or (0,))[0])
-                           for p in self.layout.values() if p.target != p.hub or not p.whole}
+        self._file_name = {(p.target, tuple(p.offsets)): (p.hub, not p.whole, (p.source_rows or (0,))[0], p.transposed)
+                           for p in self.layout.values() if p.target != p.hub or not p.whole or p.transposed}
 
     def read_metadata(self) -> Metadata:
         metadata = super().read_metadata()
@@ -119,14 +119,14 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         tensors, storage = metadata.state_dict_metadata, metadata.storage_data
         shapes = target_shapes(self.layout)
         for hub, pieces in by_file(self.layout).items():
-            if hub not in tensors or all(p.target == hub and p.whole for p in pieces):
+            if hub not in tensors or all(p.target == hub and p.whole and not p.transposed for p in pieces):
                 continue
             entry = tensors.pop(hub)
             info = storage.pop(MetadataIndex(fqn=hub, offset=[0] * len(pieces[0].file_shape)))
             for piece in pieces:
                 stacked = not piece.whole
                 offsets = list(piece.offsets)
-                sizes = [1, *piece.shape] if stacked else list(piece.shape)
+                sizes = [1, *piece.shape] if stacked else list(piece.target_shape)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                 if piece.target not in tensors:
                     tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
@@ -148,12 +148,14 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                         raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
                                              f"the shard {list(target.size())}")
                     index = req.storage_index
-                    name, stacked, first_row = self._file_name.get((index.fqn, tuple(index.offset)),
-                                                                   (index.fqn, False, 0))
+                    name, stacked, first_row, transposed = self._file_name.get((index.fqn, tuple(index.offset)),
+                                                                               (index.fqn, False, 0, False))
                     offsets, lengths, into = list(req.storage_offsets), list(req.lengths), target
                     if stacked:  # one expert's tensor: the chunk's leading dim of 1 is not in the file
                         offsets, lengths, into = offsets[1:], lengths[1:], target[0]
                     offsets[0] += first_row  # a part of a fused tensor: its rows in the file
+                    if transposed:  # the file holds the parameter with its last two dims swapped (gpt-oss)
+                        offsets[-2:], lengths[-2:], into = offsets[:-3:-1], lengths[:-3:-1], into.transpose(-1, -2)
                     read_slice(f, name, offsets, lengths, into)
                     planner.commit_tensor(req, target)
         done: Future = Future()

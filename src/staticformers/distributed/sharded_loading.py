@@ -78,7 +78,10 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     dims = build_mesh(layout, device)
     with torch.device("meta"):
         model = model_class(config).to(dtype)
-    layout, _ = checkpoint_layout(model, files)  # every header checked before anything is read
+    layout, where = checkpoint_layout(model, files)  # every header checked before anything is read
+    if any(name.endswith("_scales") for name in where if name not in layout):
+        raise CheckpointError("This checkpoint stores its experts in MXFP4, which a partitioned load does not read: "
+                              "load it in one process and save_pretrained() it (dequantised), then load that copy.")
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:

@@ -19,7 +19,7 @@ from .config_checks import ConfigError
 # the keys this module turns into ModelConfig fields (for a MoE family)
 HANDLED = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
            "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef",
-           "router_jitter_noise")
+           "router_jitter_noise", "swiglu_alpha", "swiglu_limit")
 
 
 def _count(d: dict, raw: dict, fam, source: str) -> int:
@@ -68,7 +68,16 @@ def read(d: dict, raw: dict, fam, layers: int, source: str) -> dict:
         "output_router_logits": checks.boolean(d.get("output_router_logits"), "output_router_logits", source),
         "router_aux_loss_coef": _fraction(d.get("router_aux_loss_coef", 0.001), "router_aux_loss_coef", source),
         "router_jitter_noise": _fraction(d.get("router_jitter_noise", 0.0), "router_jitter_noise", source),
+        **_clamped_swiglu(d, fam, source),
     }
+
+
+def _clamped_swiglu(d: dict, fam, source: str) -> dict:
+    """gpt-oss's clamped SwiGLU constants (transformers' defaults 1.702 and 7.0), {} for other activations."""
+    if fam.expert_activation != "clamped_swiglu":
+        return {}
+    return {"swiglu_alpha": checks.positive_number(d.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
+            "swiglu_limit": checks.positive_number(d.get("swiglu_limit", 7.0), "swiglu_limit", source)}
 
 
 def write(config) -> dict:
@@ -80,7 +89,9 @@ def write(config) -> dict:
            "output_router_logits": config.output_router_logits, "router_aux_loss_coef": config.router_aux_loss_coef}
     if fam.expert_width_key != "intermediate_size":
         out[fam.expert_width_key] = config.moe_intermediate_size
-    if fam.always_norm_topk:
+    if fam.expert_activation == "clamped_swiglu":
+        out.update(swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+    elif fam.always_norm_topk:
         out["router_jitter_noise"] = config.router_jitter_noise
     else:
         out.update(norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
@@ -97,11 +108,12 @@ def layer_is_sparse(config, layer: int) -> bool:
 
 
 def moe_parameters(config) -> int:
-    """Parameters of one sparse layer's MLP: the router and every expert's gate, up and down projections."""
+    """Parameters of one sparse layer's MLP: the router and every expert's gate, up and down projections
+    (and their biases where the family has them)."""
     if config.num_experts <= 0:
         return 0
-    h = config.hidden_size
-    return config.num_experts * h + config.num_experts * 3 * h * config.moe_intermediate_size
+    h, e, i, fam = config.hidden_size, config.num_experts, config.moe_intermediate_size, config.family
+    return e * h + e * 3 * h * i + e * fam.router_bias + e * (2 * i + h) * fam.expert_bias
 
 
 __all__ = ["HANDLED", "read", "write", "layer_is_sparse", "moe_parameters"]

@@ -1,5 +1,5 @@
 """The one decoder behind Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3,
-OLMo 2, Qwen3-MoE and Mixtral, and its output type.
+OLMo 2, Qwen3-MoE, Mixtral and gpt-oss, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, partial or
 interleaved rotation and layers without RoPE (`rope_variants.py`), tied embeddings, sliding window) and by
@@ -8,7 +8,8 @@ the MLP each layer gets: a dense `MLP`, or a mixture of experts (`moe.SparseMoeB
 where the norms sit (`DecoderLayer.placement`: before attention and MLP, also after each (Gemma), or after
 each only (OLMo 2); GLM-4's own post-sub-layer norms), q/k norm over the whole projection, embeddings scaled
 by sqrt(hidden) (Gemma) or Granite's multipliers, GELU-tanh, `query_pre_attn_scalar`, soft caps on attention
-scores (through `ops.attention(..., softcap=)`) and on the logits, and Gemma 3's second RoPE for its sliding
+scores (through `ops.attention(..., softcap=)`) and on the logits, gpt-oss's attention sinks (a learned
+logit per head in each softmax, `ops.attention(..., sinks=)`, `attention_sinks.py`), and Gemma 3's second RoPE for its sliding
 layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
 
 Module and parameter names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`,
@@ -94,7 +95,8 @@ class CausalLMOutput:
 # building blocks
 # ---------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity)."""
+    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity): the weight applied
+    after the cast (Llama's order; the other orders are `norm_variants.py`'s)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -308,6 +310,8 @@ class Attention(nn.Module):
             self.k_norm = make_norm(config.family.norm, k_dim, config.rms_norm_eps, RMSNorm)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: one sink logit per query head (attention_sinks.py)
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads)) if config.family.attention_sinks else None
 
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (normalised, rotated) and values of `x` (the layer's normalised input), `[b, kv_heads,
@@ -351,7 +355,8 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)
         if self.rope:
             q = apply_rope(q, cos, sin, self.interleaved)
-        out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap, **extra)
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -398,11 +403,13 @@ class DecoderLayer(nn.Module):
     def kind(self) -> tuple:
         """What makes two layers run the same code: the attention window and the MLP kind (layers of one
         kind share a compiled layer region), which RoPE where sliding layers rotate with their own (Gemma 3),
-        and "norope" for a layer without RoPE (SmolLM3)."""
+        "norope" for a layer without RoPE (SmolLM3), and "sinks" for attention with sinks (gpt-oss)."""
         kind = (self.self_attn.window, "moe" if self.sparse else "dense")
         if self.rope is not None:
             kind += (self.rope,)
-        return kind if self.self_attn.rope else kind + ("norope",)
+        if not self.self_attn.rope:
+            kind += ("norope",)
+        return kind + (("sinks",) if self.self_attn.sinks is not None else ())
 
     def attention_input(self, x):
         """What attention reads: the normalised input (no norm before attention for OLMo 2)."""
@@ -689,6 +696,8 @@ class CausalLM(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, Experts):
                 module.reset_parameters(std)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)
         self.tie_weights()
         self.model.reset_rope()
 

@@ -1,9 +1,9 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
 The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
-OLMo 2, and the mixtures of experts Qwen3-MoE and Mixtral) are one decoder with different flags: q/k
-RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention, the
-norms' flavour and placement, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
+OLMo 2, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss) are one decoder with different flags:
+q/k RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention,
+the norms' flavour and placement, gpt-oss's attention sinks, router and expert biases and clamped SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
 layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
 names (`expert_names`: how the Hub spells one expert's tensors, `checkpoints/names.py`). A family is a row
 of this table, not a copy of the model. This module is the only place that knows which family sets which
@@ -30,7 +30,7 @@ import torch
 from . import config_checks as checks
 from . import config_gemma, config_moe
 from . import config_variants
-from ..checkpoints.names import GLM4_FUSED, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
+from ..checkpoints.names import GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -78,6 +78,13 @@ class Family:
     # post_mlp_layernorm)
     multipliers: bool = False  # Granite's embedding / attention / residual multipliers and logits_scaling
     rope_per_layer: bool = False  # no_rope_layers says which layers apply RoPE (SmolLM3)
+    # gpt-oss (family math in attention_sinks.py and expert_activations.py)
+    attention_sinks: bool = False  # a learned per-head logit joins each softmax as an extra column (`self_attn.sinks`)
+    alternating_sliding: bool = False  # without layer_types: sliding on even layers, full on odd ones
+    router_bias: bool = False  # the router (`mlp.gate`) carries a bias
+    topk_before_softmax: bool = False  # top-k over the router logits, then softmax over the chosen k
+    expert_bias: bool = False  # experts carry `gate_up_proj_bias` and `down_proj_bias`
+    expert_activation: str = "swiglu"  # "swiglu" (gate rows, then up rows) or "clamped_swiglu" (interleaved)
 
 
 FAMILIES: dict[str, Family] = {
@@ -171,6 +178,18 @@ FAMILIES: dict[str, Family] = {
                   "tie_word_embeddings": True},
         sliding_needs_flag=True, rope_per_layer=True,
     ),
+    "GptOssForCausalLM": Family(
+        "GptOssForCausalLM", "gpt_oss", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=64, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                  "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                   "truncate": False, "original_max_position_embeddings": 4096},
+                  "sliding_window": 128, "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4,
+                  "intermediate_size": 2880},
+        mlp="moe", expert_names=GPT_OSS_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
+        always_norm_topk=True, attention_sinks=True, alternating_sliding=True, router_bias=True,
+        topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu", norm="float_weight",
+    ),
 }
 
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
@@ -257,6 +276,8 @@ class ModelConfig:
     attention_multiplier: Optional[float] = None  # the attention scale (None: head_dim ** -0.5)
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (config_moe.py)
+    swiglu_limit: float = 7.0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -324,6 +345,7 @@ class ModelConfig:
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         attn += ((q + kv) if self.family.qk_norm_over == "projection" else 2 * hd) * self.qk_norm
         norms = ({"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms) * h
+        attn += self.num_attention_heads * self.family.attention_sinks
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
@@ -337,6 +359,8 @@ class ModelConfig:
         arch = _architecture(d, source)
         fam = FAMILIES[arch]
         d = {**fam.defaults, **d}  # an explicit null (Mistral's sliding_window) stays null
+        if raw.get("rope_scaling") is not None and raw.get("rope_parameters") is None:
+            d.pop("rope_parameters", None)  # a family's default RoPE (gpt-oss: YaRN) only when the file names none
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in d or d[key] is None:
                 raise ConfigError(f"{source} has no {key!r}: it must be a positive integer.")
@@ -377,6 +401,8 @@ class ModelConfig:
                 layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(layers)]
         if fam.rope_per_layer and layer_types is None:
             layer_types = config_variants.smollm3_layer_types(variants["no_rope_layers"], sliding)
+        if fam.alternating_sliding and layer_types is None:
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         if layer_types is None:
             layer_types = config_gemma.default_layer_types(fam, d, layers, source)
         act = checks.string(d.get(fam.act_key, "silu"), fam.act_key, source)
@@ -475,6 +501,9 @@ class ModelConfig:
             out["use_sliding_window"] = bool(self.use_sliding_window)
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = self.layer_types or ["full_attention"] * self.num_hidden_layers
+        elif self.family.alternating_sliding:
+            out["sliding_window"] = self.sliding_window
+            out["layer_types"] = self.layer_types
         if self.model_type == "phi3":
             out.pop("attention_bias", None)  # Phi-3's projections never carry a bias
         out.update(config_moe.write(self))

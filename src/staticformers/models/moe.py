@@ -47,9 +47,9 @@ import math
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .expert_activations import activation_for, swiglu
 from .ops import PLAIN, Ops
 from .quantized_values import FP8, quantize_rows
 
@@ -76,9 +76,14 @@ def formulation(tokens: int, top_k: int, experts: int, block: int = BLOCK) -> st
 # ---------------------------------------------------------------------------------------------
 # routing
 # ---------------------------------------------------------------------------------------------
-def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool,
+          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) `[T, top_k]` from router logits `[T, E]`, as transformers computes them: softmax
-    in float32, top-k, renormalised if asked, the weights cast back to the logits' dtype unless `weights_fp32`."""
+    in float32, top-k, renormalised if asked, the weights cast back to the logits' dtype unless `weights_fp32`;
+    `topk_first` (gpt-oss): top-k over the logits, then the softmax of the chosen k in the logits' dtype."""
+    if topk_first:
+        top, experts = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -86,23 +91,21 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool)
     return (weights if weights_fp32 else weights.to(logits.dtype)), experts
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 # ---------------------------------------------------------------------------------------------
 # the experts' MLP in three formulations
 # ---------------------------------------------------------------------------------------------
 def expert_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                down: torch.Tensor, ops: Ops = PLAIN, first: int = 0, total: Optional[int] = None,
-               how: Optional[str] = None, scales: Optional[tuple] = None) -> torch.Tensor:
-    """Sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+               how: Optional[str] = None, scales: Optional[tuple] = None, biases: Optional[tuple] = None,
+               act: Callable = swiglu) -> torch.Tensor:
+    """Sum over each token's chosen experts of weight * down(act(gate_up(x))) (`act`: `expert_activations.py`,
+    default silu(gate) * up).
 
     x `[T, H]`; weights, experts `[T, k]` (global expert ids); gate_up `[E_l, 2I, H]`, down `[E_l, H, I]`:
     experts `first .. first + E_l - 1` of `total` (a rank's slice under expert parallelism; routes to
     the others count for nothing). `how`: a formulation (default: `formulation(T, k, E_l)`). `scales`:
-    quantized stacks' `(gate_up_scale [E_l, 2I, 1], down_scale [E_l, H, 1])`, None for full-precision ones."""
+    quantized stacks' `(gate_up_scale [E_l, 2I, 1], down_scale [E_l, H, 1])`, None for full-precision ones.
+    `biases`: `(gate_up_bias [E_l, 2I], down_bias [E_l, H])` added to each product (gpt-oss), or None."""
     local = gate_up.shape[0]
     total = local if total is None else total
     idx = experts if first == 0 else experts - first
@@ -116,12 +119,13 @@ def expert_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ga
     gate_up, down = (gate_up, None), (down, None)
     if scales is not None:
         gate_up, down = (gate_up[0], scales[0]), (down[0], scales[1])
+    biases = biases or (None, None)
     if how == "selected":
-        return _selected(x, weights, idx, gate_up, down, ops)
+        return _selected(x, weights, idx, gate_up, down, ops, biases, act)
     if how == "dense":
-        return _dense(x, weights, idx, gate_up, down, ops)
+        return _dense(x, weights, idx, gate_up, down, ops, biases, act)
     if how == "blocks":
-        return _blocks(x, weights, idx, valid, gate_up, down, ops)
+        return _blocks(x, weights, idx, valid, gate_up, down, ops, biases, act)
     raise ValueError(f"Unknown expert formulation {how!r}: use one of {', '.join(FORMULATIONS)}.")
 
 
@@ -131,26 +135,34 @@ def _weighted(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return (y * w.unsqueeze(-1)).to(dtype)
 
 
-def _selected(x, weights, idx, gate_up, down, ops: Ops) -> torch.Tensor:
+def _biased(y: torch.Tensor, bias: Optional[torch.Tensor], index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`y` `[G, R, out]` plus each group's expert bias (`bias[index]`, or all experts in order), if any."""
+    if bias is None:
+        return y
+    b = bias if index is None else bias.index_select(0, index)
+    return y + b.unsqueeze(1).to(y.dtype)
+
+
+def _selected(x, weights, idx, gate_up, down, ops: Ops, biases, act) -> torch.Tensor:
     t, k = idx.shape
     pairs = idx.reshape(-1)
     rows = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, H]
-    h = ops.expert_matmul(rows, *gate_up, index=pairs)  # [T*k, 1, 2I]
-    y = ops.expert_matmul(_swiglu(h), *down, index=pairs).squeeze(1)  # [T*k, H]
+    h = _biased(ops.expert_matmul(rows, *gate_up, index=pairs), biases[0], pairs)  # [T*k, 1, 2I]
+    y = _biased(ops.expert_matmul(act(h), *down, index=pairs), biases[1], pairs).squeeze(1)  # [T*k, H]
     return _weighted(y, weights.reshape(-1), x.dtype).view(t, k, -1).sum(dim=1)
 
 
-def _dense(x, weights, idx, gate_up, down, ops: Ops) -> torch.Tensor:
+def _dense(x, weights, idx, gate_up, down, ops: Ops, biases, act) -> torch.Tensor:
     t = x.shape[0]
     local = gate_up[0].shape[0]
-    h = ops.expert_matmul(x.unsqueeze(0), *gate_up)  # [E, T, 2I]
-    y = ops.expert_matmul(_swiglu(h), *down)  # [E, T, H]
+    h = _biased(ops.expert_matmul(x.unsqueeze(0), *gate_up), biases[0])  # [E, T, 2I]
+    y = _biased(ops.expert_matmul(act(h), *down), biases[1])  # [E, T, H]
     # each token's weight per expert, zero where not chosen (scatter_add: masked routes may share an index)
     per_expert = torch.zeros(t, local, dtype=weights.dtype, device=x.device).scatter_add(1, idx, weights)
     return _weighted(y, per_expert.t(), x.dtype).sum(dim=0)
 
 
-def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, block: int = BLOCK) -> torch.Tensor:
+def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, biases, act, block: int = BLOCK) -> torch.Tensor:
     t, k = idx.shape
     local = gate_up[0].shape[0]
     n = num_blocks(t, k, local, block)
@@ -178,8 +190,8 @@ def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, block: int = BLOCK)
     block_expert = (torch.arange(n, device=device).unsqueeze(1) >= ends.unsqueeze(0)).sum(1).clamp(max=local - 1)
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row t: the zero token of padding slots
     rows = padded.index_select(0, slot_token).view(n, block, -1)
-    h = ops.expert_matmul(rows, *gate_up, index=block_expert)  # [n, B, 2I]
-    y = ops.expert_matmul(_swiglu(h), *down, index=block_expert).reshape(slots, -1)  # [n*B, H]
+    h = _biased(ops.expert_matmul(rows, *gate_up, index=block_expert), biases[0], block_expert)  # [n, B, 2I]
+    y = _biased(ops.expert_matmul(act(h), *down, index=block_expert), biases[1], block_expert).reshape(slots, -1)
     out = padded.new_zeros(t + 1, x.shape[1]).index_add(0, slot_token, _weighted(y, slot_weight, x.dtype))
     return out[:t]
 
@@ -194,11 +206,17 @@ class Experts(nn.Module):
     `exchange` (None in one process) is set by expert parallelism: it brings this rank's experts the
     tokens routed to them from the other ranks and returns the results (`distributed/expert_parallel.py`)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool = False, act: Callable = swiglu):
         super().__init__()
         self.num_experts = num_experts  # the model's experts (a rank may hold a slice of them)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if bias:  # gpt-oss: one bias per expert and output row, never quantized
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.act = act
         self.exchange: Optional[Callable] = None
 
     quantized: Optional[str] = None  # "int8" / "fp8" once `quantize` ran: the weights' kind, with `*_scale` beside them
@@ -206,6 +224,9 @@ class Experts(nn.Module):
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=std)
+        if self.gate_up_proj_bias is not None:
+            nn.init.zeros_(self.gate_up_proj_bias)
+            nn.init.zeros_(self.down_proj_bias)
 
     def quantize(self, kind: str, empty: bool = False) -> None:
         """Store both stacks quantized per output row (`models/quantization.py`): `gate_up_proj` and
@@ -225,13 +246,20 @@ class Experts(nn.Module):
     def scales(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return (self.gate_up_proj_scale, self.down_proj_scale) if self.quantized else None
 
+    def biases(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return None if self.gate_up_proj_bias is None else (self.gate_up_proj_bias, self.down_proj_bias)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         if self.exchange is not None:
             if self.quantized:
                 raise ValueError("Expert parallelism over quantized experts is not supported: load the model "
                                  "unquantized for expert parallelism.")
+            if self.gate_up_proj_bias is not None:
+                raise ValueError("Expert parallelism over experts with biases (gpt-oss) is not supported: load the "
+                                 "model without ep_size.")
             return self.exchange(self, x, weights, experts, ops)
-        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops, scales=self.scales())
+        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops, scales=self.scales(),
+                          biases=self.biases(), act=self.act)
 
 
 class SparseMoeBlock(nn.Module):
@@ -244,8 +272,10 @@ class SparseMoeBlock(nn.Module):
         self.normalize = config.norm_topk_prob
         self.weights_fp32 = config.family.routing_weights_fp32
         self.jitter_noise = config.router_jitter_noise
-        self.gate = nn.Linear(h, config.num_experts, bias=False)
-        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size)
+        self.topk_first = config.family.topk_before_softmax
+        self.gate = nn.Linear(h, config.num_experts, bias=config.family.router_bias)
+        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size, bias=config.family.expert_bias,
+                               act=activation_for(config))
 
     def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[b, s, H]` -> (`[b, s, H]`, router logits `[b * s, E]`)."""
@@ -254,7 +284,7 @@ class SparseMoeBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
-        weights, experts = route(logits, self.top_k, self.normalize, self.weights_fp32)
+        weights, experts = route(logits, self.top_k, self.normalize, self.weights_fp32, self.topk_first)
         return self.experts(flat, weights, experts, ops).view(b, s, h), logits
 
 

@@ -1,11 +1,11 @@
-"""The RMSNorm flavours of Gemma and OLMo 2, and the soft cap Gemma 2 puts on logits.
+"""The RMSNorm flavours of Gemma, OLMo 2 and gpt-oss, and the soft cap Gemma 2 puts on logits.
 
 The decoder's own `RMSNorm` (`decoder.py`) is Llama's: normalise in float32, cast back, then multiply
 by the weight in the input's dtype. Two families round differently, and in bf16 the difference shows:
 
 - Gemma (2 and 3) stores the weight as an offset from one (zeros at init) and multiplies by `1 + w`
   in float32 *before* casting back (`OffsetRMSNorm`);
-- OLMo 2 multiplies by `w` in float32 before casting back (`FloatWeightRMSNorm`).
+- OLMo 2 and gpt-oss multiply by `w` in float32 before casting back (`FloatWeightRMSNorm`).
 
 `make_norm(kind, dim, eps)` builds the one a family's `Family.norm` names. `softcap(x, cap)` is
 `tanh(x / cap) * cap`, in `x`'s dtype, as transformers computes Gemma 2's attention scores and final logits.

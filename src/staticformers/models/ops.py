@@ -8,8 +8,9 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
 - `ops.linear(layer, x)` for every projection inside a decoder layer, and `ops.linear_group(layers, x)` for
   projections of one input (q, k and v; gate and up), which a backend may compute in one call,
 - `ops.head(layer, x)` for the `lm_head`,
-- `ops.attention(q, k, v, mask, scale, softcap=None)` for scaled dot-product attention with grouped KV heads
-  (`softcap`: Gemma 2's `tanh(s / c) * c` on the scores, which SDPA cannot apply: `capped_attention`),
+- `ops.attention(q, k, v, mask, scale, softcap=None, sinks=None)` for scaled dot-product attention with grouped
+  KV heads (`softcap`: Gemma 2's `tanh(s / c) * c` on the scores, which SDPA cannot apply: `capped_attention`;
+  `sinks` `[heads]`: gpt-oss's per-head sink logits, `attention_sinks.py`; each given only by a family that has it),
 - `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
 
 and never asks which device it runs on. A quantized projection (`quantization.QuantLinear`: int8 or fp8
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_sinks import attention_with_sinks
 from .norm_variants import softcap as cap_scores
 from .quantized_values import widen
 
@@ -89,8 +91,11 @@ class Ops:
         return layer(x)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  scale: float, softcap: Optional[float] = None) -> torch.Tensor:
-        """SDPA; with `softcap`, the manual `capped_attention`."""
+                  scale: float, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """SDPA; with `softcap`, the manual `capped_attention`; with `sinks`, `attention_with_sinks` (no family
+        has both)."""
+        if sinks is not None:  # SDPA has no sink column
+            return attention_with_sinks(q, k, v, mask, scale, sinks)
         if softcap is not None:
             return capped_attention(q, k, v, mask, scale, softcap)
         return sdpa(q, k, v, mask, scale)

@@ -33,6 +33,7 @@ from .decoder import CausalLM
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError
 from ..checkpoints.weights_writer import SAFE_INDEX, SAFE_WEIGHTS, write_weights
 from ..checkpoints.compressed_tensors import pack_int8, scheme_of, unpack_int8
+from ..checkpoints import mxfp4
 from .quantization import FP8, QuantizationConfig, as_quantization_config, prepare_for_checkpoint, quantize_model
 
 logger = logging.getLogger("staticformers")
@@ -149,7 +150,11 @@ def quantized_targets(model: CausalLM) -> dict[str, torch.dtype]:
 def _file_name(name: str, f: SafetensorsFile, scheme) -> Optional[str]:
     """The model's name for file tensor `name` under a compressed-tensors `scheme`: a `pack-quantized`
     `X.weight_packed` is `X.weight`; "" for what holds nothing to load (`weight_shape`, a zero point,
-    which symmetric weights store as zeros); `name` itself otherwise."""
+    which symmetric weights store as zeros); an MXFP4 stack's `X_blocks` is `X` and its `X_scales` ""
+    (`checkpoints/mxfp4.py`); `name` itself otherwise."""
+    packed = mxfp4.packed_part(name)
+    if packed is not None:
+        return packed[0] if packed[1] == "blocks" else ""
     if scheme is None:
         return name
     if name.endswith((".weight_shape", ".weight_zero_point")):
@@ -197,6 +202,10 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
                     continue
                 if name in where:
                     raise CheckpointError(f"Weight {name} appears in more than one shard ({path} is the second).")
+                if mxfp4.packed_part(stored):
+                    where[name] = path
+                    where[name + "_scales"] = _check_mxfp4(f, stored, name, pieces[name][0], files, path)
+                    continue
                 want = quantized.get(pieces[name][0].target)
                 packed = stored != name
                 have = f.dtype(stored)
@@ -237,6 +246,24 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
     return layout, where
 
 
+def _check_mxfp4(f: SafetensorsFile, stored: str, name: str, piece: Piece, files: list[str], path: str) -> str:
+    """Check an MXFP4 stack's blocks (`stored`, in `f`) and scales against the parameter they fill
+    (`piece`: the Hub's transposed layout); return the file that holds the scales."""
+    scales_name, scales_path, shape, dtype = name + "_scales", None, None, None
+    for other in files:
+        with open_weights(other) as g:
+            if scales_name in g.tensors:
+                scales_path, shape, dtype = other, tuple(g.shape(scales_name)), g.dtype(scales_name)
+                break
+    hub = piece.shape  # the dequantised matrix, transposed as the Hub holds it
+    try:
+        mxfp4.check(name, tuple(f.shape(stored)), f.dtype(stored), shape, dtype, (*hub[:-2], hub[-1], hub[-2]),
+                    os.path.basename(path))
+    except mxfp4.Mxfp4FormatError as err:
+        raise CheckpointError(str(err)) from None
+    return scales_path
+
+
 def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
     """transformers' rule for a config that ties lm_head to embed_tokens while the checkpoint stores its
     own lm_head.weight with other values: keep the stored head (untie, in `config`) and warn."""
@@ -275,7 +302,11 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                 if not name or where.get(name) != path:
                     continue
                 first = pieces[name][0]
-                if first.target in quantized:  # int8 / fp8 values as stored (unpacked from int32 if packed)
+                if mxfp4.packed_part(stored):  # blocks and scales -> the matrix, as the Hub holds it (transposed)
+                    with SafetensorsFile(where[name + "_scales"]) as g:
+                        scales = g.read(name + "_scales", device=device)
+                    value = mxfp4.dequantize(f.read(stored, device=device), scales, dtype).transpose(-1, -2)
+                elif first.target in quantized:  # int8 / fp8 values as stored (unpacked from int32 if packed)
                     value = f.read(stored, device=device)
                     if stored != name:
                         value = unpack_int8(value, first.file_shape)
@@ -287,6 +318,7 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                 for piece in pieces[name]:  # several for a fused tensor (each part's rows)
                     part = piece.source(value)
                     if piece.whole:
+                        part = piece.to_model(part)
                         _set_tensor(model, piece.target, part if piece.source_rows is None else part.clone())
                         continue
                     if piece.target not in stacked:
@@ -359,6 +391,8 @@ def resolve(
     if config is None:
         config = ModelConfig.from_pretrained(path, **hub)
     files = weight_files(path, **hub)
+    if mxfp4.is_mxfp4_config(config.extra):  # MXFP4 experts load dequantised: the model holds no MXFP4
+        config.extra.pop("quantization_config")
     untie_stored_head(config, files)
     return Resolved(path, config, files, resolve_dtype(dtype, config, files), hub, quantization)
 

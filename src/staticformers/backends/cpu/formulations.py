@@ -31,6 +31,7 @@ from torch import nn
 from ...adapters.lora import LoraLinear
 from ...models.decoder import causal_rows
 from ...models.hooks import hooked
+from ...models.attention_sinks import softmax_with_sinks
 from ...models.norm_variants import softcap as cap_scores
 from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
@@ -167,26 +168,31 @@ def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                  softcap: Optional[float] = None) -> torch.Tensor:
+                  softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
     grouped per KV head, which inductor fuses into loops reading each cached key and value once
     (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`;
-    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2)."""
+    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2); `sinks` `[h]`: gpt-oss's sink logits
+    (`models/attention_sinks.py`)."""
     b, h, s, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, 1, d).float()
     scores = cap_scores((qg * k.unsqueeze(2).float()).sum(-1) * scale, softcap)  # [b, kvh, g, L]
     if mask is not None:
         scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = softmax_with_sinks(scores, sinks.view(1, kvh, h // kvh, 1))
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kvh, g, d]
     return out.reshape(b, h, s, d).to(v.dtype)
 
 
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                   softcap: Optional[float] = None) -> torch.Tensor:
+                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head;
-    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2)."""
+    `softcap`: `tanh(s / c) * c` on the scores (Gemma 2); `sinks` `[h]`: each head's sink logit joins its
+    softmax (`models/attention_sinks.py`)."""
     b, h, s, d = q.shape
     kvh, kv_len = k.shape[1], k.shape[2]
     g = h // kvh
@@ -196,8 +202,11 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
         mask = causal_rows(s, kv_len, q.device)
     mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, h, s, d)
+    if sinks is not None:  # row (group r, query i) of KV head j is query head j * g + r
+        probs = softmax_with_sinks(scores, sinks.view(1, kvh, g, 1, 1).expand(1, kvh, g, s, 1).reshape(1, kvh, g * s, 1))
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v).reshape(b, h, s, d)
 
 
 CPU_BLOCK = threshold("attention_query_block")  # query block of `attend_blocks`
@@ -276,13 +285,15 @@ class CPUOps(Ops):
             y = y * s.transpose(-1, -2).float()
         return y.to(x.dtype)
 
-    def attention(self, q, k, v, mask, scale, softcap=None):
-        """With `softcap` (Gemma 2), the formulations that compute their scores themselves: fused reductions
-        for one query per row, grouped matmuls, or (None) the plain path's `capped_attention`."""
+    def attention(self, q, k, v, mask, scale, softcap=None, sinks=None):
+        """The formulation's attention. With `softcap` (Gemma 2), the formulations that compute their scores
+        themselves: fused reductions for one query per row, grouped matmuls, or (None) the plain path's
+        `capped_attention`; with `sinks` (gpt-oss) SDPA and the query blocks give way to grouped matmuls,
+        which take the sink column."""
         if self.attention_kind == "reduce" and q.shape[2] == 1:
-            return attend_decode(q, k, v, mask, scale, softcap)
-        if self.attention_kind is not None:
-            return attend_grouped(q, k, v, mask, scale, softcap)
+            return attend_decode(q, k, v, mask, scale, softcap, sinks)
+        if self.attention_kind is not None or sinks is not None:
+            return attend_grouped(q, k, v, mask, scale, softcap, sinks)
         if softcap is not None:
             return capped_attention(q, k, v, mask, scale, softcap)
         return attend(q, k, v, mask, scale, self.blocks)
