@@ -17,6 +17,7 @@ def run(args) -> int:
 
     info = {"staticformers": __version__, **describe()}
     info["neuron_hint"] = neuron_hint(info)
+    info["cpu_threads"] = cpu_threads()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -34,7 +35,17 @@ def run(args) -> int:
           f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
     if info["neuron_hint"]:
         print(info["neuron_hint"])
+    print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     return 0
+
+
+def cpu_threads() -> dict:
+    """The CPU kernels' thread count a model run here would use, what it comes from, and OpenMP's wait policy."""
+    from ..utils.cpus import choose_threads, wait_policy
+
+    choice = choose_threads()
+    return {"threads": choice.threads, "source": choice.source, "usable": choice.usable, "affinity": choice.affinity,
+            "quota": choice.quota, "cpu_count": choice.cpu_count, "reason": choice.reason(), "wait": wait_policy()}
 
 
 def neuron_hint(info: dict) -> str | None:
