@@ -202,3 +202,14 @@ def test_threads_applied_and_passive_wait_read_by_the_openmp_runtime(tmp_path):
     result = next((line for line in out.stdout.splitlines() if line.startswith("RESULT")), None)
     assert result == "RESULT 0 3 PASSIVE", out.stdout[-2000:] + out.stderr[-2000:]
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr, out.stderr[-2000:]
+
+
+def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, caplog):
+    from staticformers.backends.cpu import threads
+
+    monkeypatch.setattr(threads, "_HINTED", False)
+    assert threads.spin_hint(1, {}) is False  # one thread: nothing waits
+    assert threads.spin_hint(2, {"OMP_WAIT_POLICY": "ACTIVE"}) is False  # the user chose
+    assert threads.spin_hint(2, {}) is True
+    assert threads.spin_hint(2, {}) is False  # once per process
+    assert "Set OMP_WAIT_POLICY=PASSIVE in the environment before torch is imported" in caplog.text
