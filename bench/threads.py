@@ -109,6 +109,26 @@ def case(impl: str, threads: int, wait: str, load: str, args, env: dict) -> dict
     return result
 
 
+def summarize(result: dict, runs: dict) -> dict:
+    """`result` with one row per case ((impl, threads, wait, load) -> its runs): medians, the ratio to one
+    spinning thread under the same load, and the slowdown under load against the same case quiet."""
+    result["cases"] = []
+    for (impl, threads, wait, load), rs in runs.items():
+        ok = [x for x in rs if "error" not in x]
+        row = {"impl": impl, "threads": threads, "wait": wait, "load": load, "runs": rs}
+        if ok:
+            row.update({k: round(statistics.median(x[k] for x in ok), 3) for k in ("ttft_ms", "step_ms")})
+        result["cases"].append(row)
+    base = {(c["impl"], c["load"]): c.get("step_ms") for c in result["cases"] if c["threads"] == 1 and c["wait"] == "spin"}
+    quiet = {(c["impl"], c["threads"], c["wait"]): c.get("step_ms") for c in result["cases"] if c["load"] == "none"}
+    for c in result["cases"]:
+        if c.get("step_ms") and base.get((c["impl"], c["load"])):
+            c["step_over_1_thread_spin"] = round(c["step_ms"] / base[(c["impl"], c["load"])], 3)
+        if c["load"] == "spin" and c.get("step_ms") and quiet.get((c["impl"], c["threads"], c["wait"])):
+            c["slowdown_under_load"] = round(c["step_ms"] / quiet[(c["impl"], c["threads"], c["wait"])], 3)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--which", nargs="+", default=["sf"], choices=["sf", "hf"])
@@ -142,20 +162,10 @@ def main() -> None:
             out = case(*g, args, env)
             runs[g].append(out)
             print(json.dumps({"round": r, "case": g, **out}), file=sys.stderr, flush=True)
-    for (impl, threads, wait, load), rs in runs.items():
-        ok = [x for x in rs if "error" not in x]
-        row = {"impl": impl, "threads": threads, "wait": wait, "load": load, "runs": rs}
-        if ok:
-            row.update({k: round(statistics.median(x[k] for x in ok), 3) for k in ("ttft_ms", "step_ms")})
-        result["cases"].append(row)
-    base = {(c["impl"], c["load"]): c.get("step_ms") for c in result["cases"] if c["threads"] == 1 and c["wait"] == "spin"}
-    quiet = {(c["impl"], c["threads"], c["wait"]): c.get("step_ms") for c in result["cases"] if c["load"] == "none"}
-    for c in result["cases"]:
-        if c.get("step_ms") and base.get((c["impl"], c["load"])):
-            c["step_over_1_thread_spin"] = round(c["step_ms"] / base[(c["impl"], c["load"])], 3)
-        if c["load"] == "spin" and c.get("step_ms") and quiet.get((c["impl"], c["threads"], c["wait"])):
-            c["slowdown_under_load"] = round(c["step_ms"] / quiet[(c["impl"], c["threads"], c["wait"])], 3)
-        c.pop("runs") if not c.get("runs") else None
+            if args.out:  # after every case: a run stopped by a time limit keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(summarize(dict(result), runs), f, indent=1)
+    result = summarize(result, runs)
     result["pressure_after"] = pressure()
     report(result, args.out)
 

@@ -155,7 +155,7 @@ def test_passive_wait_only_before_torch_and_only_unset():
 def test_doctor_says_the_threads_and_why(capsys, monkeypatch):
     monkeypatch.setenv(THREADS_ENV, "1")
     assert main(["doctor"]) == 0
-    line = capsys.readouterr().out.splitlines()[-1]
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("CPU threads: "))
     assert line.startswith(f"CPU threads: 1 thread(s) from {THREADS_ENV} (") and "CPU(s) usable: affinity" in line
     assert "OpenMP wait: " in line
     monkeypatch.delenv(THREADS_ENV)

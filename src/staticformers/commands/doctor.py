@@ -33,9 +33,9 @@ def run(args) -> int:
     print(f"torch.neuron.is_available(), torch.neuron.device_count(): {neuron['available']} {neuron['count']}")
     print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']}, "
           f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
+    print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     if info["neuron_hint"]:
         print(info["neuron_hint"])
-    print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     return 0
 
 
