@@ -4,8 +4,9 @@ Under CPU pressure from other work, a compiled step whose OpenMP workers spin at
 on more threads than the cores left free, can run many times slower than one thread. This measures it on
 the 41.6M reference checkpoint (`reference.py`), batch 1: each case is a fresh process (`threads` intra-op
 threads; `wait` "spin" = the OpenMP runtime's default, "passive" = `OMP_WAIT_POLICY=PASSIVE` set before
-torch loads), optionally beside a competing load (`--load`: `--load-procs` processes spinning in pure
-Python for the case's lifetime). The cases alternate within each round (A B A B), so the machine's other
+torch loads, "spinN" = libgomp's `GOMP_SPINCOUNT=N`: spin that many times, then sleep), optionally
+beside a competing load (`--loads spin`: `--load-procs` processes spinning in pure Python for the case's
+lifetime). The cases alternate within each round (A B A B), so the machine's other
 work falls on all of them alike. Per case: time to first token (`generate(max_new_tokens=1)`) and the
 decode step ((N-token generate - 1-token generate) / (N - 1)), medians inside the process, then over
 rounds; /proc/pressure/cpu before and after each case. `hf` adds transformers' eager generate as the peer
@@ -85,10 +86,12 @@ def stop(procs: list) -> None:
 
 def case(impl: str, threads: int, wait: str, load: str, args, env: dict) -> dict:
     env = dict(env)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(name, None)
     if wait == "passive":
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    else:
-        env.pop("OMP_WAIT_POLICY", None)
+    elif wait.startswith("spin") and wait != "spin":  # spin10000: libgomp spins this many times, then sleeps
+        env["GOMP_SPINCOUNT"] = wait.removeprefix("spin")
     before = pressure()
     load_procs = spinners(args.load_procs) if load == "spin" else []
     try:
@@ -133,7 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--which", nargs="+", default=["sf"], choices=["sf", "hf"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--waits", nargs="+", default=["spin", "passive"], choices=["spin", "passive"])
+    ap.add_argument("--waits", nargs="+", default=["spin", "passive"],
+                    help="spin (OpenMP's default), passive (OMP_WAIT_POLICY=PASSIVE), spinN (GOMP_SPINCOUNT=N)")
     ap.add_argument("--loads", nargs="+", default=["none", "spin"], choices=["none", "spin"])
     ap.add_argument("--load-procs", type=int, default=2, help="spinning processes of the competing load")
     ap.add_argument("--rounds", type=int, default=3)
