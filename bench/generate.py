@@ -460,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--backend", default="inductor",
                     help="compile backend of sf and hf_static (eager / aot_eager for a quick dry run)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads of every contender (default: the library's choice, the CPUs this process may "
+                         "use; or $STATICFORMERS_NUM_THREADS)")
     ap.add_argument("--out", default=None, help="also write the JSON here, after every case")
     ap.add_argument("--mixed", action="store_true", help="measure compile counts/seconds for mixed prompt lengths")
     ap.add_argument("--memory", action="store_true", help="measure peak memory of staticformers")
@@ -485,8 +488,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.size is not None:
         REF_DIR = reference_dir(args.size)
     size = args.size or ("41m" if REF_DIR == reference_dir("41m") else None)
-    if device.type == "cpu":
-        torch.set_num_threads(os.cpu_count() or 1)
+    if device.type == "cpu":  # the library's own choice (the CPUs this process may use), or --threads
+        from staticformers.utils.cpus import choose_threads
+
+        torch.set_num_threads(choose_threads(args.threads).threads)
     if size is not None:
         build_reference(REF_DIR, size=size, device=str(device))
     if args._mixed_case:
@@ -498,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"device": device_info(device), "model": REF_DIR, "size": size, "compile_mode": args.compile_mode,
               "backend": args.backend, "hf_static_compile": "transformers' automatic (inductor, reduce-overhead)"
               if device.type == "cuda" and args.backend == "inductor" else "forced: fullgraph=True, dynamic=False",
-              "pressure_before": pressure(), "cases": []}
+              "pressure_before": pressure(), "threads": torch.get_num_threads(),
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cases": []}
     env = dict(os.environ, STATICFORMERS_BENCH_MODEL=REF_DIR)
     if args.mixed:
         def fresh_cache_env() -> dict:  # an empty compile cache (inductor's kernels, ISA probes, headers)

@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from .options import before_torch
+
 COMMANDS = {
     "doctor": "staticformers.commands.doctor",
     "generate": "staticformers.commands.generate",
@@ -104,6 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     commands = _available_commands()
     args = build_parser(commands).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    before_torch(args)  # --threads, OpenMP's wait policy: read as torch loads, which no command has done yet
     try:
         return int(commands[args.command].run(args) or 0)
     except (ValueError, OSError, RuntimeError, TypeError, MemoryError) as err:  # OSError: files, Hub access

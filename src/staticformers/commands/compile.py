@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from .options import add_threads
+
 HELP = "compile the shape plan ahead of time and print each graph (shape, seconds, cache hit)"
 
 
@@ -22,6 +24,7 @@ def _ints(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hub id")
     p.add_argument("--device", default="auto", help="auto (Neuron first, then CUDA, ..., the CPU), neuron, cuda, cpu, ...")
+    add_threads(p)
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
     p.add_argument("--max-model-len", type=int, default=None,

@@ -38,6 +38,7 @@ def run(args) -> int:
         info = describe()
     info = {"staticformers": __version__, **info}
     info["neuron_hint"] = neuron_hint(info)
+    info["cpu_threads"] = cpu_threads()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -53,6 +54,7 @@ def run(args) -> int:
     print(f"torch.neuron.is_available(), torch.neuron.device_count(): {neuron['available']} {neuron['count']}")
     print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']}, "
           f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
+    print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     if info["neuron_hint"]:
         print(textwrap.fill(info["neuron_hint"], WIDTH, subsequent_indent="  ", break_on_hyphens=False,
                             break_long_words=False))
@@ -87,6 +89,15 @@ def cpu_only_report() -> dict:
     return {"python": platform.python_version(), "torch": importlib.metadata.version("torch"), "torch_neuronx": None,
             "torch_xla": None, "pjrt_device": None, "devices": devices, "auto": "cpu",
             "auto_compile_backend": BACKENDS["cpu"][0], "auto_bf16": True}
+
+
+def cpu_threads() -> dict:
+    """The CPU kernels' thread count a model run here would use, what it comes from, and OpenMP's wait policy."""
+    from ..utils.cpus import choose_threads, wait_policy
+
+    choice = choose_threads()
+    return {"threads": choice.threads, "source": choice.source, "usable": choice.usable, "affinity": choice.affinity,
+            "quota": choice.quota, "cpu_count": choice.cpu_count, "reason": choice.reason(), "wait": wait_policy()}
 
 
 def neuron_hint(info: dict) -> str | None:

@@ -8,6 +8,7 @@ import sys
 
 from ..generation.streamers import TextStreamer, _ids_of
 from ..utils.durations import duration
+from .options import add_threads
 
 HELP = "generate text from a prompt with the compiled engine, streaming it to the terminal"
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None, help="above 1 discourages repeating tokens")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--device", default="auto", help="auto (Neuron first), neuron, cuda, cpu, ...")
+    add_threads(p)
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
     p.add_argument("--no-compile", action="store_true", help="run eagerly (disable_compile=True)")

@@ -1,6 +1,6 @@
 """What several commands check the same way before they load anything: a `--backend` name, a `--device`
-(in the command line's words: its flags, not the Python API's `device_map=`), and what to install for
-Neuron."""
+(in the command line's words: its flags, not the Python API's `device_map=`), what to install for
+Neuron, and the `--threads` of the commands that run a model (set for the process before torch loads)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,38 @@ def check_backend(name: Optional[str]) -> None:
     common = [b for b in ("inductor", "aot_eager", "eager", "cudagraphs") if b in known]
     raise ValueError(f"--backend {name!r} is not a torch.compile backend here: use {', '.join(common)} "
                      f"(or leave it out for the device's own).")
+
+
+def add_threads(parser) -> None:
+    """`--threads N`: the CPU kernels' thread count (the commands that run a model)."""
+    parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                        help="CPU threads for the kernels (default: the CPUs this process may use, from its "
+                             "affinity and CPU quota; or $STATICFORMERS_NUM_THREADS; `staticformers doctor` shows it)")
+
+
+def thread_count(text: str) -> int:
+    import argparse
+
+    from ..utils.cpus import positive_count
+
+    try:
+        return positive_count(text, "--threads")
+    except ValueError:  # argparse prints an ArgumentTypeError's own words after "argument --threads:"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count: give a whole number of at least 1, or "
+                                         f"leave --threads out to use the CPUs this process may use.") from None
+
+
+def before_torch(args) -> None:
+    """What the command line sets for the process before torch loads (it imports no torch itself): the
+    `--threads` a command was given, for the CPU backend to apply, and OpenMP's passive wait unless the user
+    chose a wait policy (`utils/cpus.py`)."""
+    import os
+
+    from ..utils.cpus import THREADS_ENV, prefer_passive_wait
+
+    if getattr(args, "threads", None) is not None:
+        os.environ[THREADS_ENV] = str(args.threads)
+    prefer_passive_wait()
 
 
 # what a host needs for the `neuron` device (docs/trainium.md says more)
@@ -62,4 +94,4 @@ def check_device(name: str) -> None:
                          f"with :N (cuda:1).") from None
 
 
-__all__ = ["NEURON_INSTALL", "check_backend", "check_device"]
+__all__ = ["NEURON_INSTALL", "add_threads", "before_torch", "check_backend", "check_device", "thread_count"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .options import add_threads
+
 HELP = "serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)"
 API_KEY_ENV = "STATICFORMERS_API_KEY"
 
@@ -44,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + answer in tokens (default: the model's positions, at most 2048)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help="auto (Neuron first), neuron, cuda, cpu, ...")
+    add_threads(p)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--max-queued-requests", type=_positive, default=256,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 
+from .options import add_threads
+
 HELP = "train or fine-tune a causal LM on text or conversations with fixed shapes (padding or packing)"
 DEFAULT_MAX_LENGTH = 512
 
@@ -67,6 +69,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", default=None, help="torch_compile_backend (implies --compile)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
     parser.add_argument("--use-cpu", action="store_true", help="train on the CPU even when an accelerator is here")
+    add_threads(parser)
     parser.add_argument("--report-to", default="none",
                         help="none, tensorboard or all (metrics.jsonl and loss_curve.png are always written)")
     parser.add_argument("--seed", type=int, default=42, help="seed for the initial weights (from scratch) and the data order")

@@ -5,8 +5,9 @@ holds the formulations measured fastest per shape (`formulations.py`: weight-str
 float32 GEMM in `onednn.py`, grouped and blocked attention), the generation steps as per-layer regions
 (`compilation/regions.py`) run without Dynamo once warm (`regions.py`), compiled functions saved whole
 between processes and run without guard evaluation once warm (`compiled.py`, `precompiled.py`),
-inductor's instruction-set probes remembered across processes (`isa_probes.py`) and the host-memory
-setting of a training process (`host_memory.py`). Every choice is measured in BENCHMARKS.md.
+inductor's instruction-set probes remembered across processes (`isa_probes.py`), the host-memory
+setting of a training process (`host_memory.py`) and the kernels' thread count (`threads.py`, applied
+when the backend is made). Every choice is measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ...models.quantization import QuantLinear
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
 from .regions import RegionalDecode, RegionalExtend, RegionalPrefill
 from .thresholds import threshold
+from .threads import apply_thread_choice
 
 
 def plain_projections(model) -> bool:
@@ -143,6 +145,10 @@ class CPUBackend(Backend):
                    "`int8_kernel_max_rows`): ATen's weight-only int8 kernel (`_weight_int8pack_mm`), in bf16 for "
                    "float32 activations (`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an "
                    "adapter training over it), through the int8 weight widened in the graph, then the GEMM")
+
+    def __init__(self):
+        super().__init__()
+        self.threads = apply_thread_choice()  # before any saved function is looked up: they are keyed by it
 
     def compile_defaults(self, compile_backend: str) -> dict:
         if compile_backend != "inductor":
