@@ -1,11 +1,11 @@
 """LoRA adapters applied to a built model from outside, with PEFT's layout and names.
 
 Why this exists: fine-tuning a checkpoint with LoRA, and serving the result without merging it,
-should use the API and the files people know (`peft`), while the decoder (`modeling.py`) stays the
+should use the API and the files people know (`peft`), while the decoder (`models/decoder.py`) stays the
 architecture alone. So an adapter never changes the model code: each target `nn.Linear` is replaced
 in its parent by a `LoraLinear` that keeps it as `base_layer`, as PEFT does. The parameters then have
 PEFT's names (`model.layers.0.self_attn.q_proj.lora_A.default.weight`, the base weight under
-`...q_proj.base_layer.weight`), which map one to one onto PEFT's files (`adapter_files.py`).
+`...q_proj.base_layer.weight`), which map one to one onto PEFT's files (`adapters/files.py`).
 
 The math is PEFT's: `base(x) + lora_B(lora_A(dropout(x))) * scaling` for each active adapter, the
 LoRA product in the adapter's dtype and the sum cast back to the base output's dtype; `scaling` is
@@ -18,7 +18,7 @@ style (`tensor_parallel_plan`).
 A family whose checkpoints fuse projections (Phi-3's `qkv_proj`) is adapted under PEFT's fused names, its
 split parts sharing one A (`fused_targets.py`).
 
-A batch whose rows use different adapters (`adapter_bank.py`) reads stacked weights instead of the
+A batch whose rows use different adapters (`adapters/bank.py`) reads stacked weights instead of the
 named ones while the generation engine runs it (`lora_routing`).
 
 The functions here take the model; `auto.ModelForCausalLM` exposes them as methods with
@@ -67,7 +67,7 @@ class LoraLinear(nn.Module):
         self.scaling: dict[str, float] = {}
         self.active: tuple = ()
         self.disabled = False
-        self.lora_routing = None  # an AdapterBank (adapter_bank.py) while one is attached
+        self.lora_routing = None  # an AdapterBank (adapters/bank.py) while one is attached
 
     def add(self, name: str, r: int, alpha: float, scaling: float, dropout: float, init: Union[bool, str],
             dtype: torch.dtype, device: torch.device) -> None:

@@ -4,11 +4,11 @@
 what users call on a model the transformers way (`from_pretrained`, `save_pretrained`, `generate`,
 `compile_stats`, and PEFT's adapter methods `add_adapter`, `load_adapter`, `set_adapter`,
 `disable_adapters`, `enable_adapters`, `active_adapters`, `delete_adapter`, `merge_and_unload`,
-`unload`), each delegating to its module: loading (`loading.py`, or `distributed/sharded_loading.py` for a
+`unload`), each delegating to its module: loading (`models/pretrained.py`, or `distributed/sharded_loading.py` for a
 model partitioned at load time), saving (the distributed save gathers on rank 0 when the model is
 partitioned: `parallel_dims` says so; a model with adapters saves its adapter alone, as transformers
-does), generation (`generation/api.py`), adapters (`adapters.py`, `adapter_files.py`,
-`adapter_bank.py`). Data flows one way: config -> model -> loading -> engine; nothing below this
+does), generation (`api/generate.py`), adapters (`adapters/lora.py`, `adapters/files.py`,
+`adapters/bank.py`). Data flows one way: config -> model -> loading -> engine; nothing below this
 module imports it.
 """
 
@@ -131,7 +131,7 @@ def from_pretrained(
     model_class: type = ModelForCausalLM,
     **kwargs,
 ) -> ModelForCausalLM:
-    """Load a causal LM from a folder or Hub id (`loading.py`).
+    """Load a causal LM from a folder or Hub id (`models/pretrained.py`).
 
     `dtype`: None or "auto" keeps the checkpoint's dtype; "bfloat16", torch.float32, ... convert.
     `device_map`: "auto" (Neuron first), "neuron", "cuda:N", "cpu", an index or a torch.device;

@@ -273,7 +273,7 @@ def generate(
     `shape_plan` replaces the plan for this call; `seed` (row i of the batch samples with seed + i) or
     `generator` (shared by the rows) makes sampling reproducible. `adapter_names` (PEFT's): one adapter
     name per row ("__base__": none), the rows batched together over stacked adapter weights
-    (`adapter_bank.py`). Speculative decoding, with transformers' names: `prompt_lookup_num_tokens=k`
+    (`adapters/bank.py`). Speculative decoding, with transformers' names: `prompt_lookup_num_tokens=k`
     (and `max_matching_ngram_size`), or `assistant_model=draft` with `num_assistant_tokens=k`
     (`speculative.py`); greedy output is the output without it, sampling keeps its distribution.
     `structured_outputs` (vLLM's name): a `StructuredOutputs`, a dict of its fields

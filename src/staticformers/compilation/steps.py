@@ -10,7 +10,7 @@ graphs (what every device can run; a backend may supply others, `staticformers.b
   tokens at every position (`prompt_scores.py`): the head runs over every position, so it is a step
   kind of its own, built and compiled when scoring is asked for; its cache insert is the prefill's.
 - **decode** `[batch, 1]` over a `[batch, KV]` static cache: each row's token at its own position; the
-  cache is written in place at those positions and attention masked from them (`cache.py`).
+  cache is written in place at those positions and attention masked from them (`models/kv_cache.py`).
 - **extend** `[batch, T]` over a `[batch, KV]` static cache: T tokens per row at that row's positions
   (written in place like decode's, each attending to its row's cache up to itself), returning the
   argmax and logits at `n` kept positions per row (`keep_index` `[batch, n]`): a speculative step's

@@ -10,7 +10,7 @@ giving an object a `__reduce__` (`os.system`, `open`, ...). This module closes b
   `ChunkStorageMetadata`, `BytesStorageMetadata`, `TensorProperties`, `MetadataIndex`,
   `StorageMeta`, `_StorageInfo`, `torch.Size`, torch dtypes / layouts / memory formats, a path) and
   plain containers; any other global is refused before it is looked up. The result is then checked:
-  every storage file it names must resolve inside the folder (`contained.py`), with non-negative
+  every storage file it names must resolve inside the folder (`utils/contained_paths.py`), with non-negative
   integer offsets and lengths.
 - `SafeLoadPlanner.load_bytes` reads non-tensor values with `torch.load(weights_only=True)` (plain
   Python values and tensors only); tensors are read that way by PyTorch already.

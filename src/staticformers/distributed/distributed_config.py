@@ -36,7 +36,7 @@ class DistributedConfigError(ValueError):
 
 
 def world_size_from_env() -> int:
-    """WORLD_SIZE as torchrun set it, else 1 (a plain `python script.py`)."""
+    """WORLD_SIZE as torchrun set it, else 1 (a plain `python` run)."""
     value = os.environ.get("WORLD_SIZE", "1")
     try:
         return int(value)

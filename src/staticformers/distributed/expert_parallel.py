@@ -191,7 +191,7 @@ class GatherExchange:
 
 class AllReduceExchange:
     """`ep_implementation="all_reduce"` (ep == tp): local experts on the shared batch, outputs summed
-    (eager collectives: a TP group's blocks are never compiled for training, `distributed/trainer.py`)."""
+    (eager collectives: a TP group's blocks are never compiled for training, `training/partitioned.py`)."""
 
     def __init__(self, dims: ParallelDims, num_experts: int):
         self.group = dims.ep_mesh.get_group()

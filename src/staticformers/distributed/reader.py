@@ -9,7 +9,7 @@ slice is read in row chunks of at most 16 MiB, narrowed and copied (converting t
 peak stays near its own shards.
 
 A mixture of experts' checkpoint holds one tensor per expert while the model holds them stacked
-(`checkpoint_names.py`). Given the checkpoint's layout, the reader describes each stacked parameter to
+(`checkpoints/names.py`). Given the checkpoint's layout, the reader describes each stacked parameter to
 DCP as one tensor whose chunks are the per-expert files' tensors (expert e's gate rows at offset
 `[e, 0, 0]`, its up rows at `[e, I, 0]`, ...), so DCP plans the stacked DTensor's shards as it plans
 any other, and a rank reads only the rows of the experts it holds. A part of a fused tensor (Phi-3's

@@ -215,7 +215,7 @@ class Engine:
         """Prefill `prompts` (host token lists) into the rows `slots` of `cache`; the other rows keep their
         state. Returns the argmax and the logits at each prompt's last token, `[n]` and `[n, vocab]`, on the
         device. The buckets are `plan`'s (default: the engine's). `adapters`: each prompt's slot in the
-        model's adapter bank (`adapter_bank.py`; None: the model as it is). `scores`: run the scoring
+        model's adapter bank (`adapters/bank.py`; None: the model as it is). `scores`: run the scoring
         prefill and return a third item, the prompts' `(token_logprobs [n, L], top_logprobs [n, L, TOP],
         top_ids [n, L, TOP])` (`compilation/prompt_scores.py`)."""
         plan = plan or self.plan

@@ -10,7 +10,7 @@
 
 Design choices:
 
-- **Slots.** The batch is the rows of one `[B, K]` static cache (`cache.py`), B a batch bucket of the
+- **Slots.** The batch is the rows of one `[B, K]` static cache (`models/kv_cache.py`), B a batch bucket of the
   plan, K one of its KV lengths. A request owns one row (its slot) from its prefill to its last token.
   Its prompt is inserted into positions `0..n-1` of that row while the other rows keep their state;
   each decode step feeds every row its last token at its own position. Empty rows ride along (masked,
@@ -30,7 +30,7 @@ Design choices:
   do, the batch moves down only if that shape's decode graph is already built, so a move never
   compiles; when the last row leaves, the next request starts from the smallest shape it needs.
 - **Adapters per row.** A request may name a LoRA adapter (`GenerationRequest.adapter`) held by the
-  model's adapter bank (`adapter_bank.py`: stacked adapter weights, slot 0 = none); each prefill and
+  model's adapter bank (`adapters/bank.py`: stacked adapter weights, slot 0 = none); each prefill and
   decode step passes every row's slot to the engine, which writes them into the bank's rows index in
   place. Rows of different adapters (and of none) share one batch and one graph of its shape.
 - **Sampling per row on the device** (`sampling.RowSampler`): each request has its own settings and

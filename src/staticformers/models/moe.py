@@ -201,7 +201,7 @@ def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, biases, act, block:
 # ---------------------------------------------------------------------------------------------
 class Experts(nn.Module):
     """Every expert's SwiGLU MLP, stacked: `gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`
-    (transformers 5's names and layout; the Hub's one-tensor-per-expert names are `checkpoint_names.py`'s).
+    (transformers 5's names and layout; the Hub's one-tensor-per-expert names are `checkpoints/names.py`'s).
 
     `exchange` (None in one process) is set by expert parallelism: it brings this rank's experts the
     tokens routed to them from the other ranks and returns the results (`distributed/expert_parallel.py`)."""

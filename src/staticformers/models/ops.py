@@ -1,6 +1,6 @@
 """The decoder's one seam: how its projections and its attention are computed.
 
-The model (`modeling.py`) describes the architecture and nothing else. Where a device or a compiled
+The model (`decoder.py`) describes the architecture and nothing else. Where a device or a compiled
 shape is faster with another formulation of the same math (a weight-streaming reduction for one
 decode row on a CPU, an operator the compiler cannot reach, attention in query blocks), the caller
 passes an `Ops` object to `model(..., ops=...)`; the model calls

@@ -3,13 +3,13 @@
 Loading builds the model on the meta device (no memory, no random init), then materialises each
 tensor once, read from the file (plain reads, no memory map: see safetensors_io) straight into the
 target dtype on the target device: peak host memory stays near the model's size, not twice it. Pickle checkpoints
-are never unpickled; every file name an index gives must resolve inside the folder (`contained.py`).
+are never unpickled; every file name an index gives must resolve inside the folder (`utils/contained_paths.py`).
 Every refusal is one sentence naming the file or the weights.
 
 Saving writes config.json in the transformers-5 spelling, safetensors shards with an index above
 `max_shard_size`, and generation_config.json when known; transformers loads what we write.
 
-Names go through the family's checkpoint-name adapter (`checkpoint_names.py`): a mixture of experts
+Names go through the family's checkpoint-name adapter (`checkpoints/names.py`): a mixture of experts
 stores one tensor per expert on the Hub and holds them stacked in memory, so loading fills each stacked
 parameter from its pieces and saving splits it back (dense families: the identity).
 """
@@ -176,7 +176,7 @@ def _stored_shape_fits(name: str, stored: tuple, want: tuple, packed: bool) -> b
 
 def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piece], dict[str, str]]:
     """`check_checkpoint`'s checks, and (the file names' pieces of the model's parameters, which file holds
-    each name): names as the files spell them, through the family's adapter (`checkpoint_names.py`); a
+    each name): names as the files spell them, through the family's adapter (`checkpoints/names.py`); a
     quantized model's (`prepare_for_checkpoint`) values must be stored in its dtype, int8 or fp8."""
     scheme = scheme_of(model.config.extra)
     present = set()

@@ -163,7 +163,7 @@ def _inside(folder: Path, name: str) -> Path:
 def read_folder(folder: Path) -> TokenizerFiles:
     """Read a resolved tokenizer folder into a `TokenizerFiles`; refuse one without tokenizer.json.
 
-    Every file read must resolve inside the folder (`contained.py`): a symbolic link out of it is refused.
+    Every file read must resolve inside the folder (`utils/contained_paths.py`): a symbolic link out of it is refused.
     """
     tokenizer_json = _inside(folder, TOKENIZER_FILE)
     if not tokenizer_json.is_file():

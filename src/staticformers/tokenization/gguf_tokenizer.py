@@ -2,7 +2,7 @@
 
 Why this exists: a GGUF has no tokenizer.json. It stores the vocabulary, merges, token types, special token
 ids and chat template under llama.cpp's `tokenizer.ggml.*` keys. We build the pipeline transformers' GGUF
-tokenizer builds from them (the oracle: its `integrations/gguf/gguf_tokenizer_mapping.py`), without
+tokenizer builds from them (the oracle: its `integrations.gguf` tokenizer mapping), without
 importing transformers:
 - `gpt2` (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen): tokens respelled in the byte alphabet, the file's
   merges, a ByteLevel pre-tokenizer (behind the split regex the file's `tokenizer.ggml.pre` names, when we

@@ -23,7 +23,7 @@ pieces, never the Trainer itself:
 - checkpoints: model and optimizer through `torch.distributed.checkpoint` (every rank writes its
   shards into the same atomic folder; rank 0 adds scheduler, RNG and trainer state last), so they
   resume in another layout; `save_model` gathers one Hugging Face checkpoint on rank 0. With LoRA
-  adapters (`add_adapter` on the partitioned model, `distributed/adapters.py`) only the adapter's
+  adapters (`add_adapter` on the partitioned model, `distributed/lora_partition.py`) only the adapter's
   weights and optimizer state are checkpointed, and `save_model` writes the adapter in PEFT's format.
 """
 

@@ -142,7 +142,7 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
 def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `directory` named in `expected` (name -> shape), checked (see the module
     docstring) before any is used; a LoRA run's checkpoint holds its adapter alone (PEFT's files).
-    `names`: the family's checkpoint-name adapter (`checkpoint_names.py`: a mixture of experts' files hold
+    `names`: the family's checkpoint-name adapter (`checkpoints/names.py`: a mixture of experts' files hold
     one tensor per expert, stacked here); None: the identity."""
     from ..adapters.files import AdapterFileError, read_checkpoint_adapter
     from ..checkpoints.names import CheckpointNames, file_shapes

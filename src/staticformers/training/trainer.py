@@ -8,7 +8,7 @@ Design choices:
 - **Static shapes.** The dataset becomes a fixed table of `[max_length]` rows before training
   (`training/data.py`: padding or packing), and every batch is exactly
   `[per_device_train_batch_size, max_length]`. With `torch_compile=True` the forward pass and the
-  loss compile as two regions (`training/compiled.py`: one decoder layer shared by every layer, and
+  loss compile as two regions (`training/step_functions.py`: one decoder layer shared by every layer, and
   the head with the loss; `fullgraph=True, dynamic=False`), AOTAutograd builds the backward, the
   optimizer runs eagerly: a fixed set of training and evaluation graphs per run, counted
   (`compile_stats()`).
@@ -19,7 +19,7 @@ Design choices:
   optimizer state when `bf16=True`; plain fp32 otherwise. AdamW with no decay on norms and biases.
 - **Gradient accumulation** divides each micro-batch's summed loss by the token count of the
   whole accumulation window (`num_items_in_batch`), so it equals the larger batch.
-- **Checkpoints** are folders written atomically (`training/checkpoint.py`); resuming restores
+- **Checkpoints** are folders written atomically (`training/checkpoint_folders.py`); resuming restores
   weights, optimizer, scheduler, RNG and the data position, and continues bit-identically.
 - **A NaN or inf loss (or gradient norm)** stops training before the optimizer step, with a
   sentence naming the step; no checkpoint is written after it. NaN or inf weights stop it before a

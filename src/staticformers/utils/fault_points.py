@@ -1,6 +1,6 @@
 """Named points where a test can kill the process (SIGKILL), to prove that no kill loses a checkpoint.
 
-The checkpoint writer (`training/checkpoint.py`, `weights_writer.py`, the Trainer's save) calls
+The checkpoint writer (`training/checkpoint_folders.py`, `checkpoints/weights_writer.py`, the Trainer's save) calls
 `reached("name")` at each moment that matters: files written, before the commit rename, between the
 renames of a re-save, after it. With `STATICFORMERS_FAULT_POINT=name` (or `name:N`, the N-th time
 that point is reached) the process kills itself there with SIGKILL, which no `finally` or `except`

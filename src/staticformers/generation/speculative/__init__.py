@@ -1,7 +1,7 @@
 """Speculative decoding in the generation loop: a proposer guesses up to k tokens per row, the target
 verifies them in one `[B, k+1]` extend step, and each row keeps what the target would have chosen.
 
-config.py (the method and k, with transformers' and vLLM's names), prompt_lookup.py (n-gram proposals
+api/speculative.py (the method and k, with transformers' and vLLM's names), prompt_lookup.py (n-gram proposals
 from the row's own tokens, on the host), draft.py (a draft model's proposals, in its own engine and
 decode graph), acceptance.py (greedy matching and the rejection rule, per row and position),
 step.py (`Speculator`: the loop's speculative step).
