@@ -1,4 +1,4 @@
-"""The CPU backend's formulations (backends/cpu/ops.py) give the plain path's results: the decode
+"""The CPU backend's formulations (backends/cpu/formulations.py) give the plain path's results: the decode
 formulations (reductions, grouped matmuls) for every family with rows of different lengths and a
 sliding window, and the blocked causal attention (training in bf16) against SDPA with and without masks."""
 

@@ -1,4 +1,4 @@
-"""kernels.py: oneDNN's float32 linear as an operator that compiled graphs can call with weights as inputs."""
+"""backends/cpu/onednn.py: oneDNN's float32 linear as an operator that compiled graphs can call with weights as inputs."""
 
 import pytest
 import torch

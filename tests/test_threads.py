@@ -1,6 +1,6 @@
 """The CPU kernels' thread count: chosen from the CPUs a process may use (affinity, a cgroup's quota, fake
 files here), overridable (`--threads`, `STATICFORMERS_NUM_THREADS`, `OMP_NUM_THREADS`), applied by the CPU
-backend, OpenMP's passive wait set by the command line before torch loads, and `doctor` saying all of it."""
+backend, OpenMP's short spin set by the command line before torch loads, and `doctor` saying all of it."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import torch
 from staticformers.backends.cpu.threads import apply_thread_choice
 from staticformers.commands.cli import main
 from staticformers.utils.cpus import (THREADS_ENV, ThreadChoice, cgroup_dirs, cgroup_quota, choose_threads, parse_cfs,
-                                      parse_cpu_max, prefer_passive_wait, usable_cpus, wait_policy)
+                                      parse_cpu_max, prefer_bounded_spin, usable_cpus, wait_policy)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,15 +141,16 @@ def test_the_backend_lowers_torch_s_count_to_the_usable_cpus_and_never_raises_it
     assert torch.get_num_threads() == 2
 
 
-def test_passive_wait_only_before_torch_and_only_unset():
+def test_bounded_spin_only_before_torch_and_only_unset():
     env = {}
-    assert prefer_passive_wait(env, modules={}) is True and env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE"
+    assert prefer_bounded_spin(env, modules={}) is True and env == {"GOMP_SPINCOUNT": "200"}
+    assert wait_policy(env) == "GOMP_SPINCOUNT=200"
     env = {}
-    assert prefer_passive_wait(env, modules={"torch": object()}) is False and env == {}
-    assert wait_policy(env).startswith("OpenMP's default: idle workers spin")
-    env = {"GOMP_SPINCOUNT": "10000"}
-    assert prefer_passive_wait(env, modules={}) is False and env == {"GOMP_SPINCOUNT": "10000"}
+    assert prefer_bounded_spin(env, modules={"torch": object()}) is False and env == {}
+    assert wait_policy(env).startswith("OpenMP's default: idle workers spin 300,000 times")
+    for chosen in ({"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "active"}):
+        env = dict(chosen)
+        assert prefer_bounded_spin(env, modules={}) is False and env == chosen  # the user's choice stays
 
 
 def test_doctor_says_the_threads_and_why(capsys, monkeypatch):
@@ -183,25 +184,25 @@ import os, sys
 from staticformers.commands.cli import main
 code = main(["generate", sys.argv[1], "The", "--device", "cpu", "--no-compile", "--max-new-tokens", "1"] + sys.argv[2:])
 import torch
-print("RESULT", code, torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))
+print("RESULT", code, torch.get_num_threads(), os.environ.get("GOMP_SPINCOUNT"))
 """
 
 
-def test_threads_applied_and_passive_wait_read_by_the_openmp_runtime(tmp_path):
+def test_threads_applied_and_bounded_spin_read_by_the_openmp_runtime(tmp_path):
     """A fresh process: `generate --threads 3` runs at 3 threads (more than the usable CPUs: explicit), the command
-    line set OMP_WAIT_POLICY=PASSIVE before torch loaded, and libgomp reports reading it (OMP_DISPLAY_ENV)."""
+    line set GOMP_SPINCOUNT=200 before torch loaded, and libgomp reports reading it (OMP_DISPLAY_ENV, verbose)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import inference
 
     checkpoint = inference.build_checkpoint(str(tmp_path / "model"))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", THREADS_ENV, "OMP_WAIT_POLICY",
                                                                 "GOMP_SPINCOUNT")}
-    env.update(PYTHONPATH=os.path.join(ROOT, "src"), OMP_DISPLAY_ENV="TRUE", STATICFORMERS_CACHE=str(tmp_path / "c"))
+    env.update(PYTHONPATH=os.path.join(ROOT, "src"), OMP_DISPLAY_ENV="VERBOSE", STATICFORMERS_CACHE=str(tmp_path / "c"))
     out = subprocess.run([sys.executable, "-c", CHILD, checkpoint, "--threads", "3"], capture_output=True, text=True,
                          env=env, timeout=600)
     result = next((line for line in out.stdout.splitlines() if line.startswith("RESULT")), None)
-    assert result == "RESULT 0 3 PASSIVE", out.stdout[-2000:] + out.stderr[-2000:]
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr, out.stderr[-2000:]
+    assert result == "RESULT 0 3 200", out.stdout[-2000:] + out.stderr[-2000:]
+    assert "GOMP_SPINCOUNT = '200'" in out.stderr, out.stderr[-2000:]
 
 
 def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, caplog):
@@ -212,4 +213,4 @@ def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, capl
     assert threads.spin_hint(2, {"OMP_WAIT_POLICY": "ACTIVE"}) is False  # the user chose
     assert threads.spin_hint(2, {}) is True
     assert threads.spin_hint(2, {}) is False  # once per process
-    assert "Set OMP_WAIT_POLICY=PASSIVE in the environment before torch is imported" in caplog.text
+    assert "Set GOMP_SPINCOUNT=200 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported" in caplog.text

@@ -42,15 +42,15 @@ def thread_count(text: str) -> int:
 
 def before_torch(args) -> None:
     """What the command line sets for the process before torch loads (it imports no torch itself): the
-    `--threads` a command was given, for the CPU backend to apply, and OpenMP's passive wait unless the user
+    `--threads` a command was given, for the CPU backend to apply, and OpenMP's short spin before sleeping unless the user
     chose a wait policy (`utils/cpus.py`)."""
     import os
 
-    from ..utils.cpus import THREADS_ENV, prefer_passive_wait
+    from ..utils.cpus import THREADS_ENV, prefer_bounded_spin
 
     if getattr(args, "threads", None) is not None:
         os.environ[THREADS_ENV] = str(args.threads)
-    prefer_passive_wait()
+    prefer_bounded_spin()
 
 
 # what a host needs for the `neuron` device (docs/trainium.md says more)

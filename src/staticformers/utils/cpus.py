@@ -10,7 +10,11 @@ at least 1. An explicit count wins: an argument (the command line's `--threads`)
 
 The OpenMP runtime's wait policy (`OMP_WAIT_POLICY`, libgomp's `GOMP_SPINCOUNT`) is read once, when the
 runtime loads with torch, so only a process that has not imported torch yet can still choose it
-(`prefer_passive_wait`, which the command line calls first thing).
+(`prefer_bounded_spin`, which the command line calls first thing). The default spins 300,000 times before an
+idle worker sleeps: on a quiet machine the fastest, on a busy one the workers take the CPUs the step's own
+thread needs and a decode step collapses; passive wait (sleep at once) holds under load but pays a wake-up
+per parallel region. A short spin (`GOMP_SPINCOUNT=200`) is close to both where each is best
+(BENCHMARKS.md, "Threads on a busy machine").
 
 Everything here is plain Python (no torch), so the command line can decide before torch loads; the
 functions that parse take the files' text, so tests give them fake cgroup files.
@@ -26,6 +30,7 @@ from typing import Callable, Mapping, Optional
 
 THREADS_ENV = "STATICFORMERS_NUM_THREADS"
 WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # read by libgomp (torch's OpenMP on Linux) as it loads
+BOUNDED_SPINCOUNT = "200"  # spins before an idle OpenMP worker sleeps, where the user chose no wait policy
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -176,7 +181,7 @@ def choose_threads(requested: Optional[int] = None, environ: Optional[Mapping[st
     return ThreadChoice(usable, "usable CPUs", **facts)
 
 
-_SET_HERE: list = []  # the variables `prefer_passive_wait` set in this process
+_SET_HERE: list = []  # the variables `prefer_bounded_spin` set in this process
 
 
 def wait_policy(environ: Optional[Mapping[str, str]] = None) -> str:
@@ -184,26 +189,25 @@ def wait_policy(environ: Optional[Mapping[str, str]] = None) -> str:
     environ = os.environ if environ is None else environ
     set_ = [f"{name}={environ[name]}" for name in WAIT_ENV if environ.get(name, "").strip()]
     if not set_:
-        return ("OpenMP's default: idle workers spin a while before sleeping (set OMP_WAIT_POLICY=PASSIVE before "
-                "torch is imported to make them sleep)")
+        return ("OpenMP's default: idle workers spin 300,000 times before sleeping (set GOMP_SPINCOUNT="
+                f"{BOUNDED_SPINCOUNT} or OMP_WAIT_POLICY=PASSIVE before torch is imported to make them sleep sooner)")
     here = environ is os.environ and _SET_HERE and all(name in _SET_HERE for name in WAIT_ENV if environ.get(name))
     return ", ".join(set_) + (" (set by the command line; a program importing torch itself sets it first)" if here else "")
 
 
-def prefer_passive_wait(environ=None, modules: Optional[Mapping] = None) -> bool:
-    """Set `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP workers sleep instead of spinning) when the user set no wait
-    policy and torch, which loads the OpenMP runtime that reads it, is not imported yet. Returns whether it
-    was set."""
+def prefer_bounded_spin(environ=None, modules: Optional[Mapping] = None) -> bool:
+    """Set `GOMP_SPINCOUNT=200` (idle OpenMP workers spin briefly, then sleep) when the user set no wait policy
+    and torch, which loads the OpenMP runtime that reads it, is not imported yet. Returns whether it was set."""
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if "torch" in modules or any(environ.get(name, "").strip() for name in WAIT_ENV):
         return False
-    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    environ["GOMP_SPINCOUNT"] = BOUNDED_SPINCOUNT
     if environ is os.environ:
-        _SET_HERE.append("OMP_WAIT_POLICY")
+        _SET_HERE.append("GOMP_SPINCOUNT")
     return True
 
 
-__all__ = ["THREADS_ENV", "WAIT_ENV", "ThreadChoice", "affinity_size", "cgroup_dirs", "cgroup_quota",
-           "choose_threads", "parse_cfs", "parse_cpu_max", "positive_count", "prefer_passive_wait",
+__all__ = ["BOUNDED_SPINCOUNT", "THREADS_ENV", "WAIT_ENV", "ThreadChoice", "affinity_size", "cgroup_dirs", "cgroup_quota",
+           "choose_threads", "parse_cfs", "parse_cpu_max", "positive_count", "prefer_bounded_spin",
            "usable_cpus", "wait_policy"]

@@ -7,7 +7,7 @@ for the slowest, descheduled one. `utils/cpus.py` chooses the count (`--threads`
 as given, the default only ever lowering torch's (a `torch.set_num_threads` the caller made below it stays).
 The saved compiled functions are keyed by the thread count (`precompiled.py`), so this runs before any is
 looked up. Several threads with OpenMP's spinning wait (a program that imported torch without choosing a
-wait policy; the command line chooses passive wait itself) get a one-time warning saying what to set.
+wait policy; the command line chooses a short spin itself) get a one-time warning saying what to set.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from ...utils.cpus import THREADS_ENV, WAIT_ENV, ThreadChoice, choose_threads
 
 log = logging.getLogger(__name__)
 
-# said once per process, where it can still be acted on (a next run): the command line sets passive wait itself
+# said once per process, where it can still be acted on (a next run): the command line sets a short spin itself
 SPIN_HINT = ("staticformers: the CPU kernels run on {n} threads whose idle OpenMP workers spin (OpenMP's default "
              "wait): on a machine busy with other work that can make each step many times slower than one "
-             "thread. Set OMP_WAIT_POLICY=PASSIVE in the environment before torch is imported (or "
+             "thread. Set GOMP_SPINCOUNT=200 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported (or "
              "STATICFORMERS_NUM_THREADS=1); `staticformers doctor` shows the choice.")
 
 
