@@ -51,9 +51,9 @@ demo: $(STAMP)
 
 # both suites run whatever the other's result; the target fails if either failed, and says which
 test: $(STAMP)
-	@main=0; $(PY) -m pytest -q -n 2 --dist loadfile tests || main=$$?; \
-	xla=skipped; if [ -z "$(SKIP_XLA)" ]; then xla=0; $(MAKE) test-xla || xla=$$?; fi; \
-	echo "make test: main suite exit $$main, XLA suite exit $$xla"; \
+	@t0=$$(date +%s); main=0; $(PY) -m pytest -q -n 2 --dist loadfile tests || main=$$?; t1=$$(date +%s); \
+	xla=skipped; if [ -z "$(SKIP_XLA)" ]; then xla=0; $(MAKE) test-xla || xla=$$?; fi; t2=$$(date +%s); \
+	echo "make test: main suite exit $$main in $$((t1 - t0)) s, XLA suite exit $$xla in $$((t2 - t1)) s"; \
 	[ "$$main" = 0 ] && { [ "$$xla" = 0 ] || [ "$$xla" = skipped ]; }
 
 # no prerequisite on the requirements file: its hash names the folder, and a fresh clone's newer file
