@@ -5,7 +5,7 @@ where no NVIDIA GPU is visible).
 Under pytest-xdist (`make test`: two workers, a file each at a time) each worker computes with one
 thread, as do the processes its tests start: two workers already fill a 2-core machine, and a second
 thread per process only spins against the other worker. Files holding a long test (marked `slow`,
-`inductor` or `distributed`) are handed out first, so that the short ones fill in around them
+`inductor` or `distributed`) are handed out first (most long tests first), so that the short ones fill in around them
 instead of one long file running alone at the end."""
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ LONG = ("slow", "inductor", "distributed")
 
 
 def _long_files_first(items) -> None:
-    """Reorder `items` in place: every test of a file holding a long test first, each file's order kept."""
-    long_files = {item.path for item in items if any(item.get_closest_marker(m) for m in LONG)}
-    items.sort(key=lambda item: item.path not in long_files)  # a stable sort
+    """Reorder `items` in place: the files holding long tests first, the one with most long tests first (the
+    docs test's blocks, the distributed runs), each file's order kept."""
+    long_tests: dict = {}
+    for item in items:
+        if any(item.get_closest_marker(m) for m in LONG):
+            long_tests[item.path] = long_tests.get(item.path, 0) + 1
+    items.sort(key=lambda item: -long_tests.get(item.path, 0))  # a stable sort
 
 
 def pytest_collection_modifyitems(config, items):
