@@ -357,3 +357,16 @@ def test_a_long_prompt_in_chunks_gives_transformers_tokens(tiny_checkpoints, fam
                       pad_token_id=0)
     assert out["long"] == ref[0, 70:].tolist()
     assert loop.chunks == 4  # ceil((70 - 16) / 16)
+
+
+def test_the_embedding_scale_is_rounded_without_tensors():
+    """sqrt(hidden) rounded to each dtype as transformers' tensor of that dtype rounds it, in plain Python: the
+    decoder computes it at construction, on the meta device, where a tensor cannot be read back (and a traced
+    graph on torch_xla could not fold it)."""
+    from staticformers.models.norm_variants import embedding_scale
+
+    for hidden in (7, 64, 100, 640, 1152, 2304, 2560, 3840, 5376):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            want = float(torch.tensor(hidden ** 0.5, dtype=torch.float32).to(dtype))
+            with torch.device("meta"):
+                assert embedding_scale(hidden ** 0.5, dtype) == want, (hidden, dtype)

@@ -13,6 +13,7 @@ by the weight in the input's dtype. Two families round differently, and in bf16 
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
@@ -73,7 +74,16 @@ def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+ROUNDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the model dtypes whose embedding scale is kept
+
+
 def embedding_scale(scale: float, dtype: torch.dtype) -> float:
     """`scale` rounded to `dtype`, as transformers multiplies Gemma's embeddings by a tensor of that dtype
     (sqrt(hidden) is exact in bf16 only for some widths)."""
-    return float(torch.tensor(scale, dtype=torch.float32).to(dtype))
+    bits = struct.unpack("<I", struct.pack("<f", scale))[0]  # float32, rounded to nearest
+    if dtype == torch.bfloat16:  # the top 16 bits, rounded to nearest even (no tensor: this runs under meta init)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    value = struct.unpack("<f", struct.pack("<I", bits))[0]
+    if dtype == torch.float16:
+        value = struct.unpack("<e", struct.pack("<e", value))[0]
+    return value
