@@ -123,6 +123,23 @@ def _check_ids(ids: list[int]) -> None:
             )
 
 
+
+def _apply_overrides(overrides: dict[str, Any], special: dict, extra: list, template: Any, config: dict) -> tuple:
+    """`from_pretrained`'s keyword overrides, as transformers applies them: special tokens into `special`, other
+    settings into `config` (both in place); returns the extra special tokens and the chat template."""
+    for key, value in overrides.items():
+        if key in _IGNORED_FROM_PRETRAINED:
+            continue
+        if key in SPECIAL_TOKEN_NAMES:
+            special[key] = None if value is None else str(value)
+        elif key in ("extra_special_tokens", "additional_special_tokens"):
+            extra = [str(v) for v in value]
+        elif key == "chat_template":
+            template = value
+        else:
+            config[key] = value
+    return extra, template
+
 class FastTokenizer:
     """A Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) with transformers' call API."""
 
@@ -194,17 +211,7 @@ class FastTokenizer:
             config.setdefault("truncation_side", backend.truncation.get("direction", "right"))
         extra = [tok.content for tok in files.extra_special_tokens]
         template = files.chat_template
-        for key, value in overrides.items():
-            if key in _IGNORED_FROM_PRETRAINED:
-                continue
-            if key in SPECIAL_TOKEN_NAMES:
-                special[key] = None if value is None else str(value)
-            elif key in ("extra_special_tokens", "additional_special_tokens"):
-                extra = [str(v) for v in value]
-            elif key == "chat_template":
-                template = value
-            else:
-                config[key] = value
+        extra, template = _apply_overrides(overrides, special, extra, template, config)
 
         # As transformers does: added tokens listed only in the config, then named special tokens the
         # backend lacks, are added to the backend (existing ones keep their flags).
@@ -246,17 +253,7 @@ class FastTokenizer:
         parts = read_gguf_tokenizer(open_gguf(path))
         special, extra, template, config = parts["special_tokens"], parts["extra_special_tokens"], \
             parts["chat_template"], parts["config"]
-        for key, value in overrides.items():
-            if key in _IGNORED_FROM_PRETRAINED:
-                continue
-            if key in SPECIAL_TOKEN_NAMES:
-                special[key] = None if value is None else str(value)
-            elif key in ("extra_special_tokens", "additional_special_tokens"):
-                extra = [str(v) for v in value]
-            elif key == "chat_template":
-                template = value
-            else:
-                config[key] = value
+        extra, template = _apply_overrides(overrides, special, extra, template, config)
         backend = parts["backend"]
         known = {t.content for t in backend.get_added_tokens_decoder().values()} | set(backend.get_vocab())
         missing = [t for t in [*special.values(), *extra] if t is not None and t not in known]
