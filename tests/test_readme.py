@@ -14,7 +14,11 @@ Everything runs in a scratch folder laid out as the repository after `make demo`
 `.demo/chat` (the same with the demo's training chat template, like the chat stage's) and
 `.demo/corpus.txt`. It stays cheap through the environment, not by editing the blocks:
 `STATICFORMERS_COMPILE_BACKEND=eager` (graphs are traced and counted, not compiled by inductor),
-`STATICFORMERS_EXAMPLE_STEPS=3` (the distributed example's default length).
+`STATICFORMERS_EXAMPLE_STEPS=3` (the distributed example's default length). A Trainer with
+`torch_compile=True` takes its backend from `TrainingArguments` (inductor on the CPU), not from that variable,
+so the first Python blocks of the Train and Fine-tune pages do compile with inductor: `TORCHINDUCTOR_VEC_ISA_OK=0`
+has inductor write scalar C++ kernels, which the C++ compiler builds much faster than vectorised ones (the same
+graphs and regions; each of those blocks a quarter to a third shorter).
 
 That the commands after the demo reuse its graphs is checked from the plans (`test_generate_commands_use_the_
 demos_plan`): every `staticformers generate` on a demo model needs only the shapes the demo compiled. With the

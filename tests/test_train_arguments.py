@@ -17,6 +17,15 @@ def test_defaults_on_this_machine(tmp_path):
     assert args.assistant_only_loss is False and args.completion_only_loss is None and args.chat_template_path is None
 
 
+def test_the_compile_backend_variable_reaches_the_trainer(tmp_path, monkeypatch):
+    """`STATICFORMERS_COMPILE_BACKEND` chooses the Trainer's default backend as it does generation's; an explicit
+    `torch_compile_backend` wins."""
+    monkeypatch.setenv("STATICFORMERS_COMPILE_BACKEND", "eager")
+    assert TrainingArguments(output_dir=str(tmp_path)).torch_compile_backend == "eager"
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile_backend="aot_eager")
+    assert args.torch_compile_backend == "aot_eager"
+
+
 def test_seed_snippets_detect_neuron(fake_neuron, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), bf16=True)
     assert str(args.device).startswith("neuron")

@@ -154,9 +154,9 @@ class TrainingArguments:
         self._check()
         apply_tf32(self.device, self.tf32)
         if self.torch_compile_backend is None:
-            from ..backends.devices import compile_backend_for
+            from ..backends.devices import default_backend
 
-            self.torch_compile_backend = compile_backend_for(self.device)
+            self.torch_compile_backend = default_backend(self.device)  # $STATICFORMERS_COMPILE_BACKEND, else the device's
         if self.bf16:
             from ..backends.devices import supports_bf16
 
