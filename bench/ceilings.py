@@ -123,7 +123,10 @@ class MemoryCeiling:
     sampled as often as the caller likes: `sample()` between the contenders' runs, `result()` the best rate
     any probe reached over every sample so far."""
 
-    def __init__(self, device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512):
+    def __init__(self, device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512,
+                 backend: str = "inductor"):
+        """`backend` compiles the CPU's multiply-and-sum probe (another than inductor: a quick dry run, which
+        does not judge the ceiling, skips inductor's C++ compile)."""
         self.device = device
         nbytes = max(int(nbytes), 1 << 20)
         if device.type == "cuda":  # the buffers are made per sample: between samples they hold no GPU memory
@@ -139,7 +142,7 @@ class MemoryCeiling:
             rows = max(nbytes // cols, 1)
             w = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
             x = torch.randn(cols).to(torch.bfloat16)
-            reduction = torch.compile(_multiply_and_sum_int8, backend="inductor", fullgraph=True, dynamic=False)
+            reduction = torch.compile(_multiply_and_sum_int8, backend=backend, fullgraph=True, dynamic=False)
             probes = {"sum": lambda: w.sum(dtype=torch.int32),
                       "compiled multiply-and-sum": lambda: reduction(x, w)}
             self._make = lambda: probes
@@ -151,7 +154,7 @@ class MemoryCeiling:
             rows = max(nbytes // (cols * size), 1)
             w = torch.randn(rows, cols).to(dtype)
             x = torch.randn(cols).to(dtype)
-            reduction = torch.compile(_multiply_and_sum, backend="inductor", fullgraph=True, dynamic=False)
+            reduction = torch.compile(_multiply_and_sum, backend=backend, fullgraph=True, dynamic=False)
             probes = {"torch.mv": lambda: torch.mv(w, x),
                       "sum": lambda: w.sum(dtype=torch.float32),
                       "compiled multiply-and-sum": lambda: reduction(x, w)}

@@ -14,7 +14,8 @@ Steps, in order (a step that runs out of time is stopped, process group and all,
    it is called as `bench/serve.py --device D --size S --clients 1 16 --out FILE`.
 
 `--dry-run` runs the same steps on the CPU with the tiny reference model, tiny sizes and Dynamo's
-eager/aot_eager backends (tests/test_device_check.py runs it in `make test`, so the script keeps working).
+eager backend everywhere, inductor nowhere: no C++ compile (tests/test_device_check.py runs it in `make test`,
+so the script keeps working).
 Output (under $OUT, else bench/results/device-check/): device_check.json (every step: status, seconds,
 limit, its benchmark JSON, the end of its output), device_check.md (the summary, with the issue's targets
 met or missed) and device_check.log (every step's full output).
@@ -84,7 +85,7 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
         gen += ["--compile-mode", compile_mode]
     train = [py, os.path.join(HERE, "train.py"), "--device", device, "--size", train_size, "--precisions", "bf16",
              "--modes", "compiled", "--rounds", "1", "--no-packed"]
-    train += (["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "aot_eager"] if dry
+    train += (["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "eager"] if dry
               else ["--steps", "8", "--documents", "200"])
     serve_script = os.path.join(HERE, "serve.py")
     steps = [
@@ -103,7 +104,8 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
              os.path.join(work, "train.json")),
         Step("serve", [py, serve_script, "--device", device, "--size", size, "--clients", "1", "16",
                        "--out", os.path.join(work, "serve.json")]
-             + (["--requests", "8", "--prompt", "16", "--new", "4", "--peers", "none", "--no-compile"] if dry
+             + (["--requests", "8", "--prompt", "16", "--new", "4", "--peers", "none", "--no-compile", "--backend", "eager"]
+                if dry
                 else ["--requests", "64", "--new", "64", "--no-compile"]),  # a whole-model compile per batch bucket
              # of the 1.7B model would not fit the step's limit
              limits["serve"], os.path.join(work, "serve.json"),

@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-mode", default=None,
                     help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--backend", default="inductor",
-                    help="compile backend of sf and hf_static (eager / aot_eager for a quick dry run)")
+                    help="compile backend of sf and hf_static, and on the CPU of the memory ceiling's compiled probe "
+                         "(eager / aot_eager for a quick dry run)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads of every contender (default: the library's choice, the CPUs this process may "
                          "use; or $STATICFORMERS_NUM_THREADS)")
@@ -535,11 +536,11 @@ def main(argv: list[str] | None = None) -> None:
         report["ceilings"], memory = {}, {}
         for dtype in args.dtypes:  # the weights' bytes in each dtype, read by each probe in that dtype
             dt = getattr(torch, dtype)
-            memory[dtype] = MemoryCeiling(device, weights * dt.itemsize, dt, cols)
+            memory[dtype] = MemoryCeiling(device, weights * dt.itemsize, dt, cols, backend=args.backend)
             memory[dtype].sample()
             report["ceilings"][dtype] = {"memory": memory[dtype].result(), "matmul": matmul_ceiling(device, dtype=dt)}
         if args.quantization:  # the same-bytes probe of the int8 weights (one byte an element)
-            memory["int8"] = MemoryCeiling(device, weights, torch.int8, cols)
+            memory["int8"] = MemoryCeiling(device, weights, torch.int8, cols, backend=args.backend)
             memory["int8"].sample()
         for dtype in args.dtypes:
             for batch in args.batches:

@@ -277,30 +277,31 @@ def hf_cb_run(manager, jobs: list, clients: int) -> dict:
     return summary(ttft, itl, tokens[0], wall)
 
 
-def sequential_run(model, jobs: list) -> dict:
+def sequential_run(model, jobs: list, compile_config=None) -> dict:
     import torch
 
     ttft, tokens = [], 0
     start = time.perf_counter()
     for prompt, new in jobs:
         t = time.perf_counter()
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             compile_config=compile_config)
         tokens += out.shape[1] - len(prompt)
         ttft.append(time.perf_counter() - t)  # a whole answer: the client sees nothing before
     wall = time.perf_counter() - start
     return summary(ttft, [], tokens, wall)
 
 
-def bare_ttft(model, jobs: list) -> float:
+def bare_ttft(model, jobs: list, compile_config=None) -> float:
     """Median seconds of `generate(max_new_tokens=1)` over the workload's prompts (after one warm pass)."""
     import torch
 
     for prompt, _ in jobs:
-        model.generate(torch.tensor([prompt]), max_new_tokens=1, eos_token_id=None)
+        model.generate(torch.tensor([prompt]), max_new_tokens=1, eos_token_id=None, compile_config=compile_config)
     times = []
     for prompt, _ in jobs:
         t = time.perf_counter()
-        model.generate(torch.tensor([prompt]), max_new_tokens=1, eos_token_id=None)
+        model.generate(torch.tensor([prompt]), max_new_tokens=1, eos_token_id=None, compile_config=compile_config)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -320,7 +321,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", type=int, default=128, help="longest prompt (tokens)")
     p.add_argument("--new", type=int, default=64, help="longest answer (tokens)")
     p.add_argument("--peers", default="hf_cb,sequential", help="comma-separated: hf_cb, sequential (or none)")
-    p.add_argument("--backend", default=None, help="our compile backend (default: the device's)")
+    p.add_argument("--backend", default=None,
+                   help="our compile backend (default: the device's): the server's, and the in-process generate()'s "
+                        "(bare TTFT, sequential)")
     p.add_argument("--no-compile", action="store_true", help="our steps eagerly (a short time budget)")
     p.add_argument("--structured", action="store_true",
                    help="also run every client count with a JSON schema on every request (see the docstring)")
@@ -401,13 +404,14 @@ def main(argv=None) -> None:
             del hf
         except Exception as err:  # the peer not running here is a result too
             result["hf_cb"] = {"error": f"{type(err).__name__}: {err}"[:500]}
-    from staticformers import AutoModelForCausalLM
+    from staticformers import AutoModelForCausalLM, CompileConfig
 
     ours = AutoModelForCausalLM.from_pretrained(folder, device_map=args.device)
-    result["bare_generate_ttft_ms"] = round(bare_ttft(ours, jobs[:8]) * 1000, 2)
+    cc = CompileConfig(backend=args.backend) if args.backend else None  # --backend: the server's and these
+    result["bare_generate_ttft_ms"] = round(bare_ttft(ours, jobs[:8], cc) * 1000, 2)
     if "sequential" in peers:
-        sequential_run(ours, jobs[:4])  # warm-up
-        result["sequential"] = sequential_run(ours, jobs)
+        sequential_run(ours, jobs[:4], cc)  # warm-up
+        result["sequential"] = sequential_run(ours, jobs, cc)
     top = str(max(args.clients))
     ratios = {}
     ours_top = result["sf_server"][top]["output_tokens_per_s"]
