@@ -31,6 +31,18 @@ def test_the_1_7b_reference_has_qwen3_1_7b_shape_and_transformers_parameter_coun
     assert reference.DEFAULT_DTYPES["1.7b"] == "bfloat16"
 
 
+def test_the_gemma3_reference_is_gemma3_text_with_transformers_parameter_count():
+    import transformers
+
+    config = reference.reference_config("gemma3-50m")
+    assert config.family.architecture == "Gemma3ForCausalLM" and config.vocab_size == 262144
+    assert [config.layer_window(i) for i in range(6)] == [128] * 5 + [None]  # 5 sliding : 1 full
+    hf_config = transformers.Gemma3TextConfig(**reference.SIZES["gemma3-50m"])
+    with torch.device("meta"):
+        theirs = transformers.Gemma3ForCausalLM(hf_config)
+    assert reference.weight_counts("gemma3-50m")["parameters"] == sum(p.numel() for p in theirs.parameters())
+
+
 def test_build_reference_saves_bf16_once_and_loads_in_both_libraries(tmp_path, monkeypatch):
     import transformers
     from safetensors import safe_open
