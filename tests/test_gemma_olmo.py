@@ -246,30 +246,17 @@ def test_lora_on_gemma3_equals_peft_both_ways(tiny_checkpoints, tmp_path):
 def test_an_int8_gemma2_is_served_with_its_own_greedy_tokens(tmp_path):
     """Gemma 2 (soft caps, windows) quantized to int8 and served through the plan's compiled steps: the
     openai client's completion equals the model's own greedy tokens."""
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
+    from served_greedy import assert_served_completion_is_greedy
     from staticformers import AutoTokenizer, QuantizationConfig
     from staticformers.models.quantization import QuantLinear
-    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
     from tiny import save_served
 
     folder = save_served("gemma2", tmp_path, positions=128)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=QuantizationConfig("int8_weight_only"))
     assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2)
-    server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
-        ids = tok("Hello there, this is a longer prompt")["input_ids"]
-        reply = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
-        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                              compile_config=CompileConfig(backend="eager"))[0, len(ids):].tolist()
-        if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
-        assert reply.choices[0].text == tok.decode(want)
-    finally:
-        server.stop()
+    assert_served_completion_is_greedy(model, tok, folder, "Hello there, this is a longer prompt", 8)
 
 
 @pytest.mark.parametrize("queries", [1, 5])

@@ -227,13 +227,13 @@ def test_phi3_int8_saves_fused_loads_in_transformers_and_is_served(tmp_path):
     """int8 weights of the split parts are saved as compressed-tensors' packed `qkv_proj` / `gate_up_proj`
     (values and per-row scales concatenated), load back bit for bit, and transformers reads them with our
     logits; the folder is served through the openai client with the engine's tokens."""
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
+    from served_greedy import assert_served_completion_is_greedy
     pytest.importorskip("compressed_tensors")
     from safetensors import safe_open
 
     from staticformers import AutoTokenizer, TorchAoConfig
     from staticformers.models.quantization import QuantLinear
-    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
     from tiny import save_served
 
     folder = save_served("phi3", tmp_path / "base", positions=128)
@@ -254,17 +254,4 @@ def test_phi3_int8_saves_fused_loads_in_transformers_and_is_served(tmp_path):
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         tol.assert_close(_hf(str(saved))(ids).logits, again(ids).logits)
-    opts = ServeOptions(model=str(saved), served_model_name="tiny", backend="eager", max_batch_size=2)
-    server = Server(build_state(again, tok, build_loop(again, opts), opts), grace=2.0)
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
-        prompt = tok("Hello there")["input_ids"]
-        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
-        want = again.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                              compile_config=CompileConfig(backend="eager"))[0, len(prompt):].tolist()
-        if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
-        assert reply.choices[0].text == tok.decode(want)
-    finally:
-        server.stop()
+    assert_served_completion_is_greedy(again, tok, str(saved), "Hello there", 6)

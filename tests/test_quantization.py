@@ -320,9 +320,9 @@ def test_an_int8_model_compiles_the_plans_graphs_and_no_more(tiny_checkpoints):
 
 
 def test_a_quantized_folder_is_served(tmp_path):
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
+    from served_greedy import assert_served_completion_is_greedy
     from staticformers import AutoTokenizer
-    from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
     from tiny import build_hf_model
     from tokenizer_fixtures import build_qwen
 
@@ -337,17 +337,4 @@ def test_a_quantized_folder_is_served(tmp_path):
     folder = str(tmp_path / "q")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2)
-    server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
-        ids = tok("Hello there")["input_ids"]
-        reply = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
-        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
-                              compile_config=CompileConfig(backend="eager"))[0, len(ids):].tolist()
-        if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
-        assert reply.choices[0].text == tok.decode(want)
-    finally:
-        server.stop()
+    assert_served_completion_is_greedy(model, tok, folder, "Hello there", 6)
