@@ -1,7 +1,7 @@
 """A GGUF file's metadata turned into the config.json a Hugging Face checkpoint of that model would carry.
 
 Why this exists: a GGUF names its architecture (`general.architecture`) and spells the config under
-llama.cpp's keys (`llama.block_count`, ...). We rebuild transformers' config dict from them, as transformers'
+GGUF's own keys (`llama.block_count`, ...). We rebuild transformers' config dict from them, as transformers'
 GGUF loader does (its `GGUF_CONFIG_MAPPING`), for the architectures whose families we run; anything else is
 refused in one sentence. `models/model_config.py` then checks the dict as it checks any config.json.
 """
@@ -12,12 +12,12 @@ from .gguf_file import GGUFError, GGUFFile
 
 # GGUF architecture -> the transformers class we build for it
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",      # Llama 2/3, SmolLM, and Mistral (llama.cpp converts Mistral as llama)
+    "llama": "LlamaForCausalLM",      # Llama 2/3, SmolLM, and Mistral (GGUF converters write Mistral as llama)
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# llama.cpp's key (after "<arch>.") -> config.json's key
+# GGUF's key (after "<arch>.") -> config.json's key
 _KEYS = {
     "context_length": "max_position_embeddings",
     "block_count": "num_hidden_layers",

@@ -1,4 +1,4 @@
-"""A GGUF file (llama.cpp's single-file checkpoint) read through the `gguf` package: its metadata and its tensors.
+"""A GGUF file (the GGML ecosystem's single-file checkpoint) read through the `gguf` package: its metadata and its tensors.
 
 Why this exists: a GGUF holds the config, the tokenizer, the chat template and the weights in one file, the
 weights often quantized in ggml's block formats. This module is the one place that opens such a file: it

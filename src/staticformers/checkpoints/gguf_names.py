@@ -1,6 +1,6 @@
 """GGUF tensor names <-> Hugging Face parameter names, and the llama Q/K row order undone.
 
-Why this exists: llama.cpp renames every tensor (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`)
+Why this exists: a GGUF file renames every tensor (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`)
 and, for the llama architecture, its converter permutes the rows of q_proj and k_proj from the Hub's
 rotate-half order to interleaved pairs. Loading must undo that exactly as transformers' GGUF loader does
 (`LlamaTensorProcessor._reverse_permute_weights`); qwen2 and qwen3 files are stored unpermuted.
@@ -47,7 +47,7 @@ def hf_name(gguf_name: str) -> Optional[str]:
 
 
 def unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's permutation of a q/k projection of `heads` heads (rows, and a bias alike)."""
+    """Undo the GGUF converter's permutation of a q/k projection of `heads` heads (rows, and a bias alike)."""
     dim = weight.shape[0] // heads // 2
     w = weight.reshape(heads, dim, 2, *weight.shape[1:])
     return w.transpose(1, 2).reshape(weight.shape)

@@ -164,7 +164,7 @@ class DistributedConfig:
             how = "torchrun" if not started_by_torchrun() else "torchrun with more processes"
             raise DistributedConfigError(
                 f"{self._describe()} asks for {ranks_asked} processes, but this one runs alone (WORLD_SIZE=1, "
-                f"not started by {how}): launch it as `torchrun --nproc_per_node={ranks_asked} your_script.py`."
+                f"not started by {how}): launch your script with `torchrun --nproc_per_node={ranks_asked}`."
             )
         if world > 1 and not started_by_torchrun():
             missing = [v for v in _TORCHRUN_VARS if v not in os.environ]

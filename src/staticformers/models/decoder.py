@@ -542,11 +542,11 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         # Gemma 3: the sliding layers' RoPE (its own base and scaling)
         self.rotary_local = RotaryEmbedding(local_rope_config(config)) if config.rope_local is not None else None
-        self.embed_scale = config.hidden_size ** 0.5 if config.family.scaled_embedding else None
-        # rounded per dtype here, eagerly: inside a traced graph the rounding (a tensor read back as a float)
-        # would break the graph on runtimes that cannot fold it (torch_xla's dynamo)
-        self.embed_scales = ({dtype: embedding_scale(self.embed_scale, dtype) for dtype in ROUNDED_DTYPES}
-                             if self.embed_scale is not None else {})
+        # sqrt(hidden) rounded per dtype here, eagerly: inside a traced graph the rounding (a tensor read back as
+        # a float) would break the graph on runtimes that cannot fold it (torch_xla's dynamo)
+        scale = config.hidden_size ** 0.5
+        self.embed_scales = ({dtype: embedding_scale(scale, dtype) for dtype in ROUNDED_DTYPES}
+                             if config.family.scaled_embedding else None)
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.embedding_multiplier = config.embedding_multiplier
         self.gradient_checkpointing = False
@@ -555,9 +555,8 @@ class DecoderModel(nn.Module):
         """What every layer takes besides the hidden states: `(x, cos, sin, masks)` (embedded input,
         rotary tables, one mask per sliding window)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.embed_scale is not None and inputs_embeds is None:  # as transformers: not given embeddings
-            scale = self.embed_scales.get(x.dtype)
-            x = x * (scale if scale is not None else embedding_scale(self.embed_scale, x.dtype))
+        if self.embed_scales is not None and inputs_embeds is None:  # as transformers: not given embeddings
+            x = x * self.embed_scales[x.dtype]
         if self.embedding_multiplier != 1.0:  # Granite
             x = x * self.embedding_multiplier
         b, s = x.shape[:2]

@@ -1,6 +1,6 @@
 """from_pretrained(path, gguf_file=...): a model built from a GGUF file, its tensors dequantised to the asked dtype.
 
-Why this exists apart from `pretrained.py`: a GGUF is one file holding config and weights under llama.cpp's
+Why this exists apart from `pretrained.py`: a GGUF is one file holding config and weights under GGUF's
 names, with quantized blocks, so neither the config nor the weights go through the safetensors path. This
 module rebuilds the config (`checkpoints/gguf_config.py`), checks every tensor's name and shape before
 reading any (a mismatch loses nothing and gets one sentence), then fills a meta-device model one

@@ -74,7 +74,7 @@ def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-ROUNDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the model dtypes whose embedding scale is kept
+ROUNDED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # every dtype a model may compute in
 
 
 def embedding_scale(scale: float, dtype: torch.dtype) -> float:

@@ -1,7 +1,7 @@
 """AutoTokenizer.from_pretrained(path, gguf_file=...): a `tokenizers` pipeline rebuilt from a GGUF file's metadata.
 
 Why this exists: a GGUF has no tokenizer.json. It stores the vocabulary, merges, token types, special token
-ids and chat template under llama.cpp's `tokenizer.ggml.*` keys. We build the pipeline transformers' GGUF
+ids and chat template under GGUF's `tokenizer.ggml.*` keys. We build the pipeline transformers' GGUF
 tokenizer builds from them (the oracle: its `integrations.gguf` tokenizer mapping), without
 importing transformers:
 - `gpt2` (byte-level BPE: GPT-2, SmolLM, Llama 3, Qwen): tokens respelled in the byte alphabet, the file's
@@ -103,7 +103,7 @@ def _sentencepiece(meta: dict) -> Tokenizer:
 
 def _added_tokens(tok: Tokenizer, meta: dict, byte_level: bool) -> list[str]:
     """CONTROL tokens as special added tokens (in a byte-level vocabulary only those spelled in its alphabet:
-    others are llama.cpp mislabels), USER_DEFINED ones as plain added tokens; returns the special ones."""
+    others are converter mislabels), USER_DEFINED ones as plain added tokens; returns the special ones."""
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
     spelled = set(_byte_alphabet().values()) if byte_level else None
     control = [t for t, kind in zip(tokens, types) if kind == CONTROL and (spelled is None or set(t) <= spelled)]
