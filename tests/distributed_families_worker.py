@@ -1,11 +1,15 @@
-"""A torchrun worker for tests/test_distributed_families.py: Phi-3 and GLM-4 at tensor parallel 2.
+"""A torchrun worker for tests/test_distributed_families.py: the newer families partitioned over 2 ranks.
 
-Usage: torchrun --nproc_per_node=2 tests/distributed_families_worker.py PHI3_CHECKPOINT GLM4_CHECKPOINT OUT_DIR
+Usage: torchrun --nproc_per_node=2 tests/distributed_families_worker.py SPEC_JSON OUT_DIR
 
-Phi-3's checkpoint stores q, k and v in one `qkv_proj` (and gate/up in one `gate_up_proj`): each rank reads its
-heads of each part from the fused tensor. Per family: the prompt's last logits, `model.generate`'s greedy tokens,
-one training step's loss (Phi-3 with a LoRA adapter under PEFT's fused names), and a `save_pretrained` of the
-partitioned model. Each rank writes OUT_DIR/rank{r}.json.
+SPEC_JSON lists the runs: `{"name", "path", "distributed": DistributedConfig's arguments, "lora": target
+module names or null, "grads": parameters whose whole gradient to report}`. Among them: Phi-3 at tensor parallel 2 (its checkpoint stores q, k and v in one
+`qkv_proj` and gate/up in one `gate_up_proj`: each rank reads its heads of each part from the fused
+tensor), GLM-4, Granite and SmolLM3 at tensor parallel 2, gpt-oss at tensor parallel 2 (its attention sinks
+split over the heads) and at expert parallel 2 with FSDP (its expert biases split with the experts). Per
+run: the prompt's last logits, `model.generate`'s greedy tokens, one training step's loss (with a LoRA
+adapter where the spec names targets) and the named gradients, and a `save_pretrained` of the partitioned model. Each rank writes
+OUT_DIR/rank{r}.json.
 """
 
 from __future__ import annotations
@@ -27,31 +31,38 @@ NEW_TOKENS = 8
 TRAIN = torch.arange(2, 34).view(2, 16) % 128
 
 
-def run(path: str, out: str, name: str, lora: bool) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 distributed_config=DistributedConfig(tp_size=2))
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def run(spec: dict, out: str) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(**spec["distributed"]))
     result = {}
     with torch.no_grad():
         result["logits"] = model(input_ids=torch.tensor(PROMPT)).logits[0, -1].tolist()
     ids = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
     result["generate"] = ids[0, len(PROMPT[0]):].tolist()
-    model.save_pretrained(os.path.join(out, name))
-    if lora:
+    model.save_pretrained(os.path.join(out, spec["name"] + "_saved"))
+    if spec.get("lora"):
         torch.manual_seed(0)
-        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"],
-                                     init_lora_weights=False))
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=spec["lora"], init_lora_weights=False))
     model.train()
     loss = model(input_ids=TRAIN, labels=TRAIN).loss
     loss.backward()
     result["loss"] = float(reduce_mean(loss.detach(), model))
+    params = dict(model.named_parameters())
+    result["grads"] = {name: _full(params[name].grad).tolist() for name in spec.get("grads", [])}
     del model
     gc.collect()
     return result
 
 
-def main(phi3: str, glm4: str, out: str) -> None:
+def main(spec_file: str, out: str) -> None:
     rank = int(os.environ["RANK"])
-    result = {"phi3": run(phi3, out, "phi3_saved", lora=True), "glm4": run(glm4, out, "glm4_saved", lora=False)}
+    with open(spec_file) as f:
+        specs = json.load(f)
+    result = {spec["name"]: run(spec, out) for spec in specs}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dmesh.shutdown()
@@ -59,7 +70,7 @@ def main(phi3: str, glm4: str, out: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(*sys.argv[1:4])
+        main(*sys.argv[1:3])
     except Exception:
         traceback.print_exc()
         sys.exit(1)

@@ -139,3 +139,13 @@ def test_one_rank_config_in_a_plain_process_loads_whole(plain_env, tiny_checkpoi
     plain = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_the_sinks_style_on_a_module_without_sinks_is_one_sentence():
+    from torch import nn
+
+    from staticformers.distributed.parallelize import HeadsParameter
+
+    with pytest.raises(DistributedConfigError, match=r"tp_plan style 'sinks' shards a module's per-head `sinks`, but "
+                                                     r"the Linear it was given has none: give it to attention modules"):
+        HeadsParameter("sinks")._apply(nn.Linear(2, 2), None)

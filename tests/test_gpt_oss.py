@@ -279,18 +279,18 @@ def test_mxfp4_blocks_of_another_model_are_named(mxfp4_checkpoint):
 
 
 # ---------------------------------------------------------------------------------------------
-# what gpt-oss refuses
+# partitioned (the runs themselves: tests/test_distributed_families.py)
 # ---------------------------------------------------------------------------------------------
-def test_tensor_and_expert_parallelism_are_refused(tiny_checkpoints):
+def test_tensor_parallel_shards_the_sinks_and_expert_parallel_takes_the_biases(tiny_checkpoints):
     from staticformers.distributed.distributed_config import DistributedConfig, DistributedConfigError
+    from staticformers.distributed.parallelize import default_tp_plan
 
     config = ModelConfig.from_pretrained(tiny_checkpoints("gpt-oss"))
-    with pytest.raises(DistributedConfigError, match=r"tensor parallelism does not split GptOssForCausalLM's "
-                                                     r"per-head attention sinks yet: use fsdp_size"):
-        DistributedConfig(tp_size=2).check_model(config)
-    with pytest.raises(DistributedConfigError, match=r"expert parallelism does not split GptOssForCausalLM's "
-                                                     r"expert biases yet: drop ep_size"):
-        DistributedConfig(fsdp_size=2, ep_size=2).check_model(config)
+    DistributedConfig(tp_size=2).check_model(config)
+    DistributedConfig(fsdp_size=2, ep_size=2).check_model(config)
+    assert default_tp_plan(config)["model.layers.*.self_attn"] == "sinks"
+    with pytest.raises(DistributedConfigError, match=r"num_attention_heads=4 is not divisible by tp_size=8"):
+        DistributedConfig(tp_size=8).check_model(config)
 
 
 def test_cpu_formulations_take_the_sinks():

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 # the values a tp_plan rule may take (see parallelize.py for what each does)
-TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "replicate")
 # how tokens reach the experts of other ranks (distributed/expert_parallel.py)
 EP_IMPLEMENTATIONS = ("auto", "all_reduce")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -210,11 +210,6 @@ class DistributedConfig:
                 raise DistributedConfigError(
                     f"{config.architecture} has {config.num_experts} experts per sparse layer, which ep_size="
                     f"{self.ep_size} does not divide: choose an ep_size that divides {config.num_experts}.")
-        family = getattr(config, "family", None)
-        if self.ep_size > 1 and getattr(family, "expert_bias", False):
-            raise DistributedConfigError(
-                f"ep_size={self.ep_size}: expert parallelism does not split {config.architecture}'s expert biases yet: "
-                f"drop ep_size (tensor-parallel and FSDP ranks then hold every expert).")
         tp = self.tp_size
         if tp == 1:
             return
@@ -223,10 +218,6 @@ class DistributedConfig:
             raise DistributedConfigError(
                 f"{config.architecture} normalises q and k over the whole projection, which tp_size={tp} would "
                 f"split across ranks (each rank's norm would see only its heads): use tp_size=1 with fsdp_size.")
-        if getattr(family, "attention_sinks", False):
-            raise DistributedConfigError(
-                f"tp_size={tp}: tensor parallelism does not split {config.architecture}'s per-head attention sinks "
-                f"yet: use fsdp_size for these ranks instead.")
         problems = []
         widths = ("intermediate_size",) if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)) else ()
         for name in ("num_attention_heads", "num_key_value_heads", *widths):

@@ -1,7 +1,7 @@
 """Expert parallelism: a mixture's experts split over the EP group, tokens exchanged in fixed-size buffers.
 
 `apply_ep` (after tensor parallel, before FSDP2: `parallelize.py`) makes every sparse layer's stacked
-experts a DTensor sharded over the expert dimension on the `ep` mesh (`Shard(0)`: rank j of the group
+experts (and their biases, gpt-oss) a DTensor sharded over the expert dimension on the `ep` mesh (`Shard(0)`: rank j of the group
 holds experts `j * E/ep .. (j+1) * E/ep - 1`) and sets `Experts.exchange`, which the model calls instead
 of its own experts. FSDP2 then shards each rank's experts over the `efsdp` ranks that hold the same
 ones (`parallelize.apply_fsdp`). The router and everything else follow the dense layout.
@@ -64,13 +64,20 @@ def expert_gradient_factor(dims: ParallelDims) -> float:
     return dims.tp / dims.ep
 
 
+def _local(t: torch.Tensor, factor: float) -> torch.Tensor:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return ScaleGrad.apply(t, factor) if factor != 1.0 else t
+
+
 def local_experts(experts: nn.Module, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's stacked expert weights (the DTensors' local shards), their gradients scaled by `factor`."""
-    out = []
-    for t in (experts.gate_up_proj, experts.down_proj):
-        t = t.to_local() if isinstance(t, DTensor) else t
-        out.append(ScaleGrad.apply(t, factor) if factor != 1.0 else t)
-    return out[0], out[1]
+    return _local(experts.gate_up_proj, factor), _local(experts.down_proj, factor)
+
+
+def local_biases(experts: nn.Module, factor: float):
+    """This rank's experts' biases `(gate_up [E_l, 2I], down [E_l, H])` (gpt-oss), as `local_experts`; None without."""
+    biases = experts.biases()
+    return None if biases is None else tuple(_local(b, factor) for b in biases)
 
 
 def _all_reduced(t: torch.Tensor, group) -> torch.Tensor:
@@ -180,7 +187,8 @@ class GatherExchange:
         xg, wg = (_GatherRows.apply(t, self.ep_mesh, self.by_all_to_all) for t in (x, weights))
         ig = all_gather_rows(idx, self.ep_mesh)
         local = gate_up.shape[0]
-        partial = expert_mlp(xg, wg, ig, gate_up, down, ops, first=self.ep_rank * local, total=self.num_experts)
+        partial = expert_mlp(xg, wg, ig, gate_up, down, ops, first=self.ep_rank * local, total=self.num_experts,
+                             biases=local_biases(experts, self.grad_factor), act=experts.act)
         out = _SumScatterRows.apply(partial, self.ep_mesh, self.by_all_to_all)
         if tp > 1:
             hidden = out.shape[1]
@@ -203,7 +211,7 @@ class AllReduceExchange:
         gate_up, down = local_experts(experts, self.grad_factor)
         x, weights = _SumBackward.apply(x, self.group), _SumBackward.apply(weights, self.group)
         partial = expert_mlp(x, weights, idx, gate_up, down, ops, first=self.ep_rank * gate_up.shape[0],
-                             total=self.num_experts)
+                             total=self.num_experts, biases=local_biases(experts, self.grad_factor), act=experts.act)
         return _SumForward.apply(partial, self.group)
 
 
@@ -219,7 +227,8 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
     exchange = EXCHANGES[dims.config.ep_implementation]
     for layer in sparse_layers(model):
         experts = layer.mlp.experts
-        for name in ("gate_up_proj", "down_proj"):
+        names = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if experts.biases() else ())
+        for name in names:
             p = experts._parameters[name]
             experts._parameters[name] = nn.Parameter(distribute_tensor(p, dims.ep_mesh, [Shard(0)], src_data_rank=None),
                                                      requires_grad=p.requires_grad)
@@ -255,4 +264,4 @@ class DataParallelSum:
 
 
 __all__ = ["apply_ep", "shard_experts", "all_gather_rows", "sum_scatter_rows", "GatherExchange", "AllReduceExchange", "DataParallelSum", "sparse_layers",
-           "expert_gradient_factor", "local_experts"]
+           "expert_gradient_factor", "local_experts", "local_biases"]

@@ -12,6 +12,9 @@ The model code knows nothing of parallelism (ARCHITECTURE.md). Like torchtitan's
      a vocabulary that tp_size does not divide keeps them whole;
    - Qwen3's q_norm / k_norm act per head on local heads: `SequenceParallel` over the heads dim makes
      their weights replicated DTensors, so their gradients (partial over each rank's heads) are summed;
+   - gpt-oss's attention sinks, one logit per query head: the style "sinks" makes `self_attn.sinks` a
+     DTensor sharded over the heads (`Shard(0)`), so each rank holds the sinks of its own q heads and the
+     attention reads their local part;
    - a mixture's router and experts are not in the plan: without expert parallelism every TP rank
      computes every expert on the (replicated) tokens; `ep_size=tp_size` splits them instead.
 2. `apply_ep` (`expert_parallel.py`, ep_size > 1): each sparse layer's experts sharded over the `ep`
@@ -33,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -67,6 +70,8 @@ def default_tp_plan(config) -> dict[str, str]:
     if config.qk_norm:
         plan["model.layers.*.self_attn.q_norm"] = "heads"
         plan["model.layers.*.self_attn.k_norm"] = "heads"
+    if getattr(config.family, "attention_sinks", False):
+        plan["model.layers.*.self_attn"] = "sinks"
     return plan
 
 
@@ -82,6 +87,26 @@ def resolve_tp_plan(config, dist_config: DistributedConfig) -> dict[str, str]:
     return plan
 
 
+class HeadsParameter(ParallelStyle):
+    """Shards a module's per-head parameter `name` (`[heads]`, gpt-oss's `sinks`) over the heads, as q_proj's
+    columns are: rank r of the TP group holds the entries of its own query heads. The module reads the
+    parameter's local part (`models/decoder.py`: `local_part`)."""
+
+    def __init__(self, name: str = "sinks"):
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        p = module._parameters.get(self.name)
+        if p is None:
+            raise DistributedConfigError(
+                f"tp_plan style {self.name!r} shards a module's per-head `{self.name}`, but the {type(module).__name__} "
+                f"it was given has none: give it to attention modules with sinks (\"model.layers.*.self_attn\").")
+        module._parameters[self.name] = nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None),
+                                                     requires_grad=p.requires_grad)
+        return module
+
+
 def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
     if style == "colwise":
         return ColwiseParallel()
@@ -93,6 +118,8 @@ def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
         return ColwiseParallel(output_layouts=Replicate())
     if style == "heads":
         return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style == "sinks":
+        return HeadsParameter("sinks")
     return None  # "replicate"
 
 
@@ -195,4 +222,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module
     return model
 
 
-__all__ = ["default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]
+__all__ = ["HeadsParameter", "default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]

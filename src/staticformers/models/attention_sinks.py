@@ -11,6 +11,9 @@ column, so the ops seam (`ops.py`) takes this path only when sinks are given.
   (`sinks` broadcastable to `[..., 1]`), the sink's column dropped.
 - `attention_with_sinks(q, k, v, mask, scale, sinks)`: matmul, mask, that softmax, matmul, in the inputs'
   dtype as transformers computes it, query heads repeated per KV head.
+- `local_sinks(sinks)`: the sinks of this process's query heads. Tensor parallel shards the parameter over
+  the heads as it shards q_proj's rows (a DTensor); attention reads its local part, whose gradient flows
+  back to the shard.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tenso
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+
+
+def local_sinks(sinks: torch.Tensor) -> torch.Tensor:
+    """`sinks`, or its local part when a parallel layout made it a sharded DTensor."""
+    to_local = getattr(sinks, "to_local", None)
+    return to_local() if to_local is not None else sinks
 
 
 def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -45,4 +54,4 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     return torch.matmul(probs.to(v.dtype), v)
 
 
-__all__ = ["softmax_with_sinks", "attention_with_sinks"]
+__all__ = ["softmax_with_sinks", "attention_with_sinks", "local_sinks"]

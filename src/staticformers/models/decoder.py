@@ -56,6 +56,7 @@ from torch import nn
 
 from .model_config import ModelConfig
 from .hooks import global_hooks, hooked
+from .attention_sinks import local_sinks
 from .moe import Experts, SparseMoeBlock, load_balancing_loss
 from .norm_variants import NORM_CLASSES, ROUNDED_DTYPES, embedding_scale, make_norm, softcap
 from .ops import PLAIN, Ops
@@ -355,7 +356,7 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)
         if self.rope:
             q = apply_rope(q, cos, sin, self.interleaved)
-        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        extra = {} if self.sinks is None else {"sinks": local_sinks(self.sinks)}
         out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap, **extra)
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
 

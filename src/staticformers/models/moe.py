@@ -254,9 +254,6 @@ class Experts(nn.Module):
             if self.quantized:
                 raise ValueError("Expert parallelism over quantized experts is not supported: load the model "
                                  "unquantized for expert parallelism.")
-            if self.gate_up_proj_bias is not None:
-                raise ValueError("Expert parallelism over experts with biases (gpt-oss) is not supported: load the "
-                                 "model without ep_size.")
             return self.exchange(self, x, weights, experts, ops)
         return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops, scales=self.scales(),
                           biases=self.biases(), act=self.act)
