@@ -8,7 +8,12 @@ importing transformers:
   merges, a ByteLevel pre-tokenizer (behind the split regex the file's `tokenizer.ggml.pre` names, when we
   know it), a ByteLevel decoder;
 - `llama` (SentencePiece-style BPE: Llama 2, Mistral): byte fallback, Metaspace ("first"), merges from the
-  file or recovered from the scores, BOS added unless the file says otherwise.
+  file or recovered from the scores, BOS added unless the file says otherwise. Two architectures' files get
+  their own form, as transformers picks it by `general.architecture` (its `GGUF_SENTENCEPIECE_BUILDERS`):
+  Gemma (`gemma`, `gemma2`, `gemma3`) has no prefix space (spaces become "▁" in a normalizer), tokens of
+  spaces only are respelled with "▁", and merges are recovered in the order of the tokens (Gemma's scores
+  do not follow it); Phi-3 (`phi3`) puts its prefix space in a normalizer (before every piece of text
+  between special tokens, where Metaspace adds one before the first).
 Tokens typed CONTROL become special added tokens, USER_DEFINED plain added ones; BOS/EOS follow
 `add_bos_token` / `add_eos_token`. Any other tokenizer model is refused in one sentence.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from ..checkpoints.gguf_file import GGUFError, GGUFFile
@@ -36,6 +41,8 @@ _QWEN2_SPLIT = (
 SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
           "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 MODELS = ("gpt2", "llama")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+SPACE = "\u2581"  # SentencePiece's space
 _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                 "pad_token": "padding_token_id"}
 
@@ -101,6 +108,40 @@ def _sentencepiece(meta: dict) -> Tokenizer:
     return tok
 
 
+def _merges_in_order(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, best score first (transformers' `generate_merges`)."""
+    pieces = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        pieces.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    pieces.sort(key=lambda x: (x[2], len(x[0]), len(x[1])), reverse=True)
+    return [(a, b) for a, b, _ in pieces]
+
+
+def _gemma(meta: dict) -> Tokenizer:
+    """transformers' `gemma_tokenizer` (a `GemmaTokenizer`): the module docstring."""
+    tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = meta.get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else \
+        _merges_in_order(vocab, {token: -index for index, token in enumerate(tokens)})
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
+                        byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _phi3(meta: dict) -> Tokenizer:
+    """transformers' `phi3_tokenizer`: SentencePiece with the prefix space from a normalizer."""
+    tok = _sentencepiece(meta)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    tok.pre_tokenizer = None
+    return tok
+
+
 def _added_tokens(tok: Tokenizer, meta: dict, byte_level: bool) -> list[str]:
     """CONTROL tokens as special added tokens (in a byte-level vocabulary only those spelled in its alphabet:
     others are converter mislabels), USER_DEFINED ones as plain added tokens; returns the special ones."""
@@ -128,7 +169,13 @@ def read_gguf_tokenizer(f: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{os.path.basename(f.path)} states tokenizer model {model!r} (tokenizer.ggml.model), which "
                         f"staticformers does not build from GGUF ({' and '.join(MODELS)} it does): load the tokenizer "
                         f"from the model's Hub repo instead.")
-    backend = _byte_level(meta) if model == "gpt2" else _sentencepiece(meta)
+    arch = meta.get("general.architecture")
+    if model == "gpt2":
+        backend = _byte_level(meta)
+    elif arch in GEMMA_ARCHITECTURES:
+        backend = _gemma(meta)
+    else:
+        backend = _phi3(meta) if arch == "phi3" else _sentencepiece(meta)
     control = _added_tokens(backend, meta, model == "gpt2")
     tokens = meta["tokenizer.ggml.tokens"]
     special = {name: tokens[meta[f"tokenizer.ggml.{key}"]] if isinstance(meta.get(f"tokenizer.ggml.{key}"), int)
