@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..models.moe import SparseMoeBlock
 from ..models.quantization import QuantLinear, compute_dtype
 from .bank_registry import bank_of
 from . import fused_targets
@@ -141,7 +142,8 @@ def has_adapters(model: nn.Module) -> bool:
 
 def linear_candidates(model: nn.Module) -> dict[str, nn.Module]:
     """The projections an adapter may target: every `nn.Linear` of the decoder layers (or the LoraLinear
-    already wrapping one), by full name. The output head and the embedding are not among them."""
+    already wrapping one), by full name. The output head and the embedding are not among them, nor a router
+    that transformers names otherwise (`_foreign_router`)."""
     out: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if any(name.startswith(w + ".") for w in out if isinstance(out[w], LoraLinear)):
@@ -149,8 +151,20 @@ def linear_candidates(model: nn.Module) -> dict[str, nn.Module]:
         if isinstance(module, LoraLinear) or isinstance(module, nn.Linear):
             if module is getattr(model, "lm_head", None) or not name.startswith("model.layers."):
                 continue
+            if _foreign_router(model, name):
+                continue
             out[name] = module
     return out
+
+
+def _foreign_router(model: nn.Module, name: str) -> bool:
+    """Whether `name` is a sparse block's router (`mlp.gate` here) that transformers holds under another name and
+    not as a linear layer: gpt-oss's `mlp.router`, which peft does not adapt ("all-linear" leaves it out) and no
+    peft adapter file names, so an adapter on it could neither load from peft nor into it."""
+    expert_names = getattr(getattr(getattr(model, "config", None), "family", None), "expert_names", None)
+    if expert_names is None or expert_names.router == "gate" or not name.endswith(".gate"):
+        return False
+    return isinstance(model.get_submodule(name.rpartition(".")[0]), SparseMoeBlock)
 
 
 def _layer_index(name: str) -> Optional[int]:
