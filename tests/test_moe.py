@@ -58,13 +58,16 @@ def test_router_logits_aux_loss_and_loss_match_transformers(family, tiny_checkpo
     rows = mask.reshape(-1).bool() if family == "gpt-oss" else slice(None)
     for x, y in zip(a.router_logits, b.router_logits):
         tol.assert_close(x[rows], y[rows])
-    assert float(a.aux_loss) == pytest.approx(float(b.aux_loss), rel=tol.FP32_REORDERED)
     assert float(a.loss) == pytest.approx(float(b.loss), rel=tol.FP32_REORDERED)
-    # the aux loss is added (times router_aux_loss_coef) only when asked for, as transformers does
     assert plain.aux_loss is None and plain.router_logits is None
+    tol.assert_close(a.logits[mask.bool()], b.logits[mask.bool()])
+    if b.aux_loss is None:  # DeepSeek-V3 balances by its router's correction bias: no auxiliary loss
+        assert a.aux_loss is None and float(a.loss) == pytest.approx(float(plain.loss), rel=tol.FP32_REORDERED)
+        return
+    assert float(a.aux_loss) == pytest.approx(float(b.aux_loss), rel=tol.FP32_REORDERED)
+    # the aux loss is added (times router_aux_loss_coef) only when asked for, as transformers does
     coef = ours.config.router_aux_loss_coef
     assert float(a.loss) == pytest.approx(float(plain.loss) + coef * float(a.aux_loss), rel=tol.FP32_REORDERED)
-    tol.assert_close(a.logits[mask.bool()], b.logits[mask.bool()])
     assert a.keys() == ["loss", "aux_loss", "logits", "router_logits"]
 
 
@@ -102,7 +105,8 @@ def test_gradients_with_the_aux_loss_match_transformers(family, tiny_checkpoints
         scale = max(float(p.grad.abs().max()), 1e-6)
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
     router = "router" if family == "gpt-oss" else "gate"
-    assert float(mine[f"model.layers.0.mlp.{router}.weight"].grad.abs().max()) > 0  # the router learns
+    first = next(i for i, layer in enumerate(ours.model.layers) if layer.sparse)  # DeepSeek's first layers are dense
+    assert float(mine[f"model.layers.{first}.mlp.{router}.weight"].grad.abs().max()) > 0  # the router learns
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])  # gpt-oss's stacked layout: test_gpt_oss.py

@@ -77,10 +77,20 @@ def _force_routing(model, to_one: bool, seed: int = 5):
 
 
 def _expert_counts(model, ids, mask):
+    """How many tokens of the first sparse layer chose each expert (DeepSeek's choice adds its correction bias)."""
+    c = model.config
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits
-    chosen = torch.topk(logits[0][mask.reshape(-1).bool()], 2, dim=-1).indices
-    return torch.bincount(chosen.reshape(-1), minlength=4)
+        logits = model(input_ids=ids, attention_mask=mask, output_router_logits=True).router_logits[0]
+    logits = logits[mask.reshape(-1).bool()]
+    if c.family.router == "grouped_sigmoid":
+        from staticformers.models.moe import route_grouped
+
+        first = next(layer for layer in model.model.layers if layer.sparse)
+        chosen = route_grouped(logits, first.mlp.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                               c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)[1]
+    else:
+        chosen = torch.topk(logits, c.num_experts_per_tok, dim=-1).indices
+    return torch.bincount(chosen.reshape(-1), minlength=c.num_experts)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -91,14 +101,20 @@ def test_all_tokens_to_one_expert_or_spread_same_graphs_exact_tokens(tiny_checkp
     hf, ours = _pair(path)
     ids, mask = _left_padded([60, 7, 39, 22], seed=3)
     # prefill [4, 64]: 512 pairs in blocks; decode [4, 1]: every expert densely (both in every routing)
-    assert formulation(4 * 64, 2, 4) == "blocks" and formulation(4, 2, 4) == "dense"
+    c = ours.config
+    assert formulation(4 * 64, c.num_experts_per_tok, c.num_experts) == "blocks"
+    assert formulation(4, c.num_experts_per_tok, c.num_experts) == "dense"
     config = CompileConfig(backend="eager")
     outs, graphs = {}, []
     for to_one in (False, True, False):
         _force_routing(ours, to_one)
         _force_routing(hf, to_one)
         counts = _expert_counts(ours, ids, mask)
-        assert (int((counts > 0).sum()) == 2) if to_one else (int((counts > 0).sum()) == 4)
+        used = int((counts > 0).sum())
+        if to_one:
+            assert used == c.num_experts_per_tok
+        else:  # spread: every expert, or (DeepSeek, limited to its best groups) more than one token's choice
+            assert used == c.num_experts if c.n_group == 1 else used > c.num_experts_per_tok
         counters.clear()
         out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                             eos_token_id=None, compile_config=config)

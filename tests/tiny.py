@@ -75,9 +75,30 @@ FAMILIES = {
                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 64})),
+    # DeepSeek-V3: latent attention (q LoRA, kv LoRA 32, RoPE part 16 interleaved, value heads 24 unlike the key
+    # part 32), YaRN with mscale_all_dim, 8 routed experts in 4 groups (2 groups, top-3), a shared expert, layer
+    # 0 dense (intermediate_size), a correction bias (randomised by build_hf_model); attention biases on
+    "deepseek-v3": ("DeepseekV3Config", dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32,
+                                             qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_group=4,
+                                             topk_group=2, num_experts_per_tok=3, moe_intermediate_size=32,
+                                             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                             attention_bias=True, tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                                              "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                              "beta_fast": 32.0, "beta_slow": 1.0,
+                                                              "original_max_position_embeddings": 128})),
+    # DeepSeek-V3 without q LoRA (one q_proj), RoPE over the halves, one group, two shared experts' width, every
+    # layer sparse, weights not renormalised
+    "deepseek-v3-plain": ("DeepseekV3Config", dict(num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                                                   qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                                                   n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+                                                   moe_intermediate_size=16, n_shared_experts=2,
+                                                   first_k_dense_replace=0, rope_interleave=False,
+                                                   norm_topk_prob=False, routed_scaling_factor=1.0)),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
-MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss")
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "deepseek-v3-plain")
+DEEPSEEK_FAMILIES = ("deepseek-v3", "deepseek-v3-plain")
 
 
 def hf_config(family: str, **overrides):
@@ -101,8 +122,12 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith(".sinks"):  # gpt-oss's sink logits, large enough to matter
                 p.add_(torch.randn_like(p))
-            if ".mlp.gate.weight" in name or ".mlp.router." in name or ".experts." in name:
+            if (".mlp.gate.weight" in name and family not in DEEPSEEK_FAMILIES) or ".mlp.router." in name \
+                    or ".experts." in name:  # (DeepSeek's sigmoid scores would saturate and tie)
                 p.mul_(5.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's correction bias, large enough to matter
+                b.add_(torch.randn_like(b) * 0.1)
     return model.eval()
 
 

@@ -212,6 +212,12 @@ def peft_target_names(model: nn.Module, config: LoraConfig, projections: Optiona
     if layers is not None:
         wanted = {layers} if isinstance(layers, int) else set(layers)
         chosen = [n for n in chosen if _layer_index(n) in wanted]
+    for n in chosen:
+        parent, _, leaf = n.rpartition(".")
+        if leaf in getattr(model.get_submodule(parent), "absorbed", ()):
+            raise AdapterConfigError(
+                f"target_modules={targets!r} selects {n}, which latent attention never runs as a projection (its "
+                f"weight is absorbed into the query and the output): leave it out, e.g. exclude_modules=[{leaf!r}].")
     if not chosen:
         raise AdapterConfigError(f"target_modules={targets!r} selects no projection of this model (after "
                                  f"exclude_modules and layers_to_transform): check the names in model.named_modules().")

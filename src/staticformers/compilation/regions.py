@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from ..models.kv_cache import KVCache, PrefillKV
-from ..models.decoder import take
+from ..models.kept_positions import take
 from ..models.ops import PLAIN, Ops
 from .compiler import CompiledFunction, compile_module_calls
 from .prompt_scores import prompt_scores

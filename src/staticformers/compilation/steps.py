@@ -30,7 +30,7 @@ import torch
 from .compiler import CompiledFunction
 from .prompt_scores import prompt_scores
 from ..models.ops import PLAIN, Ops
-from ..models.decoder import take
+from ..models.kept_positions import take
 from ..models.kv_cache import KVCache, PrefillKV
 
 

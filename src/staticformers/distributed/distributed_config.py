@@ -214,6 +214,10 @@ class DistributedConfig:
         if tp == 1:
             return
         family = getattr(config, "family", None)
+        if getattr(family, "attention", "mha") == "mla":
+            raise DistributedConfigError(
+                f"tp_size={tp}: tensor parallelism does not split {config.architecture}'s latent attention yet (every "
+                f"head reads one shared latent): use fsdp_size for these ranks, with ep_size for its experts.")
         if getattr(family, "qk_norm_over", "head") == "projection":
             raise DistributedConfigError(
                 f"{config.architecture} normalises q and k over the whole projection, which tp_size={tp} would "

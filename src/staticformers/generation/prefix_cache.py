@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..backends.memory_check import check_fits
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, layout
 
 
 class PrefixCache:
@@ -62,9 +62,11 @@ class PrefixCache:
         check_fits(self.bytes_for(model, self.blocks, self.block_size, tp), model.device,
                    f"The prefix cache ({self.blocks} blocks of {self.block_size} tokens)", "give it fewer blocks")
         # one row more than `blocks`: the scratch row, where the fixed-size copies send the blocks they skip
-        shape = (self.blocks + 1, c.num_key_value_heads // tp, self.block_size, c.head_dim)
+        heads, dim, latent = layout(c, tp)  # a latent cache's pool holds its keys alone, as the cache does
+        shape = (self.blocks + 1, heads, self.block_size, dim)
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        self.values = [] if latent else [torch.zeros(shape, dtype=model.dtype, device=model.device)
+                                         for _ in range(c.num_hidden_layers)]
         self.device = model.device
         self.index: OrderedDict[bytes, int] = OrderedDict()  # block key -> pool row, least recently used first
         self.free = list(range(self.blocks))
@@ -137,7 +139,7 @@ class PrefixCache:
         index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
         index[:len(rows)] = torch.as_tensor(list(rows), dtype=torch.long)
         index, slot_index, positions = self._indices(index, slot)
-        for dst, src in zip(cache.keys + cache.values, self.keys + self.values):
+        for dst, src in zip(cache.tensors, self.keys + self.values):
             b, h, bs, d = src[index].shape
             dst[slot_index, :, positions] = src[index].transpose(1, 2).reshape(1, b * bs, h, d)
 
@@ -159,7 +161,7 @@ class PrefixCache:
             stored.append((key, row))
         if stored:
             index, slot_index, positions = self._indices(index, slot)
-            for dst, src in zip(self.keys + self.values, cache.keys + cache.values):
+            for dst, src in zip(self.keys + self.values, cache.tensors):
                 _, h, bs, d = dst.shape
                 dst[index] = src[slot_index, :, positions].reshape(-1, bs, h, d).transpose(1, 2)
             self.index.update(stored)

@@ -4,7 +4,7 @@ Qwen3-MoE spells the expert count `num_experts` and an expert's width `moe_inter
 dense and sparse layers (`decoder_sparse_step`, `mlp_only_layers`); Mixtral spells the count
 `num_local_experts`, its experts are `intermediate_size` wide and every layer is sparse. transformers 5
 maps one count spelling onto the other (`attribute_map`), so either is read for both families and each
-family's own is written. A dense family ignores these keys (they stay in `extra`, as any key it does not use).
+family's own is written (DeepSeek-V3's is `n_routed_experts`, its dense layers the first `first_k_dense_replace`). A dense family ignores these keys (they stay in `extra`, as any key it does not use).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ HANDLED = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_inter
 
 def _count(d: dict, raw: dict, fam, source: str) -> int:
     """The expert count in either spelling; the file's own value wins over the family's default."""
-    other = "num_local_experts" if fam.experts_key == "num_experts" else "num_experts"
-    for key in (fam.experts_key, other):
+    for key in (fam.experts_key, *(k for k in ("num_experts", "num_local_experts") if k != fam.experts_key)):
         if raw.get(key) is not None:
             return checks.positive_int(raw[key], key, source)
     return checks.positive_int(d.get(fam.experts_key), fam.experts_key, source)
@@ -54,6 +53,9 @@ def read(d: dict, raw: dict, fam, layers: int, source: str) -> dict:
     step = checks.positive_int(d.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     dense_layers = d.get("mlp_only_layers")
     dense_layers = [] if dense_layers is None else dense_layers
+    if fam.router == "grouped_sigmoid":  # DeepSeek: the first k layers dense (`config_mla.py` checks k)
+        first = d.get("first_k_dense_replace", 0)
+        dense_layers = list(range(min(first, layers))) if isinstance(first, int) and not isinstance(first, bool) else []
     if not isinstance(dense_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
                                                       for i in dense_layers):
         raise ConfigError(f"{source}: mlp_only_layers={dense_layers!r} must be a list of layer indices from 0 to "
@@ -91,6 +93,8 @@ def write(config) -> dict:
         out[fam.expert_width_key] = config.moe_intermediate_size
     if fam.expert_activation == "clamped_swiglu":
         out.update(swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+    elif fam.router == "grouped_sigmoid":  # the dense layers are first_k_dense_replace (`config_mla.py`)
+        out["norm_topk_prob"] = config.norm_topk_prob
     elif fam.always_norm_topk:
         out["router_jitter_noise"] = config.router_jitter_noise
     else:
@@ -109,11 +113,13 @@ def layer_is_sparse(config, layer: int) -> bool:
 
 def moe_parameters(config) -> int:
     """Parameters of one sparse layer's MLP: the router and every expert's gate, up and down projections
-    (and their biases where the family has them)."""
+    (and their biases where the family has them), and DeepSeek's shared experts (its router's correction bias
+    is a buffer, not a parameter, as in transformers)."""
     if config.num_experts <= 0:
         return 0
     h, e, i, fam = config.hidden_size, config.num_experts, config.moe_intermediate_size, config.family
-    return e * h + e * 3 * h * i + e * fam.router_bias + e * (2 * i + h) * fam.expert_bias
+    shared = 3 * h * i * config.n_shared_experts  # DeepSeek's shared experts: one MLP n_shared_experts wide
+    return e * h + e * 3 * h * i + e * fam.router_bias + e * (2 * i + h) * fam.expert_bias + shared
 
 
 __all__ = ["HANDLED", "read", "write", "layer_is_sparse", "moe_parameters"]

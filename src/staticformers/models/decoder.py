@@ -1,5 +1,5 @@
 """The one decoder behind Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3,
-OLMo 2, Qwen3-MoE, Mixtral and gpt-oss, and its output type.
+OLMo 2, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, partial or
 interleaved rotation and layers without RoPE (`rope_variants.py`), tied embeddings, sliding window) and by
@@ -11,6 +11,10 @@ by sqrt(hidden) (Gemma) or Granite's multipliers, GELU-tanh, `query_pre_attn_sca
 scores (through `ops.attention(..., softcap=)`) and on the logits, gpt-oss's attention sinks (a learned
 logit per head in each softmax, `ops.attention(..., sinks=)`, `attention_sinks.py`), and Gemma 3's second RoPE for its sliding
 layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
+DeepSeek-V3's layers attend through multi-head latent attention (`latent_attention.py`: one latent per
+position in the cache) and route with its grouped sigmoid router beside shared experts (`moe.py`).
+The building blocks that other modules share live beside this file: `RMSNorm` (`norm_variants.py`),
+`apply_rope` (`rope_variants.py`), and keeping some positions only (`kept_positions.py`).
 
 Module and parameter names mirror transformers' (`model.layers.0.self_attn.q_proj.weight`,
 `mlp.experts.gate_up_proj`), so a dense Hugging Face state dict loads with no renaming and ours saves
@@ -57,10 +61,13 @@ from torch import nn
 from .model_config import ModelConfig
 from .hooks import global_hooks, hooked
 from .attention_sinks import local_sinks
-from .moe import Experts, SparseMoeBlock, load_balancing_loss
-from .norm_variants import NORM_CLASSES, ROUNDED_DTYPES, embedding_scale, make_norm, softcap
+from .latent_attention import LatentAttention
+from .moe import Experts, GroupedRouter, SparseMoeBlock, load_balancing_loss
+from .kept_positions import Keep, causal_rows, kept_rows, take
+from .norm_variants import NORM_CLASSES, ROUNDED_DTYPES, RMSNorm, embedding_scale, make_norm, softcap
 from .ops import PLAIN, Ops
 from . import rope_variants
+from .rope_variants import apply_rope, rotate_half
 
 if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
     from ..distributed.mesh import ParallelDims
@@ -95,22 +102,6 @@ class CausalLMOutput:
 # ---------------------------------------------------------------------------------------------
 # building blocks
 # ---------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity): the weight applied
-    after the cast (Llama's order; the other orders are `norm_variants.py`'s)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-
 def rope_inv_freq(config: ModelConfig, device: Optional[torch.device] = None, long: bool = False) -> torch.Tensor:
     """Inverse frequencies for the config's RoPE variant (default, linear, llama3, yarn, longrope: its short
     factors, or its `long` ones), over the rotated dims (`config.rotary_dim`)."""
@@ -194,7 +185,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.interleaved = config.family.rope_interleaved
+        self.interleaved = config.rope_interleaved
         # computed on the CPU even under a meta-device context: pow on meta pages in kernels a load never needs
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
         if config.rope_type == "longrope":
@@ -223,55 +214,6 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, rotary_dim] (fewer dims than a head: only
-    those rotate); `interleaved`: GLM's adjacent pairs (`rope_variants`)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if interleaved or cos.shape[-1] != x.shape[-1]:
-        return rope_variants.rotate_part(x, cos, sin, rope_variants.rotate_pairs if interleaved else rotate_half)
-    return x * cos + rotate_half(x) * sin
-
-
-# ---------------------------------------------------------------------------------------------
-# keeping some positions only
-# ---------------------------------------------------------------------------------------------
-Keep = Union[int, torch.Tensor]  # the last n positions, or per-row indices [batch, n]
-
-
-def take(t: torch.Tensor, keep: Keep, dim: int = 1) -> torch.Tensor:
-    """`t` at the kept positions along `dim`: the sequence of `[b, s, ...]` (dim 1) or a mask's queries
-    `[b, 1, q, kv]` (dim 2)."""
-    if isinstance(keep, int):
-        return t.narrow(dim, t.shape[dim] - keep, keep)
-    b, n = keep.shape
-    shape = [b, *t.shape[1:]]
-    shape[dim] = n
-    index = keep.view(b, *([1] * (dim - 1)), n, *([1] * (t.dim() - dim - 1)))
-    return t.expand(b, *t.shape[1:]).gather(dim, index.expand(shape))
-
-
-def kept_rows(mask: Optional[torch.Tensor], keep: Keep, kv_len: int, device: torch.device) -> Optional[torch.Tensor]:
-    """The rows of a self-attention mask `[b, 1, q, kv]` for the kept queries. None (plain causal
-    attention) stays None for the last query alone, which sees every key; otherwise their causal rows
-    are built (SDPA's `is_causal` aligns a shorter query block to the first keys, not the last)."""
-    if mask is not None:
-        return take(mask, keep, dim=2)
-    if isinstance(keep, int):
-        return None if keep == 1 else causal_rows(keep, kv_len, device)
-    k_pos = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
-    return k_pos <= keep.view(keep.shape[0], 1, keep.shape[1], 1)
-
-
-def causal_rows(q_len: int, kv_len: int, device) -> torch.Tensor:
-    """The causal mask `[1, 1, q_len, kv_len]` of the last `q_len` positions over all `kv_len` keys."""
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)[None, None]
-
-
 def _kept(keep: Optional[Keep], seq: int) -> Optional[Keep]:
     """`keep` when it selects fewer positions than there are, else None (everything is wanted)."""
     if keep is None:
@@ -297,7 +239,7 @@ class Attention(nn.Module):
         self.softcap = config.attention_softcap
         self.window = config.layer_window(layer_idx)
         self.rope = config.layer_uses_rope(layer_idx)  # False: a SmolLM3 layer without RoPE
-        self.interleaved = config.family.rope_interleaved
+        self.interleaved = config.rope_interleaved
         self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
@@ -362,9 +304,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The gated MLP; `width`: its intermediate size (default `intermediate_size`; DeepSeek's shared experts
+    are `n_shared_experts * moe_intermediate_size` wide)."""
+
+    def __init__(self, config: ModelConfig, width: Optional[int] = None):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i, bias = config.hidden_size, width or config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -384,14 +329,18 @@ class DecoderLayer(nn.Module):
         # the norms each placement has, by transformers' names (post_attention_layernorm: before the MLP
         # for "pre", after attention otherwise)
         self.input_layernorm = make_norm(fam.norm, h, eps, RMSNorm) if self.placement != "post" else None
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         if self.placement != "pre":
             self.post_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         self.sparse = config.layer_is_sparse(layer_idx)
-        self.mlp = SparseMoeBlock(config) if self.sparse else MLP(config)
+        if self.sparse:
+            shared = MLP(config, config.n_shared_experts * config.moe_intermediate_size) if config.n_shared_experts else None
+            self.mlp = SparseMoeBlock(config, shared)
+        else:
+            self.mlp = MLP(config)
         self.rope = rope_key(config, layer_idx)
         if config.family.post_sublayer_norms:  # GLM-4's norms of attention's and the MLP's outputs
             self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -703,6 +652,9 @@ class CausalLM(nn.Module):
                 module.reset_parameters(std)
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.normal_(module.sinks, mean=0.0, std=std)
+            elif isinstance(module, GroupedRouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.zeros_(module.e_score_correction_bias)
         self.tie_weights()
         self.model.reset_rope()
 
@@ -798,14 +750,16 @@ class CausalLM(nn.Module):
         logits (`lm_head`, through `ops.head`); with `labels`, the loss (`causal_lm_loss`); with
         `router_logits` (the sparse layers' own, in layer order), the load-balancing loss, added to the
         loss times `router_aux_loss_coef` (a 2-D `attention_mask` keeps padding out of its statistics;
-        with `num_items_in_batch` it is this batch's share of a summed loss, `moe.load_balancing_loss`)."""
+        with `num_items_in_batch` it is this batch's share of a summed loss, `moe.load_balancing_loss`).
+        DeepSeek-V3 balances its experts with the router's correction bias, not a loss: no `aux_loss`, as
+        transformers returns none for it."""
         logits = softcap(ops.head(self.lm_head, hidden), self.config.final_logit_softcapping)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
         loss = aux = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels, num_items_in_batch)
-        if router_logits:
+        if router_logits and self.config.family.router != "grouped_sigmoid":  # DeepSeek: no auxiliary loss
             config = self.config
             mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
             aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, mask,

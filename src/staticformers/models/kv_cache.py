@@ -16,6 +16,11 @@ that mask until the row writes them.
 - `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
   or KV length, `loop.py`).
 
+A latent-attention model (DeepSeek's MLA, `latent_attention.py`) caches one latent per position instead:
+`layout(config)` gives it one "head" of `kv_lora_rank + qk_rope_head_dim` keys and no value buffers, its
+values being the keys' first `kv_lora_rank` columns (`latent`: `update` writes the keys alone and returns
+that view). Its bytes per position are the latent's, whatever the head count.
+
 `PrefillKV` is the cache a prefill runs with: it keeps the keys and values it is given and returns them
 unchanged, so a prefill graph depends on `[batch, prompt]` only, not on the KV length, and its keys
 and values are inserted afterwards. `LayerKV` is one layer's view of a `KVCache`, whose `update`
@@ -31,15 +36,31 @@ import torch
 
 
 
+def layout(config, tp: int = 1) -> tuple[int, int, Optional[int]]:
+    """(heads, dims per head, latent) of one layer's cache: `num_key_value_heads / tp` heads of `head_dim` keys
+    and as many values; for latent attention one head of `kv_lora_rank + qk_rope_head_dim` keys whose first
+    `latent = kv_lora_rank` columns are the values (None otherwise)."""
+    if config.latent_attention:
+        return 1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
+    return config.num_key_value_heads // tp, config.head_dim, None
+
+
+def bytes_per_position(config, dtype: torch.dtype, tp: int = 1) -> int:
+    """What one position of one row costs over every layer, keys and values, in bytes."""
+    heads, dim, latent = layout(config, tp)
+    return config.num_hidden_layers * heads * dim * (1 if latent else 2) * dtype.itemsize
+
+
 class KVCache:
-    """Preallocated key/value buffers for every layer (see the module docstring)."""
+    """Preallocated key/value buffers for every layer (see the module docstring); `latent`: the values are the
+    keys' first `latent` columns, and no value buffer is allocated (latent attention)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.batch, self.max_length = int(batch), int(max_length)
+                 dtype: torch.dtype, device: torch.device, latent: Optional[int] = None):
+        self.batch, self.max_length, self.latent = int(batch), int(max_length), latent
         shape = (self.batch, kv_heads, self.max_length, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._views = [LayerKV(self, i) for i in range(num_layers)]
 
     @classmethod
@@ -47,15 +68,18 @@ class KVCache:
         """The cache of `model` for `batch` rows of `max_length` positions; `tp`: the tensor-parallel degree
         the model is partitioned with (a rank computes `num_key_value_heads / tp` heads)."""
         c = model.config
-        return cls(c.num_hidden_layers, batch, c.num_key_value_heads // tp, max_length, c.head_dim, model.dtype,
-                   model.device)
+        heads, dim, latent = layout(c, tp)
+        return cls(c.num_hidden_layers, batch, heads, max_length, dim, model.dtype, model.device, latent)
 
     @staticmethod
     def bytes_for(model, batch: int, max_length: int, tp: int = 1) -> int:
         """What `for_model` allocates, in bytes (checked against the device's memory before allocating)."""
-        c = model.config
-        return 2 * c.num_hidden_layers * batch * (c.num_key_value_heads // tp) * max_length * c.head_dim * \
-            model.dtype.itemsize
+        return batch * max_length * bytes_per_position(model.config, model.dtype, tp)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer: the keys, then the values (none for a latent cache)."""
+        return self.keys + self.values
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -63,33 +87,35 @@ class KVCache:
 
     def mark_static(self) -> None:
         """Tell the compiler the buffers never move (what CUDA graphs need of an input written in place)."""
-        for t in self.keys + self.values:
+        for t in self.tensors:
             torch._dynamo.mark_static_address(t)
 
     def layer_views(self) -> list["LayerKV"]:
         return self._views
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        if self.latent:
+            return write_latent(self.keys[layer_idx], k, position_ids, self.latent)
         return write_rows(self.keys[layer_idx], self.values[layer_idx], k, v, position_ids)
 
     def insert(self, slots: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into positions `0..L-1` of the
         rows `slots` (`[n]`, on the cache's device); positions past the cache's length are dropped (they
-        are padding of the prompt bucket: a row's prompt always fits)."""
+        are padding of the prompt bucket: a row's prompt always fits). A latent cache takes the keys alone."""
         length = min(k.shape[2], self.max_length)
         self.keys[layer_idx][:, :, :length].index_copy_(0, slots, k[:, :, :length])
-        self.values[layer_idx][:, :, :length].index_copy_(0, slots, v[:, :, :length])
+        if not self.latent:
+            self.values[layer_idx][:, :, :length].index_copy_(0, slots, v[:, :, :length])
 
     def copy_rows(self, source: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows `src` of `source` into rows `dst` of this cache (as many positions as both hold)."""
         length = min(source.max_length, self.max_length)
-        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
-            for m, t in zip(mine, theirs):
-                m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
+        for m, t in zip(self.tensors, source.tensors):
+            m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
 def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -105,15 +131,28 @@ def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch
     return key, value
 
 
+def write_latent(key: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
+                 latent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`write_rows` for a latent cache: the keys alone; returns the buffer and its first `latent` columns
+    (the values)."""
+    rows = torch.arange(k.shape[0], device=key.device).view(-1, 1)
+    key[rows, :, position_ids] = k.transpose(1, 2)
+    return key, key[..., :latent]
+
+
 class LayerKV:
     """One layer's slice of a `KVCache`: `update` ignores the layer index, so a region compiled for one
     layer runs every layer."""
 
     def __init__(self, cache: KVCache, layer_idx: int):
-        self.key, self.value = cache.keys[layer_idx], cache.values[layer_idx]
+        self.key = cache.keys[layer_idx]
+        self.value = None if cache.latent else cache.values[layer_idx]
+        self.latent = cache.latent
         self.max_length = cache.max_length
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        if self.latent:
+            return write_latent(self.key, k, position_ids, self.latent)
         return write_rows(self.key, self.value, k, v, position_ids)
 
 

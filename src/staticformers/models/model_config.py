@@ -1,7 +1,7 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
 The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
-OLMo 2, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss) are one decoder with different flags:
+OLMo 2, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3) are one decoder with different flags:
 q/k RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention,
 the norms' flavour and placement, gpt-oss's attention sinks, router and expert biases and clamped SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
 layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
@@ -10,7 +10,7 @@ of this table, not a copy of the model. This module is the only place that knows
 flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim` means 128, not
 hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's (`query_pre_attn_scalar`, soft caps, the
 sliding layers' RoPE) by `config_gemma.py`, those of partial and per-layer RoPE, LongRoPE and Granite's
-multipliers by `config_variants.py`.
+multipliers by `config_variants.py`, DeepSeek-V3's latent attention and routing by `config_mla.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from . import config_checks as checks
-from . import config_gemma, config_moe
+from . import config_gemma, config_mla, config_moe
 from . import config_variants
 from ..checkpoints.names import GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
 from .config_checks import ConfigError
@@ -85,6 +85,10 @@ class Family:
     topk_before_softmax: bool = False  # top-k over the router logits, then softmax over the chosen k
     expert_bias: bool = False  # experts carry `gate_up_proj_bias` and `down_proj_bias`
     expert_activation: str = "swiglu"  # "swiglu" (gate rows, then up rows) or "clamped_swiglu" (interleaved)
+    # DeepSeek-V3 (config_mla.py)
+    attention: str = "mha"  # "mha": heads of keys and values; "mla": a latent per position (`latent_attention.py`)
+    router: str = "softmax"  # "softmax" (`moe.route`) or "grouped_sigmoid" (`moe.route_grouped`: DeepSeek's
+    #                          group-limited choice with a correction bias, shared experts beside the routed ones)
 
 
 FAMILIES: dict[str, Family] = {
@@ -190,6 +194,17 @@ FAMILIES: dict[str, Family] = {
         always_norm_topk=True, attention_sinks=True, alternating_sliding=True, router_bias=True,
         topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu", norm="float_weight",
     ),
+    "DeepseekV3ForCausalLM": Family(
+        "DeepseekV3ForCausalLM", "deepseek_v3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=None, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
+                  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                  "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                  "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                  "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True},
+        mlp="moe", expert_names=QWEN_MOE_NAMES, experts_key="n_routed_experts", routing_weights_fp32=True,
+        attention="mla", router="grouped_sigmoid",
+    ),
 }
 
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
@@ -278,6 +293,18 @@ class ModelConfig:
     logits_scaling: float = 1.0
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU (config_moe.py)
     swiglu_limit: float = 7.0
+    # DeepSeek-V3 (config_mla.py): latent attention, and its routing
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 0  # 0: not a latent-attention model
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -305,6 +332,16 @@ class ModelConfig:
     @property
     def o_bias(self) -> bool:
         return self.family.o_bias_follows_attention_bias and self.family.biases and self.attention_bias
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention keeps a latent per position (DeepSeek's MLA, `latent_attention.py`)."""
+        return self.family.attention == "mla"
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """Whether RoPE rotates adjacent pairs (GLM-4; DeepSeek with `rope_interleave`), not the two halves."""
+        return self.family.rope_interleaved or (self.latent_attention and self.rope_interleave)
 
     @property
     def is_moe(self) -> bool:
@@ -344,6 +381,8 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         attn += ((q + kv) if self.family.qk_norm_over == "projection" else 2 * hd) * self.qk_norm
+        if self.latent_attention:
+            attn = config_mla.attention_parameters(self)
         norms = ({"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms) * h
         attn += self.num_attention_heads * self.family.attention_sinks
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
@@ -380,6 +419,9 @@ class ModelConfig:
             raise ConfigError(f"{source}: head_dim={head_dim} is odd: rotary embeddings need an even head_dim.")
         if fam.model_type == "phi3":
             d = config_variants.phi3_rope_type(d)
+        latent = config_mla.read(d, fam, layers, source)
+        if latent:
+            head_dim = latent["qk_rope_head_dim"]  # the RoPE tables' width, as transformers sets head_dim
         theta, scaling = _rope(d, source)
         variants = config_variants.read(d, fam, layers, head_dim, source)
         if scaling is not None and scaling["rope_type"] == "longrope":
@@ -439,8 +481,9 @@ class ModelConfig:
             **config_moe.read(d, raw, fam, layers, source),
             **config_gemma.read(d, fam, source, _rope),
             **variants,
+            **latent,
             extra={k: copy.deepcopy(v) for k, v in raw.items()
-                   if k not in _HANDLED and k not in config_variants.handled(fam)},
+                   if k not in _HANDLED and k not in config_variants.handled(fam) and k not in config_mla.handled(fam)},
         )
 
     @classmethod
@@ -509,6 +552,7 @@ class ModelConfig:
         out.update(config_moe.write(self))
         config_gemma.write(self, out)
         out.update(config_variants.write(self))
+        out.update(config_mla.write(self))
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)
         out.update(copy.deepcopy(self.extra))

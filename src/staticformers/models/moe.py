@@ -35,6 +35,10 @@ Expert parallelism splits the experts from outside (`distributed/expert_parallel
 `Experts.exchange`); `expert_mlp` then runs this rank's slice of the experts (`first`, of `total`),
 routes to other ranks' experts counting for nothing.
 
+**DeepSeek-V3** routes by sigmoid scores with a learned correction bias, limited to the best groups of
+experts (`route_grouped`, the router `GroupedRouter`), and adds its shared experts (one dense MLP given
+to `SparseMoeBlock`) to every token's output; the shapes stay those of the token count.
+
 **The load-balancing loss** (`load_balancing_loss`) is transformers' `load_balancing_loss_func`
 (Switch Transformer's: the experts' share of routed tokens times their mean router probability,
 summed, times E, over every sparse layer at once), computed from per-layer sums so that a
@@ -89,6 +93,47 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool,
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights if weights_fp32 else weights.to(logits.dtype)), experts
+
+
+def route_grouped(logits: torch.Tensor, correction: torch.Tensor, top_k: int, groups: int, top_groups: int,
+                  normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's choice, as transformers computes it, from float32 router logits `[T, E]`: sigmoid scores;
+    the experts are chosen by the scores plus the `correction` bias `[E]`, among the `top_groups` of `groups`
+    groups whose best two corrected scores sum highest; their weights are the uncorrected scores,
+    renormalised if asked, times `scaling` (float32). Shapes depend on `T` alone."""
+    scores = logits.sigmoid()
+    choice = scores + correction.float()
+    t, e = choice.shape
+    group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1).values.sum(-1)  # [T, groups]
+    best_groups = group_scores.topk(top_groups, dim=-1, sorted=False).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
+    allowed = allowed.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
+    experts = choice.masked_fill(~allowed, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts
+
+
+class GroupedRouter(nn.Module):
+    """DeepSeek-V3's router (`mlp.gate`): `weight` `[E, H]` scored in float32, and `e_score_correction_bias`
+    `[E]`, a buffer that stays float32 whatever the model's dtype (transformers keeps it so); `forward`
+    returns the float32 logits."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.register_buffer("e_score_correction_bias", torch.zeros(experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b.is_floating_point() and b.dtype != torch.float32:
+            self.e_score_correction_bias = b.float()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +307,7 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A sparse layer's MLP: the router (`gate`) and the `experts`; returns the output and the router logits."""
 
-    def __init__(self, config):
+    def __init__(self, config, shared_experts: Optional[nn.Module] = None):
         super().__init__()
         h = config.hidden_size
         self.top_k = config.num_experts_per_tok
@@ -270,9 +315,16 @@ class SparseMoeBlock(nn.Module):
         self.weights_fp32 = config.family.routing_weights_fp32
         self.jitter_noise = config.router_jitter_noise
         self.topk_first = config.family.topk_before_softmax
-        self.gate = nn.Linear(h, config.num_experts, bias=config.family.router_bias)
+        self.grouped = config.family.router == "grouped_sigmoid"
+        if self.grouped:  # DeepSeek-V3
+            self.gate = GroupedRouter(h, config.num_experts)
+            self.groups, self.top_groups = config.n_group, config.topk_group
+            self.scaling = config.routed_scaling_factor
+        else:
+            self.gate = nn.Linear(h, config.num_experts, bias=config.family.router_bias)
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size, bias=config.family.expert_bias,
                                act=activation_for(config))
+        self.shared_experts = shared_experts  # DeepSeek's MLP on every token, beside the routed experts
 
     def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[b, s, H]` -> (`[b, s, H]`, router logits `[b * s, E]`)."""
@@ -281,8 +333,15 @@ class SparseMoeBlock(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
-        weights, experts = route(logits, self.top_k, self.normalize, self.weights_fp32, self.topk_first)
-        return self.experts(flat, weights, experts, ops).view(b, s, h), logits
+        if self.grouped:
+            weights, experts = route_grouped(logits, self.gate.e_score_correction_bias, self.top_k, self.groups,
+                                             self.top_groups, self.normalize, self.scaling)
+        else:
+            weights, experts = route(logits, self.top_k, self.normalize, self.weights_fp32, self.topk_first)
+        out = self.experts(flat, weights, experts, ops).view(b, s, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, ops)
+        return out, logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,5 +385,5 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
     return (counts / rows * (probs / rows)).sum() * num_experts
 
 
-__all__ = ["BLOCK", "FORMULATIONS", "num_blocks", "formulation", "route", "expert_mlp", "Experts", "SparseMoeBlock",
+__all__ = ["BLOCK", "FORMULATIONS", "num_blocks", "formulation", "route", "route_grouped", "GroupedRouter", "expert_mlp", "Experts", "SparseMoeBlock",
            "routing_sums", "load_balancing_loss"]

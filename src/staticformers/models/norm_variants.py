@@ -1,6 +1,6 @@
 """The RMSNorm flavours of Gemma, OLMo 2 and gpt-oss, and the soft cap Gemma 2 puts on logits.
 
-The decoder's own `RMSNorm` (`decoder.py`) is Llama's: normalise in float32, cast back, then multiply
+`RMSNorm` here is Llama's, the decoder's default: normalise in float32, cast back, then multiply
 by the weight in the input's dtype. Two families round differently, and in bf16 the difference shows:
 
 - Gemma (2 and 3) stores the weight as an offset from one (zeros at init) and multiplies by `1 + w`
@@ -18,6 +18,22 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers does (bf16 parity): the weight applied
+    after the cast (Llama's order; the other orders follow)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
 
 
 class OffsetRMSNorm(nn.Module):

@@ -56,7 +56,7 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         mask = torch.ones(s, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - s)[None, None]
     scores = scores.masked_fill(~mask.unsqueeze(2), torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs.view(b, kvh, -1, kv_len), v).view(b, h, s, d)
+    return torch.matmul(probs.view(b, kvh, -1, kv_len), v).view(b, h, s, v.shape[-1])
 
 
 def expert_product(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,

@@ -121,13 +121,25 @@ def resolve_dtype(dtype, config: ModelConfig, files: list[str]) -> torch.dtype:
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if leaf in module._buffers:  # a persistent buffer (DeepSeek's correction bias): its own dtype kept
+        module._buffers[leaf] = value.to(module._buffers[leaf].dtype)
+        return
     old = module._parameters.get(leaf)
     module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad if old is not None else True)
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint stores (`state_dict`'s, not the RoPE tables): DeepSeek's correction bias."""
+    return {f"{prefix}.{name}" if prefix else name: b for prefix, module in model.named_modules()
+            for name, b in module._buffers.items()
+            if b is not None and name not in module._non_persistent_buffers_set}
+
+
 def expected_weights(model: CausalLM) -> dict[str, tuple]:
-    """Name -> shape of every weight the checkpoint must hold (a tied lm_head is not stored)."""
+    """Name -> shape of every weight the checkpoint must hold (a tied lm_head is not stored), the persistent
+    buffers among them."""
     expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    expected.update({name: tuple(b.shape) for name, b in persistent_buffers(model).items()})
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     return expected

@@ -1,4 +1,5 @@
-"""RoPE beyond the Llama form: partial rotation, GLM's interleaved pairs, and LongRoPE's two factor sets.
+"""Applying RoPE (`apply_rope`: the Llama form, `rotate_half`) and its forms beyond Llama's: partial rotation,
+GLM's interleaved pairs, and LongRoPE's two factor sets.
 
 - **Partial rotation** (`partial_rotary_factor`, Phi-3/Phi-4-mini and GLM-4): the cos/sin tables cover
   the first `rotary_dim` dims of a head; those rotate and the rest pass through unchanged.
@@ -75,5 +76,19 @@ def rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate) -
     return torch.cat([rot * cos + rotate(rot) * sin, rest], dim=-1)
 
 
-__all__ = ["longrope_inv_freq", "longrope_attention_factor", "uses_long_factors", "interleave", "rotate_pairs",
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, seq, rotary_dim] (fewer dims than a head: only
+    those rotate); `interleaved`: GLM's adjacent pairs (`rope_variants`)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved or cos.shape[-1] != x.shape[-1]:
+        return rotate_part(x, cos, sin, rotate_pairs if interleaved else rotate_half)
+    return x * cos + rotate_half(x) * sin
+
+
+__all__ = ["rotate_half", "apply_rope", "longrope_inv_freq", "longrope_attention_factor", "uses_long_factors", "interleave", "rotate_pairs",
            "rotate_part"]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...adapters.lora import LoraLinear
-from ...models.decoder import causal_rows
+from ...models.kept_positions import causal_rows
 from ...models.hooks import hooked
 from ...models.attention_sinks import softmax_with_sinks
 from ...models.norm_variants import softcap as cap_scores
@@ -185,7 +185,7 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     else:
         probs = torch.softmax(scores, dim=-1)
     out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2)  # [b, kvh, g, d]
-    return out.reshape(b, h, s, d).to(v.dtype)
+    return out.reshape(b, h, s, v.shape[-1]).to(v.dtype)
 
 
 def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
@@ -206,7 +206,7 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
         probs = softmax_with_sinks(scores, sinks.view(1, kvh, g, 1, 1).expand(1, kvh, g, s, 1).reshape(1, kvh, g * s, 1))
     else:
         probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs.to(v.dtype), v).reshape(b, h, s, d)
+    return torch.matmul(probs.to(v.dtype), v).reshape(b, h, s, v.shape[-1])
 
 
 CPU_BLOCK = threshold("attention_query_block")  # query block of `attend_blocks`

@@ -1,0 +1,292 @@
+"""DeepSeek-V3 against transformers 5.23: multi-head latent attention (q LoRA or one q_proj, kv LoRA, RoPE on a
+decoupled part, interleaved or not, YaRN with mscale_all_dim), the group-limited sigmoid routing with its
+correction bias and scaling, the shared experts, the first dense layers; the latent cache (its bytes per token
+are the latent's, asserted), greedy tokens through the engine, chunked prefill, prefix caching, the checkpoint
+round trip, LoRA against peft, int8, and what it refuses.
+
+The tiny models (tests/tiny.py "deepseek-v3", "deepseek-v3-plain") keep every switch on between them. Their
+logits, gradients, left-padded greedy batches and speculative decoding are also proven by the files
+parametrized over FAMILIES / MOE_FAMILIES (test_modeling.py, test_moe.py, test_generation.py,
+test_speculative.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from staticformers import AutoModelForCausalLM, CompileConfig
+from staticformers.models.model_config import ModelConfig
+import tolerances as tol
+from tiny import DEEPSEEK_FAMILIES
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _inputs(batch=3, seq=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the configuration
+# ---------------------------------------------------------------------------------------------
+def test_config_defaults_and_round_trip_follow_transformers(tiny_checkpoints):
+    raw = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 4, "num_attention_heads": 4}
+    ours, ref = ModelConfig.from_dict(raw), transformers.DeepseekV3Config(**raw)
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "norm_topk_prob",
+                "rope_interleave", "num_experts_per_tok", "moe_intermediate_size", "head_dim"):
+        assert getattr(ours, key) == getattr(ref, key), key
+    assert ours.num_experts == ref.n_routed_experts == 256
+    assert [ours.layer_is_sparse(i) for i in range(4)] == [False, False, False, True]  # first_k_dense_replace=3
+    config = ModelConfig.from_pretrained(tiny_checkpoints("deepseek-v3"))
+    again = ModelConfig.from_dict(config.to_dict())
+    assert again == config
+    assert transformers.DeepseekV3Config(**config.to_dict()).to_dict()["n_routed_experts"] == 8
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"n_group": 3}, r"n_routed_experts=8 is not a multiple of n_group=3"),
+    ({"topk_group": 5}, r"topk_group=5 is more than n_group=4"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 is more than the 4 experts of the topk_group=2 groups"),
+    ({"n_group": 8, "topk_group": 2}, r"n_group=8 leaves fewer than 2 experts per group"),
+    ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim=15 is odd"),
+    ({"first_k_dense_replace": 9}, r"first_k_dense_replace=9 is more than the 3 layers"),
+    ({"kv_lora_rank": 0}, r"kv_lora_rank"),
+])
+def test_a_bad_key_is_one_sentence(tiny_checkpoints, bad, message):
+    from staticformers.models.config_checks import ConfigError
+
+    raw = json.load(open(os.path.join(tiny_checkpoints("deepseek-v3"), "config.json")))
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**raw, **bad})
+
+
+# ---------------------------------------------------------------------------------------------
+# the architecture
+# ---------------------------------------------------------------------------------------------
+def test_grouped_routing_equals_transformers_router():
+    """`route_grouped` against transformers' DeepseekV3TopkRouter on logits that make the groups matter."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from staticformers.models.moe import route_grouped
+
+    config = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=16, n_group=4, topk_group=2,
+                                           num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 16, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.3)
+    x = torch.randn(64, 16, generator=g)
+    logits, want_w, want_e = router(x)
+    w, e = route_grouped(logits, router.e_score_correction_bias, 4, 4, 2, True, 2.5)
+    order, want_order = e.sort(-1), want_e.sort(-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices))
+    # the groups matter: without the limit some token would pick another expert
+    free, _ = route_grouped(logits, router.e_score_correction_bias, 4, 1, 1, True, 2.5)[1].sort(-1), None
+    assert not torch.equal(free.values, order.values)
+
+
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_logits_parameters_and_the_latent_cache(tiny_checkpoints, family):
+    """Logits of a left-padded batch equal transformers'; the parameter count; the cache holds the latent
+    (`kv_lora_rank + qk_rope_head_dim` values a position and layer), not `heads * (key + value)` dims."""
+    from staticformers.models.kv_cache import KVCache, bytes_per_position
+
+    path = tiny_checkpoints(family)
+    ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    assert ours.num_parameters() == ref.num_parameters() == ours.config.num_parameters
+    ids, mask = _inputs()
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        want = ref(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    tol.assert_close(got, want)
+    c = ours.config
+    latent = c.kv_lora_rank + c.qk_rope_head_dim
+    cache = KVCache.for_model(ours, batch=2, max_length=64)
+    assert cache.nbytes == 2 * 64 * c.num_hidden_layers * latent * 4 == KVCache.bytes_for(ours, 2, 64)
+    assert bytes_per_position(c, torch.float32) == c.num_hidden_layers * latent * 4
+    expanded = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    assert bytes_per_position(c, torch.float32) < expanded / 2
+    assert cache.values == [] and [tuple(k.shape) for k in cache.keys] == [(2, 1, 64, latent)] * c.num_hidden_layers
+
+
+def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
+    path = tiny_checkpoints("deepseek-v3")
+    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
+    gate = ours.model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
+    ids, mask = _inputs()
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    scale = max(float(b.abs().max()), 1.0)
+    torch.testing.assert_close(a, b, rtol=0, atol=4 * torch.finfo(torch.bfloat16).eps * scale)
+    top2 = b.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 8 * torch.finfo(torch.bfloat16).eps * scale  # away from ties
+    assert clear.any()
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+# ---------------------------------------------------------------------------------------------
+# generation through the engine
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family, backend", [("deepseek-v3", "aot_eager"), ("deepseek-v3-plain", "eager")])
+def test_greedy_tokens_equal_transformers(tiny_checkpoints, family, backend):
+    """Batch 1 (64 new tokens, through Dynamo's graphs) and a left-padded mixed batch (uncompiled; compiled:
+    test_moe_generation.py), equal to transformers'."""
+    from staticformers import ShapePlan
+    from staticformers.api.generate import engine_for
+
+    path = tiny_checkpoints(family)
+    ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine_for(ours, ShapePlan(batch_sizes=[1, 4], prompt_lengths=[16], kv_lengths=[96], max_model_len=96))
+    one = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = ref.generate(one, max_new_tokens=64, **kw)
+    assert torch.equal(ours.generate(one, max_new_tokens=64, compile_config=CompileConfig(backend=backend), **kw), want)
+    assert len(set(want[0, 9:].tolist())) > 3  # a model that says something, not one token over and over
+    ids, mask = _inputs(batch=3, seq=13, seed=5)
+    kw.update(attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(ours.generate(ids, disable_compile=True, **kw), ref.generate(ids, **kw))
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tiny_checkpoints):
+    """Rows that join and leave: a long prompt prefilled in chunks of 16 through the extend step over the latent
+    cache, a second one whose first 40 tokens come from the prefix cache (the latent's blocks)."""
+    from loop_driver import run_loop
+    from staticformers import ShapePlan
+    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop, GenerationRequest
+
+    path = tiny_checkpoints("deepseek-v3")
+    model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
+                                         max_model_len=128, extend_widths=((16, 1),)))
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 128, (40,), generator=g).tolist()
+    long, second = shared + torch.randint(3, 128, (30,), generator=g).tolist(), shared + [5, 9, 11]
+
+    def want(prompt):
+        ids = torch.tensor([prompt])
+        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+
+    loop = GenerationLoop(engine, settings, chunked_prefill=16, prefix_caching=True, prefix_block_size=8)
+    assert loop.prefix.values == [] and loop.prefix.keys[0].shape[-1] == 32 + 16  # the pool holds latents
+    out = run_loop(loop, {0: [GenerationRequest(long, 8, request_id="long")],
+                          12: [GenerationRequest(second, 8, request_id="second")]})
+    assert loop.chunks > 0 and loop.prefix.hits >= 40
+    assert out["long"] == want(long) and out["second"] == want(second)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints, adapters, int8
+# ---------------------------------------------------------------------------------------------
+def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path):
+    """Ours saves the Hub's layout (one tensor per expert, the correction bias in float32), bit-equal."""
+    from safetensors import safe_open
+
+    path = tiny_checkpoints("deepseek-v3")
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    ours.save_pretrained(tmp_path)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+        assert b.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    saved = json.load(open(os.path.join(tmp_path, "config.json")))
+    original = json.load(open(os.path.join(path, "config.json")))
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "n_routed_experts",
+                "rope_interleave", "rope_parameters"):
+        assert saved[key] == original[key], key
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        tol.assert_close(_hf(str(tmp_path))(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
+
+
+LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+
+
+def test_lora_equals_peft_both_ways_and_kv_b_proj_is_refused(tiny_checkpoints, tmp_path):
+    peft = pytest.importorskip("peft")
+    from staticformers import LoraConfig
+    from staticformers.adapters.lora_config import AdapterConfigError
+    from tiny import build_hf_model
+
+    path = tiny_checkpoints("deepseek-v3")
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(build_hf_model("deepseek-v3"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=LATENT, init_lora_weights=False, lora_dropout=0.0)).eval()
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ids, mask = _inputs()
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    ours.load_adapter(tmp_path / "peft")
+    with torch.no_grad():
+        want = pm(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
+        assert (want - _hf(path)(input_ids=ids, attention_mask=mask).logits[mask.bool()]).abs().max() > 1e-2
+    mine = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    mine.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=LATENT, init_lora_weights=False))
+    mine.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(build_hf_model("deepseek-v3"), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        tol.assert_close(back(input_ids=ids).logits, mine(input_ids=ids).logits)
+    with pytest.raises(AdapterConfigError, match=r"selects model\.layers\.0\.self_attn\.kv_b_proj, which latent "
+                                                 r"attention never runs as a projection .* exclude_modules=\['kv_b_proj'\]"):
+        AutoModelForCausalLM.from_pretrained(path).add_adapter(LoraConfig(r=4, target_modules="all-linear"))
+    mine = AutoModelForCausalLM.from_pretrained(path)
+    mine.add_adapter(LoraConfig(r=4, target_modules="all-linear", exclude_modules=["kv_b_proj"]))
+
+
+def test_int8_weights_greedy_equals_its_dequantised_model(tiny_checkpoints):
+    """int8 weights (kv_b_proj's absorbed through its dequantised matrix): the engine's greedy tokens equal
+    those of the same model with every int8 weight dequantised back to float32."""
+    from staticformers import QuantizationConfig
+    from staticformers.models.quantization import QuantLinear
+
+    path = tiny_checkpoints("deepseek-v3")
+    q = AutoModelForCausalLM.from_pretrained(path, quantization_config=QuantizationConfig("int8_weight_only"))
+    assert isinstance(q.model.layers[0].self_attn.kv_b_proj, QuantLinear)
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for name, module in q.named_modules():
+            if isinstance(module, QuantLinear):
+                ref.get_submodule(name).weight.copy_(module.dequantized())
+            elif getattr(module, "quantized", None):
+                for w in ("gate_up_proj", "down_proj"):
+                    getattr(ref.get_submodule(name), w).copy_(getattr(module, w).float() * getattr(module, w + "_scale"))
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+              compile_config=CompileConfig(backend="eager"))
+    assert torch.equal(q.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_tensor_parallel_is_refused_in_one_sentence(tiny_checkpoints):
+    from staticformers.distributed.distributed_config import DistributedConfig, DistributedConfigError
+
+    config = ModelConfig.from_pretrained(tiny_checkpoints("deepseek-v3"))
+    with pytest.raises(DistributedConfigError, match=r"tp_size=2: tensor parallelism does not split "
+                                                     r"DeepseekV3ForCausalLM's latent attention yet"):
+        DistributedConfig(tp_size=2).check_model(config)
+    DistributedConfig(fsdp_size=2, ep_size=2).check_model(config)
