@@ -1,4 +1,4 @@
-"""Greedy `generate()` on XLA equals transformers on the CPU: the four dense families, Qwen3-MoE, Gemma 3 (local and global layers, two RoPE bases, soft caps off) and Phi-3 (fused projections on disk), batch
+"""Greedy `generate()` on XLA equals transformers on the CPU: the four dense families, Qwen3-MoE, Gemma 3 (local and global layers, two RoPE bases, soft caps off) Phi-3 (fused projections on disk) and DeepSeek-V3 (latent attention over a latent cache, grouped routing), batch
 1 (prompts of 1 token up to the plan's limit), mixed batches left- and right-padded; seeded sampling
 reproduces itself on XLA. Each step's XLA compilations are counted by XLA (`compile_stats`)."""
 
@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from xla_support import PLAN, hf_greedy  # noqa: E402
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3-moe", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3-moe", "gemma3", "phi3", "deepseek-v3"]
 NEW = 8
 
 
