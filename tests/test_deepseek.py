@@ -2,7 +2,7 @@
 decoupled part, interleaved or not, YaRN with mscale_all_dim), the group-limited sigmoid routing with its
 correction bias and scaling, the shared experts, the first dense layers; the latent cache (its bytes per token
 are the latent's, asserted), greedy tokens through the engine, chunked prefill, prefix caching, the checkpoint
-round trip, LoRA against peft, int8, and what it refuses.
+round trip, LoRA against peft, int8, the tensor-parallel plan, and what it refuses.
 
 The tiny models (tests/tiny.py "deepseek-v3", "deepseek-v3-plain") keep every switch on between them. Their
 logits, gradients, left-padded greedy batches and speculative decoding are also proven by the files
@@ -282,11 +282,18 @@ def test_int8_weights_greedy_equals_its_dequantised_model(tiny_checkpoints):
     assert torch.equal(q.generate(ids, **kw), ref.generate(ids, **kw))
 
 
-def test_tensor_parallel_is_refused_in_one_sentence(tiny_checkpoints):
+def test_the_tensor_parallel_plan_splits_the_heads_and_keeps_the_latent_whole(tiny_checkpoints):
+    """The runs themselves: tests/test_distributed_families.py (TP=2 and EP=2 against one process)."""
     from staticformers.distributed.distributed_config import DistributedConfig, DistributedConfigError
+    from staticformers.distributed.parallelize import default_tp_plan
+    from staticformers.models.kv_cache import layout
 
     config = ModelConfig.from_pretrained(tiny_checkpoints("deepseek-v3"))
-    with pytest.raises(DistributedConfigError, match=r"tp_size=2: tensor parallelism does not split "
-                                                     r"DeepseekV3ForCausalLM's latent attention yet"):
-        DistributedConfig(tp_size=2).check_model(config)
+    DistributedConfig(tp_size=2).check_model(config)
     DistributedConfig(fsdp_size=2, ep_size=2).check_model(config)
+    plan = default_tp_plan(config)
+    assert {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if ".self_attn." in k} == {
+        "q_b_proj": "colwise", "kv_b_proj": "colwise", "shared_latent": "latent", "o_proj": "rowwise"}
+    assert layout(config, tp=2) == layout(config) == (1, 32 + 16, 32)  # every rank caches the whole latent
+    with pytest.raises(DistributedConfigError, match=r"num_attention_heads=4 is not divisible by tp_size=8"):
+        DistributedConfig(tp_size=8).check_model(config)

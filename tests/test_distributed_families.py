@@ -26,6 +26,12 @@ transformers = pytest.importorskip("transformers")
 SINKS = ["model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"]
 EXPERT_BIASES = ["model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias",
                  "model.layers.0.mlp.experts.down_proj"]
+# DeepSeek-V3: the latent path every head reads (its gradient summed over the ranks' heads), the heads' own
+# projections, the router and shared experts beside the split experts
+LATENT = [f"model.layers.0.self_attn.{name}.weight" for name in
+          ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_b_proj", "o_proj")]
+ROUTED = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
+          "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
 RUNS = {
     "phi3": ("phi3", {"tp_size": 2}, ["qkv_proj", "gate_up_proj"], []),
     "glm4": ("glm4", {"tp_size": 2}, None, []),
@@ -33,6 +39,8 @@ RUNS = {
     "smollm3": ("smollm3", {"tp_size": 2}, None, []),
     "gpt-oss-tp": ("gpt-oss", {"tp_size": 2}, None, SINKS + ["model.layers.0.self_attn.o_proj.bias"]),
     "gpt-oss-ep": ("gpt-oss", {"fsdp_size": 2, "ep_size": 2}, None, SINKS + EXPERT_BIASES),
+    "deepseek-v3-tp": ("deepseek-v3", {"tp_size": 2}, None, LATENT),
+    "deepseek-v3-ep": ("deepseek-v3", {"fsdp_size": 2, "ep_size": 2}, None, ROUTED),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 # the values a tp_plan rule may take (see parallelize.py for what each does)
-TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "latent", "replicate")
 # how tokens reach the experts of other ranks (distributed/expert_parallel.py)
 EP_IMPLEMENTATIONS = ("auto", "all_reduce")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -214,10 +214,6 @@ class DistributedConfig:
         if tp == 1:
             return
         family = getattr(config, "family", None)
-        if getattr(family, "attention", "mha") == "mla":
-            raise DistributedConfigError(
-                f"tp_size={tp}: tensor parallelism does not split {config.architecture}'s latent attention yet (every "
-                f"head reads one shared latent): use fsdp_size for these ranks, with ep_size for its experts.")
         if getattr(family, "qk_norm_over", "head") == "projection":
             raise DistributedConfigError(
                 f"{config.architecture} normalises q and k over the whole projection, which tp_size={tp} would "

@@ -15,6 +15,9 @@ The model code knows nothing of parallelism (ARCHITECTURE.md). Like torchtitan's
    - gpt-oss's attention sinks, one logit per query head: the style "sinks" makes `self_attn.sinks` a
      DTensor sharded over the heads (`Shard(0)`), so each rank holds the sinks of its own q heads and the
      attention reads their local part;
+   - DeepSeek's latent attention: the queries (`q_b_proj` or `q_proj`) and `kv_b_proj` column-wise (each
+     rank its heads' rows), `o_proj` row-wise; the latent is computed whole on every rank and cached whole,
+     its gradient summed over the group (the style "latent" on `self_attn.shared_latent`);
    - a mixture's router and experts are not in the plan: without expert parallelism every TP rank
      computes every expert on the (replicated) tokens; `ep_size=tp_size` splits them instead.
 2. `apply_ep` (`expert_parallel.py`, ep_size > 1): each sparse layer's experts sharded over the `ep`
@@ -36,7 +39,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -56,14 +59,14 @@ logger = logging.getLogger("staticformers")
 def default_tp_plan(config) -> dict[str, str]:
     """The family's plan: {module pattern: style}. One decoder, so one plan with a flag for q/k norm and
     the dense MLP's rules where some layer has a dense MLP."""
-    plan = {
-        "model.embed_tokens": "vocab",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
-        "model.layers.*.self_attn.o_proj": "rowwise",
-        "lm_head": "vocab",
-    }
+    if config.latent_attention:  # DeepSeek: each rank its heads' queries and kv_b_proj rows, the latent whole
+        query = "q_proj" if config.q_lora_rank is None else "q_b_proj"
+        attention = {f"model.layers.*.self_attn.{query}": "colwise", "model.layers.*.self_attn.kv_b_proj": "colwise",
+                     "model.layers.*.self_attn.shared_latent": "latent"}
+    else:
+        attention = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                     "model.layers.*.self_attn.v_proj": "colwise"}
+    plan = {"model.embed_tokens": "vocab", **attention, "model.layers.*.self_attn.o_proj": "rowwise", "lm_head": "vocab"}
     if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)):
         plan.update({"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
                      "model.layers.*.mlp.down_proj": "rowwise"})
@@ -107,6 +110,20 @@ class HeadsParameter(ParallelStyle):
         return module
 
 
+class SharedLatent(ParallelStyle):
+    """The latent that every head of a rank reads (DeepSeek's MLA, `models/latent_attention.py`): computed whole on
+    each rank, its gradient (partial: a rank back-propagates through its own heads only) summed over the TP group.
+    The module's output is made a replicated DTensor and read back with a partial gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, out):
+            return DTensor.from_local(out, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+
+        module.register_forward_hook(hook)
+        return module
+
+
 def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
     if style == "colwise":
         return ColwiseParallel()
@@ -120,6 +137,8 @@ def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style == "sinks":
         return HeadsParameter("sinks")
+    if style == "latent":
+        return SharedLatent()
     return None  # "replicate"
 
 
@@ -222,4 +241,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module
     return model
 
 
-__all__ = ["HeadsParameter", "default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]
+__all__ = ["HeadsParameter", "SharedLatent", "default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]

@@ -14,7 +14,8 @@ kv_lora_rank]`, are absorbed as DeepSeek's own inference does:
 
 so each head's query becomes `[W_uk^T q_nope, q_pe]` and attends over the cache as one shared key head
 `[c, k_pe]` whose values are its first `kv_lora_rank` columns (a view, `kv_cache.py`), and the head's
-output is `W_uv` times the attended latent. That is exact algebra: the scores and outputs equal
+output is `W_uv` times the attended latent (with tensor parallel each rank holds its heads' rows of `kv_b_proj`
+and the whole latent). That is exact algebra: the scores and outputs equal
 transformers' up to float rounding (sums in another order). The attention itself goes through the ops
 seam as any other (`ops.attention`), with values narrower than the keys.
 
@@ -52,9 +53,12 @@ def latent_scale(config: ModelConfig) -> float:
 
 
 def dense_weight(layer: nn.Module) -> torch.Tensor:
-    """A projection's weight as it computes: an int8 or fp8 one dequantised (`QuantLinear.dequantized`)."""
+    """A projection's weight as it computes: an int8 or fp8 one dequantised (`QuantLinear.dequantized`); this
+    process's rows when tensor parallel split them (a DTensor's local part, its gradient flowing back to it)."""
     dequantized = getattr(layer, "dequantized", None)
-    return dequantized() if dequantized is not None else layer.weight
+    w = dequantized() if dequantized is not None else layer.weight
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
 
 
 class LatentAttention(nn.Module):
@@ -85,6 +89,9 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, INNER_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=bias)
+        # the latent every head reads, as one module's output: an identity here, where a parallel layout that
+        # splits the heads hooks in (tensor parallel sums its gradient over the ranks' heads)
+        self.shared_latent = nn.Identity()
         self.scale = latent_scale(config)
         self.interleaved = config.rope_interleaved
 
@@ -95,7 +102,7 @@ class LatentAttention(nn.Module):
         c, k_pe = ops.linear(self.kv_a_proj_with_mqa, x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c).view(b, 1, s, self.rank)
         k_pe = apply_rope(k_pe.view(b, 1, s, self.rope_dim), cos, sin, self.interleaved)
-        keys = torch.cat([c, k_pe], dim=-1)
+        keys = self.shared_latent(torch.cat([c, k_pe], dim=-1))
         return keys, keys[..., :self.rank]
 
     def queries(self, x, cos, sin, ops: Ops) -> torch.Tensor:
