@@ -95,10 +95,16 @@ FAMILIES = {
                                                    moe_intermediate_size=16, n_shared_experts=2,
                                                    first_k_dense_replace=0, rope_interleave=False,
                                                    norm_topk_prob=False, routed_scaling_factor=1.0)),
+    # Qwen3.5 (text): layers 0-2 Gated DeltaNet (2 key heads of 16, 4 value heads of 8, kernel 4), layer 3 gated full
+    # attention with q/k norm and a quarter of each head rotating; the 1 + w norms
+    "qwen3_5": ("Qwen3_5TextConfig", dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
+                                          linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
+                                          linear_conv_kernel_dim=4, tie_word_embeddings=False)),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
 MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "deepseek-v3-plain")
 DEEPSEEK_FAMILIES = ("deepseek-v3", "deepseek-v3-plain")
+LINEAR_FAMILIES = ("qwen3_5",)  # hybrids: Gated DeltaNet layers with a recurrent state per request
 
 
 def hf_config(family: str, **overrides):

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 from xla_support import PLAN, hf_greedy  # noqa: E402
 
-FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3-moe", "gemma3", "phi3", "deepseek-v3"]
+FAMILIES = ["qwen3", "llama", "qwen2", "mistral", "qwen3-moe", "gemma3", "phi3", "deepseek-v3", "qwen3_5"]
 NEW = 8
 
 

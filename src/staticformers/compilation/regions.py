@@ -304,7 +304,7 @@ class PrefillRegions(GenerationRegions):
         forms), each one's keys and values inserted as it finishes; of the last, only the keys and values.
         Returns the last layer's input."""
         n = slots.shape[0]
-        x, cos, sin, masks = self.model.model.prepare(input_ids)
+        x, cos, sin, masks = self.model.model.prepare(input_ids, kv_cache=self.kv)  # kv: each row's last token
         *layers, (last, _) = self.runs
         for i, (module, kind) in enumerate(layers):
             x, k, v = layer[kind](module, x, cos, sin, masks, self.kv, self.ops)
@@ -347,7 +347,8 @@ class ScoreRegions(GenerationRegions):
     def __call__(self, input_ids, last_index, cache: KVCache, slots: torch.Tensor, checked: bool = False):
         start = time.perf_counter()
         n = slots.shape[0]
-        x, cos, sin, masks = self.model.model.prepare(input_ids)
+        self.kv.last_index = last_index  # what linear-attention layers count
+        x, cos, sin, masks = self.model.model.prepare(input_ids, kv_cache=self.kv)
         for i, (module, kind) in enumerate(self.runs):
             x, k, v = self.layer[kind](module, x, cos, sin, masks, self.kv, self.ops, checked=checked)
             cache.insert(slots, i, k[:n], v[:n])

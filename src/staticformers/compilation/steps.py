@@ -39,7 +39,7 @@ def whole_prefill(model, length: int, ops: Ops = PLAIN) -> Callable:
     layers = model.config.num_hidden_layers
 
     def prefill(input_ids, last_index):
-        kv = PrefillKV(length, layers)
+        kv = PrefillKV(length, layers, last_index)
         logits = model(input_ids=input_ids, kv_cache=kv, keep_index=last_index.view(-1, 1), ops=ops,
                        output_router_logits=False).logits[:, -1]  # a mixture's routing statistics: not wanted here
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
@@ -53,7 +53,7 @@ def whole_score(model, length: int, ops: Ops = PLAIN) -> Callable:
     layers = model.config.num_hidden_layers
 
     def score(input_ids, last_index):
-        kv = PrefillKV(length, layers)
+        kv = PrefillKV(length, layers, last_index)
         every = model(input_ids=input_ids, kv_cache=kv, ops=ops, output_router_logits=False).logits
         logits = take(every, last_index.view(-1, 1))[:, -1]
         return (logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)) + prompt_scores(every, input_ids)

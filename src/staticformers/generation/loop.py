@@ -129,6 +129,22 @@ class _Row:
     tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
 
 
+def refuse_on_linear_attention(config, speculator, chunked_prefill, prefix_caching: bool) -> None:
+    """A hybrid model's linear-attention layers keep one recurrent state per request: what an extend step
+    (chunks, speculative verification) or a prefix cache of positions would need of them is not built yet.
+    One sentence for each."""
+    if not getattr(config, "has_linear_attention", False):
+        return
+    arch = config.architecture
+    asked = [what for what, on in (("speculative decoding", speculator is not None),
+                                   ("chunked prefill", chunked_prefill not in (None, False)),
+                                   ("prefix caching", bool(prefix_caching))) if on]
+    if asked:
+        raise ValueError(f"{asked[0]} is not supported for {arch} yet: its linear-attention layers keep a "
+                         f"recurrent state per request, which an extend step or a prefix cache would have to "
+                         f"carry, roll back or store: turn {asked[0]} off.")
+
+
 class GenerationLoop:
     """Continuous batching over the slots of the engine's static caches (see the module docstring).
 
@@ -141,6 +157,7 @@ class GenerationLoop:
                  max_batch_size: Optional[int] = None, speculator=None, chunked_prefill=None,
                  prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32):
         self.engine, self.settings = engine, settings
+        refuse_on_linear_attention(engine.model.config, speculator, chunked_prefill, prefix_caching)
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
         # speculative decoding (`speculative/step.py`): its verify step replaces the decode step
         self.speculator = speculator

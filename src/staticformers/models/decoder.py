@@ -1,5 +1,5 @@
 """The one decoder behind Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3,
-OLMo 2, Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3, and its output type.
+OLMo 2, Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen3.5, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, partial or
 interleaved rotation and layers without RoPE (`rope_variants.py`), tied embeddings, sliding window) and by
@@ -13,6 +13,9 @@ logit per head in each softmax, `ops.attention(..., sinks=)`, `attention_sinks.p
 layers (`prepare` then hands the layers `{"global": ..., "local": ...}` tables; each layer takes its own).
 DeepSeek-V3's layers attend through multi-head latent attention (`latent_attention.py`: one latent per
 position in the cache) and route with its grouped sigmoid router beside shared experts (`moe.py`).
+Qwen3.5's linear-attention layers are Gated DeltaNet (`linear_attention.py`, `DecoderLayer.linear`): a
+recurrent state per request in the cache, and the positions they count in `masks["valid"]` (the real tokens
+of a padded batch, or of a prompt bucket); its full-attention layers gate their output (`Attention.gated`).
 The building blocks that other modules share live beside this file: `RMSNorm` (`norm_variants.py`),
 `apply_rope` (`rope_variants.py`), and keeping some positions only (`kept_positions.py`).
 
@@ -62,6 +65,7 @@ from .model_config import ModelConfig
 from .hooks import global_hooks, hooked
 from .attention_sinks import local_sinks
 from .latent_attention import LatentAttention
+from .linear_attention import GatedDeltaNet
 from .moe import Experts, GroupedRouter, SparseMoeBlock, load_balancing_loss
 from .kept_positions import Keep, causal_rows, kept_rows, take
 from .norm_variants import NORM_CLASSES, ROUNDED_DTYPES, RMSNorm, embedding_scale, make_norm, softcap
@@ -240,7 +244,8 @@ class Attention(nn.Module):
         self.window = config.layer_window(layer_idx)
         self.rope = config.layer_uses_rope(layer_idx)  # False: a SmolLM3 layer without RoPE
         self.interleaved = config.rope_interleaved
-        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=config.qkv_bias)
+        self.gated = config.family.gated_attention  # Qwen3.5: each head's query, then its output gate
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd * (2 if self.gated else 1), bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=config.o_bias)
@@ -290,6 +295,10 @@ class Attention(nn.Module):
             x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
             q = ops.linear(self.q_proj, x)
         b, s, _ = q.shape
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(b, s, -1), gate.reshape(b, s, -1)
         if self.q_norm is not None and self.qk_norm_whole:
             q = self.q_norm(q)
         q = q.view(b, s, -1, self.head_dim)
@@ -299,8 +308,10 @@ class Attention(nn.Module):
         if self.rope:
             q = apply_rope(q, cos, sin, self.interleaved)
         extra = {} if self.sinks is None else {"sinks": local_sinks(self.sinks)}
-        out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap, **extra)
-        return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, -1))
+        out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap, **extra).transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return ops.linear(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -329,7 +340,11 @@ class DecoderLayer(nn.Module):
         # the norms each placement has, by transformers' names (post_attention_layernorm: before the MLP
         # for "pre", after attention otherwise)
         self.input_layernorm = make_norm(fam.norm, h, eps, RMSNorm) if self.placement != "post" else None
-        self.self_attn = LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
+        self.linear = config.layer_is_linear(layer_idx)  # Qwen3.5's Gated DeltaNet layers
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
@@ -354,6 +369,8 @@ class DecoderLayer(nn.Module):
         """What makes two layers run the same code: the attention window and the MLP kind (layers of one
         kind share a compiled layer region), which RoPE where sliding layers rotate with their own (Gemma 3),
         "norope" for a layer without RoPE (SmolLM3), and "sinks" for attention with sinks (gpt-oss)."""
+        if self.linear:
+            return (None, "moe" if self.sparse else "dense", "linear")
         kind = (self.self_attn.window, "moe" if self.sparse else "dense")
         if self.rope is not None:
             kind += (self.rope,)
@@ -377,6 +394,9 @@ class DecoderLayer(nn.Module):
     def keys_values(self, x, cos, sin, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
         writes into a cache), without the rest of the layer."""
+        if self.linear:
+            raise ValueError(f"Layer {self.linear_attn.layer_idx} is linear attention: it keeps a recurrent state, "
+                             f"not keys and values.")
         cos, sin = rope_tables(cos, sin, self.rope)
         return self.self_attn.keys_values(self.attention_input(x), cos, sin, ops)
 
@@ -385,9 +405,12 @@ class DecoderLayer(nn.Module):
         """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
         router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
         FSDP's among them, run as for any other call)."""
-        mask = masks[self.self_attn.window]
-        cos, sin = rope_tables(cos, sin, self.rope)
-        attn = self.self_attn(self.attention_input(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
+        if self.linear:
+            attn = self.linear_attn(self.attention_input(x), masks.get(VALID), kv_cache, ops, keep)
+        else:
+            mask = masks[self.self_attn.window]
+            cos, sin = rope_tables(cos, sin, self.rope)
+            attn = self.self_attn(self.attention_input(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
         if self.placement != "pre":
             attn = self.post_attention_layernorm(attn)
         x = self._residual(take(x, keep) if keep is not None else x, attn, self.post_self_attn_layernorm)
@@ -425,6 +448,21 @@ def rope_tables(cos, sin, key: Optional[str]):
 # ---------------------------------------------------------------------------------------------
 # masks
 # ---------------------------------------------------------------------------------------------
+VALID = "valid"  # the masks' key of the positions linear-attention layers count ([batch, seq] bool, or None: all)
+
+
+def valid_positions(seq: int, device, attention_mask: Optional[torch.Tensor] = None,
+                    kv_cache=None) -> Optional[torch.Tensor]:
+    """The real tokens of a batch, for the linear-attention layers: a 2-D `attention_mask`'s ones; over a prompt-only
+    cache, each row's positions up to its last token (`PrefillKV.last_index`); None (all of them) otherwise."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask[:, -seq:].bool()
+    last = getattr(kv_cache, "last_index", None)
+    if last is not None:
+        return torch.arange(seq, device=device).view(1, seq) <= last.view(-1, 1).to(device)
+    return None
+
+
 def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
     """Document index per token of packed rows: a position that does not follow its left neighbour
     by one starts a new document (transformers' rule)."""
@@ -498,6 +536,7 @@ class DecoderModel(nn.Module):
         self.embed_scales = ({dtype: embedding_scale(scale, dtype) for dtype in ROUNDED_DTYPES}
                              if config.family.scaled_embedding else None)
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+        self.linear = config.has_linear_attention
         self.embedding_multiplier = config.embedding_multiplier
         self.gradient_checkpointing = False
 
@@ -521,6 +560,8 @@ class DecoderModel(nn.Module):
                 segments = packed_segments(position_ids)
         kv_len = kv_cache.max_length if kv_cache is not None else s
         masks = build_masks(self.windows, b, s, kv_len, x.device, attention_mask, q_positions, segments)
+        if self.linear:  # which positions the linear-attention layers count (`linear_attention.py`)
+            masks = {**masks, VALID: valid_positions(s, x.device, attention_mask, kv_cache)}
         long = rope_variants.uses_long_factors(self.rotary_emb.config, kv_len)
         cos, sin = self.rotary_emb(rope_positions, x.dtype, long=long)
         if self.rotary_local is not None:
@@ -650,6 +691,8 @@ class CausalLM(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, Experts):
                 module.reset_parameters(std)
+            elif isinstance(module, GatedDeltaNet):
+                module.reset_parameters()
             elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.normal_(module.sinks, mean=0.0, std=std)
             elif isinstance(module, GroupedRouter):

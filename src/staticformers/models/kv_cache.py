@@ -16,6 +16,12 @@ that mask until the row writes them.
 - `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
   or KV length, `loop.py`).
 
+A hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet, `linear_attention.py`) keep a fixed-size
+state per row instead of positions: in their slots of `keys` and `values`, the convolution's state `[slots,
+channels, kernel - 1]` (the model's dtype) and the recurrent state `[slots, heads, key dim, value dim]`
+(float32), whatever the cache's length. `state(layer)` reads them, `update` writes them whole, `insert` and
+`copy_rows` move whole rows. `linear_states(config)` says which layers and what shapes.
+
 A latent-attention model (DeepSeek's MLA, `latent_attention.py`) caches one latent per position instead:
 `layout(config)` gives it one "head" of `kv_lora_rank + qk_rope_head_dim` keys and no value buffers, its
 values being the keys' first `kv_lora_rank` columns (`latent`: `update` writes the keys alone and returns
@@ -45,10 +51,36 @@ def layout(config, tp: int = 1) -> tuple[int, int, Optional[int]]:
     return config.num_key_value_heads // tp, config.head_dim, None
 
 
+def linear_states(config) -> dict[int, tuple[tuple, tuple]]:
+    """{layer: (conv state shape, recurrent state shape)} of one row, for each linear-attention layer."""
+    if not getattr(config, "has_linear_attention", False):
+        return {}
+    from .config_linear import state_shapes
+
+    shapes = state_shapes(config)
+    return {i: shapes for i in range(config.num_hidden_layers) if config.layer_is_linear(i)}
+
+
 def bytes_per_position(config, dtype: torch.dtype, tp: int = 1) -> int:
-    """What one position of one row costs over every layer, keys and values, in bytes."""
+    """What one position of one row costs over the layers that keep positions, keys and values, in bytes."""
     heads, dim, latent = layout(config, tp)
-    return config.num_hidden_layers * heads * dim * (1 if latent else 2) * dtype.itemsize
+    layers = config.num_hidden_layers - len(linear_states(config))
+    return layers * heads * dim * (1 if latent else 2) * dtype.itemsize
+
+
+def state_bytes_per_row(config, dtype: torch.dtype) -> int:
+    """What one row's fixed-size states cost over the linear-attention layers, in bytes (its length does not count)."""
+    total = 0
+    for conv, recurrent in linear_states(config).values():
+        total += _numel(conv) * dtype.itemsize + _numel(recurrent) * 4  # the recurrent state is float32
+    return total
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class KVCache:
@@ -56,11 +88,23 @@ class KVCache:
     keys' first `latent` columns, and no value buffer is allocated (latent attention)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, latent: Optional[int] = None):
+                 dtype: torch.dtype, device: torch.device, latent: Optional[int] = None,
+                 linear: Optional[dict] = None):
         self.batch, self.max_length, self.latent = int(batch), int(max_length), latent
+        self.linear = dict(linear or {})  # {layer: (conv state shape, recurrent state shape)}
         shape = (self.batch, kv_heads, self.max_length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        def keys(i):
+            return torch.zeros((self.batch, *self.linear[i][0]) if i in self.linear else shape, dtype=dtype,
+                               device=device)
+
+        def values(i):
+            if i in self.linear:
+                return torch.zeros((self.batch, *self.linear[i][1]), dtype=torch.float32, device=device)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.keys = [keys(i) for i in range(num_layers)]
+        self.values = [] if latent else [values(i) for i in range(num_layers)]
         self._views = [LayerKV(self, i) for i in range(num_layers)]
 
     @classmethod
@@ -69,12 +113,14 @@ class KVCache:
         the model is partitioned with (a rank computes `num_key_value_heads / tp` heads)."""
         c = model.config
         heads, dim, latent = layout(c, tp)
-        return cls(c.num_hidden_layers, batch, heads, max_length, dim, model.dtype, model.device, latent)
+        return cls(c.num_hidden_layers, batch, heads, max_length, dim, model.dtype, model.device, latent,
+                   linear_states(c))
 
     @staticmethod
     def bytes_for(model, batch: int, max_length: int, tp: int = 1) -> int:
         """What `for_model` allocates, in bytes (checked against the device's memory before allocating)."""
-        return batch * max_length * bytes_per_position(model.config, model.dtype, tp)
+        return batch * (max_length * bytes_per_position(model.config, model.dtype, tp) +
+                        state_bytes_per_row(model.config, model.dtype))
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -94,24 +140,43 @@ class KVCache:
         return self._views
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        if layer_idx in self.linear:
+            return write_states(self.keys[layer_idx], self.values[layer_idx], k, v)
         if self.latent:
             return write_latent(self.keys[layer_idx], k, position_ids, self.latent)
         return write_rows(self.keys[layer_idx], self.values[layer_idx], k, v, position_ids)
 
+    def state(self, layer_idx: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """A linear-attention layer's (conv state, recurrent state) of every row; None for another layer."""
+        return (self.keys[layer_idx], self.values[layer_idx]) if layer_idx in self.linear else None
+
     def insert(self, slots: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into positions `0..L-1` of the
         rows `slots` (`[n]`, on the cache's device); positions past the cache's length are dropped (they
-        are padding of the prompt bucket: a row's prompt always fits). A latent cache takes the keys alone."""
+        are padding of the prompt bucket: a row's prompt always fits). A latent cache takes the keys alone;
+        a linear-attention layer takes the rows' states whole."""
+        if layer_idx in self.linear:
+            self.keys[layer_idx].index_copy_(0, slots, k.to(self.keys[layer_idx].dtype))
+            self.values[layer_idx].index_copy_(0, slots, v.float())
+            return
         length = min(k.shape[2], self.max_length)
         self.keys[layer_idx][:, :, :length].index_copy_(0, slots, k[:, :, :length])
         if not self.latent:
             self.values[layer_idx][:, :, :length].index_copy_(0, slots, v[:, :, :length])
 
     def copy_rows(self, source: "KVCache", src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy rows `src` of `source` into rows `dst` of this cache (as many positions as both hold)."""
+        """Copy rows `src` of `source` into rows `dst` of this cache (as many positions as both hold; a
+        linear-attention layer's states whole)."""
         length = min(source.max_length, self.max_length)
-        for m, t in zip(self.tensors, source.tensors):
-            m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
+        for i, (mine, theirs) in enumerate(zip(self.keys, source.keys)):
+            if i in self.linear:
+                mine.index_copy_(0, dst, theirs.index_select(0, src))
+                self.values[i].index_copy_(0, dst, source.values[i].index_select(0, src))
+                continue
+            mine[:, :, :length].index_copy_(0, dst, theirs[:, :, :length].index_select(0, src))
+            if not self.latent:
+                m, t = self.values[i], source.values[i]
+                m[:, :, :length].index_copy_(0, dst, t[:, :, :length].index_select(0, src))
 
     @property
     def nbytes(self) -> int:
@@ -131,6 +196,14 @@ def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch
     return key, value
 
 
+def write_states(conv: torch.Tensor, recurrent: torch.Tensor, new_conv: torch.Tensor,
+                 new_recurrent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear-attention layer's states of every row, replaced in place; returns the buffers."""
+    conv.copy_(new_conv)
+    recurrent.copy_(new_recurrent)
+    return conv, recurrent
+
+
 def write_latent(key: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
                  latent: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`write_rows` for a latent cache: the keys alone; returns the buffer and its first `latent` columns
@@ -148,12 +221,18 @@ class LayerKV:
         self.key = cache.keys[layer_idx]
         self.value = None if cache.latent else cache.values[layer_idx]
         self.latent = cache.latent
+        self.linear = layer_idx in cache.linear
         self.max_length = cache.max_length
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        if self.linear:
+            return write_states(self.key, self.value, k, v)
         if self.latent:
             return write_latent(self.key, k, position_ids, self.latent)
         return write_rows(self.key, self.value, k, v, position_ids)
+
+    def state(self, layer_idx: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.key, self.value) if self.linear else None
 
 
 class PrefillKV:
@@ -161,8 +240,9 @@ class PrefillKV:
     `keys`, `values`: each of `num_layers` layers'; made for none (what a layer region, run for every
     layer, takes), `key`, `value`: the latest layer's."""
 
-    def __init__(self, max_length: int, num_layers: int = 0):
+    def __init__(self, max_length: int, num_layers: int = 0, last_index: Optional[torch.Tensor] = None):
         self.max_length = int(max_length)
+        self.last_index = last_index  # [b]: each row's last prompt token (what linear-attention layers count)
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.key = self.value = None

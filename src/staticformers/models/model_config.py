@@ -1,7 +1,7 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
 The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
-OLMo 2, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3) are one decoder with different flags:
+OLMo 2, the hybrid Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3) are one decoder with different flags:
 q/k RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention,
 the norms' flavour and placement, gpt-oss's attention sinks, router and expert biases and clamped SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
 layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
@@ -10,7 +10,8 @@ of this table, not a copy of the model. This module is the only place that knows
 flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim` means 128, not
 hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's (`query_pre_attn_scalar`, soft caps, the
 sliding layers' RoPE) by `config_gemma.py`, those of partial and per-layer RoPE, LongRoPE and Granite's
-multipliers by `config_variants.py`, DeepSeek-V3's latent attention and routing by `config_mla.py`.
+multipliers by `config_variants.py`, DeepSeek-V3's latent attention and routing by `config_mla.py`, Qwen3.5's
+linear-attention layers by `config_linear.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -28,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from . import config_checks as checks
-from . import config_gemma, config_mla, config_moe
+from . import config_gemma, config_linear, config_mla, config_moe
 from . import config_variants
 from ..checkpoints.names import GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
 from .config_checks import ConfigError
@@ -89,6 +90,9 @@ class Family:
     attention: str = "mha"  # "mha": heads of keys and values; "mla": a latent per position (`latent_attention.py`)
     router: str = "softmax"  # "softmax" (`moe.route`) or "grouped_sigmoid" (`moe.route_grouped`: DeepSeek's
     #                          group-limited choice with a correction bias, shared experts beside the routed ones)
+    # Qwen3.5 (config_linear.py): Gated DeltaNet layers among the full-attention ones, which are gated
+    linear_attention: bool = False  # layer_types may name "linear_attention" (`linear_attention.py`)
+    gated_attention: bool = False  # q_proj yields each head's query and a gate; the output times sigmoid(gate)
 
 
 FAMILIES: dict[str, Family] = {
@@ -205,6 +209,14 @@ FAMILIES: dict[str, Family] = {
         mlp="moe", expert_names=QWEN_MOE_NAMES, experts_key="n_routed_experts", routing_weights_fp32=True,
         attention="mla", router="grouped_sigmoid",
     ),
+    "Qwen3_5ForCausalLM": Family(
+        "Qwen3_5ForCausalLM", "qwen3_5_text", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=256, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+        norm="offset", linear_attention=True, gated_attention=True,
+    ),
 }
 
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
@@ -305,6 +317,12 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
+    # Qwen3.5's Gated DeltaNet layers (config_linear.py): 0 where the family has none
+    linear_num_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     extra: dict = field(default_factory=dict)
 
     # ---- derived flags -------------------------------------------------------------------------
@@ -342,6 +360,14 @@ class ModelConfig:
     def rope_interleaved(self) -> bool:
         """Whether RoPE rotates adjacent pairs (GLM-4; DeepSeek with `rope_interleave`), not the two halves."""
         return self.family.rope_interleaved or (self.latent_attention and self.rope_interleave)
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is Gated DeltaNet linear attention (Qwen3.5), with a recurrent state per request."""
+        return self.layer_types is not None and self.layer_types[layer] == config_linear.LINEAR
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return any(self.layer_is_linear(i) for i in range(self.num_hidden_layers))
 
     @property
     def is_moe(self) -> bool:
@@ -381,6 +407,8 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias
         attn += ((q + kv) if self.family.qk_norm_over == "projection" else 2 * hd) * self.qk_norm
+        if self.family.gated_attention:  # q_proj's gate rows
+            attn += h * q + q * self.qkv_bias
         if self.latent_attention:
             attn = config_mla.attention_parameters(self)
         norms = ({"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms) * h
@@ -388,7 +416,9 @@ class ModelConfig:
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * (attn + norms) + mlps + h
+        mixers = sum(config_linear.linear_parameters(self) if self.layer_is_linear(n) else attn
+                     for n in range(self.num_hidden_layers))
+        return v * h * (1 if self.tie_word_embeddings else 2) + mixers + self.num_hidden_layers * norms + mlps + h
 
     # ---- reading ---------------------------------------------------------------------------------
     @classmethod
@@ -433,7 +463,9 @@ class ModelConfig:
         if max_window_layers is not None:
             checks.non_negative_int(max_window_layers, "max_window_layers", source)
         layer_types = d.get("layer_types")
-        if layer_types is not None:
+        if fam.linear_attention:
+            layer_types = config_linear.layer_types(d, layers, source)
+        elif layer_types is not None:
             checks.string_list(layer_types, "layer_types", source, LAYER_TYPES, layers)
         if fam.sliding_needs_flag and not use_sliding:
             sliding = None
@@ -482,8 +514,10 @@ class ModelConfig:
             **config_gemma.read(d, fam, source, _rope),
             **variants,
             **latent,
+            **config_linear.read(d, fam, source),
             extra={k: copy.deepcopy(v) for k, v in raw.items()
-                   if k not in _HANDLED and k not in config_variants.handled(fam) and k not in config_mla.handled(fam)},
+                   if k not in _HANDLED and k not in config_variants.handled(fam) and k not in config_mla.handled(fam)
+                   and k not in config_linear.handled(fam)},
         )
 
     @classmethod
@@ -547,12 +581,15 @@ class ModelConfig:
         elif self.family.alternating_sliding:
             out["sliding_window"] = self.sliding_window
             out["layer_types"] = self.layer_types
+        elif self.family.linear_attention:
+            out["layer_types"] = list(self.layer_types)
         if self.model_type == "phi3":
             out.pop("attention_bias", None)  # Phi-3's projections never carry a bias
         out.update(config_moe.write(self))
         config_gemma.write(self, out)
         out.update(config_variants.write(self))
         out.update(config_mla.write(self))
+        out.update(config_linear.write(self))
         if self.dtype is not None:
             out["dtype"] = dtype_name(self.dtype)
         out.update(copy.deepcopy(self.extra))

@@ -105,6 +105,7 @@ class RegionalPrefill(_Warm, PrefillRegions):
         """Prefill `input_ids` `[b, L]` into the rows `slots` (`[n]`, n <= b) of `cache`; returns the argmax and
         logits at each inserted row's last token (`last_index` `[b]`), `[n]` and `[n, vocab]`."""
         start = time.perf_counter()
+        self.kv.last_index = last_index  # what linear-attention layers count (`body` reads it through `self.kv`)
         if self.calls and self._ready(checked):
             raw = lambda: {k: f.raw for k, f in self.layer.items()}  # noqa: E731
             x = self._warm_step("prefill", self.body, raw)(input_ids, cache, slots)

@@ -1,0 +1,344 @@
+"""Qwen3.5 (text) against transformers 5.23: the gated delta rule (chunked and recurrent forms, the causal
+convolution, padded positions), Gated DeltaNet layers among gated full-attention ones, logits for prompts
+shorter and longer than the DeltaNet chunk, greedy tokens over 64 new tokens at batch 1 and in batches whose
+rows join and leave, the per-request state (its size independent of the prompt's length, asserted), bf16,
+LoRA against peft, gradients, the checkpoint round trip, and what it refuses.
+
+The tiny model (tests/tiny.py "qwen3_5"): three linear-attention layers (2 key heads of 16, 4 value heads of
+8, kernel 4), then one gated full-attention layer with a quarter of each head rotating."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from staticformers import AutoModelForCausalLM, CompileConfig
+from staticformers.models.model_config import ModelConfig
+import tolerances as tol
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _inputs(batch=3, seq=70, seed=1):
+    """Left-padded rows: 70 tokens (past the chunk of 64), 60 and 30."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :10] = 0
+    mask[2, :40] = 0
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# the gated delta rule
+# ---------------------------------------------------------------------------------------------
+def _delta_inputs(seed=0, b=2, s=37, key_heads=2, heads=4, dk=16, dv=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s, key_heads, dk, generator=g), torch.randn(b, s, key_heads, dk, generator=g),
+            torch.randn(b, s, heads, dv, generator=g), -torch.rand(b, s, heads, generator=g),
+            torch.rand(b, s, heads, generator=g), torch.randn(b, heads, dk, dv, generator=g))
+
+
+def test_both_forms_equal_transformers_reference_functions():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                              torch_recurrent_gated_delta_rule)
+
+    from staticformers.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
+
+    q, k, v, g, beta, state = _delta_inputs()
+    kw = dict(initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want, want_state = torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, **kw)
+    got, got_state = chunked_gated_delta(q, k, v, g, beta, state, chunk_size=16)
+    tol.assert_close(got, want)
+    tol.assert_close(got_state, want_state)
+    want, want_state = torch_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    got, got_state = recurrent_gated_delta(q, k, v, g, beta, state)
+    tol.assert_close(got, want)
+    tol.assert_close(got_state, want_state)
+    tol.assert_close(chunked_gated_delta(q, k, v, g, beta, state, chunk_size=16)[1], got_state)  # the forms agree
+
+
+def test_positions_that_are_not_there_change_no_state():
+    """A row padded after its 20 tokens, another padded before its last 25: states and outputs as if the
+    padding were not there; the conv state is the last inputs up to each row's last real token."""
+    from staticformers.models.gated_delta import causal_conv, chunked_gated_delta, recurrent_gated_delta
+
+    q, k, v, g, beta, state = _delta_inputs()
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[0, 20:] = False
+    valid[1, :12] = False
+    out, final = chunked_gated_delta(q, k, v, g, beta, state, valid, chunk_size=16)
+    alone, alone_state = recurrent_gated_delta(q[:1, :20], k[:1, :20], v[:1, :20], g[:1, :20], beta[:1, :20], state[:1])
+    tol.assert_close(final[:1], alone_state)
+    tol.assert_close(out[:1, :20], alone)
+    tail, tail_state = recurrent_gated_delta(q[1:, 12:], k[1:, 12:], v[1:, 12:], g[1:, 12:], beta[1:, 12:], state[1:])
+    tol.assert_close(final[1:], tail_state)
+    tol.assert_close(out[1:, 12:], tail)
+    gx = torch.Generator().manual_seed(1)
+    x, w, conv = torch.randn(2, 12, 37, generator=gx), torch.randn(12, 4, generator=gx), torch.randn(2, 12, 3, generator=gx)
+    y, new = causal_conv(x, w, conv, valid)
+    y0, new0 = causal_conv(x[:1, :, :20], w, conv[:1])
+    torch.testing.assert_close(new[:1], new0)
+    torch.testing.assert_close(y[:1, :, :20], y0)
+    torch.testing.assert_close(new[1:], x[1:, :, -3:])  # the row's last three inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# the configuration
+# ---------------------------------------------------------------------------------------------
+def test_config_defaults_round_trip_and_refusals(tiny_checkpoints):
+    from staticformers.models.config_checks import ConfigError
+
+    raw = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 128,
+           "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
+           "num_key_value_heads": 2}
+    ours, ref = ModelConfig.from_dict(raw), transformers.Qwen3_5TextConfig(**raw)
+    assert ours.layer_types == ref.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
+        ["linear_attention"] * 3 + ["full_attention"]
+    for key in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "head_dim"):
+        assert getattr(ours, key) == getattr(ref, key), key
+    assert ours.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"] == 0.25
+    config = ModelConfig.from_pretrained(tiny_checkpoints("qwen3_5"))
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ConfigError, match=r"layer_types ends with a 'linear_attention' layer: staticformers runs "
+                                          r"hybrid models whose last layer is full attention"):
+        ModelConfig.from_dict({**raw, "layer_types": ["full_attention"] * 7 + ["linear_attention"]})
+    with pytest.raises(ConfigError, match=r"linear_num_value_heads=6 is not a multiple of linear_num_key_heads=4"):
+        ModelConfig.from_dict({**raw, "linear_num_key_heads": 4, "linear_num_value_heads": 6})
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+def test_logits_parameters_and_a_state_of_fixed_size(tiny_checkpoints):
+    """Left-padded rows longer and shorter than the chunk: logits equal transformers'. A linear layer's state
+    is the same size whatever the cache's length; only the full-attention layer grows with it."""
+    from staticformers.models.kv_cache import KVCache, bytes_per_position, state_bytes_per_row
+
+    path = tiny_checkpoints("qwen3_5")
+    ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    assert ours.num_parameters() == ref.num_parameters() == ours.config.num_parameters
+    assert [layer.kind for layer in ours.model.layers] == [(None, "dense", "linear")] * 3 + [(None, "dense")]
+    ids, mask = _inputs()
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        want = ref(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+    tol.assert_close(got, want)
+    c = ours.config
+    short, long = KVCache.for_model(ours, 2, 64), KVCache.for_model(ours, 2, 4096)
+    for i in range(3):
+        assert short.keys[i].shape == long.keys[i].shape == (2, 2 * 32 + 32, 3)  # the conv's last 3 inputs
+        assert short.values[i].shape == long.values[i].shape == (2, 4, 16, 8) and long.values[i].dtype == torch.float32
+    state = 3 * ((2 * 32 + 32) * 3 * 4 + 4 * 16 * 8 * 4)
+    assert state_bytes_per_row(c, torch.float32) == state
+    assert bytes_per_position(c, torch.float32) == 2 * 2 * 16 * 4  # the one full-attention layer's keys and values
+    assert KVCache.bytes_for(ours, 2, 4096) - KVCache.bytes_for(ours, 2, 64) == 2 * (4096 - 64) * 2 * 2 * 16 * 4
+    assert long.nbytes == KVCache.bytes_for(ours, 2, 4096)
+
+
+def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
+    path = tiny_checkpoints("qwen3_5")
+    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
+    ids, mask = _inputs()
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    scale = max(float(b.abs().max()), 1.0)
+    torch.testing.assert_close(a, b, rtol=0, atol=4 * torch.finfo(torch.bfloat16).eps * scale)
+    top2 = b.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 8 * torch.finfo(torch.bfloat16).eps * scale  # away from ties
+    assert clear.any()
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
+    """The loss equals transformers'; every gradient is as close to transformers' float64 gradient as its float32
+    one is (within twice its error, or 1e-5 of the parameter's gradient scale): some parameters' gradients (the
+    first layers' decay) are sums that cancel, which float32 rounds differently in either order."""
+    path = tiny_checkpoints("qwen3_5")
+    ours, ref, exact = AutoModelForCausalLM.from_pretrained(path), _hf(path), _hf(path, torch.float64)
+    ids, _ = _inputs(seed=2)  # unpadded: a padded row's fully masked queries are opened differently (unused)
+    losses = []
+    for model in (ours, ref, exact):
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(float(loss.detach()))
+    assert losses[0] == pytest.approx(losses[1], rel=tol.FP32_REORDERED)
+    theirs, want = dict(ref.named_parameters()), dict(exact.named_parameters())
+    for name, p in ours.named_parameters():
+        e = want[name].grad
+        ours_err = float((p.grad.double() - e).abs().max())
+        their_err = float((theirs[name].grad.double() - e).abs().max())
+        assert ours_err <= 2 * their_err + 1e-5 * float(e.abs().max()), (name, ours_err, their_err)
+    assert float(ours.model.layers[0].linear_attn.A_log.grad.abs().max()) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# generation through the engine
+# ---------------------------------------------------------------------------------------------
+def test_greedy_tokens_equal_transformers(tiny_checkpoints):
+    """64 new tokens at batch 1, prompts shorter and longer than the chunk, through Dynamo's graphs per layer
+    region; a left-padded mixed batch."""
+    from staticformers import ShapePlan
+    from staticformers.api.generate import engine_for
+
+    path = tiny_checkpoints("qwen3_5")
+    ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine_for(ours, ShapePlan(batch_sizes=[1, 4], prompt_lengths=[16, 80], kv_lengths=[160], max_model_len=160))
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    said = set()
+    for n in (9, 70):
+        one = torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n))
+        want = ref.generate(one, max_new_tokens=64, **kw)
+        assert torch.equal(ours.generate(one, max_new_tokens=64, compile_config=CompileConfig(backend="aot_eager"),
+                                         **kw), want), n
+        said |= set(want[0, n:].tolist())
+    assert len(said) > 3  # the model says something, not one token over and over
+    ids = torch.randint(3, 128, (3, 13), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[2, :7] = 0, 0
+    kw.update(attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(ours.generate(ids, disable_compile=True, **kw), ref.generate(ids, **kw))
+
+
+def test_rows_join_and_leave_with_their_own_state(tiny_checkpoints):
+    """Requests join a running batch at different steps (their states inserted into free slots, the batch moving
+    to a larger bucket) and leave at different lengths: each equals transformers' greedy tokens alone."""
+    from loop_driver import run_loop
+    from staticformers import ShapePlan
+    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop, GenerationRequest
+
+    path = tiny_checkpoints("qwen3_5")
+    model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
+    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 80], kv_lengths=[128],
+                                         max_model_len=128))
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
+    g = torch.Generator().manual_seed(7)
+    prompts = {name: torch.randint(3, 128, (n,), generator=g).tolist() for name, n in
+               (("a", 12), ("b", 70), ("c", 5), ("d", 33))}
+    new = {"a": 20, "b": 6, "c": 14, "d": 9}
+    loop = GenerationLoop(engine, settings)
+    out = run_loop(loop, {0: [GenerationRequest(prompts["a"], new["a"], request_id="a")],
+                          3: [GenerationRequest(prompts["b"], new["b"], request_id="b"),
+                              GenerationRequest(prompts["c"], new["c"], request_id="c")],
+                          9: [GenerationRequest(prompts["d"], new["d"], request_id="d")]})
+    for name, prompt in prompts.items():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new[name], do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+        assert out[name] == want, name
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"chunked_prefill": 16}, "chunked prefill"),
+    ({"prefix_caching": True}, "prefix caching"),
+])
+def test_what_an_extend_step_or_a_prefix_cache_needs_is_refused_in_one_sentence(tiny_checkpoints, kwargs, what):
+    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_5"))
+    engine = engine_for(model)
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
+    with pytest.raises(ValueError, match=f"{what} is not supported for Qwen3_5ForCausalLM yet: its linear-attention "
+                                         f"layers keep a recurrent state per request"):
+        GenerationLoop(engine, settings, **kwargs)
+
+
+def test_speculative_decoding_is_refused_in_one_sentence(tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_5"))
+    with pytest.raises(ValueError, match=r"speculative decoding is not supported for Qwen3_5ForCausalLM yet"):
+        model.generate(torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=4, prompt_lookup_num_tokens=2,
+                       do_sample=False, disable_compile=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and adapters
+# ---------------------------------------------------------------------------------------------
+def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path):
+    from safetensors import safe_open
+
+    path = tiny_checkpoints("qwen3_5")
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    ours.save_pretrained(tmp_path)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    saved = json.load(open(os.path.join(tmp_path, "config.json")))
+    original = json.load(open(os.path.join(path, "config.json")))
+    for key in ("layer_types", "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "model_type"):
+        assert saved[key] == original[key], key
+    assert saved["rope_parameters"]["partial_rotary_factor"] == 0.25
+    ids, mask = _inputs()
+    with torch.no_grad():
+        want = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        tol.assert_close(_hf(str(tmp_path))(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
+
+
+TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
+
+
+def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path):
+    peft = pytest.importorskip("peft")
+    from staticformers import LoraConfig
+    from tiny import build_hf_model
+
+    path = tiny_checkpoints("qwen3_5")
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(build_hf_model("qwen3_5"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0)).eval()
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ids, mask = _inputs()
+    ours = AutoModelForCausalLM.from_pretrained(path)
+    ours.load_adapter(tmp_path / "peft")
+    with torch.no_grad():
+        want = pm(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
+        assert (want - _hf(path)(input_ids=ids, attention_mask=mask).logits[mask.bool()]).abs().max() > 1e-2
+    mine = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(2)
+    mine.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
+    mine.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(build_hf_model("qwen3_5"), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        tol.assert_close(back(input_ids=ids).logits, mine(input_ids=ids).logits)
+
+
+def test_compiled_training_steps_as_eager_with_a_region_for_the_linear_layers(tiny_checkpoints, tmp_path):
+    """The Trainer: compiled regions (the linear layers' and the full layer's, the head) train as eager does, and
+    the linear layers' decay parameters learn."""
+    from staticformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
+            for n in torch.randint(3, 30, (16,), generator=g)]
+    runs = {}
+    for compiled in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_5"))
+        before = model.model.layers[0].linear_attn.A_log.detach().clone()
+        args = TrainingArguments(output_dir=str(tmp_path / str(compiled)), max_length=32, per_device_train_batch_size=4,
+                                 max_steps=3, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                                 learning_rate=2e-3, seed=0, torch_compile=compiled,
+                                 torch_compile_backend="aot_eager" if compiled else None)
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        runs[compiled] = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+        if compiled:
+            assert sorted(f.name for f in trainer.train_step.functions.values()) == [
+                "head_loss_train", "layer_forward_train", "layer_forward_train_linear"]
+        assert not torch.equal(model.model.layers[0].linear_attn.A_log.detach(), before)
+    assert len(runs[True]) == 3 and runs[True] == pytest.approx(runs[False], rel=tol.FP32_TRAINED)
