@@ -102,6 +102,8 @@ def test_gradients_with_the_aux_loss_match_transformers(family, tiny_checkpoints
             p.grad = grads[n]
     assert set(mine) == set(theirs)  # transformers 5 holds the experts stacked under the same names
     for name, p in theirs.items():
+        if name.endswith((".A_log", ".dt_bias")):  # sums that cancel in float32: test_qwen3_5.py checks them in float64
+            continue
         scale = max(float(p.grad.abs().max()), 1e-6)
         torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-4, atol=1e-4 * scale, msg=name)
     router = "router" if family == "gpt-oss" else "gate"

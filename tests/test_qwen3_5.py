@@ -5,7 +5,9 @@ rows join and leave, the per-request state (its size independent of the prompt's
 LoRA against peft, gradients, the checkpoint round trip, and what it refuses.
 
 The tiny model (tests/tiny.py "qwen3_5"): three linear-attention layers (2 key heads of 16, 4 value heads of
-8, kernel 4), then one gated full-attention layer with a quarter of each head rotating."""
+8, kernel 4), then one gated full-attention layer with a quarter of each head rotating; "qwen3_5-moe" the same
+with every MLP a mixture of 4 experts (top-2) beside a gated shared expert (also in the files parametrized over
+MOE_FAMILIES: test_moe.py, test_moe_generation.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
 import tolerances as tol
+from tiny import LINEAR_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,15 +121,18 @@ def test_config_defaults_round_trip_and_refusals(tiny_checkpoints):
 # ---------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------
-def test_logits_parameters_and_a_state_of_fixed_size(tiny_checkpoints):
-    """Left-padded rows longer and shorter than the chunk: logits equal transformers'. A linear layer's state
-    is the same size whatever the cache's length; only the full-attention layer grows with it."""
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_logits_parameters_and_a_state_of_fixed_size(tiny_checkpoints, family):
+    """Left-padded rows longer and shorter than the chunk: logits equal transformers' (Qwen3.5 and Qwen3.5-MoE, whose
+    every MLP routes to experts beside a gated shared expert). A linear layer's state is the same size whatever
+    the cache's length; only the full-attention layer grows with it."""
     from staticformers.models.kv_cache import KVCache, bytes_per_position, state_bytes_per_row
 
-    path = tiny_checkpoints("qwen3_5")
+    path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
     assert ours.num_parameters() == ref.num_parameters() == ours.config.num_parameters
-    assert [layer.kind for layer in ours.model.layers] == [(None, "dense", "linear")] * 3 + [(None, "dense")]
+    mlp = "moe" if family == "qwen3_5-moe" else "dense"
+    assert [layer.kind for layer in ours.model.layers] == [(None, mlp, "linear")] * 3 + [(None, mlp)]
     ids, mask = _inputs()
     with torch.no_grad():
         got = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
@@ -185,13 +191,14 @@ def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
 # ---------------------------------------------------------------------------------------------
 # generation through the engine
 # ---------------------------------------------------------------------------------------------
-def test_greedy_tokens_equal_transformers(tiny_checkpoints):
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_greedy_tokens_equal_transformers(tiny_checkpoints, family):
     """64 new tokens at batch 1, prompts shorter and longer than the chunk, through Dynamo's graphs per layer
     region; a left-padded mixed batch."""
     from staticformers import ShapePlan
     from staticformers.api.generate import engine_for
 
-    path = tiny_checkpoints("qwen3_5")
+    path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
     engine_for(ours, ShapePlan(batch_sizes=[1, 4], prompt_lengths=[16, 80], kv_lengths=[160], max_model_len=160))
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -100,11 +100,17 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
                                           linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
                                           linear_conv_kernel_dim=4, tie_word_embeddings=False)),
+    # Qwen3.5-MoE (text): the same hybrid layout, every layer's MLP 4 experts top-2 beside a gated shared expert
+    "qwen3_5-moe": ("Qwen3_5MoeTextConfig", dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
+                                                 linear_key_head_dim=16, linear_num_value_heads=4,
+                                                 linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48, tie_word_embeddings=False)),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
-MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "deepseek-v3-plain")
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "deepseek-v3-plain", "qwen3_5-moe")
 DEEPSEEK_FAMILIES = ("deepseek-v3", "deepseek-v3-plain")
-LINEAR_FAMILIES = ("qwen3_5",)  # hybrids: Gated DeltaNet layers with a recurrent state per request
+LINEAR_FAMILIES = ("qwen3_5", "qwen3_5-moe")  # hybrids: Gated DeltaNet layers with a recurrent state per request
 
 
 def hf_config(family: str, **overrides):

@@ -289,9 +289,11 @@ class PrefillRegions(GenerationRegions):
                  decode_for: Callable[[KVCache], DecodeRegions]):
         super().__init__(model)
         self.ops, self.decode_for = ops, decode_for
-        self.layer = layer_regions(self.kinds, prefill_layer_region, f"{name}_layer", compile_one)
+        # every layer but the last runs a layer region: a kind only the last layer has gets none (Qwen3.5's one
+        # full-attention kind when its full layers are every fourth of four)
+        kinds = list(dict.fromkeys(k for _, k in self.runs[:-1]))
+        self.layer = layer_regions(kinds, prefill_layer_region, f"{name}_layer", compile_one)
         self.own = list(self.layer.values())
-        # every layer but the last runs a layer region: a kind only the last layer has is not among them
         self.parts = list({id(self.layer[k]): self.layer[k] for _, k in self.runs[:-1]}.values())
         self.kv = PrefillKV(length)
 

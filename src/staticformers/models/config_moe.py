@@ -19,7 +19,7 @@ from .config_checks import ConfigError
 # the keys this module turns into ModelConfig fields (for a MoE family)
 HANDLED = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
            "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef",
-           "router_jitter_noise", "swiglu_alpha", "swiglu_limit")
+           "router_jitter_noise", "swiglu_alpha", "swiglu_limit", "shared_expert_intermediate_size")
 
 
 def _count(d: dict, raw: dict, fam, source: str) -> int:
@@ -71,6 +71,9 @@ def read(d: dict, raw: dict, fam, layers: int, source: str) -> dict:
         "router_aux_loss_coef": _fraction(d.get("router_aux_loss_coef", 0.001), "router_aux_loss_coef", source),
         "router_jitter_noise": _fraction(d.get("router_jitter_noise", 0.0), "router_jitter_noise", source),
         **_clamped_swiglu(d, fam, source),
+        **({"shared_expert_intermediate_size": checks.positive_int(d.get("shared_expert_intermediate_size"),
+                                                                   "shared_expert_intermediate_size", source)}
+           if fam.gated_shared_expert else {}),
     }
 
 
@@ -95,6 +98,8 @@ def write(config) -> dict:
         out.update(swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
     elif fam.router == "grouped_sigmoid":  # the dense layers are first_k_dense_replace (`config_mla.py`)
         out["norm_topk_prob"] = config.norm_topk_prob
+    elif fam.gated_shared_expert:  # Qwen3.5-MoE: every layer sparse, the top-k always renormalised
+        out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     elif fam.always_norm_topk:
         out["router_jitter_noise"] = config.router_jitter_noise
     else:
@@ -119,6 +124,8 @@ def moe_parameters(config) -> int:
         return 0
     h, e, i, fam = config.hidden_size, config.num_experts, config.moe_intermediate_size, config.family
     shared = 3 * h * i * config.n_shared_experts  # DeepSeek's shared experts: one MLP n_shared_experts wide
+    if fam.gated_shared_expert:  # Qwen3.5-MoE's shared expert and its gate
+        shared += 3 * h * config.shared_expert_intermediate_size + h
     return e * h + e * 3 * h * i + e * fam.router_bias + e * (2 * i + h) * fam.expert_bias + shared
 
 

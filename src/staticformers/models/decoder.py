@@ -353,7 +353,8 @@ class DecoderLayer(nn.Module):
         self.sparse = config.layer_is_sparse(layer_idx)
         if self.sparse:
             shared = MLP(config, config.n_shared_experts * config.moe_intermediate_size) if config.n_shared_experts else None
-            self.mlp = SparseMoeBlock(config, shared)
+            gated = MLP(config, config.shared_expert_intermediate_size) if config.family.gated_shared_expert else None
+            self.mlp = SparseMoeBlock(config, shared, gated)
         else:
             self.mlp = MLP(config)
         self.rope = rope_key(config, layer_idx)
@@ -457,7 +458,7 @@ def valid_positions(seq: int, device, attention_mask: Optional[torch.Tensor] = N
     cache, each row's positions up to its last token (`PrefillKV.last_index`); None (all of them) otherwise."""
     if attention_mask is not None and attention_mask.dim() == 2:
         return attention_mask[:, -seq:].bool()
-    last = getattr(kv_cache, "last_index", None)
+    last = kv_cache.last_index if kv_cache is not None else None
     if last is not None:
         return torch.arange(seq, device=device).view(1, seq) <= last.view(-1, 1).to(device)
     return None

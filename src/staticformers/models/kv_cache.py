@@ -87,6 +87,8 @@ class KVCache:
     """Preallocated key/value buffers for every layer (see the module docstring); `latent`: the values are the
     keys' first `latent` columns, and no value buffer is allocated (latent attention)."""
 
+    last_index = None  # a running cache counts every position it is given (`PrefillKV.last_index`)
+
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, latent: Optional[int] = None,
                  linear: Optional[dict] = None):
@@ -216,6 +218,8 @@ def write_latent(key: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
 class LayerKV:
     """One layer's slice of a `KVCache`: `update` ignores the layer index, so a region compiled for one
     layer runs every layer."""
+
+    last_index = None  # as `KVCache`'s
 
     def __init__(self, cache: KVCache, layer_idx: int):
         self.key = cache.keys[layer_idx]

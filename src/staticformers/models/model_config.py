@@ -1,7 +1,8 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
 The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
-OLMo 2, the hybrid Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3) are one decoder with different flags:
+OLMo 2, the hybrid Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen3.5-MoE) are one
+decoder with different flags:
 q/k RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention,
 the norms' flavour and placement, gpt-oss's attention sinks, router and expert biases and clamped SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
 layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
@@ -93,6 +94,7 @@ class Family:
     # Qwen3.5 (config_linear.py): Gated DeltaNet layers among the full-attention ones, which are gated
     linear_attention: bool = False  # layer_types may name "linear_attention" (`linear_attention.py`)
     gated_attention: bool = False  # q_proj yields each head's query and a gate; the output times sigmoid(gate)
+    gated_shared_expert: bool = False  # a `shared_expert` MLP beside the routed ones, times sigmoid(shared_expert_gate)
 
 
 FAMILIES: dict[str, Family] = {
@@ -217,6 +219,17 @@ FAMILIES: dict[str, Family] = {
                   "linear_num_key_heads": 16, "linear_num_value_heads": 32},
         norm="offset", linear_attention=True, gated_attention=True,
     ),
+    "Qwen3_5MoeForCausalLM": Family(
+        "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qk_norm=True, qkv_bias_always=False,
+        o_bias_follows_attention_bias=True, default_head_dim=256, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                  "intermediate_size": 512},  # (no dense layer: intermediate_size is never used)
+        mlp="moe", expert_names=QWEN_MOE_NAMES, always_norm_topk=True, norm="offset", linear_attention=True,
+        gated_attention=True, gated_shared_expert=True,
+    ),
 }
 
 MODEL_TYPES = {f.model_type: f for f in FAMILIES.values()}
@@ -317,6 +330,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     first_k_dense_replace: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE's gated shared expert (config_moe.py)
     # Qwen3.5's Gated DeltaNet layers (config_linear.py): 0 where the family has none
     linear_num_key_heads: int = 0
     linear_key_head_dim: int = 0

@@ -37,7 +37,8 @@ routes to other ranks' experts counting for nothing.
 
 **DeepSeek-V3** routes by sigmoid scores with a learned correction bias, limited to the best groups of
 experts (`route_grouped`, the router `GroupedRouter`), and adds its shared experts (one dense MLP given
-to `SparseMoeBlock`) to every token's output; the shapes stay those of the token count.
+to `SparseMoeBlock`) to every token's output; Qwen3.5-MoE adds one shared expert times a per-token sigmoid
+gate (`shared_expert`, `shared_expert_gate`). The shapes stay those of the token count.
 
 **The load-balancing loss** (`load_balancing_loss`) is transformers' `load_balancing_loss_func`
 (Switch Transformer's: the experts' share of routed tokens times their mean router probability,
@@ -307,7 +308,7 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A sparse layer's MLP: the router (`gate`) and the `experts`; returns the output and the router logits."""
 
-    def __init__(self, config, shared_experts: Optional[nn.Module] = None):
+    def __init__(self, config, shared_experts: Optional[nn.Module] = None, shared_expert: Optional[nn.Module] = None):
         super().__init__()
         h = config.hidden_size
         self.top_k = config.num_experts_per_tok
@@ -325,6 +326,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, h, config.moe_intermediate_size, bias=config.family.expert_bias,
                                act=activation_for(config))
         self.shared_experts = shared_experts  # DeepSeek's MLP on every token, beside the routed experts
+        self.shared_expert = shared_expert  # Qwen3.5-MoE's, scaled per token by sigmoid(shared_expert_gate(x))
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor, ops: Ops = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[b, s, H]` -> (`[b, s, H]`, router logits `[b * s, E]`)."""
@@ -341,6 +344,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(flat, weights, experts, ops).view(b, s, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ops)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(ops.linear(self.shared_expert_gate, x)) * self.shared_expert(x, ops)
         return out, logits
 
 
