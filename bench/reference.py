@@ -14,6 +14,9 @@ Sizes (`--size`):
 - `gptoss50m`: gpt-oss-shaped, the size of `moe50m`: hidden 512, 6 layers alternating sliding (window 128)
   and full attention with sinks, 8 experts (top-2, biased, the clamped SwiGLU, width 384), 8 heads, 2 KV
   heads, head_dim 64, YaRN, vocab 32000, untied; float32 on disk.
+- `qwen3_5-50m`: Qwen3.5-text-shaped: hidden 512, 8 layers (6 Gated DeltaNet: 4 key heads and 8 value heads of
+  64, kernel 4; then every fourth a gated full-attention layer: 8 heads, 2 KV heads, head_dim 64, a quarter
+  rotating), MLP width 1536, vocab 32000, tied; float32 on disk.
 - `gemma3-50m`: Gemma-3-text-shaped: hidden 512, 6 layers (5 sliding with window 128, then 1 full; two RoPE
   bases), q/k norm, four norms per layer, GELU-tanh, 8 heads, 4 KV heads, head_dim 64, MLP width 1536, and
   Gemma 3's 262,144-token vocabulary, tied (the head is most of the weights, as in the small Gemma 3s);
@@ -59,9 +62,14 @@ SIZES["gptoss50m"] = dict(vocab_size=32000, hidden_size=512, intermediate_size=3
 SIZES["gemma3-50m"] = dict(vocab_size=262144, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                            sliding_window=128, query_pre_attn_scalar=64, **_COMMON)
+SIZES["qwen3_5-50m"] = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                            linear_num_key_heads=4, linear_key_head_dim=64, linear_num_value_heads=8,
+                            linear_value_head_dim=64, linear_conv_kernel_dim=4, **_COMMON)
 DEFAULT_DTYPES = {"41m": "float32", "1.7b": "bfloat16", "tiny": "float32", "moe50m": "float32", "gptoss50m": "float32",
-                  "gemma3-50m": "float32"}
-MODEL_TYPES = {"moe50m": "qwen3_moe", "gptoss50m": "gpt_oss", "gemma3-50m": "gemma3_text"}  # every other size is a Qwen3
+                  "gemma3-50m": "float32", "qwen3_5-50m": "float32"}
+MODEL_TYPES = {"moe50m": "qwen3_moe", "gptoss50m": "gpt_oss", "gemma3-50m": "gemma3_text",
+               "qwen3_5-50m": "qwen3_5_text"}  # every other size is a Qwen3
 REFERENCE = SIZES["41m"]  # the name earlier scripts import
 MODELS_ENV = "STATICFORMERS_BENCH_MODELS"  # where reference folders go (default bench/results)
 
@@ -102,7 +110,7 @@ def report(result: dict, out) -> None:
 
 def reference_config(size: str = "41m"):
     """The size's staticformers ModelConfig (a Qwen3 config, Qwen3-MoE for `moe50m`, gpt-oss for `gptoss50m`,
-    Gemma 3 text for `gemma3-50m`)."""
+    Gemma 3 text for `gemma3-50m`, Qwen3.5 text for `qwen3_5-50m`)."""
     from staticformers import AutoConfig
 
     check_size(size)

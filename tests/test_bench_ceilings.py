@@ -43,6 +43,33 @@ def test_the_gemma3_reference_is_gemma3_text_with_transformers_parameter_count()
     assert reference.weight_counts("gemma3-50m")["parameters"] == sum(p.numel() for p in theirs.parameters())
 
 
+def test_the_qwen3_5_reference_is_hybrid_with_transformers_parameter_count():
+    import transformers
+
+    config = reference.reference_config("qwen3_5-50m")
+    assert config.family.architecture == "Qwen3_5ForCausalLM"
+    assert [config.layer_is_linear(i) for i in range(8)] == [True, True, True, False] * 2  # 3 linear : 1 full
+    hf_config = transformers.Qwen3_5TextConfig(**reference.SIZES["qwen3_5-50m"])
+    with torch.device("meta"):
+        theirs = transformers.Qwen3_5ForCausalLM(hf_config)
+    assert reference.weight_counts("qwen3_5-50m")["parameters"] == sum(p.numel() for p in theirs.parameters())
+
+
+def test_state_bytes_of_a_hybrid_against_its_pure_attention_twin(capsys):
+    """bench/state_bytes.py: the Qwen3.5-shaped reference's cache at 4k (two full layers' keys and values, six
+    fixed-size states) against every layer full attention; the cache's allocation is what its accounting says."""
+    import state_bytes
+
+    out = state_bytes.main(["--size", "qwen3_5-50m", "--context", "4096"])
+    kv_row = 2 * 2 * 64 * 4  # keys and values of 2 KV heads of 64, float32
+    assert out["model"]["per_position"] == 2 * kv_row and out["pure_attention"]["per_position"] == 8 * kv_row
+    conv, recurrent = (2 * 4 * 64 + 8 * 64) * 3 * 4, 8 * 64 * 64 * 4
+    assert out["model"]["states"] == 6 * (conv + recurrent)
+    assert out["ratio"] == round((4096 * 2 * kv_row + 6 * (conv + recurrent)) / (4096 * 8 * kv_row), 4) < 0.3
+    with pytest.raises(SystemExit):
+        state_bytes.main(["--context", "0"])
+
+
 def test_build_reference_saves_bf16_once_and_loads_in_both_libraries(tmp_path, monkeypatch):
     import transformers
     from safetensors import safe_open
