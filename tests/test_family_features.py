@@ -73,29 +73,10 @@ ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 @pytest.mark.parametrize("family", ["gemma2", "olmo2", "granite", "smollm3"])
 def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path, family):
-    peft = pytest.importorskip("peft")
-    from staticformers import LoraConfig
+    from peft_both_ways import assert_lora_equals_peft_both_ways
 
-    path = tiny_checkpoints(family)
-    torch.manual_seed(1)
-    pm = peft.get_peft_model(build_hf_model(family), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=ALL7, init_lora_weights=False, lora_dropout=0.0)).eval()
-    pm.save_pretrained(str(tmp_path / "peft"))
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
-    ours = AutoModelForCausalLM.from_pretrained(path)
-    ours.load_adapter(tmp_path / "peft")
-    with torch.no_grad():
-        want = pm(ids).logits
-        tol.assert_close(ours(ids).logits, want)
-        assert (want - _hf(path)(ids).logits).abs().max() > 1e-2  # the adapter moves the logits
-    mine = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(2)
-    mine.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=ALL7, init_lora_weights=False))
-    mine.save_pretrained(tmp_path / "ours")
-    back = peft.PeftModel.from_pretrained(build_hf_model(family), str(tmp_path / "ours")).eval()
-    with torch.no_grad():
-        tol.assert_close(back(ids).logits, mine(ids).logits)
-
+    assert_lora_equals_peft_both_ways(tiny_checkpoints(family), family, ALL7, tmp_path, ids)
 
 def test_gpt_oss_all_linear_is_peft_s_and_its_router_is_refused(tiny_checkpoints, tmp_path):
     """gpt-oss's router is `mlp.router` in transformers and no linear layer there: peft's "all-linear" adapts the

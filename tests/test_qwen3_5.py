@@ -157,12 +157,7 @@ def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
     with torch.no_grad():
         a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
         b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-    scale = max(float(b.abs().max()), 1.0)
-    torch.testing.assert_close(a, b, rtol=0, atol=4 * torch.finfo(torch.bfloat16).eps * scale)
-    top2 = b.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 8 * torch.finfo(torch.bfloat16).eps * scale  # away from ties
-    assert clear.any()
-    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    tol.assert_bf16_logits_agree(a, b)
 
 
 def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
@@ -300,30 +295,10 @@ TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
 
 
 def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path):
-    peft = pytest.importorskip("peft")
-    from staticformers import LoraConfig
-    from tiny import build_hf_model
+    from peft_both_ways import assert_lora_equals_peft_both_ways
 
-    path = tiny_checkpoints("qwen3_5")
-    torch.manual_seed(1)
-    pm = peft.get_peft_model(build_hf_model("qwen3_5"), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0)).eval()
-    pm.save_pretrained(str(tmp_path / "peft"))
     ids, mask = _inputs()
-    ours = AutoModelForCausalLM.from_pretrained(path)
-    ours.load_adapter(tmp_path / "peft")
-    with torch.no_grad():
-        want = pm(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
-        assert (want - _hf(path)(input_ids=ids, attention_mask=mask).logits[mask.bool()]).abs().max() > 1e-2
-    mine = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(2)
-    mine.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False))
-    mine.save_pretrained(tmp_path / "ours")
-    back = peft.PeftModel.from_pretrained(build_hf_model("qwen3_5"), str(tmp_path / "ours")).eval()
-    with torch.no_grad():
-        tol.assert_close(back(input_ids=ids).logits, mine(input_ids=ids).logits)
-
+    assert_lora_equals_peft_both_ways(tiny_checkpoints("qwen3_5"), "qwen3_5", TARGETS, tmp_path, ids, mask)
 
 def test_compiled_training_steps_as_eager_with_a_region_for_the_linear_layers(tiny_checkpoints, tmp_path):
     """The Trainer: compiled regions (the linear layers' and the full layer's, the head) train as eager does, and

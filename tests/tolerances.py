@@ -40,4 +40,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = FP32
     torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
 
 
-__all__ = ["EPS32", "FP32_REORDERED", "FP32_TRAINED", "BF16_LOSS", "assert_close"]
+def assert_bf16_logits_agree(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 logits `[n, vocab]` (as float32): within 4 bf16 ulps of the expected scale (and 1), and the same top-1
+    wherever the expected top two are more than 8 ulps apart (away from ties); some such row must exist."""
+    eps = torch.finfo(torch.bfloat16).eps
+    scale = max(float(expected.abs().max()), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=4 * eps * scale)
+    top2 = expected.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 8 * eps * scale
+    assert clear.any()
+    assert torch.equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+__all__ = ["EPS32", "FP32_REORDERED", "FP32_TRAINED", "BF16_LOSS", "assert_close", "assert_bf16_logits_agree"]

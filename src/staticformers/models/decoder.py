@@ -67,11 +67,11 @@ from .attention_sinks import local_sinks
 from .latent_attention import LatentAttention
 from .linear_attention import GatedDeltaNet
 from .moe import Experts, GroupedRouter, SparseMoeBlock, load_balancing_loss
-from .kept_positions import Keep, causal_rows, kept_rows, take
+from .kept_positions import Keep, kept_rows, take
 from .norm_variants import NORM_CLASSES, ROUNDED_DTYPES, RMSNorm, embedding_scale, make_norm, softcap
 from .ops import PLAIN, Ops
 from . import rope_variants
-from .rope_variants import apply_rope, rotate_half
+from .rope_variants import apply_rope
 
 if TYPE_CHECKING:  # the type alone: a layout is applied from outside (staticformers.distributed)
     from ..distributed.mesh import ParallelDims
