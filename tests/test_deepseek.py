@@ -5,9 +5,9 @@ are the latent's, asserted), greedy tokens through the engine, chunked prefill, 
 round trip, LoRA against peft, int8, the tensor-parallel plan, and what it refuses.
 
 The tiny models (tests/tiny.py "deepseek-v3", "deepseek-v3-plain") keep every switch on between them. Their
-logits, gradients, left-padded greedy batches and speculative decoding are also proven by the files
-parametrized over FAMILIES / MOE_FAMILIES (test_modeling.py, test_moe.py, test_generation.py,
-test_speculative.py)."""
+logits, greedy tokens and speculative decoding are also proven by the files parametrized over FAMILIES
+(test_modeling.py, test_generation.py, test_speculative.py), and the first one's router logits, gradients and
+left-padded greedy batches by those over MOE_FAMILIES (test_moe.py, test_moe_generation.py)."""
 
 from __future__ import annotations
 

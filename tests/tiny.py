@@ -108,7 +108,7 @@ FAMILIES = {
                                                  shared_expert_intermediate_size=48, tie_word_embeddings=False)),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
-MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "deepseek-v3-plain", "qwen3_5-moe")
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "qwen3_5-moe")  # (deepseek-v3-plain: test_deepseek.py)
 DEEPSEEK_FAMILIES = ("deepseek-v3", "deepseek-v3-plain")
 LINEAR_FAMILIES = ("qwen3_5", "qwen3_5-moe")  # hybrids: Gated DeltaNet layers with a recurrent state per request
 
