@@ -2,7 +2,9 @@
 gate/up fused on disk, read per rank from the fused tensors), GLM-4 (interleaved partial RoPE, q/k/v biases,
 fused gate/up, post norms), Granite (its multipliers, biases) and SmolLM3 (layers without RoPE) at tensor
 parallel 2; gpt-oss at tensor parallel 2 (the attention sinks split over the heads) and at expert parallel 2
-over FSDP (the expert biases split with the experts). Per run: logits, greedy tokens, a training step's loss
+over FSDP (the expert biases split with the experts); DeepSeek-V3 at tensor parallel 2 (latent attention: each rank
+its heads, the latent whole) and at expert parallel 2; Qwen3.5 at tensor parallel 2 (the gated full layer's heads
+split, the Gated DeltaNet layers and their states whole on every rank). Per run: logits, greedy tokens, a training step's loss
 (LoRA on PEFT's names for Phi-3's fused projections and Granite) and the gradients of the parameters that
 the split touches, and the checkpoint a partitioned model saves (the file's names, equal tensors)."""
 
@@ -32,6 +34,10 @@ LATENT = [f"model.layers.0.self_attn.{name}.weight" for name in
           ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_b_proj", "o_proj")]
 ROUTED = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
           "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+# Qwen3.5: the gated full layer split over its heads, the linear layers whole on every rank (their state too)
+HYBRID = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_norm.weight",
+          "model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.A_log",
+          "model.layers.0.linear_attn.conv1d.weight"]
 RUNS = {
     "phi3": ("phi3", {"tp_size": 2}, ["qkv_proj", "gate_up_proj"], []),
     "glm4": ("glm4", {"tp_size": 2}, None, []),
@@ -41,6 +47,7 @@ RUNS = {
     "gpt-oss-ep": ("gpt-oss", {"fsdp_size": 2, "ep_size": 2}, None, SINKS + EXPERT_BIASES),
     "deepseek-v3-tp": ("deepseek-v3", {"tp_size": 2}, None, LATENT),
     "deepseek-v3-ep": ("deepseek-v3", {"fsdp_size": 2, "ep_size": 2}, None, ROUTED),
+    "qwen3_5-tp": ("qwen3_5", {"tp_size": 2}, None, HYBRID),
 }
 
 

@@ -15,6 +15,8 @@ The model code knows nothing of parallelism (ARCHITECTURE.md). Like torchtitan's
    - gpt-oss's attention sinks, one logit per query head: the style "sinks" makes `self_attn.sinks` a
      DTensor sharded over the heads (`Shard(0)`), so each rank holds the sinks of its own q heads and the
      attention reads their local part;
+   - Qwen3.5's Gated DeltaNet layers are not in the plan: every rank computes them whole (their state is
+     per request, not per head of the full layers), and its gated `q_proj` splits per head with its gate rows;
    - DeepSeek's latent attention: the queries (`q_b_proj` or `q_proj`) and `kv_b_proj` column-wise (each
      rank its heads' rows), `o_proj` row-wise; the latent is computed whole on every rank and cached whole,
      its gradient summed over the group (the style "latent" on `self_attn.shared_latent`);
