@@ -6,17 +6,17 @@ GGUF loader does (its `GGUF_CONFIG_MAPPING`), for the architectures whose famili
 refused in one sentence. `models/model_config.py` then checks the dict as it checks any config.json.
 
 Where the file states something transformers' GGUF loader leaves at its config class's default, we read it
-(the model then equals its safetensors checkpoint), and what the format leaves unsaid we fill in as llama.cpp,
-the format's reference runtime, does when it runs the file:
+(the model then equals its safetensors checkpoint), and what the format leaves unsaid we fill in as the GGUF
+runtime (ggml's, the format's reference runtime) does when it runs the file:
 - gemma2: head_dim from `attention.key_length`, the soft caps `attn_logit_softcapping` and
-  `final_logit_softcapping` (llama.cpp's defaults 50 and 30 when absent), `attention.sliding_window`;
+  `final_logit_softcapping` (the GGUF runtime's defaults 50 and 30 when absent), `attention.sliding_window`;
 - gemma3: `rope.freq_base` is the full layers' base, with `rope.scaling.type` "linear" and its factor on
   those layers only; the sliding layers rotate with base 10000 unless `rope.freq_base_swa` says otherwise;
   no `attention.sliding_window` (or 0) means every layer is full; `final_logit_softcapping` when present;
-- both Gemmas: every `attention.sliding_window_pattern`-th layer is full (llama.cpp's default pattern:
+- both Gemmas: every `attention.sliding_window_pattern`-th layer is full (the GGUF runtime's default pattern:
   2 for Gemma 2, 6 for Gemma 3; a per-layer list of flags, true = sliding, is read too), and
   `query_pre_attn_scalar`, which GGUF does not carry, is head_dim, or hidden_size / heads for the 27B
-  models (46 layers for Gemma 2, 62 for Gemma 3), llama.cpp's rule, which every released checkpoint follows;
+  models (46 layers for Gemma 2, 62 for Gemma 3), the GGUF runtime's rule, which every released checkpoint follows;
 - phi3: head_dim is hidden_size / heads, `rope.dimension_count` the rotated dims (partial RoPE),
   `rope.scaling.original_context_length`, `attention.sliding_window` (0: none), and LongRoPE from the
   tensors `rope_factors_short.weight` / `rope_factors_long.weight` (its attention factor computed from the
@@ -61,7 +61,7 @@ _KEYS = {
 # per architecture: which key gives head_dim (transformers reads llama's rope.dimension_count, qwen3's key_length)
 _HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length", "gemma2": "attention.key_length",
              "gemma3": "attention.key_length"}
-# llama.cpp's Gemma constants: the sliding-layer pattern, and the layer count of the 27B models
+# the GGUF runtime's Gemma constants: the sliding-layer pattern, and the layer count of the 27B models
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -125,7 +125,7 @@ def _gemma(f: GGUFFile, arch: str, config: dict) -> None:
     """Gemma 2 / Gemma 3's keys (module docstring)."""
     layers, hidden = _needed(f, arch, "block_count"), _needed(f, arch, "embedding_length")
     heads = _needed(f, arch, "attention.head_count")
-    head_dim = config.setdefault("head_dim", hidden // heads)  # llama.cpp's default without key_length
+    head_dim = config.setdefault("head_dim", hidden // heads)  # the GGUF runtime's default without key_length
     config["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
     window = _number(f, f"{arch}.attention.sliding_window")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -159,7 +159,7 @@ def _gemma3_full_rope(f: GGUFFile) -> dict:
 
 
 def _gemma_layer_types(f: GGUFFile, arch: str, layers: int) -> list:
-    """Sliding or full per layer: llama.cpp's pattern (every n-th layer full, 0: none), or the file's flags."""
+    """Sliding or full per layer: the GGUF runtime's pattern (every n-th layer full, 0: none), or the file's flags."""
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = f.metadata.get(key, _GEMMA_PATTERN[arch])
     if isinstance(pattern, list):

@@ -1,4 +1,4 @@
-"""GGUF tensor names <-> Hugging Face parameter names, and what llama.cpp's converter did to the values undone.
+"""GGUF tensor names <-> Hugging Face parameter names, and what GGUF's converter did to the values undone.
 
 Why this exists: a GGUF file renames every tensor (`blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight`),
 and its converter changes some values on the way. Loading must undo that exactly as transformers' GGUF loader

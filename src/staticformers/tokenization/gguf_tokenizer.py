@@ -68,13 +68,7 @@ def _merges(meta: dict, vocab: dict[str, int], from_scores: bool) -> list[tuple[
     if not from_scores:
         return []
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(vocab)
-    pieces = []
-    for token, score in zip(meta["tokenizer.ggml.tokens"], scores):
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
-        pieces.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
-    pieces.sort(key=lambda x: (x[2], len(x[0]), len(x[1])), reverse=True)
-    return [(a, b) for a, b, _ in pieces]
+    return _merges_in_order(vocab, zip(meta["tokenizer.ggml.tokens"], scores))
 
 
 def _byte_level(meta: dict) -> Tokenizer:
@@ -108,10 +102,11 @@ def _sentencepiece(meta: dict) -> Tokenizer:
     return tok
 
 
-def _merges_in_order(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two tokens, best score first (transformers' `generate_merges`)."""
+def _merges_in_order(vocab: dict[str, int], scored) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, best score first (transformers' `generate_merges`); `scored`: the
+    (token, score) pairs, in the file's order."""
     pieces = []
-    for token, score in scores.items():
+    for token, score in scored:
         local = [(token[:i], token[i:], score) for i in range(1, len(token))
                  if token[:i] in vocab and token[i:] in vocab]
         pieces.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
@@ -125,7 +120,7 @@ def _gemma(meta: dict) -> Tokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = meta.get("tokenizer.ggml.merges")
     merges = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else \
-        _merges_in_order(vocab, {token: -index for index, token in enumerate(tokens)})
+        _merges_in_order(vocab, {token: -index for index, token in enumerate(tokens)}.items())
     tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
                         byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", SPACE)
