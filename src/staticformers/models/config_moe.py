@@ -53,9 +53,6 @@ def read(d: dict, raw: dict, fam, layers: int, source: str) -> dict:
     step = checks.positive_int(d.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     dense_layers = d.get("mlp_only_layers")
     dense_layers = [] if dense_layers is None else dense_layers
-    if fam.router == "grouped_sigmoid":  # DeepSeek: the first k layers dense (`config_mla.py` checks k)
-        first = d.get("first_k_dense_replace", 0)
-        dense_layers = list(range(min(first, layers))) if isinstance(first, int) and not isinstance(first, bool) else []
     if not isinstance(dense_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
                                                       for i in dense_layers):
         raise ConfigError(f"{source}: mlp_only_layers={dense_layers!r} must be a list of layer indices from 0 to "
@@ -109,9 +106,10 @@ def write(config) -> dict:
 
 
 def layer_is_sparse(config, layer: int) -> bool:
-    """transformers' rule: a layer routes to experts unless it is in `mlp_only_layers`, and only every
-    `decoder_sparse_step`-th layer (counting from 1) does."""
-    if config.num_experts <= 0:
+    """transformers' rule: a layer routes to experts unless it is in `mlp_only_layers` or among the first
+    `first_k_dense_replace` (DeepSeek, `config_mla.py`), and only every `decoder_sparse_step`-th layer (counting
+    from 1) does."""
+    if config.num_experts <= 0 or layer < config.first_k_dense_replace:
         return False
     return layer not in config.mlp_only_layers and (layer + 1) % config.decoder_sparse_step == 0
 

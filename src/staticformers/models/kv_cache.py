@@ -36,9 +36,12 @@ layers is the same for a prompt: it keeps the latest layer's keys and values, ne
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+
+from .config_linear import state_shapes
 
 
 
@@ -53,10 +56,8 @@ def layout(config, tp: int = 1) -> tuple[int, int, Optional[int]]:
 
 def linear_states(config) -> dict[int, tuple[tuple, tuple]]:
     """{layer: (conv state shape, recurrent state shape)} of one row, for each linear-attention layer."""
-    if not getattr(config, "has_linear_attention", False):
+    if not config.has_linear_attention:
         return {}
-    from .config_linear import state_shapes
-
     shapes = state_shapes(config)
     return {i: shapes for i in range(config.num_hidden_layers) if config.layer_is_linear(i)}
 
@@ -70,17 +71,8 @@ def bytes_per_position(config, dtype: torch.dtype, tp: int = 1) -> int:
 
 def state_bytes_per_row(config, dtype: torch.dtype) -> int:
     """What one row's fixed-size states cost over the linear-attention layers, in bytes (its length does not count)."""
-    total = 0
-    for conv, recurrent in linear_states(config).values():
-        total += _numel(conv) * dtype.itemsize + _numel(recurrent) * 4  # the recurrent state is float32
-    return total
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(math.prod(conv) * dtype.itemsize + math.prod(recurrent) * 4  # the recurrent state is float32
+               for conv, recurrent in linear_states(config).values())
 
 
 class KVCache:
@@ -250,6 +242,10 @@ class PrefillKV:
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.key = self.value = None
+
+    def state(self, layer_idx: int) -> None:
+        """No state before the prompt: a linear-attention layer starts from zeros."""
+        return None
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: Optional[torch.Tensor]):
         if self.keys:

@@ -94,7 +94,7 @@ class GatedDeltaNet(nn.Module):
         b, s, _ = x.shape
         if valid is not None:  # padded positions read zeros, as transformers zeroes them before this layer
             x = x * valid.unsqueeze(-1).to(x.dtype)
-        state = kv_cache.state(self.layer_idx) if hasattr(kv_cache, "state") else None
+        state = kv_cache.state(self.layer_idx) if kv_cache is not None else None
         conv_state, recurrent = state if state is not None else (None, None)
         mixed = ops.linear(self.in_proj_qkv, x).transpose(1, 2)
         mixed, conv_state = causal_conv(mixed, self.conv1d.weight, conv_state, valid)
