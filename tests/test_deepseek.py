@@ -19,23 +19,18 @@ import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
+from family_checks import assert_saved_as_loaded, chunked_and_prefix_cached_run, hf_model, padded_batch
 import tolerances as tol
 from tiny import DEEPSEEK_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(path, dtype=torch.float32):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+_hf = hf_model
 
 
-def _inputs(batch=3, seq=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    return ids, mask
+def _inputs(seq=12, seed=1):
+    return padded_batch(seq, (0, 4, 7), seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +150,7 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, family, backend):
     want = ref.generate(one, max_new_tokens=64, **kw)
     assert torch.equal(ours.generate(one, max_new_tokens=64, compile_config=CompileConfig(backend=backend), **kw), want)
     assert len(set(want[0, 9:].tolist())) > 3  # a model that says something, not one token over and over
-    ids, mask = _inputs(batch=3, seq=13, seed=5)
+    ids, mask = _inputs(seq=13, seed=5)
     kw.update(attention_mask=mask, max_new_tokens=16)
     assert torch.equal(ours.generate(ids, disable_compile=True, **kw), ref.generate(ids, **kw))
 
@@ -163,33 +158,8 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, family, backend):
 def test_chunked_prefill_and_prefix_caching_equal_transformers(tiny_checkpoints):
     """Rows that join and leave: a long prompt prefilled in chunks of 16 through the extend step over the latent
     cache, a second one whose first 40 tokens come from the prefix cache (the latent's blocks)."""
-    from loop_driver import run_loop
-    from staticformers import ShapePlan
-    from staticformers.api.generate import compile_settings, engine_for
-    from staticformers.generation.generation_config import GenerationConfig
-    from staticformers.generation.loop import GenerationLoop, GenerationRequest
-
-    path = tiny_checkpoints("deepseek-v3")
-    model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
-    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
-                                         max_model_len=128, extend_widths=((16, 1),)))
-    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
-    g = torch.Generator().manual_seed(6)
-    shared = torch.randint(3, 128, (40,), generator=g).tolist()
-    long, second = shared + torch.randint(3, 128, (30,), generator=g).tolist(), shared + [5, 9, 11]
-
-    def want(prompt):
-        ids = torch.tensor([prompt])
-        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-
-    loop = GenerationLoop(engine, settings, chunked_prefill=16, prefix_caching=True, prefix_block_size=8)
+    loop = chunked_and_prefix_cached_run(tiny_checkpoints("deepseek-v3"))
     assert loop.prefix.values == [] and loop.prefix.keys[0].shape[-1] == 32 + 16  # the pool holds latents
-    out = run_loop(loop, {0: [GenerationRequest(long, 8, request_id="long")],
-                          12: [GenerationRequest(second, 8, request_id="second")]})
-    assert loop.chunks > 0 and loop.prefix.hits >= 40
-    assert out["long"] == want(long) and out["second"] == want(second)
-
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints, adapters, int8
@@ -198,26 +168,13 @@ def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_p
     """Ours saves the Hub's layout (one tensor per expert, the correction bias in float32), bit-equal."""
     from safetensors import safe_open
 
-    path = tiny_checkpoints("deepseek-v3")
-    ours = AutoModelForCausalLM.from_pretrained(path)
-    ours.save_pretrained(tmp_path)
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+    saved, original = assert_saved_as_loaded(tiny_checkpoints("deepseek-v3"), tmp_path, *_inputs())
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
         assert b.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
-    saved = json.load(open(os.path.join(tmp_path, "config.json")))
-    original = json.load(open(os.path.join(path, "config.json")))
     for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "n_routed_experts",
                 "rope_interleave", "rope_parameters"):
         assert saved[key] == original[key], key
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        tol.assert_close(_hf(str(tmp_path))(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
-
 
 LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
 

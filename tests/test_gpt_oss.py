@@ -19,22 +19,17 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.checkpoints import mxfp4
 from staticformers.models.model_config import ModelConfig
+from family_checks import assert_saved_as_loaded, chunked_and_prefix_cached_run, hf_model, padded_batch
 import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(path, dtype=torch.float32, **kwargs):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+_hf = hf_model
 
 
-def _inputs(batch=3, seq=12, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    return ids, mask
+def _inputs(seq=12, seed=1):
+    return padded_batch(seq, (0, 4, 7), seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +106,7 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
                         compile_config=config)
     assert torch.equal(got, want)
     assert len(set(want[0, 9:].tolist())) > 4  # a model that says something, not one token over and over
-    ids, mask = _inputs(batch=3, seq=13, seed=5)
+    ids, mask = _inputs(seq=13, seed=5)
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(ours.generate(ids, compile_config=config, **kw), ref.generate(ids, **kw))
 
@@ -121,27 +116,11 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
 # ---------------------------------------------------------------------------------------------
 def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path):
     """Ours saves transformers' layout (stacked experts transposed, `mlp.router`, `self_attn.sinks`)."""
-    from safetensors import safe_open
-
-    path = tiny_checkpoints("gpt-oss")
-    ours = AutoModelForCausalLM.from_pretrained(path)
-    ours.save_pretrained(tmp_path)
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
-    saved = json.load(open(os.path.join(tmp_path, "config.json")))
-    original = json.load(open(os.path.join(path, "config.json")))
+    saved, original = assert_saved_as_loaded(tiny_checkpoints("gpt-oss"), tmp_path, *_inputs())
     for key in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit", "attention_bias", "num_local_experts",
                 "intermediate_size", "head_dim"):
         assert saved[key] == original[key], key
     assert saved["rope_parameters"] == original["rope_parameters"]
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        tol.assert_close(_hf(str(tmp_path))(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
-
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -356,28 +335,4 @@ def test_compiled_training_steps_as_eager_with_a_region_per_layer_kind(tiny_chec
 # chunked prefill and prefix caching (the extend step over the cache, sinks and windows included)
 # ---------------------------------------------------------------------------------------------
 def test_chunked_prefill_and_prefix_caching_equal_transformers(tiny_checkpoints):
-    from loop_driver import run_loop
-    from staticformers import ShapePlan
-    from staticformers.api.generate import compile_settings, engine_for
-    from staticformers.generation.generation_config import GenerationConfig
-    from staticformers.generation.loop import GenerationLoop, GenerationRequest
-
-    path = tiny_checkpoints("gpt-oss")
-    model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
-    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
-                                         max_model_len=128, extend_widths=((16, 1),)))
-    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
-    g = torch.Generator().manual_seed(6)
-    shared = torch.randint(3, 128, (40,), generator=g).tolist()
-    long, second = shared + torch.randint(3, 128, (30,), generator=g).tolist(), shared + [5, 9, 11]
-
-    def want(prompt):
-        ids = torch.tensor([prompt])
-        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
-
-    loop = GenerationLoop(engine, settings, chunked_prefill=16, prefix_caching=True, prefix_block_size=8)
-    out = run_loop(loop, {0: [GenerationRequest(long, 8, request_id="long")],
-                          12: [GenerationRequest(second, 8, request_id="second")]})
-    assert loop.chunks > 0 and loop.prefix.hits >= 40  # the shared 40 tokens came from the cache
-    assert out["long"] == want(long) and out["second"] == want(second)
+    chunked_and_prefix_cached_run(tiny_checkpoints("gpt-oss"))

@@ -11,32 +11,25 @@ tokens in the files parametrized over MOE_FAMILIES: test_moe.py, test_moe_genera
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
+from family_checks import assert_saved_as_loaded, hf_model, padded_batch
 import tolerances as tol
 from tiny import LINEAR_FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(path, dtype=torch.float32):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+_hf = hf_model
 
 
-def _inputs(batch=3, seq=70, seed=1):
+def _inputs(seed=1):
     """Left-padded rows: 70 tokens (past the chunk of 64), 60 and 30."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (batch, seq), generator=g)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[1, :10] = 0
-    mask[2, :40] = 0
-    return ids, mask
+    return padded_batch(70, (0, 10, 40), seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,27 +262,11 @@ def test_speculative_decoding_is_refused_in_one_sentence(tiny_checkpoints):
 # checkpoints and adapters
 # ---------------------------------------------------------------------------------------------
 def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path):
-    from safetensors import safe_open
-
-    path = tiny_checkpoints("qwen3_5")
-    ours = AutoModelForCausalLM.from_pretrained(path)
-    ours.save_pretrained(tmp_path)
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
-        assert set(a.keys()) == set(b.keys())
-        for name in a.keys():
-            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
-    saved = json.load(open(os.path.join(tmp_path, "config.json")))
-    original = json.load(open(os.path.join(path, "config.json")))
+    saved, original = assert_saved_as_loaded(tiny_checkpoints("qwen3_5"), tmp_path, *_inputs())
     for key in ("layer_types", "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
                 "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "model_type"):
         assert saved[key] == original[key], key
     assert saved["rope_parameters"]["partial_rotary_factor"] == 0.25
-    ids, mask = _inputs()
-    with torch.no_grad():
-        want = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-        tol.assert_close(_hf(str(tmp_path))(input_ids=ids, attention_mask=mask).logits[mask.bool()], want)
-
 
 TARGETS = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"]
 
