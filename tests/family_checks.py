@@ -1,6 +1,7 @@
-"""Checks the family test files share (test_gpt_oss.py, test_deepseek.py, test_qwen3_5.py): transformers' model of a
-tiny checkpoint, a left-padded batch, the checkpoint round trip, and chunked prefill with prefix caching against
-transformers' greedy tokens."""
+"""Checks the family test files share (test_gpt_oss.py, test_deepseek.py, test_qwen3_5.py, test_family_features.py,
+test_on_device.py): transformers' model of a tiny checkpoint, a left-padded batch, bf16 logits against
+transformers', the checkpoint round trip, chunked prefill with prefix caching against transformers' greedy tokens,
+and transformers' losses trained as the Trainer trains."""
 
 from __future__ import annotations
 
@@ -27,6 +28,40 @@ def padded_batch(seq: int, pads: tuple = (0, 4, 7), seed: int = 1) -> tuple[torc
     for row, pad in enumerate(pads):
         mask[row, :pad] = 0
     return ids, mask
+
+
+def assert_bf16_logits_agree(path, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Ours and transformers in bf16 on a left-padded batch: `tolerances.assert_bf16_logits_agree` at the real
+    positions."""
+    from staticformers import AutoModelForCausalLM
+
+    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), hf_model(path, torch.bfloat16)
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
+    tol.assert_bf16_logits_agree(a, b)
+
+
+def reference_losses(path: str, batch: dict, steps: int, lr: float, device: torch.device) -> list[float]:
+    """transformers' model trained in float32 on the same batch with the same AdamW, clipping and constant
+    learning rate as the Trainer: the loss before each step."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    labels = batch["labels"].to(device)
+    ids, mask = batch["input_ids"].to(device), (labels != -100).long()
+    items = (labels[:, 1:] != -100).sum()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=items).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def assert_saved_as_loaded(path, tmp_path, ids: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -81,4 +116,5 @@ def chunked_and_prefix_cached_run(path):
     return loop
 
 
-__all__ = ["hf_model", "padded_batch", "assert_saved_as_loaded", "chunked_and_prefix_cached_run"]
+__all__ = ["hf_model", "padded_batch", "assert_bf16_logits_agree", "reference_losses", "assert_saved_as_loaded",
+           "chunked_and_prefix_cached_run"]

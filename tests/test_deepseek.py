@@ -19,7 +19,8 @@ import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
-from family_checks import assert_saved_as_loaded, chunked_and_prefix_cached_run, hf_model, padded_batch
+from family_checks import (assert_bf16_logits_agree, assert_saved_as_loaded, chunked_and_prefix_cached_run,
+                           hf_model, padded_batch)
 import tolerances as tol
 from tiny import DEEPSEEK_FAMILIES
 
@@ -122,14 +123,9 @@ def test_logits_parameters_and_the_latent_cache(tiny_checkpoints, family):
 
 def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
     path = tiny_checkpoints("deepseek-v3")
-    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
-    gate = ours.model.layers[1].mlp.gate
+    gate = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16").model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.bfloat16 and gate.e_score_correction_bias.dtype == torch.float32
-    ids, mask = _inputs()
-    with torch.no_grad():
-        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-    tol.assert_bf16_logits_agree(a, b)
+    assert_bf16_logits_agree(path, *_inputs())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from staticformers.api.generate import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 from tiny import build_hf_model
+from family_checks import reference_losses
 import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
@@ -105,26 +106,6 @@ def test_gpt_oss_all_linear_is_peft_s_and_its_router_is_refused(tiny_checkpoints
 # ---------------------------------------------------------------------------------------------
 # the Trainer against transformers trained alike
 # ---------------------------------------------------------------------------------------------
-def _reference_losses(path, batch, steps, lr):
-    """transformers' model trained in float32 on `batch` with the Trainer's AdamW, clipping at 1 and a constant
-    learning rate: the loss before each step."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    labels = batch["labels"]
-    mask = (labels != -100).long()
-    items = (labels[:, 1:] != -100).sum()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=batch["input_ids"], attention_mask=mask, labels=labels, num_items_in_batch=items).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.parametrize("family", NEW)
 def test_trainer_steps_lose_what_transformers_loses(tiny_checkpoints, tmp_path, family):
     """Two eager steps on one batch of four right-padded rows (each step sees the same rows): the logged losses
@@ -142,7 +123,8 @@ def test_trainer_steps_lose_what_transformers_loses(tiny_checkpoints, tmp_path, 
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(path), args=args, train_dataset=docs)
     trainer.train()
     ours = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    ref = _reference_losses(path, build_rows(docs, None, max_length=32, packing=False).batch(list(range(4))), steps, lr)
+    ref = reference_losses(path, build_rows(docs, None, max_length=32, packing=False).batch(list(range(4))), steps, lr,
+                           torch.device("cpu"))
     assert len(ours) == steps and ref[1] != ref[0]
     # logged losses are rounded to 6 decimals
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=tol.FP32_TRAINED, atol=2e-6)

@@ -19,7 +19,8 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.checkpoints import mxfp4
 from staticformers.models.model_config import ModelConfig
-from family_checks import assert_saved_as_loaded, chunked_and_prefix_cached_run, hf_model, padded_batch
+from family_checks import (assert_bf16_logits_agree, assert_saved_as_loaded, chunked_and_prefix_cached_run,
+                           hf_model, padded_batch)
 import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
@@ -78,12 +79,7 @@ def test_layers_windows_sinks_and_parameters(tiny_checkpoints):
 
 def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
     path = tiny_checkpoints("gpt-oss")
-    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
-    ids, mask = _inputs()
-    with torch.no_grad():
-        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-    tol.assert_bf16_logits_agree(a, b)
+    assert_bf16_logits_agree(path, *_inputs())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan, Trainer, TrainingArguments
 from tiny import FAMILIES
 
+from family_checks import reference_losses
+
 transformers = pytest.importorskip("transformers")
 
 FP32_TOL = 1e-4
@@ -188,26 +190,6 @@ def test_reduce_overhead_decodes_through_cuda_graphs(tiny_checkpoints, strict):
 # ---------------------------------------------------------------------------------------------
 # the Trainer's compiled step against transformers
 # ---------------------------------------------------------------------------------------------
-def reference_losses(path: str, batch: dict, steps: int, lr: float, device: torch.device) -> list[float]:
-    """transformers' model trained in float32 on the same batch with the same AdamW, clipping and constant
-    learning rate as the Trainer: the loss before each step."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    labels = batch["labels"].to(device)
-    ids, mask = batch["input_ids"].to(device), (labels != -100).long()
-    items = (labels[:, 1:] != -100).sum()
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=items).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_trainer_steps_follow_transformers(tiny_checkpoints, device, dtype, tmp_path):
     """Four compiled steps on one batch of four rows (each step sees the same rows): float32 losses equal

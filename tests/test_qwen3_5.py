@@ -17,7 +17,7 @@ import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
-from family_checks import assert_saved_as_loaded, hf_model, padded_batch
+from family_checks import assert_bf16_logits_agree, assert_saved_as_loaded, hf_model, padded_batch
 import tolerances as tol
 from tiny import LINEAR_FAMILIES
 
@@ -145,12 +145,7 @@ def test_logits_parameters_and_a_state_of_fixed_size(tiny_checkpoints, family):
 
 def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
     path = tiny_checkpoints("qwen3_5")
-    ours, ref = AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
-    ids, mask = _inputs()
-    with torch.no_grad():
-        a = ours(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-        b = ref(input_ids=ids, attention_mask=mask).logits.float()[mask.bool()]
-    tol.assert_bf16_logits_agree(a, b)
+    assert_bf16_logits_agree(path, *_inputs())
 
 
 def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
