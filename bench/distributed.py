@@ -197,7 +197,7 @@ def main() -> None:
         report["runs"][key] = merged
     report["pressure_after"] = pressure()
     base = report["runs"].get("ours/fsdp1", {})
-    for key, run in report["runs"].items():
+    for run in report["runs"].values():
         if run.get("ok") and base.get("ok"):
             run["max_loss_diff_vs_ours_fsdp1"] = round(max(abs(x - y) for x, y in zip(run["losses"], base["losses"])), 7)
     for layout in a.layouts:

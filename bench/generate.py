@@ -150,7 +150,7 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
                                                   quantization_config=QuantizationConfig(**fields))
         config = CompileConfig(backend=None if backend == "inductor" else backend, mode=compile_mode)
         runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                                         do_sample=False, compile_config=config))(qm)
+                                                         do_sample=False, compile_config=config))(qm)  # noqa: B023 (called in this iteration)
         runners[f"_{name}_model"] = qm
     if "torchao_int8" in which:  # torchao's own weight-only int8 on transformers' model, compiled as hf_static
         runners["torchao_int8"], runners["_torchao_info"] = torchao_runner(dtype, device, ref_dir, ids_dev, mask_dev,
@@ -406,15 +406,17 @@ def mixed_case(who: str, dtype_name: str) -> dict:
         from staticformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
-        run = lambda ids: model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+        def run(ids):
+            return model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
     else:
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype).eval()
         cc = transformers.CompileConfig(dynamic=False)  # its default fullgraph=False: past the limit it runs eager
         cc._compile_all_devices = True
-        run = lambda ids: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                         do_sample=False, cache_implementation="static", compile_config=cc)
+        def run(ids):
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                  do_sample=False, cache_implementation="static", compile_config=cc)
     load = time.perf_counter() - t0
     vocab = int(_config(REF_DIR)["vocab_size"])
     t0 = time.perf_counter()

@@ -110,8 +110,8 @@ def speed_case(ref_dir: str, prompt: int, new: int, repeats: int, cpu_backend: s
     with torch.no_grad():
         for _ in range(repeats):
             for name, run in runners.items():
-                times[name]["ttft"].append(timed(lambda: run(1), xdev if name.startswith("sf_xla") else None))
-                times[name]["total"].append(timed(lambda: run(new), xdev if name.startswith("sf_xla") else None))
+                times[name]["ttft"].append(timed(lambda: run(1), xdev if name.startswith("sf_xla") else None))  # noqa: B023
+                times[name]["total"].append(timed(lambda: run(new), xdev if name.startswith("sf_xla") else None))  # noqa: B023
     out = {}
     for name, t in times.items():
         ttft, total = statistics.median(t["ttft"]), statistics.median(t["total"])

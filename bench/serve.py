@@ -360,7 +360,7 @@ def main(argv=None) -> None:
                 asyncio.run(http_run(server.url, jobs, c, constrained))
         warm = graphs_compiled(server.url)
         if args.structured:
-            result["sf_structured"], mask = {}, {}
+            result["sf_structured"] = {}
         pairs: dict = {}  # client count -> per round [free tok/s, structured tok/s, mask ms per step]
         for r in range(args.rounds):
             for i, c in enumerate(args.clients):

@@ -94,7 +94,7 @@ def run_theirs(path: str, rows, precision: str, mode: str, steps: int, *, device
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise SystemExit("transformers' Trainer needs accelerate: install the bench extra (pip install -e '.[bench]').")
+        raise SystemExit("transformers' Trainer needs accelerate: install the bench extra (pip install -e '.[bench]').") from None
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     extra = {"torch_compile_backend": backend} if backend and mode == "compiled" else {}
     args = transformers.TrainingArguments(

@@ -87,7 +87,9 @@ def test_no_install_without_peers_runs_and_an_installed_peer_is_used(monkeypatch
 
 
 def test_the_pairs_are_like_precision():
-    labels = lambda p, engines=peers.ENGINES: [(c.label, c.dtype, c.weights) for c in peers.contenders(p, engines)]
+    def labels(p, engines=peers.ENGINES):
+        return [(c.label, c.dtype, c.weights) for c in peers.contenders(p, engines)]
+
     assert labels("fp32") == [("sf", "float32", "float32"), ("hf", "float32", "float32"),
                               ("openvino", "float32", "float32"), ("llama_cpp_F32", "float32", "F32")]
     assert [x[0] for x in labels("bf16")] == ["sf", "hf", "openvino", "llama_cpp_F16", "llama_cpp_BF16"]

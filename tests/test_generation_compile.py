@@ -40,7 +40,7 @@ def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_chec
     assert 0 < first <= 4 * per_shape["prefill"] + 2 * per_shape["decode"] + 2 * per_shape.get("head", 0)
     assert PLAN.num_shapes == 6
     counters.clear()
-    for (b, n), out in zip(calls, outs):
+    for (_, n), out in zip(calls, outs):
         again = model.generate(out[:, :n], max_new_tokens=4, compile_config=config, eos_token_id=None)
         assert torch.equal(again, out)
     assert counters["stats"]["unique_graphs"] == 0 and counters["frames"]["ok"] == 0

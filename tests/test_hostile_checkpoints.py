@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from staticformers import AutoModelForCausalLM
 from staticformers.checkpoints.safetensors_io import SafetensorsFormatError

@@ -149,7 +149,7 @@ def test_an_injected_failure_fails_that_batch_and_the_loop_serves_the_next(setup
     monkeypatch.setattr(engine, "prefill", maybe(real_prefill))
     wants: dict = {}
     failed = 0
-    for steps in range(600):
+    for _ in range(600):
         if rng.random() < 0.5:
             request, want = _request(rng, pool, len(wants))
             wants[want.rid] = want

@@ -107,10 +107,10 @@ def test_template_helpers_and_sandbox(folders):
     stamp = ours.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                      chat_template="{{ strftime_now('%Y') }}")
     assert stamp.isdigit() and len(stamp) == 4
-    with pytest.raises(Exception):  # the sandbox refuses dunder access
+    with pytest.raises(Exception):  # noqa: B017 (the sandbox refuses dunder access, by one error type or another)
         ours.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                  chat_template="{{ messages.__class__.__mro__ }}")
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017
         ours.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
                                  chat_template="{% set ns = namespace() %}{% set ns._x = 1 %}")
     gen = ours.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,

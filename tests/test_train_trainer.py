@@ -87,7 +87,7 @@ def test_a_tiny_model_learns_and_logs(tmp_path):
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
     assert len(evals) == 2 and evals[-1]["eval_perplexity"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
     assert out.global_step == 40 and out.metrics["train_padding_waste"] < 0.2
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(lines) == len(trainer.state.log_history) and lines[-1]["train_runtime"] > 0
     if importlib.util.find_spec("matplotlib"):  # the plot extra (tests/test_loss_curve.py checks the picture)
         assert (tmp_path / "loss_curve.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

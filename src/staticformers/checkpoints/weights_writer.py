@@ -115,7 +115,7 @@ def write_weights(directory: str, shards: list[dict[str, torch.Tensor]], metadat
     else:
         weight_map = {}
         total = 0
-        for (tmp, final), shard in zip(staged, shards):
+        for (_, final), shard in zip(staged, shards):
             for key, tensor in shard.items():
                 weight_map[key] = os.path.basename(final)
                 total += tensor.numel() * tensor.element_size()

@@ -10,7 +10,7 @@ import copy
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 GENERATION_CONFIG_NAME = "generation_config.json"
 
