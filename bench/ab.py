@@ -5,7 +5,7 @@ the trees (A B A B ...), each process importing its tree's `src/` (PYTHONPATH), 
 checkpoint (`reference.py`): per (dtype, batch), time to first token (`generate(max_new_tokens=1)`)
 and the decode step ((128-token generate - 1-token generate) / 127), medians over repeats inside a
 process, then medians over processes. The ceiling is measured in the same run on the same bytes: a
-GEMV over a matrix the size of the weights (81,250 x 512 for the reference model), which fits the same
+GEMV over a matrix the size of the weights (81,250 x 512 for the 41.6M model; `--size` picks another), which fits the same
 cache levels as the weights do, as `torch.mv` and as a compiled reduction (the faster counts). Prints
 one JSON object.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -49,6 +50,18 @@ for _ in range(repeats):
 t1, tn = statistics.median(ttft), statistics.median(total)
 print(json.dumps({"ttft_ms": t1 * 1e3, "step_ms": (tn - t1) / %d * 1e3, "warm_s": warm}))
 """ % (PROMPT, PROMPT, NEW, NEW, NEW, NEW - 1)
+
+
+def parameter_count(folder: str) -> int:
+    """The values a checkpoint's safetensors files hold (what one decode step reads at batch 1)."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return total
 
 
 def gemv_ms(dtype_name: str, rows: int = 81_250, cols: int = 512, repeats: int = 21) -> dict:
@@ -93,7 +106,7 @@ def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    from reference import DEFAULT_DIR, build_reference, pressure
+    from reference import SIZES, build_reference, pressure, reference_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--a", required=True, help="the tree before (its src/ is imported)")
@@ -105,10 +118,12 @@ def main() -> None:
     p.add_argument("--control", action="store_true",
                    help="an A/A control in the same run: each round runs A, B, then A again (side \"a2\"); "
                         "a2/a is the spread a refactor's b/a must be read against")
+    p.add_argument("--size", default="41m", choices=sorted(SIZES), help="the reference model (reference.py)")
     args = p.parse_args()
-    ref = build_reference(DEFAULT_DIR)
-    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "pressure_before": pressure(),
-              "ceiling_gemv_ms": {d: gemv_ms(d) for d in args.dtypes}, "cases": []}
+    ref = build_reference(reference_dir(args.size), size=args.size)
+    rows = parameter_count(ref) // 512  # the ceiling reads as many values as the model has weights
+    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "size": args.size, "pressure_before": pressure(),
+              "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes}, "cases": []}
     for dtype in args.dtypes:
         for batch in args.batches:
             sides = ("a", "b", "a2") if args.control else ("a", "b")
@@ -130,7 +145,7 @@ def main() -> None:
                 case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3)
             result["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
-    result["ceiling_gemv_ms_after"] = {d: gemv_ms(d) for d in args.dtypes}
+    result["ceiling_gemv_ms_after"] = {d: gemv_ms(d, rows) for d in args.dtypes}
     result["pressure_after"] = pressure()
     print(json.dumps(result, indent=1))
 
