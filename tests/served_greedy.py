@@ -9,7 +9,8 @@ import torch
 from staticformers import CompileConfig
 
 
-def assert_served_completion_is_greedy(model, tok, folder: str, text: str, max_tokens: int) -> None:
+def assert_served_completion_is_greedy(model, tok, folder: str, text: str, max_tokens: int, **options) -> None:
+    """`options`: more of the server's `ServeOptions` (chunked prefill, speculation, ...)."""
     import openai
 
     from staticformers.serving.server import (
@@ -19,7 +20,7 @@ def assert_served_completion_is_greedy(model, tok, folder: str, text: str, max_t
         build_state,
     )
 
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2)
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=2, **options)
     server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
     server.start()
     try:

@@ -91,6 +91,83 @@ def test_model_shapes_tp_cannot_split_are_refused(kw, words):
         DistributedConfig(tp_size=4).check_model(qwen3(**kw))
 
 
+def hybrid(architecture: str, **kw) -> ModelConfig:
+    """A Qwen3.5 / Qwen3-Next config: three Gated DeltaNet layers (2 key heads, 4 value heads), one full layer."""
+    base = dict(architectures=[architecture], vocab_size=128, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    if architecture != "Qwen3_5ForCausalLM":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    return ModelConfig.from_dict({**base, **kw})
+
+
+def test_linear_attention_key_heads_tp_cannot_split_are_refused():
+    config = hybrid("Qwen3_5ForCausalLM", num_key_value_heads=4, linear_num_key_heads=2, linear_num_value_heads=4)
+    DistributedConfig(tp_size=2).check_model(config)
+    with pytest.raises(DistributedConfigError, match=r"^Qwen3_5ForCausalLM cannot be split 4 ways: "
+                                                     r"linear_num_key_heads=2 is not divisible by tp_size=4; choose a "
+                                                     r"tp_size that divides them"):
+        DistributedConfig(tp_size=4).check_model(config)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"])
+def test_hybrid_plans_split_every_linear_attention_module(architecture):
+    """The auto plan's rules each match modules of the model (`_matches` refuses one that matches none), and every
+    parameter of a Gated DeltaNet layer is in one of them."""
+    from staticformers.models.decoder import CausalLM
+
+    config = hybrid(architecture)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    chosen = _matches(resolve_tp_plan(config, DistributedConfig(tp_size=2)), model)
+    layer = "model.layers.0.linear_attn"
+    for name, _ in model.get_submodule(layer).named_parameters():
+        module = f"{layer}.{name.rpartition('.')[0]}".rstrip(".")
+        assert module in chosen, name
+    fused = architecture == "Qwen3NextForCausalLM"
+    assert chosen[f"{layer}.in_proj_qkvz" if fused else f"{layer}.in_proj_qkv.k"] == "colwise"
+    assert (chosen[f"{layer}.conv1d.v"], chosen[layer], chosen[f"{layer}.out_proj"]) == ("channels", "value_heads",
+                                                                                         "rowwise")
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
+def test_a_linear_attention_layer_cut_as_the_plan_says_sums_to_the_whole(architecture):
+    """Two ranks' shares of a Gated DeltaNet layer (3 value heads of 8 per key head of 16, so the query, key and value
+    parts differ in size), each parameter cut as its rule's style says (colwise and the per-head styles by rows,
+    rowwise by columns, the gated norm whole), read their head counts from their tensors: their outputs (out_proj's
+    partial sums) add up to the whole layer's."""
+    import copy
+
+    from torch import nn
+
+    from staticformers.models.decoder import CausalLM
+
+    config = hybrid(architecture, linear_num_value_heads=6)
+    torch.manual_seed(0)
+    model = CausalLM(config)
+    whole = model.model.layers[0].linear_attn
+    with torch.no_grad():
+        for p in (whole.A_log, whole.dt_bias, whole.norm.weight):
+            p.normal_()
+    chosen = _matches(resolve_tp_plan(config, DistributedConfig(tp_size=2)), model)
+    at = "model.layers.0.linear_attn"
+    dims = {"colwise": 0, "channels": 0, "value_heads": 0, "rowwise": 1}
+    x = torch.randn(2, 5, 64)
+    total = 0
+    for rank in range(2):
+        share = copy.deepcopy(whole)
+        for name, style in chosen.items():
+            if name != at and not name.startswith(at + "."):
+                continue
+            module = share.get_submodule(name[len(at) + 1:])
+            for key, p in list(module.named_parameters(recurse=False)):
+                if style in dims:
+                    module._parameters[key] = nn.Parameter(p.detach().chunk(2, dims[style])[rank].clone())
+        assert share.conv_weight().shape[0] == whole.conv_weight().shape[0] // 2
+        total = total + share(x)
+    torch.testing.assert_close(total, whole(x))
+
+
 def test_vocabulary_tp_does_not_divide(caplog):
     config = qwen3(num_key_value_heads=4, vocab_size=130)
     DistributedConfig(tp_size=4).check_model(config)  # auto plan: keeps them whole

@@ -234,7 +234,8 @@ def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(tiny_checkp
 # ---------------------------------------------------------------------------------------------
 # the server
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["gemma3", "olmo2", "glm4", "granite", "smollm3", "gpt-oss", "deepseek-v3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["gemma3", "olmo2", "glm4", "granite", "smollm3", "gpt-oss", "deepseek-v3", "qwen3_5",
+                                    "qwen3-next"])
 def test_a_served_completion_is_the_models_greedy_text(tmp_path, family):
     pytest.importorskip("openai")
     from served_greedy import assert_served_completion_is_greedy

@@ -12,7 +12,7 @@ import torch
 
 from staticformers import AutoModelForCausalLM
 from staticformers.models.moe import BLOCK, expert_mlp, formulation, num_blocks
-from tiny import MOE_FAMILIES
+from tiny import LINEAR_FAMILIES, MOE_FAMILIES
 import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
@@ -92,11 +92,14 @@ def test_gradients_with_the_aux_loss_match_transformers(family, tiny_checkpoints
     ref(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
     mine = dict(ours.named_parameters())
     theirs = dict(ref.named_parameters())
-    if family == "gpt-oss":  # transformers holds gpt-oss's experts transposed and its router as mlp.router
-        from staticformers.checkpoints.names import names_for
+    if family in ("gpt-oss", *LINEAR_FAMILIES):
+        from staticformers.checkpoints.names import CheckpointNames, names_for
 
-        mine = names_for(ours.config).to_hub({n: p for n, p in mine.items()})
-        grads = names_for(ours.config).to_hub({n: p.grad for n, p in ours.named_parameters()})
+        # transformers holds gpt-oss's experts transposed and its router as mlp.router; a Gated DeltaNet's in_proj_qkv
+        # and conv1d whole, which we hold in parts (models/linear_attention.py)
+        names = names_for(ours.config) if family == "gpt-oss" else CheckpointNames(fused=ours.config.family.fused_names)
+        mine = names.to_hub({n: p for n, p in mine.items()})
+        grads = names.to_hub({n: p.grad for n, p in ours.named_parameters()})
         mine = {n: torch.nn.Parameter(p.detach()) for n, p in mine.items()}
         for n, p in mine.items():
             p.grad = grads[n]

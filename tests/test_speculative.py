@@ -63,7 +63,7 @@ def test_lookup_proposes_what_followed_the_latest_longest_ngram():
 
 # Gemma 2 stands for the Gemma 3 / OLMo 2 flags here (soft-capped attention through the extend step); the tiny
 # OLMo 2's nudged draft never agrees with its target (its logits are flat), so the acceptance check cannot hold
-# Qwen3.5 refuses speculation (its linear-attention layers' state would have to roll back): tests/test_qwen3_5.py
+# the hybrids (their states rolled back to the last accepted token; a hybrid draft refused): tests/test_hybrid_steps.py
 SPECULATIVE_FAMILIES = [f for f in FAMILIES if f not in ("gemma3", "olmo2") and f not in LINEAR_FAMILIES]
 
 

@@ -106,11 +106,20 @@ FAMILIES = {
                                                  linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
                                                  num_experts_per_tok=2, moe_intermediate_size=32,
                                                  shared_expert_intermediate_size=48, tie_word_embeddings=False)),
+    # Qwen3-Next: Qwen3.5-MoE's layout with the DeltaNet projections fused (in_proj_qkvz, in_proj_ba; 2 value heads per
+    # key head, so the per-group interleaving matters), layer 1's MLP dense (mlp_only_layers), the top-k weights not
+    # renormalised, q/k/v/o biases (the gated q_proj's bias too)
+    "qwen3-next": ("Qwen3NextConfig", dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2,
+                                           linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8,
+                                           linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           mlp_only_layers=[1], norm_topk_prob=False, attention_bias=True,
+                                           tie_word_embeddings=False)),
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3", "olmo2")
-MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "qwen3_5-moe")  # (deepseek-v3-plain: test_deepseek.py)
+MOE_FAMILIES = ("qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3", "qwen3_5-moe", "qwen3-next")  # (deepseek-v3-plain: test_deepseek.py)
 DEEPSEEK_FAMILIES = ("deepseek-v3", "deepseek-v3-plain")
-LINEAR_FAMILIES = ("qwen3_5", "qwen3_5-moe")  # hybrids: Gated DeltaNet layers with a recurrent state per request
+LINEAR_FAMILIES = ("qwen3_5", "qwen3_5-moe", "qwen3-next")  # hybrids: Gated DeltaNet layers with a recurrent state per request
 
 
 def hf_config(family: str, **overrides):

@@ -1,5 +1,5 @@
 """LoRA on projections a family's checkpoints store fused (Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's
-`gate_up_proj`), while the model holds them split (`checkpoints/names.py`).
+`gate_up_proj`, Qwen3.5's Gated DeltaNet `in_proj_qkv`), while the model holds them split (`checkpoints/names.py`).
 
 PEFT adapts the fused module: `qkv(x) + B(A(x)) * s`, one A `[r, H]` and one B `[q + 2 kv, r]`. Split, that
 is the same as each part `p` adapted with the *same* A and its rows of B: `p(x) + B_p(A(x)) * s`. So a target
@@ -9,7 +9,9 @@ and are split on reading and concatenated on saving here. Tensor parallel then s
 the part's own heads. (With `lora_dropout` > 0 each part draws its own dropout mask where PEFT draws one.)
 
 Targets are matched against PEFT's module names (`candidates`): on Phi-3 those are `qkv_proj`,
-`gate_up_proj`, `o_proj` and `down_proj`, and `q_proj` names nothing, as in PEFT.
+`gate_up_proj`, `o_proj` and `down_proj`, and `q_proj` names nothing, as in PEFT; on Qwen3.5 `in_proj_qkv` covers
+`in_proj_qkv.q`, `.k` and `.v`. (A fused group whose parts are not projections, the DeltaNet's `conv1d`, is no
+target.)
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
         model.__dict__[_ENGINE_ATTR] = engine
     elif plan is not None:
         engine.plan = plan.bind(model.config.max_position_embeddings)
+        engine.follow(engine.plan)
     return engine
 
 

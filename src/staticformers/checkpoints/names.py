@@ -24,6 +24,11 @@ each part by its own heads or columns and every backend's formulation applies un
 names the rows of the file's tensor it takes (`source_rows`); the layout then has one entry per piece,
 under the part's own name, each pointing at the same file tensor (`by_file` groups them back); saving
 concatenates the parts into the fused tensor again (`to_hub`).
+
+Qwen3.5's and Qwen3-Next's Gated DeltaNet layers are held the same way (`QWEN3_5_FUSED`, `QWEN3_NEXT_FUSED`):
+transformers' `in_proj_qkv` (Qwen3.5) and depthwise `conv1d` (both), rows `[queries | keys | values]`, are the
+model's `in_proj_qkv.q` / `.k` / `.v` and `conv1d.q` / `.k` / `.v`, so that tensor parallel splits each by its heads
+(`models/linear_attention.py`).
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ class FusedNames:
 PHI3_FUSED = FusedNames((("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))))
 GLM4_FUSED = FusedNames((("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),))
+# Gated DeltaNet (models/linear_attention.py): transformers' `in_proj_qkv` and `conv1d`, rows [queries | keys | values],
+# held as their three parts; Qwen3-Next's projections are grouped per key head and stay whole, its conv1d is split
+_CONV_PARTS = ("linear_attn.conv1d", ("linear_attn.conv1d.q", "linear_attn.conv1d.k", "linear_attn.conv1d.v"))
+QWEN3_5_FUSED = FusedNames((("linear_attn.in_proj_qkv", ("linear_attn.in_proj_qkv.q", "linear_attn.in_proj_qkv.k",
+                                                         "linear_attn.in_proj_qkv.v")), _CONV_PARTS))
+QWEN3_NEXT_FUSED = FusedNames((_CONV_PARTS,))
 _LAYER_PART = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)\.(?P<leaf>weight|bias|weight_scale)$")
 
 _STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
@@ -265,5 +276,6 @@ def names_for(config) -> CheckpointNames:
     return CheckpointNames(getattr(family, "expert_names", None), getattr(family, "fused_names", None))
 
 
-__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "GPT_OSS_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED", "Piece",
+__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "GPT_OSS_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED",
+           "QWEN3_5_FUSED", "QWEN3_NEXT_FUSED", "Piece",
            "CheckpointNames", "target_shapes", "by_file", "file_shapes", "names_for"]

@@ -51,7 +51,6 @@ def run(args: argparse.Namespace) -> int:
     from ..compilation.summary import CacheWatch, graphs_line
     from ..generation.generation_config import CompileConfig
     from ..generation.plan import ShapePlan
-    from ..generation.streamers import TextStreamer
     from ..api.auto import from_pretrained
     from ..tokenization.tokenizer import AutoTokenizer
     from .options import check_backend, check_device
@@ -122,7 +121,8 @@ def compile_first(model, plan, compile_config, prompt_len: int, max_new_tokens: 
     settings = compile_settings(model, GenerationConfig(), compile_config)
     if not settings.enabled or (engine.warm("decode", 1, kv, settings) and engine.warm("prefill", 1, prompt, settings)):
         return
-    mine = ShapePlan(batch_sizes=[1], prompt_lengths=[prompt], kv_lengths=[kv], max_model_len=plan.max_model_len)
+    mine = ShapePlan(batch_sizes=[1], prompt_lengths=[prompt], kv_lengths=[kv], max_model_len=plan.max_model_len,
+                     linear_chunk=plan.linear_chunk)
     progress = CompileProgress(mine.num_shapes, settings.backend,
                                describe=lambda r: f"  {r['kind']} {r['shape']}: {duration(r['seconds'])} "
                                                   f"({'loaded from the on-disk cache' if r['cache_hit'] else 'compiled'})")

@@ -3,8 +3,8 @@
 The seed passes `DistributedConfig(tp_size=2, fsdp_size=2)` to `from_pretrained()` and launches with
 `torchrun --nproc_per_node=4`. This module holds the layout and refuses, with one sentence each, every
 layout that cannot work: sizes that do not multiply to `WORLD_SIZE`, more than one rank asked of a
-process torchrun did not start, heads or KV heads or the MLP width not divisible by `tp_size`, an
-unknown `tp_plan` rule, an expert-parallel size that breaks transformers' rules. Field names are
+process torchrun did not start, heads or KV heads (or a linear-attention layer's key heads) or the MLP width
+not divisible by `tp_size`, an unknown `tp_plan` rule, an expert-parallel size that breaks transformers' rules. Field names are
 transformers' (`tp_size`, `tp_plan`, `fsdp_size`, `dp_replicate_size`, `fsdp_cpu_offload`,
 `fsdp_mixed_precision`, `ep_size`, `ep_plan`, `ep_implementation`).
 
@@ -25,7 +25,8 @@ from typing import Optional, Union
 import torch
 
 # the values a tp_plan rule may take (see parallelize.py for what each does)
-TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "latent", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "latent", "value_heads", "channels", "gated_norm",
+             "replicate")
 # how tokens reach the experts of other ranks (distributed/expert_parallel.py)
 EP_IMPLEMENTATIONS = ("auto", "all_reduce")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -58,14 +59,15 @@ def _positive(name: str, value) -> None:
 class DistributedConfig:
     """The layout of one model over the ranks of a torchrun job.
 
-    tp_size: ranks that split each weight matrix (tensor parallel); heads, KV heads and the MLP width
-        must divide by it.
+    tp_size: ranks that split each weight matrix (tensor parallel); heads, KV heads, a linear-attention
+        layer's key heads and the MLP width must divide by it.
     fsdp_size: ranks that shard parameters, gradients and optimizer state (FSDP2); None = the rest of
         the world (`WORLD_SIZE // (tp_size * dp_replicate_size)`).
     dp_replicate_size: replicas of the FSDP group (HSDP, for instance one per node).
     tp_plan: "auto" (the family's plan) or a dict `{module pattern: style}` overriding rules; patterns
         use `*` for a layer index ("model.layers.*.mlp.down_proj"); styles are colwise, rowwise, vocab
-        (embedding / head split over the vocabulary), heads (a per-head norm on local heads) and
+        (embedding / head split over the vocabulary), heads (a per-head norm on local heads), the
+        special rules sinks, latent, value_heads, channels and gated_norm (parallelize.py), and
         replicate (leave whole).
     fsdp_cpu_offload: keep sharded parameters and optimizer state in host memory (FSDP2 CPUOffloadPolicy).
     fsdp_mixed_precision: False, True (= bfloat16) or a dtype: FSDP2 gathers parameters in that dtype for
@@ -110,7 +112,7 @@ class DistributedConfig:
                     raise DistributedConfigError(
                         f"tp_plan rule {pattern!r}: {style!r} is not a style: use one of {', '.join(TP_STYLES)}."
                     )
-        self.param_dtype  # validates fsdp_mixed_precision
+        _ = self.param_dtype  # validates fsdp_mixed_precision
         if self.ep_size is None:
             self.ep_size = 1
         _positive("ep_size", self.ep_size)
@@ -220,7 +222,9 @@ class DistributedConfig:
                 f"split across ranks (each rank's norm would see only its heads): use tp_size=1 with fsdp_size.")
         problems = []
         widths = ("intermediate_size",) if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)) else ()
-        for name in ("num_attention_heads", "num_key_value_heads", *widths):
+        # a Gated DeltaNet layer splits over its key heads, each with the value heads it serves (parallelize.py)
+        linear = ("linear_num_key_heads",) if getattr(config, "has_linear_attention", False) else ()
+        for name in ("num_attention_heads", "num_key_value_heads", *linear, *widths):
             value = getattr(config, name)
             if value % tp:
                 problems.append(f"{name}={value} is not divisible by tp_size={tp}")

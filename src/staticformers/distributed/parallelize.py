@@ -15,8 +15,14 @@ The model code knows nothing of parallelism (ARCHITECTURE.md). Like torchtitan's
    - gpt-oss's attention sinks, one logit per query head: the style "sinks" makes `self_attn.sinks` a
      DTensor sharded over the heads (`Shard(0)`), so each rank holds the sinks of its own q heads and the
      attention reads their local part;
-   - Qwen3.5's Gated DeltaNet layers are not in the plan: every rank computes them whole (their state is
-     per request, not per head of the full layers), and its gated `q_proj` splits per head with its gate rows;
+   - Qwen3.5's gated `q_proj` splits per head with its gate rows. Its Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE,
+     Qwen3-Next; `models/linear_attention.py`) split over their key heads, each rank `linear_num_key_heads / tp` of
+     them with the value heads they serve: the parts of `in_proj_qkv` (queries, keys, values, held apart for this),
+     `in_proj_z`, `in_proj_b`, `in_proj_a` (or Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, grouped per key head)
+     column-wise; the convolution's parts (style "channels") and `A_log`, `dt_bias` (style "value_heads") sharded
+     over their rows as DTensors whose local part the layer reads; the gated norm (one weight per value-head dim,
+     style "gated_norm") replicated with its gradient summed as q_norm's is; `out_proj` row-wise. So each rank's
+     recurrent state is its own heads' (`models/kv_cache.py` sizes it with `tp`);
    - DeepSeek's latent attention: the queries (`q_b_proj` or `q_proj`) and `kv_b_proj` column-wise (each
      rank its heads' rows), `o_proj` row-wise; the latent is computed whole on every rank and cached whole,
      its gradient summed over the group (the style "latent" on `self_attn.shared_latent`);
@@ -77,7 +83,20 @@ def default_tp_plan(config) -> dict[str, str]:
         plan["model.layers.*.self_attn.k_norm"] = "heads"
     if getattr(config.family, "attention_sinks", False):
         plan["model.layers.*.self_attn"] = "sinks"
+    if config.has_linear_attention:
+        plan.update(linear_attention_plan(config))
     return plan
+
+
+def linear_attention_plan(config) -> dict[str, str]:
+    """The Gated DeltaNet layers' rules (see the module docstring): every rank its share of the key heads."""
+    layer = "model.layers.*.linear_attn"
+    if config.family.fused_linear_projections:  # Qwen3-Next: rows grouped per key head, so a plain row split
+        inputs = {f"{layer}.in_proj_qkvz": "colwise", f"{layer}.in_proj_ba": "colwise"}
+    else:
+        inputs = {f"{layer}.in_proj_qkv.[qkv]": "colwise", **{f"{layer}.in_proj_{p}": "colwise" for p in "zba"}}
+    return {**inputs, f"{layer}.conv1d.[qkv]": "channels", layer: "value_heads", f"{layer}.norm": "gated_norm",
+            f"{layer}.out_proj": "rowwise"}
 
 
 def resolve_tp_plan(config, dist_config: DistributedConfig) -> dict[str, str]:
@@ -93,23 +112,45 @@ def resolve_tp_plan(config, dist_config: DistributedConfig) -> dict[str, str]:
 
 
 class HeadsParameter(ParallelStyle):
-    """Shards a module's per-head parameter `name` (`[heads]`, gpt-oss's `sinks`) over the heads, as q_proj's
-    columns are: rank r of the TP group holds the entries of its own query heads. The module reads the
-    parameter's local part (`models/decoder.py`: `local_part`)."""
+    """Shards a module's own per-head parameters `names` over their first dim, as q_proj's rows are: rank r of the
+    TP group holds the entries of its own heads. The style "sinks": gpt-oss's `sinks` `[heads]` (read through
+    `models/attention_sinks.py: local_sinks`); "value_heads": a Gated DeltaNet layer's `A_log` and `dt_bias`
+    `[value heads]`; "channels": a part of its depthwise convolution, `weight` `[channels, 1, K]` (each read through
+    `models/linear_attention.py: local_part`)."""
 
-    def __init__(self, name: str = "sinks"):
+    HINTS = {"sinks": 'attention modules with sinks ("model.layers.*.self_attn")',
+             "value_heads": 'Gated DeltaNet layers ("model.layers.*.linear_attn")',
+             "channels": 'the parts of a Gated DeltaNet convolution ("model.layers.*.linear_attn.conv1d.[qkv]")'}
+
+    def __init__(self, style: str = "sinks", names: tuple = ("sinks",)):
         super().__init__()
-        self.name = name
+        self.style, self.names = style, tuple(names)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        p = module._parameters.get(self.name)
-        if p is None:
-            raise DistributedConfigError(
-                f"tp_plan style {self.name!r} shards a module's per-head `{self.name}`, but the {type(module).__name__} "
-                f"it was given has none: give it to attention modules with sinks (\"model.layers.*.self_attn\").")
-        module._parameters[self.name] = nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None),
-                                                     requires_grad=p.requires_grad)
+        for name in self.names:
+            p = module._parameters.get(name)
+            if p is None:
+                raise DistributedConfigError(
+                    f"tp_plan style {self.style!r} shards a module's per-head `{name}`, but the {type(module).__name__} "
+                    f"it was given has none: give it to {self.HINTS.get(self.style, 'modules that have it')}.")
+            module._parameters[name] = nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None),
+                                                    requires_grad=p.requires_grad)
         return module
+
+
+class HeadsNorm(SequenceParallel):
+    """The gated norm of a Gated DeltaNet layer (`models/linear_attention.py: GatedRMSNorm`) over this rank's value
+    heads: as the style "heads" does for q_norm, its weight (one per value-head dim) becomes a replicated DTensor and
+    its inputs, both of them (the heads' outputs and their gates, `[b, s, heads, dim]`), are read as sharded over
+    the heads, so that the weight's gradient (each rank's is over its own heads) is summed over the group."""
+
+    def __init__(self):
+        super().__init__(sequence_dim=2, use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        return tuple(t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
+                     for t in inputs)
 
 
 class SharedLatent(ParallelStyle):
@@ -138,7 +179,13 @@ def _style(style: str, module: nn.Module) -> Optional[ParallelStyle]:
     if style == "heads":
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style == "sinks":
-        return HeadsParameter("sinks")
+        return HeadsParameter("sinks", ("sinks",))
+    if style == "value_heads":
+        return HeadsParameter("value_heads", ("A_log", "dt_bias"))
+    if style == "channels":
+        return HeadsParameter("channels", ("weight",))
+    if style == "gated_norm":
+        return HeadsNorm()
     if style == "latent":
         return SharedLatent()
     return None  # "replicate"
@@ -243,4 +290,4 @@ def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module
     return model
 
 
-__all__ = ["HeadsParameter", "SharedLatent", "default_tp_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]
+__all__ = ["HeadsParameter", "HeadsNorm", "SharedLatent", "default_tp_plan", "linear_attention_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]

@@ -22,6 +22,10 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
   work per token, however long the joining prompt (`loop.py`'s step rule).
 - A row is *prefilling* while `row.length < len(prompt)`; the decode step leaves it out (it takes part at
   its length, harmlessly, like a free slot).
+- **A hybrid model's linear-attention state** (Qwen3.5's Gated DeltaNet) is carried from chunk to chunk in the
+  cache: each chunk starts from the row's state and leaves the state after its last real token. The rows that
+  do not chunk, and the padding after a last chunk, are not counted (`KVCache.count`), so their states
+  stay as they were; likewise a decode step does not count a prefilling row.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def run_chunk(loop) -> None:
     device = engine.model.device
     loop._own_prefixes()
     tokens, positions, keep, taken = chunk_inputs(loop.rows, cache.batch, cache.max_length, loop.chunk)
+    cache.count({s: n - 1 for s, n in taken.items()})  # a linear-attention state counts its chunk only
     adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
         if bank_of(engine.model) is not None else None
     slots = sorted(taken)

@@ -59,6 +59,7 @@ from ..backends.memory_check import check_fits
 from ..compilation.summary import cache_answers
 from ..models.hooks import forward_hook_state
 from ..models.kv_cache import KVCache
+from ..models.linear_attention import GatedDeltaNet
 from .plan import ShapePlan
 from ..compilation.steps import Step
 from .device_interface import DeviceBackend, StepBuilder
@@ -131,6 +132,14 @@ class _Context:
         return self._engine.step("decode", batch, kv, settings).step
 
 
+def verify_width(config, plan: ShapePlan) -> int:
+    """The widest verification step of `plan` (an extend width keeping every position) whose linear-attention
+    states a hybrid model's caches keep per position; 0 for a model without such layers or a plan without one."""
+    if not getattr(config, "has_linear_attention", False):
+        return 0
+    return max((t for t, n in plan.extend_widths if t == n and t > 1), default=0)
+
+
 class Engine:
     """One per model: the plan, the static caches per (batch bucket, KV length), the steps.
 
@@ -145,11 +154,13 @@ class Engine:
         self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
         self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
+        self.rollback = 0  # the widest verification whose linear-attention states the caches keep per position
         self.graphs: dict[tuple, Graph] = {}
         self.retired: list[dict] = []  # stats rows of steps dropped for new weights (the steps themselves are freed)
         self.lock = threading.RLock()  # held by the generation loop that uses the caches
         self._fingerprint = _Fingerprint(model)
         self._ident, self._versions = self._fingerprint()
+        self.follow(self.plan)
 
     # ---- weights ---------------------------------------------------------------------------------
     def check_weights(self) -> None:
@@ -187,12 +198,28 @@ class Engine:
         self.steps.reset()
 
     # ---- caches and steps --------------------------------------------------------------------------
+    def follow(self, plan: ShapePlan) -> None:
+        """What `plan` asks of a hybrid model beyond shapes: its caches keep the linear-attention states per
+        position for the plan's verification widths (`models/state_rollback.py`), and its linear-attention layers
+        run their chunked form `plan.linear_chunk` tokens at a time. Caches and steps made otherwise are dropped
+        (rebuilt on demand): what a plan without speculation, then one with it, costs once."""
+        width = verify_width(self.model.config, plan)
+        layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        chunk = plan.linear_chunk
+        if width > self.rollback or any(m.chunk_size != chunk for m in layers):
+            if self.caches or self.graphs:
+                logger.info("a hybrid's plan changed its states or its chunk: dropping graphs and caches")
+                self.reset()
+            self.rollback = max(width, self.rollback)
+            for m in layers:
+                m.chunk_size = chunk
+
     def cache(self, batch: int, kv: int) -> KVCache:
         cache = self.caches.get((batch, kv))
         if cache is None:
-            check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp), self.model.device,
+            check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp, self.rollback), self.model.device,
                        f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
-            cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp)
+            cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp, self.rollback)
             self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
 

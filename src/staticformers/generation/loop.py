@@ -129,20 +129,13 @@ class _Row:
     tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
 
 
-def refuse_on_linear_attention(config, speculator, chunked_prefill, prefix_caching: bool) -> None:
-    """A hybrid model's linear-attention layers keep one recurrent state per request: what an extend step
-    (chunks, speculative verification) or a prefix cache of positions would need of them is not built yet.
-    One sentence for each."""
-    if not getattr(config, "has_linear_attention", False):
-        return
-    arch = config.architecture
-    asked = [what for what, on in (("speculative decoding", speculator is not None),
-                                   ("chunked prefill", chunked_prefill not in (None, False)),
-                                   ("prefix caching", bool(prefix_caching))) if on]
-    if asked:
-        raise ValueError(f"{asked[0]} is not supported for {arch} yet: its linear-attention layers keep a "
-                         f"recurrent state per request, which an extend step or a prefix cache would have to "
-                         f"carry, roll back or store: turn {asked[0]} off.")
+def refuse_on_linear_attention(config, prefix_caching: bool) -> None:
+    """A hybrid model's linear-attention layers keep one recurrent state per request, not one per position: a
+    cached prefix of positions holds nothing they could start from. One sentence."""
+    if prefix_caching and getattr(config, "has_linear_attention", False):
+        raise ValueError(f"prefix caching is not supported for {config.architecture}: its linear-attention layers "
+                         f"keep one recurrent state per request, not per position, so a cached prefix holds nothing "
+                         f"they could resume from: turn prefix caching off.")
 
 
 class GenerationLoop:
@@ -157,12 +150,13 @@ class GenerationLoop:
                  max_batch_size: Optional[int] = None, speculator=None, chunked_prefill=None,
                  prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32):
         self.engine, self.settings = engine, settings
-        refuse_on_linear_attention(engine.model.config, speculator, chunked_prefill, prefix_caching)
+        refuse_on_linear_attention(engine.model.config, prefix_caching)
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
         # speculative decoding (`speculative/step.py`): its verify step replaces the decode step
         self.speculator = speculator
         if speculator is not None:
             self.plan = speculator.plan_for(self.plan)
+        engine.follow(self.plan)  # a hybrid's states per verified position and its chunk
         largest = self.plan.batch_sizes[-1]
         self.max_slots = min(int(max_batch_size), largest) if max_batch_size else largest
         self.vocab = engine.model.config.vocab_size
@@ -433,7 +427,7 @@ class GenerationLoop:
                     self.constraints.clear_row(slot)
             self._events += [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
             return True
-        for i, (slot, row) in enumerate(whole):  # every joining row holds its slot before any of them may end
+        for i, (_, row) in enumerate(whole):  # every joining row holds its slot before any of them may end
             row.length = len(given[i])
         for slot, row in zip(slots, joining):
             self.rows[slot] = row
@@ -511,6 +505,7 @@ class GenerationLoop:
         for slot, row in self.rows.items():  # a prefilling row writes at its length: its next chunk rewrites it
             tokens[slot, 0] = row.last
             positions[slot, 0] = row.length
+        cache.count({s: 0 for s in slots})  # a prefilling row's linear-attention state waits for its chunks
         device = self.engine.model.device
         adapters = [self.rows[s].adapter if s in self.rows else 0 for s in range(cache.batch)] \
             if bank_of(self.engine.model) is not None else None

@@ -19,6 +19,11 @@ of speculative decoding (`T = n = k + 1`) and the chunks of a chunked prefill (`
 An extend step runs over a `[B, K]` cache, so each width adds `len(batch) * len(kv)` shapes; a plan
 without widths has none (`with_extend_widths` adds them to a plan).
 
+A hybrid model's linear-attention layers (Gated DeltaNet) run a prompt, a chunk of one and training in the chunked
+form, `linear_chunk` tokens at a time (default 64, transformers' and flash-linear-attention's): the size of the
+matrices each chunk multiplies, which a device may prefer otherwise (its tile); any positive size gives the same
+result. The engine gives it to the model's layers (`engine.py`).
+
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
 of shapes is `len(batch) * (len(prompt) + len(kv) * (1 + len(extend)))`, printed by `str(plan)` and by
 `staticformers compile`; each shape is one graph, or (on the CPU) a few small ones, its regions
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_LINEAR_CHUNK = 64
 
 
 class PlanError(ValueError):
@@ -97,7 +103,12 @@ class ShapePlan:
         min_prompt_length: int = 16,
         min_kv_length: int = 256,
         extend_widths: Sequence[Sequence[int]] = (),
+        linear_chunk: int = DEFAULT_LINEAR_CHUNK,
     ):
+        if isinstance(linear_chunk, bool) or not isinstance(linear_chunk, int) or linear_chunk < 1:
+            raise PlanError(f"linear_chunk={linear_chunk!r} must be a positive number of tokens (the chunked form's "
+                            f"chunk of a linear-attention layer; {DEFAULT_LINEAR_CHUNK} by default).")
+        self.linear_chunk = linear_chunk
         if max_model_len is not None and int(max_model_len) < 2:
             raise PlanError(f"max_model_len must be at least 2, got {max_model_len}.")
         if int(max_batch_size) < 1:
@@ -105,7 +116,7 @@ class ShapePlan:
         self._requested = dict(batch_sizes=batch_sizes, prompt_lengths=prompt_lengths, kv_lengths=kv_lengths,
                                max_model_len=max_model_len, max_batch_size=int(max_batch_size),
                                min_prompt_length=int(min_prompt_length), min_kv_length=int(min_kv_length),
-                               extend_widths=_check_widths(extend_widths, None))
+                               extend_widths=_check_widths(extend_widths, None), linear_chunk=linear_chunk)
         self.max_model_len = int(max_model_len) if max_model_len is not None else None
         self.batch_sizes = _check_buckets("batch_sizes", batch_sizes) if batch_sizes is not None else \
             _powers_of_two(1, int(max_batch_size))
@@ -239,7 +250,8 @@ class ShapePlan:
         return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.extend_shapes())
 
     def key(self) -> tuple:
-        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len, self.extend_widths)
+        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len, self.extend_widths,
+                self.linear_chunk)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShapePlan) and self.key() == other.key()
@@ -249,8 +261,9 @@ class ShapePlan:
 
     def __repr__(self) -> str:
         widths = f", extend_widths={[list(w) for w in self.extend_widths]}" if self.extend_widths else ""
+        chunk = f", linear_chunk={self.linear_chunk}" if self.linear_chunk != DEFAULT_LINEAR_CHUNK else ""
         return (f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
-                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths})")
+                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths}{chunk})")
 
     def __str__(self) -> str:
         if not self.bound:

@@ -139,7 +139,7 @@ class PrefixCache:
         index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
         index[:len(rows)] = torch.as_tensor(list(rows), dtype=torch.long)
         index, slot_index, positions = self._indices(index, slot)
-        for dst, src in zip(cache.tensors, self.keys + self.values):
+        for dst, src in zip(cache.position_tensors, self.keys + self.values):
             b, h, bs, d = src[index].shape
             dst[slot_index, :, positions] = src[index].transpose(1, 2).reshape(1, b * bs, h, d)
 
@@ -161,7 +161,7 @@ class PrefixCache:
             stored.append((key, row))
         if stored:
             index, slot_index, positions = self._indices(index, slot)
-            for dst, src in zip(self.keys + self.values, cache.tensors):
+            for dst, src in zip(self.keys + self.values, cache.position_tensors):
                 _, h, bs, d = dst.shape
                 dst[index] = src[slot_index, :, positions].reshape(-1, bs, h, d).transpose(1, 2)
             self.index.update(stored)

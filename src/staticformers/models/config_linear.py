@@ -1,5 +1,5 @@
-"""The `config.json` keys of the hybrid families (Qwen3.5's text model): which layers are Gated DeltaNet linear
-attention, and that layer's shapes. Read (each value checked) and written back in transformers 5's spelling.
+"""The `config.json` keys of the hybrid families (Qwen3.5's text model, Qwen3-Next): which layers are Gated DeltaNet
+linear attention, and that layer's shapes. Read (each value checked) and written back in transformers 5's spelling.
 
 - `layer_types`: "linear_attention" or "full_attention" per layer; without it every `full_attention_interval`-th
   layer (default 4) is full attention, the others linear (transformers' rule).
@@ -63,8 +63,8 @@ def write(config) -> dict:
 
 
 def linear_parameters(config) -> int:
-    """Parameters of one Gated DeltaNet layer: the four input projections, the convolution, dt_bias and A_log,
-    the gated norm and the output projection."""
+    """Parameters of one Gated DeltaNet layer: the four input projections (Qwen3-Next's two fused ones hold the
+    same rows), the convolution, dt_bias and A_log, the gated norm and the output projection."""
     h = config.hidden_size
     key, value = config.linear_num_key_heads * config.linear_key_head_dim, \
         config.linear_num_value_heads * config.linear_value_head_dim
@@ -74,12 +74,14 @@ def linear_parameters(config) -> int:
         config.linear_value_head_dim + value * h
 
 
-def state_shapes(config) -> tuple[tuple, tuple]:
-    """One request's (conv state `[channels, kernel - 1]`, recurrent state `[value heads, key dim, value dim]`)."""
-    key = config.linear_num_key_heads * config.linear_key_head_dim
-    value = config.linear_num_value_heads * config.linear_value_head_dim
+def state_shapes(config, tp: int = 1) -> tuple[tuple, tuple]:
+    """One request's (conv state `[channels, kernel - 1]`, recurrent state `[value heads, key dim, value dim]`) on
+    one rank of a model split `tp` ways by tensor parallel (each rank computes `1 / tp` of the key heads and the
+    value heads they serve, `distributed/parallelize.py`; `tp` divides the key heads, `DistributedConfig` checks)."""
+    key_heads, value_heads = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
+    key, value = key_heads * config.linear_key_head_dim, value_heads * config.linear_value_head_dim
     return ((2 * key + value, config.linear_conv_kernel_dim - 1),
-            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+            (value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
 
 
 __all__ = ["KEYS", "LINEAR", "FULL", "handled", "layer_types", "read", "write", "linear_parameters", "state_shapes"]

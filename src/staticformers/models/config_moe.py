@@ -97,6 +97,9 @@ def write(config) -> dict:
         out["norm_topk_prob"] = config.norm_topk_prob
     elif fam.gated_shared_expert:  # Qwen3.5-MoE: every layer sparse, the top-k always renormalised
         out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        if not fam.always_norm_topk:  # Qwen3-Next: Qwen3-MoE's dense layers and renormalisation switch
+            out.update(norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
+                       mlp_only_layers=list(config.mlp_only_layers))
     elif fam.always_norm_topk:
         out["router_jitter_noise"] = config.router_jitter_noise
     else:
@@ -122,7 +125,7 @@ def moe_parameters(config) -> int:
         return 0
     h, e, i, fam = config.hidden_size, config.num_experts, config.moe_intermediate_size, config.family
     shared = 3 * h * i * config.n_shared_experts  # DeepSeek's shared experts: one MLP n_shared_experts wide
-    if fam.gated_shared_expert:  # Qwen3.5-MoE's shared expert and its gate
+    if fam.gated_shared_expert:  # Qwen3.5-MoE's and Qwen3-Next's shared expert and its gate
         shared += 3 * h * config.shared_expert_intermediate_size + h
     return e * h + e * 3 * h * i + e * fam.router_bias + e * (2 * i + h) * fam.expert_bias + shared
 

@@ -1,5 +1,5 @@
 """The one decoder behind Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3,
-OLMo 2, Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen3.5, and its output type.
+OLMo 2, Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, Qwen3.5 and Qwen3-Next, and its output type.
 
 Families differ only by flags read from `ModelConfig` (q/k RMSNorm, biases, RoPE variant, partial or
 interleaved rotation and layers without RoPE (`rope_variants.py`), tied embeddings, sliding window) and by
@@ -16,6 +16,7 @@ position in the cache) and route with its grouped sigmoid router beside shared e
 Qwen3.5's linear-attention layers are Gated DeltaNet (`linear_attention.py`, `DecoderLayer.linear`): a
 recurrent state per request in the cache, and the positions they count in `masks["valid"]` (the real tokens
 of a padded batch, or of a prompt bucket); its full-attention layers gate their output (`Attention.gated`).
+Qwen3-Next's are the same layers with their input projections fused (`fused_delta_net.py`).
 The building blocks that other modules share live beside this file: `RMSNorm` (`norm_variants.py`),
 `apply_rope` (`rope_variants.py`), and keeping some positions only (`kept_positions.py`).
 
@@ -65,6 +66,7 @@ from .model_config import ModelConfig
 from .hooks import global_hooks, hooked
 from .attention_sinks import local_sinks
 from .latent_attention import LatentAttention
+from .fused_delta_net import FusedGatedDeltaNet
 from .linear_attention import GatedDeltaNet
 from .moe import Experts, GroupedRouter, SparseMoeBlock, load_balancing_loss
 from .kept_positions import Keep, kept_rows, take
@@ -342,7 +344,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(fam.norm, h, eps, RMSNorm) if self.placement != "post" else None
         self.linear = config.layer_is_linear(layer_idx)  # Qwen3.5's Gated DeltaNet layers
         if self.linear:
-            self.linear_attn = GatedDeltaNet(config, layer_idx)
+            self.linear_attn = (FusedGatedDeltaNet if fam.fused_linear_projections else GatedDeltaNet)(config, layer_idx)
         else:
             self.self_attn = LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
@@ -454,8 +456,9 @@ VALID = "valid"  # the masks' key of the positions linear-attention layers count
 
 def valid_positions(seq: int, device, attention_mask: Optional[torch.Tensor] = None,
                     kv_cache=None) -> Optional[torch.Tensor]:
-    """The real tokens of a batch, for the linear-attention layers: a 2-D `attention_mask`'s ones; over a prompt-only
-    cache, each row's positions up to its last token (`PrefillKV.last_index`); None (all of them) otherwise."""
+    """The tokens the linear-attention layers count: a 2-D `attention_mask`'s ones; over a cache that says each row's
+    last counted token (`last_index`: a prompt-only cache's last prompt token, a running hybrid cache's
+    `KVCache.count`), each row's tokens up to it; None (all of them) otherwise."""
     if attention_mask is not None and attention_mask.dim() == 2:
         return attention_mask[:, -seq:].bool()
     last = kv_cache.last_index if kv_cache is not None else None

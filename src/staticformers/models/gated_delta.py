@@ -67,16 +67,17 @@ def _prepare(q, k, v, g, beta, valid):
 
 
 def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          state: Optional[torch.Tensor] = None,
-                          valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          state: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
+                          each: bool = False) -> tuple[torch.Tensor, ...]:
     """q, k `[b, s, key_heads, dk]`, v `[b, s, heads, dv]`, g (log decay, <= 0) and beta `[b, s, heads]`, state
-    `[b, heads, dk, dv]` (None: zeros) -> (output `[b, s, heads, dv]` in v's dtype, the float32 state after)."""
+    `[b, heads, dk, dv]` (None: zeros) -> (output `[b, s, heads, dv]` in v's dtype, the float32 state after); with
+    `each`, also the state after every token, `[b, s, heads, dk, dv]`."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, valid)
     b, h, s, dk = k.shape
     state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None
              else state.float())
-    outs = []
+    outs, states = [], []
     for t in range(s):
         state = state * g[:, :, t].exp()[..., None, None]
         k_t = k[:, :, t]
@@ -84,7 +85,9 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         delta = (v[:, :, t] - predicted) * beta[:, :, t].unsqueeze(-1)
         state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append((state * q[:, :, t].unsqueeze(-1)).sum(-2))
-    return torch.stack(outs, dim=2).transpose(1, 2).contiguous().to(dtype), state
+        states.append(state)
+    out = torch.stack(outs, dim=2).transpose(1, 2).contiguous().to(dtype)
+    return (out, state, torch.stack(states, dim=1)) if each else (out, state)
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -142,10 +145,11 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: Optional[torch.Tensor] = None,
-                valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                valid: Optional[torch.Tensor] = None, each: bool = False) -> tuple[torch.Tensor, ...]:
     """x `[b, channels, s]` (zeroed where not `valid`), weight `[channels, K]` or `nn.Conv1d`'s `[channels, 1, K]`,
     state `[b, channels, K - 1]` (None: zeros) -> (SiLU of the depthwise causal convolution `[b, channels, s]`, the
-    next state: the `K - 1` inputs up to each row's last valid position)."""
+    next state: the `K - 1` inputs up to each row's last valid position); with `each`, also the state after every
+    position, `[b, s, channels, K - 1]` (what a valid position's successors would read)."""
     b, c, s = x.shape
     weight = weight if weight.dim() == 3 else weight.unsqueeze(1)
     width = weight.shape[-1] - 1
@@ -161,6 +165,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: Optional[torch.Ten
         end = (valid.to(x.device).long() * after).amax(-1)  # one past each row's last valid position (0: none)
         idx = end.view(b, 1, 1) + torch.arange(width, device=x.device).view(1, 1, width)
         new_state = full.gather(-1, idx.expand(b, c, width))
+    if each:  # after position j: the inputs j + 1 - (K - 1) .. j, `full` indices j + 1 .. j + K - 1
+        windows = torch.stack([full[..., j + 1:j + 1 + width] for j in range(s)], dim=1)
+        return F.silu(out).to(x.dtype), new_state, windows
     return F.silu(out).to(x.dtype), new_state
 
 

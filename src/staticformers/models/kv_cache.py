@@ -27,6 +27,11 @@ A latent-attention model (DeepSeek's MLA, `latent_attention.py`) caches one late
 values being the keys' first `kv_lora_rank` columns (`latent`: `update` writes the keys alone and returns
 that view). Its bytes per position are the latent's, whatever the head count.
 
+A hybrid cache also says which tokens of a step its linear-attention layers count, per row (`count`, read by the
+decoder as `last_index`), and, with `rollback` > 0, keeps their states after each position of a step up to that
+many tokens wide, so that a speculative verification keeps only what each row accepted (`roll_back`;
+`state_rollback.py`).
+
 `PrefillKV` is the cache a prefill runs with: it keeps the keys and values it is given and returns them
 unchanged, so a prefill graph depends on `[batch, prompt]` only, not on the KV length, and its keys
 and values are inserted afterwards. `LayerKV` is one layer's view of a `KVCache`, whose `update`
@@ -42,6 +47,7 @@ from typing import Optional
 import torch
 
 from .config_linear import state_shapes
+from .state_rollback import RollbackStates, record_states
 
 
 
@@ -54,11 +60,12 @@ def layout(config, tp: int = 1) -> tuple[int, int, Optional[int]]:
     return config.num_key_value_heads // tp, config.head_dim, None
 
 
-def linear_states(config) -> dict[int, tuple[tuple, tuple]]:
-    """{layer: (conv state shape, recurrent state shape)} of one row, for each linear-attention layer."""
+def linear_states(config, tp: int = 1) -> dict[int, tuple[tuple, tuple]]:
+    """{layer: (conv state shape, recurrent state shape)} of one row, for each linear-attention layer; `tp`: the
+    tensor-parallel degree (a rank keeps the states of its own `1 / tp` of the heads)."""
     if not config.has_linear_attention:
         return {}
-    shapes = state_shapes(config)
+    shapes = state_shapes(config, tp)
     return {i: shapes for i in range(config.num_hidden_layers) if config.layer_is_linear(i)}
 
 
@@ -83,9 +90,12 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, latent: Optional[int] = None,
-                 linear: Optional[dict] = None):
+                 linear: Optional[dict] = None, rollback: int = 0):
         self.batch, self.max_length, self.latent = int(batch), int(max_length), latent
         self.linear = dict(linear or {})  # {layer: (conv state shape, recurrent state shape)}
+        self.rollback = RollbackStates(self.batch, self.linear, rollback, dtype, device) if self.linear else None
+        if self.rollback is not None:
+            self.last_index = self.rollback.last_index  # [slots]: each row's last counted token of a step
         shape = (self.batch, kv_heads, self.max_length, head_dim)
 
         def keys(i):
@@ -102,23 +112,33 @@ class KVCache:
         self._views = [LayerKV(self, i) for i in range(num_layers)]
 
     @classmethod
-    def for_model(cls, model, batch: int, max_length: int, tp: int = 1) -> "KVCache":
+    def for_model(cls, model, batch: int, max_length: int, tp: int = 1, rollback: int = 0) -> "KVCache":
         """The cache of `model` for `batch` rows of `max_length` positions; `tp`: the tensor-parallel degree
-        the model is partitioned with (a rank computes `num_key_value_heads / tp` heads)."""
+        the model is partitioned with (a rank computes `num_key_value_heads / tp` heads, and a linear-attention
+        layer's states of `1 / tp` of its heads); `rollback`: the widest step whose linear-attention states are kept
+        per position (a hybrid model's speculative verification)."""
         c = model.config
         heads, dim, latent = layout(c, tp)
         return cls(c.num_hidden_layers, batch, heads, max_length, dim, model.dtype, model.device, latent,
-                   linear_states(c))
+                   linear_states(c, tp), rollback)
 
     @staticmethod
-    def bytes_for(model, batch: int, max_length: int, tp: int = 1) -> int:
+    def bytes_for(model, batch: int, max_length: int, tp: int = 1, rollback: int = 0) -> int:
         """What `for_model` allocates, in bytes (checked against the device's memory before allocating)."""
-        return batch * (max_length * bytes_per_position(model.config, model.dtype, tp) +
-                        state_bytes_per_row(model.config, model.dtype))
+        c = model.config
+        states = state_bytes_per_row(c, model.dtype) // tp  # every state splits over the heads, which tp divides
+        return batch * (max_length * bytes_per_position(c, model.dtype, tp) + states +
+                        RollbackStates.bytes_for(linear_states(c, tp), rollback, model.dtype))
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer: the keys, then the values (none for a latent cache)."""
+        """Every buffer the model reads or writes: the keys, then the values (none for a latent cache), then a
+        hybrid cache's counted positions and per-position states."""
+        return self.keys + self.values + (self.rollback.tensors if self.rollback is not None else [])
+
+    @property
+    def position_tensors(self) -> list[torch.Tensor]:
+        """The keys, then the values: what a prefix of positions is made of."""
         return self.keys + self.values
 
     @property
@@ -143,6 +163,26 @@ class KVCache:
     def state(self, layer_idx: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """A linear-attention layer's (conv state, recurrent state) of every row; None for another layer."""
         return (self.keys[layer_idx], self.values[layer_idx]) if layer_idx in self.linear else None
+
+    @property
+    def rollback_width(self) -> int:
+        """The widest step whose linear-attention states are kept per position (0: none)."""
+        return self.rollback.width if self.rollback is not None else 0
+
+    def record(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """A linear-attention layer's states after each token of a step (`state_rollback.py`)."""
+        self.rollback.record(layer_idx, conv, recurrent)
+
+    def count(self, last: dict) -> None:
+        """Which tokens of the next step the linear-attention layers count: `last` {row: index of its last counted
+        token}; the other rows count none, their states staying as they are. Nothing for a cache without them."""
+        if self.rollback is not None:
+            self.rollback.count([last.get(row, -1) for row in range(self.batch)])
+
+    def roll_back(self, index: torch.Tensor) -> None:
+        """Each row's linear-attention states after its `index`-th token of the last step (-1: as the step left
+        them)."""
+        self.rollback.roll_back({i: (self.keys[i], self.values[i]) for i in self.linear}, index)
 
     def insert(self, slots: torch.Tensor, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write a prefill's keys and values (`[n, kv_heads, L, head_dim]`) into positions `0..L-1` of the
@@ -219,6 +259,11 @@ class LayerKV:
         self.latent = cache.latent
         self.linear = layer_idx in cache.linear
         self.max_length = cache.max_length
+        self.last_index = cache.last_index
+        self.rollback_width = cache.rollback_width if self.linear else 0
+        if self.rollback_width:  # this layer's per-position states (no lookup by layer: one region runs every layer)
+            self.conv_each = cache.rollback.conv[layer_idx]
+            self.recurrent_each = cache.rollback.recurrent[layer_idx]
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
         if self.linear:
@@ -229,6 +274,9 @@ class LayerKV:
 
     def state(self, layer_idx: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return (self.key, self.value) if self.linear else None
+
+    def record(self, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        record_states(self.conv_each, self.recurrent_each, conv, recurrent)
 
 
 class PrefillKV:
@@ -242,6 +290,8 @@ class PrefillKV:
         self.keys: list = [None] * num_layers
         self.values: list = [None] * num_layers
         self.key = self.value = None
+
+    rollback_width = 0  # a prompt keeps no state per position
 
     def state(self, layer_idx: int) -> None:
         """No state before the prompt: a linear-attention layer starts from zeros."""

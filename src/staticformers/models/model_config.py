@@ -1,8 +1,8 @@
 """`config.json` in either spelling -> one ModelConfig; the table of supported families.
 
 The families (Qwen3, Llama, Qwen2, Mistral, Phi-3, GLM-4, Granite, SmolLM3, Gemma 2, Gemma 3 (text),
-OLMo 2, the hybrid Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen3.5-MoE) are one
-decoder with different flags:
+OLMo 2, the hybrid Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3, Qwen3.5-MoE and
+Qwen3-Next) are one decoder with different flags:
 q/k RMSNorm, which projections carry a bias, the RoPE variant, tied embeddings, sliding-window attention,
 the norms' flavour and placement, gpt-oss's attention sinks, router and expert biases and clamped SwiGLU, and the MLP kind each family declares (`mlp`: "dense", or "moe": some or all
 layers route each token to `num_experts_per_tok` of `num_experts` experts, `moe.py`) with its checkpoint
@@ -11,8 +11,8 @@ of this table, not a copy of the model. This module is the only place that knows
 flag, and which defaults each family's `config.json` leaves out (Qwen3 without `head_dim` means 128, not
 hidden/heads); the MoE keys are read by `config_moe.py`, Gemma's (`query_pre_attn_scalar`, soft caps, the
 sliding layers' RoPE) by `config_gemma.py`, those of partial and per-layer RoPE, LongRoPE and Granite's
-multipliers by `config_variants.py`, DeepSeek-V3's latent attention and routing by `config_mla.py`, Qwen3.5's
-linear-attention layers by `config_linear.py`.
+multipliers by `config_variants.py`, DeepSeek-V3's latent attention and routing by `config_mla.py`, Qwen3.5's and
+Qwen3-Next's linear-attention layers by `config_linear.py`.
 
 Hub checkpoints spell their config the transformers-4 way (`rope_theta`, `rope_scaling`,
 `torch_dtype`); transformers 5 writes `rope_parameters` and `dtype`. Both load; we write the
@@ -32,7 +32,8 @@ import torch
 from . import config_checks as checks
 from . import config_gemma, config_linear, config_mla, config_moe
 from . import config_variants
-from ..checkpoints.names import GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN_MOE_NAMES, ExpertNames, FusedNames
+from ..checkpoints.names import (GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN3_5_FUSED, QWEN3_NEXT_FUSED,
+                                 QWEN_MOE_NAMES, ExpertNames, FusedNames)
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -74,7 +75,8 @@ class Family:
     per_type_rope: bool = False  # sliding layers rotate with their own RoPE (Gemma 3: rope_local_base_freq)
     sliding_pattern: Optional[int] = None  # layer_types when the file has none: every n-th layer full (Gemma)
     sliding_pattern_key: Optional[str] = None  # the config.json key that overrides `sliding_pattern`
-    fused_names: Optional[FusedNames] = None  # projections the checkpoints store fused (Phi-3's qkv_proj, gate_up_proj)
+    fused_names: Optional[FusedNames] = None  # tensors the checkpoints store fused (Phi-3's qkv_proj, gate_up_proj;
+    # Gated DeltaNet's in_proj_qkv and conv1d, `linear_attention.py`)
     rope_interleaved: bool = False  # RoPE rotates pairs of adjacent dims (GLM-4), not the two halves
     post_sublayer_norms: bool = False  # RMSNorm on attention's and the MLP's outputs (GLM-4's post_self_attn_layernorm,
     # post_mlp_layernorm)
@@ -95,6 +97,8 @@ class Family:
     linear_attention: bool = False  # layer_types may name "linear_attention" (`linear_attention.py`)
     gated_attention: bool = False  # q_proj yields each head's query and a gate; the output times sigmoid(gate)
     gated_shared_expert: bool = False  # a `shared_expert` MLP beside the routed ones, times sigmoid(shared_expert_gate)
+    fused_linear_projections: bool = False  # Gated DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next, `fused_delta_net.py`)
+    ignored_weights: tuple = ()  # name prefixes of file tensors skipped at load, as transformers skips them (`mtp.`)
 
 
 FAMILIES: dict[str, Family] = {
@@ -215,20 +219,34 @@ FAMILIES: dict[str, Family] = {
         "Qwen3_5ForCausalLM", "qwen3_5_text", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
         default_head_dim=256, sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
-                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                  "linear_num_key_heads": 16, "linear_num_value_heads": 32},
-        norm="offset", linear_attention=True, gated_attention=True,
+                  "num_key_value_heads": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+        norm="offset", linear_attention=True, gated_attention=True, ignored_weights=("mtp.",),
+        fused_names=QWEN3_5_FUSED,
     ),
     "Qwen3_5MoeForCausalLM": Family(
         "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qk_norm=True, qkv_bias_always=False,
         o_bias_follows_attention_bias=True, default_head_dim=256, sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
-                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-                  "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
-                  "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                  "num_key_value_heads": 2, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                  "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                  "shared_expert_intermediate_size": 512,
                   "intermediate_size": 512},  # (no dense layer: intermediate_size is never used)
         mlp="moe", expert_names=QWEN_MOE_NAMES, always_norm_topk=True, norm="offset", linear_attention=True,
-        gated_attention=True, gated_shared_expert=True,
+        gated_attention=True, gated_shared_expert=True, ignored_weights=("mtp.",), fused_names=QWEN3_5_FUSED,
+    ),
+    "Qwen3NextForCausalLM": Family(  # Qwen3.5-MoE's layers with fused DeltaNet projections, Qwen3-MoE's dense layers
+        "Qwen3NextForCausalLM", "qwen3_next", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
+        default_head_dim=256, sliding_all_layers=False,
+        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 2,
+                  "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                  "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                  "shared_expert_intermediate_size": 512, "intermediate_size": 5632, "norm_topk_prob": True},
+        mlp="moe", expert_names=QWEN_MOE_NAMES, norm="offset", linear_attention=True, gated_attention=True,
+        gated_shared_expert=True, fused_linear_projections=True, ignored_weights=("mtp.",),
+        fused_names=QWEN3_NEXT_FUSED,
     ),
 }
 

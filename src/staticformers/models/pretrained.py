@@ -11,7 +11,9 @@ Saving writes config.json in the transformers-5 spelling, safetensors shards wit
 
 Names go through the family's checkpoint-name adapter (`checkpoints/names.py`): a mixture of experts
 stores one tensor per expert on the Hub and holds them stacked in memory, so loading fills each stacked
-parameter from its pieces and saving splits it back (dense families: the identity).
+parameter from its pieces and saving splits it back (dense families: the identity). Tensors a family's files
+hold for a part that transformers does not build either (`Family.ignored_weights`: Qwen3.5's and Qwen3-Next's
+multi-token prediction head, `mtp.*`) are skipped.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
     pieces = by_file(layout)
     quantized = quantized_targets(model)
     tied = model.config.tie_word_embeddings
+    skipped = model.config.family.ignored_weights  # what transformers skips too (the `mtp.` head of Qwen3.5, Qwen3-Next)
     where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
@@ -209,7 +212,8 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
                 if not name:
                     continue
                 if name not in expected:
-                    if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")):
+                    if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")
+                            or name.startswith(skipped)):
                         unexpected.append(name)
                     continue
                 if name in where:

@@ -55,6 +55,11 @@ class DraftModel:
     # ---- the plan ------------------------------------------------------------------------------------
     def check(self, target_model) -> None:
         """Refuse a draft that cannot propose for this target (one sentence, before any work)."""
+        config = self.engine.model.config
+        if getattr(config, "has_linear_attention", False):
+            raise ValueError(f"The draft model ({config.architecture}) has linear-attention layers, whose recurrent "
+                             f"state the draft would have to roll back after each rejected proposal: use a draft "
+                             f"model without them, or prompt lookup (prompt_lookup_num_tokens).")
         mine, theirs = self.engine.model.config.vocab_size, target_model.config.vocab_size
         if mine > theirs:
             raise ValueError(f"The draft model's vocabulary ({mine} ids) is larger than the target's ({theirs}): "

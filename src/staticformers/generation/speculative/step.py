@@ -19,6 +19,10 @@ step. Design choices:
   token goes through the loop's `_emit`, so stop ids, `min_new_tokens` and `max_new_tokens` hold at
   every position: a row that ends cuts its accepted run there. Proposals are capped at the tokens a
   row may still produce.
+- **A hybrid model's linear-attention states** (Qwen3.5's Gated DeltaNet) cannot be rewritten like positions: the
+  verify step keeps each row's states after every one of its tokens (the cache's `rollback`, sized by the
+  plan's verify width, `models/state_rollback.py`), and a row that accepted `a` proposals takes the states after
+  its token `a`. A prefilling row's states are not counted in the step.
 - **Counters** for the server's metrics: `num_draft_tokens` (proposed), `num_accepted_tokens`.
 """
 
@@ -122,6 +126,7 @@ class Speculator:
         for slot in prefilling(loop.rows):  # at its length and after: its next chunk writes there again
             positions[slot] = (positions[slot] + loop.rows[slot].length).clamp_(max=cache.max_length - 1)
         keep = torch.arange(width).repeat(cache.batch, 1)
+        cache.count({s: len(p) for s, p in zip(slots, proposals)})  # a hybrid's states: up to the last proposal
         device = loop.engine.model.device
         adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
             if bank_of(loop.engine.model) is not None else None
@@ -137,6 +142,11 @@ class Speculator:
                 allowed = self._allowed(grammars.mask(pending), len(slots), logits.shape[-1], device) \
                     if pending is not None else None
                 verdict = verify(loop.sampler, logits, argmax, slots, steps, proposals, q, allowed)
+                if cache.rollback is not None:  # each row's linear-attention states after its last accepted token
+                    index = torch.full((cache.batch,), -1, dtype=torch.long)
+                    index[slots] = torch.tensor(verdict.accepted, dtype=torch.long)
+                    cache.roll_back(index.to(device))
+                    loop.engine.backend.flush(device)  # a graph of its own on a lazily traced device, not the next step's
                 flat_rows = [s for s, out in zip(slots, verdict.tokens) for _ in out]
                 flat_ids = torch.tensor([t for out in verdict.tokens for t in out], dtype=torch.long)
                 loop.sampler.observe(flat_rows, flat_ids.to(loop.sampler.device))
