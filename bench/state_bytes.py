@@ -1,7 +1,8 @@
 """What one request's cache costs at a given context: a reference size as it is, against the same model with every
 layer full attention (a pure-attention model of the same width), from the cache's own accounting
-(`models/kv_cache.py`: `bytes_per_position`, `state_bytes_per_row`), checked against the buffers a cache of that
-shape allocates. JSON out.
+(`models/kv_cache.py`: `bytes_per_position`, `state_bytes_per_row`, and `KVCache.bytes_for`, which the memory check
+reads: it adds a hybrid row's counted-token index), checked against the buffers a cache of that shape allocates.
+JSON out.
 
 Why this exists: a hybrid's linear-attention layers (Qwen3.5's Gated DeltaNet) keep a fixed-size state per
 request instead of keys and values per position, and a latent-attention model (DeepSeek-V3) keeps one latent
@@ -29,12 +30,14 @@ def cache_bytes(config, context: int, dtype: torch.dtype) -> dict:
     with torch.device("meta"):
         model = CausalLM(config).to(dtype)
     allocated = KVCache.for_model(model, batch=1, max_length=context).nbytes
+    accounted = KVCache.bytes_for(model, batch=1, max_length=context)
+    if allocated != accounted:
+        raise SystemExit(f"The cache allocates {allocated} bytes, not the {accounted} its accounting says: fix "
+                         f"models/kv_cache.py.")
     per_position = bytes_per_position(config, dtype)
-    states = state_bytes_per_row(config, dtype)
-    if allocated != per_position * context + states:
-        raise SystemExit(f"The cache allocates {allocated} bytes, not the {per_position * context + states} its "
-                         f"accounting says: fix models/kv_cache.py.")
-    return {"per_position": per_position, "states": states, "total": allocated}
+    # the fixed-size part: the linear layers' states and a hybrid row's counted-token index
+    return {"per_position": per_position, "states": state_bytes_per_row(config, dtype),
+            "fixed": allocated - per_position * context, "total": allocated}
 
 
 def main(argv=None) -> dict:

@@ -57,7 +57,7 @@ def test_the_qwen3_5_reference_is_hybrid_with_transformers_parameter_count():
 
 def test_state_bytes_of_a_hybrid_against_its_pure_attention_twin(capsys):
     """bench/state_bytes.py: the Qwen3.5-shaped reference's cache at 4k (two full layers' keys and values, six
-    fixed-size states) against every layer full attention; the cache's allocation is what its accounting says."""
+    fixed-size states and its counted-token index) against every layer full attention; the cache's allocation is what its accounting says."""
     import state_bytes
 
     out = state_bytes.main(["--size", "qwen3_5-50m", "--context", "4096"])
@@ -65,7 +65,9 @@ def test_state_bytes_of_a_hybrid_against_its_pure_attention_twin(capsys):
     assert out["model"]["per_position"] == 2 * kv_row and out["pure_attention"]["per_position"] == 8 * kv_row
     conv, recurrent = (2 * 4 * 64 + 8 * 64) * 3 * 4, 8 * 64 * 64 * 4
     assert out["model"]["states"] == 6 * (conv + recurrent)
-    assert out["ratio"] == round((4096 * 2 * kv_row + 6 * (conv + recurrent)) / (4096 * 8 * kv_row), 4) < 0.3
+    assert out["model"]["fixed"] == 6 * (conv + recurrent) + 8  # and the row's counted-token index (int64)
+    assert out["pure_attention"]["fixed"] == 0
+    assert out["ratio"] == round((4096 * 2 * kv_row + 6 * (conv + recurrent) + 8) / (4096 * 8 * kv_row), 4) < 0.3
     with pytest.raises(SystemExit):
         state_bytes.main(["--context", "0"])
 
