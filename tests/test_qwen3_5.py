@@ -67,7 +67,8 @@ def test_both_forms_equal_transformers_reference_functions():
 
 def test_positions_that_are_not_there_change_no_state():
     """A row padded after its 20 tokens, another padded before its last 25: states and outputs as if the
-    padding were not there; the conv state is the last inputs up to each row's last real token."""
+    padding were not there; the conv state is the last inputs up to each row's last real token (and, in a one-token
+    step, the state of a row that does not count its token is left as it was)."""
     from staticformers.models.gated_delta import causal_conv, chunked_gated_delta, recurrent_gated_delta
 
     q, k, v, g, beta, state = _delta_inputs()
@@ -88,6 +89,13 @@ def test_positions_that_are_not_there_change_no_state():
     torch.testing.assert_close(new[:1], new0)
     torch.testing.assert_close(y[:1, :, :20], y0)
     torch.testing.assert_close(new[1:], x[1:, :, -3:])  # the row's last three inputs
+    # one token per row (a decode step): the row that counts it moves its window on, the other keeps its own
+    step = torch.tensor([[True], [False]])
+    y1, new1 = causal_conv(x[:, :, :1], w, conv, step)
+    y1_alone, new1_alone = causal_conv(x[:1, :, :1], w, conv[:1])
+    torch.testing.assert_close(new1[:1], new1_alone)
+    torch.testing.assert_close(y1[:1], y1_alone)
+    torch.testing.assert_close(new1[1:], conv[1:])
 
 
 # ---------------------------------------------------------------------------------------------

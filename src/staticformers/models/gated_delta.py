@@ -160,6 +160,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: Optional[torch.Ten
     out = F.conv1d(full.to(weight.dtype), weight, groups=c)[..., :s]
     if valid is None:
         new_state = full[..., -width:] if width else full[..., :0]
+    elif s == 1:  # a decode step: the window moves on in the rows that count the token, stays in the others
+        new_state = torch.where(valid.to(x.device)[:, :, None], full[..., 1:], before)
     else:  # the K - 1 inputs ending at each row's last valid position (`full` index end - 1 + width)
         after = torch.arange(1, s + 1, device=x.device).view(1, s)
         end = (valid.to(x.device).long() * after).amax(-1)  # one past each row's last valid position (0: none)
