@@ -5,7 +5,7 @@ Two halves, because they run in two environments:
 - **The files** (`make_gguf`, in the main venv, with the `gguf` package our loader uses). llama.cpp needs the
   model at the precision it is compared at, and the file the suite ships is Q4_1. Each format is written from
   the *dequantised* model, tensor by tensor: every tensor of the Q4_1 file is dequantised to float32 by
-  `gguf.quants.dequantize` (the call our `gguf_file.py` makes, so these are the values our engine and
+  `gguf.quants.dequantize` (the call our `checkpoints/gguf_file.py` makes, so these are the values our engine and
   transformers load), then written as F32, F16 (numpy's rounding), BF16 or Q8_0 (`gguf.quants.quantize`,
   ggml's own block format, 32 values and one f16 scale a block) with `GGUFWriter`, every metadata key copied
   except `general.file_type`, which names the new format. One-dimensional tensors (the norms) stay F32 in every

@@ -1,7 +1,7 @@
 """`model.generate(...)` and `model.compile_stats()`: transformers' argument names over the generation loop.
 
 This module turns a call into validated settings (generation options, compile settings, the plan)
-and one `GenerationRequest` per row, drives the loop (`loop.py`) until every row has finished, and
+and one `GenerationRequest` per row, drives the loop (`generation/loop.py`) until every row has finished, and
 assembles the output `[batch, prompt + new]` (pad after EOS) on the inputs' device. Each row's prompt
 is the tokens its attention mask keeps, so left- and right-padded batches give the same continuations.
 Everything that can be refused is refused before any device work, so a bad call leaves the engine

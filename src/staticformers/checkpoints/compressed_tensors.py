@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -55,9 +55,9 @@ class Scheme:
 
 def write_config(kind: str, ignore: list[str]) -> dict:
     """config.json's `quantization_config` for weight-only `kind` ("int8" or "fp8"), per output channel."""
-    weights = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True, "strategy": "channel",
-               "group_size": None, "block_structure": None, "dynamic": False, "actorder": None,
-               "observer": "minmax", "observer_kwargs": {}}
+    weights: dict[str, Any] = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True,
+                               "strategy": "channel", "group_size": None, "block_structure": None, "dynamic": False,
+                               "actorder": None, "observer": "minmax", "observer_kwargs": {}}
     fmt = "pack-quantized" if kind == "int8" else "float-quantized"
     return {
         "quant_method": "compressed-tensors",

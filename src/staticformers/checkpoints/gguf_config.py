@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -85,7 +86,7 @@ def config_dict(f: GGUFFile) -> dict:
     the module docstring)."""
     arch = check_architecture(f)
     meta = f.metadata
-    config = {"architectures": [ARCHITECTURES[arch]], "model_type": _MODEL_TYPES.get(arch, arch)}
+    config: dict[str, Any] = {"architectures": [ARCHITECTURES[arch]], "model_type": _MODEL_TYPES.get(arch, arch)}
     for key, name in _KEYS.items():
         if f"{arch}.{key}" in meta:
             config[name] = meta[f"{arch}.{key}"]

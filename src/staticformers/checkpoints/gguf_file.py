@@ -112,7 +112,7 @@ def _value(field, gguf) -> Any:
 
 
 def _scalar(part, kind, gguf):
-    value = part[0] if len(part) else None
+    value: Any = part[0] if len(part) else None
     if kind == gguf.GGUFValueType.BOOL:
         return bool(value)
     if kind in (gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.FLOAT64):

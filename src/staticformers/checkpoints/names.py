@@ -6,8 +6,9 @@ experts on the Hub store one tensor per expert and projection: Qwen3-MoE
 `model.layers.3.block_sparse_moe.experts.7.w1.weight` (`w1` gate, `w3` up, `w2` down) with its router at
 `block_sparse_moe.gate.weight`. The model holds each sparse layer's experts stacked, as transformers 5
 holds them in memory: `mlp.experts.gate_up_proj` `[E, 2I, H]` (each expert's gate rows, then its up rows)
-and `mlp.experts.down_proj` `[E, H, I]`, so one batched matmul reads them at once (`moe.py`); quantized, their
-scales `gate_up_proj_scale` / `down_proj_scale` `[E, rows, 1]` map to each expert's `weight_scale`.
+and `mlp.experts.down_proj` `[E, H, I]`, so one batched matmul reads them at once (`models/moe.py`);
+quantized, their scales `gate_up_proj_scale` / `down_proj_scale` `[E, rows, 1]` map to each expert's
+`weight_scale`.
 
 A `Piece` says where one Hub tensor lives: parameter `target`, expert `expert` (None: the whole
 parameter), rows `rows` of that expert's matrix. Loading fills each stacked parameter piece by piece
@@ -110,7 +111,7 @@ class Piece:
     @property
     def file_shape(self) -> tuple:
         """The shape of the file's tensor this piece comes from."""
-        return self.source_shape if self.source_rows is not None else self.shape
+        return self.source_shape if self.source_rows is not None and self.source_shape is not None else self.shape
 
     def source(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece's part of the file's tensor `tensor`."""
@@ -152,7 +153,9 @@ class CheckpointNames:
     def _fused_piece(self, name: str, shape: tuple, expected: dict) -> Optional[Piece]:
         """The piece of a fused file tensor that parameter `name` is (its parts' shapes from `expected`)."""
         m = _LAYER_PART.match(name) if self.fused is not None else None
-        found = self.fused.part_of(m["module"]) if m else None
+        if m is None or self.fused is None:
+            return None
+        found = self.fused.part_of(m["module"])
         if found is None:
             return None
         fused, parts = found
@@ -251,6 +254,7 @@ def target_shapes(layout: dict[str, Piece]) -> dict[str, tuple]:
         if piece.whole:
             shapes[piece.target] = list(piece.target_shape)
             continue
+        assert piece.expert is not None  # a piece that is not whole is one expert's (its rows, or all of it)
         end = [piece.expert + 1, (piece.rows[1] if piece.rows else piece.shape[0]), *piece.shape[1:]]
         old = shapes.get(piece.target)
         shapes[piece.target] = end if old is None else [max(a, b) for a, b in zip(old, end)]

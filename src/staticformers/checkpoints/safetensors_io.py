@@ -168,7 +168,7 @@ class SafetensorsFile:
         begin, end = info["data_offsets"]
         if end > begin:
             self._f.seek(self._data_start + begin)
-            view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+            view = buf.reshape(-1).view(torch.uint8).numpy().data
             got = self._f.readinto(view)
             while got < end - begin:
                 more = self._f.readinto(view[got:])

@@ -158,7 +158,7 @@ class GrammarCompiler:
         ll = self.ll.LLMatcher
         kind = spec.kind()
         param = param or f"structured_outputs.{kind}"
-        options = {"whitespace_flexible": bool(spec.whitespace)}
+        options: dict[str, Any] = {"whitespace_flexible": bool(spec.whitespace)}
         if not spec.whitespace:
             options.update(item_separator=", ", key_separator=": ")
         try:
@@ -260,7 +260,7 @@ class RowConstraints:
         self.rows, self.slots = rows, int(slots)
 
     def active(self, rows: Sequence[int]) -> bool:
-        return any(self.rows[r] is not None and not self.rows[r].waiting for r in rows)
+        return any((row := self.rows[r]) is not None and not row.waiting for r in rows)
 
     # ---- the mask ------------------------------------------------------------------------------------
     def start(self, rows: Sequence[int]) -> Optional[Future]:

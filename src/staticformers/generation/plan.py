@@ -27,7 +27,7 @@ result. The engine gives it to the model's layers (`engine.py`).
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
 of shapes is `len(batch) * (len(prompt) + len(kv) * (1 + len(extend)))`, printed by `str(plan)` and by
 `staticformers compile`; each shape is one graph, or (on the CPU) a few small ones, its regions
-(`steps.py`).
+(`compilation/steps.py`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ mixture of experts. Read (each value checked) and written back in transformers 5
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import config_checks as checks
 from .config_checks import ConfigError
 
@@ -35,7 +37,7 @@ def read(d: dict, fam, layers: int, source: str) -> dict:
     """The ModelConfig fields of a latent-attention family (`d`: the file over the family's defaults), {} otherwise."""
     if fam.attention != "mla":
         return {}
-    out = {
+    out: dict[str, Any] = {
         "q_lora_rank": checks.optional_positive_int(d.get("q_lora_rank"), "q_lora_rank", source),
         "kv_lora_rank": checks.positive_int(d.get("kv_lora_rank"), "kv_lora_rank", source),
         "qk_nope_head_dim": checks.positive_int(d.get("qk_nope_head_dim"), "qk_nope_head_dim", source),

@@ -14,7 +14,7 @@ that mask until the row writes them.
   positions `0..L-1` of the rows `slots`, leaving the other rows as they are: a request joins a running
   batch between two decode steps (`generation/loop.py`).
 - `copy_rows(source, src, dst)` moves rows from another cache (a batch moving to a larger batch bucket
-  or KV length, `loop.py`).
+  or KV length, `generation/loop.py`).
 
 A hybrid model's linear-attention layers (Qwen3.5's Gated DeltaNet, `linear_attention.py`) keep a fixed-size
 state per row instead of positions: in their slots of `keys` and `values`, the convolution's state `[slots,

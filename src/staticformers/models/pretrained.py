@@ -497,7 +497,7 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
     """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
 
     Into a folder that holds a model already, a kill at any moment leaves one that loads, the old model or
-    the new one (`weights_writer.py`; config files are replaced in one rename each).
+    the new one (`checkpoints/weights_writer.py`; config files are replaced in one rename each).
     """
     if not safe_serialization:
         raise ValueError("staticformers saves safetensors only: drop safe_serialization=False.")

@@ -64,7 +64,7 @@ class Job:
     """A parsed request: see the module docstring."""
 
     kind: str  # "completion" or "chat"
-    model: str
+    model: Optional[str]
     prompts: list  # list[list[int]]
     prompt_texts: list  # the prompts as text (echo, chat)
     choices: list
@@ -302,7 +302,7 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     if prompt is None:
         raise ApiError(400, "prompt is required: pass a string, a list of strings or token ids.", param="prompt")
     if isinstance(prompt, str):
-        texts = [prompt]
+        texts: list = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -467,6 +467,7 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
     spec, param = structured(body)
     forced = tool_choice not in (None, "none", "auto") and bool(tools)
     if forced and spec is not None:
+        assert param is not None  # structured() names the field whenever it returns a constraint
         raise invalid(param.split(".")[0], body.get(param.split(".")[0]),
                       "cannot be combined with a forced tool call (tool_choice): send one of them")
     return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),

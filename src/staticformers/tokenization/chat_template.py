@@ -219,7 +219,7 @@ def render(
             if not isinstance(message, dict):
                 raise TypeError(f"Chat messages must be dicts with 'role' and 'content' keys, but got {message!r}.")
         chat = _alias_reasoning(chat)
-        final_text = None
+        final_text: Any = None
         if continue_final_message:
             field = continue_final_message if isinstance(continue_final_message, str) else "content"
             final_text = chat[-1].get(field)

@@ -188,7 +188,9 @@ def read_folder(folder: Path) -> TokenizerFiles:
         extra_map = special_map.get("extra_special_tokens") or special_map.get("additional_special_tokens") or []
         if isinstance(extra_map, list):
             seen = {(_as_token(t, "extra_special_tokens") or SpecialToken("")).content for t in extra}
-            extra = list(extra) + [t for t in extra_map if _as_token(t, "additional_special_tokens").content not in seen]
+            added = [t for t in extra_map
+                     if (_as_token(t, "additional_special_tokens") or SpecialToken("")).content not in seen]
+            extra = list(extra) + added
     for key, value in merged.items():
         token = _as_token(value, f"{key} in {folder.name}")
         if token is not None:

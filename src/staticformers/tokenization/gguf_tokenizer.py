@@ -74,13 +74,13 @@ def _merges(meta: dict, vocab: dict[str, int], from_scores: bool) -> list[tuple[
 def _byte_level(meta: dict) -> Tokenizer:
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
-    vocab = {}
+    vocab: dict[str, int] = {}
     for index, token in enumerate(meta["tokenizer.ggml.tokens"]):
         spelled = token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
         vocab.setdefault(spelled, index)
     tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, vocab, False), dropout=None, continuing_subword_prefix="",
                         end_of_word_suffix="", fuse_unk=False))
-    split = SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    split = SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -91,7 +91,7 @@ def _byte_level(meta: dict) -> Tokenizer:
 
 
 def _sentencepiece(meta: dict) -> Tokenizer:
-    vocab = {}
+    vocab: dict[str, int] = {}
     for index, token in enumerate(meta["tokenizer.ggml.tokens"]):
         vocab.setdefault(token, index)
     tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, vocab, True), fuse_unk=True, byte_fallback=True,
@@ -173,9 +173,10 @@ def read_gguf_tokenizer(f: GGUFFile) -> dict[str, Any]:
         backend = _phi3(meta) if arch == "phi3" else _sentencepiece(meta)
     control = _added_tokens(backend, meta, model == "gpt2")
     tokens = meta["tokenizer.ggml.tokens"]
-    special = {name: tokens[meta[f"tokenizer.ggml.{key}"]] if isinstance(meta.get(f"tokenizer.ggml.{key}"), int)
-               and 0 <= meta[f"tokenizer.ggml.{key}"] < len(tokens) else None
-               for name, key in _SPECIAL_IDS.items()}
+    special: dict[str, Any] = {
+        name: tokens[meta[f"tokenizer.ggml.{key}"]] if isinstance(meta.get(f"tokenizer.ggml.{key}"), int)
+        and 0 <= meta[f"tokenizer.ggml.{key}"] < len(tokens) else None
+        for name, key in _SPECIAL_IDS.items()}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     add_bos, add_eos = add_bos and special["bos_token"] is not None, add_eos and special["eos_token"] is not None

@@ -10,7 +10,7 @@ then the folder is renamed to `checkpoint-N` (one atomic rename on POSIX: the co
 parent fsynced. Only `checkpoint-<digits>` folders holding `trainer_state.json` count. What a killed
 save leaves is handled by `recover_leftovers` (called by the next save and by a resume), which never
 deletes the only copy of a checkpoint: a re-saved step's old folder moved aside is renamed back. Each
-moment that matters is a named fault point (`fault_points.py`) where the kill test stops the process.
+moment that matters is a named fault point (`utils/fault_points.py`) where the kill test stops the process.
 
 Resuming with `resume_from_checkpoint=True` takes the newest checkpoint that `verify_checkpoint`
 accepts (valid state, readable finite weights, undamaged .pt files) and says why it skipped newer ones.
@@ -47,7 +47,7 @@ OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 RNG_STATE = "rng_state.pth"
 TRAINING_ARGS = "training_args.json"
-DCP_FOLDER = "distributed"  # a distributed run's DCP shards of model and optimizer (distributed/trainer.py)
+DCP_FOLDER = "distributed"  # a distributed run's DCP shards of model and optimizer (training/partitioned.py)
 
 _NAME = re.compile(rf"^{PREFIX}-(\d+)$")
 

@@ -147,7 +147,8 @@ class DistributedTraining:
         scheduler_file = os.path.join(directory, ckpt.SCHEDULER)
         scheduler = load_torch_file(scheduler_file)
         check_scheduler_state(scheduler, scheduler_file, len(t.optimizer.param_groups))
-        load_checkpoint(dcp_dir, self.model, t.optimizer)  # DCP metadata unpickled safely (dcp_safety.py)
+        # DCP metadata is unpickled safely (distributed/dcp_safety.py)
+        load_checkpoint(dcp_dir, self.model, t.optimizer)
         check_optimizer_state(t.optimizer, os.path.join(dcp_dir, ".metadata"))
         apply_state(scheduler_file, "learning-rate scheduler", t.lr_scheduler.load_state_dict, scheduler)
         apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",

@@ -57,8 +57,7 @@ def file_in_folder(folder: Union[str, os.PathLike], name: object, what: str) -> 
     `what` says where the name came from ("model.safetensors.index.json of /ckpt"), for the sentence.
     The path returned is the joined one (not resolved), so messages keep the folder's spelling.
     """
-    check_name(name, what)
-    path = os.path.join(os.fspath(folder), name)
+    path = os.path.join(os.fspath(folder), check_name(name, what))
     if not is_inside(path, boundary(folder)):
         raise OutsideFolderError(
             f"{what} names {name!r}, which {'is a symbolic link that ' if os.path.islink(path) else ''}resolves "

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 THREADS_ENV = "STATICFORMERS_NUM_THREADS"
 WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # read by libgomp (torch's OpenMP on Linux) as it loads
@@ -147,7 +147,7 @@ class ThreadChoice:
         return f"{self.threads} thread(s) from {self.source} ({cpus})"
 
 
-def positive_count(text: str, what: str) -> int:
+def positive_count(text: Union[str, int], what: str) -> int:
     """A thread count given as text: a whole number of at least 1, or one sentence saying it is not."""
     try:
         value = int(str(text).strip())
@@ -170,7 +170,7 @@ def choose_threads(requested: Optional[int] = None, environ: Optional[Mapping[st
     quota = cgroup_quota() if quota == -1.0 else quota
     cpu_count = os.cpu_count() if cpu_count == -1 else cpu_count
     usable = usable_cpus(affinity, quota, cpu_count)
-    facts = dict(usable=usable, affinity=affinity, quota=quota, cpu_count=cpu_count)
+    facts: dict[str, Any] = dict(usable=usable, affinity=affinity, quota=quota, cpu_count=cpu_count)
     if requested is not None:
         return ThreadChoice(positive_count(requested, "--threads"), "--threads", **facts)
     if environ.get(THREADS_ENV, "").strip():

@@ -12,10 +12,10 @@ How a step compiles here, and why. Two roads lead from a PyTorch function to an 
   which record a graph; `torch_xla.sync()` cuts it, and XLA compiles each graph it has not seen (by
   hash). Every call re-runs the model's Python to rebuild the graph.
 
-Both give the same tokens and both compile once per shape. Measured on a tiny decoder (bench/
-generate.py --device xla, BENCHMARKS.md), the lazy road pays the model's Python on every decode step to
-rebuild and hash the graph, where openxla replays the executable; openxla is the default. Lazy tracing
-stays as the fallback for a step Dynamo cannot capture whole.
+Both give the same tokens and both compile once per shape. Measured on a tiny decoder
+(bench/generate.py --device xla, BENCHMARKS.md), the lazy road pays the model's Python on every decode
+step to rebuild and hash the graph, where openxla replays the executable; openxla is the default. Lazy
+tracing stays as the fallback for a step Dynamo cannot capture whole.
 
 What is counted. A compilation is what XLA's `UncachedCompile` counter says (`runtime.counters()`):
 each compiled function records the XLA compilations that happened inside its calls (`XLAFunction`),
