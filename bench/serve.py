@@ -29,7 +29,8 @@ ours against hf_cb and against sequential; at 1 client our TTFT against a bare `
     python bench/serve.py --device cpu --clients 1 4 8 16 --out bench/results/serve.json
 
 `--workload shared-prefix` and `--workload long-prompt` run the prefix-caching and chunked-prefill
-workloads instead (`serve_workloads.py`: our server with and without the feature, same requests).
+workloads instead (`serve_workloads.py`: our server with and without the feature, same requests);
+`--workload capacity` runs static against block KV caches in the same memory (`kv_capacity.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import kv_capacity  # noqa: E402
 from reference import report  # noqa: E402
 
 
@@ -106,6 +108,7 @@ class ServerProcess:
         argv = [sys.executable, "-m", "staticformers", "serve", folder, "--port", "0", "--device", device,
                 "--max-batch-size", str(slots), "--max-model-len", str(max_model_len), "--served-model-name", "ref",
                 "--grace", "5", *extra]
+        self.argv = argv  # the exact command, for the results
         # in this process's group: a caller that stops this benchmark's group (device_check's step limit)
         # stops the server too
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -329,12 +332,13 @@ def main(argv=None) -> None:
                    help="also run every client count with a JSON schema on every request (see the docstring)")
     p.add_argument("--rounds", type=int, default=1, help="timed passes per client count (A B, then B A, ...)")
     p.add_argument("--out", default=None)
-    p.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt"])
+    p.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "capacity"])
     p.add_argument("--system", type=int, default=1000, help="shared-prefix: the shared system prompt's tokens")
     p.add_argument("--long", type=int, default=2000, help="long-prompt: the long prompt's tokens")
     p.add_argument("--long-delay", type=float, default=1.0, help="long-prompt: seconds before it arrives")
-    p.add_argument("--max-model-len", type=int, default=2048, help="shared-prefix, long-prompt: the servers'")
+    p.add_argument("--max-model-len", type=int, default=2048, help="shared-prefix, long-prompt, capacity: the servers'")
     p.add_argument("--server-args", default="", help="more `staticformers serve` flags for every server")
+    kv_capacity.add_arguments(p)
     args = p.parse_args(argv)
     folder = build_reference(size=args.size, dtype=args.dtype)
     vocab = reference_config(args.size).vocab_size
@@ -432,7 +436,8 @@ def main(argv=None) -> None:
 
 
 def run_workload(args, folder: str, vocab: int) -> None:
-    """`--workload shared-prefix` / `long-prompt` (`serve_workloads.py`), its JSON printed and written."""
+    """`--workload shared-prefix` / `long-prompt` (`serve_workloads.py`) or `capacity` (`kv_capacity.py`), its JSON
+    printed and written."""
     import torch
 
     import serve_workloads
@@ -441,11 +446,12 @@ def run_workload(args, folder: str, vocab: int) -> None:
     base = (["--backend", args.backend] if args.backend else []) + (["--no-compile"] if args.no_compile else []) + \
         args.server_args.split()
 
-    def server(extra):
-        return ServerProcess(folder, args.device, max(args.clients), args.max_model_len, base + extra)
+    def server(extra, slots=None):
+        return ServerProcess(folder, args.device, slots or max(args.clients), args.max_model_len, base + extra)
 
     before = pressure()
-    run = serve_workloads.shared_prefix if args.workload == "shared-prefix" else serve_workloads.long_prompt
+    run = {"shared-prefix": serve_workloads.shared_prefix, "long-prompt": serve_workloads.long_prompt,
+           "capacity": lambda *a: kv_capacity.capacity(*a, client_run=http_run)}[args.workload]
     result = {"device": args.device, "size": args.size, "server_args": base, "pressure_before": before,
               **run(server, args, vocab), "pressure_after": pressure(), "torch": torch.__version__}
     report(result, args.out)

@@ -26,6 +26,15 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int:
+    from ..serving.kv_budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -104,7 +113,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-blocks", type=_positive, default=512, metavar="N",
                    help="blocks the prefix cache holds (default 512; the least recently used is evicted)")
     p.add_argument("--block-size", type=_positive, default=32, metavar="TOKENS",
-                   help="tokens per prefix-cache block (default 32)")
+                   help="tokens per block of the prefix cache and of the KV pool (default 32)")
+    p.add_argument("--num-gpu-blocks-override", type=_positive, default=None, metavar="N",
+                   help="run on a pool of N KV blocks, each request holding the blocks its tokens fill, the newest "
+                        "preempted (and later resumed) when the pool runs out; turns chunked prefill on")
+    p.add_argument("--kv-cache-memory-bytes", type=_size, default=None, metavar="SIZE",
+                   help="a KV pool of the blocks SIZE bytes hold (512MiB, 2GB): the way to size it on the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="a KV pool of F of the device's memory available after loading (a device that reports it)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM / Ctrl-C (default 30)")
 
@@ -185,5 +201,8 @@ def run(args: argparse.Namespace) -> int:
                            enable_chunked_prefill=args.enable_chunked_prefill,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_prefix_caching=args.enable_prefix_caching,
-                           prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size)
+                           prefix_cache_blocks=args.prefix_cache_blocks, block_size=args.block_size,
+                           num_gpu_blocks_override=args.num_gpu_blocks_override,
+                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
     return serve(options)

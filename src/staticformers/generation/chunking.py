@@ -98,12 +98,12 @@ def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chun
 
 def prefilling(rows: dict) -> list[int]:
     """The slots whose prompt is not all in the cache yet."""
-    return sorted(s for s, r in rows.items() if r.length < len(r.request.prompt))
+    return sorted(s for s, r in rows.items() if r.length < len(r.prompt))
 
 
 def decoding(rows: dict) -> list[int]:
     """The slots whose prompt is in the cache (they take part in decode steps)."""
-    return sorted(s for s, r in rows.items() if r.length >= len(r.request.prompt))
+    return sorted(s for s, r in rows.items() if r.length >= len(r.prompt))
 
 
 def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
@@ -115,8 +115,8 @@ def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Ten
     taken = {}
     for slot, row in rows.items():
         starts[slot, 0] = row.length  # decoding rows: their next position, written before it is read
-        if row.length < len(row.request.prompt):
-            piece = row.request.prompt[row.length:row.length + width]
+        if row.length < len(row.prompt):
+            piece = row.prompt[row.length:row.length + width]
             tokens[slot, :len(piece)] = torch.as_tensor(piece, dtype=torch.long)
             keep[slot, 0] = len(piece) - 1
             taken[slot] = len(piece)
@@ -137,7 +137,7 @@ def run_chunk(loop) -> None:
     adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
         if bank_of(engine.model) is not None else None
     slots = sorted(taken)
-    done = [s for s in slots if loop.rows[s].length + taken[s] >= len(loop.rows[s].request.prompt)]
+    done = [s for s in slots if loop.rows[s].length + taken[s] >= len(loop.rows[s].prompt)]
     try:
         pending = loop.constraints.start(done)  # the grammars' masks of the rows this chunk finishes
         with torch.no_grad():
@@ -147,8 +147,8 @@ def run_chunk(loop) -> None:
             if done:
                 index = torch.tensor(done, dtype=torch.long).to(device)
                 mine_logits = logits[:, 0].index_select(0, index)
-                choice = loop.sampler.choose(mine_logits, argmax[:, 0].index_select(0, index), done, [0] * len(done),
-                                             loop.constraints.mask(pending))
+                choice = loop.sampler.choose(mine_logits, argmax[:, 0].index_select(0, index), done,
+                                             [loop.rows[s].generated for s in done], loop.constraints.mask(pending))
                 loop.sampler.observe(done, choice.ids)
         if choice is not None:
             choice = loop._to_host(choice)

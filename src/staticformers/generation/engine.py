@@ -58,6 +58,7 @@ from ..compilation.compiler import CompiledFunction, shape_violation
 from ..backends.memory_check import check_fits
 from ..compilation.summary import cache_answers
 from ..models.hooks import forward_hook_state
+from ..models.block_kv_cache import BlockKVCache, KVBlocks
 from ..models.kv_cache import KVCache
 from ..models.linear_attention import GatedDeltaNet
 from .plan import ShapePlan
@@ -154,6 +155,8 @@ class Engine:
         self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
         self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
+        self.block_spec: Optional[tuple] = None  # (blocks, block size) when a loop asked for block caches
+        self.blocks: Optional[KVBlocks] = None  # their pool, made with the first cache (`use_blocks`)
         self.rollback = 0  # the widest verification whose linear-attention states the caches keep per position
         self.graphs: dict[tuple, Graph] = {}
         self.retired: list[dict] = []  # stats rows of steps dropped for new weights (the steps themselves are freed)
@@ -195,6 +198,7 @@ class Engine:
             f.release()
         self.graphs.clear()
         self.caches.clear()
+        self.blocks = None
         self.steps.reset()
 
     # ---- caches and steps --------------------------------------------------------------------------
@@ -214,8 +218,29 @@ class Engine:
             for m in layers:
                 m.chunk_size = chunk
 
+    def use_blocks(self, blocks: Optional[int], block_size: int = 32) -> None:
+        """Run on block caches over one pool of `blocks` blocks of `block_size` positions
+        (`models/block_kv_cache.py`), or (None) on static caches. A change drops every step and cache: a step holds
+        its cache. The pool's memory is checked now and allocated with the first cache."""
+        wanted = None if blocks is None else (int(blocks), int(block_size))
+        if wanted == self.block_spec:
+            return
+        if self.caches or self.graphs:
+            logger.info("the KV cache's kind changed: dropping graphs and caches")
+            self.reset()
+        if wanted is not None:
+            check_fits(KVBlocks.bytes_for(self.model, *wanted, self.tp), self.model.device,
+                       f"The KV block pool ({wanted[0]} blocks x {wanted[1]} positions)",
+                       "lower the number of KV blocks or the memory budget")
+        self.block_spec = wanted
+
     def cache(self, batch: int, kv: int) -> KVCache:
         cache = self.caches.get((batch, kv))
+        if cache is None and self.block_spec is not None:
+            if self.blocks is None:
+                self.blocks = KVBlocks.for_model(self.model, *self.block_spec, self.tp)
+            cache = self.caches[(batch, kv)] = BlockKVCache(self.blocks, batch, kv)
+            self.backend.flush(self.model.device)
         if cache is None:
             check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp, self.rollback), self.model.device,
                        f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")

@@ -53,6 +53,16 @@ Design choices:
   prefill-like call, interleaved with decode steps (`chunking.py`); a prompt whose first blocks were
   computed before has them copied from the device pool into its slot and prefills only the rest
   (`prefix_cache.py`).
+- **Block caches** (`kv_blocks=N`, the server's `--num-gpu-blocks-override` / `--kv-cache-memory-bytes`): the
+  cache is a view of one pool of blocks (`models/block_kv_cache.py`) and a row holds only the blocks its tokens
+  fill (`kv_blocks.py` keeps the account). Before each step every row of it gets blocks for the positions that
+  step writes and reads (`_make_room`: a decoding row its next position, or k+1 when verifying; a prefilling row
+  its next chunk), the oldest row first; when the pool runs out, the newest row is *preempted*: its blocks are
+  freed, and it waits first in the queue with its prompt and what it generated, to resume by prefilling them
+  (chunked), its sampling generator and grammar state kept, so it finishes as it would have. A request joins
+  only when its first chunk fits in the blocks the running rows' next steps leave (`_spare_blocks`: admitting
+  into blocks about to be needed would preempt it again at once). A batch moving to another shape copies table
+  rows, not keys and values. The table is data: the plan's graphs are the static cache's.
 - **Rows end, the batch stays.** A row that ends (even on its first token, while others of its prefill
   are still being emitted) only frees its slot; the batch is dropped at the end of a step that leaves
   no row running, so the next request starts from the smallest shape it needs.
@@ -74,6 +84,7 @@ from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
+from .kv_blocks import BlockAllocator, blocks_for
 from .chunking import chunk_width, decoding, positions_needed, prefilling, run_chunk
 from .plan import ShapePlan
 from .prefix_cache import PrefixCache, adapter_key
@@ -127,6 +138,16 @@ class _Row:
     last: int = 0  # the last token, fed to the next decode step
     cancelled: bool = False
     tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
+    prompt: list = field(default_factory=list)  # what its prefill runs: the request's prompt, then what it generated
+    blocks: list = field(default_factory=list)  # the pool blocks it holds (block caches), logical order
+    order: int = 0  # when it took its slot (the newest is preempted first)
+    resumed: bool = False  # preempted, then admitted again: its prompt holds its tokens (its prompt is not scored)
+    generator: Any = None  # a preempted row's sampling generator, given back when it resumes
+    grammar: Any = None  # a preempted row's grammar state (`constraints.RowConstraints.rows`), given back likewise
+
+    def __post_init__(self):
+        if not self.prompt:
+            self.prompt = list(self.request.prompt)
 
 
 def refuse_on_linear_attention(config, prefix_caching: bool) -> None:
@@ -144,11 +165,15 @@ class GenerationLoop:
     `chunked_prefill`: a chunk width C the plan declares as an extend width `(C, 1)` (True: the widest it
     declares), None: every prompt in one prefill. `prefix_caching`: keep prompt prefixes in a pool of
     `prefix_cache_blocks` blocks of `prefix_block_size` tokens (the rest of a prompt that hits runs through
-    the extend step: the plan must declare one)."""
+    the extend step: the plan must declare one). `kv_blocks`: run on block caches (`models/block_kv_cache.py`)
+    over one pool of that many blocks of `kv_block_size` positions, each row holding the blocks its tokens fill;
+    when the pool runs out, the newest row is preempted and later resumed by recomputation (None: static caches,
+    a row holding its whole need from its prefill)."""
 
     def __init__(self, engine: Engine, settings: CompileSettings, plan: Optional[ShapePlan] = None,
                  max_batch_size: Optional[int] = None, speculator=None, chunked_prefill=None,
-                 prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32):
+                 prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32,
+                 kv_blocks: Optional[int] = None, kv_block_size: int = 32):
         self.engine, self.settings = engine, settings
         refuse_on_linear_attention(engine.model.config, prefix_caching)
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
@@ -181,6 +206,37 @@ class GenerationLoop:
         self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
         self.chunks = 0  # extend steps run for chunks (reported)
         self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
+        self.blocks = self._block_allocator(kv_blocks, kv_block_size, prefix_caching)
+        self.block_size = int(kv_block_size)
+        self.preemptions = 0  # rows preempted for want of blocks (reported)
+        self._order = itertools.count()
+        engine.use_blocks(kv_blocks, kv_block_size)
+
+    def _block_allocator(self, blocks, size, prefix_caching: bool) -> Optional[BlockAllocator]:
+        """The pool's account for `kv_blocks=blocks` (None: static caches); what block caches cannot run yet is
+        refused here, one sentence each."""
+        if blocks is None:
+            return None
+        config = self.engine.model.config
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"kv_block_size={size!r} must be a positive number of positions.")
+        if getattr(config, "has_linear_attention", False):
+            raise ValueError(f"kv_blocks is not supported for {config.architecture}: its linear-attention layers keep "
+                             f"one state per request, not blocks of positions; leave kv_blocks unset.")
+        if prefix_caching:
+            raise ValueError("prefix caching copies its blocks into static cache rows and cannot run with kv_blocks "
+                             "yet: turn one of them off.")
+        if self.speculator is not None and getattr(self.speculator.proposer, "own_cache", False):
+            raise ValueError("a draft model keeps its own static cache rows, which a preempted request would lose: "
+                             "use prompt-lookup (ngram) speculation with kv_blocks, or leave kv_blocks unset.")
+        odd = [k for k in self.plan.kv_lengths if k % size]
+        if odd:
+            raise ValueError(f"kv_block_size={size} does not divide the plan's KV lengths {odd}: choose a block size "
+                             f"that divides every KV length of the plan.")
+        if not self.chunked and self.plan.prompt_lengths[-1] < self.plan.kv_lengths[-1]:
+            raise ValueError("a preempted request resumes by prefilling its prompt and what it generated, which can "
+                             "outgrow the largest prompt bucket: turn chunked prefill on with kv_blocks.")
+        return BlockAllocator(blocks)
 
     # ---- requests --------------------------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> int:
@@ -216,6 +272,10 @@ class GenerationLoop:
         need = positions_needed(self.plan, len(prompt), n, self.chunked)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
+        if self.blocks is not None and blocks_for(need, self.block_size) > self.blocks.blocks:
+            raise ValueError(f"The request needs {need} cache positions, {blocks_for(need, self.block_size)} blocks of "
+                             f"{self.block_size}, and the KV pool has {self.blocks.blocks}: lower max_new_tokens or "
+                             f"give the pool more blocks.")
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)
         return need, slot
@@ -291,20 +351,26 @@ class GenerationLoop:
             busy = bool(decoding(self.rows))
             turn = not busy or not self._last_was_prefill  # at most one prefill-like call between decode steps
             with self._mutex:
-                admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots
+                admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots and self._head_fits()
             chunk = turn and bool(prefilling(self.rows))
             if chunk and (not admit or self._chunk_turn):
-                run_chunk(self)
+                self._make_room({s: min(len(self.rows[s].prompt), self.rows[s].length + self.chunk)
+                                 for s in prefilling(self.rows)})
+                if prefilling(self.rows):
+                    run_chunk(self)
                 self._last_was_prefill, self._chunk_turn = True, False
             elif admit:
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
                     run_chunk(self)
                 self._last_was_prefill, self._chunk_turn = True, True
             elif busy:
-                if self.speculator is not None:
-                    self.speculator.decode(self)
-                else:
-                    self._decode()
+                ahead = self.speculator.width if self.speculator is not None else 1
+                self._make_room({s: self.rows[s].length + ahead for s in decoding(self.rows)})
+                if decoding(self.rows):  # none when every decoding row was preempted for another's blocks
+                    if self.speculator is not None:
+                        self.speculator.decode(self)
+                    else:
+                        self._decode()
                 self._last_was_prefill = False
             self._maybe_shrink()
         except Exception as exc:  # whatever broke, the requests it touched end with it and the loop starts clean
@@ -328,6 +394,8 @@ class GenerationLoop:
             if row.request.request_id not in ended:
                 ended.add(row.request.request_id)
                 self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
+        for row in rows:
+            self._release(row)
         self.rows.clear()
         self.cache, self.sampler, self.constraints = None, None, None
         self._last_was_prefill = False
@@ -358,7 +426,7 @@ class GenerationLoop:
     def _free(self, slot: int) -> None:
         """Give a row's slot back. The batch itself is dropped by `step` once no row is left, never here:
         rows that join in the same prefill still need it after an earlier one ends on its first token."""
-        self.rows.pop(slot)
+        self._release(self.rows.pop(slot))
         if self.sampler is not None:
             self.sampler.clear_row(slot)
         if self.constraints is not None:
@@ -371,15 +439,30 @@ class GenerationLoop:
         (`chunking.py`). Returns whether a prefill ran (False: only hits joined)."""
         with self._mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
-            joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            joining, free = [], self._spare_blocks()
+            while self.waiting and len(joining) < room:  # first come, first served, as far as the pool's blocks go
+                cost = self._first_blocks(self.waiting[0])
+                if cost > free:
+                    break
+                free -= cost
+                joining.append(self.waiting.popleft())
             self._joining = joining  # in the same critical section: `uses_adapter` never misses them
         try:
             self._own_prefixes()
             self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
-                self.sampler.set_row(slot, row.request.sampling, row.request.prompt)
+                row.order = next(self._order)
+                self.sampler.set_row(slot, row.request.sampling, row.prompt)
                 self.constraints.set_row(slot, row.request.structured_outputs, row.request.sampling.eos_token_ids)
+                if row.resumed:  # where its sampling and grammar were when it was preempted
+                    self.sampler.generators[slot] = row.generator or self.sampler.generators[slot]
+                    self.constraints.rows[slot] = row.grammar
+                if self.blocks is not None:
+                    row.blocks = self.blocks.take(self._first_blocks(row))
+            if self.blocks is not None:
+                self._write_table({**{s: r.blocks for s, r in self.rows.items()},
+                                   **{s: r.blocks for s, r in zip(slots, joining)}})
             whole, given = [], []  # the rows this prefill runs, and the tokens each one gets
             for slot, row in zip(slots, joining):
                 hit = self._match_prefix(row)
@@ -388,14 +471,12 @@ class GenerationLoop:
                     self.engine.backend.flush(self.engine.model.device)  # its own graph on a lazily traced device
                     row.length = len(hit) * self.prefix.block_size
                     continue
-                prompt = row.request.prompt
                 whole.append((slot, row))
-                scored = row.request.sampling.prompt_logprobs is not None  # scored in one prefill, never chunked
-                given.append(prompt[:self.chunk] if self.chunked and not scored else prompt)
-            done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.request.prompt)]
+                given.append(self._first_tokens(row))
+            done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
             if whole:
                 banked = bank_of(self.engine.model) is not None
-                scoring = any(r.request.sampling.prompt_logprobs is not None for _, r in whole)
+                scoring = any(self._scored(r) for _, r in whole)
                 mine = [s for s, _ in whole]
                 done_slots = [mine[i] for i in done]
                 pending = self.constraints.start(done_slots)  # filled while the prefill runs
@@ -405,12 +486,14 @@ class GenerationLoop:
                     argmax, logits = out[:2]
                     prompt_scores = self._prompt_scores([r for _, r in whole], out[2]) if scoring else \
                         [None] * len(whole)
+                    prompt_scores = [None if r.resumed else p for (_, r), p in zip(whole, prompt_scores)]
                     if len(done) < len(whole):  # rows that only started their prompt choose nothing yet
                         index = torch.tensor(done, dtype=torch.long).to(logits.device)
                         argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
                         prompt_scores = [prompt_scores[i] for i in done]
                     if done_slots:
-                        choice = self.sampler.choose(logits, argmax, done_slots, [0] * len(done_slots),
+                        choice = self.sampler.choose(logits, argmax, done_slots,
+                                                     [whole[i][1].generated for i in done],
                                                      self.constraints.mask(pending))
                         self.sampler.observe(done_slots, choice.ids)
                 if done_slots:
@@ -425,7 +508,9 @@ class GenerationLoop:
                     self.sampler.clear_row(slot)
                 if self.constraints is not None:
                     self.constraints.clear_row(slot)
-            self._events += [TokenEvent(r.request.request_id, None, 0, "error", error=exc) for r in joining]
+            for row in joining:
+                self._release(row)
+            self._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in joining]
             return True
         for i, (_, row) in enumerate(whole):  # every joining row holds its slot before any of them may end
             row.length = len(given[i])
@@ -439,6 +524,88 @@ class GenerationLoop:
             if row.request.output_logits:
                 event.logits = logits[j].clone()
         return bool(whole)
+
+    def _scored(self, row: _Row) -> bool:
+        """Whether the row's prefill scores its prompt (asked, and not a preempted row resuming: it was scored)."""
+        return row.request.sampling.prompt_logprobs is not None and not row.resumed
+
+    def _first_tokens(self, row: _Row) -> list:
+        """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
+        return row.prompt[:self.chunk] if self.chunked and not self._scored(row) else row.prompt
+
+    def _first_blocks(self, row: _Row) -> int:
+        """The pool blocks a joining row's prefill writes (0 on static caches)."""
+        return blocks_for(len(self._first_tokens(row)), self.block_size) if self.blocks is not None else 0
+
+    def _head_fits(self) -> bool:
+        """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
+        return self.blocks is None or self._first_blocks(self.waiting[0]) <= self._spare_blocks()
+
+    def _spare_blocks(self) -> int:
+        """Free blocks beyond what the running rows' next steps take (a decoding row its next positions, a
+        prefilling row its next chunk): what admission may give, so that a row it admits does not make the next step
+        preempt (admitting into blocks the running rows are about to need only to preempt it again thrashes)."""
+        if self.blocks is None:
+            return 0
+        ahead = self.speculator.width if self.speculator is not None else 1
+        needed = 0
+        for row in self.rows.values():
+            upto = row.length + ahead if row.length >= len(row.prompt) else min(len(row.prompt), row.length + self.chunk)
+            upto = min(upto, self.cache.max_length) if self.cache is not None else upto
+            needed += max(blocks_for(upto, self.block_size) - len(row.blocks), 0)
+        return self.blocks.free - needed
+
+    # ---- blocks ------------------------------------------------------------------------------------
+    def _make_room(self, wants: dict) -> None:
+        """Give each row in `wants` {slot: positions} blocks for its positions `0..n-1` (up to the cache's length),
+        oldest row first, preempting the newest running rows while the pool lacks blocks (nothing on static
+        caches)."""
+        if self.blocks is None:
+            return
+        changed = False
+        for slot in sorted(wants, key=lambda s: self.rows[s].order):
+            if slot not in self.rows:  # preempted for an older row
+                continue
+            row = self.rows[slot]
+            more = blocks_for(min(wants[slot], self.cache.max_length), self.block_size) - len(row.blocks)
+            while more > self.blocks.free and slot in self.rows:
+                self._preempt(max(self.rows, key=lambda s: self.rows[s].order))
+            if slot in self.rows and more > 0:
+                row.blocks += self.blocks.take(more)
+                changed = True
+        if changed:
+            self._write_table({s: r.blocks for s, r in self.rows.items()})
+
+    def _preempt(self, slot: int) -> None:
+        """Take the row's slot and blocks and queue it first: it resumes by prefilling its prompt and what it
+        generated (its sampling generator and grammar state kept), and goes on as if it had never stopped."""
+        row = self.rows[slot]
+        row.generator = self.sampler.generators[slot] if self.sampler is not None else None
+        row.grammar = self.constraints.rows[slot] if self.constraints is not None else None
+        self._free(slot)
+        row.prompt = list(row.request.prompt) + row.tokens
+        row.length, row.resumed = 0, bool(row.generated)
+        with self._mutex:
+            self.waiting.appendleft(row)
+        self.preemptions += 1
+        logger.debug("preempted request %r for want of KV blocks", row.request.request_id)
+
+    def _release(self, row: _Row) -> None:
+        """Give the row's blocks back to the pool."""
+        if self.blocks is not None and row.blocks:
+            self.blocks.give_back(row.blocks)
+        row.blocks = []
+
+    def _write_table(self, rows: dict) -> None:
+        """The block cache's table from `rows` {slot: blocks}; every other row's entries the null block. Its own graph
+        on a lazily traced device (flushed), not part of the next step's."""
+        self.cache.write_table(rows)
+        self.engine.backend.flush(self.engine.model.device)
+
+    @property
+    def blocks_used(self) -> int:
+        """Pool blocks the rows hold (0 on static caches)."""
+        return self.blocks.used if self.blocks is not None else 0
 
     def _own_prefixes(self) -> None:
         """Before a prefill or chunk matches or stores prefixes: empty the pool if the weights changed (once per
@@ -608,7 +775,7 @@ class GenerationLoop:
     def _move(self, batch: int, kv: int, src: list, dst: list) -> None:
         target = self.engine.cache(batch, kv)
         if src:
-            device = target.keys[0].device
+            device = target.tensors[0].device
             target.copy_rows(self.cache, torch.tensor(src, device=device), torch.tensor(dst, device=device))
         self.sampler.resize(batch, src, dst)
         self.constraints.resize(batch, src, dst)
@@ -616,6 +783,11 @@ class GenerationLoop:
         logger.debug("batch moved from %s to %s", self.cache.shape, target.shape)
         self.cache = target
         self.moves += 1
+        if self.blocks is not None:  # the target's other rows may hold another batch's entries
+            self._write_table({s: r.blocks for s, r in self.rows.items()})
+        # the copy is a graph of its own on a lazily traced device, not part of the next step's (which compiled a
+        # second graph for its shape after a move down)
+        self.engine.backend.flush(self.engine.model.device)
 
 
 __all__ = ["GenerationLoop", "GenerationRequest", "TokenEvent"]

@@ -88,6 +88,7 @@ class EngineThread:
         self._graphs = loop.engine.graph_count()
         self._spec: dict = {}  # speculative decoding's counters as last reported
         self._prefix = (0, 0)  # the prefix cache's queries and hits already counted
+        self._preempted = 0  # the loop's preemptions already counted
         if metrics is not None and self._graphs:  # "since start": what --precompile compiled counts too
             metrics.graphs.inc(self._graphs)
         self.thread = threading.Thread(target=self._run, name="staticformers-engine", daemon=True)
@@ -217,6 +218,11 @@ class EngineThread:
             m.running.set(self.loop.running)
             m.waiting.set(self.waiting)
             m.padding.set(self.loop.padding_slots)
+            blocks = getattr(self.loop, "blocks", None)  # block caches: the pool's use and preemptions
+            if blocks is not None:
+                m.kv_usage.set(blocks.used / blocks.blocks)
+                m.preemptions.inc(self.loop.preemptions - self._preempted)
+                self._preempted = self.loop.preemptions
             prefix = getattr(self.loop, "prefix", None)
             if prefix is not None:  # tokens, as vLLM counts them
                 m.prefix_queries.inc(prefix.queries - self._prefix[0])

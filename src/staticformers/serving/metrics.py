@@ -23,6 +23,14 @@ _SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 class RequestMetrics:
     """The per-request metrics of one served name (the base model's, or an adapter's)."""
 
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    disconnects: Counter
+    errors: Counter
+
     def __init__(self, families: dict, name: str):
         self.name = name
         for key in ("ttft", "itl", "e2e", "prompt_tokens", "generation_tokens", "disconnects", "errors"):
@@ -59,6 +67,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests holding a decode slot.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
         self.padding = gauge("num_slots_padding", "Slots of the current decode batch that carry no request.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the KV pool's blocks that requests hold (block caches).")
+        self.preemptions = counter("num_preemptions_total", "Requests preempted for want of KV blocks (resumed later).")
         gauge("structured_mask_seconds", "Host seconds spent filling grammar masks (structured outputs) since start."
               ).set_function(lambda: MASK_TIME["seconds"])
         gauge("structured_mask_steps", "Steps (prefills and decodes) that filled a grammar mask since start."

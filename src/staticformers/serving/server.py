@@ -65,7 +65,16 @@ class ServeOptions:
     max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: the chunk width times the largest batch
     enable_prefix_caching: bool = False  # prompt prefixes' keys and values kept and copied into joining rows
     prefix_cache_blocks: int = 512  # the pool's blocks (least recently used evicted)
-    block_size: int = 32  # tokens per prefix block
+    block_size: int = 32  # tokens per block (prefix blocks, KV blocks)
+    num_gpu_blocks_override: Optional[int] = None  # KV blocks of the pool (block caches); see `kv_budget.py`
+    kv_cache_memory_bytes: Optional[int] = None  # the pool's byte budget
+    gpu_memory_utilization: Optional[float] = None  # the pool's share of the device's available memory
+
+    @property
+    def block_caches(self) -> bool:
+        """Whether the KV cache is a pool of blocks (one of its three sizes given)."""
+        return any(v is not None for v in (self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
+                                           self.gpu_memory_utilization))
 
 
 def sampling_defaults(model) -> dict:
@@ -127,7 +136,7 @@ def serving_plan(model, options: ServeOptions):
 
     plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
     plan = plan.bind(model.config.max_position_embeddings)
-    if options.enable_chunked_prefill or options.enable_prefix_caching:
+    if options.enable_chunked_prefill or options.enable_prefix_caching or options.block_caches:
         from ..generation.chunking import serving_chunk
 
         plan = plan.with_extend_widths((serving_chunk(plan, options.max_num_batched_tokens), 1))
@@ -176,6 +185,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     from ..api.generate import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
+    from .kv_budget import kv_blocks
 
     plan = plan or serving_plan(model, options)
     config = GenerationConfig(disable_compile=options.no_compile)
@@ -185,15 +195,19 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         plan = speculator.plan_for(plan)  # its verify step is a shape of the plan, precompiled with the rest
     engine = engine_for(model, plan)
     settings = compile_settings(model, config, compile_config)
+    blocks = kv_blocks(model, options.num_gpu_blocks_override, options.kv_cache_memory_bytes,
+                       options.gpu_memory_utilization, options.block_size, engine.tp)
+    engine.use_blocks(blocks, options.block_size)  # before the warm-up: its steps hold their caches
     if precompiles(engine.backend, options) and settings.enabled:
         engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
         draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
         if draft is not None:
             draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
     return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size, speculator=speculator,
-                          chunked_prefill=True if options.enable_chunked_prefill else None,  # the plan's width
+                          # the plan's width; block caches resume a preempted request in chunks
+                          chunked_prefill=True if options.enable_chunked_prefill or blocks else None,
                           prefix_caching=options.enable_prefix_caching, prefix_cache_blocks=options.prefix_cache_blocks,
-                          prefix_block_size=options.block_size)
+                          prefix_block_size=options.block_size, kv_blocks=blocks, kv_block_size=options.block_size)
 
 
 def speculative(model, options: ServeOptions, config, compile_config):

@@ -42,6 +42,8 @@ class DraftModel:
     """The draft-model proposer (see the module docstring): `engine` the draft's Engine, `settings` its
     compile settings, `k` the tokens it proposes per step."""
 
+    own_cache = True  # it keeps its own static cache rows per target row (a loop on block caches refuses it)
+
     deterministic = False
 
     def __init__(self, engine, settings, k: int):
