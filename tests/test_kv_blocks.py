@@ -1,10 +1,13 @@
-"""Block KV caches (`kv_blocks`): each request holds the pool blocks its tokens fill, read through a block table.
+"""Block KV caches (`kv_blocks`): each request holds the pool blocks its tokens fill, read through a block table,
+and with prefix caching shares the cached blocks of its prompt's prefix.
 
 Checked against full forwards without any cache (greedy tokens) and against the loop on static caches: mixed
 traffic with chunks and speculation, a pool so small that rows are preempted and resumed by recomputation
 (greedy and seeded sampling finish identically), latent attention, the pool never leaking a block (checked after
 every step), no graph compiled after warm-up, more rows running than static caches of the same bytes hold, and
-every refusal in one sentence."""
+every refusal in one sentence. Prefix caching by sharing: hits, misses and partial hits give the tokens of no
+caching, a hit copies nothing and compiles nothing, blocks two rows share are counted once, an adapter's prefix
+serves neither the base nor another adapter, and an adapter reloaded under its name answers as the new one."""
 
 from __future__ import annotations
 
@@ -64,9 +67,10 @@ def run(loop, arrivals: dict, max_steps: int = 5_000) -> dict:
         for event in loop.step():
             assert event.error is None, event.error
             out.setdefault(event.request_id, []).append(event.token)
-        held = [b for r in loop.rows.values() for b in r.blocks]
-        assert len(held) == len(set(held)) == loop.blocks_used, "a block leaked or is held twice"
-        assert all(not r.blocks for r in loop.waiting)
+        if loop.blocks is not None:
+            held = [b for r in loop.rows.values() for b in r.blocks]
+            assert len(held) == loop.blocks.references and len(set(held)) == loop.blocks_used, "a block leaked"
+            assert all(not r.blocks for r in loop.waiting)
         loop.most_running = max(loop.most_running, loop.running)
         step += 1
         assert step < max_steps
@@ -162,13 +166,18 @@ def test_speculation_runs_on_block_caches(qwen3):
         assert got[i] == greedy(model, p, 30), i
 
 
-def test_random_traffic_with_cancels_and_preemption(qwen3):
-    """Random joins, cancels and lengths on a pool that runs out: every request that is not cancelled gets its
-    greedy tokens; a cancelled one gets a prefix of them; nothing leaks (checked after every step)."""
+@pytest.mark.parametrize("shared", [False, True], ids=["no-prefix-caching", "prefix-caching"])
+def test_random_traffic_with_cancels_and_preemption(qwen3, shared):
+    """Random joins, cancels and lengths on a pool that runs out (with prefix caching, half the prompts share a
+    32-token start): every request that is not cancelled gets its greedy tokens; a cancelled one gets a prefix of
+    them; nothing leaks (checked after every step)."""
     model, engine, settings = qwen3
     rng = random.Random(7)
-    pool = [(p, greedy(model, p, 40)) for p in prompts([3, 14, 26, 41, 60], seed=5)]
-    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=12, kv_block_size=BLOCK)
+    system = tokens(32, 9)
+    starts = prompts([3, 14, 26, 41, 60], seed=5) + [system + p for p in prompts([2, 9, 20], seed=6)]
+    pool = [(p, greedy(model, p, 40)) for p in starts]
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=12, kv_block_size=BLOCK,
+                          prefix_caching=shared)
     wanted, got, cancelled, step, rid = {}, {}, set(), 0, 0
     held_counts = []
     while step < 400 or not loop.idle:
@@ -186,17 +195,18 @@ def test_random_traffic_with_cancels_and_preemption(qwen3):
             assert event.error is None, event.error
             got.setdefault(event.request_id, []).append(event.token)
         held = [b for r in loop.rows.values() for b in r.blocks]
-        assert len(held) == len(set(held)) == loop.blocks_used
+        assert len(held) == loop.blocks.references and len(set(held)) == loop.blocks_used
         held_counts.append(loop.blocks_used)
         step += 1
         assert step < 5_000
     assert loop.blocks_used == 0 and loop.preemptions > 0 and max(held_counts) <= 12
+    assert not shared or loop.prefix_counts()[1] > 0
     for r, answer in wanted.items():
-        tokens = got.get(r, [])
+        have = got.get(r, [])
         if r in cancelled:
-            assert tokens == answer[:len(tokens)], r
+            assert have == answer[:len(have)], r
         else:
-            assert tokens == answer, r
+            assert have == answer, r
 
 
 def test_nothing_compiles_after_warm_up_under_joins_moves_and_preemption(qwen3):
@@ -269,8 +279,6 @@ def test_refusals_in_one_sentence(qwen3, tiny_checkpoints):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=0)
     with pytest.raises(ValueError, match="kv_block_size=48 does not divide the plan's KV lengths"):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=8, kv_block_size=48)
-    with pytest.raises(ValueError, match="prefix caching .* cannot run with kv_blocks"):
-        GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=8, prefix_caching=True)
     with pytest.raises(ValueError, match="turn chunked prefill on with kv_blocks"):
         GenerationLoop(engine, settings, kv_blocks=8, kv_block_size=BLOCK)
     loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=3, kv_block_size=BLOCK)
@@ -281,3 +289,135 @@ def test_refusals_in_one_sentence(qwen3, tiny_checkpoints):
     hybrid_engine = engine_for(hybrid, plan())
     with pytest.raises(ValueError, match="linear-attention layers keep one state per request"):
         GenerationLoop(hybrid_engine, settings, chunked_prefill=CHUNK, kv_blocks=8, kv_block_size=BLOCK)
+
+
+def tokens(n, seed, vocab=128):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def one_by_one(loop, requests) -> dict:
+    """Each request alone, in order, on the same loop (its cached blocks left by the ones before)."""
+    out = {}
+    for r in requests:
+        out.update(run(loop, {0: [r]}))
+    return out
+
+
+def sharing(engine, settings, blocks=64, **kw):
+    return GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, kv_blocks=blocks,
+                          kv_block_size=8, **kw)
+
+
+def test_prefix_hits_share_blocks_and_give_the_tokens_of_no_caching(qwen3):
+    """Misses, hits and partial hits (blocks of 8) one after another, greedy and seeded: the tokens of no caching,
+    counted as vLLM counts (prompt tokens looked up and found); a hit adds no graph."""
+    model, engine, settings = qwen3
+    system = tokens(40, 0)
+    prompts = [system + tokens(5, 1), system + tokens(10, 2), system[:20] + tokens(10, 3), tokens(20, 4),
+               system + tokens(5, 1), system]
+
+    def requests():
+        return [GenerationRequest(p, 6, SamplingParams(do_sample=True, temperature=0.8, top_k=30, seed=11 + i)
+                                  if i % 2 else SamplingParams(), request_id=i) for i, p in enumerate(prompts)]
+
+    plain = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK), requests())
+    loop = sharing(engine, settings)
+    warm = one_by_one(sharing(engine, settings), requests())
+    graphs = engine.graph_count()
+    assert one_by_one(loop, requests()) == warm == plain
+    assert engine.graph_count() == graphs
+    assert loop.prefix_counts() == (45 + 50 + 30 + 20 + 45 + 40, 0 + 40 + 16 + 0 + 40 + 32)
+    assert loop.blocks.cached > 0 and loop.blocks.used == 0
+
+
+def test_rows_running_together_hold_one_copy_of_their_shared_prefix(qwen3):
+    """Three requests with a 64-token system prompt, the second and third arriving once the first's prompt is in:
+    while they run, the prefix's 8 blocks are held by all three (references counted per row, blocks once)."""
+    model, engine, settings = qwen3
+    system = tokens(64, 5)
+    prompts = [system + tokens(3, 6 + i) for i in range(3)]
+    loop = sharing(engine, settings)
+    arrivals = {0: [GenerationRequest(prompts[0], 30, request_id=0)],
+                6: [GenerationRequest(p, 20, request_id=i + 1) for i, p in enumerate(prompts[1:])]}
+    most_shared = 0
+    out, step = {}, 0
+    while arrivals or not loop.idle:
+        for r in arrivals.pop(step, []):
+            loop.add(r)
+        for e in loop.step():
+            out.setdefault(e.request_id, []).append(e.token)
+        most_shared = max(most_shared, loop.blocks.references - loop.blocks.used)
+        step += 1
+    assert most_shared >= 2 * 8
+    for i, p in enumerate(prompts):
+        assert out[i] == greedy(model, p, 30 if i == 0 else 20), i
+    assert loop.prefix_counts()[1] == 2 * 64
+
+
+def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter(tiny_checkpoints, tmp_path):
+    """Adapters a and b (the same weights under two names), the base, then a reloaded under its name from other
+    files: an adapter's cached prefix serves neither the base nor the other adapter, and after the reload a's
+    answer is the new adapter's, not one computed from the old one's cached keys and values."""
+    from staticformers import LoraConfig
+
+    path = tiny_checkpoints("qwen3")
+    folders = {}
+    for name, seed in (("old", 1), ("new", 2)):
+        donor = AutoModelForCausalLM.from_pretrained(path)
+        torch.manual_seed(seed)
+        donor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
+                                     init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in donor.named_parameters():
+                if "lora_B" in n:
+                    p.mul_(4.0)
+        folders[name] = tmp_path / name
+        donor.save_pretrained(folders[name])
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.load_adapter(str(folders["old"]), adapter_name="a")
+    model.load_adapter(str(folders["old"]), adapter_name="b")
+    model.enable_adapter_batching(max_adapters=2)
+    engine = engine_for(model, plan())
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    system = tokens(40, 30)
+    order = [("a", 1), ("__base__", 2), ("b", 3), ("a", 4), ("__base__", 5)]
+
+    def requests():
+        return [GenerationRequest(system + tokens(4, s), 5, request_id=i, adapter=name)
+                for i, (name, s) in enumerate(order)]
+
+    plain = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK), requests())
+    assert plain[0] != plain[1]  # the adapter changes the tokens
+    loop = sharing(engine, settings)
+    hits = []
+    for r in requests():
+        before = loop.prefix_counts()[1]
+        assert one_by_one(loop, [r]) == {r.request_id: plain[r.request_id]}
+        hits.append(loop.prefix_counts()[1] - before)
+    assert hits == [0, 0, 0, 40, 40]  # a, base and b each computed their own; a and base then hit their own
+    from staticformers.adapters.bank import bank_of
+
+    bank_of(model).load("a", str(folders["new"]))  # reloaded under its name, in place
+    again = GenerationRequest(system + tokens(4, 1), 5, request_id="again", adapter="a")
+    got = one_by_one(loop, [again])["again"]
+    fresh = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK),
+                       [GenerationRequest(system + tokens(4, 1), 5, request_id="again", adapter="a")])["again"]
+    assert got == fresh != plain[0]
+
+
+def test_new_weights_drop_the_cached_keys(qwen3):
+    model, engine, settings = qwen3
+    system = tokens(40, 40)
+    loop = sharing(engine, settings)
+    one_by_one(loop, [GenerationRequest(system + [3], 2)])
+    assert loop.blocks.cached == 5
+    original = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.5)  # in place: the version counter moves
+        changed = one_by_one(loop, [GenerationRequest(system + [4], 3, request_id="x")])
+        assert loop.prefix_counts()[1] == 0
+        assert changed["x"] == greedy(model, system + [4], 3)
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(original)

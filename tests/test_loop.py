@@ -58,7 +58,7 @@ def test_every_prompt_length_up_to_the_models_positions_runs(short_model):
                              compile_config=EAGER)
         assert out[0, n:].tolist() == hf_greedy(hf, prompt, 256 - n), n
     engine = engine_for(model)
-    assert {k for k, _ in engine.caches} == {1} and {kv for _, kv in engine.caches} <= {256}
+    assert {k for k, _, _ in engine.caches} == {1} and {kv for _, kv, _ in engine.caches} <= {256}
     with pytest.raises(PlanError, match=r"197 tokens and max_new_tokens=60: 257 positions exceed max_model_len=256"):
         model.generate(torch.tensor([prompts([197])[0]]), max_new_tokens=60)
 

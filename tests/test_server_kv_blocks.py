@@ -82,6 +82,29 @@ def test_concurrent_answers_on_a_small_pool_equal_generate(model, folder):
         server.stop()
 
 
+def test_prefix_caching_shares_the_pools_blocks(model, folder):
+    """--enable-prefix-caching on a block pool: a second request that starts like the first finds its prefix's
+    blocks (counted on /metrics in prompt tokens, as vLLM counts), and both answers equal `generate()`'s."""
+    tok = AutoTokenizer.from_pretrained(folder)
+    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4, block_size=16,
+                        num_gpu_blocks_override=32, enable_prefix_caching=True)
+    server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+        system = " ".join(["The for statement iterates over the items of any sequence"] * 6)
+        for question in (" Lists hold", " Sets of"):
+            ids = tok(system + question)["input_ids"]
+            want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, compile_config=EAGER,
+                                  eos_token_id=None)[0, len(ids):].tolist()
+            r = client.completions.create(model="tiny", prompt=system + question, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
+        assert metric(server.url, "prefix_cache_hits_total") >= 16
+    finally:
+        server.stop()
+
+
 def test_the_pool_sizes(model):
     per_block = 16 * KVBlocks.bytes_for(model, 0, 1)  # one position's bytes, null block aside: (0 + 1) x 1
     assert kv_blocks(model, 9, None, None, 16) == 9

@@ -1,7 +1,8 @@
 """Adapters loaded at run time with prefix caching on: an adapter unloaded and loaded again under the same
 name from other files answers a prompt cached under the old one exactly as a fresh engine holding only the
 new adapter does (the bank rewrites the same slot in place, so the prefix cache's key holds each load's
-number and the old load's blocks are freed), and the reserved name `__base__` is refused (it means the base
+number and the old load's blocks are freed; with a KV block pool the shared blocks' keys are dropped), and the
+reserved name `__base__` is refused (it means the base
 model: requests naming it would get no adapter). One server for the module."""
 
 from __future__ import annotations
@@ -49,11 +50,13 @@ def folders(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(folders):
+@pytest.fixture(scope="module", params=["copied", "shared"])
+def server(folders, request):
+    """The prefix cache copying its blocks into static rows, or sharing the blocks of a KV block pool."""
+    blocks = 32 if request.param == "shared" else None
     opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=2,
                         max_model_len=64, enable_lora_runtime_updates=True, lora_root=str(Path(folders["base"]).parent),
-                        max_loras=2, enable_prefix_caching=True, block_size=8)
+                        max_loras=2, enable_prefix_caching=True, block_size=8, num_gpu_blocks_override=blocks)
     model, tok = load(opts)
     s = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
     s.start()
@@ -94,6 +97,11 @@ def hits(server) -> float:
     raise AssertionError("prefix_cache_hits_total is not on /metrics")
 
 
+def cached_blocks(loop) -> int:
+    """Blocks the prefix cache holds: the copy pool's, or the block pool's registered ones."""
+    return loop.blocks.cached if loop.share else loop.prefix.used
+
+
 def test_an_adapter_reloaded_under_its_name_answers_as_the_new_adapter(server, folders):
     old, new = fresh_tokens(folders, "old", 6), fresh_tokens(folders, "new", 6)
     assert text(server, old) != text(server, new)  # the two adapters answer differently
@@ -103,13 +111,13 @@ def test_an_adapter_reloaded_under_its_name_answers_as_the_new_adapter(server, f
         assert answer(server, "x") == text(server, old)
         assert answer(server, "x") == text(server, old)  # from the pool this time
         assert hits(server) == first + 48
-        pool = server.state.engine.loop.prefix
-        cached = pool.used
+        loop = server.state.engine.loop
+        cached = cached_blocks(loop)
         assert post(server, "/v1/unload_lora_adapter", {"lora_name": "x"}).status_code == 200
         assert post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": folders["new"]}).status_code == 200
         assert answer(server, "x") == text(server, new)  # no block of the old load matched
         assert hits(server) == first + 48
-        assert pool.used == cached  # the old load's 6 blocks were freed, the new load's 6 stored
+        assert cached_blocks(loop) == cached  # the old load's 6 blocks were freed, the new load's 6 stored
         assert answer(server, "x") == text(server, new)  # the new load's own blocks
         assert hits(server) == first + 96
     finally:

@@ -155,8 +155,8 @@ class Engine:
         self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
         self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
-        self.block_spec: Optional[tuple] = None  # (blocks, block size) when a loop asked for block caches
-        self.blocks: Optional[KVBlocks] = None  # their pool, made with the first cache (`use_blocks`)
+        self.block_spec: Optional[tuple] = None  # (blocks, block size) while a loop runs on block caches
+        self.pools: dict[tuple, KVBlocks] = {}  # each block spec's pool, made with its first cache (`use_blocks`)
         self.rollback = 0  # the widest verification whose linear-attention states the caches keep per position
         self.graphs: dict[tuple, Graph] = {}
         self.retired: list[dict] = []  # stats rows of steps dropped for new weights (the steps themselves are freed)
@@ -198,7 +198,7 @@ class Engine:
             f.release()
         self.graphs.clear()
         self.caches.clear()
-        self.blocks = None
+        self.pools.clear()
         self.steps.reset()
 
     # ---- caches and steps --------------------------------------------------------------------------
@@ -219,39 +219,42 @@ class Engine:
                 m.chunk_size = chunk
 
     def use_blocks(self, blocks: Optional[int], block_size: int = 32) -> None:
-        """Run on block caches over one pool of `blocks` blocks of `block_size` positions
-        (`models/block_kv_cache.py`), or (None) on static caches. A change drops every step and cache: a step holds
-        its cache. The pool's memory is checked now and allocated with the first cache."""
+        """Run the next steps on block caches over one pool of `blocks` blocks of `block_size` positions
+        (`models/block_kv_cache.py`), or (None) on static caches. Caches and steps of each kind are kept apart
+        (their keys hold the spec), so a loop of one kind after a loop of the other compiles nothing it compiled
+        before. A pool's memory is checked the first time its spec is asked for and allocated with its first
+        cache."""
         wanted = None if blocks is None else (int(blocks), int(block_size))
-        if wanted == self.block_spec:
-            return
-        if self.caches or self.graphs:
-            logger.info("the KV cache's kind changed: dropping graphs and caches")
-            self.reset()
-        if wanted is not None:
+        if wanted is not None and wanted not in self.pools and wanted != self.block_spec:
             check_fits(KVBlocks.bytes_for(self.model, *wanted, self.tp), self.model.device,
                        f"The KV block pool ({wanted[0]} blocks x {wanted[1]} positions)",
                        "lower the number of KV blocks or the memory budget")
         self.block_spec = wanted
 
+    @property
+    def blocks(self) -> Optional[KVBlocks]:
+        """The pool of the current block spec (None on static caches, or before its first cache)."""
+        return self.pools.get(self.block_spec) if self.block_spec is not None else None
+
     def cache(self, batch: int, kv: int) -> KVCache:
-        cache = self.caches.get((batch, kv))
+        cache = self.caches.get((batch, kv, self.block_spec))
         if cache is None and self.block_spec is not None:
-            if self.blocks is None:
-                self.blocks = KVBlocks.for_model(self.model, *self.block_spec, self.tp)
-            cache = self.caches[(batch, kv)] = BlockKVCache(self.blocks, batch, kv)
+            pool = self.pools.get(self.block_spec)
+            if pool is None:
+                pool = self.pools[self.block_spec] = KVBlocks.for_model(self.model, *self.block_spec, self.tp)
+            cache = self.caches[(batch, kv, self.block_spec)] = BlockKVCache(pool, batch, kv)
             self.backend.flush(self.model.device)
         if cache is None:
             check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp, self.rollback), self.model.device,
                        f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
-            cache = self.caches[(batch, kv)] = KVCache.for_model(self.model, batch, kv, self.tp, self.rollback)
+            cache = self.caches[(batch, kv, None)] = KVCache.for_model(self.model, batch, kv, self.tp, self.rollback)
             self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
 
     def step(self, kind: str, batch: int, dim, settings: CompileSettings) -> Graph:
         """The step of `kind` for `[batch, dim]` (prefill: dim = prompt bucket; decode: the KV length;
         extend: `(K, T, n)`, the KV length, tokens per row and kept positions)."""
-        key = (kind, batch, dim, settings)
+        key = (kind, batch, dim, settings, self.block_spec)
         g = self.graphs.get(key)
         if g is None:
             step = self.steps.build(kind, batch, dim, settings, self._context)
@@ -381,7 +384,7 @@ class Engine:
 
     def warm(self, kind: str, batch: int, dim, settings: CompileSettings) -> bool:
         """Whether the step of this shape exists and has run (its graphs are built)."""
-        g = self.graphs.get((kind, batch, dim, settings))
+        g = self.graphs.get((kind, batch, dim, settings, self.block_spec))
         return g is not None and g.step is not None and (not settings.enabled or g.step.first_call_seconds > 0
                                                          or g.calls > 0)
 

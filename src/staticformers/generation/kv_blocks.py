@@ -5,14 +5,23 @@ as a row writes positions and come back when it ends or is preempted. This file 
 from the device pool, so that the loop (`loop.py`) asks one question before each step ("can every row of this
 step have blocks for the positions it will write and read?") and a test can check that no block ever leaks.
 
-- `BlockAllocator(blocks)`: blocks `1..blocks` (block 0 is the pool's null block), handed out lowest first
-  and taken back in any order.
+- `BlockAllocator(blocks)`: blocks `1..blocks` (block 0 is the pool's null block), each held by a number of
+  rows (its reference count): handed out lowest first, taken back in any order.
+- **Prefix caching by sharing.** A full block of a prompt can be *registered* under its chained key
+  (`prefix_cache.block_keys`: the adapter and its load, and every token before it, are in the key). A joining
+  prompt whose first blocks' keys are registered holds those very blocks (`match`: their count goes up): no
+  copy, no graph. A registered block nobody holds stays cached, in least-recently-used order, and is handed
+  out again (its key dropped) only when no never-used block is left. A row gives its blocks back tail first, so
+  a chain's last blocks are evicted before its first. `retire` drops the keys of adapter loads the bank no
+  longer holds, `forget` every key (new weights).
 - `blocks_for(positions, block_size)`: how many blocks hold `positions` positions.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -21,38 +30,133 @@ def blocks_for(positions: int, block_size: int) -> int:
 
 
 class BlockAllocator:
-    """The free blocks of a pool of `blocks` usable blocks (numbered from 1) and how many are held."""
+    """The blocks of a pool of `blocks` usable blocks (numbered from 1): who holds them, and which are cached."""
 
     def __init__(self, blocks: int):
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
             raise ValueError(f"kv_blocks={blocks!r} must be a positive number of blocks.")
         self.blocks = blocks
-        self._free = list(range(1, blocks + 1))  # a heap: the lowest free block first
-        self._held: set[int] = set()
+        self._fresh = list(range(1, blocks + 1))  # a heap: never used, or used and not cached
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # cached, held by no row: least recent first
+        self._refs: dict[int, int] = {}  # held block -> rows holding it
+        self._index: dict[bytes, int] = {}  # key -> the cached block
+        self._keys: dict[int, tuple] = {}  # cached block -> (key, tag)
+        self.queries = self.hits = 0  # prompt tokens looked up, and found cached (as vLLM counts them)
+        self.evictions = 0
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Blocks a `take` may hand out: never used, or cached and held by no row."""
+        return len(self._fresh) + len(self._cached_free)
 
     @property
     def used(self) -> int:
-        return len(self._held)
+        """Blocks some row holds."""
+        return len(self._refs)
+
+    @property
+    def references(self) -> int:
+        """Rows holding blocks, counted per block (a block two rows share counts twice)."""
+        return sum(self._refs.values())
+
+    @property
+    def cached(self) -> int:
+        """Blocks registered under a key (held or not)."""
+        return len(self._index)
 
     def take(self, n: int) -> list[int]:
-        """`n` free blocks, now held; refuses (ValueError) when fewer are free: ask `free` first."""
-        if n > len(self._free):
-            raise ValueError(f"{n} blocks asked, {len(self._free)} free.")
-        out = [heapq.heappop(self._free) for _ in range(n)]
-        self._held.update(out)
+        """`n` blocks, now held once each: never-used ones first, then the least recently used cached ones (their
+        keys dropped). Refuses (ValueError) when fewer are free: ask `free` first."""
+        if n > self.free:
+            raise ValueError(f"{n} blocks asked, {self.free} free.")
+        out = []
+        for _ in range(n):
+            if self._fresh:
+                block = heapq.heappop(self._fresh)
+            else:
+                block, _ = self._cached_free.popitem(last=False)
+                self._unregister(block)
+                self.evictions += 1
+            self._refs[block] = 1
+            out.append(block)
         return out
 
-    def give_back(self, blocks: list[int]) -> None:
-        """Blocks no longer held; a block given back twice, or never taken, is refused."""
-        for b in blocks:
-            if b not in self._held:
+    def give_back(self, blocks: Sequence[int]) -> None:
+        """One row's hold on each of `blocks` ends, the last block first; a block held by no row is refused. A
+        block nobody holds any more stays cached if it is registered, else it is free again."""
+        for b in reversed(list(blocks)):
+            if b not in self._refs:
                 raise ValueError(f"Block {b} was given back but is not held.")
-            self._held.discard(b)
-            heapq.heappush(self._free, b)
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            del self._refs[b]
+            if b in self._keys:
+                self._cached_free[b] = None
+            else:
+                heapq.heappush(self._fresh, b)
+
+    # ---- sharing ---------------------------------------------------------------------------------------
+    def match(self, keys: Sequence[bytes], tokens: int, block_size: int) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (a prompt's full blocks, at most as many as leave one
+        of its `tokens` to compute), now held once more each (`count_query` counts the lookup)."""
+        usable = max(tokens - 1, 0) // block_size
+        found = []
+        for key in keys[:usable]:
+            block = self._index.get(key)
+            if block is None:
+                break
+            found.append(block)
+        for b in found:
+            if b in self._cached_free:
+                del self._cached_free[b]
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+        return found
+
+    def count_query(self, tokens: int, hit: int) -> None:
+        """Count a prompt of `tokens` tokens looked up, `hit` of them found (once it is admitted)."""
+        self.queries += tokens
+        self.hits += hit
+
+    def register(self, blocks: Sequence[int], keys: Sequence[bytes], tag: Any = None) -> int:
+        """Cache held blocks under the keys of the full blocks they hold (`blocks[j]` under `keys[j]`); a key
+        another block is cached under already keeps that one. `tag`: what `retire` asks about (the adapter load).
+        Returns how many were registered."""
+        added = 0
+        for block, key in zip(blocks, keys):
+            if key in self._index or block in self._keys:
+                continue
+            if block not in self._refs:
+                raise ValueError(f"Block {block} is registered but not held.")
+            self._index[key] = block
+            self._keys[block] = (key, tag)
+            added += 1
+        return added
+
+    def retire(self, live: Callable[[Any], bool]) -> int:
+        """Drop the keys of blocks whose tag `live` says is gone (an adapter load the bank no longer holds): they
+        can never match again. Returns how many."""
+        dead = [b for b, (_, tag) in self._keys.items() if not live(tag)]
+        for b in dead:
+            self._uncache(b)
+        return len(dead)
+
+    def forget(self) -> None:
+        """Drop every key (the weights they were computed with changed)."""
+        for b in list(self._keys):
+            self._uncache(b)
+
+    def _uncache(self, block: int) -> None:
+        self._unregister(block)
+        if block in self._cached_free:
+            del self._cached_free[block]
+            heapq.heappush(self._fresh, block)
+
+    def _unregister(self, block: int) -> None:
+        key, _ = self._keys.pop(block)
+        del self._index[key]
 
 
 __all__ = ["BlockAllocator", "blocks_for"]

@@ -62,7 +62,11 @@ Design choices:
   (chunked), its sampling generator and grammar state kept, so it finishes as it would have. A request joins
   only when its first chunk fits in the blocks the running rows' next steps leave (`_spare_blocks`: admitting
   into blocks about to be needed would preempt it again at once). A batch moving to another shape copies table
-  rows, not keys and values. The table is data: the plan's graphs are the static cache's.
+  rows, not keys and values. The table is data: the plan's graphs are the static cache's. With prefix caching a
+  joining prompt *holds* the cached blocks of its prefix (`kv_blocks.BlockAllocator.match`: chained keys with
+  the adapter's load in them), its rest running as chunks: no copy and no graph; a row whose prompt is in
+  registers its full blocks, which stay cached after it ends until the pool needs them (least recently used
+  first).
 - **Rows end, the batch stays.** A row that ends (even on its first token, while others of its prefill
   are still being emitted) only frees its slot; the batch is dropped at the end of a step that leaves
   no row running, so the next request starts from the smallest shape it needs.
@@ -87,7 +91,7 @@ from .engine import CompileSettings, Engine
 from .kv_blocks import BlockAllocator, blocks_for
 from .chunking import chunk_width, decoding, positions_needed, prefilling, run_chunk
 from .plan import ShapePlan
-from .prefix_cache import PrefixCache, adapter_key
+from .prefix_cache import PrefixCache, adapter_key, block_keys
 from .sampling import Choice, RowSampler, SamplingParams
 
 logger = logging.getLogger("staticformers")
@@ -201,18 +205,21 @@ class GenerationLoop:
         self.chunked = chunked_prefill is not None and chunked_prefill is not False
         self.chunk = chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill) \
             if self.chunked or prefix_caching else None
+        # prefix caching: on static caches a pool its blocks are copied from; on block caches the blocks are shared
         self.prefix = PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp) \
-            if prefix_caching else None
+            if prefix_caching and kv_blocks is None else None
+        self.share = bool(prefix_caching and kv_blocks is not None)
+        self._owner: Any = None  # the weights' fingerprint the shared blocks' keys were computed under
         self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
         self.chunks = 0  # extend steps run for chunks (reported)
         self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
-        self.blocks = self._block_allocator(kv_blocks, kv_block_size, prefix_caching)
+        self.blocks = self._block_allocator(kv_blocks, kv_block_size)
         self.block_size = int(kv_block_size)
         self.preemptions = 0  # rows preempted for want of blocks (reported)
         self._order = itertools.count()
         engine.use_blocks(kv_blocks, kv_block_size)
 
-    def _block_allocator(self, blocks, size, prefix_caching: bool) -> Optional[BlockAllocator]:
+    def _block_allocator(self, blocks, size) -> Optional[BlockAllocator]:
         """The pool's account for `kv_blocks=blocks` (None: static caches); what block caches cannot run yet is
         refused here, one sentence each."""
         if blocks is None:
@@ -223,9 +230,6 @@ class GenerationLoop:
         if getattr(config, "has_linear_attention", False):
             raise ValueError(f"kv_blocks is not supported for {config.architecture}: its linear-attention layers keep "
                              f"one state per request, not blocks of positions; leave kv_blocks unset.")
-        if prefix_caching:
-            raise ValueError("prefix caching copies its blocks into static cache rows and cannot run with kv_blocks "
-                             "yet: turn one of them off.")
         if self.speculator is not None and getattr(self.speculator.proposer, "own_cache", False):
             raise ValueError("a draft model keeps its own static cache rows, which a preempted request would lose: "
                              "use prompt-lookup (ngram) speculation with kv_blocks, or leave kv_blocks unset.")
@@ -345,6 +349,8 @@ class GenerationLoop:
         if not self._holding:
             self.engine.lock.acquire()
             self._holding = True
+            # this loop's kind of cache: another loop may have run on the engine with the other kind since
+            self.engine.use_blocks(self.blocks.blocks if self.blocks is not None else None, self.block_size)
         self._events, self._joining = [], []
         try:
             self._reap()
@@ -361,7 +367,10 @@ class GenerationLoop:
                 self._last_was_prefill, self._chunk_turn = True, False
             elif admit:
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
-                    run_chunk(self)
+                    self._make_room({s: min(len(self.rows[s].prompt), self.rows[s].length + self.chunk)
+                                     for s in prefilling(self.rows)})
+                    if prefilling(self.rows):
+                        run_chunk(self)
                 self._last_was_prefill, self._chunk_turn = True, True
             elif busy:
                 ahead = self.speculator.width if self.speculator is not None else 1
@@ -437,18 +446,18 @@ class GenerationLoop:
         """Give waiting requests free slots and prefill them: a prefix-cache hit has its blocks copied, a
         prompt longer than the chunk width gets its first chunk; the rest of both runs as chunks
         (`chunking.py`). Returns whether a prefill ran (False: only hits joined)."""
+        self._own_prefixes()
         with self._mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
-            joining, free = [], self._spare_blocks()
+            joining: list = []
             while self.waiting and len(joining) < room:  # first come, first served, as far as the pool's blocks go
-                cost = self._first_blocks(self.waiting[0])
-                if cost > free:
+                if self.blocks is not None and not self._hold_first_blocks(self.waiting[0]):
                     break
-                free -= cost
                 joining.append(self.waiting.popleft())
             self._joining = joining  # in the same critical section: `uses_adapter` never misses them
+        if not joining:  # its cached prefix's blocks were free ones: what is left does not cover the rest
+            return False
         try:
-            self._own_prefixes()
             self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
@@ -458,13 +467,13 @@ class GenerationLoop:
                 if row.resumed:  # where its sampling and grammar were when it was preempted
                     self.sampler.generators[slot] = row.generator or self.sampler.generators[slot]
                     self.constraints.rows[slot] = row.grammar
-                if self.blocks is not None:
-                    row.blocks = self.blocks.take(self._first_blocks(row))
             if self.blocks is not None:
                 self._write_table({**{s: r.blocks for s, r in self.rows.items()},
                                    **{s: r.blocks for s, r in zip(slots, joining)}})
             whole, given = [], []  # the rows this prefill runs, and the tokens each one gets
             for slot, row in zip(slots, joining):
+                if row.length:  # it holds its prefix's shared blocks: the rest runs as chunks
+                    continue
                 hit = self._match_prefix(row)
                 if hit:
                     self.prefix.load(self.cache, slot, hit)
@@ -533,9 +542,37 @@ class GenerationLoop:
         """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
         return row.prompt[:self.chunk] if self.chunked and not self._scored(row) else row.prompt
 
-    def _first_blocks(self, row: _Row) -> int:
-        """The pool blocks a joining row's prefill writes (0 on static caches)."""
-        return blocks_for(len(self._first_tokens(row)), self.block_size) if self.blocks is not None else 0
+    def _first_blocks(self, row: _Row, shared: int = 0) -> int:
+        """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
+        caches): its prefill, or with shared blocks the chunk after them."""
+        if self.blocks is None:
+            return 0
+        if shared:
+            return blocks_for(min(len(row.prompt), shared * self.block_size + self.chunk), self.block_size) - shared
+        return blocks_for(len(self._first_tokens(row)), self.block_size)
+
+    def _hold_first_blocks(self, row: _Row) -> bool:
+        """Give a waiting row the blocks of its first step: the cached blocks of its prompt's prefix (shared, when
+        prefix caching is on; its length then starts after them), then new ones. False (holding nothing) when
+        what is spare does not cover the new ones."""
+        shared = self._share_prefix(row)
+        cost = self._first_blocks(row, len(shared))
+        if cost > self._spare_blocks():
+            self.blocks.give_back(shared)
+            return False
+        if self.share and not self._scored(row):
+            self.blocks.count_query(len(row.prompt), len(shared) * self.block_size)
+        row.blocks = shared + self.blocks.take(cost)
+        row.length = len(shared) * self.block_size
+        return True
+
+    def _share_prefix(self, row: _Row) -> list:
+        """The cached blocks of the longest prefix of a waiting row's prompt, now held by it ([] without prefix
+        caching, or for a prompt it scores: that needs every position's logits)."""
+        if not self.share or self._scored(row):
+            return []
+        key = adapter_key(row.request.adapter, *self._adapter_load(row))
+        return self.blocks.match(block_keys(row.prompt, key, self.block_size), len(row.prompt), self.block_size)
 
     def _head_fits(self) -> bool:
         """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
@@ -602,6 +639,13 @@ class GenerationLoop:
         self.cache.write_table(rows)
         self.engine.backend.flush(self.engine.model.device)
 
+    def prefix_counts(self) -> Optional[tuple[int, int]]:
+        """(prompt tokens looked up, found cached) since the loop started, as vLLM counts them; None without prefix
+        caching."""
+        if self.share:
+            return self.blocks.queries, self.blocks.hits
+        return (self.prefix.queries, self.prefix.hits) if self.prefix is not None else None
+
     @property
     def blocks_used(self) -> int:
         """Pool blocks the rows hold (0 on static caches)."""
@@ -610,7 +654,17 @@ class GenerationLoop:
     def _own_prefixes(self) -> None:
         """Before a prefill or chunk matches or stores prefixes: empty the pool if the weights changed (once per
         call: the fingerprint walks the parameters), and free the blocks of adapter loads the bank no longer
-        holds (an adapter unloaded or reloaded: its slot written in place, which the fingerprint cannot see)."""
+        holds (an adapter unloaded or reloaded: its slot written in place, which the fingerprint cannot see).
+        Shared blocks: their keys are dropped instead (the blocks rows hold stay theirs)."""
+        if self.share:
+            owner = self.engine.weights_fingerprint()
+            if owner != self._owner:
+                self.blocks.forget()
+                self._owner = owner
+            bank = bank_of(self.engine.model)
+            if bank is not None and bank.changes != self._bank_changes:
+                self._bank_changes = bank.changes
+                self.blocks.retire(lambda tag: tag is None or bank.load_of(tag[0]) == tag[1])
         if self.prefix is not None:
             self.prefix.owned_by(self.engine.weights_fingerprint())
             bank = bank_of(self.engine.model)
@@ -631,7 +685,12 @@ class GenerationLoop:
         return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, *self._adapter_load(row)))
 
     def _store_prefix(self, slot: int, row: _Row) -> None:
-        """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on)."""
+        """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on): copied into the
+        pool, or on block caches its full blocks registered under their keys, shared as they are."""
+        if self.share:
+            load = self._adapter_load(row)
+            keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)
+            self.blocks.register(row.blocks, keys, tag=load if row.adapter else None)
         if self.prefix is not None:
             load = self._adapter_load(row)
             if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, *load),

@@ -82,15 +82,8 @@ class PrefixCache:
 
     # ---- the index ---------------------------------------------------------------------------------
     def block_keys(self, prompt: Sequence[int], adapter: str) -> list[bytes]:
-        """The chained key of each full block of `prompt` under adapter key `adapter`."""
-        keys, parent = [], hashlib.sha256(("adapter:" + adapter).encode()).digest()
-        bs = self.block_size
-        for j in range(len(prompt) // bs):
-            h = hashlib.sha256(parent)
-            h.update(torch.tensor(prompt[j * bs:(j + 1) * bs], dtype=torch.int64).numpy().tobytes())
-            parent = h.digest()
-            keys.append(parent)
-        return keys
+        """The chained key of each full block of `prompt` under adapter key `adapter` (`block_keys`)."""
+        return block_keys(prompt, adapter, self.block_size)
 
     def owned_by(self, owner: Any) -> None:
         """Drop every block when the weights it was computed with changed (`owner`: their fingerprint)."""
@@ -195,10 +188,23 @@ class PrefixCache:
         return len(self.index)
 
 
+def block_keys(prompt: Sequence[int], adapter: str, block_size: int) -> list[bytes]:
+    """The chained key of each full block of `prompt` under adapter key `adapter`: block j's is a SHA-256 over
+    block j-1's, the adapter's key and block j's tokens (a cryptographic hash: a crafted prompt cannot collide
+    with another user's prefix)."""
+    keys, parent = [], hashlib.sha256(("adapter:" + adapter).encode()).digest()
+    for j in range(len(prompt) // block_size):
+        h = hashlib.sha256(parent)
+        h.update(torch.tensor(prompt[j * block_size:(j + 1) * block_size], dtype=torch.int64).numpy().tobytes())
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
 def adapter_key(request_adapter: Optional[str], slot: int, load: int = 0) -> str:
     """What separates one adapter's prefixes from another's: the name the request gave, its bank slot and
     the load that slot holds (`AdapterBank.load_of`: a new number each time the slot is written)."""
     return repr((request_adapter, int(slot), int(load)))
 
 
-__all__ = ["PrefixCache", "adapter_key"]
+__all__ = ["PrefixCache", "adapter_key", "block_keys"]

@@ -223,11 +223,11 @@ class EngineThread:
                 m.kv_usage.set(blocks.used / blocks.blocks)
                 m.preemptions.inc(self.loop.preemptions - self._preempted)
                 self._preempted = self.loop.preemptions
-            prefix = getattr(self.loop, "prefix", None)
-            if prefix is not None:  # tokens, as vLLM counts them
-                m.prefix_queries.inc(prefix.queries - self._prefix[0])
-                m.prefix_hits.inc(prefix.hits - self._prefix[1])
-                self._prefix = (prefix.queries, prefix.hits)
+            counts = self.loop.prefix_counts() if hasattr(self.loop, "prefix_counts") else None
+            if counts is not None:  # tokens, as vLLM counts them
+                m.prefix_queries.inc(counts[0] - self._prefix[0])
+                m.prefix_hits.inc(counts[1] - self._prefix[1])
+                self._prefix = counts
             graphs = self.loop.engine.graph_count()
             if graphs > self._graphs:
                 m.graphs.inc(graphs - self._graphs)
