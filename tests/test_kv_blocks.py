@@ -277,7 +277,8 @@ def test_refusals_in_one_sentence(qwen3, tiny_checkpoints):
     model, engine, settings = qwen3
     with pytest.raises(ValueError, match="kv_blocks=0 must be a positive number of blocks"):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=0)
-    with pytest.raises(ValueError, match="kv_block_size=48 does not divide the plan's KV lengths"):
+    with pytest.raises(ValueError, match=r"The KV block size 48 \(kv_block_size, the server's --block-size\) "
+                                         r"does not divide the plan's KV lengths"):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=8, kv_block_size=48)
     with pytest.raises(ValueError, match="turn chunked prefill on with kv_blocks"):
         GenerationLoop(engine, settings, kv_blocks=8, kv_block_size=BLOCK)
@@ -421,3 +422,20 @@ def test_new_weights_drop_the_cached_keys(qwen3):
     finally:
         with torch.no_grad():
             model.lm_head.weight.copy_(original)
+
+
+def test_the_kv_length_follows_the_rows_contexts_not_their_needs(qwen3):
+    """A request of 10 prompt tokens and 100 new ones needs 109 positions: static caches give its batch K = 128 from
+    its prefill; block caches start at K = 64 (what it holds) and move up when its context reaches 64, a table copy,
+    with the same tokens."""
+    model, engine, settings = qwen3
+    prompt = prompts([10], seed=12)[0]
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=16, kv_block_size=BLOCK)
+    loop.add(GenerationRequest(prompt, 100, request_id=0))
+    got, lengths = [], []
+    while not loop.idle:
+        got += [e.token for e in loop.step()]
+        if loop.cache is not None:
+            lengths.append(loop.cache.max_length)
+    assert lengths[0] == 64 and lengths[-1] == 128 and loop.moves == 1
+    assert got == greedy(model, prompt, 100)

@@ -235,8 +235,9 @@ class GenerationLoop:
                              "use prompt-lookup (ngram) speculation with kv_blocks, or leave kv_blocks unset.")
         odd = [k for k in self.plan.kv_lengths if k % size]
         if odd:
-            raise ValueError(f"kv_block_size={size} does not divide the plan's KV lengths {odd}: choose a block size "
-                             f"that divides every KV length of the plan.")
+            raise ValueError(f"The KV block size {size} (kv_block_size, the server's --block-size) does not divide "
+                             f"the plan's KV lengths {odd}: choose a block size that divides every KV length of the "
+                             f"plan.")
         if not self.chunked and self.plan.prompt_lengths[-1] < self.plan.kv_lengths[-1]:
             raise ValueError("a preempted request resumes by prefilling its prompt and what it generated, which can "
                              "outgrow the largest prompt bucket: turn chunked prefill on with kv_blocks.")
@@ -458,7 +459,7 @@ class GenerationLoop:
         if not joining:  # its cached prefix's blocks were free ones: what is left does not cover the rest
             return False
         try:
-            self._fit(len(self.rows) + len(joining), max(r.need for r in joining))
+            self._fit(len(self.rows) + len(joining), max(self._reach(r) for r in joining + list(self.rows.values())))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
                 row.order = next(self._order)
@@ -599,6 +600,10 @@ class GenerationLoop:
         caches)."""
         if self.blocks is None:
             return
+        reach = self.plan.kv_bucket(max([*wants.values(), *(self._reach(r) for r in self.rows.values())]))
+        if reach > self.cache.max_length:  # the longest context outgrew the batch's KV length: a table copy
+            slots = sorted(self.rows)
+            self._move(self.cache.batch, reach, slots, slots)
         changed = False
         for slot in sorted(wants, key=lambda s: self.rows[s].order):
             if slot not in self.rows:  # preempted for an older row
@@ -815,12 +820,27 @@ class GenerationLoop:
         slots = sorted(self.rows)
         self._move(batch, kv, slots, slots)
 
+    def _reach(self, row: _Row) -> int:
+        """The cache positions a row needs of the batch's shape: on static caches its whole need (K never changes
+        under a row); on block caches those its next step writes and reads, at least one past what it holds (so K
+        follows the rows' contexts, not their needs: a step reads K positions of every row, and a move costs a table
+        copy). A joining row: its prefill, or after a cached prefix its next chunk."""
+        if self.blocks is None:
+            return row.need
+        if row.length == 0:
+            return len(self._first_tokens(row))
+        if row.length < len(row.prompt):
+            return min(len(row.prompt), row.length + self.chunk)
+        ahead = self.speculator.width if self.speculator is not None else 1
+        return min(row.length + ahead, self.plan.kv_lengths[-1])
+
     def _maybe_shrink(self) -> None:
-        """Move to a smaller shape when the running rows fit one whose decode graph is already built."""
-        if not self.rows or self.waiting:
+        """Move to a smaller shape when the running rows fit one whose decode graph is already built (on block caches
+        a smaller KV length also while requests wait: the move is a table copy)."""
+        if not self.rows or (self.waiting and self.blocks is None):
             return
-        batch = self.plan.batch_bucket(len(self.rows))
-        kv = self.plan.kv_bucket(max(r.need for r in self.rows.values()))
+        batch = self.cache.batch if self.waiting else self.plan.batch_bucket(len(self.rows))
+        kv = self.plan.kv_bucket(max(self._reach(r) for r in self.rows.values()))
         if (batch, kv) == (self.cache.batch, self.cache.max_length) or batch > self.cache.batch or \
                 kv > self.cache.max_length:
             return
