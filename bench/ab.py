@@ -105,6 +105,19 @@ def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
     return run_child(tree, CHILD, [ref, dtype, batch, repeats])
 
 
+def summarise(runs: dict) -> dict:
+    """Each side's medians over its processes (`runs`: side -> the children's JSON objects), its step times, and
+    the ratios b/a (and a2/a with a control) of the step and the time to first token."""
+    out: dict = {}
+    for side, rs in runs.items():
+        out[side] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("ttft_ms", "step_ms")}
+        out[side]["all_step_ms"] = [round(r["step_ms"], 3) for r in rs]
+    for side in [s for s in ("b", "a2") if s in runs]:
+        out[f"{side}_over_a_step"] = round(out[side]["step_ms"] / out["a"]["step_ms"], 3)
+        out[f"{side}_over_a_ttft"] = round(out[side]["ttft_ms"] / out["a"]["ttft_ms"], 3)
+    return out
+
+
 def main() -> None:
     from reference import SIZES, build_reference, pressure, reference_dir
 
@@ -132,15 +145,7 @@ def main() -> None:
                 for side in sides:
                     runs[side].append(child(args.a if side == "a2" else getattr(args, side), ref, dtype, batch,
                                             args.repeats))
-            case = {"dtype": dtype, "batch": batch, "pressure_after": pressure()}
-            for side, rs in runs.items():
-                case[side] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("ttft_ms", "step_ms")}
-                case[side]["all_step_ms"] = [round(r["step_ms"], 3) for r in rs]
-            case["b_over_a_step"] = round(case["b"]["step_ms"] / case["a"]["step_ms"], 3)
-            case["b_over_a_ttft"] = round(case["b"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
-            if args.control:
-                case["a2_over_a_step"] = round(case["a2"]["step_ms"] / case["a"]["step_ms"], 3)
-                case["a2_over_a_ttft"] = round(case["a2"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
+            case = {"dtype": dtype, "batch": batch, "pressure_after": pressure(), **summarise(runs)}
             if batch == 1:
                 case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3)
             result["cases"].append(case)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from ab import gemv_ms, parameter_count, run_child  # noqa: E402
+from ab import gemv_ms, parameter_count, run_child, summarise  # noqa: E402
 
 CHILD = r"""
 import json, statistics, sys, time, torch
@@ -92,16 +91,9 @@ def main() -> None:
                 for side in sides:
                     runs[side].append(run_child(tree, CHILD, [ref, dtype, batch, args.repeats, args.prompt, args.new,
                                                               blocks if side == "b" else 0]))
-            case = {"dtype": dtype, "batch": batch, "kv_blocks": blocks, "pressure_after": pressure()}
+            case = {"dtype": dtype, "batch": batch, "kv_blocks": blocks, "pressure_after": pressure(), **summarise(runs)}
             for side, rs in runs.items():
-                case[side] = {k: round(statistics.median(r[k] for r in rs), 3) for k in ("ttft_ms", "step_ms")}
-                case[side]["all_step_ms"] = [round(r["step_ms"], 3) for r in rs]
                 case[side]["preemptions"] = sum(r["preemptions"] for r in rs)
-            case["b_over_a_step"] = round(case["b"]["step_ms"] / case["a"]["step_ms"], 3)
-            case["b_over_a_ttft"] = round(case["b"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
-            if args.control:
-                case["a2_over_a_step"] = round(case["a2"]["step_ms"] / case["a"]["step_ms"], 3)
-                case["a2_over_a_ttft"] = round(case["a2"]["ttft_ms"] / case["a"]["ttft_ms"], 3)
             if batch == 1:
                 ceiling = result["ceiling_gemv_ms"][dtype]["ceiling"]
                 case["step_vs_gemv_ceiling"] = {s: round(ceiling / case[s]["step_ms"], 3) for s in sides}

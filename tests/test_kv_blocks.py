@@ -91,21 +91,9 @@ def test_tokens_equal_full_forwards_and_static_caches_under_mixed_traffic(qwen3)
     blocks = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=64, kv_block_size=BLOCK)
     got = run(blocks, arrivals())
     assert blocks.preemptions == 0
-    static = run_static(GenerationLoop(engine, settings, chunked_prefill=CHUNK), arrivals())
+    static = run(GenerationLoop(engine, settings, chunked_prefill=CHUNK), arrivals())
     for i, (p, n) in enumerate(zip(rows, answers)):
         assert got[i] == static[i] == greedy(model, p, n), i
-
-
-def run_static(loop, arrivals):
-    out, step = {}, 0
-    while arrivals or not loop.idle:
-        for request in arrivals.pop(step, []):
-            loop.add(request)
-        for event in loop.step():
-            assert event.error is None, event.error
-            out.setdefault(event.request_id, []).append(event.token)
-        step += 1
-    return out
 
 
 def test_a_small_pool_preempts_the_newest_rows_and_they_finish_identically(qwen3):

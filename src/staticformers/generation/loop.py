@@ -361,21 +361,18 @@ class GenerationLoop:
                 admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots and self._head_fits()
             chunk = turn and bool(prefilling(self.rows))
             if chunk and (not admit or self._chunk_turn):
-                self._make_room({s: min(len(self.rows[s].prompt), self.rows[s].length + self.chunk)
-                                 for s in prefilling(self.rows)})
+                self._make_room(prefilling(self.rows))
                 if prefilling(self.rows):
                     run_chunk(self)
                 self._last_was_prefill, self._chunk_turn = True, False
             elif admit:
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
-                    self._make_room({s: min(len(self.rows[s].prompt), self.rows[s].length + self.chunk)
-                                     for s in prefilling(self.rows)})
+                    self._make_room(prefilling(self.rows))
                     if prefilling(self.rows):
                         run_chunk(self)
                 self._last_was_prefill, self._chunk_turn = True, True
             elif busy:
-                ahead = self.speculator.width if self.speculator is not None else 1
-                self._make_room({s: self.rows[s].length + ahead for s in decoding(self.rows)})
+                self._make_room(decoding(self.rows))
                 if decoding(self.rows):  # none when every decoding row was preempted for another's blocks
                     if self.speculator is not None:
                         self.speculator.decode(self)
@@ -585,31 +582,30 @@ class GenerationLoop:
         preempt (admitting into blocks the running rows are about to need only to preempt it again thrashes)."""
         if self.blocks is None:
             return 0
-        ahead = self.speculator.width if self.speculator is not None else 1
-        needed = 0
-        for row in self.rows.values():
-            upto = row.length + ahead if row.length >= len(row.prompt) else min(len(row.prompt), row.length + self.chunk)
-            upto = min(upto, self.cache.max_length) if self.cache is not None else upto
-            needed += max(blocks_for(upto, self.block_size) - len(row.blocks), 0)
-        return self.blocks.free - needed
+        return self.blocks.free - sum(self._blocks_short(row) for row in self.rows.values())
+
+    def _blocks_short(self, row: _Row) -> int:
+        """Blocks a running row lacks for its next step's positions (`_reach`, up to the batch's KV length)."""
+        upto = min(self._reach(row), self.cache.max_length) if self.cache is not None else self._reach(row)
+        return max(blocks_for(upto, self.block_size) - len(row.blocks), 0)
 
     # ---- blocks ------------------------------------------------------------------------------------
-    def _make_room(self, wants: dict) -> None:
-        """Give each row in `wants` {slot: positions} blocks for its positions `0..n-1` (up to the cache's length),
-        oldest row first, preempting the newest running rows while the pool lacks blocks (nothing on static
-        caches)."""
+    def _make_room(self, slots: list) -> None:
+        """Give each row in `slots` (those the next step runs) blocks for the positions that step writes and reads
+        (`_reach`), oldest row first, preempting the newest running rows while the pool lacks blocks; first the batch
+        moves to a longer KV length if a row's reach outgrew it (nothing on static caches)."""
         if self.blocks is None:
             return
-        reach = self.plan.kv_bucket(max([*wants.values(), *(self._reach(r) for r in self.rows.values())]))
+        reach = self.plan.kv_bucket(max(self._reach(r) for r in self.rows.values()))
         if reach > self.cache.max_length:  # the longest context outgrew the batch's KV length: a table copy
             slots = sorted(self.rows)
             self._move(self.cache.batch, reach, slots, slots)
         changed = False
-        for slot in sorted(wants, key=lambda s: self.rows[s].order):
+        for slot in sorted(slots, key=lambda s: self.rows[s].order):
             if slot not in self.rows:  # preempted for an older row
                 continue
             row = self.rows[slot]
-            more = blocks_for(min(wants[slot], self.cache.max_length), self.block_size) - len(row.blocks)
+            more = self._blocks_short(row)
             while more > self.blocks.free and slot in self.rows:
                 self._preempt(max(self.rows, key=lambda s: self.rows[s].order))
             if slot in self.rows and more > 0:
