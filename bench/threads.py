@@ -6,7 +6,9 @@ the 41.6M reference checkpoint (`reference.py`), batch 1: each case is a fresh p
 threads; `wait` "spin" = the OpenMP runtime's default, "passive" = `OMP_WAIT_POLICY=PASSIVE` set before
 torch loads, "spinN" = libgomp's `GOMP_SPINCOUNT=N`: spin that many times, then sleep), optionally
 beside a competing load (`--loads spin`: `--load-procs` processes spinning in pure Python for the case's
-lifetime). The cases alternate within each round (A B A B), so the machine's other
+lifetime). `--model smollm2` runs the suite's real model instead (SmolLM2-135M-Instruct from its GGUF,
+`tests/real_model_cache.py`: 30 layers, so 30 times the per-layer region boundaries at which idle workers
+spin or sleep), in `--dtype` at batch `--batch`. The cases alternate within each round (A B A B), so the machine's other
 work falls on all of them alike. Per case: time to first token (`generate(max_new_tokens=1)`) and the
 decode step ((N-token generate - 1-token generate) / (N - 1)), medians inside the process, then over
 rounds; /proc/pressure/cpu before and after each case. `hf` adds transformers' eager generate as the peer
@@ -15,6 +17,7 @@ thread count (the saved functions are keyed by it), so every timed case starts w
 
     python bench/threads.py --rounds 3 --out bench/results/threads-busy.json
     python bench/threads.py --which sf hf --threads 1 2 --waits spin passive --loads none spin
+    python bench/threads.py --model smollm2 --dtype bfloat16 --batch 8 --threads 2 --waits spin spin200 passive
 """
 
 from __future__ import annotations
@@ -40,19 +43,21 @@ import json, statistics, sys, time
 t_start = time.perf_counter()
 import torch
 impl, ref, threads, prompt, new, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+gguf, dtype, batch = sys.argv[7] or None, getattr(torch, sys.argv[8]), int(sys.argv[9])
 torch.set_num_threads(threads)
 torch.manual_seed(1)
-ids = torch.randint(1, 32000, (1, prompt))
+ids = torch.randint(1, 32000, (batch, prompt))
 mask = torch.ones_like(ids)
+kwargs = {"gguf_file": gguf} if gguf else {}
 if impl == "sf":
     from staticformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
-    gen = lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
+    gen = lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None)
 else:
     import transformers
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    gen = lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs).eval()
+    gen = lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
 def run(n):
     t = time.perf_counter()
     with torch.no_grad():
@@ -98,7 +103,7 @@ def case(impl: str, threads: int, wait: str, load: str, args, env: dict) -> dict
         time.sleep(0.2 if load_procs else 0)
         t = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", CHILD, impl, args.ref, str(threads), str(args.prompt),
-                              str(args.new), str(args.repeats)], env=env, capture_output=True, text=True,
+                              str(args.new), str(args.repeats), args.gguf or "", args.dtype, str(args.batch)], env=env, capture_output=True, text=True,
                              timeout=args.timeout)
         wall = time.perf_counter() - t
     except subprocess.TimeoutExpired:
@@ -147,14 +152,28 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "sf-bench-threads-cache"),
                     help="the compile cache every case shares (warmed first)")
+    ap.add_argument("--model", default="41m", choices=["41m", "smollm2"],
+                    help="41m: the reference checkpoint; smollm2: the suite's real model (its GGUF, installed on demand)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.ref = build_reference(reference_dir("41m"))
+    if args.model == "smollm2":
+        sys.path.append(os.path.join(HERE, "..", "tests"))  # real_model_cache: where the suite keeps the GGUF
+        from real_model_cache import GGUF_NAME, installed_gguf
+
+        folder, why = installed_gguf()
+        if folder is None:
+            raise SystemExit(f"--model smollm2: the real model is not available ({why}).")
+        args.ref, args.gguf = str(folder), GGUF_NAME
+    else:
+        args.ref, args.gguf = build_reference(reference_dir("41m")), None
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), STATICFORMERS_CACHE=args.cache,
                TORCHINDUCTOR_CACHE_DIR=os.path.join(args.cache, "inductor"))
     env.pop("OMP_NUM_THREADS", None)
     result = {"pressure_before": pressure(), "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-              "load_procs": args.load_procs, "prompt": args.prompt, "new": args.new, "warm": {}, "cases": []}
+              "load_procs": args.load_procs, "prompt": args.prompt, "new": args.new, "model": args.model,
+              "dtype": args.dtype, "batch": args.batch, "warm": {}, "cases": []}
     if "sf" in args.which:
         for threads in args.threads:  # compile once per thread count, quiet, before anything is timed
             result["warm"][str(threads)] = case("sf", threads, "spin", "none", args, env)

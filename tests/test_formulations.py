@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from staticformers import AutoModelForCausalLM
 from staticformers.backends.cpu import plain_projections
 from staticformers.backends.cpu.onednn import onednn_available
+from staticformers.backends.cpu.packed_linear import packed_available
 from staticformers.backends.cpu.formulations import PLAIN_CPU, CPUOps, attend, attend_blocks, decode_formulation, gemm_kernel, prefill_formulation
 from staticformers.models.kv_cache import KVCache
 from staticformers.models.decoder import packed_segments
@@ -86,10 +87,11 @@ def test_policy_per_shape():
     assert decode_formulation(1, torch.float32) == CPUOps("reduce", "reduce", "reduce")  # compared by key
 
 
-def test_onednn_gemm_only_for_float32_on_the_cpu():
+def test_onednn_gemm_for_float32_packed_for_bf16_on_the_cpu():
     want = "onednn" if onednn_available() else None
     assert gemm_kernel(torch.float32) == want
-    assert gemm_kernel(torch.bfloat16) is None
+    assert gemm_kernel(torch.bfloat16) == ("packed" if packed_available(torch.bfloat16) else None)
+    assert gemm_kernel(torch.float16) is None
 
 
 @pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])

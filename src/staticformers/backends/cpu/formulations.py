@@ -8,6 +8,7 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   tokens of a small decode batch: a batch-1 decode step streams its weights at close to the memory
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
+- `project(..., "packed")`: bfloat16 GEMMs through oneDNN over weights it packed once (`packed_linear.py`).
 - `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
   decode) through the streaming kernel of `int8_gemv.py`, of a few rows through ATen's int8 kernel (in
   bf16 for float32 activations); a prompt's through the widened weight's GEMM.
@@ -38,12 +39,14 @@ from ...models.quantization import QuantLinear, widen
 from .int8_gemv import int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
+from .packed_linear import packed_available, packed_linear
 from .thresholds import threshold
 
 
 def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> torch.Tensor:
-    """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), or
-    as a float32 multiply-and-sum over the weight rows (`"reduce"`).
+    """`layer(x)` (`how=None`), the same product through oneDNN's GEMM (`"onednn"`, inference only), through
+    oneDNN over the weight it packed once (`"packed"`, bf16 inference), or as a float32 multiply-and-sum
+    over the weight rows (`"reduce"`).
 
     An int8 layer (`QuantLinear`) at inference runs an int8 kernel (`int8_linear`: the streaming kernel for
     one row, ATen's up to `INT8_KERNEL_MAX_ROWS` rows) whatever `how` says; past them (a prompt), or with a
@@ -62,6 +65,8 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
         return layer(x, base=lambda base, h: project(base, h, how))
     if how == "onednn":
         return widened_linear(layer, x) if quantized else onednn_linear(layer, x)
+    if how == "packed":
+        return widened_linear(layer, x) if quantized else packed_linear(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
     y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
     if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
@@ -248,7 +253,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
 class CPUOps(Ops):
     """One formulation: `attention` ("reduce": fused reductions for one query per row, grouped matmuls
     otherwise; "matmul": grouped matmuls; None: SDPA or query blocks), `linears` and `head_linear`
-    ("reduce", "onednn" or None: the module itself, so hooks and wrappers run)."""
+    ("reduce", "onednn", "packed" or None: the module itself, so hooks and wrappers run)."""
 
     name = "cpu"
 
@@ -306,10 +311,13 @@ BF16_HEAD_REDUCTION_MAX_BATCH = threshold("bf16_head_reduction_max_batch")
 
 def gemm_kernel(dtype: torch.dtype) -> Optional[str]:
     """The GEMM behind a formulation's linears that are not reductions: oneDNN's for float32 (this
-    PyTorch's MKL sgemm measured slower for every decoder shape, BENCHMARKS.md); the module's own for
-    bfloat16, which already runs oneDNN's."""
+    PyTorch's MKL sgemm measured slower for every decoder shape, BENCHMARKS.md); oneDNN's over weights
+    it packed once for bfloat16 (`packed_linear.py`), where the module's own call would repack the weight
+    each time; the module's own otherwise."""
     if dtype == torch.float32 and onednn_available() and torch.backends.mkldnn.enabled:
         return "onednn"
+    if packed_available(dtype):
+        return "packed"
     return None
 
 
