@@ -31,7 +31,7 @@ ceiling is bench/ceilings.py's same-bytes probe (the weights' bytes in the pair'
 sampled in this process before the first and after every round; each contender's weights GB/s (its own bytes
 per step: F32/F16/BF16/Q8_0 files' tensors, OpenVINO's weight file, our parameters; the KV cache's reads left
 out) is reported against the best sample. Every child gets the same thread count (`--threads`, else the CPUs
-this process may use) and, when no OpenMP wait policy is set, `GOMP_SPINCOUNT=200`, as our command line sets.
+this process may use) and, when no OpenMP wait policy is set, `GOMP_SPINCOUNT=2000`, as our command line sets.
 
 The peers' venvs are installed on demand outside the clone (bench/peer_envs.py), never by `make test`;
 `--no-install` refuses, in one sentence naming the peer and the command, instead. JSON goes to `--out`
@@ -475,7 +475,7 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
         ceilings[p].sample()
     env = dict(os.environ, STATICFORMERS_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
         [os.path.join(ROOT, "src"), HERE] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    prefer_bounded_spin(env, modules={})  # GOMP_SPINCOUNT=200 unless the user chose a wait policy
+    prefer_bounded_spin(env, modules={})  # GOMP_SPINCOUNT=2000 unless the user chose a wait policy
     report["env"] = {k: env[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in env}
     out_path = args.out or os.path.join(HERE, "results", f"peers-{socket.gethostname()}.json")
     try:

@@ -143,8 +143,8 @@ def test_the_backend_lowers_torch_s_count_to_the_usable_cpus_and_never_raises_it
 
 def test_bounded_spin_only_before_torch_and_only_unset():
     env = {}
-    assert prefer_bounded_spin(env, modules={}) is True and env == {"GOMP_SPINCOUNT": "200"}
-    assert wait_policy(env) == "GOMP_SPINCOUNT=200"
+    assert prefer_bounded_spin(env, modules={}) is True and env == {"GOMP_SPINCOUNT": "2000"}
+    assert wait_policy(env) == "GOMP_SPINCOUNT=2000"
     env = {}
     assert prefer_bounded_spin(env, modules={"torch": object()}) is False and env == {}
     assert wait_policy(env).startswith("OpenMP's default: idle workers spin 300,000 times")
@@ -190,7 +190,7 @@ print("RESULT", code, torch.get_num_threads(), os.environ.get("GOMP_SPINCOUNT"))
 
 def test_threads_applied_and_bounded_spin_read_by_the_openmp_runtime(tmp_path):
     """A fresh process: `generate --threads 3` runs at 3 threads (more than the usable CPUs: explicit), the command
-    line set GOMP_SPINCOUNT=200 before torch loaded, and libgomp reports reading it (OMP_DISPLAY_ENV, verbose)."""
+    line set GOMP_SPINCOUNT=2000 before torch loaded, and libgomp reports reading it (OMP_DISPLAY_ENV, verbose)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import inference
 
@@ -201,8 +201,8 @@ def test_threads_applied_and_bounded_spin_read_by_the_openmp_runtime(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHILD, checkpoint, "--threads", "3"], capture_output=True, text=True,
                          env=env, timeout=600)
     result = next((line for line in out.stdout.splitlines() if line.startswith("RESULT")), None)
-    assert result == "RESULT 0 3 200", out.stdout[-2000:] + out.stderr[-2000:]
-    assert "GOMP_SPINCOUNT = '200'" in out.stderr, out.stderr[-2000:]
+    assert result == "RESULT 0 3 2000", out.stdout[-2000:] + out.stderr[-2000:]
+    assert "GOMP_SPINCOUNT = '2000'" in out.stderr, out.stderr[-2000:]
 
 
 def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, caplog):
@@ -213,4 +213,4 @@ def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, capl
     assert threads.spin_hint(2, {"OMP_WAIT_POLICY": "ACTIVE"}) is False  # the user chose
     assert threads.spin_hint(2, {}) is True
     assert threads.spin_hint(2, {}) is False  # once per process
-    assert "Set GOMP_SPINCOUNT=200 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported" in caplog.text
+    assert "Set GOMP_SPINCOUNT=2000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported" in caplog.text

@@ -13,8 +13,9 @@ runtime loads with torch, so only a process that has not imported torch yet can 
 (`prefer_bounded_spin`, which the command line calls first thing). The default spins 300,000 times before an
 idle worker sleeps: on a quiet machine the fastest, on a busy one the workers take the CPUs the step's own
 thread needs and a decode step collapses; passive wait (sleep at once) holds under load but pays a wake-up
-per parallel region. A short spin (`GOMP_SPINCOUNT=200`) is close to both where each is best
-(BENCHMARKS.md, "Threads on a busy machine").
+at every barrier (2x slower on a quiet machine over a 30-layer model). A short spin (`GOMP_SPINCOUNT=2000`)
+stays within a few percent of the default when quiet and holds up better under load; 200 was as slow as passive
+quietly on a deep model (BENCHMARKS.md, "Threads on a busy machine").
 
 Everything here is plain Python (no torch), so the command line can decide before torch loads; the
 functions that parse take the files' text, so tests give them fake cgroup files.
@@ -30,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 THREADS_ENV = "STATICFORMERS_NUM_THREADS"
 WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # read by libgomp (torch's OpenMP on Linux) as it loads
-BOUNDED_SPINCOUNT = "200"  # spins before an idle OpenMP worker sleeps, where the user chose no wait policy
+BOUNDED_SPINCOUNT = "2000"  # spins before an idle OpenMP worker sleeps, where the user chose no wait policy
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -196,7 +197,7 @@ def wait_policy(environ: Optional[Mapping[str, str]] = None) -> str:
 
 
 def prefer_bounded_spin(environ=None, modules: Optional[Mapping] = None) -> bool:
-    """Set `GOMP_SPINCOUNT=200` (idle OpenMP workers spin briefly, then sleep) when the user set no wait policy
+    """Set `GOMP_SPINCOUNT=2000` (idle OpenMP workers spin briefly, then sleep) when the user set no wait policy
     and torch, which loads the OpenMP runtime that reads it, is not imported yet. Returns whether it was set."""
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
