@@ -1,4 +1,4 @@
-"""A/B of two source trees on the reference model: generation decode and time to first token, interleaved.
+"""A/B of two source trees (or two environments) on the reference model: decode and time to first token, interleaved.
 
 A refactor must prove it costs nothing. This runs the same measurement in fresh processes, alternating
 the trees (A B A B ...), each process importing its tree's `src/` (PYTHONPATH), on the 41.6M reference
@@ -9,7 +9,12 @@ GEMV over a matrix the size of the weights (81,250 x 512 for the 41.6M model; `-
 cache levels as the weights do, as `torch.mv` and as a compiled reduction (the faster counts). Prints
 one JSON object.
 
+`--model smollm2` runs the suite's real model instead (SmolLM2-135M-Instruct from its GGUF,
+`tests/real_model_cache.py`). `--a-env` / `--b-env NAME=VALUE` give a side environment variables of its own,
+so one tree against itself measures a setting (`--b` defaults to `--a`).
+
     python bench/ab.py --a ../base --b . --rounds 8 --control --dtypes float32 bfloat16 --batches 1 8
+    python bench/ab.py --a . --model smollm2 --a-env STATICFORMERS_PACKED_WEIGHTS=0 --control --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ CHILD = r"""
 import json, statistics, sys, time, torch
 from staticformers import AutoModelForCausalLM
 ref, dtype, batch, repeats = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+gguf = sys.argv[5] if len(sys.argv) > 5 else None
 torch.manual_seed(1)
 ids = torch.randint(1, 32000, (batch, %d))
-model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
+model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **({"gguf_file": gguf} if gguf else {}))
 def run(n):
     t = time.perf_counter()
-    out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False)
+    out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
     assert out.shape == (batch, %d + n)
     return time.perf_counter() - t
 start = time.perf_counter()
@@ -101,8 +107,25 @@ def run_child(tree: str, script: str, args: list, **env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def child(tree: str, ref: str, dtype: str, batch: int, repeats: int) -> dict:
-    return run_child(tree, CHILD, [ref, dtype, batch, repeats])
+def child(tree: str, ref: str, dtype: str, batch: int, repeats: int, gguf: str = "", env: dict | None = None) -> dict:
+    return run_child(tree, CHILD, [ref, dtype, batch, repeats] + ([gguf] if gguf else []), **(env or {}))
+
+
+def gguf_values(path: str) -> int:
+    """The values a GGUF file's tensors hold (what one decode step reads at batch 1, the tied head once)."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+
+
+def env_pairs(items: list) -> dict:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--a-env/--b-env take NAME=VALUE, got {item!r}.")
+        out[name] = value
+    return out
 
 
 def summarise(runs: dict) -> dict:
@@ -123,7 +146,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--a", required=True, help="the tree before (its src/ is imported)")
-    p.add_argument("--b", required=True, help="the tree after")
+    p.add_argument("--b", default=None, help="the tree after (default: --a, for an A/B of environments)")
+    p.add_argument("--a-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment of side A (and A2)")
+    p.add_argument("--b-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment of side B")
+    p.add_argument("--model", default="reference", choices=["reference", "smollm2"],
+                   help="reference: --size's checkpoint; smollm2: the suite's real model (its GGUF)")
     p.add_argument("--rounds", type=int, default=3, help="A B pairs of processes per case")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per process")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -133,9 +160,24 @@ def main() -> None:
                         "a2/a is the spread a refactor's b/a must be read against")
     p.add_argument("--size", default="41m", choices=sorted(SIZES), help="the reference model (reference.py)")
     args = p.parse_args()
-    ref = build_reference(reference_dir(args.size), size=args.size)
-    rows = parameter_count(ref) // 512  # the ceiling reads as many values as the model has weights
-    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "size": args.size, "pressure_before": pressure(),
+    args.b = args.b or args.a
+    envs = {"a": env_pairs(args.a_env), "b": env_pairs(args.b_env)}
+    envs["a2"] = envs["a"]
+    gguf = ""
+    if args.model == "smollm2":
+        sys.path.append(os.path.join(HERE, "..", "tests"))  # real_model_cache: where the suite keeps the GGUF
+        from real_model_cache import GGUF_NAME, installed_gguf
+
+        folder, why = installed_gguf()
+        if folder is None:
+            raise SystemExit(f"--model smollm2: the real model is not available ({why}).")
+        ref, gguf = str(folder), GGUF_NAME
+        rows = gguf_values(os.path.join(ref, gguf)) // 512
+    else:
+        ref = build_reference(reference_dir(args.size), size=args.size)
+        rows = parameter_count(ref) // 512  # the ceiling reads as many values as the model has weights
+    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "a_env": envs["a"], "b_env": envs["b"],
+              "model": args.model if args.model == "smollm2" else args.size, "pressure_before": pressure(),
               "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes}, "cases": []}
     for dtype in args.dtypes:
         for batch in args.batches:
@@ -144,7 +186,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for side in sides:
                     runs[side].append(child(args.a if side == "a2" else getattr(args, side), ref, dtype, batch,
-                                            args.repeats))
+                                            args.repeats, gguf, envs[side]))
             case = {"dtype": dtype, "batch": batch, "pressure_after": pressure(), **summarise(runs)}
             if batch == 1:
                 case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3)

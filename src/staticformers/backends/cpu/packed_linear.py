@@ -3,7 +3,7 @@
 Why this exists: a bfloat16 `F.linear` on the CPU is oneDNN's inner product, and given a plain `[out, in]`
 weight oneDNN reorders it into its blocked layout (the one its AMX / AVX-512 BF16 kernels read) on every
 call. Packing each weight once and keeping the packed copy takes that reorder out of every step: about 2x
-on the decoder's projections at 1 to 8 rows and 10-40% on a prompt's, with bit-identical results, since
+on the decoder's projections at 1 to 8 rows and 4-40% on a prompt's, with bit-identical results, since
 the kernel is the same (BENCHMARKS.md, "Packed bf16 weights"). Inductor packs weights itself only when
 they are frozen constants, and our graphs take weights as inputs (one layer graph serves every layer), so
 the packing happens here, on the first call that meets each weight, and graphs call
