@@ -311,7 +311,8 @@ BF16_HEAD_REDUCTION_MAX_BATCH = threshold("bf16_head_reduction_max_batch")
 
 def gemm_kernel(dtype: torch.dtype) -> Optional[str]:
     """The GEMM behind a formulation's linears that are not reductions: oneDNN's for float32 (this
-    PyTorch's MKL sgemm measured slower for every decoder shape, BENCHMARKS.md); oneDNN's over weights
+    PyTorch's MKL sgemm measured slower for prompts, BENCHMARKS.md; a decode step of 2-8 rows keeps
+    MKL's, `decode_formulation`); oneDNN's over weights
     it packed once for bfloat16 (`packed_linear.py`), where the module's own call would repack the weight
     each time; the module's own otherwise."""
     if dtype == torch.float32 and onednn_available() and torch.backends.mkldnn.enabled:
@@ -327,7 +328,9 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     As measured on the 41.6M reference model (BENCHMARKS.md): at batch 1 every linear is a weight-
     streaming reduction and attention fused reductions. At batch 2-8 the linears stay GEMMs: inductor
     fuses the producing norm or activation into a reduction and recomputes it for each weight row, and
-    the BLAS's bf16 GEMMs beat our reductions. Attention there is fused reductions in bf16 (the CPU's
+    the BLAS's GEMMs beat our reductions: in float32 MKL's sgemm (the module's own call), which read
+    2-8 rows 7-21% faster than oneDNN's on both the reference and a real model (BENCHMARKS.md, "float32
+    GEMMs at 2-8 rows"); in bf16 `gemm` (oneDNN over packed weights). Attention there is fused reductions in bf16 (the CPU's
     SDPA kernel is slow at small batches in bf16); float32 keeps SDPA. The `lm_head` is a reduction in
     float32 at every batch up to 8 and in bf16 up to batch 2, where this PyTorch's GEMM reads that
     weight slowly; the regional head stores the normalised input once (`compilation.regions.head_region`), so
@@ -337,7 +340,9 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     head = "reduce" if dtype == torch.float32 or batch <= BF16_HEAD_REDUCTION_MAX_BATCH else gemm
     if batch == 1:
         return CPUOps("reduce", "reduce", head)
-    return CPUOps(None if dtype == torch.float32 else "reduce", gemm, head)
+    if dtype == torch.float32:  # MKL's sgemm (the module's own call) beat oneDNN's at 2-8 rows
+        return CPUOps(None, None, head)
+    return CPUOps("reduce", gemm, head)
 
 
 def prefill_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> CPUOps:
