@@ -142,7 +142,7 @@ def summarise(runs: dict) -> dict:
 
 
 def main() -> None:
-    from reference import SIZES, build_reference, pressure, reference_dir
+    from reference import SIZES, build_reference, pressure, real_model, reference_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--a", required=True, help="the tree before (its src/ is imported)")
@@ -165,13 +165,7 @@ def main() -> None:
     envs["a2"] = envs["a"]
     gguf = ""
     if args.model == "smollm2":
-        sys.path.append(os.path.join(HERE, "..", "tests"))  # real_model_cache: where the suite keeps the GGUF
-        from real_model_cache import GGUF_NAME, installed_gguf
-
-        folder, why = installed_gguf()
-        if folder is None:
-            raise SystemExit(f"--model smollm2: the real model is not available ({why}).")
-        ref, gguf = str(folder), GGUF_NAME
+        ref, gguf = real_model()
         rows = gguf_values(os.path.join(ref, gguf)) // 512
     else:
         ref = build_reference(reference_dir(args.size), size=args.size)

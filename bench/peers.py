@@ -60,12 +60,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-if os.path.join(ROOT, "tests") not in sys.path:
-    sys.path.append(os.path.join(ROOT, "tests"))  # real_model_cache: where the suite keeps the GGUF
 
 import llama_cpp_peer  # noqa: E402  (torch-free: imports gguf / llama_cpp only inside its functions)
 import peer_envs  # noqa: E402
-from reference import pressure  # noqa: E402
+from reference import pressure, real_model  # noqa: E402
 
 ENGINES = ("sf", "hf", "openvino", "llama_cpp")
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -201,16 +199,6 @@ def prompt_rows(ids: list[int], batch: int, prompt: int) -> list[list[int]]:
         raise SystemExit(f"the prompt text has {len(ids)} tokens, fewer than --batches' largest x --prompt "
                          f"({batch} x {prompt}): lower one of them.")
     return [ids[i * prompt:(i + 1) * prompt] for i in range(batch)]
-
-
-def model_source() -> tuple[str, str]:
-    """(the folder holding the suite's GGUF, its file name), installed on first use."""
-    from real_model_cache import GGUF_NAME, installed_gguf
-
-    folder, why = installed_gguf()
-    if folder is None:
-        raise SystemExit(why + ".")
-    return str(folder), GGUF_NAME
 
 
 def files_folder(folder: str) -> str:
@@ -427,7 +415,7 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
     from staticformers.utils.cpus import choose_threads, prefer_bounded_spin
 
     threads = choose_threads(args.threads).threads
-    folder, name = model_source()
+    folder, name = real_model()
     files = files_folder(folder)
     os.makedirs(files, exist_ok=True)
     report: dict = {"host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),

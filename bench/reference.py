@@ -98,6 +98,20 @@ def pressure() -> str:
         return "n/a"
 
 
+def real_model() -> tuple[str, str]:
+    """(the folder holding the suite's real model, SmolLM2-135M-Instruct's GGUF, and the file's name), installed
+    on first use (`tests/real_model_cache.py`); exits saying why where it cannot be."""
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    if tests not in sys.path:
+        sys.path.append(tests)
+    from real_model_cache import GGUF_NAME, installed_gguf
+
+    folder, why = installed_gguf()
+    if folder is None:
+        raise SystemExit(f"the real model is not available: {why}.")
+    return str(folder), GGUF_NAME
+
+
 def report(result: dict, out) -> None:
     """A benchmark's JSON, printed, and written to `out` when given: every benchmark ends this way."""
     text = json.dumps(result, indent=1)

@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from reference import build_reference, pressure, reference_dir, report  # noqa: E402
+from reference import build_reference, pressure, real_model, reference_dir, report  # noqa: E402
 
 SRC = os.path.join(HERE, "..", "src")
 
@@ -159,13 +159,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model == "smollm2":
-        sys.path.append(os.path.join(HERE, "..", "tests"))  # real_model_cache: where the suite keeps the GGUF
-        from real_model_cache import GGUF_NAME, installed_gguf
-
-        folder, why = installed_gguf()
-        if folder is None:
-            raise SystemExit(f"--model smollm2: the real model is not available ({why}).")
-        args.ref, args.gguf = str(folder), GGUF_NAME
+        args.ref, args.gguf = real_model()
     else:
         args.ref, args.gguf = build_reference(reference_dir("41m")), None
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), STATICFORMERS_CACHE=args.cache,

@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 
-from ..base import host_available_memory
 from .operators import define
 
 OP = "staticformers::packed_linear"
@@ -38,7 +37,7 @@ RESERVE_FRACTION = 0.1  # of the host's memory, left available after a packed co
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _packed: dict = {}  # key -> (weakref to the weight, its version, the packed copy)
-_declined: set = set()  # keys that memory refused, so the check is not repeated on every call
+_declined: dict = {}  # key -> weakref to a weight that memory refused, so the check is not repeated every call
 STATS = {"packed": 0, "declined": 0}
 
 
@@ -47,37 +46,41 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def _room_for(nbytes: int) -> bool:
-    available = host_available_memory()
-    if available is None:
-        return True
     try:
         import psutil
 
-        total = int(psutil.virtual_memory().total)
-    except Exception:  # pragma: no cover - psutil is a dependency
+        memory = psutil.virtual_memory()
+    except Exception:  # pragma: no cover - psutil is a dependency; a sandbox may hide /proc
         return True
-    return available - nbytes >= RESERVE_FRACTION * total
+    return memory.available - nbytes >= RESERVE_FRACTION * memory.total
 
 
 def packing_enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _current(key: tuple, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """The packed copy under `key` while its weight lives and is unchanged since it was packed."""
+    entry = _packed.get(key)
+    return entry[2] if entry is not None and entry[0]() is not None and entry[1] == weight._version else None
+
+
 def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """`weight` packed by oneDNN (made on first use, kept while the weight lives unchanged), or None where
     packing is off or memory refused it."""
     key = _key(weight)
-    entry = _packed.get(key)
-    if entry is not None and entry[0]() is not None and entry[1] == weight._version:
-        return entry[2]
-    if key in _declined or not packing_enabled():
+    packed = _current(key, weight)
+    if packed is not None:
+        return packed
+    refused = _declined.get(key)
+    if (refused is not None and refused() is not None) or not packing_enabled():
         return None
     with _lock:
-        entry = _packed.get(key)
-        if entry is not None and entry[0]() is not None and entry[1] == weight._version:
-            return entry[2]
+        packed = _current(key, weight)
+        if packed is not None:
+            return packed
         if not _room_for(weight.numel() * weight.element_size()):
-            _declined.add(key)
+            _declined[key] = weakref.ref(weight)
             STATS["declined"] += 1
             if STATS["declined"] == 1:
                 _log.warning("staticformers: bf16 weights are not packed for oneDNN: another copy would leave less "
@@ -85,19 +88,9 @@ def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
                              "memory to pack them.", round(RESERVE_FRACTION * 100))
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
-        _packed[key] = (weakref.ref(weight, lambda _ref, k=key: _forget(k)), weight._version, packed)
+        _packed[key] = (weakref.ref(weight, lambda _ref, k=key: _packed.pop(k, None)), weight._version, packed)
         STATS["packed"] += 1
         return packed
-
-
-def _forget(key: tuple) -> None:
-    _packed.pop(key, None)
-    _declined.discard(key)
-
-
-def packed_bytes() -> int:
-    """The bytes held by packed copies now (the packed layout may pad: counted as the weights' own size)."""
-    return sum(p.numel() * p.element_size() for _, _, p in list(_packed.values()))
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -139,4 +132,4 @@ def packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.staticformers.packed_linear(x, layer.weight, layer.bias)
 
 
-__all__ = ["ENV", "OP", "STATS", "packed_available", "packed_bytes", "packed_linear", "packed_weight"]
+__all__ = ["ENV", "OP", "STATS", "packed_available", "packed_linear", "packed_weight"]
