@@ -354,15 +354,15 @@ def test_rows_near_the_end_of_the_cache_decode_plainly_and_the_draft_catches_up(
     # the draft meets rows that already generated 5 tokens without it: their prompts, then what they missed
     proposer = DraftModel(engine_for(perturbed(path)), settings, 3)
     spec = Speculator(proposer)
-    speculative, plain = spec.decode, {"left": 4}
+    speculative, plain = spec.plan_verify, {"left": 4}
 
-    def decode(loop):
-        if plain["left"]:
+    def plan_verify(loop):
+        if plain["left"]:  # no verify plan: the loop runs a plain decode step
             plain["left"] -= 1
-            return loop._decode()
+            return None
         return speculative(loop)
 
-    spec.decode = decode
+    spec.plan_verify = plan_verify
     assert run(model, settings, requests(), spec, plan) == expected
     assert spec.num_accepted_tokens > 0
 

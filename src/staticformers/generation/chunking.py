@@ -30,14 +30,12 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from .plan import PlanError, ShapePlan
-
-logger = logging.getLogger("staticformers")
+from .step_plan import StepPlan
 
 
 def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
@@ -124,50 +122,16 @@ def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Ten
     return tokens, positions, keep, taken
 
 
-def run_chunk(loop) -> None:
-    """One extend step: the next chunk of every prefilling row of `loop` (`GenerationLoop`); a row whose
-    prompt it finishes gets its first token (and has its blocks stored in the prefix cache)."""
-    from ..adapters.bank import bank_of
-
-    cache, engine = loop.cache, loop.engine
-    device = engine.model.device
-    loop._own_prefixes()
-    tokens, positions, keep, taken = chunk_inputs(loop.rows, cache.batch, cache.max_length, loop.chunk)
-    cache.count({s: n - 1 for s, n in taken.items()})  # a linear-attention state counts its chunk only
-    adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
-        if bank_of(engine.model) is not None else None
+def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[list]) -> StepPlan:
+    """The extend step of the next chunk of every prefilling row of `rows` {slot: row} over a `[batch, kv]` cache:
+    a row whose prompt it finishes chooses its first token from it (`runner.py` runs the plan); if it fails, the
+    chunking rows fail (the decoding rows' positions were only written ahead)."""
+    tokens, positions, keep, taken = chunk_inputs(rows, batch, kv, width)
     slots = sorted(taken)
-    done = [s for s in slots if loop.rows[s].length + taken[s] >= len(loop.rows[s].prompt)]
-    try:
-        pending = loop.constraints.start(done)  # the grammars' masks of the rows this chunk finishes
-        with torch.no_grad():
-            argmax, logits = engine.extend(loop.settings, cache, tokens.to(device), positions.to(device),
-                                           keep.to(device), adapters, plan=loop.plan)
-            choice = None
-            if done:
-                index = torch.tensor(done, dtype=torch.long).to(device)
-                mine_logits = logits[:, 0].index_select(0, index)
-                choice = loop.sampler.choose(mine_logits, argmax[:, 0].index_select(0, index), done,
-                                             [loop.rows[s].generated for s in done], loop.constraints.mask(pending))
-                loop.sampler.observe(done, choice.ids)
-        if choice is not None:
-            choice = loop._to_host(choice)
-            chosen = choice.ids.tolist()
-        else:
-            engine.backend.flush(device)
-    except Exception as exc:  # the chunking rows fail; the decoding rows' positions were only written ahead
-        logger.exception("chunked prefill failed for %d request(s)", len(slots))
-        loop._fail_rows(slots, exc)
-        return
-    for slot in slots:
-        loop.rows[slot].length += taken[slot]
-    loop.chunks += 1
-    for i, slot in enumerate(done):
-        row = loop.rows[slot]
-        loop._store_prefix(slot, row)
-        event = loop._emit(slot, row, chosen[i], choice, i)
-        if row.request.output_logits:
-            event.logits = mine_logits[i].clone()
+    done = [s for s in slots if rows[s].length + taken[s] >= len(rows[s].prompt)]
+    return StepPlan("chunk", slots, done, done, [rows[s].generated for s in done], tokens, positions, keep, adapters,
+                    counts={s: n - 1 for s, n in taken.items()},  # a linear-attention state counts its chunk only
+                    advance=taken, fails=slots)
 
 
-__all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "run_chunk"]
+__all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "chunk_plan"]

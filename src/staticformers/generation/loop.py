@@ -89,10 +89,12 @@ from ..models.kv_cache import KVCache
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
 from .kv_blocks import BlockAllocator, blocks_for
-from .chunking import chunk_width, decoding, positions_needed, prefilling, run_chunk
+from .chunking import chunk_plan, chunk_width, decoding, positions_needed, prefilling
 from .plan import ShapePlan
 from .prefix_cache import PrefixCache, adapter_key, block_keys
-from .sampling import Choice, RowSampler, SamplingParams
+from .runner import StepRunner
+from .sampling import RowSampler, SamplingParams
+from .step_plan import StepPlan, StepResult
 
 logger = logging.getLogger("staticformers")
 
@@ -186,6 +188,7 @@ class GenerationLoop:
         if speculator is not None:
             self.plan = speculator.plan_for(self.plan)
         engine.follow(self.plan)  # a hybrid's states per verified position and its chunk
+        self.runner = StepRunner(engine, settings, self.plan)
         largest = self.plan.batch_sizes[-1]
         self.max_slots = min(int(max_batch_size), largest) if max_batch_size else largest
         self.vocab = engine.model.config.vocab_size
@@ -363,21 +366,18 @@ class GenerationLoop:
             if chunk and (not admit or self._chunk_turn):
                 self._make_room(prefilling(self.rows))
                 if prefilling(self.rows):
-                    run_chunk(self)
+                    self._chunk()
                 self._last_was_prefill, self._chunk_turn = True, False
             elif admit:
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
                     self._make_room(prefilling(self.rows))
                     if prefilling(self.rows):
-                        run_chunk(self)
+                        self._chunk()
                 self._last_was_prefill, self._chunk_turn = True, True
             elif busy:
                 self._make_room(decoding(self.rows))
                 if decoding(self.rows):  # none when every decoding row was preempted for another's blocks
-                    if self.speculator is not None:
-                        self.speculator.decode(self)
-                    else:
-                        self._decode()
+                    self._decode()
                 self._last_was_prefill = False
             self._maybe_shrink()
         except Exception as exc:  # whatever broke, the requests it touched end with it and the loop starts clean
@@ -481,33 +481,15 @@ class GenerationLoop:
                 whole.append((slot, row))
                 given.append(self._first_tokens(row))
             done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
-            if whole:
-                banked = bank_of(self.engine.model) is not None
-                scoring = any(self._scored(r) for _, r in whole)
-                mine = [s for s, _ in whole]
-                done_slots = [mine[i] for i in done]
-                pending = self.constraints.start(done_slots)  # filled while the prefill runs
-                with torch.no_grad():
-                    out = self.engine.prefill(self.settings, given, self.cache, mine, self.plan,
-                                              [r.adapter for _, r in whole] if banked else None, scores=scoring)
-                    argmax, logits = out[:2]
-                    prompt_scores = self._prompt_scores([r for _, r in whole], out[2]) if scoring else \
-                        [None] * len(whole)
-                    prompt_scores = [None if r.resumed else p for (_, r), p in zip(whole, prompt_scores)]
-                    if len(done) < len(whole):  # rows that only started their prompt choose nothing yet
-                        index = torch.tensor(done, dtype=torch.long).to(logits.device)
-                        argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
-                        prompt_scores = [prompt_scores[i] for i in done]
-                    if done_slots:
-                        choice = self.sampler.choose(logits, argmax, done_slots,
-                                                     [whole[i][1].generated for i in done],
-                                                     self.constraints.mask(pending))
-                        self.sampler.observe(done_slots, choice.ids)
-                if done_slots:
-                    choice = self._to_host(choice)
-                    tokens = choice.ids.tolist()
-                else:
-                    self.engine.backend.flush(self.engine.model.device)
+            step = result = None
+            if whole:  # rows that only started their prompt choose nothing yet
+                step = StepPlan("prefill", [s for s, _ in whole], [whole[i][0] for i in done], done,
+                                [whole[i][1].generated for i in done], given, adapters=self._adapters(whole),
+                                scores=any(self._scored(r) for _, r in whole),
+                                scored=[r.request.sampling.prompt_logprobs if self._scored(r) else None
+                                        for _, r in whole],
+                                advance={slot: len(g) for (slot, _), g in zip(whole, given)})
+                result = self.runner.run(step, self.cache, self.sampler, self.constraints)
         except Exception as exc:  # the joining requests fail; the running ones are untouched
             logger.exception("prefill failed for %d request(s)", len(joining))
             for slot in [s for s in range(self.cache.batch if self.cache else 0) if s not in self.rows]:
@@ -519,17 +501,10 @@ class GenerationLoop:
                 self._release(row)
             self._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in joining]
             return True
-        for i, (_, row) in enumerate(whole):  # every joining row holds its slot before any of them may end
-            row.length = len(given[i])
-        for slot, row in zip(slots, joining):
+        for slot, row in zip(slots, joining):  # every joining row holds its slot before any of them may end
             self.rows[slot] = row
-        for j, i in enumerate(done):
-            slot, row = whole[i]
-            self._store_prefix(slot, row)
-            event = self._emit(slot, row, tokens[j], choice, j)
-            event.prompt_logprobs = prompt_scores[j]
-            if row.request.output_logits:
-                event.logits = logits[j].clone()
+        if step is not None:
+            self._apply(step, result)
         return bool(whole)
 
     def _scored(self, row: _Row) -> bool:
@@ -705,73 +680,88 @@ class GenerationLoop:
             self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
             self._free(slot)
 
-    @staticmethod
-    def _prompt_scores(joining: list, scored: tuple) -> list:
-        """Each joining row's prompt log-probabilities (`TokenEvent.prompt_logprobs`), None where not asked."""
-        token_lp, top_lp, top_ids = scored
-        longest = max(len(r.request.prompt) for r in joining)
-        k = max(r.request.sampling.prompt_logprobs or 0 for r in joining)
-        token_lp = token_lp[:, :longest].tolist()
-        top_lp, top_ids = top_lp[:, :longest, :k].tolist(), top_ids[:, :longest, :k].tolist()
-        out = []
-        for i, r in enumerate(joining):
-            asked = r.request.sampling.prompt_logprobs
-            if asked is None:
-                out.append(None)
-                continue
-            out.append([None] + [(token_lp[i][j], list(zip(top_ids[i][j][:asked], top_lp[i][j][:asked])))
-                                 for j in range(1, len(r.request.prompt))])
-        return out
-
     # ---- decode ------------------------------------------------------------------------------------
-    def _decode(self) -> None:
+    def _adapters(self, rows=None) -> Optional[list]:
+        """Each row's adapter bank slot for a step (None: the model batches no adapters): `rows` [(slot, row)] a
+        prefill's, in order; None: every slot of the batch (0 for a free one)."""
+        if bank_of(self.engine.model) is None:
+            return None
+        if rows is not None:
+            return [r.adapter for _, r in rows]
+        return [self.rows[s].adapter if s in self.rows else 0 for s in range(self.cache.batch)]
+
+    def _decode_plan(self) -> StepPlan:
+        """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
+        and a free slot at 0, their outputs dropped."""
         cache = self.cache
         slots = decoding(self.rows)
         tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
         positions = torch.zeros(cache.batch, 1, dtype=torch.long)
-        for slot, row in self.rows.items():  # a prefilling row writes at its length: its next chunk rewrites it
+        for slot, row in self.rows.items():
             tokens[slot, 0] = row.last
             positions[slot, 0] = row.length
-        cache.count({s: 0 for s in slots})  # a prefilling row's linear-attention state waits for its chunks
-        device = self.engine.model.device
-        adapters = [self.rows[s].adapter if s in self.rows else 0 for s in range(cache.batch)] \
-            if bank_of(self.engine.model) is not None else None
-        try:
-            pending = self.constraints.start(slots)  # the host fills the mask while the device computes
-            with torch.no_grad():
-                argmax, logits = self.engine.decode(self.settings, cache, tokens.to(device), positions.to(device),
-                                                    adapters)
-                allowed = self.constraints.mask(pending)
-                if len(slots) == cache.batch:
-                    mine_argmax, mine_logits = argmax, logits
-                else:
-                    index = torch.tensor(slots, dtype=torch.long).to(device)
-                    mine_argmax = argmax.index_select(0, index)
-                    mine_logits = logits.index_select(0, index) \
-                        if self.sampler.needs_logits(slots) or allowed is not None else logits
-                choice = self.sampler.choose(mine_logits, mine_argmax, slots, [self.rows[s].generated for s in slots],
-                                             allowed)
-                self.sampler.observe(slots, choice.ids)
-            choice = self._to_host(choice)
-            chosen = choice.ids.tolist()
-        except Exception as exc:  # every running request was in this step
-            logger.exception("decode step failed for %d request(s)", len(slots))
-            self._fail_rows(sorted(self.rows), exc)  # the prefilling rows too: their positions were in the step
-            return
-        for i, slot in enumerate(slots):
-            row = self.rows[slot]
-            row.length += 1  # its last token is now in the cache
-            wants_logits = row.request.output_logits
-            event = self._emit(slot, row, chosen[i], choice, i)
-            if wants_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
-                event.logits = logits[slot].clone()
+        return StepPlan("decode", slots, slots, slots, [self.rows[s].generated for s in slots], tokens, positions,
+                        adapters=self._adapters(),
+                        counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
+                        fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
 
-    def _to_host(self, choice: Choice) -> Choice:
-        """The step's results on the host, the only thing a step reads back: the device first runs what the
-        step queued (`flush`: one graph on a lazily traced device), then the ids (and logprobs) cross."""
-        self.engine.backend.flush(self.engine.model.device)
-        return Choice(*(t.cpu() if t is not None else None
-                        for t in (choice.ids, choice.logprobs, choice.top_ids, choice.top_logprobs)))
+    def _decode(self) -> None:
+        """A decode step of the running rows, or with a speculator its verify step where it has one."""
+        step = None
+        if self.speculator is not None:
+            try:
+                step = self.speculator.plan_verify(self)
+            except Exception as exc:  # a draft model's step failed: the rows of this step fail, as a decode's would
+                logger.exception("speculative proposals failed for %d request(s)", len(self.rows))
+                self._fail_rows(sorted(self.rows), exc)
+                return
+        step = step or self._decode_plan()
+        result = self._run(step)
+        if result is not None:
+            if step.kind == "verify":
+                self.speculator.verified([self.rows[s] for s in step.choosing], result.accepted)
+            self._apply(step, result)
+
+    def _chunk(self) -> None:
+        """The next chunk of every prefilling row (`chunking.py`)."""
+        self._own_prefixes()
+        step = chunk_plan(self.rows, self.cache.batch, self.cache.max_length, self.chunk, self._adapters())
+        result = self._run(step)
+        if result is not None:
+            self.chunks += 1
+            self._apply(step, result)
+
+    def _run(self, step: StepPlan) -> Optional[StepResult]:
+        """Run a decode, chunk or verify step of the batch; if it fails, the rows it names end with the error
+        (None)."""
+        try:
+            return self.runner.run(step, self.cache, self.sampler, self.constraints)
+        except Exception as exc:
+            logger.exception("%s step failed for %d request(s)", step.kind, len(step.fails))
+            self._fail_rows(step.fails, exc)
+            return None
+
+    def _apply(self, step: StepPlan, result: StepResult) -> None:
+        """A step's result on its rows: the positions a prefill or chunk wrote, then each choosing row's tokens (a
+        decode or verify step's each advancing it by one), stopping at one that ends it. A row whose prompt is now
+        all in its cache has its prefix stored first."""
+        for slot, n in step.advance.items():
+            self.rows[slot].length += n
+        prompt_done = step.kind in ("prefill", "chunk")
+        for i, slot in enumerate(step.choosing):
+            row = self.rows[slot]
+            if prompt_done:
+                self._store_prefix(slot, row)
+            for j, token in enumerate(result.tokens[i]):
+                if not prompt_done:
+                    row.length += 1  # the token before it is now in the cache
+                event = self._emit(slot, row, token, result.choice, i * result.width + j)
+                if j == 0 and result.prompt_scores[i] is not None:
+                    event.prompt_logprobs = result.prompt_scores[i]
+                if row.request.output_logits:  # a copy: a CUDA graph's next replay overwrites its outputs
+                    event.logits = result.logits_of(i, j).clone()
+                if event.finish_reason is not None:
+                    break
 
     def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
         """Record the row's new token and add its event to the step's (and return it); a finished row frees

@@ -323,6 +323,10 @@ class RowSampler:
                 choice.top_logprobs, choice.top_ids = torch.topk(logp, t["logprobs"], dim=-1)
         return choice
 
+    def logprobs_asked(self, rows: Sequence[int]) -> Optional[int]:
+        """The most top log-probabilities any of `rows` asks for (0: only its token's; None: no row asks)."""
+        return self._table(tuple(rows))["logprobs"]
+
     def observe(self, rows: Sequence[int], ids: torch.Tensor) -> None:
         """Count the chosen ids of `rows` as generated (penalties)."""
         if self.counts is None or not any(self.params[r] is not None and self.params[r].penalised for r in rows):

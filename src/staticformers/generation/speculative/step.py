@@ -1,7 +1,8 @@
 """The loop's speculative step: propose, verify in one extend step, keep what each row accepts.
 
-A `GenerationLoop` built with a `Speculator` runs `Speculator.decode(loop)` where it would run a decode
-step. Design choices:
+A `GenerationLoop` built with a `Speculator` asks `Speculator.plan_verify(loop)` for a verify step where it would
+run a decode step, and the loop's `runner.py:StepRunner` runs it (the acceptance is sampling, `acceptance.py`).
+Design choices:
 
 - **One verify shape.** Every row feeds `[last, d_1 .. d_k]` at positions `length .. length + k` of its
   own row, padded when it has fewer proposals; the target runs the extend step `[B, k+1]` with logits at
@@ -16,7 +17,7 @@ step. Design choices:
   `[B, 1]` decode graph is in the plan too, and cheaper).
 - **Exactness per row** (`acceptance.py`): greedy rows emit the tokens they would emit without
   speculation; sampling rows keep the target's distribution by the rejection rule. Each accepted
-  token goes through the loop's `_emit`, so stop ids, `min_new_tokens` and `max_new_tokens` hold at
+  token is emitted by the loop as a decode step's is, so stop ids, `min_new_tokens` and `max_new_tokens` hold at
   every position: a row that ends cuts its accepted run there. Proposals are capped at the tokens a
   row may still produce.
 - **A hybrid model's linear-attention states** (Qwen3.5's Gated DeltaNet) cannot be rewritten like positions: the
@@ -28,20 +29,14 @@ step. Design choices:
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 
 from ...adapters.bank import bank_of
-from ..loop import TokenEvent
-from ..plan import ShapePlan
 from ..chunking import decoding, prefilling
-from ..constraints import unpack
-from ..sampling import Choice
-from .acceptance import verify
-
-logger = logging.getLogger("staticformers")
+from ..plan import ShapePlan
+from ..step_plan import StepPlan
 
 
 class Speculator:
@@ -74,46 +69,29 @@ class Speculator:
         return engine.warm("extend", batch, (kv, self.width, self.width), settings) and \
             self.proposer.warm(batch, kv)
 
-    def _allowed(self, packed: Optional[torch.Tensor], n: int, vocab: int, device) -> Optional[torch.Tensor]:
-        """The rows' grammar masks at position 0 (`packed`: `[n, words]`, all ones for a free row), as the
-        `[n, k+1, vocab]` bool mask `verify` takes; later positions are free (a row with a grammar proposes
-        nothing, so it emits position 0 only)."""
-        if packed is None:
-            return None
-        allowed = torch.ones(n, self.width, vocab, dtype=torch.bool, device=device)
-        allowed[:, 0] = unpack(packed, vocab, device)
-        return allowed
-
     # ---- the step --------------------------------------------------------------------------------
-    def decode(self, loop) -> None:
-        """One speculative step of `loop` (in place of `loop._decode()`)."""
+    def plan_verify(self, loop) -> Optional[StepPlan]:
+        """The verify step of `loop`'s decoding rows (`runner.py` runs it), or None where a plain decode step
+        should run: some row lacks room for k more positions, or no row has a proposal. Reads the loop's public
+        state only (`rows`, `cache`, `constraints`, `engine`); a proposer's failure propagates (the loop fails the
+        step's rows)."""
         cache = loop.cache
         slots = decoding(loop.rows)  # rows still prefilling a chunked prompt take part harmlessly, below
         rows = [loop.rows[s] for s in slots]
         if any(r.length + self.k >= cache.max_length for r in rows):
-            loop._decode()  # some row lacks room for k more positions
-            return
+            return None
         # A row with a grammar (structured outputs, waiting for its trigger or not) gets no proposals: masks
         # at later verified positions would need its matcher advanced along each proposal and rolled back
         # (not done yet). It takes its one token at position 0 under its mask, as a decode step gives it,
         # while the other rows speculate.
         grammars = loop.constraints
         held = {s for s in slots if grammars is not None and grammars.rows[s] is not None}
-        pending = grammars.start(slots) if held else None  # filled while the proposals and the step run
         histories = [list(r.request.prompt) + r.tokens for r in rows]
         limits = [0 if s in held else max(0, min(self.k, r.request.max_new_tokens - r.generated - 1))
                   for s, r in zip(slots, rows)]
-        try:
-            proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
-        except Exception as exc:  # a draft model's step failed: the rows of this step fail, as a decode's would
-            logger.exception("speculative proposals failed for %d request(s)", len(slots))
-            self._fail(loop, rows, exc)
-            return
+        proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
         if not any(proposals):
-            if pending is not None:
-                pending.result()  # the decode step fills its own
-            loop._decode()
-            return
+            return None
         self.num_steps += 1
         self.num_draft_tokens += sum(len(p) for p in proposals)
         width = self.width
@@ -126,66 +104,17 @@ class Speculator:
         for slot in prefilling(loop.rows):  # at its length and after: its next chunk writes there again
             positions[slot] = (positions[slot] + loop.rows[slot].length).clamp_(max=cache.max_length - 1)
         keep = torch.arange(width).repeat(cache.batch, 1)
-        cache.count({s: len(p) for s, p in zip(slots, proposals)})  # a hybrid's states: up to the last proposal
-        device = loop.engine.model.device
         adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
             if bank_of(loop.engine.model) is not None else None
-        try:
-            with torch.no_grad():
-                argmax, logits = loop.engine.extend(loop.settings, cache, tokens.to(device), positions.to(device),
-                                                    keep.to(device), adapters, plan=loop.plan)
-                if len(slots) != cache.batch:
-                    index = torch.tensor(slots, dtype=torch.long).to(device)
-                    argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
-                loop.engine.backend.flush(device)
-                steps = [r.generated for r in rows]
-                allowed = self._allowed(grammars.mask(pending), len(slots), logits.shape[-1], device) \
-                    if pending is not None else None
-                verdict = verify(loop.sampler, logits, argmax, slots, steps, proposals, q, allowed)
-                if cache.rollback is not None:  # each row's linear-attention states after its last accepted token
-                    index = torch.full((cache.batch,), -1, dtype=torch.long)
-                    index[slots] = torch.tensor(verdict.accepted, dtype=torch.long)
-                    cache.roll_back(index.to(device))
-                    loop.engine.backend.flush(device)  # a graph of its own on a lazily traced device, not the next step's
-                flat_rows = [s for s, out in zip(slots, verdict.tokens) for _ in out]
-                flat_ids = torch.tensor([t for out in verdict.tokens for t in out], dtype=torch.long)
-                loop.sampler.observe(flat_rows, flat_ids.to(loop.sampler.device))
-                choice = self._logprobs(loop, logits, slots, verdict)
-        except Exception as exc:  # every running request was in this step
-            logger.exception("speculative step failed for %d request(s)", len(slots))
-            self._fail(loop, rows, exc)
-            return
+        return StepPlan("verify", slots, slots, slots, [r.generated for r in rows], tokens, positions, keep, adapters,
+                        counts={s: len(p) for s, p in zip(slots, proposals)},  # a hybrid's states: to the last proposal
+                        fails=sorted(loop.rows), proposals=proposals, draft_probs=q)
+
+    def verified(self, rows: list, accepted: list) -> None:
+        """Count what a verify step's `rows` (the plan's choosing rows) accepted, and tell the proposer."""
         if hasattr(self.proposer, "accepted"):
-            self.proposer.accepted(rows, verdict.accepted)
-        self.num_accepted_tokens += sum(verdict.accepted)
-        for i, (slot, row) in enumerate(zip(slots, rows)):
-            for j, token in enumerate(verdict.tokens[i]):
-                row.length += 1  # the token before it is now in the cache
-                event = loop._emit(slot, row, token, choice, i * width + j)
-                if row.request.output_logits:
-                    event.logits = logits[i, j].clone()
-                if event.finish_reason is not None:
-                    break
-
-    @staticmethod
-    def _fail(loop, rows: list, exc: BaseException) -> None:
-        """End every running request with an error event (their slots are freed), as a failed decode does."""
-        loop._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in rows]
-        loop.rows.clear()
-
-    @staticmethod
-    def _logprobs(loop, logits: torch.Tensor, slots: list, verdict) -> Choice:
-        """The emitted tokens' log-probabilities (and top ones) where a row asked, `[n * T]` row-major."""
-        t = loop.sampler._table(tuple(slots))
-        if t["logprobs"] is None:
-            return Choice(verdict.ids.flatten())
-        n, width, vocab = logits.shape
-        logp = torch.log_softmax(logits.float(), dim=-1).reshape(n * width, vocab)
-        ids = verdict.ids.flatten().to(logp.device)
-        choice = Choice(ids, logp.gather(1, ids.view(-1, 1)).squeeze(1))
-        if t["logprobs"] > 0:
-            choice.top_logprobs, choice.top_ids = torch.topk(logp, t["logprobs"], dim=-1)
-        return loop._to_host(choice)
+            self.proposer.accepted(rows, accepted)
+        self.num_accepted_tokens += sum(accepted)
 
 
 __all__ = ["Speculator"]

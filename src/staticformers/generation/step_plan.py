@@ -1,0 +1,89 @@
+"""What one generation step runs and what it gave back, as plain data: the seam between deciding a step and running it.
+
+Why a module of its own: the loop used to decide a step, build its device inputs, run it, sample and emit in one
+place, and chunked prefill and speculation reached into its private members to do the same. Now whoever decides a
+step (the loop's admission, `chunking.chunk_plan`, `speculative/step.py:Speculator.plan_verify`) describes it as a
+`StepPlan`; `runner.py:StepRunner` turns it into device inputs, runs the engine's step, masks and samples, and
+returns a `StepResult`; the loop applies the result to its rows and emits their tokens. Nothing here holds a device
+tensor of the batch's state: the plan's tensors are host inputs, the result's `logits` the step's output rows.
+
+The kinds, each one shape of the plan:
+
+- `"prefill"`: the prompts (or first chunks) of joining rows, `tokens` one list per row of `slots`, in that order.
+- `"chunk"`: the next chunk of every prefilling row through the extend step `[B, C]`, one kept position per row.
+- `"decode"`: one token per row `[B, 1]`.
+- `"verify"`: every decoding row's last token and up to k proposals `[B, k+1]`, every position's logits kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .sampling import Choice
+
+KINDS = ("prefill", "chunk", "decode", "verify")
+
+
+@dataclass
+class StepPlan:
+    """One step to run.
+
+    `slots`: the rows whose tokens the step computes (a prefill's in the order of `tokens`). `choosing`: the rows
+    that choose tokens from its logits, in the order of the result; `picks` where each one's logits are among the
+    step's output rows (a prefill's: its index in `slots`; otherwise its slot); `steps`: the tokens each choosing
+    row has generated so far (sampling's step). `advance`: the cache positions a prefill or chunk writes per row
+    (a decode or verify advances a row by each token it emits). `fails`: the rows that end with an error if the
+    step raises. `counts`: what each row's linear-attention state counts (`KVCache.count`; None: not set)."""
+
+    kind: str
+    slots: list
+    choosing: list
+    picks: list
+    steps: list
+    tokens: Any = None  # prefill: a list of token lists; otherwise `[B, T]` int64 on the host
+    positions: Optional[torch.Tensor] = None  # `[B, T]` int64 on the host (not a prefill's)
+    keep: Optional[torch.Tensor] = None  # `[B, n]` positions whose logits come back (chunk, verify)
+    adapters: Optional[list] = None  # each computed row's adapter bank slot (None: the model batches none)
+    counts: Optional[dict] = None
+    advance: dict = field(default_factory=dict)
+    fails: list = field(default_factory=list)
+    scores: bool = False  # a prefill that also scores its prompts
+    scored: list = field(default_factory=list)  # per prefill row: whether its request wants its prompt's scores
+    proposals: list = field(default_factory=list)  # verify: each choosing row's proposed tokens
+    draft_probs: Optional[torch.Tensor] = None  # verify: the draft model's probabilities of them (None: lookup)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"StepPlan kind {self.kind!r} is not one of {KINDS}.")
+
+    @property
+    def width(self) -> int:
+        """Tokens each choosing row may emit: k+1 for a verify step, otherwise 1."""
+        return self.tokens.shape[1] if self.kind == "verify" else 1
+
+
+@dataclass
+class StepResult:
+    """What a step gave back, on the host except `logits`.
+
+    `tokens[i]`: what choosing row i emits, in order (one token, or a verify step's accepted run). `choice`: their
+    ids and log-probabilities, row i's token j at `i * width + j`. `logits`: the raw logits the tokens were chosen
+    from, on the device, `[n, vocab]` or a verify step's `[n, width, vocab]` (`logits_of`; None when no row chose). `prompt_scores[i]`: row i's prompt
+    log-probabilities, or None. `accepted[i]`: a verify step's accepted proposals."""
+
+    tokens: list
+    choice: Optional[Choice] = None
+    width: int = 1
+    logits: Optional[torch.Tensor] = None
+    prompt_scores: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+
+    def logits_of(self, i: int, j: int = 0) -> torch.Tensor:
+        """The `[vocab]` raw logits choosing row i's token j was chosen from, on the device."""
+        return self.logits[i, j] if self.width > 1 else self.logits[i]
+
+
+__all__ = ["KINDS", "StepPlan", "StepResult"]
