@@ -360,7 +360,7 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     import psutil
 
     from staticformers import AutoConfig, AutoModelForCausalLM
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     dtype = getattr(torch, dtype_name)
     torch.compile(lambda x: x * 2, backend="inductor", fullgraph=True)(torch.ones(8))

@@ -36,7 +36,7 @@ PLAN_CASE = r"""
 import json, sys, time
 import torch
 from staticformers import AutoModelForCausalLM, ShapePlan
-from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.engines import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.engine import Engine
 from staticformers.backends.xla import runtime
@@ -85,7 +85,7 @@ def speed_case(ref_dir: str, prompt: int, new: int, repeats: int, cpu_backend: s
     import transformers
 
     from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     ids = torch.randint(3, 500, (1, prompt), generator=torch.Generator().manual_seed(0))
     xla = AutoModelForCausalLM.from_pretrained(ref_dir, device_map="xla")

@@ -27,7 +27,7 @@ from ab import gemv_ms, parameter_count, run_child, summarise  # noqa: E402
 CHILD = r"""
 import json, statistics, sys, time, torch
 from staticformers import AutoModelForCausalLM
-from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.engines import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 ref, dtype, batch, repeats, prompt, new, blocks = sys.argv[1:8]

@@ -26,7 +26,7 @@ from reference import build_reference, pressure, reference_dir  # noqa: E402
 from reference import report as write_report  # noqa: E402
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan  # noqa: E402
-from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
+from staticformers.generation.engines import compile_settings, engine_for  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
 
 

@@ -49,7 +49,7 @@ def cached_states(model, layer) -> list | None:
     used (None: no layer asked)."""
     if layer is None:
         return None
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     cache = next(iter(engine_for(model).caches.values()))
     return [list(cache.keys[layer].shape[1:]), list(cache.values[layer].shape[1:])]

@@ -91,7 +91,7 @@ def chunked_and_prefix_cached_run(path):
     greedy tokens, chunks ran and the 40 tokens were hits. Returns the loop."""
     from loop_driver import run_loop
     from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.engines import compile_settings, engine_for
     from staticformers.generation.generation_config import GenerationConfig
     from staticformers.generation.loop import GenerationLoop, GenerationRequest
 

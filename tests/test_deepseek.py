@@ -136,7 +136,7 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, family, backend):
     """Batch 1 (64 new tokens, through Dynamo's graphs) and a left-padded mixed batch (uncompiled; compiled:
     test_moe_generation.py), equal to transformers'."""
     from staticformers import ShapePlan
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)

@@ -136,7 +136,7 @@ def test_phi3_adapters_batched_from_files_give_each_row_its_models_tokens(tiny_c
     one batch mixing them and the base: each row's greedy tokens equal its merged model's alone."""
     from loop_driver import run_loop
     from staticformers.adapters.bank import bank_for_files
-    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.engines import compile_settings, engine_for
     from staticformers.generation.generation_config import GenerationConfig
     from staticformers.generation.loop import GenerationLoop, GenerationRequest
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.api.generate import compile_stats, engine_for
+from staticformers.generation.engines import compile_stats, engine_for
 from staticformers.models.config_checks import ConfigError
 from staticformers.models.model_config import ModelConfig
 from tiny import GEMMA_FAMILIES, build_hf_model, hf_config
@@ -326,7 +326,7 @@ def test_a_long_prompt_in_chunks_gives_transformers_tokens(tiny_checkpoints, fam
     """70 tokens against a largest prompt bucket of 16: the rest runs in chunks of the extend step (its
     regions on Dynamo's eager backend), through the soft caps, the windows and both RoPE bases; the
     greedy tokens equal transformers' on the whole prompt."""
-    from staticformers.api.generate import compile_settings
+    from staticformers.generation.engines import compile_settings
     from staticformers.generation.generation_config import GenerationConfig
     from staticformers.generation.loop import GenerationLoop, GenerationRequest
     from loop_driver import run_loop

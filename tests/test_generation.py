@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, GenerationConfig, ShapePlan
-from staticformers.api.generate import compile_stats, engine_for
+from staticformers.generation.engines import compile_stats, engine_for
 from staticformers.generation.plan import PlanError
 from tiny import FAMILIES
 

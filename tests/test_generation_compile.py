@@ -8,7 +8,7 @@ import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
 from staticformers.compilation.compiler import ShapePlanViolation
-from staticformers.api.generate import engine_for
+from staticformers.generation.engines import engine_for
 import tolerances as tol
 
 EAGER = CompileConfig(backend="eager")
@@ -162,7 +162,7 @@ def test_inductor_batch1_fast_decode_matches_eager(tiny_checkpoints, tmp_path, m
     assert saved == 4 and sum(r["graphs"] for r in rows) == 4  # prefill layer, decode prepare + layer, head
     # `staticformers compile` (Engine.precompile) warms the decode from its first layer, a prompt's last
     # position warms it from its last: either way the artifacts are the same ones
-    from staticformers.api.generate import compile_settings
+    from staticformers.generation.engines import compile_settings
     from staticformers.generation.generation_config import GenerationConfig
 
     for p in (tmp_path / "precompiled").iterdir():

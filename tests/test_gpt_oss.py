@@ -90,7 +90,7 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
     """Batch 1 (24 new tokens: past the window, over full and sliding layers) and a left-padded mixed batch,
     compiled, equal to transformers' greedy tokens."""
     from staticformers import ShapePlan
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     path = tiny_checkpoints("gpt-oss")
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.engines import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.kv_blocks import BlockAllocator, blocks_for
 from staticformers.generation.loop import GenerationLoop, GenerationRequest

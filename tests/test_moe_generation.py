@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.api.generate import engine_for
+from staticformers.generation.engines import engine_for
 from staticformers.models.moe import formulation
 from tiny import MOE_FAMILIES
 

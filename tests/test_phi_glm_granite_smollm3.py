@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.api.generate import engine_for
+from staticformers.generation.engines import engine_for
 from staticformers.models.config_checks import ConfigError
 from staticformers.models.kv_cache import KVCache
 from staticformers.models.model_config import ModelConfig

@@ -13,7 +13,7 @@ import torch
 
 from staticformers import (AutoConfig, AutoModelForCausalLM, CompileConfig, LoraConfig, QuantizationConfig, ShapePlan,
                            TorchAoConfig)
-from staticformers.api.generate import engine_for
+from staticformers.generation.engines import engine_for
 from staticformers.checkpoints.compressed_tensors import QuantizationFormatError, pack_int8, unpack_int8
 from staticformers.models import moe, quantization as q
 from staticformers.models.moe import Experts

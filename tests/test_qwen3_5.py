@@ -201,7 +201,7 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, family, compiled):
     """64 new tokens at batch 1, prompts shorter and longer than the chunk, through Dynamo's graphs per layer
     region (or eager steps); a left-padded mixed batch."""
     from staticformers import ShapePlan
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
@@ -228,7 +228,7 @@ def test_rows_join_and_leave_with_their_own_state(tiny_checkpoints, family, comp
     to a larger bucket) and leave at different lengths: each equals transformers' greedy tokens alone."""
     from loop_driver import run_loop
     from staticformers import ShapePlan
-    from staticformers.api.generate import compile_settings, engine_for
+    from staticformers.generation.engines import compile_settings, engine_for
     from staticformers.generation.generation_config import GenerationConfig
     from staticformers.generation.loop import GenerationLoop, GenerationRequest
 

@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 transformers = pytest.importorskip("transformers")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
-from staticformers.api.generate import engine_for  # noqa: E402
+from staticformers.generation.engines import engine_for  # noqa: E402
 from staticformers.serving.server import ServeOptions, Server, build_loop, build_state  # noqa: E402
 
 EAGER = CompileConfig(backend="eager")

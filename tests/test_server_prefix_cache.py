@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 from staticformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from loop_driver import run_loop  # noqa: E402
-from staticformers.api.generate import engine_for  # noqa: E402
+from staticformers.generation.engines import engine_for  # noqa: E402
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402
 from staticformers.generation.plan import PlanError  # noqa: E402
 from staticformers.generation.sampling import SamplingParams  # noqa: E402

@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig  # noqa: E402
-from staticformers.api.generate import engine_for  # noqa: E402
+from staticformers.generation.engines import engine_for  # noqa: E402
 from staticformers.api.speculative import parse_speculative_config  # noqa: E402
 from staticformers.serving.server import ServeOptions, Server, build_loop, build_state  # noqa: E402
 

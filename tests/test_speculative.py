@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig, ShapePlan
-from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.engines import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.generation.loop import GenerationLoop, GenerationRequest
 from staticformers.generation.sampling import RowSampler, SamplingParams

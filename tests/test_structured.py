@@ -15,7 +15,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig, LoraConfig, ShapePlan  # noqa: E402
-from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
+from staticformers.generation.engines import compile_settings, engine_for  # noqa: E402
 from staticformers.generation.constraints import StructuredOutputs, compiler_for  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402

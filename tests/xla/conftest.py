@@ -35,7 +35,7 @@ def xla_models(tiny_checkpoints):
     """family -> (our model on XLA with the suite's plan, transformers' model on the CPU), loaded once."""
     transformers = pytest.importorskip("transformers")
     from staticformers import AutoModelForCausalLM
-    from staticformers.api.generate import engine_for
+    from staticformers.generation.engines import engine_for
 
     loaded = {}
 

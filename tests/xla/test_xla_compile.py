@@ -16,7 +16,7 @@ pytest.importorskip("torch_xla", reason="torch_xla is not installed here: `make 
 
 import torch  # noqa: E402
 
-from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
+from staticformers.generation.engines import compile_settings, engine_for  # noqa: E402
 from staticformers.backends.xla import runtime  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402
@@ -100,7 +100,7 @@ PRECOMPILE = r"""
 import json, sys, os
 import torch
 from staticformers import AutoModelForCausalLM, ShapePlan
-from staticformers.api.generate import compile_settings, engine_for
+from staticformers.generation.engines import compile_settings, engine_for
 from staticformers.generation.generation_config import GenerationConfig
 from staticformers.backends.xla import runtime
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="xla")

@@ -10,7 +10,7 @@ pytest.importorskip("torch_xla", reason="torch_xla is not installed here: `make 
 
 import torch  # noqa: E402
 
-from staticformers.api.generate import compile_settings  # noqa: E402
+from staticformers.generation.engines import compile_settings  # noqa: E402
 from staticformers.backends.xla import runtime  # noqa: E402
 from staticformers.generation.engine import Engine  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402

@@ -47,7 +47,7 @@ def test_greedy_equals_transformers(xla_models, family):
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                             pad_token_id=0)
         assert [row[-NEW:] for row in out.tolist()] == expected, (family, side)
-    from staticformers.api.generate import compile_stats
+    from staticformers.generation.engines import compile_stats
 
     steps = [r for r in compile_stats(ours) if not r["retired"]]
     # XLA's own count: at most one per declared shape (none where an identical graph, another family's of

@@ -12,7 +12,7 @@ pytest.importorskip("torch_xla", reason="torch_xla is not installed here: `make 
 import torch  # noqa: E402
 
 from staticformers import ShapePlan  # noqa: E402
-from staticformers.api.generate import compile_settings, engine_for  # noqa: E402
+from staticformers.generation.engines import compile_settings, engine_for  # noqa: E402
 from staticformers.backends.xla import runtime  # noqa: E402
 from staticformers.generation.generation_config import GenerationConfig  # noqa: E402
 from staticformers.generation.loop import GenerationLoop, GenerationRequest  # noqa: E402

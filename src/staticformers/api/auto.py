@@ -72,7 +72,7 @@ class ModelForCausalLM(CausalLM):
         return generate(self, *args, **kwargs)
 
     def compile_stats(self) -> list[dict]:
-        from .generate import compile_stats
+        from ..generation.engines import compile_stats
 
         return compile_stats(self)
 

@@ -1,4 +1,4 @@
-"""`model.generate(...)` and `model.compile_stats()`: transformers' argument names over the generation loop.
+"""`model.generate(...)`: transformers' argument names over the generation loop.
 
 This module turns a call into validated settings (generation options, compile settings, the plan)
 and one `GenerationRequest` per row, drives the loop (`generation/loop.py`) until every row has finished, and
@@ -20,10 +20,9 @@ import torch
 
 from ..adapters.bank import bank_for_names
 from ..backends import device_kind
-from ..backends.devices import default_backend
 from ..utils.seeds import check_seed
 from ..generation.generation_config import CompileConfig, GenerationConfig
-from ..generation.engine import CompileSettings, Engine
+from ..generation.engines import compile_settings, engine_for
 from ..generation.constraints import Grammar, StructuredOutputs, compiler_for
 from ..generation.loop import GenerationLoop, GenerationRequest
 from ..generation.plan import ShapePlan
@@ -35,7 +34,6 @@ logger = logging.getLogger("staticformers")
 # keyword arguments transformers' generate() accepts that mean nothing here but are harmless
 _IGNORED = {"use_cache", "token_type_ids"}
 _DEFAULT_MAX_NEW_TOKENS = 20
-_ENGINE_ATTR = "_staticformers_engine"
 
 
 @dataclass
@@ -50,57 +48,6 @@ class GenerateDecoderOnlyOutput:
 
     def __getitem__(self, key: str):
         return getattr(self, key)
-
-
-def engine_for(model, plan: Optional[ShapePlan] = None) -> Engine:
-    """The model's engine (created on first use); `plan` replaces its plan.
-
-    It is kept in the model's `__dict__`, not in a map keyed by the model: its compiled steps call the
-    model's modules, so a value of such a map would keep its key alive and no model would ever be freed;
-    on the model, the two form a cycle that Python's collector frees together."""
-    engine = model.__dict__.get(_ENGINE_ATTR)
-    if engine is None:
-        dims = getattr(model, "parallel_dims", None)  # the layout a partitioned model was loaded with
-        engine = Engine(model, plan, tp=dims.tp if dims is not None else 1)
-        model.__dict__[_ENGINE_ATTR] = engine
-    elif plan is not None:
-        engine.plan = plan.bind(model.config.max_position_embeddings)
-        engine.follow(engine.plan)
-    return engine
-
-
-def set_shape_plan(model, plan: ShapePlan) -> ShapePlan:
-    """Give the model's engine a new plan (graphs already compiled for shapes still in it are kept)."""
-    return engine_for(model, plan).plan
-
-
-def compile_stats(model) -> list[dict]:
-    """Each graph the engine built: kind, shape, backend, graphs compiled, seconds, calls."""
-    engine = model.__dict__.get(_ENGINE_ATTR)
-    return engine.stats() if engine is not None else []
-
-
-# ---------------------------------------------------------------------------------------------
-# settings
-# ---------------------------------------------------------------------------------------------
-def compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig] = None) -> CompileSettings:
-    """The engine's compile settings for a call: the config's, the device's backend and its defaults."""
-    cc = compile_config if compile_config is not None else CompileConfig()
-    if not isinstance(cc, CompileConfig):
-        raise TypeError(f"compile_config must be a staticformers.CompileConfig, got {type(cc).__name__}.")
-    engine = engine_for(model)
-    backend = cc.backend or default_backend(model.device)
-    options = {**engine.backend.compile_defaults(backend), **(cc.options or {})}
-    return CompileSettings(
-        enabled=not config.disable_compile,
-        backend=backend,
-        mode=cc.mode,
-        options=tuple(sorted(options.items())),
-        fullgraph=cc.fullgraph,
-        dynamic=cc.dynamic,
-        fast_decode=bool(cc.fast_decode),
-        regional=bool(cc.regional) if cc.regional is not None else engine.backend.regional_by_default,
-    )
 
 
 def _as_list(x) -> list[int]:

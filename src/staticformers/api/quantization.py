@@ -11,7 +11,7 @@ import torch
 
 from ..backends import for_device
 from ..models.quantization import QuantizationConfig, as_quantization_config, quantize_model
-from .generate import _ENGINE_ATTR
+from ..generation.engines import forget_engine
 
 
 def check_device(config: QuantizationConfig, device: torch.device) -> None:
@@ -26,7 +26,7 @@ def quantize(model, quantization_config) -> list[str]:
     config = as_quantization_config(quantization_config)
     check_device(config, model.device)
     done = quantize_model(model, config)
-    model.__dict__.pop(_ENGINE_ATTR, None)
+    forget_engine(model)
     return done
 
 

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..compilation.compiler import cache_root
     from ..compilation.progress import CompileProgress
-    from ..api.generate import compile_settings, engine_for
+    from ..generation.engines import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.plan import ShapePlan
     from ..api.auto import from_pretrained

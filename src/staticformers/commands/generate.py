@@ -106,7 +106,7 @@ def compile_first(model, plan, compile_config, prompt_len: int, max_new_tokens: 
     many and how long the rest should take (`compilation/progress.py`) on stderr, so that the first token does
     not wait in silence; nothing is said when they are all built already. A request the plan refuses is left
     to `generate`, which says why."""
-    from ..api.generate import compile_settings, engine_for
+    from ..generation.engines import compile_settings, engine_for
     from ..compilation.progress import CompileProgress
     from ..generation.generation_config import GenerationConfig
     from ..generation.plan import PlanError, ShapePlan

@@ -8,6 +8,12 @@
 
 `generate()`, `pipeline`, `staticformers generate` and the server all drive this loop.
 
+Each `step()` is: schedule, run, emit. The scheduler (`scheduler.py`) keeps the queue and the running rows, decides
+what runs next, gives rows their KV blocks (preempting when the pool runs out) and describes the step as a
+`step_plan.StepPlan`; the runner (`runner.py`) runs it and returns a `StepResult`; the loop applies it to the rows and
+emits their events. The loop itself owns the batch's device state: its cache's shape (allocating it, moving rows to
+another shape), the rows' samplers and grammars, the prefix pools, and what a failure ends.
+
 Design choices:
 
 - **Slots.** The batch is the rows of one `[B, K]` static cache (`models/kv_cache.py`), B a batch bucket of the
@@ -56,11 +62,11 @@ Design choices:
 - **Block caches** (`kv_blocks=N`, the server's `--num-gpu-blocks-override` / `--kv-cache-memory-bytes`): the
   cache is a view of one pool of blocks (`models/block_kv_cache.py`) and a row holds only the blocks its tokens
   fill (`kv_blocks.py` keeps the account). Before each step every row of it gets blocks for the positions that
-  step writes and reads (`_make_room`: a decoding row its next position, or k+1 when verifying; a prefilling row
+  step writes and reads (`Scheduler.make_room`: a decoding row its next position, or k+1 when verifying; a prefilling row
   its next chunk), the oldest row first; when the pool runs out, the newest row is *preempted*: its blocks are
   freed, and it waits first in the queue with its prompt and what it generated, to resume by prefilling them
   (chunked), its sampling generator and grammar state kept, so it finishes as it would have. A request joins
-  only when its first chunk fits in the blocks the running rows' next steps leave (`_spare_blocks`: admitting
+  only when its first chunk fits in the blocks the running rows' next steps leave (`Scheduler.spare_blocks`: admitting
   into blocks about to be needed would preempt it again at once). A batch moving to another shape copies table
   rows, not keys and values. The table is data: the plan's graphs are the static cache's. With prefix caching a
   joining prompt *holds* the cached blocks of its prefix (`kv_blocks.BlockAllocator.match`: chained keys with
@@ -76,10 +82,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -89,71 +92,16 @@ from ..models.kv_cache import KVCache
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
 from .kv_blocks import BlockAllocator, blocks_for
-from .chunking import chunk_plan, chunk_width, decoding, positions_needed, prefilling
+from .chunking import chunk_width, decoding, positions_needed, prefilling
 from .plan import ShapePlan
 from .prefix_cache import PrefixCache, adapter_key, block_keys
 from .runner import StepRunner
+from .scheduler import Scheduler
 from .sampling import RowSampler, SamplingParams
+from .requests import GenerationRequest, Row, TokenEvent
 from .step_plan import StepPlan, StepResult
 
 logger = logging.getLogger("staticformers")
-
-
-@dataclass
-class GenerationRequest:
-    """One sequence to continue: its prompt's token ids, how many new tokens at most, how to choose them,
-    and which adapter of the model's adapter bank computes it (None: the model as it is, its active
-    adapter if it has one; "__base__": no adapter)."""
-
-    prompt: Sequence[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    request_id: Any = None
-    adapter: Optional[str] = None
-    output_logits: bool = False  # each event carries the raw logits its token was chosen from (transformers' name)
-    structured_outputs: Optional[Grammar] = None  # vLLM's name: the grammar the answer matches (`constraints.py`)
-
-
-@dataclass
-class TokenEvent:
-    """What one step produced for one request: a token (or an error), and whether the request ended.
-
-    `finish_reason`: "stop" (a stop id: EOS), "length" (`max_new_tokens` reached), "error" (`error`
-    holds the exception; `token` is None), None while it runs."""
-
-    request_id: Any
-    token: Optional[int]
-    index: int
-    finish_reason: Optional[str] = None
-    logprob: Optional[float] = None
-    top_logprobs: Optional[list] = None  # [(token id, log-probability)] most likely first
-    # the first event of a request that asked: one entry per prompt token, None for the first, else
-    # (log-probability, [(token id, log-probability)] most likely first)
-    prompt_logprobs: Optional[list] = None
-    logits: Optional[torch.Tensor] = None  # [vocab] on the device, unprocessed, when the request asked (`output_logits`)
-    error: Optional[BaseException] = None
-
-
-@dataclass
-class _Row:
-    request: GenerationRequest
-    need: int  # cache positions it may use
-    adapter: int = 0  # its slot in the model's adapter bank (0: none)
-    length: int = 0  # positions written in its row
-    generated: int = 0
-    last: int = 0  # the last token, fed to the next decode step
-    cancelled: bool = False
-    tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
-    prompt: list = field(default_factory=list)  # what its prefill runs: the request's prompt, then what it generated
-    blocks: list = field(default_factory=list)  # the pool blocks it holds (block caches), logical order
-    order: int = 0  # when it took its slot (the newest is preempted first)
-    resumed: bool = False  # preempted, then admitted again: its prompt holds its tokens (its prompt is not scored)
-    generator: Any = None  # a preempted row's sampling generator, given back when it resumes
-    grammar: Any = None  # a preempted row's grammar state (`constraints.RowConstraints.rows`), given back likewise
-
-    def __post_init__(self):
-        if not self.prompt:
-            self.prompt = list(self.request.prompt)
 
 
 def refuse_on_linear_attention(config, prefix_caching: bool) -> None:
@@ -192,17 +140,11 @@ class GenerationLoop:
         largest = self.plan.batch_sizes[-1]
         self.max_slots = min(int(max_batch_size), largest) if max_batch_size else largest
         self.vocab = engine.model.config.vocab_size
-        self.waiting: deque = deque()
-        self.rows: dict[int, _Row] = {}
         self.cache: Optional[KVCache] = None
         self.sampler: Optional[RowSampler] = None
         self.constraints: Optional[RowConstraints] = None
         self.moves = 0  # batch moves to another shape (reported)
-        self._cancelled: set = set()
-        self._mutex = threading.Lock()  # guards `waiting` and `_cancelled` against other threads
-        self._last_was_prefill = False
         self._events: list = []  # what the current step produced so far
-        self._joining: list = []  # the rows the current step's prefill takes from the queue
         self._holding = False
         self._ids = itertools.count()
         self.chunked = chunked_prefill is not None and chunked_prefill is not False
@@ -215,11 +157,11 @@ class GenerationLoop:
         self._owner: Any = None  # the weights' fingerprint the shared blocks' keys were computed under
         self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
         self.chunks = 0  # extend steps run for chunks (reported)
-        self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
         self.blocks = self._block_allocator(kv_blocks, kv_block_size)
         self.block_size = int(kv_block_size)
-        self.preemptions = 0  # rows preempted for want of blocks (reported)
-        self._order = itertools.count()
+        self.scheduler = Scheduler(self.plan, self.max_slots, self.chunk, self.chunked, self.blocks, self.block_size,
+                                   self.share, speculator.width if speculator is not None else 1, engine.model,
+                                   lambda: self.cache.max_length if self.cache is not None else None)
         engine.use_blocks(kv_blocks, kv_block_size)
 
     def _block_allocator(self, blocks, size) -> Optional[BlockAllocator]:
@@ -305,29 +247,36 @@ class GenerationLoop:
         need, slot = self._checked(request)
         if request.request_id is None:
             request.request_id = next(self._ids)
-        with self._mutex:
-            self.waiting.append(_Row(request, need, slot))
+        self.scheduler.queue(Row(request, need, slot))
         return request.request_id
 
     def cancel(self, request_id: Any) -> bool:
         """Stop a request: dropped if waiting, its slot freed before the next step if running. Whether
         it was found."""
-        with self._mutex:
-            for row in self.waiting:
-                if row.request.request_id == request_id:
-                    self.waiting.remove(row)
-                    return True
-            if any(r.request.request_id == request_id for r in list(self.rows.values())):
-                self._cancelled.add(request_id)
-                return True
-        return False
+        return self.scheduler.cancel(request_id)
 
     def uses_adapter(self, name: str) -> bool:
         """Whether a waiting or running request names adapter `name` (callable from other threads)."""
-        with self._mutex:  # the rows a prefill is taking in are in neither `waiting` nor `rows` until it ends
-            if any(r.request.adapter == name for r in list(self.waiting) + list(self._joining)):
-                return True
-        return any(r.request.adapter == name for r in list(self.rows.values()))
+        return self.scheduler.uses_adapter(name)
+
+    @property
+    def rows(self) -> dict:
+        """The running rows by slot (the scheduler's)."""
+        return self.scheduler.rows
+
+    @rows.setter
+    def rows(self, rows: dict) -> None:
+        self.scheduler.rows = rows
+
+    @property
+    def waiting(self):
+        """The queued rows, first to join first (the scheduler's)."""
+        return self.scheduler.waiting
+
+    @property
+    def preemptions(self) -> int:
+        """Rows preempted for want of blocks (reported)."""
+        return self.scheduler.preemptions
 
     @property
     def idle(self) -> bool:
@@ -355,30 +304,26 @@ class GenerationLoop:
             self._holding = True
             # this loop's kind of cache: another loop may have run on the engine with the other kind since
             self.engine.use_blocks(self.blocks.blocks if self.blocks is not None else None, self.block_size)
-        self._events, self._joining = [], []
+        self._events, self.scheduler.joining = [], []
         try:
-            self._reap()
-            busy = bool(decoding(self.rows))
-            turn = not busy or not self._last_was_prefill  # at most one prefill-like call between decode steps
-            with self._mutex:
-                admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots and self._head_fits()
-            chunk = turn and bool(prefilling(self.rows))
-            if chunk and (not admit or self._chunk_turn):
+            for slot in self.scheduler.cancelled_slots():
+                self._free(slot)
+            kind = self.scheduler.next_kind()
+            if kind == "chunk":
                 self._make_room(prefilling(self.rows))
                 if prefilling(self.rows):
                     self._chunk()
-                self._last_was_prefill, self._chunk_turn = True, False
-            elif admit:
+            elif kind == "admit":
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
                     self._make_room(prefilling(self.rows))
                     if prefilling(self.rows):
                         self._chunk()
-                self._last_was_prefill, self._chunk_turn = True, True
-            elif busy:
+            elif kind == "decode":
                 self._make_room(decoding(self.rows))
                 if decoding(self.rows):  # none when every decoding row was preempted for another's blocks
                     self._decode()
-                self._last_was_prefill = False
+            if kind is not None:
+                self.scheduler.ran(kind)
             self._maybe_shrink()
         except Exception as exc:  # whatever broke, the requests it touched end with it and the loop starts clean
             logger.exception("a generation step failed: its requests fail and the batch starts again")
@@ -388,7 +333,7 @@ class GenerationLoop:
                 self.cache, self.sampler, self.constraints = None, None, None
             if self.idle:
                 self.close()
-        events, self._events, self._joining = self._events, [], []
+        events, self._events, self.scheduler.joining = self._events, [], []
         return events
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -396,23 +341,23 @@ class GenerationLoop:
         an error event, and drop the batch: the next step builds its state again from the waiting queue."""
         ended = {e.request_id for e in self._events if e.finish_reason is not None}
         held = {id(r) for r in self.rows.values()}
-        rows = list(self.rows.values()) + [r for r in self._joining if id(r) not in held]
+        rows = list(self.rows.values()) + [r for r in self.scheduler.joining if id(r) not in held]
         for row in rows:
             if row.request.request_id not in ended:
                 ended.add(row.request.request_id)
                 self._events.append(TokenEvent(row.request.request_id, None, row.generated, "error", error=exc))
         for row in rows:
-            self._release(row)
+            self.scheduler.release(row)
         self.rows.clear()
         self.cache, self.sampler, self.constraints = None, None, None
-        self._last_was_prefill = False
+        self.scheduler.reset()
 
     def abandon(self, error: BaseException) -> list[TokenEvent]:
         """End every running request with `error` and drop the batch (waiting requests stay queued):
         for a caller whose `step` raised past the loop's own recovery. Returns their error events."""
         self._events = []
         self._fail_all(error)
-        events, self._events, self._joining = self._events, [], []
+        events, self._events, self.scheduler.joining = self._events, [], []
         if self.idle:
             self.close()
         return events
@@ -424,16 +369,14 @@ class GenerationLoop:
             self._holding = False
             self.engine.lock.release()
 
-    def _reap(self) -> None:
-        with self._mutex:
-            cancelled, self._cancelled = self._cancelled, set()
-        for slot in [s for s, r in self.rows.items() if r.request.request_id in cancelled]:
-            self._free(slot)
-
     def _free(self, slot: int) -> None:
         """Give a row's slot back. The batch itself is dropped by `step` once no row is left, never here:
         rows that join in the same prefill still need it after an earlier one ends on its first token."""
-        self._release(self.rows.pop(slot))
+        self.scheduler.release(self.rows.pop(slot))
+        self._clear_slot(slot)
+
+    def _clear_slot(self, slot: int) -> None:
+        """Forget a freed slot's sampling and grammar state."""
         if self.sampler is not None:
             self.sampler.clear_row(slot)
         if self.constraints is not None:
@@ -445,21 +388,14 @@ class GenerationLoop:
         prompt longer than the chunk width gets its first chunk; the rest of both runs as chunks
         (`chunking.py`). Returns whether a prefill ran (False: only hits joined)."""
         self._own_prefixes()
-        with self._mutex:
-            room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
-            joining: list = []
-            while self.waiting and len(joining) < room:  # first come, first served, as far as the pool's blocks go
-                if self.blocks is not None and not self._hold_first_blocks(self.waiting[0]):
-                    break
-                joining.append(self.waiting.popleft())
-            self._joining = joining  # in the same critical section: `uses_adapter` never misses them
+        joining = self.scheduler.take_joining()
         if not joining:  # its cached prefix's blocks were free ones: what is left does not cover the rest
             return False
         try:
-            self._fit(len(self.rows) + len(joining), max(self._reach(r) for r in joining + list(self.rows.values())))
+            self._fit(len(self.rows) + len(joining),
+                      max(self.scheduler.reach(r) for r in joining + list(self.rows.values())))
             slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
             for slot, row in zip(slots, joining):
-                row.order = next(self._order)
                 self.sampler.set_row(slot, row.request.sampling, row.prompt)
                 self.constraints.set_row(slot, row.request.structured_outputs, row.request.sampling.eos_token_ids)
                 if row.resumed:  # where its sampling and grammar were when it was preempted
@@ -479,16 +415,10 @@ class GenerationLoop:
                     row.length = len(hit) * self.prefix.block_size
                     continue
                 whole.append((slot, row))
-                given.append(self._first_tokens(row))
-            done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
+                given.append(self.scheduler.first_tokens(row))
             step = result = None
-            if whole:  # rows that only started their prompt choose nothing yet
-                step = StepPlan("prefill", [s for s, _ in whole], [whole[i][0] for i in done], done,
-                                [whole[i][1].generated for i in done], given, adapters=self._adapters(whole),
-                                scores=any(self._scored(r) for _, r in whole),
-                                scored=[r.request.sampling.prompt_logprobs if self._scored(r) else None
-                                        for _, r in whole],
-                                advance={slot: len(g) for (slot, _), g in zip(whole, given)})
+            if whole:
+                step = self.scheduler.prefill_plan(whole, given, self.cache.batch)
                 result = self.runner.run(step, self.cache, self.sampler, self.constraints)
         except Exception as exc:  # the joining requests fail; the running ones are untouched
             logger.exception("prefill failed for %d request(s)", len(joining))
@@ -498,7 +428,7 @@ class GenerationLoop:
                 if self.constraints is not None:
                     self.constraints.clear_row(slot)
             for row in joining:
-                self._release(row)
+                self.scheduler.release(row)
             self._events += [TokenEvent(r.request.request_id, None, r.generated, "error", error=exc) for r in joining]
             return True
         for slot, row in zip(slots, joining):  # every joining row holds its slot before any of them may end
@@ -507,107 +437,23 @@ class GenerationLoop:
             self._apply(step, result)
         return bool(whole)
 
-    def _scored(self, row: _Row) -> bool:
-        """Whether the row's prefill scores its prompt (asked, and not a preempted row resuming: it was scored)."""
-        return row.request.sampling.prompt_logprobs is not None and not row.resumed
-
-    def _first_tokens(self, row: _Row) -> list:
-        """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
-        return row.prompt[:self.chunk] if self.chunked and not self._scored(row) else row.prompt
-
-    def _first_blocks(self, row: _Row, shared: int = 0) -> int:
-        """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
-        caches): its prefill, or with shared blocks the chunk after them."""
-        if self.blocks is None:
-            return 0
-        if shared:
-            return blocks_for(min(len(row.prompt), shared * self.block_size + self.chunk), self.block_size) - shared
-        return blocks_for(len(self._first_tokens(row)), self.block_size)
-
-    def _hold_first_blocks(self, row: _Row) -> bool:
-        """Give a waiting row the blocks of its first step: the cached blocks of its prompt's prefix (shared, when
-        prefix caching is on; its length then starts after them), then new ones. False (holding nothing) when
-        what is spare does not cover the new ones."""
-        shared = self._share_prefix(row)
-        cost = self._first_blocks(row, len(shared))
-        if cost > self._spare_blocks():
-            self.blocks.give_back(shared)
-            return False
-        if self.share and not self._scored(row):
-            self.blocks.count_query(len(row.prompt), len(shared) * self.block_size)
-        row.blocks = shared + self.blocks.take(cost)
-        row.length = len(shared) * self.block_size
-        return True
-
-    def _share_prefix(self, row: _Row) -> list:
-        """The cached blocks of the longest prefix of a waiting row's prompt, now held by it ([] without prefix
-        caching, or for a prompt it scores: that needs every position's logits)."""
-        if not self.share or self._scored(row):
-            return []
-        key = adapter_key(row.request.adapter, *self._adapter_load(row))
-        return self.blocks.match(block_keys(row.prompt, key, self.block_size), len(row.prompt), self.block_size)
-
-    def _head_fits(self) -> bool:
-        """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
-        return self.blocks is None or self._first_blocks(self.waiting[0]) <= self._spare_blocks()
-
-    def _spare_blocks(self) -> int:
-        """Free blocks beyond what the running rows' next steps take (a decoding row its next positions, a
-        prefilling row its next chunk): what admission may give, so that a row it admits does not make the next step
-        preempt (admitting into blocks the running rows are about to need only to preempt it again thrashes)."""
-        if self.blocks is None:
-            return 0
-        return self.blocks.free - sum(self._blocks_short(row) for row in self.rows.values())
-
-    def _blocks_short(self, row: _Row) -> int:
-        """Blocks a running row lacks for its next step's positions (`_reach`, up to the batch's KV length)."""
-        upto = min(self._reach(row), self.cache.max_length) if self.cache is not None else self._reach(row)
-        return max(blocks_for(upto, self.block_size) - len(row.blocks), 0)
-
-    # ---- blocks ------------------------------------------------------------------------------------
     def _make_room(self, slots: list) -> None:
-        """Give each row in `slots` (those the next step runs) blocks for the positions that step writes and reads
-        (`_reach`), oldest row first, preempting the newest running rows while the pool lacks blocks; first the batch
-        moves to a longer KV length if a row's reach outgrew it (nothing on static caches)."""
+        """Before a step on block caches: the batch moves to a longer KV length if a row's reach outgrew it (a table
+        copy), then the scheduler gives the step's rows their blocks (`Scheduler.make_room`); a row it preempted
+        keeps its sampling generator and grammar state, to resume as if it had never stopped."""
         if self.blocks is None:
             return
-        reach = self.plan.kv_bucket(max(self._reach(r) for r in self.rows.values()))
+        reach = self.scheduler.kv_reach()
         if reach > self.cache.max_length:  # the longest context outgrew the batch's KV length: a table copy
-            slots = sorted(self.rows)
-            self._move(self.cache.batch, reach, slots, slots)
-        changed = False
-        for slot in sorted(slots, key=lambda s: self.rows[s].order):
-            if slot not in self.rows:  # preempted for an older row
-                continue
-            row = self.rows[slot]
-            more = self._blocks_short(row)
-            while more > self.blocks.free and slot in self.rows:
-                self._preempt(max(self.rows, key=lambda s: self.rows[s].order))
-            if slot in self.rows and more > 0:
-                row.blocks += self.blocks.take(more)
-                changed = True
+            slots_now = sorted(self.rows)
+            self._move(self.cache.batch, reach, slots_now, slots_now)
+        preempted, changed = self.scheduler.make_room(slots)
+        for slot, row in preempted:
+            row.generator = self.sampler.generators[slot] if self.sampler is not None else None
+            row.grammar = self.constraints.rows[slot] if self.constraints is not None else None
+            self._clear_slot(slot)
         if changed:
             self._write_table({s: r.blocks for s, r in self.rows.items()})
-
-    def _preempt(self, slot: int) -> None:
-        """Take the row's slot and blocks and queue it first: it resumes by prefilling its prompt and what it
-        generated (its sampling generator and grammar state kept), and goes on as if it had never stopped."""
-        row = self.rows[slot]
-        row.generator = self.sampler.generators[slot] if self.sampler is not None else None
-        row.grammar = self.constraints.rows[slot] if self.constraints is not None else None
-        self._free(slot)
-        row.prompt = list(row.request.prompt) + row.tokens
-        row.length, row.resumed = 0, bool(row.generated)
-        with self._mutex:
-            self.waiting.appendleft(row)
-        self.preemptions += 1
-        logger.debug("preempted request %r for want of KV blocks", row.request.request_id)
-
-    def _release(self, row: _Row) -> None:
-        """Give the row's blocks back to the pool."""
-        if self.blocks is not None and row.blocks:
-            self.blocks.give_back(row.blocks)
-        row.blocks = []
 
     def _write_table(self, rows: dict) -> None:
         """The block cache's table from `rows` {slot: blocks}; every other row's entries the null block. Its own graph
@@ -648,27 +494,22 @@ class GenerationLoop:
                 self._bank_changes = bank.changes
                 self.prefix.retire(lambda tag: tag is None or bank.load_of(tag[0]) == tag[1])
 
-    def _adapter_load(self, row: _Row) -> tuple:
-        """(the row's bank slot, the load it holds now): a reloaded adapter's prefixes are not the old one's."""
-        bank = bank_of(self.engine.model) if row.adapter else None
-        return row.adapter, bank.load_of(row.adapter) if bank is not None else 0
-
-    def _match_prefix(self, row: _Row) -> list:
+    def _match_prefix(self, row: Row) -> list:
         """The pool rows of the prefix cache's longest match for a joining row ([] when caching is off, or the
         request scores its prompt, which needs every position's logits)."""
         if self.prefix is None or row.request.sampling.prompt_logprobs is not None:
             return []
-        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, *self._adapter_load(row)))
+        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, *self.scheduler.adapter_load(row)))
 
-    def _store_prefix(self, slot: int, row: _Row) -> None:
+    def _store_prefix(self, slot: int, row: Row) -> None:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on): copied into the
         pool, or on block caches its full blocks registered under their keys, shared as they are."""
         if self.share:
-            load = self._adapter_load(row)
+            load = self.scheduler.adapter_load(row)
             keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)
             self.blocks.register(row.blocks, keys, tag=load if row.adapter else None)
         if self.prefix is not None:
-            load = self._adapter_load(row)
+            load = self.scheduler.adapter_load(row)
             if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, *load),
                                  tag=load if row.adapter else None):
                 self.engine.backend.flush(self.engine.model.device)
@@ -681,30 +522,6 @@ class GenerationLoop:
             self._free(slot)
 
     # ---- decode ------------------------------------------------------------------------------------
-    def _adapters(self, rows=None) -> Optional[list]:
-        """Each row's adapter bank slot for a step (None: the model batches no adapters): `rows` [(slot, row)] a
-        prefill's, in order; None: every slot of the batch (0 for a free one)."""
-        if bank_of(self.engine.model) is None:
-            return None
-        if rows is not None:
-            return [r.adapter for _, r in rows]
-        return [self.rows[s].adapter if s in self.rows else 0 for s in range(self.cache.batch)]
-
-    def _decode_plan(self) -> StepPlan:
-        """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
-        and a free slot at 0, their outputs dropped."""
-        cache = self.cache
-        slots = decoding(self.rows)
-        tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
-        positions = torch.zeros(cache.batch, 1, dtype=torch.long)
-        for slot, row in self.rows.items():
-            tokens[slot, 0] = row.last
-            positions[slot, 0] = row.length
-        return StepPlan("decode", slots, slots, slots, [self.rows[s].generated for s in slots], tokens, positions,
-                        adapters=self._adapters(),
-                        counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
-                        fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
-
     def _decode(self) -> None:
         """A decode step of the running rows, or with a speculator its verify step where it has one."""
         step = None
@@ -715,7 +532,7 @@ class GenerationLoop:
                 logger.exception("speculative proposals failed for %d request(s)", len(self.rows))
                 self._fail_rows(sorted(self.rows), exc)
                 return
-        step = step or self._decode_plan()
+        step = step or self.scheduler.decode_plan(self.cache.batch)
         result = self._run(step)
         if result is not None:
             if step.kind == "verify":
@@ -725,7 +542,7 @@ class GenerationLoop:
     def _chunk(self) -> None:
         """The next chunk of every prefilling row (`chunking.py`)."""
         self._own_prefixes()
-        step = chunk_plan(self.rows, self.cache.batch, self.cache.max_length, self.chunk, self._adapters())
+        step = self.scheduler.chunk_plan(self.cache.batch, self.cache.max_length)
         result = self._run(step)
         if result is not None:
             self.chunks += 1
@@ -763,7 +580,7 @@ class GenerationLoop:
                 if event.finish_reason is not None:
                     break
 
-    def _emit(self, slot: int, row: _Row, token: int, choice, i: int) -> TokenEvent:
+    def _emit(self, slot: int, row: Row, token: int, choice, i: int) -> TokenEvent:
         """Record the row's new token and add its event to the step's (and return it); a finished row frees
         its slot."""
         index = row.generated
@@ -806,27 +623,13 @@ class GenerationLoop:
         slots = sorted(self.rows)
         self._move(batch, kv, slots, slots)
 
-    def _reach(self, row: _Row) -> int:
-        """The cache positions a row needs of the batch's shape: on static caches its whole need (K never changes
-        under a row); on block caches those its next step writes and reads, at least one past what it holds (so K
-        follows the rows' contexts, not their needs: a step reads K positions of every row, and a move costs a table
-        copy). A joining row: its prefill, or after a cached prefix its next chunk."""
-        if self.blocks is None:
-            return row.need
-        if row.length == 0:
-            return len(self._first_tokens(row))
-        if row.length < len(row.prompt):
-            return min(len(row.prompt), row.length + self.chunk)
-        ahead = self.speculator.width if self.speculator is not None else 1
-        return min(row.length + ahead, self.plan.kv_lengths[-1])
-
     def _maybe_shrink(self) -> None:
         """Move to a smaller shape when the running rows fit one whose decode graph is already built (on block caches
         a smaller KV length also while requests wait: the move is a table copy)."""
         if not self.rows or (self.waiting and self.blocks is None):
             return
         batch = self.cache.batch if self.waiting else self.plan.batch_bucket(len(self.rows))
-        kv = self.plan.kv_bucket(max(self._reach(r) for r in self.rows.values()))
+        kv = self.plan.kv_bucket(max(self.scheduler.reach(r) for r in self.rows.values()))
         if (batch, kv) == (self.cache.batch, self.cache.max_length) or batch > self.cache.batch or \
                 kv > self.cache.max_length:
             return

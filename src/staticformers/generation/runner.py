@@ -60,12 +60,11 @@ class StepRunner:
                 argmax, logits = out[:2]
                 scores = out[2] if step.scores else None
             elif step.kind == "decode":
-                argmax, logits = self.engine.decode(self.settings, cache, step.tokens.to(self.device),
-                                                    step.positions.to(self.device), step.adapters)
+                tokens, positions, _ = self._inputs(step)
+                argmax, logits = self.engine.decode(self.settings, cache, tokens, positions, step.adapters)
             else:  # a chunk: one kept position per row
-                argmax, logits = self.engine.extend(self.settings, cache, step.tokens.to(self.device),
-                                                    step.positions.to(self.device), step.keep.to(self.device),
-                                                    step.adapters, plan=self.plan)
+                argmax, logits = self.engine.extend(self.settings, cache, *self._inputs(step), step.adapters,
+                                                    plan=self.plan)
                 argmax, logits = argmax[:, 0], logits[:, 0]
             if not step.choosing:
                 self.engine.backend.flush(self.device)
@@ -96,8 +95,7 @@ class StepRunner:
         pending = constraints.start(slots) if held else None  # filled while the step runs
         device = self.device
         with torch.no_grad():
-            argmax, logits = self.engine.extend(self.settings, cache, step.tokens.to(device),
-                                                step.positions.to(device), step.keep.to(device), step.adapters,
+            argmax, logits = self.engine.extend(self.settings, cache, *self._inputs(step), step.adapters,
                                                 plan=self.plan)
             if len(slots) != cache.batch:
                 index = torch.tensor(slots, dtype=torch.long).to(device)
@@ -117,6 +115,14 @@ class StepRunner:
             choice = self._verified_logprobs(sampler, logits, slots, verdict)
         return StepResult(verdict.tokens, choice, width, logits, [None] * len(slots), list(verdict.accepted))
 
+    def _inputs(self, step: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode, chunk or verify plan's tokens, positions and kept positions on the device (a decode step keeps
+        its one position: its `keep` is unused)."""
+        if step.positions is None or (step.keep is None and step.kind != "decode"):
+            raise ValueError(f"a {step.kind} StepPlan needs its positions{'' if step.kind == 'decode' else ' and keep'}.")
+        keep = step.keep if step.keep is not None else step.positions
+        return step.tokens.to(self.device), step.positions.to(self.device), keep.to(self.device)
+
     def _verified_logprobs(self, sampler: RowSampler, logits: torch.Tensor, slots: list, verdict) -> Choice:
         """The emitted tokens' log-probabilities (and top ones) where a row asked, `[n * T]` row-major."""
         asked = sampler.logprobs_asked(slots)
@@ -134,8 +140,8 @@ class StepRunner:
         """The step's results on the host, the only thing a step reads back: the device first runs what the
         step queued (`flush`: one graph on a lazily traced device), then the ids (and logprobs) cross."""
         self.engine.backend.flush(self.device)
-        return Choice(*(t.cpu() if t is not None else None
-                        for t in (choice.ids, choice.logprobs, choice.top_ids, choice.top_logprobs)))
+        rest = (t.cpu() if t is not None else None for t in (choice.logprobs, choice.top_ids, choice.top_logprobs))
+        return Choice(choice.ids.cpu(), *rest)
 
 
 class _Picked:
@@ -172,7 +178,7 @@ def _prompt_scores(step: StepPlan, scored: tuple) -> list:
     k = max((step.scored[j] or 0) for j in asked_rows)
     token_lp = token_lp[:, :longest].tolist()
     top_lp, top_ids = top_lp[:, :longest, :k].tolist(), top_ids[:, :longest, :k].tolist()
-    out = []
+    out: list = []
     for j, n in zip(asked_rows, lengths):
         asked = step.scored[j]
         if asked is None:

@@ -77,7 +77,7 @@ class StepResult:
     tokens: list
     choice: Optional[Choice] = None
     width: int = 1
-    logits: Optional[torch.Tensor] = None
+    logits: Any = None  # a tensor, or rows picked from one only when read (`runner.py`)
     prompt_scores: list = field(default_factory=list)
     accepted: list = field(default_factory=list)
 

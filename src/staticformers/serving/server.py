@@ -182,7 +182,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     """The engine's plan (`plan`, or the one `--max-model-len` and `--max-batch-size` give) and compile
     settings, and the generation loop; the whole plan compiled first with `precompile` (`progress(row)`
     after each shape)."""
-    from ..api.generate import compile_settings, engine_for
+    from ..generation.engines import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
     from .kv_budget import kv_blocks
@@ -215,7 +215,7 @@ def speculative(model, options: ServeOptions, config, compile_config):
     if options.speculative_config is None:
         return None
     from ..api.auto import from_pretrained
-    from ..api.generate import compile_settings, engine_for
+    from ..generation.engines import compile_settings, engine_for
     from ..api.speculative import parse_speculative_config, speculator_from_config
 
     parsed = parse_speculative_config(options.speculative_config)

@@ -1,0 +1,304 @@
+"""Which step runs next, and for whom: the queue, the running rows, the step rule, admission, the KV pool's blocks and
+preemption, and the plans of the steps it decides.
+
+Why a module of its own: deciding a step is host bookkeeping that never touches the device, and it used to be
+interleaved with running steps in the loop. The loop (`loop.py`) asks the scheduler what runs next (`next_kind`),
+lets it take joining rows and give rows their blocks, asks it for the step's `StepPlan` (`step_plan.py`), runs it
+through `runner.py`, and emits. The batch's device state (its cache's shape, the rows' samplers and grammars) is the
+loop's: the scheduler reads the batch's KV length through a callable and reports the rows it preempted, whose
+device state the loop then saves and clears.
+
+The rules, each decided here:
+
+- **One prefill-like call between decode steps.** A step admits waiting requests (a prefill), runs the next chunk of
+  the prefilling rows, or runs a decode step; with rows decoding, at most one prefill-like call follows a decode
+  step, and with rows prefilling and requests waiting, chunks and admissions alternate.
+- **First come, first served, as far as blocks go.** A waiting request joins while a slot is free and (block caches)
+  its first step's blocks fit in what the running rows' next steps leave (`spare_blocks`: admitting into blocks that
+  are about to be needed would preempt it again at once). With prefix caching it first holds the cached blocks of
+  its prompt's prefix (`kv_blocks.BlockAllocator.match`, keyed by the adapter's load).
+- **Blocks before each step, oldest row first** (`make_room`): each row the step runs gets the blocks of the
+  positions it writes and reads (`reach`); while the pool lacks them, the newest running row is preempted: its blocks
+  freed, its prompt and what it generated queued first, to resume by prefilling them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..adapters.bank import bank_of
+from .chunking import chunk_plan, decoding, prefilling
+from .kv_blocks import BlockAllocator, blocks_for
+from .plan import ShapePlan
+from .prefix_cache import adapter_key, block_keys
+from .step_plan import StepPlan
+
+logger = logging.getLogger("staticformers")
+
+
+class Scheduler:
+    """The host side of one loop's continuous batching (see the module docstring).
+
+    `plan`: the loop's shape plan; `max_slots`: rows at most; `chunk`: the chunk width (None: prompts in one prefill),
+    `chunked`: whether prompts are chunked; `blocks`: the pool's account on block caches (None: static caches), of
+    `block_size` positions; `share`: prefix caching by shared blocks; `ahead`: positions a decoding row's step
+    writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
+    (None: no batch)."""
+
+    def __init__(self, plan: ShapePlan, max_slots: int, chunk: Optional[int], chunked: bool,
+                 blocks: Optional[BlockAllocator], block_size: int, share: bool, ahead: int, model,
+                 kv_length: Callable[[], Optional[int]]):
+        self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
+        self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
+        self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
+        self.model, self.kv_length = model, kv_length
+        self.waiting: deque = deque()
+        self.rows: dict = {}  # slot -> the row that holds it
+        self.joining: list = []  # the rows the current step's prefill takes from the queue
+        self.mutex = threading.Lock()  # guards `waiting`, `joining` and the cancelled ids against other threads
+        self._cancelled: set = set()
+        self._last_was_prefill = False
+        self._chunk_turn = False  # with rows prefilling and requests waiting, chunks and admissions alternate
+        self._order = itertools.count()
+        self.preemptions = 0  # rows preempted for want of blocks (reported)
+
+    # ---- the queue (callable from other threads) ----------------------------------------------------
+    def queue(self, row) -> None:
+        with self.mutex:
+            self.waiting.append(row)
+
+    def cancel(self, request_id: Any) -> bool:
+        """Drop a waiting request, or mark a running one to be freed before the next step; whether it was found."""
+        with self.mutex:
+            for row in self.waiting:
+                if row.request.request_id == request_id:
+                    self.waiting.remove(row)
+                    return True
+            if any(r.request.request_id == request_id for r in list(self.rows.values())):
+                self._cancelled.add(request_id)
+                return True
+        return False
+
+    def cancelled_slots(self) -> list:
+        """The slots of running rows cancelled since the last call."""
+        with self.mutex:
+            cancelled, self._cancelled = self._cancelled, set()
+        return [s for s, r in self.rows.items() if r.request.request_id in cancelled]
+
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a waiting, joining or running request names adapter `name`."""
+        with self.mutex:  # the rows a prefill is taking in are in neither `waiting` nor `rows` until it ends
+            if any(r.request.adapter == name for r in list(self.waiting) + list(self.joining)):
+                return True
+        return any(r.request.adapter == name for r in list(self.rows.values()))
+
+    # ---- the step rule --------------------------------------------------------------------------------
+    def next_kind(self) -> Optional[str]:
+        """What the next step does: "chunk" (the prefilling rows' next chunks), "admit" (a prefill of waiting
+        requests), "decode", or None (nothing to run)."""
+        busy = bool(decoding(self.rows))
+        turn = not busy or not self._last_was_prefill  # at most one prefill-like call between decode steps
+        with self.mutex:
+            admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots and self._head_fits()
+        chunk = turn and bool(prefilling(self.rows))
+        if chunk and (not admit or self._chunk_turn):
+            return "chunk"
+        if admit:
+            return "admit"
+        return "decode" if busy else None
+
+    def ran(self, kind: str) -> None:
+        """Record that a step of `kind` (`next_kind`'s answer) ran."""
+        self._last_was_prefill = kind != "decode"
+        if kind != "decode":
+            self._chunk_turn = kind == "admit"
+
+    def reset(self) -> None:
+        """After the batch was dropped for a failure: the next step may admit at once."""
+        self._last_was_prefill = False
+
+    # ---- admission ------------------------------------------------------------------------------------
+    def take_joining(self) -> list:
+        """Take waiting rows for free slots, first come first served, as far as the pool's blocks go (each then holds
+        its first step's blocks); they are `joining` until the loop holds them in `rows`."""
+        with self.mutex:
+            room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
+            joining: list = []
+            while self.waiting and len(joining) < room:
+                if self.blocks is not None and not self._hold_first_blocks(self.waiting[0]):
+                    break
+                joining.append(self.waiting.popleft())
+            self.joining = joining  # in the same critical section: `uses_adapter` never misses them
+        for row in joining:
+            row.order = next(self._order)
+        return joining
+
+    def adapter_load(self, row) -> tuple:
+        """(the row's bank slot, the load it holds now): a reloaded adapter's prefixes are not the old one's."""
+        bank = bank_of(self.model) if row.adapter else None
+        return row.adapter, bank.load_of(row.adapter) if bank is not None else 0
+
+    def scored(self, row) -> bool:
+        """Whether the row's prefill scores its prompt (asked, and not a preempted row resuming: it was scored)."""
+        return row.request.sampling.prompt_logprobs is not None and not row.resumed
+
+    def first_tokens(self, row) -> list:
+        """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
+        return row.prompt[:self.chunk] if self.chunked and not self.scored(row) else row.prompt
+
+    def _first_blocks(self, row, shared: int = 0) -> int:
+        """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
+        caches): its prefill, or with shared blocks the chunk after them."""
+        if self.blocks is None:
+            return 0
+        if shared:
+            return blocks_for(min(len(row.prompt), shared * self.block_size + self.chunk), self.block_size) - shared
+        return blocks_for(len(self.first_tokens(row)), self.block_size)
+
+    def _hold_first_blocks(self, row) -> bool:
+        """Give a waiting row the blocks of its first step: the cached blocks of its prompt's prefix (shared, when
+        prefix caching is on; its length then starts after them), then new ones. False (holding nothing) when
+        what is spare does not cover the new ones."""
+        assert self.blocks is not None, "blocks are held on block caches only"
+        shared = self._share_prefix(row)
+        cost = self._first_blocks(row, len(shared))
+        if cost > self.spare_blocks():
+            self.blocks.give_back(shared)
+            return False
+        if self.share and not self.scored(row):
+            self.blocks.count_query(len(row.prompt), len(shared) * self.block_size)
+        row.blocks = shared + self.blocks.take(cost)
+        row.length = len(shared) * self.block_size
+        return True
+
+    def _share_prefix(self, row) -> list:
+        """The cached blocks of the longest prefix of a waiting row's prompt, now held by it ([] without prefix
+        caching, or for a prompt it scores: that needs every position's logits)."""
+        if not self.share or self.scored(row) or self.blocks is None:
+            return []
+        key = adapter_key(row.request.adapter, *self.adapter_load(row))
+        return self.blocks.match(block_keys(row.prompt, key, self.block_size), len(row.prompt), self.block_size)
+
+    def _head_fits(self) -> bool:
+        """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
+        return self.blocks is None or self._first_blocks(self.waiting[0]) <= self.spare_blocks()
+
+    def spare_blocks(self) -> int:
+        """Free blocks beyond what the running rows' next steps take (a decoding row its next positions, a
+        prefilling row its next chunk): what admission may give, so that a row it admits does not make the next step
+        preempt (admitting into blocks the running rows are about to need only to preempt it again thrashes)."""
+        if self.blocks is None:
+            return 0
+        return self.blocks.free - sum(self._blocks_short(row) for row in self.rows.values())
+
+    def _blocks_short(self, row) -> int:
+        """Blocks a running row lacks for its next step's positions (`reach`, up to the batch's KV length)."""
+        kv = self.kv_length()
+        upto = min(self.reach(row), kv) if kv is not None else self.reach(row)
+        return max(blocks_for(upto, self.block_size) - len(row.blocks), 0)
+
+    def reach(self, row) -> int:
+        """The cache positions a row needs of the batch's shape: on static caches its whole need (K never changes
+        under a row); on block caches those its next step writes and reads, at least one past what it holds (so K
+        follows the rows' contexts, not their needs: a step reads K positions of every row, and a move costs a table
+        copy). A joining row: its prefill, or after a cached prefix its next chunk."""
+        if self.blocks is None:
+            return row.need
+        if row.length == 0:
+            return len(self.first_tokens(row))
+        if row.length < len(row.prompt):
+            return min(len(row.prompt), row.length + self.chunk)
+        return min(row.length + self.ahead, self.plan.kv_lengths[-1])
+
+    # ---- blocks ---------------------------------------------------------------------------------------
+    def kv_reach(self) -> int:
+        """The KV bucket the running rows' next steps need (block caches)."""
+        return self.plan.kv_bucket(max(self.reach(r) for r in self.rows.values()))
+
+    def make_room(self, slots: list) -> tuple[list, bool]:
+        """Give each row in `slots` (those the next step runs) blocks for the positions that step writes and reads
+        (`reach`), oldest row first, preempting the newest running rows while the pool lacks blocks (nothing on
+        static caches). Returns the rows preempted [(slot, row)], in order, whose device state the loop saves and
+        clears, and whether any row's blocks changed (the block table needs writing)."""
+        preempted: list = []
+        changed = False
+        if self.blocks is None:
+            return preempted, changed
+        for slot in sorted(slots, key=lambda s: self.rows[s].order):
+            if slot not in self.rows:  # preempted for an older row
+                continue
+            row = self.rows[slot]
+            more = self._blocks_short(row)
+            while more > self.blocks.free and slot in self.rows:
+                newest = max(self.rows, key=lambda s: self.rows[s].order)
+                preempted.append((newest, self._preempt(newest)))
+            if slot in self.rows and more > 0:
+                row.blocks += self.blocks.take(more)
+                changed = True
+        return preempted, changed
+
+    def _preempt(self, slot: int):
+        """Take the row's slot and blocks and queue it first: it resumes by prefilling its prompt and what it
+        generated, and goes on as if it had never stopped."""
+        row = self.rows.pop(slot)
+        self.release(row)
+        row.prompt = list(row.request.prompt) + row.tokens
+        row.length, row.resumed = 0, bool(row.generated)
+        with self.mutex:
+            self.waiting.appendleft(row)
+        self.preemptions += 1
+        logger.debug("preempted request %r for want of KV blocks", row.request.request_id)
+        return row
+
+    def release(self, row) -> None:
+        """Give the row's blocks back to the pool."""
+        if self.blocks is not None and row.blocks:
+            self.blocks.give_back(row.blocks)
+        row.blocks = []
+
+    # ---- plans ----------------------------------------------------------------------------------------
+    def adapters(self, batch: int, rows: Optional[list] = None) -> Optional[list]:
+        """Each row's adapter bank slot for a step (None: the model batches no adapters): `rows` [(slot, row)] a
+        prefill's, in order; None: every slot of a batch of `batch` rows (0 for a free one)."""
+        if bank_of(self.model) is None:
+            return None
+        if rows is not None:
+            return [r.adapter for _, r in rows]
+        return [self.rows[s].adapter if s in self.rows else 0 for s in range(batch)]
+
+    def prefill_plan(self, whole: list, given: list, batch: int) -> StepPlan:
+        """The prefill of joining rows `whole` [(slot, row)], `given[i]` the tokens row i runs: its prompt, or its
+        first chunk (such a row chooses nothing yet)."""
+        done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
+        return StepPlan("prefill", [s for s, _ in whole], [whole[i][0] for i in done], done,
+                        [whole[i][1].generated for i in done], given, adapters=self.adapters(batch, whole),
+                        scores=any(self.scored(r) for _, r in whole),
+                        scored=[r.request.sampling.prompt_logprobs if self.scored(r) else None for _, r in whole],
+                        advance={slot: len(g) for (slot, _), g in zip(whole, given)})
+
+    def chunk_plan(self, batch: int, kv: int) -> StepPlan:
+        """The next chunk of every prefilling row (`chunking.py`)."""
+        return chunk_plan(self.rows, batch, kv, self.chunk, self.adapters(batch))
+
+    def decode_plan(self, batch: int) -> StepPlan:
+        """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
+        and a free slot at 0, their outputs dropped."""
+        slots = decoding(self.rows)
+        tokens = torch.zeros(batch, 1, dtype=torch.long)
+        positions = torch.zeros(batch, 1, dtype=torch.long)
+        for slot, row in self.rows.items():
+            tokens[slot, 0] = row.last
+            positions[slot, 0] = row.length
+        return StepPlan("decode", slots, slots, slots, [self.rows[s].generated for s in slots], tokens, positions,
+                        adapters=self.adapters(batch),
+                        counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
+                        fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
+
+
+__all__ = ["Scheduler"]
