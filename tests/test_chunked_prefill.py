@@ -128,6 +128,40 @@ def test_a_long_prefill_delays_running_rows_by_at_most_one_chunk_per_token(qwen3
     assert steps == 2 and tokens == 30
 
 
+def test_running_rows_take_a_token_from_every_chunk_step(qwen3, monkeypatch):
+    """While a long prompt runs as chunks, the rows already decoding take their next token in each chunk step (no
+    decode step between chunks): the steps to finish both are the long prompt's chunks plus what is left of the
+    running row's answer, and its tokens are the ones it gets alone."""
+    model, engine, settings = qwen3
+    running, long = prompts([8, 150], seed=7)
+    alone = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest(running, 30, request_id="r")]})
+    extend = engine.extend
+    chunk_steps = []
+
+    def counting_extend(*a, **k):
+        chunk_steps.append(1)
+        return extend(*a, **k)
+
+    monkeypatch.setattr(engine, "extend", counting_extend)
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK)
+    loop.add(GenerationRequest(running, 30, request_id="r"))
+    loop.step()  # its prefill and first token
+    loop.add(GenerationRequest(long, 2, request_id="long"))
+    tokens, in_chunks, steps = alone["r"][:1], 0, 0
+    while not loop.idle:
+        before = len(chunk_steps)
+        events = loop.step()
+        steps += 1
+        mine = [e.token for e in events if e.request_id == "r"]
+        tokens += mine
+        in_chunks += bool(mine) and len(chunk_steps) > before
+    chunks = -(-(150 - CHUNK) // CHUNK)  # after the admission's first chunk
+    assert loop.chunks == chunks == len(chunk_steps) and in_chunks == chunks  # every chunk step gave "r" a token
+    assert tokens == alone["r"]
+    # the admission, then "r"'s decode, the chunks (each also a token of "r"), then "long"'s second token with the rest
+    assert steps == 2 + chunks + max(30 - 1 - 1 - chunks, 1)
+
+
 def test_a_scored_prompt_is_not_chunked(qwen3):
     """A 30-token prompt asking for its log-probabilities runs in one prefill even with chunks of 16: the same
     scores and tokens as without chunking."""
@@ -189,9 +223,9 @@ def test_mixed_traffic_compiles_nothing_outside_the_plan(tiny_checkpoints, monke
 
 def test_chunks_prefix_hits_and_speculation_together_give_the_plain_loops_tokens(qwen3):
     """One loop with chunked prefill, prefix caching and prompt-lookup speculation: rows that speculate while
-    another still prefills its chunks, and prompts that share a prefix, get the plain loop's tokens, greedy
-    and seeded (speculation keeps greedy exact; a seeded row draws through the rejection rule, so its tokens
-    are compared with the same loop without caching and chunking)."""
+    another still prefills its chunks, and prompts that share a prefix, get the plain loop's tokens when greedy
+    (speculation keeps greedy exact); with a seeded sampling row among them, the run is reproducible and the
+    greedy rows still get the plain loop's tokens."""
     from staticformers.generation.speculative.prompt_lookup import PromptLookup
     from staticformers.generation.speculative.step import Speculator
 
@@ -211,7 +245,15 @@ def test_chunks_prefix_hits_and_speculation_together_give_the_plain_loops_tokens
                               prefix_cache_blocks=32, speculator=spec)
     assert run_loop(together, arrivals(False)) == plain
     assert together.chunks > 0 and spec.num_steps > 0 and together.prefix.hits > 0
-    seeded_spec = run_loop(GenerationLoop(engine, settings, speculator=Speculator(PromptLookup(3))), arrivals(True))
-    again = GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, prefix_block_size=8,
-                           prefix_cache_blocks=32, speculator=Speculator(PromptLookup(3)))
-    assert run_loop(again, arrivals(True)) == seeded_spec
+    # A seeded row's tokens follow its own generator, but a verify step draws acceptance uniforms that a decode step
+    # does not, and in a chunk step the decoding rows decode: which steps verify depends on the schedule. So the
+    # seeded run is compared with itself (the same arrivals give the same tokens), and its greedy rows with plain.
+
+    def seeded():
+        return run_loop(GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True,
+                                       prefix_block_size=8, prefix_cache_blocks=32,
+                                       speculator=Speculator(PromptLookup(3))), arrivals(True))
+
+    first = seeded()
+    assert seeded() == first
+    assert {k: v for k, v in first.items() if k != "long"} == {k: v for k, v in plain.items() if k != "long"}

@@ -109,9 +109,11 @@ def test_plans_carry_what_the_runner_needs_and_who_fails_with_them():
     assert step.scored == [None, 2] and step.advance == {0: 16, 1: 8}
     hold(s, joining)
     a.length, b.last, b.generated = 16, 5, 1
-    chunk = s.chunk_plan(batch=2, kv=64)
-    assert chunk.kind == "chunk" and chunk.slots == [0] and chunk.choosing == [] and chunk.fails == [0]
-    assert chunk.tokens[0].tolist() == list(range(17, 33)) and chunk.advance == {0: 16}
+    chunk = s.chunk_plan(batch=2, kv=64)  # a's next chunk, and b's next token in the same step
+    assert chunk.kind == "chunk" and chunk.slots == [0, 1] and chunk.choosing == [1] and chunk.fails == [0, 1]
+    assert chunk.tokens[0].tolist() == list(range(17, 33)) and chunk.tokens[1, 0] == 5
+    assert chunk.positions[1, 0] == 8 and chunk.keep[:, 0].tolist() == [15, 0]
+    assert chunk.advance == {0: 16, 1: 1} and chunk.counts == {0: 15, 1: 0} and chunk.completes == []
     decode = s.decode_plan(batch=2)
     assert decode.choosing == [1] and decode.fails == [0, 1] and decode.steps == [1]
     assert decode.tokens[:, 0].tolist() == [0, 5] and decode.positions[:, 0].tolist() == [16, 8]

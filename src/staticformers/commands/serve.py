@@ -102,8 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "delta.reasoning_content when streaming), vLLM's flag; structured outputs then constrain "
                         "only the answer after it")
     p.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="run prompts longer than a chunk as chunks between decode steps (a running request waits "
-                        "at most one chunk per token; prompts longer than the largest prompt bucket run)")
+                   help="run prompts longer than a chunk as chunks, in steps that also give each running request "
+                        "its next token (it waits at most one chunk per token; prompts longer than the largest "
+                        "prompt bucket run)")
     p.add_argument("--max-num-batched-tokens", type=_positive, default=None, metavar="N",
                    help="tokens one chunk step computes (default 512): the chunk width is N over the largest batch "
                         "bucket, since a chunk step runs every row of the batch")

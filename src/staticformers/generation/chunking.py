@@ -1,5 +1,5 @@
-"""Chunked prefill on fixed slots: a prompt runs as chunks of C tokens at its row's own positions, between
-the decode steps of the running rows.
+"""Chunked prefill on fixed slots: a prompt runs as chunks of C tokens at its row's own positions, in steps that
+also give every decoding row its next token.
 
 Why this exists: one long prefill used to stall every running row for its whole length, and a prompt longer
 than the largest prompt bucket could not run at all. With a chunk width C (`chunked_prefill=C` on the loop,
@@ -14,18 +14,22 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
   the batch's cache, a shape the plan declares (`ShapePlan(extend_widths=((C, 1),))`): no new shape for
   any prompt length up to `max_model_len`.
 - **Every prefilling row advances in the same call.** The step is `[B, C]` whatever the number of rows that
-  chunk, so every row with prompt left takes its next chunk in it. Rows that do not chunk (decoding rows,
-  free slots) take part at positions at or after their length, clamped to K-1: what they write there is
-  harmless (a row writes a position before it attends to it) and their outputs are dropped.
-- **Bounded inter-token latency.** A chunk is a prefill-like call: the loop runs at most one of them
-  (a chunk or an admission) between two decode steps, so a running row waits at most one chunk of
-  work per token, however long the joining prompt (`loop.py`'s step rule).
+  chunk, so every row with prompt left takes its next chunk in it.
+- **Every decoding row decodes in it too.** A decoding row feeds its last token at position 0 of its row of the
+  step, at its next cache position, with its logits kept there: the token it chooses is the one a decode step
+  would have given it, and a chunk step is a decode step for it. Its other positions, and a free slot's, are
+  padding at positions after its length, clamped to K-1: what they write there is harmless (a row writes a
+  position before it attends to it). The steps a long prompt takes are therefore not stalls: the rows already
+  decoding take a token from each of them, instead of waiting for a decode step between chunks.
+- **Bounded inter-token latency.** A running row waits at most one chunk of prompt work per token: a chunk step
+  gives it a token, and after an admission's prefill the next step is a decode step (`scheduler.py`'s step rule).
 - A row is *prefilling* while `row.length < len(prompt)`; the decode step leaves it out (it takes part at
   its length, harmlessly, like a free slot).
 - **A hybrid model's linear-attention state** (Qwen3.5's Gated DeltaNet) is carried from chunk to chunk in the
-  cache: each chunk starts from the row's state and leaves the state after its last real token. The rows that
-  do not chunk, and the padding after a last chunk, are not counted (`KVCache.count`), so their states
-  stay as they were; likewise a decode step does not count a prefilling row.
+  cache: each chunk starts from the row's state and leaves the state after its last real token; a decoding row's
+  state counts its one token. Free slots, and the padding after a last chunk or a decoding row's token, are not
+  counted (`KVCache.count`), so their states stay as they were; likewise a decode step does not count a
+  prefilling row.
 """
 
 from __future__ import annotations
@@ -123,15 +127,22 @@ def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Ten
 
 
 def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[list]) -> StepPlan:
-    """The extend step of the next chunk of every prefilling row of `rows` {slot: row} over a `[batch, kv]` cache:
-    a row whose prompt it finishes chooses its first token from it (`runner.py` runs the plan); if it fails, the
-    chunking rows fail (the decoding rows' positions were only written ahead)."""
+    """The extend step of the next chunk of every prefilling row of `rows` {slot: row} over a `[batch, kv]` cache, in
+    which every decoding row takes its next token: its last token at position 0 of its row of the step, kept there
+    (`runner.py` runs the plan). A row whose prompt the chunk finishes chooses its first token. If the step fails,
+    every row fails: each one's tokens were in it."""
     tokens, positions, keep, taken = chunk_inputs(rows, batch, kv, width)
-    slots = sorted(taken)
-    done = [s for s in slots if rows[s].length + taken[s] >= len(rows[s].prompt)]
-    return StepPlan("chunk", slots, done, done, [rows[s].generated for s in done], tokens, positions, keep, adapters,
-                    counts={s: n - 1 for s, n in taken.items()},  # a linear-attention state counts its chunk only
-                    advance=taken, fails=slots)
+    chunking = sorted(taken)
+    decoding_rows = decoding(rows)
+    for slot in decoding_rows:
+        tokens[slot, 0] = rows[slot].last  # at its next position, kept at 0: a decode step's token
+    done = [s for s in chunking if rows[s].length + taken[s] >= len(rows[s].prompt)]
+    choosing = sorted(done + decoding_rows)
+    counts = {s: n - 1 for s, n in taken.items()}  # a linear-attention state counts its chunk only
+    counts.update({s: 0 for s in decoding_rows})  # and a decoding row its one token
+    return StepPlan("chunk", sorted(chunking + decoding_rows), choosing, choosing,
+                    [rows[s].generated for s in choosing], tokens, positions, keep, adapters, counts=counts,
+                    advance={**taken, **{s: 1 for s in decoding_rows}}, fails=sorted(rows), completes=done)
 
 
 __all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "chunk_plan"]

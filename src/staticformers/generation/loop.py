@@ -56,7 +56,7 @@ Design choices:
   request of the batch that the step had not ended yet, and the batch is rebuilt from the queue.
 - **Chunked prefill and prefix caching** (`chunked_prefill=C`, `prefix_caching=True`): a prompt longer
   than C runs as chunks through the engine's extend step, one chunk of every prefilling row per
-  prefill-like call, interleaved with decode steps (`chunking.py`); a prompt whose first blocks were
+  chunk step, in which every decoding row also takes its next token (`chunking.py`); a prompt whose first blocks were
   computed before has them copied from the device pool into its slot and prefills only the rest
   (`prefix_cache.py`).
 - **Block caches** (`kv_blocks=N`, the server's `--num-gpu-blocks-override` / `--kv-cache-memory-bytes`): the
@@ -310,14 +310,10 @@ class GenerationLoop:
                 self._free(slot)
             kind = self.scheduler.next_kind()
             if kind == "chunk":
-                self._make_room(prefilling(self.rows))
-                if prefilling(self.rows):
-                    self._chunk()
+                self._chunk_or_decode()
             elif kind == "admit":
                 if not self._admit() and prefilling(self.rows):  # all hits: their rest runs now
-                    self._make_room(prefilling(self.rows))
-                    if prefilling(self.rows):
-                        self._chunk()
+                    self._chunk_or_decode()
             elif kind == "decode":
                 self._make_room(decoding(self.rows))
                 if decoding(self.rows):  # none when every decoding row was preempted for another's blocks
@@ -539,8 +535,17 @@ class GenerationLoop:
                 self.speculator.verified([self.rows[s] for s in step.choosing], result.accepted)
             self._apply(step, result)
 
+    def _chunk_or_decode(self) -> None:
+        """Every row's blocks for a chunk step, then the step: the prefilling rows' next chunks and the decoding rows'
+        next tokens; a decode step when every prefilling row was preempted for another's blocks."""
+        self._make_room(sorted(self.rows))
+        if prefilling(self.rows):
+            self._chunk()
+        elif decoding(self.rows):
+            self._decode()
+
     def _chunk(self) -> None:
-        """The next chunk of every prefilling row (`chunking.py`)."""
+        """The next chunk of every prefilling row, and the next token of every decoding row (`chunking.py`)."""
         self._own_prefixes()
         step = self.scheduler.chunk_plan(self.cache.batch, self.cache.max_length)
         result = self._run(step)
@@ -559,18 +564,18 @@ class GenerationLoop:
             return None
 
     def _apply(self, step: StepPlan, result: StepResult) -> None:
-        """A step's result on its rows: the positions a prefill or chunk wrote, then each choosing row's tokens (a
-        decode or verify step's each advancing it by one), stopping at one that ends it. A row whose prompt is now
-        all in its cache has its prefix stored first."""
+        """A step's result on its rows: the positions it wrote (a verify step's rows advance by each token they emit
+        instead), a row whose prompt is now all in its cache has its prefix stored, then each choosing row's tokens,
+        stopping at one that ends it."""
         for slot, n in step.advance.items():
             self.rows[slot].length += n
-        prompt_done = step.kind in ("prefill", "chunk")
+        per_token = step.kind == "verify"
         for i, slot in enumerate(step.choosing):
             row = self.rows[slot]
-            if prompt_done:
+            if slot in step.completes:
                 self._store_prefix(slot, row)
             for j, token in enumerate(result.tokens[i]):
-                if not prompt_done:
+                if per_token:
                     row.length += 1  # the token before it is now in the cache
                 event = self._emit(slot, row, token, result.choice, i * result.width + j)
                 if j == 0 and result.prompt_scores[i] is not None:

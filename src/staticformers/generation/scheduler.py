@@ -10,9 +10,10 @@ device state the loop then saves and clears.
 
 The rules, each decided here:
 
-- **One prefill-like call between decode steps.** A step admits waiting requests (a prefill), runs the next chunk of
-  the prefilling rows, or runs a decode step; with rows decoding, at most one prefill-like call follows a decode
-  step, and with rows prefilling and requests waiting, chunks and admissions alternate.
+- **No two admissions without a token between them.** A step admits waiting requests (a prefill), runs the next
+  chunk of the prefilling rows (in which every decoding row takes a token too: `chunking.py`), or runs a decode
+  step. With rows decoding, an admission is followed by a decode step; with rows prefilling and requests waiting,
+  chunks and admissions alternate.
 - **First come, first served, as far as blocks go.** A waiting request joins while a slot is free and (block caches)
   its first step's blocks fit in what the running rows' next steps leave (`spare_blocks`: admitting into blocks that
   are about to be needed would preempt it again at once). With prefix caching it first holds the cached blocks of
@@ -100,10 +101,10 @@ class Scheduler:
 
     # ---- the step rule --------------------------------------------------------------------------------
     def next_kind(self) -> Optional[str]:
-        """What the next step does: "chunk" (the prefilling rows' next chunks), "admit" (a prefill of waiting
-        requests), "decode", or None (nothing to run)."""
+        """What the next step does: "chunk" (the prefilling rows' next chunks, the decoding rows' next tokens),
+        "admit" (a prefill of waiting requests), "decode", or None (nothing to run)."""
         busy = bool(decoding(self.rows))
-        turn = not busy or not self._last_was_prefill  # at most one prefill-like call between decode steps
+        turn = not busy or not self._last_was_prefill  # after an admission, the decoding rows take a token first
         with self.mutex:
             admit = turn and bool(self.waiting) and len(self.rows) < self.max_slots and self._head_fits()
         chunk = turn and bool(prefilling(self.rows))
@@ -115,7 +116,7 @@ class Scheduler:
 
     def ran(self, kind: str) -> None:
         """Record that a step of `kind` (`next_kind`'s answer) ran."""
-        self._last_was_prefill = kind != "decode"
+        self._last_was_prefill = kind == "admit"  # a chunk step gave the decoding rows their tokens
         if kind != "decode":
             self._chunk_turn = kind == "admit"
 
@@ -276,11 +277,11 @@ class Scheduler:
         """The prefill of joining rows `whole` [(slot, row)], `given[i]` the tokens row i runs: its prompt, or its
         first chunk (such a row chooses nothing yet)."""
         done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
-        return StepPlan("prefill", [s for s, _ in whole], [whole[i][0] for i in done], done,
-                        [whole[i][1].generated for i in done], given, adapters=self.adapters(batch, whole),
-                        scores=any(self.scored(r) for _, r in whole),
+        choosing = [whole[i][0] for i in done]
+        return StepPlan("prefill", [s for s, _ in whole], choosing, done, [whole[i][1].generated for i in done], given,
+                        adapters=self.adapters(batch, whole), scores=any(self.scored(r) for _, r in whole),
                         scored=[r.request.sampling.prompt_logprobs if self.scored(r) else None for _, r in whole],
-                        advance={slot: len(g) for (slot, _), g in zip(whole, given)})
+                        advance={slot: len(g) for (slot, _), g in zip(whole, given)}, completes=choosing)
 
     def chunk_plan(self, batch: int, kv: int) -> StepPlan:
         """The next chunk of every prefilling row (`chunking.py`)."""
@@ -298,7 +299,7 @@ class Scheduler:
         return StepPlan("decode", slots, slots, slots, [self.rows[s].generated for s in slots], tokens, positions,
                         adapters=self.adapters(batch),
                         counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
-                        fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
+                        advance={s: 1 for s in slots}, fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
 
 
 __all__ = ["Scheduler"]

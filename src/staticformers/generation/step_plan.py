@@ -10,7 +10,9 @@ tensor of the batch's state: the plan's tensors are host inputs, the result's `l
 The kinds, each one shape of the plan:
 
 - `"prefill"`: the prompts (or first chunks) of joining rows, `tokens` one list per row of `slots`, in that order.
-- `"chunk"`: the next chunk of every prefilling row through the extend step `[B, C]`, one kept position per row.
+- `"chunk"`: the next chunk of every prefilling row through the extend step `[B, C]`, one kept position per row; every
+  decoding row feeds its last token at position 0 of its row of the step and takes its next token from it, as a
+  decode step would give it (the step's other positions of a decoding row are padding, written ahead and rewritten).
 - `"decode"`: one token per row `[B, 1]`.
 - `"verify"`: every decoding row's last token and up to k proposals `[B, k+1]`, every position's logits kept.
 """
@@ -34,8 +36,9 @@ class StepPlan:
     `slots`: the rows whose tokens the step computes (a prefill's in the order of `tokens`). `choosing`: the rows
     that choose tokens from its logits, in the order of the result; `picks` where each one's logits are among the
     step's output rows (a prefill's: its index in `slots`; otherwise its slot); `steps`: the tokens each choosing
-    row has generated so far (sampling's step). `advance`: the cache positions a prefill or chunk writes per row
-    (a decode or verify advances a row by each token it emits). `fails`: the rows that end with an error if the
+    row has generated so far (sampling's step). `advance`: the cache positions the step writes per row, applied
+    before its tokens are emitted (a verify step's rows advance by each token they emit instead). `completes`: the
+    rows whose prompt the step finishes (their prompt's blocks may be kept for prefix caching). `fails`: the rows that end with an error if the
     step raises. `counts`: what each row's linear-attention state counts (`KVCache.count`; None: not set)."""
 
     kind: str
@@ -49,6 +52,7 @@ class StepPlan:
     adapters: Optional[list] = None  # each computed row's adapter bank slot (None: the model batches none)
     counts: Optional[dict] = None
     advance: dict = field(default_factory=dict)
+    completes: list = field(default_factory=list)
     fails: list = field(default_factory=list)
     scores: bool = False  # a prefill that also scores its prompts
     scored: list = field(default_factory=list)  # per prefill row: whether its request wants its prompt's scores

@@ -61,7 +61,7 @@ class ServeOptions:
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
     speculative_config: Optional[object] = None  # vLLM's --speculative-config: a JSON object (str) or a dict
     reasoning_parser: Optional[str] = None  # vLLM's --reasoning-parser: "qwen3" splits <think>...</think> out
-    enable_chunked_prefill: bool = False  # prompts longer than a chunk run in chunks between decode steps
+    enable_chunked_prefill: bool = False  # prompts longer than a chunk run in chunks, the running rows decoding in them
     max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: the chunk width times the largest batch
     enable_prefix_caching: bool = False  # prompt prefixes' keys and values kept and copied into joining rows
     prefix_cache_blocks: int = 512  # the pool's blocks (least recently used evicted)
