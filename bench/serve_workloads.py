@@ -7,7 +7,10 @@ server twice on the same requests, with and without the feature, and reports the
   (compiles; the pool then holds the shared prompt: the steady state of a server that has seen it; the
   measured pass's user turns and own system prompts are new). Reported: median
   TTFT, output tokens/s, and the hit rate the server counted during the measured pass
-  (`prefix_cache_hits / prefix_cache_queries` on `/metrics`), with and without `--enable-prefix-caching`.
+  (`prefix_cache_hits / prefix_cache_queries` on `/metrics`), without prefix caching (`no_cache`), with the static
+  caches' prefix pool, whose hits are copied into a request's row (`prefix_cache`), and with block caches, whose hits
+  are shared blocks (`shared_blocks`: `--num-gpu-blocks-override` the blocks of the static caches' memory, one
+  `--max-model-len` row per client).
 - **long-prompt**: `--clients - 1` clients decoding (short prompts, `--new` tokens each) when one
   `--long`-token prompt (2,000) arrives: the decoding clients' inter-token latency p50/p99 with and
   without `--enable-chunked-prefill`, and the long request's TTFT.
@@ -115,7 +118,9 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
     warm, prompts = (shared_prefix_jobs(args.requests, args.system, vocab, seed) for seed in (0, 1))
     out = {"workload": "shared-prefix", "clients": args.clients[-1], "requests": args.requests, "system": args.system,
            "new": args.new}
-    for label, extra in (("no_cache", []), ("prefix_cache", ["--enable-prefix-caching"])):
+    blocks = args.clients[-1] * args.max_model_len // 32  # the static rows' positions, in the server's 32-token blocks
+    for label, extra in (("no_cache", []), ("prefix_cache", ["--enable-prefix-caching"]),
+                         ("shared_blocks", ["--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks)])):
         server = server_factory(extra)
         try:
             asyncio.run(_clients_run(server.url, warm, args.clients[-1], args.new))  # warm-up: other turns
@@ -131,7 +136,10 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
     out["ratios"] = {
         "ttft_p50_no_cache_over_cache": round(out["no_cache"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
         "output_tokens_per_s_cache_over_no_cache": round(out["prefix_cache"]["output_tokens_per_s"]
-                                                         / out["no_cache"]["output_tokens_per_s"], 2)}
+                                                         / out["no_cache"]["output_tokens_per_s"], 2),
+        "ttft_p50_shared_over_copied": round(out["shared_blocks"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
+        "output_tokens_per_s_shared_over_copied": round(out["shared_blocks"]["output_tokens_per_s"]
+                                                        / out["prefix_cache"]["output_tokens_per_s"], 2)}
     return out
 
 
