@@ -100,8 +100,9 @@ def run_child(tree: str, script: str, args: list, **env) -> dict:
     """Run `script` (Python source) in a fresh process importing `tree`'s `src/`, with `args` and extra
     environment `env`; returns the JSON object its last line prints."""
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"), **env)
-    out = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
-                         timeout=1800)
+    out = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True, timeout=1800
+    )
     if out.returncode:
         raise RuntimeError(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -149,15 +150,22 @@ def main() -> None:
     p.add_argument("--b", default=None, help="the tree after (default: --a, for an A/B of environments)")
     p.add_argument("--a-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment of side A (and A2)")
     p.add_argument("--b-env", nargs="+", default=[], metavar="NAME=VALUE", help="environment of side B")
-    p.add_argument("--model", default="reference", choices=["reference", "smollm2"],
-                   help="reference: --size's checkpoint; smollm2: the suite's real model (its GGUF)")
+    p.add_argument(
+        "--model",
+        default="reference",
+        choices=["reference", "smollm2"],
+        help="reference: --size's checkpoint; smollm2: the suite's real model (its GGUF)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="A B pairs of processes per case")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per process")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--control", action="store_true",
-                   help="an A/A control in the same run: each round runs A, B, then A again (side \"a2\"); "
-                        "a2/a is the spread a refactor's b/a must be read against")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help='an A/A control in the same run: each round runs A, B, then A again (side "a2"); '
+        "a2/a is the spread a refactor's b/a must be read against",
+    )
     p.add_argument("--size", default="41m", choices=sorted(SIZES), help="the reference model (reference.py)")
     args = p.parse_args()
     args.b = args.b or args.a
@@ -170,20 +178,38 @@ def main() -> None:
     else:
         ref = build_reference(reference_dir(args.size), size=args.size)
         rows = parameter_count(ref) // 512  # the ceiling reads as many values as the model has weights
-    result = {"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "a_env": envs["a"], "b_env": envs["b"],
-              "model": args.model if args.model == "smollm2" else args.size, "pressure_before": pressure(),
-              "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes}, "cases": []}
+    result = {
+        "a": os.path.abspath(args.a),
+        "b": os.path.abspath(args.b),
+        "a_env": envs["a"],
+        "b_env": envs["b"],
+        "model": args.model if args.model == "smollm2" else args.size,
+        "pressure_before": pressure(),
+        "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes},
+        "cases": [],
+    }
     for dtype in args.dtypes:
         for batch in args.batches:
             sides = ("a", "b", "a2") if args.control else ("a", "b")
             runs = {side: [] for side in sides}
             for _ in range(args.rounds):
                 for side in sides:
-                    runs[side].append(child(args.a if side == "a2" else getattr(args, side), ref, dtype, batch,
-                                            args.repeats, gguf, envs[side]))
+                    runs[side].append(
+                        child(
+                            args.a if side == "a2" else getattr(args, side),
+                            ref,
+                            dtype,
+                            batch,
+                            args.repeats,
+                            gguf,
+                            envs[side],
+                        )
+                    )
             case = {"dtype": dtype, "batch": batch, "pressure_after": pressure(), **summarise(runs)}
             if batch == 1:
-                case["b_step_vs_gemv_ceiling"] = round(result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3)
+                case["b_step_vs_gemv_ceiling"] = round(
+                    result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3
+                )
             result["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
     result["ceiling_gemv_ms_after"] = {d: gemv_ms(d, rows) for d in args.dtypes}

@@ -43,8 +43,10 @@ def check_device(device) -> torch.device:
     d = as_device(device)
     if d.type == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit(f"--device {device}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
-                             f"run on a machine with an NVIDIA GPU or pass --device cpu.")
+            raise SystemExit(
+                f"--device {device}: this PyTorch sees no CUDA GPU (torch {torch.__version__}); "
+                f"run on a machine with an NVIDIA GPU or pass --device cpu."
+            )
         if d.index >= torch.cuda.device_count():
             raise SystemExit(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
     elif d.type != "cpu":
@@ -123,13 +125,20 @@ class MemoryCeiling:
     sampled as often as the caller likes: `sample()` between the contenders' runs, `result()` the best rate
     any probe reached over every sample so far."""
 
-    def __init__(self, device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512,
-                 backend: str = "inductor"):
+    def __init__(
+        self,
+        device: torch.device,
+        nbytes: int,
+        dtype: torch.dtype = torch.bfloat16,
+        cols: int = 512,
+        backend: str = "inductor",
+    ):
         """`backend` compiles the CPU's multiply-and-sum probe (another than inductor: a quick dry run, which
         does not judge the ceiling, skips inductor's C++ compile)."""
         self.device = device
         nbytes = max(int(nbytes), 1 << 20)
         if device.type == "cuda":  # the buffers are made per sample: between samples they hold no GPU memory
+
             def copy():
                 src = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 dst = torch.empty_like(src)
@@ -143,25 +152,30 @@ class MemoryCeiling:
             w = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
             x = torch.randn(cols).to(torch.bfloat16)
             reduction = torch.compile(_multiply_and_sum_int8, backend=backend, fullgraph=True, dynamic=False)
-            probes = {"sum": lambda: w.sum(dtype=torch.int32),
-                      "compiled multiply-and-sum": lambda: reduction(x, w)}
+            probes = {"sum": lambda: w.sum(dtype=torch.int32), "compiled multiply-and-sum": lambda: reduction(x, w)}
             self._make = lambda: probes
             self.bytes = rows * cols
-            self.what = (f"the best of sum and a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) "
-                         f"over a {rows} x {cols} int8 matrix ({self.bytes / 1e6:.1f} MB)")
+            self.what = (
+                f"the best of sum and a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) "
+                f"over a {rows} x {cols} int8 matrix ({self.bytes / 1e6:.1f} MB)"
+            )
         else:
             size = torch.tensor([], dtype=dtype).element_size()
             rows = max(nbytes // (cols * size), 1)
             w = torch.randn(rows, cols).to(dtype)
             x = torch.randn(cols).to(dtype)
             reduction = torch.compile(_multiply_and_sum, backend=backend, fullgraph=True, dynamic=False)
-            probes = {"torch.mv": lambda: torch.mv(w, x),
-                      "sum": lambda: w.sum(dtype=torch.float32),
-                      "compiled multiply-and-sum": lambda: reduction(x, w)}
+            probes = {
+                "torch.mv": lambda: torch.mv(w, x),
+                "sum": lambda: w.sum(dtype=torch.float32),
+                "compiled multiply-and-sum": lambda: reduction(x, w),
+            }
             self._make = lambda: probes
             self.bytes = rows * cols * size
-            self.what = (f"the best of torch.mv, sum and a compiled multiply-and-sum over a {rows} x {cols} "
-                         f"{str(dtype).replace('torch.', '')} matrix ({self.bytes / 1e6:.1f} MB)")
+            self.what = (
+                f"the best of torch.mv, sum and a compiled multiply-and-sum over a {rows} x {cols} "
+                f"{str(dtype).replace('torch.', '')} matrix ({self.bytes / 1e6:.1f} MB)"
+            )
         self.seconds: dict[str, float] = {}  # the fastest time of each probe so far
         self.samples: list[dict] = []  # GB/s of each probe, one dict per sample
 
@@ -185,19 +199,27 @@ class MemoryCeiling:
             self.sample()
         best = min(self.seconds, key=self.seconds.get)
         seconds = self.seconds[best]
-        return {"what": self.what, "bytes": self.bytes, "seconds": seconds, "gb_s": sig(self.bytes / seconds / 1e9),
-                "probe": best, "samples": list(self.samples)}
+        return {
+            "what": self.what,
+            "bytes": self.bytes,
+            "seconds": seconds,
+            "gb_s": sig(self.bytes / seconds / 1e9),
+            "probe": best,
+            "samples": list(self.samples),
+        }
 
     def close(self) -> None:
         """Free the probes' CPU matrix (the weights' size); `result()` still answers, `sample()` no longer."""
+
         def closed():
             raise RuntimeError("this MemoryCeiling was closed: make a new one to sample again.")
 
         self._make = closed
 
 
-def memory_ceiling(device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512,
-                   repeats: int = 7) -> dict:
+def memory_ceiling(
+    device: torch.device, nbytes: int, dtype: torch.dtype = torch.bfloat16, cols: int = 512, repeats: int = 7
+) -> dict:
     """One sample of `MemoryCeiling(device, nbytes, dtype, cols)`: its `result()`."""
     ceiling = MemoryCeiling(device, nbytes, dtype, cols)
     ceiling.sample(repeats)
@@ -206,16 +228,21 @@ def memory_ceiling(device: torch.device, nbytes: int, dtype: torch.dtype = torch
     return out
 
 
-def matmul_ceiling(device: torch.device, n: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                   repeats: int = 10) -> dict:
+def matmul_ceiling(
+    device: torch.device, n: Optional[int] = None, dtype: torch.dtype = torch.bfloat16, repeats: int = 10
+) -> dict:
     """FLOP/s of an n x n x n matmul in `dtype` (n: 8192 on a GPU, 1024 on the CPU)."""
     n = n or (8192 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     seconds = median_seconds(lambda: a @ b, device, repeats, warmup=3)
-    flop = 2 * n ** 3
-    return {"what": f"{n}^3 {str(dtype).replace('torch.', '')} matmul", "flop": flop, "seconds": seconds,
-            "tflop_s": sig(flop / seconds / 1e12)}
+    flop = 2 * n**3
+    return {
+        "what": f"{n}^3 {str(dtype).replace('torch.', '')} matmul",
+        "flop": flop,
+        "seconds": seconds,
+        "tflop_s": sig(flop / seconds / 1e12),
+    }
 
 
 def device_info(device: torch.device) -> dict:
@@ -226,11 +253,16 @@ def device_info(device: torch.device) -> dict:
     info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(name=props.name, memory_gb=round(props.total_memory / 1e9, 1),
-                    multiprocessors=props.multi_processor_count, cuda=torch.version.cuda)
+        info.update(
+            name=props.name,
+            memory_gb=round(props.total_memory / 1e9, 1),
+            multiprocessors=props.multi_processor_count,
+            cuda=torch.version.cuda,
+        )
     else:
-        info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
-                    cpus=os.cpu_count())
+        info.update(
+            name=platform.processor() or platform.machine(), threads=torch.get_num_threads(), cpus=os.cpu_count()
+        )
     try:
         import transformers
 

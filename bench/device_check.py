@@ -83,33 +83,107 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
         gen += ["--prompt", "128", "--new", "128", "--repeats", "2"]
     if compile_mode:
         gen += ["--compile-mode", compile_mode]
-    train = [py, os.path.join(HERE, "train.py"), "--device", device, "--size", train_size, "--precisions", "bf16",
-             "--modes", "compiled", "--rounds", "1", "--no-packed"]
-    train += (["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "eager"] if dry
-              else ["--steps", "8", "--documents", "200"])
+    train = [
+        py,
+        os.path.join(HERE, "train.py"),
+        "--device",
+        device,
+        "--size",
+        train_size,
+        "--precisions",
+        "bf16",
+        "--modes",
+        "compiled",
+        "--rounds",
+        "1",
+        "--no-packed",
+    ]
+    train += (
+        ["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "eager"]
+        if dry
+        else ["--steps", "8", "--documents", "200"]
+    )
     serve_script = os.path.join(HERE, "serve.py")
     steps = [
         # a test module that cannot be imported under the machine's own packages must not stop the others
-        Step("cuda_tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                            "--continue-on-collection-errors",
-                            f"--junitxml={os.path.join(work, 'cuda_tests.xml')}", *cuda_test_files()],
-             limits["cuda_tests"], os.path.join(work, "cuda_tests.xml")),
-        Step("reference", [py, os.path.join(HERE, "reference.py"), "--size", size, "--device", device],
-             limits["reference"]),
-        Step("generate_b1", gen + ["--batches", "1", "--out", os.path.join(work, "generate_b1.json")],
-             limits["generate_b1"], os.path.join(work, "generate_b1.json")),
-        Step("generate_b8", gen + ["--batches", "2" if dry else "8", "--out", os.path.join(work, "generate_b8.json")],
-             limits["generate_b8"], os.path.join(work, "generate_b8.json")),
-        Step("train", train + ["--out", os.path.join(work, "train.json")], limits["train"],
-             os.path.join(work, "train.json")),
-        Step("serve", [py, serve_script, "--device", device, "--size", size, "--clients", "1", "16",
-                       "--out", os.path.join(work, "serve.json")]
-             + (["--requests", "8", "--prompt", "16", "--new", "4", "--peers", "none", "--no-compile", "--backend", "eager"]
+        Step(
+            "cuda_tests",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "cuda",
+                "-p",
+                "no:cacheprovider",
+                "--continue-on-collection-errors",
+                f"--junitxml={os.path.join(work, 'cuda_tests.xml')}",
+                *cuda_test_files(),
+            ],
+            limits["cuda_tests"],
+            os.path.join(work, "cuda_tests.xml"),
+        ),
+        Step(
+            "reference",
+            [py, os.path.join(HERE, "reference.py"), "--size", size, "--device", device],
+            limits["reference"],
+        ),
+        Step(
+            "generate_b1",
+            gen + ["--batches", "1", "--out", os.path.join(work, "generate_b1.json")],
+            limits["generate_b1"],
+            os.path.join(work, "generate_b1.json"),
+        ),
+        Step(
+            "generate_b8",
+            gen + ["--batches", "2" if dry else "8", "--out", os.path.join(work, "generate_b8.json")],
+            limits["generate_b8"],
+            os.path.join(work, "generate_b8.json"),
+        ),
+        Step(
+            "train",
+            train + ["--out", os.path.join(work, "train.json")],
+            limits["train"],
+            os.path.join(work, "train.json"),
+        ),
+        Step(
+            "serve",
+            [
+                py,
+                serve_script,
+                "--device",
+                device,
+                "--size",
+                size,
+                "--clients",
+                "1",
+                "16",
+                "--out",
+                os.path.join(work, "serve.json"),
+            ]
+            + (
+                [
+                    "--requests",
+                    "8",
+                    "--prompt",
+                    "16",
+                    "--new",
+                    "4",
+                    "--peers",
+                    "none",
+                    "--no-compile",
+                    "--backend",
+                    "eager",
+                ]
                 if dry
-                else ["--requests", "64", "--new", "64", "--no-compile"]),  # a whole-model compile per batch bucket
-             # of the 1.7B model would not fit the step's limit
-             limits["serve"], os.path.join(work, "serve.json"),
-             skip=None if os.path.exists(serve_script) else "bench/serve.py does not exist yet (serving has not landed)"),
+                else ["--requests", "64", "--new", "64", "--no-compile"]
+            ),  # a whole-model compile per batch bucket
+            # of the 1.7B model would not fit the step's limit
+            limits["serve"],
+            os.path.join(work, "serve.json"),
+            skip=None if os.path.exists(serve_script) else "bench/serve.py does not exist yet (serving has not landed)",
+        ),
     ]
     return steps
 
@@ -124,8 +198,9 @@ def run_step(step: Step, seconds: float, env: dict, log) -> dict:
     log.flush()
     start = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+") as out:
-        proc = subprocess.Popen(step.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            step.argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=seconds)
             status = "ok" if rc == 0 else "failed"
@@ -145,10 +220,17 @@ def run_step(step: Step, seconds: float, env: dict, log) -> dict:
         text = out.read()
     log.write(text)
     log.flush()
-    record = {"status": status, "returncode": rc, "seconds": round(time.perf_counter() - start, 1),
-              "limit": round(seconds), "tail": text[-TAIL:]}
+    record = {
+        "status": status,
+        "returncode": rc,
+        "seconds": round(time.perf_counter() - start, 1),
+        "limit": round(seconds),
+        "tail": text[-TAIL:],
+    }
     if step.result_file and os.path.exists(step.result_file):
-        record["result"] = junit_counts(step.result_file) if step.result_file.endswith(".xml") else _read_json(step.result_file)
+        record["result"] = (
+            junit_counts(step.result_file) if step.result_file.endswith(".xml") else _read_json(step.result_file)
+        )
     return record
 
 
@@ -215,13 +297,19 @@ def verdict(value, threshold) -> str:
 
 
 def summary_markdown(report: dict) -> str:
-    lines = [f"# Device check ({'dry run on the CPU' if report['dry_run'] else report['device']})", "",
-             f"{report['started']}, {report['wall_seconds']:.0f} s of {report['total_limit']} s; "
-             f"python {report['python']}.", ""]
+    lines = [
+        f"# Device check ({'dry run on the CPU' if report['dry_run'] else report['device']})",
+        "",
+        f"{report['started']}, {report['wall_seconds']:.0f} s of {report['total_limit']} s; python {report['python']}.",
+        "",
+    ]
     info = report.get("device_info") or {}
     if info:
-        lines += [f"Device: {info.get('name')} ({info.get('device')}), torch {info.get('torch')}, "
-                  f"transformers {info.get('transformers')}.", ""]
+        lines += [
+            f"Device: {info.get('name')} ({info.get('device')}), torch {info.get('torch')}, "
+            f"transformers {info.get('transformers')}.",
+            "",
+        ]
     lines += ["| step | status | seconds | limit | note |", "| --- | --- | --- | --- | --- |"]
     for name, rec in report["steps"].items():
         note = rec.get("note", "")
@@ -235,31 +323,48 @@ def summary_markdown(report: dict) -> str:
         res = report["steps"].get(name, {}).get("result") or {}
         ceil = (res.get("ceilings") or {}).get("bfloat16", {})
         for c in res.get("cases", []):
-            lines += ["", f"## {name}: batch {c['batch']}, {c['dtype']}, prompt {c['prompt']}, {c['new']} new tokens", "",
-                      f"Memory ceiling: {ceil.get('memory', {}).get('gb_s')} GB/s ({ceil.get('memory', {}).get('what')}); "
-                      f"matmul ceiling: {ceil.get('matmul', {}).get('tflop_s')} TFLOP/s. Warm-up s: {c.get('warmup_seconds')}.",
-                      "", "| contender | TTFT ms | decode tok/s | step ms | bandwidth util. | prefill FLOP util. | graphs after warm-up |",
-                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [
+                "",
+                f"## {name}: batch {c['batch']}, {c['dtype']}, prompt {c['prompt']}, {c['new']} new tokens",
+                "",
+                f"Memory ceiling: {ceil.get('memory', {}).get('gb_s')} GB/s ({ceil.get('memory', {}).get('what')}); "
+                f"matmul ceiling: {ceil.get('matmul', {}).get('tflop_s')} TFLOP/s. Warm-up s: {c.get('warmup_seconds')}.",
+                "",
+                "| contender | TTFT ms | decode tok/s | step ms | bandwidth util. | prefill FLOP util. | graphs after warm-up |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
+            ]
             for who in ("sf", "hf", "hf_static"):
                 e = c.get(who)
                 if e:
-                    lines.append(f"| {who} | {e['ttft_ms']} | {e['decode_tok_s']} | {e['step_ms']} | "
-                                 f"{e.get('bandwidth_utilisation')} | {e.get('prefill_flops_utilisation')} | "
-                                 f"{e['graphs_after_warmup']} |")
-            lines += ["", f"Ratios (sf over peer, decode): vs hf {c.get('ratio_decode_vs_hf')}, vs hf_static "
-                          f"{c.get('ratio_decode_vs_hf_static')}; TTFT (peer over sf): vs hf {c.get('ratio_ttft_vs_hf')}, "
-                          f"vs hf_static {c.get('ratio_ttft_vs_hf_static')}."]
+                    lines.append(
+                        f"| {who} | {e['ttft_ms']} | {e['decode_tok_s']} | {e['step_ms']} | "
+                        f"{e.get('bandwidth_utilisation')} | {e.get('prefill_flops_utilisation')} | "
+                        f"{e['graphs_after_warmup']} |"
+                    )
+            lines += [
+                "",
+                f"Ratios (sf over peer, decode): vs hf {c.get('ratio_decode_vs_hf')}, vs hf_static "
+                f"{c.get('ratio_decode_vs_hf_static')}; TTFT (peer over sf): vs hf {c.get('ratio_ttft_vs_hf')}, "
+                f"vs hf_static {c.get('ratio_ttft_vs_hf_static')}.",
+            ]
     train = report["steps"].get("train", {}).get("result") or {}
     for key, r in (train.get("results") or {}).items():
         s = r["summary"]
-        lines += ["", f"## train: {key}, {train.get('model')}, batch {train.get('batch')} x {train.get('seq')}", "",
-                  f"Matmul ceiling {train.get('ceiling', {}).get('tflop_s')} TFLOP/s.", "",
-                  "| trainer | tokens/s | model TFLOP/s | FLOP util. | first step s | graphs | errors |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## train: {key}, {train.get('model')}, batch {train.get('batch')} x {train.get('seq')}",
+            "",
+            f"Matmul ceiling {train.get('ceiling', {}).get('tflop_s')} TFLOP/s.",
+            "",
+            "| trainer | tokens/s | model TFLOP/s | FLOP util. | first step s | graphs | errors |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for who in ("ours", "transformers"):
             e = s[who]
-            lines.append(f"| {who} | {e['steady_tokens_per_s']} | {e['model_tflop_s']} | {e['flops_utilisation']} | "
-                         f"{e['first_step_s']} | {e['graphs']} | {'; '.join(e['errors'])[:200]} |")
+            lines.append(
+                f"| {who} | {e['steady_tokens_per_s']} | {e['model_tflop_s']} | {e['flops_utilisation']} | "
+                f"{e['first_step_s']} | {e['graphs']} | {'; '.join(e['errors'])[:200]} |"
+            )
         lines += ["", f"Steady ratio (ours over transformers): {s.get('steady_ratio')}."]
     serve = report["steps"].get("serve", {})
     if serve.get("result"):
@@ -279,14 +384,28 @@ def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny model and sizes")
     ap.add_argument("--device", default=None, help="cuda (default), cuda:N; the CPU with --dry-run")
-    ap.add_argument("--total", type=float, default=None,
-                    help=f"seconds for the whole check (default 480; {DRY_RUN_SLACK}x that with --dry-run)")
-    ap.add_argument("--limit", action="append", default=[], metavar="STEP=SECONDS",
-                    help=f"a step's own limit (defaults: {DEFAULT_LIMITS})")
+    ap.add_argument(
+        "--total",
+        type=float,
+        default=None,
+        help=f"seconds for the whole check (default 480; {DRY_RUN_SLACK}x that with --dry-run)",
+    )
+    ap.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="STEP=SECONDS",
+        help=f"a step's own limit (defaults: {DEFAULT_LIMITS})",
+    )
     ap.add_argument("--only", default=None, help="comma-separated steps to run (the others are skipped)")
-    ap.add_argument("--compile-mode", default=None,
-                    help="staticformers' CompileConfig(mode=...) in the generate steps, e.g. reduce-overhead")
-    ap.add_argument("--out", default=None, help="folder for the results (default: $OUT, else bench/results/device-check)")
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        help="staticformers' CompileConfig(mode=...) in the generate steps, e.g. reduce-overhead",
+    )
+    ap.add_argument(
+        "--out", default=None, help="folder for the results (default: $OUT, else bench/results/device-check)"
+    )
     a = ap.parse_args(argv)
     wall_start = time.perf_counter()
     slack = DRY_RUN_SLACK if a.dry_run else 1
@@ -306,8 +425,10 @@ def main(argv: Optional[list] = None) -> int:
     else:
         device = a.device or "cuda"
         if not device.startswith("cuda") or not torch.cuda.is_available():
-            raise SystemExit(f"No CUDA GPU for this check (torch {torch.__version__} at {sys.executable} sees none): "
-                             f"run it on a machine with an NVIDIA GPU, or pass --dry-run for the CPU.")
+            raise SystemExit(
+                f"No CUDA GPU for this check (torch {torch.__version__} at {sys.executable} sees none): "
+                f"run it on a machine with an NVIDIA GPU, or pass --dry-run for the CPU."
+            )
     out_dir = a.out or os.environ.get("OUT") or os.path.join(HERE, "results", "device-check")
     os.makedirs(out_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="device-check-")
@@ -320,16 +441,26 @@ def main(argv: Optional[list] = None) -> int:
         wanted = set(a.only.split(","))
         unknown = wanted - {s.name for s in steps}
         if unknown:
-            raise SystemExit(f"--only {a.only}: unknown step(s) {', '.join(sorted(unknown))}; "
-                             f"the steps are {', '.join(s.name for s in steps)}.")
+            raise SystemExit(
+                f"--only {a.only}: unknown step(s) {', '.join(sorted(unknown))}; "
+                f"the steps are {', '.join(s.name for s in steps)}."
+            )
         for s in steps:
             if s.name not in wanted and not s.skip:
                 s.skip = "not in --only"
     from ceilings import as_device, device_info
 
-    report = {"dry_run": a.dry_run, "device": device, "device_info": device_info(as_device(device)),
-              "python": sys.executable, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "total_limit": a.total, "compile_mode": a.compile_mode, "limits": limits, "steps": {}}
+    report = {
+        "dry_run": a.dry_run,
+        "device": device,
+        "device_info": device_info(as_device(device)),
+        "python": sys.executable,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "total_limit": a.total,
+        "compile_mode": a.compile_mode,
+        "limits": limits,
+        "steps": {},
+    }
     deadline = wall_start + a.total
     json_path, md_path = os.path.join(out_dir, "device_check.json"), os.path.join(out_dir, "device_check.md")
     with open(os.path.join(out_dir, "device_check.log"), "w") as log:
@@ -337,8 +468,11 @@ def main(argv: Optional[list] = None) -> int:
             left = deadline - time.perf_counter() - 2  # what is left, less the time to write the summary
             record = run_step(step, min(step.limit, left), env, log)
             report["steps"][step.name] = record
-            print(f"[device_check] {step.name}: {record['status']} in {record['seconds']} s "
-                  f"(limit {record['limit']}){' - ' + record['note'] if record.get('note') else ''}", flush=True)
+            print(
+                f"[device_check] {step.name}: {record['status']} in {record['seconds']} s "
+                f"(limit {record['limit']}){' - ' + record['note'] if record.get('note') else ''}",
+                flush=True,
+            )
             report["wall_seconds"] = time.perf_counter() - wall_start
             report["figures"] = figures(report)
             with open(json_path, "w") as f:  # after every step: a check stopped from outside keeps what it did

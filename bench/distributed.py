@@ -34,8 +34,6 @@ LAYOUTS = {"fsdp1": (1, 1, 1), "fsdp2": (2, 1, 2), "fsdp4": (4, 1, 4), "tp2_fsdp
 GLOBAL_BATCH, SEQ = 4, 128
 
 
-
-
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -97,13 +95,24 @@ def worker(impl: str, layout: str, path: str, out: str, steps: int) -> None:
             dist.all_reduce(value)
             value /= world
         losses.append(float(value))
-    optim_bytes = sum(local(v).numel() * local(v).element_size() for st in opt.state.values()
-                      for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
-    result = {"rank": rank, "load_seconds": round(load_seconds, 2), "rss_start_mib": round(rss_start),
-              "rss_after_load_mib": round(rss_loaded), "peak_rss_mib": round(_rss_mib()),
-              "param_bytes": param_bytes, "optim_bytes": optim_bytes,
-              "step_seconds": round(statistics.median(times[1:]), 3), "first_step_seconds": round(times[0], 3),
-              "losses": [round(x, 6) for x in losses]}
+    optim_bytes = sum(
+        local(v).numel() * local(v).element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    result = {
+        "rank": rank,
+        "load_seconds": round(load_seconds, 2),
+        "rss_start_mib": round(rss_start),
+        "rss_after_load_mib": round(rss_loaded),
+        "peak_rss_mib": round(_rss_mib()),
+        "param_bytes": param_bytes,
+        "optim_bytes": optim_bytes,
+        "step_seconds": round(statistics.median(times[1:]), 3),
+        "first_step_seconds": round(times[0], 3),
+        "losses": [round(x, 6) for x in losses],
+    }
     with open(os.path.join(out, f"{impl}_{layout}_rank{rank}.json"), "w") as f:
         json.dump(result, f)
     del model, opt
@@ -126,8 +135,13 @@ def launch(impl: str, layout: str, path: str, out: str, steps: int, timeout: int
     if nproc == 1:
         cmd = [sys.executable, me, *args]
     else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), f"--nproc_per_node={nproc}", "--standalone",
-               me, *args]
+        cmd = [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            f"--nproc_per_node={nproc}",
+            "--standalone",
+            me,
+            *args,
+        ]
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -140,13 +154,16 @@ def launch(impl: str, layout: str, path: str, out: str, steps: int, timeout: int
         with open(os.path.join(out, f"{impl}_{layout}_rank{r}.json")) as f:
             ranks.append(json.load(f))
     return {
-        "ok": True, "processes": nproc, "wall_seconds": round(wall, 1),
+        "ok": True,
+        "processes": nproc,
+        "wall_seconds": round(wall, 1),
         "peak_rss_mib_per_rank_max": max(r["peak_rss_mib"] for r in ranks),
         "rss_after_load_mib_per_rank_max": max(r["rss_after_load_mib"] for r in ranks),
         "param_mib_per_rank_max": round(max(r["param_bytes"] for r in ranks) / 2**20, 2),
         "optim_mib_per_rank_max": round(max(r["optim_bytes"] for r in ranks) / 2**20, 2),
         "load_seconds": max(r["load_seconds"] for r in ranks),
-        "step_seconds": ranks[0]["step_seconds"], "first_step_seconds": ranks[0]["first_step_seconds"],
+        "step_seconds": ranks[0]["step_seconds"],
+        "first_step_seconds": ranks[0]["first_step_seconds"],
         "losses": ranks[0]["losses"],
     }
 
@@ -171,8 +188,13 @@ def main() -> None:
 
     path = a.model or build_reference()
     out = tempfile.mkdtemp(prefix="sf-bench-dist-")
-    report = {"model": path, "global_batch": [GLOBAL_BATCH, SEQ], "steps": a.steps, "pressure_before": pressure(),
-              "runs": {}}
+    report = {
+        "model": path,
+        "global_batch": [GLOBAL_BATCH, SEQ],
+        "steps": a.steps,
+        "pressure_before": pressure(),
+        "runs": {},
+    }
     rounds: dict = {}
     for rep in range(a.repeats):
         for i, layout in enumerate(a.layouts):
@@ -199,12 +221,16 @@ def main() -> None:
     base = report["runs"].get("ours/fsdp1", {})
     for run in report["runs"].values():
         if run.get("ok") and base.get("ok"):
-            run["max_loss_diff_vs_ours_fsdp1"] = round(max(abs(x - y) for x, y in zip(run["losses"], base["losses"])), 7)
+            run["max_loss_diff_vs_ours_fsdp1"] = round(
+                max(abs(x - y) for x, y in zip(run["losses"], base["losses"])), 7
+            )
     for layout in a.layouts:
         ours, theirs = report["runs"].get(f"ours/{layout}"), report["runs"].get(f"transformers/{layout}")
         if ours and theirs and ours.get("ok") and theirs.get("ok"):
             report.setdefault("ratios", {})[layout] = {
-                "peak_rss_ours_over_transformers": round(ours["peak_rss_mib_per_rank_max"] / theirs["peak_rss_mib_per_rank_max"], 3),
+                "peak_rss_ours_over_transformers": round(
+                    ours["peak_rss_mib_per_rank_max"] / theirs["peak_rss_mib_per_rank_max"], 3
+                ),
                 "step_time_transformers_over_ours": round(theirs["step_seconds"] / ours["step_seconds"], 3),
             }
     print(json.dumps(report, indent=2))

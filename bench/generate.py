@@ -51,8 +51,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ceilings import (Clock, MemoryCeiling, check_device, device_info, matmul_ceiling,  # noqa: E402
-                      peak_memory_gb, reset_peak_memory, sig)
+from ceilings import (
+    Clock,
+    MemoryCeiling,
+    check_device,
+    device_info,
+    matmul_ceiling,  # noqa: E402
+    peak_memory_gb,
+    reset_peak_memory,
+    sig,
+)
 from reference import SIZES, build_reference, pressure, reference_dir  # noqa: E402
 
 import openvino_peer  # noqa: E402  (imports optimum-intel only when one of its contenders runs)
@@ -107,8 +115,16 @@ QUANTIZED = {  # contender -> our QuantizationConfig's fields (--quantization in
 }
 
 
-def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch.device, ref_dir: str,
-                 prompt: int, compile_mode: str | None, backend: str):
+def make_runners(
+    dtype: torch.dtype,
+    batch: int,
+    which: list[str],
+    device: torch.device,
+    ref_dir: str,
+    prompt: int,
+    compile_mode: str | None,
+    backend: str,
+):
     """name -> fn(max_new_tokens) for each contender on `device`; "_sf_model" -> our model ("_<name>_model"
     for the quantized contenders of `QUANTIZED`)."""
     import transformers
@@ -124,42 +140,59 @@ def make_runners(dtype: torch.dtype, batch: int, which: list[str], device: torch
     if "hf" in which or "hf_static" in which:
         hf = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).to(device).eval()
     if "hf" in which:
-        runners["hf"] = lambda n: hf.generate(input_ids=ids_dev, attention_mask=mask_dev, max_new_tokens=n,
-                                              do_sample=False)
+        runners["hf"] = lambda n: hf.generate(
+            input_ids=ids_dev, attention_mask=mask_dev, max_new_tokens=n, do_sample=False
+        )
     if "hf_static" in which:
         cc = hf_static_compile_config(device, backend)
 
         def hf_static(n):
-            return hf.generate(input_ids=ids_dev, attention_mask=mask_dev, max_new_tokens=n, do_sample=False,
-                               cache_implementation="static", compile_config=cc)
+            return hf.generate(
+                input_ids=ids_dev,
+                attention_mask=mask_dev,
+                max_new_tokens=n,
+                do_sample=False,
+                cache_implementation="static",
+                compile_config=cc,
+            )
 
         runners["hf_static"] = hf_static
     if "sf" in which:
         sf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, device_map=str(device))
         config = CompileConfig(backend=None if backend == "inductor" else backend, mode=compile_mode)
         # our inputs stay on the host (the engine's way: only fixed-shape slices go to the device)
-        runners["sf"] = lambda n: sf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                              compile_config=config)
+        runners["sf"] = lambda n: sf.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, compile_config=config
+        )
         runners["_sf_model"] = sf
     for name, fields in QUANTIZED.items():
         if name not in which:
             continue
         from staticformers import QuantizationConfig
 
-        qm = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype, device_map=str(device),
-                                                  quantization_config=QuantizationConfig(**fields))
+        qm = AutoModelForCausalLM.from_pretrained(
+            ref_dir, dtype=dtype, device_map=str(device), quantization_config=QuantizationConfig(**fields)
+        )
         config = CompileConfig(backend=None if backend == "inductor" else backend, mode=compile_mode)
-        runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                                         do_sample=False, compile_config=config))(qm)  # noqa: B023 (called in this iteration)
+        runners[name] = _generator(qm, ids, mask, config)
         runners[f"_{name}_model"] = qm
     if "torchao_int8" in which:  # torchao's own weight-only int8 on transformers' model, compiled as hf_static
-        runners["torchao_int8"], runners["_torchao_info"] = torchao_runner(dtype, device, ref_dir, ids_dev, mask_dev,
-                                                                           backend)
+        runners["torchao_int8"], runners["_torchao_info"] = torchao_runner(
+            dtype, device, ref_dir, ids_dev, mask_dev, backend
+        )
     if any(n in which for n in openvino_peer.CONTENDERS):
-        ov, runners["_openvino_info"] = openvino_peer.make_runners(str(dtype).removeprefix("torch."), which, ref_dir,
-                                                                   ids, mask)
+        ov, runners["_openvino_info"] = openvino_peer.make_runners(
+            str(dtype).removeprefix("torch."), which, ref_dir, ids, mask
+        )
         runners.update(ov)
     return runners
+
+
+def _generator(model, ids, mask, config):
+    """`runner(n)`: the model's greedy `generate` of n new tokens on the benchmark's inputs."""
+    return lambda n: model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, compile_config=config
+    )
 
 
 def torchao_runner(dtype: torch.dtype, device: torch.device, ref_dir: str, ids, mask, backend: str):
@@ -171,16 +204,27 @@ def torchao_runner(dtype: torch.dtype, device: torch.device, ref_dir: str, ids, 
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=dtype).to(device).eval()
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear)
-              and name != "lm_head")
+    quantize_(
+        model, Int8WeightOnlyConfig(), filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and name != "lm_head"
+    )
     cc = hf_static_compile_config(device, backend)
 
     def run(n):
-        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                              cache_implementation="static", compile_config=cc)
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=cc,
+        )
 
-    return run, {"torchao_int8": {"torchao": torchao.__version__,
-                                  "weight_type": type(model.model.layers[0].mlp.up_proj.weight).__name__}}
+    return run, {
+        "torchao_int8": {
+            "torchao": torchao.__version__,
+            "weight_type": type(model.model.layers[0].mlp.up_proj.weight).__name__,
+        }
+    }
 
 
 def _config(ref_dir: str) -> dict:
@@ -205,9 +249,20 @@ def weights_read_per_step(model) -> int:
     return total
 
 
-def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], device: torch.device, ref_dir: str,
-               prompt: int, new: int, compile_mode: str | None, backend: str, ceiling: dict,
-               memory: MemoryCeiling | None = None) -> dict:
+def bench_case(
+    dtype_name: str,
+    batch: int,
+    repeats: int,
+    which: list[str],
+    device: torch.device,
+    ref_dir: str,
+    prompt: int,
+    new: int,
+    compile_mode: str | None,
+    backend: str,
+    ceiling: dict,
+    memory: MemoryCeiling | None = None,
+) -> dict:
     """One (dtype, batch) case; `memory` is sampled after every timed round of the contenders, and the case's
     utilisations are against `memory`'s best so far (`add_utilisation` recomputes them at the end of a run)."""
     dtype = getattr(torch, dtype_name)
@@ -243,25 +298,47 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
             reset_peak_memory(device)
     cfg = _config(ref_dir)
     size = torch.tensor([], dtype=dtype).element_size()
-    kv_bytes_avg = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg.get("head_dim", 0)
-                    * (prompt + new // 2) * batch * size)
+    kv_bytes_avg = (
+        cfg["num_hidden_layers"]
+        * 2
+        * cfg["num_key_value_heads"]
+        * cfg.get("head_dim", 0)
+        * (prompt + new // 2)
+        * batch
+        * size
+    )
     weight_bytes = weights_read_per_step(sf_model) if sf_model is not None else 0
     # a forward pass over the prompt: 2 FLOP per weight and token, plus causal attention's scores and values
-    prefill_flops = batch * prompt * (2 * weight_bytes // size + 2 * cfg["num_hidden_layers"]
-                                      * cfg["num_attention_heads"] * cfg.get("head_dim", 0) * prompt)
-    out = {"dtype": dtype_name, "batch": batch, "prompt": prompt, "new": new, "warmup_seconds": warm,
-           "graphs_in_warmup": graphs_in_warmup,
-           "peak_memory_gb": max(peak, peak_memory_gb(device) or 0.0) if peak is not None else peak_memory_gb(device),
-           "pressure_after": pressure()}
+    prefill_flops = (
+        batch
+        * prompt
+        * (
+            2 * weight_bytes // size
+            + 2 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * cfg.get("head_dim", 0) * prompt
+        )
+    )
+    out = {
+        "dtype": dtype_name,
+        "batch": batch,
+        "prompt": prompt,
+        "new": new,
+        "warmup_seconds": warm,
+        "graphs_in_warmup": graphs_in_warmup,
+        "peak_memory_gb": max(peak, peak_memory_gb(device) or 0.0) if peak is not None else peak_memory_gb(device),
+        "pressure_after": pressure(),
+    }
     for name, r in results.items():
         ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])
         decode_s = max(total - ttft, 1e-9)
         per_step = decode_s / max(new - 1, 1)
-        entry = {"ttft_ms": round(ttft * 1000, 2), "total_s": round(total, 4),
-                 "decode_tok_s": round(batch * (new - 1) / decode_s, 1),
-                 "decode_tok_s_per_seq": round((new - 1) / decode_s, 1),
-                 "step_ms": round(per_step * 1000, 3),
-                 "graphs_after_warmup": r["graphs"]}  # Dynamo graphs compiled while timed: 0 expected
+        entry = {
+            "ttft_ms": round(ttft * 1000, 2),
+            "total_s": round(total, 4),
+            "decode_tok_s": round(batch * (new - 1) / decode_s, 1),
+            "decode_tok_s_per_seq": round((new - 1) / decode_s, 1),
+            "step_ms": round(per_step * 1000, 3),
+            "graphs_after_warmup": r["graphs"],
+        }  # Dynamo graphs compiled while timed: 0 expected
         if name in openvino_info:
             entry.update(openvino_info[name])
         if name == "openvino_int8":  # its bytes are its own (int8, embedding and head included): the file's size
@@ -286,8 +363,13 @@ def bench_case(dtype_name: str, batch: int, repeats: int, which: list[str], devi
     if "hf_static" in out and "sf" in out:
         out["ratio_decode_vs_hf_static"] = round(out["sf"]["decode_tok_s"] / out["hf_static"]["decode_tok_s"], 2)
         out["ratio_ttft_vs_hf_static"] = round(out["hf_static"]["ttft_ms"] / out["sf"]["ttft_ms"], 2)
-    for ours, peer in (("sf", "openvino"), ("sf_int8", "openvino_int8"), ("sf_int8_head", "openvino_int8"),
-                       ("sf_int8", "torchao_int8"), ("torchao_int8", "hf_static")):
+    for ours, peer in (
+        ("sf", "openvino"),
+        ("sf_int8", "openvino_int8"),
+        ("sf_int8_head", "openvino_int8"),
+        ("sf_int8", "torchao_int8"),
+        ("torchao_int8", "hf_static"),
+    ):
         if ours in out and peer in out:
             out[f"ratio_decode_{ours}_vs_{peer}"] = round(out[ours]["decode_tok_s"] / out[peer]["decode_tok_s"], 2)
             out[f"ratio_ttft_{ours}_vs_{peer}"] = round(out[peer]["ttft_ms"] / out[ours]["ttft_ms"], 2)
@@ -340,8 +422,9 @@ def save_int8(dtype_name: str) -> str:
     from staticformers import AutoModelForCausalLM, QuantizationConfig
 
     folder = tempfile.mkdtemp(prefix="sf-bench-int8-")
-    model = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=getattr(torch, dtype_name),
-                                                 quantization_config=QuantizationConfig(**QUANTIZED["sf_int8"]))
+    model = AutoModelForCausalLM.from_pretrained(
+        REF_DIR, dtype=getattr(torch, dtype_name), quantization_config=QuantizationConfig(**QUANTIZED["sf_int8"])
+    )
     model.save_pretrained(folder)
     return folder
 
@@ -365,8 +448,16 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     dtype = getattr(torch, dtype_name)
     torch.compile(lambda x: x * 2, backend="inductor", fullgraph=True)(torch.ones(8))
     if baseline == "library":
-        cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        cfg = AutoConfig.for_model(
+            "qwen3",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
         tiny = AutoModelForCausalLM.from_config(cfg, seed=0).to(dtype)
         tiny.generate(input_ids=torch.randint(1, 256, (batch, PROMPT)), max_new_tokens=4, do_sample=False)
         del tiny
@@ -377,8 +468,9 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     elif quantized:
         from staticformers import QuantizationConfig
 
-        sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype,
-                                                  quantization_config=QuantizationConfig(**QUANTIZED[quantized]))
+        sf = AutoModelForCausalLM.from_pretrained(
+            REF_DIR, dtype=dtype, quantization_config=QuantizationConfig(**QUANTIZED[quantized])
+        )
     else:
         sf = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
     ids = torch.randint(1, int(_config(REF_DIR)["vocab_size"]), (batch, PROMPT))
@@ -388,9 +480,16 @@ def memory_case(dtype_name: str, batch: int, baseline: str = "compiler", quantiz
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in sf.parameters()}.values())
     kv = sum(c.nbytes for c in engine_for(sf).caches.values())
     used = peak.peak - base
-    return {"dtype": dtype_name, "batch": batch, "baseline": baseline, "quantized": quantized or None,
-            "weights_mb": round(weights / 2**20, 1), "kv_mb": round(kv / 2**20, 1),
-            "peak_over_baseline_mb": round(used / 2**20, 1), "ratio": round(used / (weights + kv), 2)}
+    return {
+        "dtype": dtype_name,
+        "batch": batch,
+        "baseline": baseline,
+        "quantized": quantized or None,
+        "weights_mb": round(weights / 2**20, 1),
+        "kv_mb": round(kv / 2**20, 1),
+        "peak_over_baseline_mb": round(used / 2**20, 1),
+        "ratio": round(used / (weights + kv), 2),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,6 +505,7 @@ def mixed_case(who: str, dtype_name: str) -> dict:
         from staticformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype)
+
         def run(ids):
             return model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
     else:
@@ -414,9 +514,17 @@ def mixed_case(who: str, dtype_name: str) -> dict:
         model = transformers.AutoModelForCausalLM.from_pretrained(REF_DIR, dtype=dtype).eval()
         cc = transformers.CompileConfig(dynamic=False)  # its default fullgraph=False: past the limit it runs eager
         cc._compile_all_devices = True
+
         def run(ids):
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                                  do_sample=False, cache_implementation="static", compile_config=cc)
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                do_sample=False,
+                cache_implementation="static",
+                compile_config=cc,
+            )
+
     load = time.perf_counter() - t0
     vocab = int(_config(REF_DIR)["vocab_size"])
     t0 = time.perf_counter()
@@ -427,9 +535,16 @@ def mixed_case(who: str, dtype_name: str) -> dict:
     for n in MIXED_LENGTHS:
         run(torch.randint(1, vocab, (1, n)))
     second = time.perf_counter() - t0
-    out = {"who": who, "dtype": dtype_name, "graphs": int(counters["stats"]["unique_graphs"]),
-           "frames_ok": int(counters["frames"]["ok"]), "first_pass_s": round(first, 2), "second_pass_s": round(second, 2),
-           "compile_s_estimate": round(first - second, 2), "load_s": round(load, 2)}
+    out = {
+        "who": who,
+        "dtype": dtype_name,
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "frames_ok": int(counters["frames"]["ok"]),
+        "first_pass_s": round(first, 2),
+        "second_pass_s": round(second, 2),
+        "compile_s_estimate": round(first - second, 2),
+        "load_s": round(load, 2),
+    }
     if who == "sf":
         stats = model.compile_stats()
         out["sf_graphs"] = [(s["kind"], s["shape"], s["first_call_seconds"]) for s in stats]
@@ -448,33 +563,55 @@ def _subprocess(args: list[str], env: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both contenders run there")
-    ap.add_argument("--size", default=None, choices=sorted(SIZES),
-                    help="reference checkpoint (bench/reference.py); default 41m, or $STATICFORMERS_BENCH_MODEL")
+    ap.add_argument(
+        "--size",
+        default=None,
+        choices=sorted(SIZES),
+        help="reference checkpoint (bench/reference.py); default 41m, or $STATICFORMERS_BENCH_MODEL",
+    )
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
     ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--which", nargs="+", default=["hf", "hf_static", "sf"],
-                    help="contenders: hf, hf_static, sf, torchao_int8 (torchao's int8 on hf_static), and on the CPU "
-                         "openvino, openvino_int8 (the openvino extra)")
-    ap.add_argument("--compile-mode", default=None,
-                    help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)")
-    ap.add_argument("--backend", default="inductor",
-                    help="compile backend of sf and hf_static, and on the CPU of the memory ceiling's compiled probe "
-                         "(eager / aot_eager for a quick dry run)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads of every contender (default: the library's choice, the CPUs this process may "
-                         "use; or $STATICFORMERS_NUM_THREADS)")
+    ap.add_argument(
+        "--which",
+        nargs="+",
+        default=["hf", "hf_static", "sf"],
+        help="contenders: hf, hf_static, sf, torchao_int8 (torchao's int8 on hf_static), and on the CPU "
+        "openvino, openvino_int8 (the openvino extra)",
+    )
+    ap.add_argument(
+        "--compile-mode",
+        default=None,
+        help="staticformers' CompileConfig(mode=...), e.g. reduce-overhead (CUDA graphs)",
+    )
+    ap.add_argument(
+        "--backend",
+        default="inductor",
+        help="compile backend of sf and hf_static, and on the CPU of the memory ceiling's compiled probe "
+        "(eager / aot_eager for a quick dry run)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of every contender (default: the library's choice, the CPUs this process may "
+        "use; or $STATICFORMERS_NUM_THREADS)",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON here, after every case")
     ap.add_argument("--mixed", action="store_true", help="measure compile counts/seconds for mixed prompt lengths")
     ap.add_argument("--memory", action="store_true", help="measure peak memory of staticformers")
     ap.add_argument("--_mixed_case", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_memory_case", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-backend", default="eager", help="--device xla: the compile backend of the CPU contender")
-    ap.add_argument("--quantization", choices=["int8"], default=None,
-                    help="add our weight-only int8 contenders (sf_int8: head exact; sf_int8_head: head int8 too) "
-                         "beside sf, with an int8 same-bytes probe; with --memory, their peak memory too")
+    ap.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="add our weight-only int8 contenders (sf_int8: head exact; sf_int8_head: head int8 too) "
+        "beside sf, with an int8 same-bytes probe; with --memory, their peak memory too",
+    )
     args = ap.parse_args(argv)
     if args.device.split(":")[0] == "xla":  # its own script: it runs in the XLA environment (bench/generate_xla.py)
         from generate_xla import main as xla_main
@@ -486,7 +623,9 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.mixed or args.memory):
         openvino_peer.check(args.which, args.dtypes, device.type)
     if (args.mixed or args.memory) and device.type != "cpu":
-        raise SystemExit("--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu.")
+        raise SystemExit(
+            "--mixed and --memory measure the CPU (RSS, fresh processes): drop --device or pass --device cpu."
+        )
     global REF_DIR
     if args.size is not None:
         REF_DIR = reference_dir(args.size)
@@ -503,13 +642,23 @@ def main(argv: list[str] | None = None) -> None:
     if args._memory_case:
         print(json.dumps(memory_case(args._memory_case[0], int(args._memory_case[1]), *args._memory_case[2:])))
         return
-    report = {"device": device_info(device), "model": REF_DIR, "size": size, "compile_mode": args.compile_mode,
-              "backend": args.backend, "hf_static_compile": "transformers' automatic (inductor, reduce-overhead)"
-              if device.type == "cuda" and args.backend == "inductor" else "forced: fullgraph=True, dynamic=False",
-              "pressure_before": pressure(), "threads": torch.get_num_threads(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "cases": []}
+    report = {
+        "device": device_info(device),
+        "model": REF_DIR,
+        "size": size,
+        "compile_mode": args.compile_mode,
+        "backend": args.backend,
+        "hf_static_compile": "transformers' automatic (inductor, reduce-overhead)"
+        if device.type == "cuda" and args.backend == "inductor"
+        else "forced: fullgraph=True, dynamic=False",
+        "pressure_before": pressure(),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "cases": [],
+    }
     env = dict(os.environ, STATICFORMERS_BENCH_MODEL=REF_DIR)
     if args.mixed:
+
         def fresh_cache_env() -> dict:  # an empty compile cache (inductor's kernels, ISA probes, headers)
             cache = tempfile.mkdtemp(prefix="sf-bench-cache-")
             return dict(env, STATICFORMERS_CACHE=cache, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"))
@@ -546,9 +695,22 @@ def main(argv: list[str] | None = None) -> None:
             memory["int8"].sample()
         for dtype in args.dtypes:
             for batch in args.batches:
-                report["cases"].append(bench_case(dtype, batch, args.repeats, args.which, device, REF_DIR, args.prompt,
-                                                  args.new, args.compile_mode, args.backend, report["ceilings"][dtype],
-                                                  memory[dtype]))
+                report["cases"].append(
+                    bench_case(
+                        dtype,
+                        batch,
+                        args.repeats,
+                        args.which,
+                        device,
+                        REF_DIR,
+                        args.prompt,
+                        args.new,
+                        args.compile_mode,
+                        args.backend,
+                        report["ceilings"][dtype],
+                        memory[dtype],
+                    )
+                )
                 if "int8" in memory:
                     memory["int8"].sample()
                 _write(report, args.out)

@@ -62,13 +62,24 @@ def plan_compile(ref_dir: str, plan: dict) -> dict:
         env["STATICFORMERS_CACHE"] = cache
         runs = []
         for _ in range(2):
-            proc = subprocess.run([sys.executable, "-c", PLAN_CASE, ref_dir, json.dumps(plan)], env=env,
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [sys.executable, "-c", PLAN_CASE, ref_dir, json.dumps(plan)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     cold = runs[0]["first"]
-    return {"plan": plan, "cold": cold, "warm_process": runs[1]["first"], "warm_in_process": runs[0]["again_in_process"],
-            "warm_in_process_over_cold": round(runs[0]["again_in_process"]["xla_compile_seconds"] /
-                                               max(cold["xla_compile_seconds"], 1e-9), 3)}
+    return {
+        "plan": plan,
+        "cold": cold,
+        "warm_process": runs[1]["first"],
+        "warm_in_process": runs[0]["again_in_process"],
+        "warm_in_process_over_cold": round(
+            runs[0]["again_in_process"]["xla_compile_seconds"] / max(cold["xla_compile_seconds"], 1e-9), 3
+        ),
+    }
 
 
 def timed(fn, device=None) -> float:
@@ -96,12 +107,20 @@ def speed_case(ref_dir: str, prompt: int, new: int, repeats: int, cpu_backend: s
     xdev = xla.device
     runners = {
         "sf_xla": lambda n: xla.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None),
-        "sf_xla_lazy": lambda n: xla.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                              compile_config=CompileConfig(backend="lazy")),
-        "sf_cpu": lambda n: cpu.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                         compile_config=CompileConfig(backend=cpu_backend)),
-        "hf": lambda n: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0),
+        "sf_xla_lazy": lambda n: xla.generate(
+            ids, max_new_tokens=n, do_sample=False, eos_token_id=None, compile_config=CompileConfig(backend="lazy")
+        ),
+        "sf_cpu": lambda n: cpu.generate(
+            ids, max_new_tokens=n, do_sample=False, eos_token_id=None, compile_config=CompileConfig(backend=cpu_backend)
+        ),
+        "hf": lambda n: hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        ),
     }
     tokens = {}
     for name, run in runners.items():  # warm-up: every graph of the case compiles here
@@ -115,8 +134,11 @@ def speed_case(ref_dir: str, prompt: int, new: int, repeats: int, cpu_backend: s
     out = {}
     for name, t in times.items():
         ttft, total = statistics.median(t["ttft"]), statistics.median(t["total"])
-        out[name] = {"ttft_ms": round(1000 * ttft, 2), "decode_tok_s": round((new - 1) / max(total - ttft, 1e-9), 1),
-                     "same_tokens_as_hf": tokens[name] == tokens["hf"]}
+        out[name] = {
+            "ttft_ms": round(1000 * ttft, 2),
+            "decode_tok_s": round((new - 1) / max(total - ttft, 1e-9), 1),
+            "same_tokens_as_hf": tokens[name] == tokens["hf"],
+        }
     for name in ("sf_xla", "sf_xla_lazy", "sf_cpu"):
         out[name]["decode_vs_hf"] = round(out[name]["decode_tok_s"] / out["hf"]["decode_tok_s"], 2)
     return out
@@ -130,10 +152,17 @@ def main(args) -> None:
     prompt = min(args.prompt, 32) if args.prompt == 128 else args.prompt
     kv = 1 << (prompt + new - 1).bit_length()
     plan = dict(batch_sizes=[1], prompt_lengths=[1 << (prompt - 1).bit_length()], kv_lengths=[kv], max_model_len=kv)
-    report = {"device": "xla (PJRT_DEVICE=%s): a CPU emulation of a compile-per-shape device, not a Neuron or TPU "
-                        "figure" % os.environ.get("PJRT_DEVICE", "CPU"),
-              "torch": torch.__version__, "model": ref_dir, "size": size, "prompt": prompt, "new": new,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "pressure_before": pressure()}
+    report = {
+        "device": "xla (PJRT_DEVICE=%s): a CPU emulation of a compile-per-shape device, not a Neuron or TPU "
+        "figure" % os.environ.get("PJRT_DEVICE", "CPU"),
+        "torch": torch.__version__,
+        "model": ref_dir,
+        "size": size,
+        "prompt": prompt,
+        "new": new,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "pressure_before": pressure(),
+    }
     report["compile"] = plan_compile(ref_dir, plan)
     report["speed"] = speed_case(ref_dir, prompt, new, args.repeats, args.cpu_backend, plan)
     report["pressure_after"] = pressure()

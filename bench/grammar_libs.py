@@ -31,12 +31,17 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from reference import pressure  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 20},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
-    "kind": {"enum": ["person", "robot"]}},
-    "required": ["name", "age", "tags", "kind"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+        "kind": {"enum": ["person", "robot"]},
+    },
+    "required": ["name", "age", "tags", "kind"],
+    "additionalProperties": False,
+}
 ANSWER_SCHEMA = '{"name": "Ada Lovelace", "age": 36, "tags": ["a", "c"], "kind": "person"}'
 REGEX = r"\d{3}-[a-z]{2,6}(\.[a-z]+)?"
 ANSWER_REGEX = "123-hello.world"
@@ -62,16 +67,26 @@ def byte_level_bpe(big: str, vocab: int = 32000) -> str:
     os.makedirs(big, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
     tok.train(files, trainer)
     tok.save(os.path.join(big, "tokenizer.json"))
     with open(os.path.join(big, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "model_max_length": 1 << 20}, f)
+        json.dump(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "model_max_length": 1 << 20}, f
+        )
     return big
 
 
@@ -92,7 +107,9 @@ def bench_llguidance(tok, vocab: int, eos: int, grammars: dict) -> dict:
         if kind == "schema":
             g = llguidance.LLMatcher.grammar_from_json_schema(source, defaults={"whitespace_flexible": True})
         elif kind == "json":
-            g = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": True})
+            g = llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults={"whitespace_flexible": True}
+            )
         elif kind == "regex":
             g = llguidance.LLMatcher.grammar_from_regex(source)
         else:
@@ -121,8 +138,9 @@ def bench_xgrammar(tok, vocab: int, eos: int, grammars: dict) -> dict:
     for token, i in tok.get_vocab().items():
         if i < vocab:
             encoded[i] = token
-    info = xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab, stop_token_ids=[eos],
-                             add_prefix_space=meta["add_prefix_space"])
+    info = xgr.TokenizerInfo(
+        encoded, meta["vocab_type"], vocab_size=vocab, stop_token_ids=[eos], add_prefix_space=meta["add_prefix_space"]
+    )
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     out = {"tokenizer_s": round(time.perf_counter() - t0, 3)}
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -145,8 +163,11 @@ def bench_xgrammar(tok, vocab: int, eos: int, grammars: dict) -> dict:
             ok = m.accept_token(t)
             times.append(time.perf_counter() - t0)
             assert ok, (name, t)
-        out[name] = {"compile_ms": round(compile_ms, 2), **_stats(times), "accepting": m.is_terminated() or
-                     m.accept_token(eos)}
+        out[name] = {
+            "compile_ms": round(compile_ms, 2),
+            **_stats(times),
+            "accepting": m.is_terminated() or m.accept_token(eos),
+        }
     return out
 
 
@@ -181,14 +202,24 @@ def step_overhead(tok, vocab: int, rows: int = 16, steps: int = 40) -> dict:
         for r in range(rows):
             constraints.advance(r, answer[i])
     ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
-    return {"rows": rows, "vocab": vocab, "steps": len(fill), "mask_fill_ms": ms(fill),
-            "choose_with_mask_ms": ms(masked), "choose_free_greedy_ms": ms(free)}
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "steps": len(fill),
+        "mask_fill_ms": ms(fill),
+        "choose_with_mask_ms": ms(masked),
+        "choose_free_greedy_ms": ms(free),
+    }
 
 
 def _stats(times: list) -> dict:
     us = sorted(t * 1e6 for t in times)
-    return {"tokens": len(us), "mask_us_mean": round(statistics.mean(us), 1),
-            "mask_us_median": round(statistics.median(us), 1), "mask_us_max": round(us[-1], 1)}
+    return {
+        "tokens": len(us),
+        "mask_us_mean": round(statistics.mean(us), 1),
+        "mask_us_median": round(statistics.median(us), 1),
+        "mask_us_max": round(us[-1], 1),
+    }
 
 
 def main(argv=None) -> None:
@@ -197,8 +228,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from staticformers import AutoTokenizer
 
-    grammars = {"json_schema": ("schema", SCHEMA, ANSWER_SCHEMA), "json_object": ("json", None, ANSWER_SCHEMA),
-                "regex": ("regex", REGEX, ANSWER_REGEX), "ebnf": ("ebnf", (EBNF, LARK), ANSWER_EBNF)}
+    grammars = {
+        "json_schema": ("schema", SCHEMA, ANSWER_SCHEMA),
+        "json_object": ("json", None, ANSWER_SCHEMA),
+        "regex": ("regex", REGEX, ANSWER_REGEX),
+        "ebnf": ("ebnf", (EBNF, LARK), ANSWER_EBNF),
+    }
     result = {"pressure_before": pressure(), "machine": "2-core CPU shared with 4 engineers", "tokenizers": {}}
     with tempfile.TemporaryDirectory() as root:
         for name, folder in tokenizers_under_test(root).items():

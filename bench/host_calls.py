@@ -49,8 +49,12 @@ print(json.dumps({"prefill_calls": c1, "decode_step_calls": (c41 - c9) / 32}))
 
 def count(tree: str, batch: int, backend: str, work: str) -> dict:
     name = os.path.basename(os.path.abspath(tree))
-    return run_child(tree, CHILD, [os.path.join(work, f"tiny-{name}"), os.path.join(tree, "tests"), batch, backend],
-                     STATICFORMERS_CACHE=os.path.join(work, "cache-" + name))
+    return run_child(
+        tree,
+        CHILD,
+        [os.path.join(work, f"tiny-{name}"), os.path.join(tree, "tests"), batch, backend],
+        STATICFORMERS_CACHE=os.path.join(work, "cache-" + name),
+    )
 
 
 def main() -> None:
@@ -65,9 +69,16 @@ def main() -> None:
         for backend in args.backends:
             for batch in args.batches:
                 a, b = count(args.a, batch, backend, work), count(args.b, batch, backend, work)
-                cases.append({"backend": backend, "batch": batch, "a": a, "b": b,
-                              "b_over_a_decode_step": round(b["decode_step_calls"] / a["decode_step_calls"], 4),
-                              "b_over_a_prefill": round(b["prefill_calls"] / a["prefill_calls"], 4)})
+                cases.append(
+                    {
+                        "backend": backend,
+                        "batch": batch,
+                        "a": a,
+                        "b": b,
+                        "b_over_a_decode_step": round(b["decode_step_calls"] / a["decode_step_calls"], 4),
+                        "b_over_a_prefill": round(b["prefill_calls"] / a["prefill_calls"], 4),
+                    }
+                )
                 print(json.dumps(cases[-1]), file=sys.stderr, flush=True)
     print(json.dumps({"a": os.path.abspath(args.a), "b": os.path.abspath(args.b), "cases": cases}, indent=1))
 

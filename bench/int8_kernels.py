@@ -61,8 +61,11 @@ def unpack_int32(packed: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_i32(packed, scale, x):
-    return ((unpack_int32(packed).unsqueeze(1) * x.reshape(1, -1, x.shape[-1]).float()).sum(-1)
-            * scale.float()).t().to(x.dtype)
+    return (
+        ((unpack_int32(packed).unsqueeze(1) * x.reshape(1, -1, x.shape[-1]).float()).sum(-1) * scale.float())
+        .t()
+        .to(x.dtype)
+    )
 
 
 def reduce_i32_split(packed, scale, x):
@@ -158,11 +161,25 @@ def main(argv=None):
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 128])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    ap.add_argument("--ways", nargs="+",
-                    default=["aten", "aten_bf16", "generic", "dense", "reduce_bf16", "reduce_i8", "reduce_i32",
-                             "reduce_i32_split", "reduce_i32_blocks", "stream"])
-    ap.add_argument("--copies", type=int, default=1,
-                    help="weight copies, one call each in turn (past the cache: from memory)")
+    ap.add_argument(
+        "--ways",
+        nargs="+",
+        default=[
+            "aten",
+            "aten_bf16",
+            "generic",
+            "dense",
+            "reduce_bf16",
+            "reduce_i8",
+            "reduce_i32",
+            "reduce_i32_split",
+            "reduce_i32_blocks",
+            "stream",
+        ],
+    )
+    ap.add_argument(
+        "--copies", type=int, default=1, help="weight copies, one call each in turn (past the cache: from memory)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None)
@@ -182,11 +199,18 @@ def main(argv=None):
                         for k, fn in ways.items():
                             times[k].append(time_calls(fn, args.calls))
                     ms = {k: round(statistics.median(v) * 1e3, 4) for k, v in times.items()}
-                    case = {"threads": threads, "dtype": dtype_name, "rows": rows, "shape": shape_name,
-                            "copies": args.copies, "out_in": SHAPES[shape_name], "ms": ms,
-                            "vs_aten": {k: round(v / ms["aten"], 3) for k, v in ms.items()} if "aten" in ms else None,
-                            "max_rel_error": {k: float(f"{v:.2e}") for k, v in errors.items()},
-                            "pressure_after": pressure()}
+                    case = {
+                        "threads": threads,
+                        "dtype": dtype_name,
+                        "rows": rows,
+                        "shape": shape_name,
+                        "copies": args.copies,
+                        "out_in": SHAPES[shape_name],
+                        "ms": ms,
+                        "vs_aten": {k: round(v / ms["aten"], 3) for k, v in ms.items()} if "aten" in ms else None,
+                        "max_rel_error": {k: float(f"{v:.2e}") for k, v in errors.items()},
+                        "pressure_after": pressure(),
+                    }
                     report["cases"].append(case)
                     print(json.dumps(case), file=sys.stderr, flush=True)
                     if args.out:

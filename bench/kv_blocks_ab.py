@@ -80,8 +80,14 @@ def main() -> None:
     ref = build_reference(reference_dir(args.size), size=args.size)
     rows = parameter_count(ref) // 512
     tree = os.path.dirname(HERE)
-    result = {"size": args.size, "prompt": args.prompt, "new": args.new, "pressure_before": pressure(),
-              "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes}, "cases": []}
+    result = {
+        "size": args.size,
+        "prompt": args.prompt,
+        "new": args.new,
+        "pressure_before": pressure(),
+        "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes},
+        "cases": [],
+    }
     for dtype in args.dtypes:
         for batch in args.batches:
             blocks = batch * -(-(args.prompt + args.new) // 32) + 1  # every row's positions, in blocks of 32
@@ -89,9 +95,20 @@ def main() -> None:
             runs: dict = {side: [] for side in sides}
             for _ in range(args.rounds):
                 for side in sides:
-                    runs[side].append(run_child(tree, CHILD, [ref, dtype, batch, args.repeats, args.prompt, args.new,
-                                                              blocks if side == "b" else 0]))
-            case = {"dtype": dtype, "batch": batch, "kv_blocks": blocks, "pressure_after": pressure(), **summarise(runs)}
+                    runs[side].append(
+                        run_child(
+                            tree,
+                            CHILD,
+                            [ref, dtype, batch, args.repeats, args.prompt, args.new, blocks if side == "b" else 0],
+                        )
+                    )
+            case = {
+                "dtype": dtype,
+                "batch": batch,
+                "kv_blocks": blocks,
+                "pressure_after": pressure(),
+                **summarise(runs),
+            }
             for side, rs in runs.items():
                 case[side]["preemptions"] = sum(r["preemptions"] for r in rs)
             if batch == 1:

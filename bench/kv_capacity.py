@@ -40,8 +40,13 @@ import sys
 import time
 from types import SimpleNamespace
 
-METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-           "graphs_compiled_total")
+METRICS = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "num_preemptions_total",
+    "graphs_compiled_total",
+)
 
 
 def add_arguments(p) -> None:
@@ -58,8 +63,12 @@ def add_arguments(p) -> None:
     g.add_argument("--budget-divisor", type=int, default=8, help="capacity: the budget is those rows' bytes over this")
     g.add_argument("--block-size", type=int, default=32, help="capacity: the blocks server's --block-size")
     g.add_argument("--sample-interval", type=float, default=0.2, help="capacity: seconds between /metrics samples")
-    g.add_argument("--warmup-requests", type=int, default=0,
-                   help="capacity: the warm-up pass's requests, the first of the workload's (default 0: all of them)")
+    g.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="capacity: the warm-up pass's requests, the first of the workload's (default 0: all of them)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,8 +86,10 @@ def capacity_jobs(n: int, vocab: int, seed: int, prompt: tuple, new: tuple, max_
     median, sigma), answers uniform in `new` = (lo, hi) and cut to fit `max_model_len` with their prompt."""
     lo, hi = new
     if prompt[1] >= max_model_len or not 1 <= lo <= hi:
-        raise ValueError(f"prompts up to {prompt[1]} tokens and answers of [{lo}, {hi}] do not fit "
-                         f"--max-model-len {max_model_len}: lower --prompt-max or fix the answer bounds.")
+        raise ValueError(
+            f"prompts up to {prompt[1]} tokens and answers of [{lo}, {hi}] do not fit "
+            f"--max-model-len {max_model_len}: lower --prompt-max or fix the answer bounds."
+        )
     rng = random.Random(seed)
     lengths = long_tail_lengths(n, *prompt, rng)
     jobs = []
@@ -95,9 +106,16 @@ def length_summary(jobs: list) -> dict:
     def q(x):
         return prompts[min(len(prompts) - 1, int(round(x * (len(prompts) - 1))))]
 
-    return {"prompt_p50": q(0.5), "prompt_p90": q(0.9), "prompt_p99": q(0.99), "prompt_max": prompts[-1],
-            "prompt_mean": round(statistics.mean(prompts), 1), "prompts_over_512": sum(p > 512 for p in prompts),
-            "new_mean": round(statistics.mean(n for _, n in jobs), 1), "output_tokens": sum(n for _, n in jobs)}
+    return {
+        "prompt_p50": q(0.5),
+        "prompt_p90": q(0.9),
+        "prompt_p99": q(0.99),
+        "prompt_max": prompts[-1],
+        "prompt_mean": round(statistics.mean(prompts), 1),
+        "prompts_over_512": sum(p > 512 for p in prompts),
+        "new_mean": round(statistics.mean(n for _, n in jobs), 1),
+        "output_tokens": sum(n for _, n in jobs),
+    }
 
 
 def kv_budget(config, dtype, rows: int, max_model_len: int, divisor: int, block_size: int) -> dict:
@@ -111,13 +129,22 @@ def kv_budget(config, dtype, rows: int, max_model_len: int, divisor: int, block_
     total = KVCache.bytes_for(model, rows, max_model_len) // divisor
     per_row = KVCache.bytes_for(model, 1, max_model_len)
     if total < per_row:
-        raise ValueError(f"a budget of {total} bytes holds no static row of {max_model_len} positions "
-                         f"({per_row} bytes): lower --budget-divisor.")
+        raise ValueError(
+            f"a budget of {total} bytes holds no static row of {max_model_len} positions "
+            f"({per_row} bytes): lower --budget-divisor."
+        )
     blocks = KVBlocks.blocks_in(model, total, block_size)
-    return {"bytes": total, "mib": round(total / 2**20, 3), "bytes_per_position": per_row // max_model_len,
-            "static_rows": total // per_row, "blocks": blocks, "block_size": block_size,
-            "block_positions": blocks * block_size, "of": f"{rows} rows x {max_model_len} positions / {divisor}",
-            "dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "bytes": total,
+        "mib": round(total / 2**20, 3),
+        "bytes_per_position": per_row // max_model_len,
+        "static_rows": total // per_row,
+        "blocks": blocks,
+        "block_size": block_size,
+        "block_positions": blocks * block_size,
+        "of": f"{rows} rows x {max_model_len} positions / {divisor}",
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def parse_metrics(text: str) -> dict:
@@ -134,49 +161,69 @@ def parse_metrics(text: str) -> dict:
 def sample_summary(samples: list, before: dict, after: dict) -> dict:
     """What the `/metrics` samples of one pass say: requests running (max, mean, p50) and waiting (max, mean), the
     KV pool's peak usage, the preemptions and graphs compiled during the pass (`after - before`)."""
+
     def column(name):
         return [s[name] for s in samples if name in s]
 
-    running, waiting, usage = column("num_requests_running"), column("num_requests_waiting"), \
-        column("kv_cache_usage_perc")
+    running, waiting, usage = (
+        column("num_requests_running"),
+        column("num_requests_waiting"),
+        column("kv_cache_usage_perc"),
+    )
 
     def delta(name):
         return int(after[name] - before[name]) if name in after and name in before else None
 
-    return {"samples": len(samples),
-            "running_max": max(running, default=None),
-            "running_mean": round(statistics.mean(running), 2) if running else None,
-            "running_p50": statistics.median(running) if running else None,
-            "waiting_max": max(waiting, default=None),
-            "waiting_mean": round(statistics.mean(waiting), 2) if waiting else None,
-            "kv_cache_usage_peak": round(max(usage), 4) if usage else None,
-            "preemptions": delta("num_preemptions_total"), "graphs_compiled": delta("graphs_compiled_total")}
+    return {
+        "samples": len(samples),
+        "running_max": max(running, default=None),
+        "running_mean": round(statistics.mean(running), 2) if running else None,
+        "running_p50": statistics.median(running) if running else None,
+        "waiting_max": max(waiting, default=None),
+        "waiting_mean": round(statistics.mean(waiting), 2) if waiting else None,
+        "kv_cache_usage_peak": round(max(usage), 4) if usage else None,
+        "preemptions": delta("num_preemptions_total"),
+        "graphs_compiled": delta("graphs_compiled_total"),
+    }
 
 
 def server_flags(budget: dict, clients: int) -> dict:
     """{server: (--max-batch-size, the other `staticformers serve` flags)} of the two servers at the budget."""
-    return {"static": (budget["static_rows"], ["--enable-chunked-prefill"]),
-            "blocks": (clients, ["--kv-cache-memory-bytes", str(budget["bytes"]),
-                                 "--block-size", str(budget["block_size"])])}
+    return {
+        "static": (budget["static_rows"], ["--enable-chunked-prefill"]),
+        "blocks": (
+            clients,
+            ["--kv-cache-memory-bytes", str(budget["bytes"]), "--block-size", str(budget["block_size"])],
+        ),
+    }
 
 
 def ratios(rounds: list) -> dict:
     """blocks / static of max and mean running and of output tokens/s: the median of each round's ratio."""
+
     def median_ratio(key):
-        values = [r["blocks"][key] / r["static"][key] for r in rounds if r["static"].get(key) and
-                  r["blocks"].get(key) is not None]
+        values = [
+            r["blocks"][key] / r["static"][key]
+            for r in rounds
+            if r["static"].get(key) and r["blocks"].get(key) is not None
+        ]
         return round(statistics.median(values), 3) if values else None
 
-    return {"running_max_blocks_over_static": median_ratio("running_max"),
-            "running_mean_blocks_over_static": median_ratio("running_mean"),
-            "output_tokens_per_s_blocks_over_static": median_ratio("output_tokens_per_s")}
+    return {
+        "running_max_blocks_over_static": median_ratio("running_max"),
+        "running_mean_blocks_over_static": median_ratio("running_mean"),
+        "output_tokens_per_s_blocks_over_static": median_ratio("output_tokens_per_s"),
+    }
 
 
 def medians(runs: list) -> dict:
     """The element-wise median of the rounds' numbers."""
     keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return {k: round(statistics.median(r[k] for r in runs if r.get(k) is not None), 3)
-            for k in keys if any(r.get(k) is not None for r in runs)}
+    return {
+        k: round(statistics.median(r[k] for r in runs if r.get(k) is not None), 3)
+        for k in keys
+        if any(r.get(k) is not None for r in runs)
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,15 +272,29 @@ def capacity(server_factory, args, vocab: int, client_run) -> dict:
 
     clients = max(args.clients)
     dtype = getattr(torch, served_dtype(args.server_args) or args.dtype or DEFAULT_DTYPES[args.size])
-    budget = kv_budget(reference_config(args.size), dtype, args.budget_rows, args.max_model_len,
-                       args.budget_divisor, args.block_size)
-    jobs = capacity_jobs(args.requests, vocab, args.seed,
-                         (args.prompt_min, args.prompt_max, args.prompt_median, args.prompt_sigma),
-                         (args.new_min, args.new_max), args.max_model_len)
-    warm = jobs[:args.warmup_requests] if args.warmup_requests > 0 else jobs
-    out = {"workload": "capacity", "clients": clients, "requests": args.requests, "seed": args.seed,
-           "max_model_len": args.max_model_len, "rounds": args.rounds, "budget": budget,
-           "lengths": length_summary(jobs), "commands": {"benchmark": shlex.join([sys.executable, *sys.argv])}}
+    budget = kv_budget(
+        reference_config(args.size), dtype, args.budget_rows, args.max_model_len, args.budget_divisor, args.block_size
+    )
+    jobs = capacity_jobs(
+        args.requests,
+        vocab,
+        args.seed,
+        (args.prompt_min, args.prompt_max, args.prompt_median, args.prompt_sigma),
+        (args.new_min, args.new_max),
+        args.max_model_len,
+    )
+    warm = jobs[: args.warmup_requests] if args.warmup_requests > 0 else jobs
+    out = {
+        "workload": "capacity",
+        "clients": clients,
+        "requests": args.requests,
+        "seed": args.seed,
+        "max_model_len": args.max_model_len,
+        "rounds": args.rounds,
+        "budget": budget,
+        "lengths": length_summary(jobs),
+        "commands": {"benchmark": shlex.join([sys.executable, *sys.argv])},
+    }
     servers = {}
     try:
         for label, (slots, extra) in server_flags(budget, clients).items():
@@ -241,15 +302,19 @@ def capacity(server_factory, args, vocab: int, client_run) -> dict:
             out["commands"][label] = shlex.join(servers[label].argv)
             start = time.perf_counter()
             asyncio.run(client_run(servers[label].url, warm, clients))  # compiles, excluded
-            out[label] = {"warmup_s": round(time.perf_counter() - start, 2), "startup_log": startup_log(servers[label]),
-                          "rounds": []}
+            out[label] = {
+                "warmup_s": round(time.perf_counter() - start, 2),
+                "startup_log": startup_log(servers[label]),
+                "rounds": [],
+            }
             print(f"capacity: {label} server warmed up in {out[label]['warmup_s']} s", file=sys.stderr, flush=True)
         rounds = []
         for r in range(args.rounds):
             got = {}
             for label in ("static", "blocks") if r % 2 == 0 else ("blocks", "static"):
-                got[label] = asyncio.run(sampled_pass(servers[label].url, jobs, clients, args.sample_interval,
-                                                      client_run))
+                got[label] = asyncio.run(
+                    sampled_pass(servers[label].url, jobs, clients, args.sample_interval, client_run)
+                )
                 out[label]["rounds"].append(got[label])
                 print(f"capacity: round {r} {label} {got[label]}", file=sys.stderr, flush=True)
             rounds.append(got)
@@ -283,5 +348,14 @@ def served_dtype(server_args: str):
     return None
 
 
-__all__ = ["capacity", "capacity_jobs", "kv_budget", "long_tail_lengths", "parse_metrics", "sample_summary",
-           "ratios", "server_flags", "add_arguments"]
+__all__ = [
+    "capacity",
+    "capacity_jobs",
+    "kv_budget",
+    "long_tail_lengths",
+    "parse_metrics",
+    "sample_summary",
+    "ratios",
+    "server_flags",
+    "add_arguments",
+]

@@ -83,8 +83,12 @@ def make_gguf(source: str, dest: str, fmt: str) -> dict:
     writer.write_tensors_to_file()
     writer.close()
     os.replace(tmp, dest)
-    return {"format": fmt, "bytes": os.path.getsize(dest), "tensor_types": types,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "format": fmt,
+        "bytes": os.path.getsize(dest),
+        "tensor_types": types,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def weight_bytes(path: str) -> int:
@@ -131,10 +135,17 @@ class Generator:
             raise SystemExit(f"llama.cpp could not make a context for {path} (n_ctx {cparams.n_ctx}, batch {batch})")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.cbatch = L.llama_batch_init(cparams.n_batch, 0, batch)
-        self.params = {"n_ctx": cparams.n_ctx, "n_batch": cparams.n_batch, "n_ubatch": cparams.n_ubatch,
-                       "n_seq_max": batch, "kv_unified": False, "threads": threads, "kv_type": KV_TYPES[fmt],
-                       "flash_attn_type": cparams.flash_attn_type,
-                       "system_info": L.llama_print_system_info().decode(errors="replace").strip()}
+        self.params = {
+            "n_ctx": cparams.n_ctx,
+            "n_batch": cparams.n_batch,
+            "n_ubatch": cparams.n_ubatch,
+            "n_seq_max": batch,
+            "kv_unified": False,
+            "threads": threads,
+            "kv_type": KV_TYPES[fmt],
+            "flash_attn_type": cparams.flash_attn_type,
+            "system_info": L.llama_print_system_info().decode(errors="replace").strip(),
+        }
 
     def _decode(self, rows: list[list[int]], start: int) -> list[int]:
         """Each row's tokens at positions start.. as sequence i; the argmax of each row's last logits."""
@@ -205,10 +216,18 @@ def child(spec: dict) -> dict:
         out = gen.generate(ids, new)
         total.append(time.perf_counter() - t)
         assert len(out) == batch and all(len(r) == new for r in out)
-    return {"t_start": t_start, "t_imported": t_imported, "t_loaded": t_loaded, "t_first_token": t_first,
-            "warmup_s": warmup, "ttft_s": ttft, "total_s": total, "tokens": tokens[0],
-            "versions": {"llama-cpp-python": version("llama_cpp_python"), "llama_cpp": llama_cpp.__version__},
-            "llama_cpp": gen.params}
+    return {
+        "t_start": t_start,
+        "t_imported": t_imported,
+        "t_loaded": t_loaded,
+        "t_first_token": t_first,
+        "warmup_s": warmup,
+        "ttft_s": ttft,
+        "total_s": total,
+        "tokens": tokens[0],
+        "versions": {"llama-cpp-python": version("llama_cpp_python"), "llama_cpp": llama_cpp.__version__},
+        "llama_cpp": gen.params,
+    }
 
 
 if __name__ == "__main__":

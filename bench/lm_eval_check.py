@@ -68,8 +68,9 @@ def build_model(folder: str) -> None:
     tok = AutoTokenizer.from_pretrained(folder)
     # weights drawn 10x wider than transformers' default: a model this small otherwise answers every
     # prompt with one repeated token, and generations that differ per prompt test more
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-                   initializer_range=0.2).save_pretrained(folder)
+    build_hf_model(
+        "qwen3", vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id, initializer_range=0.2
+    ).save_pretrained(folder)
 
 
 def write_tasks(folder: str) -> None:
@@ -79,16 +80,20 @@ def write_tasks(folder: str) -> None:
             f.write(json.dumps({"question": q, "choices": choices, "answer": answer, "short": short}) + "\n")
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
     with open(os.path.join(folder, "sf_tiny_mc.yaml"), "w", encoding="utf-8") as f:
-        f.write("task: sf_tiny_mc\n" + common + "output_type: multiple_choice\n"
-                "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-                "doc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{answer}}\"\n"
-                "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-                "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n")
+        f.write(
+            "task: sf_tiny_mc\n" + common + "output_type: multiple_choice\n"
+            'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+            'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+            "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+            "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+        )
     with open(os.path.join(folder, "sf_tiny_gen.yaml"), "w", encoding="utf-8") as f:
-        f.write("task: sf_tiny_gen\n" + common + "output_type: generate_until\n"
-                "doc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: \"{{short}}\"\n"
-                "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 8\n  do_sample: false\n"
-                "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+        f.write(
+            "task: sf_tiny_gen\n" + common + "output_type: generate_until\n"
+            'doc_to_text: "Q: {{question}}\\nA:"\ndoc_to_target: "{{short}}"\n'
+            'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+            "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        )
 
 
 def evaluate(model: str, model_args: dict, tasks_dir: str) -> dict:
@@ -96,12 +101,22 @@ def evaluate(model: str, model_args: dict, tasks_dir: str) -> dict:
     from lm_eval.tasks import TaskManager
 
     start = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["sf_tiny_mc", "sf_tiny_gen"],
-                                  task_manager=TaskManager(include_path=tasks_dir), log_samples=True,
-                                  batch_size=1, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                                  fewshot_random_seed=0)
-    metrics = {task: {k: v for k, v in values.items() if k.split(",")[0] in ("acc", "acc_norm", "exact_match")}
-               for task, values in out["results"].items()}
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=["sf_tiny_mc", "sf_tiny_gen"],
+        task_manager=TaskManager(include_path=tasks_dir),
+        log_samples=True,
+        batch_size=1,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+    metrics = {
+        task: {k: v for k, v in values.items() if k.split(",")[0] in ("acc", "acc_norm", "exact_match")}
+        for task, values in out["results"].items()
+    }
     samples = {}
     for task, rows in out["samples"].items():
         for row in rows:
@@ -132,9 +147,14 @@ def compare(ours: dict, theirs: dict) -> dict:
         problems.append({"nothing compared": counted})
     if ours["metrics"] != theirs["metrics"]:
         problems.append({"metrics": {"ours": ours["metrics"], "hf": theirs["metrics"]}})
-    return {"compared": counted, "max_loglikelihood_difference": worst, "problems": problems,
-            "generations": sorted({str(r[0]) for rs in ours["samples"].values() for r in rs
-                                   if not isinstance(r[0], (list, tuple))})[:8]}
+    return {
+        "compared": counted,
+        "max_loglikelihood_difference": worst,
+        "problems": problems,
+        "generations": sorted(
+            {str(r[0]) for rs in ours["samples"].values() for r in rs if not isinstance(r[0], (list, tuple))}
+        )[:8],
+    }
 
 
 def pressure() -> str:
@@ -162,24 +182,41 @@ def main() -> int:
         os.makedirs(tasks)
         build_model(folder)
         write_tasks(tasks)
-        opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4,
-                            max_model_len=256)
+        opts = ServeOptions(
+            model=folder, served_model_name="tiny", backend="eager", max_batch_size=4, max_model_len=256
+        )
         model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
         server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
         server.start()
         try:
-            ours = evaluate("local-completions", {"model": "tiny", "base_url": server.url + "/v1/completions",
-                                                  "tokenizer_backend": "huggingface", "tokenizer": folder,
-                                                  "tokenized_requests": True, "num_concurrent": 1,
-                                                  "max_retries": 1, "max_length": 256}, tasks)
+            ours = evaluate(
+                "local-completions",
+                {
+                    "model": "tiny",
+                    "base_url": server.url + "/v1/completions",
+                    "tokenizer_backend": "huggingface",
+                    "tokenizer": folder,
+                    "tokenized_requests": True,
+                    "num_concurrent": 1,
+                    "max_retries": 1,
+                    "max_length": 256,
+                },
+                tasks,
+            )
         finally:
             server.stop()
         theirs = evaluate("hf", {"pretrained": folder, "dtype": "float32", "device": "cpu"}, tasks)
-    result = {"lm_eval": getattr(lm_eval, "__version__", "?"), "tasks": ["sf_tiny_mc", "sf_tiny_gen"],
-              "documents": len(QUESTIONS), "ours": {"metrics": ours["metrics"], "seconds": ours["seconds"]},
-              "hf": {"metrics": theirs["metrics"], "seconds": theirs["seconds"]}, **compare(ours, theirs),
-              "cpu_pressure_before": before, "cpu_pressure_after": pressure(),
-              "machine": "2-core CPU shared with other engineers' jobs (noisy): seconds are not comparable"}
+    result = {
+        "lm_eval": getattr(lm_eval, "__version__", "?"),
+        "tasks": ["sf_tiny_mc", "sf_tiny_gen"],
+        "documents": len(QUESTIONS),
+        "ours": {"metrics": ours["metrics"], "seconds": ours["seconds"]},
+        "hf": {"metrics": theirs["metrics"], "seconds": theirs["seconds"]},
+        **compare(ours, theirs),
+        "cpu_pressure_before": before,
+        "cpu_pressure_after": pressure(),
+        "machine": "2-core CPU shared with other engineers' jobs (noisy): seconds are not comparable",
+    }
     result["agree"] = not result["problems"]
     text = json.dumps(result, indent=2, default=str)
     print(text)

@@ -53,7 +53,9 @@ def child(impl: str, dtype: str, path: str) -> None:
     _reset_peak()
     before = _vm("VmRSS:")
     t0 = time.perf_counter()
-    extra = {"device_map": "cpu"} if impl == "ours" else {}  # transformers needs accelerate for device_map; CPU is its default
+    extra = (
+        {"device_map": "cpu"} if impl == "ours" else {}
+    )  # transformers needs accelerate for device_map; CPU is its default
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     seconds = time.perf_counter() - t0
     peak = _vm("VmHWM:")
@@ -61,11 +63,18 @@ def child(impl: str, dtype: str, path: str) -> None:
         model(input_ids=torch.ones(1, 8, dtype=torch.long))
     after_forward = _vm("VmRSS:")
     params = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    print(json.dumps({"seconds": seconds, "rss_before": before, "peak_rss": peak, "rise": peak - before,
-                      "after_forward_rise": after_forward - before,
-                      "param_bytes": params}))
-
-
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "rss_before": before,
+                "peak_rss": peak,
+                "rise": peak - before,
+                "after_forward_rise": after_forward - before,
+                "param_bytes": params,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -80,11 +89,17 @@ def main() -> None:
     for _ in range(args.repeats):
         for dtype in ("float32", "bfloat16"):
             for impl in ("ours", "transformers"):
-                out = subprocess.run([sys.executable, __file__, "--child", impl, dtype, path],
-                                     capture_output=True, text=True, check=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", impl, dtype, path], capture_output=True, text=True, check=True
+                ).stdout
                 runs.setdefault(f"{impl}/{dtype}", []).append(json.loads(out.strip().splitlines()[-1]))
-    report = {"checkpoint_bytes": ckpt_bytes, "pressure_before": pressure_before, "pressure_after": pressure(),
-              "repeats": args.repeats, "results": {}}
+    report = {
+        "checkpoint_bytes": ckpt_bytes,
+        "pressure_before": pressure_before,
+        "pressure_after": pressure(),
+        "repeats": args.repeats,
+        "results": {},
+    }
     for key, rs in runs.items():
         report["results"][key] = {
             "seconds_median": statistics.median(r["seconds"] for r in rs),

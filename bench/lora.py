@@ -70,18 +70,32 @@ def run_ours(path: str, docs: list, mode: str, steps: int, r: int, *, device: st
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model.add_adapter(LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS))
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_length=seq,
-                             max_steps=steps, learning_rate=LR, bf16=True, torch_compile=mode == "compiled",
-                             save_strategy="no", logging_steps=10**6, disable_tqdm=True, long_documents="truncate",
-                             use_cpu=device == "cpu")
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        max_length=seq,
+        max_steps=steps,
+        learning_rate=LR,
+        bf16=True,
+        torch_compile=mode == "compiled",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        long_documents="truncate",
+        use_cpu=device == "cpu",
+    )
     trainer = Timed(model=model, args=args, train_dataset=docs)
     trainer.get_train_rows()
     start = time.perf_counter()
     out = trainer.train()
-    return {"first_step_s": ends[0] - start, "step_s": [b - a for a, b in zip(ends, ends[1:])],
-            "graphs": trainer.compile_stats()["train_graphs"], "loss": out.training_loss,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "peak_mb": peak_memory_mb(device)}
+    return {
+        "first_step_s": ends[0] - start,
+        "step_s": [b - a for a, b in zip(ends, ends[1:])],
+        "graphs": trainer.compile_stats()["train_graphs"],
+        "loss": out.training_loss,
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "peak_mb": peak_memory_mb(device),
+    }
 
 
 def run_theirs(path: str, rows, mode: str, steps: int, r: int, *, device: str, batch: int) -> dict:
@@ -90,15 +104,29 @@ def run_theirs(path: str, rows, mode: str, steps: int, r: int, *, device: str, b
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS,
-                                                       task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    )
     args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR, bf16=True,
-        torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6, report_to="none",
-        use_cpu=device == "cpu", dataloader_drop_last=True, disable_tqdm=True)
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=LR,
+        bf16=True,
+        torch_compile=mode == "compiled",
+        save_strategy="no",
+        logging_steps=10**6,
+        report_to="none",
+        use_cpu=device == "cpu",
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+    )
     result = train_with_transformers(model, args, rows, device)
-    return {**result, "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "peak_mb": peak_memory_mb(device)}
+    return {
+        **result,
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "peak_mb": peak_memory_mb(device),
+    }
 
 
 def run_decode(path: str, how: str, r: int, new: int, device: str) -> dict:
@@ -110,8 +138,9 @@ def run_decode(path: str, how: str, r: int, new: int, device: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device)
     for i, name in enumerate(["a", "b"] if how == "bank" else ["a"]):
         torch.manual_seed(i)
-        model.add_adapter(LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_lora_weights=False),
-                          adapter_name=name)
+        model.add_adapter(
+            LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS, init_lora_weights=False), adapter_name=name
+        )
     model.set_adapter("a")
     model.requires_grad_(False)
     if how == "merged":
@@ -131,16 +160,21 @@ def run_decode(path: str, how: str, r: int, new: int, device: str) -> dict:
         model.generate(prompt, max_new_tokens=new, eos_token_id=None, **extra)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return {"how": how, "tokens_per_s": round(new / statistics.median(times), 1), "first_call_s": round(warm, 1),
-            "graphs": sum(row["graphs"] for row in model.compile_stats())}
+    return {
+        "how": how,
+        "tokens_per_s": round(new / statistics.median(times), 1),
+        "first_call_s": round(warm, 1),
+        "graphs": sum(row["graphs"] for row in model.compile_stats()),
+    }
 
 
 def run_child(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
     if spec["device"].startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = spec["device"].split(":", 1)[1]
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -163,8 +197,9 @@ def child(spec: dict) -> int:
         return 0
     docs = documents(spec["documents"], vocab=vocab)
     if spec["who"] == "ours":
-        res = run_ours(path, docs, spec["mode"], spec["steps"], spec["r"], device=device, batch=spec["batch"],
-                       seq=spec["seq"])
+        res = run_ours(
+            path, docs, spec["mode"], spec["steps"], spec["r"], device=device, batch=spec["batch"], seq=spec["seq"]
+        )
     else:
         rows = build_rows(docs, None, spec["seq"], packing=False, long_documents="truncate")
         res = run_theirs(path, rows, spec["mode"], spec["steps"], spec["r"], device=device, batch=spec["batch"])
@@ -176,11 +211,15 @@ def summarize(rs: list, batch: int, seq: int) -> dict:
     ok = [x for x in rs if "error" not in x]
     steps = [s for x in ok for s in x["step_s"]]
     rate = batch * seq / statistics.median(steps) if steps else None
-    return {"steady_tokens_per_s": round(rate, 1) if rate else None,
-            "first_step_s": round(ok[0]["first_step_s"], 2) if ok else None,
-            "peak_mb": round(max(x["peak_mb"] for x in ok), 1) if ok else None,
-            "graphs": ok[0]["graphs"] if ok else None, "trainable_parameters": ok[0]["trainable"] if ok else None,
-            "loss": round(ok[0]["loss"], 4) if ok else None, "errors": [x["error"] for x in rs if "error" in x]}
+    return {
+        "steady_tokens_per_s": round(rate, 1) if rate else None,
+        "first_step_s": round(ok[0]["first_step_s"], 2) if ok else None,
+        "peak_mb": round(max(x["peak_mb"] for x in ok), 1) if ok else None,
+        "graphs": ok[0]["graphs"] if ok else None,
+        "trainable_parameters": ok[0]["trainable"] if ok else None,
+        "loss": round(ok[0]["loss"], 4) if ok else None,
+        "errors": [x["error"] for x in rs if "error" in x],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,10 +249,25 @@ def main(argv: list[str] | None = None) -> int:
 
     device = check_device(a.device)
     build_reference(size=a.size, device=str(device))
-    report = {"model": f"reference Qwen3-shaped {a.size} (bench/reference.py), bf16", "batch": a.batch, "seq": a.seq,
-              "r": a.r, "targets": TARGETS, "device": device_info(device), "pressure_start": pressure(), "results": {}}
-    base = {"steps": a.steps, "documents": a.documents, "device": str(device), "size": a.size, "batch": a.batch,
-            "seq": a.seq, "r": a.r}
+    report = {
+        "model": f"reference Qwen3-shaped {a.size} (bench/reference.py), bf16",
+        "batch": a.batch,
+        "seq": a.seq,
+        "r": a.r,
+        "targets": TARGETS,
+        "device": device_info(device),
+        "pressure_start": pressure(),
+        "results": {},
+    }
+    base = {
+        "steps": a.steps,
+        "documents": a.documents,
+        "device": str(device),
+        "size": a.size,
+        "batch": a.batch,
+        "seq": a.seq,
+        "r": a.r,
+    }
     for mode in a.modes.split(","):
         runs = {"ours": [], "peft": []}
         for rnd in range(a.rounds):
@@ -222,9 +276,13 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_child({**base, "who": who, "mode": mode})
                 res["pressure_before"], res["pressure_after"] = p0, pressure()
                 runs[who].append(res)
-                print(f"[{mode}] round {rnd} {who}: first {res.get('first_step_s', float('nan')):.1f}s steps "
-                      f"{[round(s, 3) for s in res.get('step_s', [])]} peak {res.get('peak_mb')} MB "
-                      f"{res.get('error', '')}", file=sys.stderr, flush=True)
+                print(
+                    f"[{mode}] round {rnd} {who}: first {res.get('first_step_s', float('nan')):.1f}s steps "
+                    f"{[round(s, 3) for s in res.get('step_s', [])]} peak {res.get('peak_mb')} MB "
+                    f"{res.get('error', '')}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         summary = {who: summarize(rs, a.batch, a.seq) for who, rs in runs.items()}
         o, t = summary["ours"], summary["peft"]
         if o["steady_tokens_per_s"] and t["steady_tokens_per_s"]:

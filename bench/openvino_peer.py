@@ -49,10 +49,14 @@ def check(which: list[str], dtypes: list[str], device_type: str) -> None:
         raise SystemExit(f"--which {' '.join(asked)} runs on the CPU only: drop it or pass --device cpu.")
     bad = [d for d in dtypes if d not in PRECISION_HINTS]
     if bad:
-        raise SystemExit(f"--which {' '.join(asked)} pins INFERENCE_PRECISION_HINT for float32 or bfloat16 only, "
-                         f"not {', '.join(bad)}: drop it or pass --dtypes float32 bfloat16.")
+        raise SystemExit(
+            f"--which {' '.join(asked)} pins INFERENCE_PRECISION_HINT for float32 or bfloat16 only, "
+            f"not {', '.join(bad)}: drop it or pass --dtypes float32 bfloat16."
+        )
     if not available():
-        raise SystemExit(f"--which {' '.join(asked)} needs optimum-intel with OpenVINO, not importable here: {INSTALL}.")
+        raise SystemExit(
+            f"--which {' '.join(asked)} needs optimum-intel with OpenVINO, not importable here: {INSTALL}."
+        )
 
 
 def _versions() -> dict:
@@ -73,7 +77,9 @@ def export(ref_dir: str, int8: bool) -> tuple[str, float]:
             if json.load(f) == marker:
                 return out, 0.0
     t0 = time.perf_counter()
-    kwargs = dict(quantization_config=OVWeightQuantizationConfig(bits=8, sym=True)) if int8 else dict(load_in_8bit=False)
+    kwargs = (
+        dict(quantization_config=OVWeightQuantizationConfig(bits=8, sym=True)) if int8 else dict(load_in_8bit=False)
+    )
     with _stdout_to_stderr():  # NNCF prints its tables to stdout, which is the bench's JSON
         model = OVModelForCausalLM.from_pretrained(ref_dir, export=True, compile=False, **kwargs)
         model.save_pretrained(out)
@@ -101,8 +107,12 @@ def load(folder: str, dtype_name: str):
     """The exported model compiled for the CPU with its precision pinned to the case's dtype."""
     from optimum.intel import OVModelForCausalLM
 
-    ov_config = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[dtype_name], "PERFORMANCE_HINT": "LATENCY",
-                 "INFERENCE_NUM_THREADS": str(os.cpu_count() or 1), "CACHE_DIR": ""}
+    ov_config = {
+        "INFERENCE_PRECISION_HINT": PRECISION_HINTS[dtype_name],
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": str(os.cpu_count() or 1),
+        "CACHE_DIR": "",
+    }
     return OVModelForCausalLM.from_pretrained(folder, device="CPU", ov_config=ov_config)
 
 
@@ -120,8 +130,13 @@ def make_runners(dtype_name: str, which: list[str], ref_dir: str, ids, mask) -> 
             continue
         folder, seconds = export(ref_dir, int8=name == "openvino_int8")
         model = load(folder, dtype_name)
-        runners[name] = (lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                                         do_sample=False))(model)
-        info[name] = {"export_seconds": round(seconds, 1), "weight_file_bytes": weight_file_bytes(folder),
-                      "precision_hint": PRECISION_HINTS[dtype_name], **_versions()}
+        runners[name] = (
+            lambda m: lambda n: m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+        )(model)
+        info[name] = {
+            "export_seconds": round(seconds, 1),
+            "weight_file_bytes": weight_file_bytes(folder),
+            "precision_hint": PRECISION_HINTS[dtype_name],
+            **_versions(),
+        }
     return runners, info

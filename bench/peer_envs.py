@@ -58,15 +58,25 @@ OPTIMUM_INTEL_VERSION, OPENVINO_VERSION = "2.2.0", "2026.4.1"
 def peers() -> dict[str, PeerEnv]:
     return {
         "llama-cpp": PeerEnv(
-            name="llama-cpp", what=f"llama.cpp through llama-cpp-python {LLAMA_CPP_VERSION}",
-            requirements=(f"llama-cpp-python=={LLAMA_CPP_VERSION}", "numpy"), module="llama_cpp",
+            name="llama-cpp",
+            what=f"llama.cpp through llama-cpp-python {LLAMA_CPP_VERSION}",
+            requirements=(f"llama-cpp-python=={LLAMA_CPP_VERSION}", "numpy"),
+            module="llama_cpp",
             pip_options=("--no-binary", "llama-cpp-python", "--no-cache-dir"),
-            env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"), ("CMAKE_BUILD_PARALLEL_LEVEL", "2"))),
+            env=(("CMAKE_ARGS", "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON"), ("CMAKE_BUILD_PARALLEL_LEVEL", "2")),
+        ),
         "openvino": PeerEnv(
-            name="openvino", what=f"OpenVINO {OPENVINO_VERSION} through optimum-intel {OPTIMUM_INTEL_VERSION}",
-            requirements=(f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}", f"openvino=={OPENVINO_VERSION}",
-                          f"torch=={_main_torch()}", "psutil"),
-            module="optimum.intel", remove_after=("torchvision",)),
+            name="openvino",
+            what=f"OpenVINO {OPENVINO_VERSION} through optimum-intel {OPTIMUM_INTEL_VERSION}",
+            requirements=(
+                f"optimum-intel[openvino]=={OPTIMUM_INTEL_VERSION}",
+                f"openvino=={OPENVINO_VERSION}",
+                f"torch=={_main_torch()}",
+                "psutil",
+            ),
+            module="optimum.intel",
+            remove_after=("torchvision",),
+        ),
     }
 
 
@@ -76,8 +86,16 @@ def cache_root() -> Path:
 
 
 def spec_hash(peer: PeerEnv) -> str:
-    text = json.dumps({"requirements": peer.requirements, "pip": peer.pip_options, "env": peer.env,
-                       "remove": peer.remove_after, "python": platform.python_version()}, sort_keys=True)
+    text = json.dumps(
+        {
+            "requirements": peer.requirements,
+            "pip": peer.pip_options,
+            "env": peer.env,
+            "remove": peer.remove_after,
+            "python": platform.python_version(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -108,8 +126,10 @@ def install_command(peer: PeerEnv) -> str:
 
 def missing_sentence(peer: PeerEnv) -> str:
     """The `--no-install` refusal: one sentence naming the peer, where it would go, and the command."""
-    return (f"--no-install: the {peer.name} peer ({peer.what}) is not installed in {venv_dir(peer)}; "
-            f"install it with `{install_command(peer)}` (it takes minutes and needs PyPI) or drop --no-install.")
+    return (
+        f"--no-install: the {peer.name} peer ({peer.what}) is not installed in {venv_dir(peer)}; "
+        f"install it with `{install_command(peer)}` (it takes minutes and needs PyPI) or drop --no-install."
+    )
 
 
 def install(peer: PeerEnv, log=sys.stderr, nice: int = 19) -> dict:
@@ -127,8 +147,10 @@ def install(peer: PeerEnv, log=sys.stderr, nice: int = 19) -> dict:
     py = str(python_of(peer))
     env = dict(os.environ, **dict(peer.env))
     prefix = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
-    steps = [[py, "-m", "pip", "install", "-q", "--upgrade", "pip"],
-             [*prefix, py, "-m", "pip", "install", *peer.pip_options, *peer.requirements]]
+    steps = [
+        [py, "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        [*prefix, py, "-m", "pip", "install", *peer.pip_options, *peer.requirements],
+    ]
     if peer.remove_after:
         steps.append([py, "-m", "pip", "uninstall", "-y", *peer.remove_after])
     log_path = folder / "install.log"
@@ -139,16 +161,25 @@ def install(peer: PeerEnv, log=sys.stderr, nice: int = 19) -> dict:
             res = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
         if res.returncode != 0:
             tail = log_path.read_text().strip().splitlines()[-15:]
-            raise SystemExit(f"installing the {peer.name} peer failed ({' '.join(cmd[-3:])} exited {res.returncode}); "
-                             f"the log is {log_path}:\n" + "\n".join(tail))
+            raise SystemExit(
+                f"installing the {peer.name} peer failed ({' '.join(cmd[-3:])} exited {res.returncode}); "
+                f"the log is {log_path}:\n" + "\n".join(tail)
+            )
     check = subprocess.run([py, "-c", f"import {peer.module}"], capture_output=True, text=True, check=False)
     if check.returncode != 0:
-        raise SystemExit(f"the {peer.name} peer installed but `import {peer.module}` fails in {folder}: "
-                         f"{(check.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise SystemExit(
+            f"the {peer.name} peer installed but `import {peer.module}` fails in {folder}: "
+            f"{(check.stderr.strip().splitlines() or ['?'])[-1]}"
+        )
     freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True, check=False).stdout.split()
-    record = {"peer": peer.name, "requirements": list(peer.requirements), "env": dict(peer.env),
-              "install_seconds": round(time.time() - t0, 1), "installed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "freeze": freeze}
+    record = {
+        "peer": peer.name,
+        "requirements": list(peer.requirements),
+        "env": dict(peer.env),
+        "install_seconds": round(time.time() - t0, 1),
+        "installed_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "freeze": freeze,
+    }
     with open(marker(peer), "w") as f:
         json.dump(record, f, indent=1)
     print(f"installed the {peer.name} peer in {record['install_seconds']} s", file=log, flush=True)

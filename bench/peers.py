@@ -83,16 +83,23 @@ class Contender:
 def contenders(precision: str, engines, int8_dtype: str = "bfloat16") -> list[Contender]:
     """The like-precision contenders of one pair, in the order they alternate."""
     if precision == "int8":
-        rows = [Contender("sf_int8", "sf", int8_dtype, "int8"),
-                Contender("sf_int8_head", "sf", int8_dtype, "int8+head"),
-                Contender("openvino_int8", "openvino", int8_dtype, "int8"),
-                Contender("llama_cpp_Q8_0", "llama_cpp", int8_dtype, "Q8_0")]
+        rows = [
+            Contender("sf_int8", "sf", int8_dtype, "int8"),
+            Contender("sf_int8_head", "sf", int8_dtype, "int8+head"),
+            Contender("openvino_int8", "openvino", int8_dtype, "int8"),
+            Contender("llama_cpp_Q8_0", "llama_cpp", int8_dtype, "Q8_0"),
+        ]
     else:
         dtype = DTYPES[precision]
-        rows = [Contender("sf", "sf", dtype, dtype), Contender("hf", "hf", dtype, dtype),
-                Contender("openvino", "openvino", dtype, dtype)]
-        rows += [Contender(f"llama_cpp_{f}", "llama_cpp", dtype, f) for f in (("F32",) if precision == "fp32"
-                                                                               else ("F16", "BF16"))]
+        rows = [
+            Contender("sf", "sf", dtype, dtype),
+            Contender("hf", "hf", dtype, dtype),
+            Contender("openvino", "openvino", dtype, dtype),
+        ]
+        rows += [
+            Contender(f"llama_cpp_{f}", "llama_cpp", dtype, f)
+            for f in (("F32",) if precision == "fp32" else ("F16", "BF16"))
+        ]
     return [c for c in rows if c.engine in engines]
 
 
@@ -101,25 +108,46 @@ def contenders(precision: str, engines, int8_dtype: str = "bfloat16") -> list[Co
 # ---------------------------------------------------------------------------------------------
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
-                    help="the like-precision pairs to run (module docstring)")
+    ap.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        default=list(PRECISIONS),
+        help="the like-precision pairs to run (module docstring)",
+    )
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens a row")
     ap.add_argument("--new", type=int, default=128, help="new tokens a generate")
     ap.add_argument("--rounds", type=int, default=3, help="warm processes per contender and case (after the cold one)")
     ap.add_argument("--repeats", type=int, default=3, help="timed (1 token, --new tokens) pairs in each process")
-    ap.add_argument("--int8-dtype", choices=("float32", "bfloat16"), default="bfloat16",
-                    help="activations of the int8 pair (ours, OpenVINO's precision hint)")
+    ap.add_argument(
+        "--int8-dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="activations of the int8 pair (ours, OpenVINO's precision hint)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="every engine's threads (default: the CPUs usable)")
     ap.add_argument("--out", default=None, help="the JSON (default bench/results/peers-<host>.json)")
-    ap.add_argument("--no-install", action="store_true",
-                    help="refuse, naming the command, instead of installing a missing peer venv")
-    ap.add_argument("--install-only", nargs="+", choices=sorted(peer_envs.peers()), metavar="PEER",
-                    help="install these peers' venvs (llama-cpp, openvino) and exit")
+    ap.add_argument(
+        "--no-install",
+        action="store_true",
+        help="refuse, naming the command, instead of installing a missing peer venv",
+    )
+    ap.add_argument(
+        "--install-only",
+        nargs="+",
+        choices=sorted(peer_envs.peers()),
+        metavar="PEER",
+        help="install these peers' venvs (llama-cpp, openvino) and exit",
+    )
     ap.add_argument("--child-timeout", type=float, default=1800.0, help="seconds one child process may take")
-    ap.add_argument("--merge", nargs="+", metavar="JSON",
-                    help="join the JSON of runs made in pieces (e.g. one pair at a time) into --out and one table")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="join the JSON of runs made in pieces (e.g. one pair at a time) into --out and one table",
+    )
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     ap.add_argument("--_export-openvino", nargs=2, metavar=("HF_DIR", "KIND"), help=argparse.SUPPRESS)
     return ap
@@ -135,11 +163,13 @@ def check_args(args) -> None:
     if args.prompt < 1:
         raise SystemExit(f"--prompt must be at least 1 token, not {args.prompt}.")
     if args.new < 2:
-        raise SystemExit(f"--new must be at least 2 (decode tokens/s is measured over the tokens after the first), "
-                         f"not {args.new}.")
+        raise SystemExit(
+            f"--new must be at least 2 (decode tokens/s is measured over the tokens after the first), not {args.new}."
+        )
     if args.prompt + args.new > MODEL_CONTEXT:
-        raise SystemExit(f"--prompt {args.prompt} + --new {args.new} is past SmolLM2-135M's context of "
-                         f"{MODEL_CONTEXT} tokens.")
+        raise SystemExit(
+            f"--prompt {args.prompt} + --new {args.new} is past SmolLM2-135M's context of {MODEL_CONTEXT} tokens."
+        )
     if args.rounds < 1 or args.repeats < 1:
         which = "--rounds" if args.rounds < 1 else "--repeats"
         raise SystemExit(f"{which} must be at least 1, not {getattr(args, which[2:])}.")
@@ -148,9 +178,11 @@ def check_args(args) -> None:
     if args.child_timeout <= 0:
         raise SystemExit(f"--child-timeout must be positive, not {args.child_timeout}.")
     if not any(contenders(p, args.engines, args.int8_dtype) for p in args.precisions):
-        raise SystemExit(f"--engines {' '.join(args.engines)} has no contender in --precisions "
-                         f"{' '.join(args.precisions)} (transformers has no int8 pair here): add an engine or a "
-                         f"precision.")
+        raise SystemExit(
+            f"--engines {' '.join(args.engines)} has no contender in --precisions "
+            f"{' '.join(args.precisions)} (transformers has no int8 pair here): add an engine or a "
+            f"precision."
+        )
 
 
 def needed_peers(precisions, engines, int8_dtype="bfloat16") -> list[str]:
@@ -196,9 +228,11 @@ def prompt_text() -> str:
 def prompt_rows(ids: list[int], batch: int, prompt: int) -> list[list[int]]:
     """`batch` consecutive windows of `prompt` tokens; one sentence and exit when the text is too short."""
     if len(ids) < batch * prompt:
-        raise SystemExit(f"the prompt text has {len(ids)} tokens, fewer than --batches' largest x --prompt "
-                         f"({batch} x {prompt}): lower one of them.")
-    return [ids[i * prompt:(i + 1) * prompt] for i in range(batch)]
+        raise SystemExit(
+            f"the prompt text has {len(ids)} tokens, fewer than --batches' largest x --prompt "
+            f"({batch} x {prompt}): lower one of them."
+        )
+    return [ids[i * prompt : (i + 1) * prompt] for i in range(batch)]
 
 
 def files_folder(folder: str) -> str:
@@ -247,8 +281,13 @@ def llama_file(folder: str, name: str, out: str, fmt: str) -> tuple[str, dict]:
 
 def openvino_export(python: str, hf_dir: str, int8: bool, timeout: float) -> dict:
     """openvino_peer.export in the OpenVINO venv (made once, kept beside the folder): its folder and seconds."""
-    res = subprocess.run([python, os.path.abspath(__file__), "--_export-openvino", hf_dir, "int8" if int8 else "fp"],
-                         capture_output=True, text=True, timeout=timeout, check=False)
+    res = subprocess.run(
+        [python, os.path.abspath(__file__), "--_export-openvino", hf_dir, "int8" if int8 else "fp"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if res.returncode != 0:
         raise SystemExit(f"the OpenVINO export of {hf_dir} failed: {_last_lines(res.stderr)}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -289,23 +328,32 @@ def child(spec: dict) -> dict:
         kwargs = {}
         if spec["weights"].startswith("int8"):
             kwargs["quantization_config"] = QuantizationConfig(
-                "int8_weight_only", include_input_output_embeddings=spec["weights"] == "int8+head")
+                "int8_weight_only", include_input_output_embeddings=spec["weights"] == "int8+head"
+            )
         model = AutoModelForCausalLM.from_pretrained(spec["folder"], gguf_file=spec["gguf"], dtype=dtype, **kwargs)
 
         def run(n):
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  eos_token_id=None)
+            return model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None
+            )
     elif engine == "hf":
         import transformers
 
         t_imported = time.time()
         versions["transformers"] = transformers.__version__
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec["folder"], gguf_file=spec["gguf"],
-                                                                  dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            spec["folder"], gguf_file=spec["gguf"], dtype=dtype
+        ).eval()
 
         def run(n):
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  eos_token_id=None, pad_token_id=spec["pad"])
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=spec["pad"],
+            )
     elif engine == "openvino":
         from importlib.metadata import version
 
@@ -314,13 +362,23 @@ def child(spec: dict) -> dict:
 
         t_imported = time.time()
         versions.update({"optimum-intel": version("optimum-intel"), "openvino": version("openvino")})
-        ov_config = {"INFERENCE_PRECISION_HINT": openvino_peer.PRECISION_HINTS[spec["dtype"]],
-                     "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": str(spec["threads"]), "CACHE_DIR": ""}
+        ov_config = {
+            "INFERENCE_PRECISION_HINT": openvino_peer.PRECISION_HINTS[spec["dtype"]],
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_NUM_THREADS": str(spec["threads"]),
+            "CACHE_DIR": "",
+        }
         model = OVModelForCausalLM.from_pretrained(spec["folder"], device="CPU", ov_config=ov_config)
 
         def run(n):
-            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  eos_token_id=None, pad_token_id=spec["pad"])
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=spec["pad"],
+            )
     else:
         raise SystemExit(f"--_child: engine {engine!r} runs here only as sf, hf or openvino")
     t_loaded = time.time()
@@ -340,9 +398,17 @@ def child(spec: dict) -> dict:
             last = run(new)
             total.append(time.perf_counter() - t)
             assert tuple(last.shape) == (batch, ids.shape[1] + new), tuple(last.shape)
-    record = {"t_start": t_start, "t_imported": t_imported, "t_loaded": t_loaded, "t_first_token": t_first,
-              "warmup_s": warmup, "ttft_s": ttft, "total_s": total, "tokens": out[0, ids.shape[1]:].tolist(),
-              "versions": versions}
+    record = {
+        "t_start": t_start,
+        "t_imported": t_imported,
+        "t_loaded": t_loaded,
+        "t_first_token": t_first,
+        "warmup_s": warmup,
+        "ttft_s": ttft,
+        "total_s": total,
+        "tokens": out[0, ids.shape[1] :].tolist(),
+        "versions": versions,
+    }
     if engine in ("sf", "hf"):
         from generate import weights_read_per_step
 
@@ -379,9 +445,13 @@ def spawn(cmd: list[str], env: dict, timeout: float) -> dict:
     out = json.loads(res.stdout.strip().splitlines()[-1])
     ttft, total = statistics.median(out.pop("ttft_s")), statistics.median(out.pop("total_s"))
     record.update(out)
-    record.update(ttft_ms=round(ttft * 1e3, 2), total_s=round(total, 4),
-                  start_to_first_token_s=round(out["t_first_token"] - t_spawn, 3),
-                  start_to_loaded_s=round(out["t_loaded"] - t_spawn, 3), tokens=out["tokens"][:32])
+    record.update(
+        ttft_ms=round(ttft * 1e3, 2),
+        total_s=round(total, 4),
+        start_to_first_token_s=round(out["t_first_token"] - t_spawn, 3),
+        start_to_loaded_s=round(out["t_loaded"] - t_spawn, 3),
+        tokens=out["tokens"][:32],
+    )
     for key in ("t_start", "t_imported", "t_loaded", "t_first_token"):
         record.pop(key)
     return record
@@ -391,16 +461,22 @@ def summarise(runs: list[dict], batch: int, new: int, weight_bytes: int | None) 
     """A contender's figures in one case: medians over its warm processes; the cold process's start."""
     cold = [r for r in runs if r.get("cold")]
     warm = [r for r in runs if not r.get("cold") and "error" not in r]
-    out: dict = {"cold_start_s": cold[0].get("start_to_first_token_s") if cold else None,
-                 "errors": [r["error"] for r in runs if "error" in r]}
+    out: dict = {
+        "cold_start_s": cold[0].get("start_to_first_token_s") if cold else None,
+        "errors": [r["error"] for r in runs if "error" in r],
+    }
     if not warm:
         return out
     steps = [(r["total_s"] - r["ttft_ms"] / 1e3) / max(new - 1, 1) for r in warm]
     step = statistics.median(steps)
-    out.update(decode_tok_s=round(batch / max(step, 1e-9), 1), step_ms=round(step * 1e3, 3),
-               ttft_ms=round(statistics.median(r["ttft_ms"] for r in warm), 2),
-               warm_start_s=round(statistics.median(r["start_to_first_token_s"] for r in warm), 3),
-               all_decode_tok_s=[round(batch / max(s, 1e-9), 1) for s in steps], tokens=warm[0]["tokens"])
+    out.update(
+        decode_tok_s=round(batch / max(step, 1e-9), 1),
+        step_ms=round(step * 1e3, 3),
+        ttft_ms=round(statistics.median(r["ttft_ms"] for r in warm), 2),
+        warm_start_s=round(statistics.median(r["start_to_first_token_s"] for r in warm), 3),
+        all_decode_tok_s=[round(batch / max(s, 1e-9), 1) for s in steps],
+        tokens=warm[0]["tokens"],
+    )
     if weight_bytes:
         out.update(weight_bytes=weight_bytes, weights_gb_s=round(weight_bytes / step / 1e9, 2))
     return out
@@ -418,16 +494,31 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
     folder, name = real_model()
     files = files_folder(folder)
     os.makedirs(files, exist_ok=True)
-    report: dict = {"host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "model": os.path.join(folder, name), "prompt": args.prompt, "new": args.new,
-                    "rounds": args.rounds, "repeats": args.repeats, "threads": threads,
-                    "pressure_before": pressure(), "source": source_tree(), "prep": {}, "peers": {}, "ceilings": {},
-                    "cases": []}
+    report: dict = {
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "model": os.path.join(folder, name),
+        "prompt": args.prompt,
+        "new": args.new,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "threads": threads,
+        "pressure_before": pressure(),
+        "source": source_tree(),
+        "prep": {},
+        "peers": {},
+        "ceilings": {},
+        "cases": [],
+    }
     envs = peer_envs.peers()
     for peer, python in pythons.items():
         record = peer_envs.installed(envs[peer]) or {}
-        report["peers"][peer] = {"python": python, "install_seconds": record.get("install_seconds"),
-                                 "installed_at": record.get("installed_at"), "requirements": record.get("requirements")}
+        report["peers"][peer] = {
+            "python": python,
+            "install_seconds": record.get("install_seconds"),
+            "installed_at": record.get("installed_at"),
+            "requirements": record.get("requirements"),
+        }
     # the prompt rows, tokenized once by our tokenizer of the GGUF
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     ids = tok(prompt_text(), add_special_tokens=False)["input_ids"]
@@ -461,8 +552,13 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
         dtype = torch.int8 if p == "int8" else getattr(torch, DTYPES[p])
         ceilings[p] = MemoryCeiling(torch.device("cpu"), elements * dtype.itemsize, dtype, cols)
         ceilings[p].sample()
-    env = dict(os.environ, STATICFORMERS_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
-        [os.path.join(ROOT, "src"), HERE] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    env = dict(
+        os.environ,
+        STATICFORMERS_NUM_THREADS=str(threads),
+        PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "src"), HERE] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+    )
     prefer_bounded_spin(env, modules={})  # GOMP_SPINCOUNT=2000 unless the user chose a wait policy
     report["env"] = {k: env[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS") if k in env}
     out_path = args.out or os.path.join(HERE, "results", f"peers-{socket.gethostname()}.json")
@@ -474,35 +570,64 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
                 caches = {c.label: tempfile.mkdtemp(prefix=f"{c.label}-b{batch}-", dir=work) for c in cs}
                 for rnd in range(args.rounds + 1):  # round 0: an empty compile cache
                     for c in cs:
-                        spec = {"engine": c.engine, "dtype": c.dtype, "weights": c.weights, "batch": batch,
-                                "new": args.new, "repeats": args.repeats, "threads": threads, "pad": pad,
-                                "prompt_file": prompt_file, "folder": folder, "gguf": name}
+                        spec = {
+                            "engine": c.engine,
+                            "dtype": c.dtype,
+                            "weights": c.weights,
+                            "batch": batch,
+                            "new": args.new,
+                            "repeats": args.repeats,
+                            "threads": threads,
+                            "pad": pad,
+                            "prompt_file": prompt_file,
+                            "folder": folder,
+                            "gguf": name,
+                        }
                         if c.label in model_files:
-                            spec.update(folder=model_files[c.label]["model"], model=model_files[c.label]["model"],
-                                        format=c.weights)
-                        child_env = dict(env, STATICFORMERS_CACHE=caches[c.label],
-                                         TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[c.label], "inductor"))
+                            spec.update(
+                                folder=model_files[c.label]["model"],
+                                model=model_files[c.label]["model"],
+                                format=c.weights,
+                            )
+                        child_env = dict(
+                            env,
+                            STATICFORMERS_CACHE=caches[c.label],
+                            TORCHINDUCTOR_CACHE_DIR=os.path.join(caches[c.label], "inductor"),
+                        )
                         if c.engine == "llama_cpp":
-                            cmd = [pythons["llama-cpp"], os.path.join(HERE, "llama_cpp_peer.py"), "--child",
-                                   json.dumps(spec)]
+                            cmd = [
+                                pythons["llama-cpp"],
+                                os.path.join(HERE, "llama_cpp_peer.py"),
+                                "--child",
+                                json.dumps(spec),
+                            ]
                         else:
                             python = pythons["openvino"] if c.engine == "openvino" else sys.executable
                             cmd = [python, os.path.abspath(__file__), "--_child", json.dumps(spec)]
                         record = dict(spawn(cmd, child_env, args.child_timeout), round=rnd, cold=rnd == 0)
                         case["runs"][c.label].append(record)
-                        print(f"{p} b{batch} {c.label} round {rnd}: "
-                              + (record["error"] if "error" in record else
-                                 f"ttft {record['ttft_ms']} ms, step "
-                                 f"{(record['total_s'] - record['ttft_ms'] / 1e3) / (args.new - 1) * 1e3:.2f} ms, "
-                                 f"start to first token {record['start_to_first_token_s']} s")
-                              + f" [{record['pressure_after']}]", file=sys.stderr, flush=True)
+                        print(
+                            f"{p} b{batch} {c.label} round {rnd}: "
+                            + (
+                                record["error"]
+                                if "error" in record
+                                else f"ttft {record['ttft_ms']} ms, step "
+                                f"{(record['total_s'] - record['ttft_ms'] / 1e3) / (args.new - 1) * 1e3:.2f} ms, "
+                                f"start to first token {record['start_to_first_token_s']} s"
+                            )
+                            + f" [{record['pressure_after']}]",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     ceilings[p].sample(repeats=3)
                 for c in cs:
                     runs = case["runs"][c.label]
                     wb = model_files.get(c.label, {}).get("weight_bytes") or next(
-                        (r["weight_bytes"] for r in runs if "weight_bytes" in r), None)
-                    case["contenders"][c.label] = dict(summarise(runs, batch, args.new, wb), engine=c.engine,
-                                                       dtype=c.dtype, weights=c.weights)
+                        (r["weight_bytes"] for r in runs if "weight_bytes" in r), None
+                    )
+                    case["contenders"][c.label] = dict(
+                        summarise(runs, batch, args.new, wb), engine=c.engine, dtype=c.dtype, weights=c.weights
+                    )
                 add_agreement(case)
                 report["cases"].append(case)
                 report["ceilings"][p] = ceilings[p].result()
@@ -525,6 +650,7 @@ def run_plan(args, pythons: dict[str, str]) -> dict:
 
 def source_tree() -> dict:
     """The commit our engine's children import (PYTHONPATH is this checkout's src/), and its changed files there."""
+
     def git(*cmd):
         res = subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True, check=False)
         return res.stdout.rstrip() if res.returncode == 0 else None
@@ -584,22 +710,31 @@ def describe(label: str, e: dict) -> str:
 
 def markdown(report: dict) -> str:
     """The table BENCHMARKS.md carries: one row per contender and case, then the CPU pressure around the run."""
-    header = ("| pair | batch | contender | decode tok/s | TTFT ms | weights GB/s of ceiling (share) "
-              "| warm start s | cold start s | first tokens as the first row's |")
+    header = (
+        "| pair | batch | contender | decode tok/s | TTFT ms | weights GB/s of ceiling (share) "
+        "| warm start s | cold start s | first tokens as the first row's |"
+    )
     lines = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case in report["cases"]:
         for label, e in case["contenders"].items():
             what = describe(label, e)
             if "decode_tok_s" not in e:
-                lines.append(f"| {case['precision']} | {case['batch']} | {what} | error: "
-                             f"{(e['errors'] or ['?'])[0][:120]} | | | | {_fmt(e.get('cold_start_s'), 2)} | |")
+                lines.append(
+                    f"| {case['precision']} | {case['batch']} | {what} | error: "
+                    f"{(e['errors'] or ['?'])[0][:120]} | | | | {_fmt(e.get('cold_start_s'), 2)} | |"
+                )
                 continue
-            bw = (f"{e['weights_gb_s']:.1f} of {case['ceiling_gb_s']:.1f} ({e['bandwidth_utilisation']:.2f})"
-                  if "bandwidth_utilisation" in e else "-")
+            bw = (
+                f"{e['weights_gb_s']:.1f} of {case['ceiling_gb_s']:.1f} ({e['bandwidth_utilisation']:.2f})"
+                if "bandwidth_utilisation" in e
+                else "-"
+            )
             agree = f"{e.get('tokens_agree', '-')} of {len(e.get('tokens', []))}"
-            lines.append(f"| {case['precision']} | {case['batch']} | {what} | {_fmt(e['decode_tok_s'])} | "
-                         f"{_fmt(e['ttft_ms'])} | {bw} | {_fmt(e['warm_start_s'], 2)} | "
-                         f"{_fmt(e['cold_start_s'], 2)} | {agree} |")
+            lines.append(
+                f"| {case['precision']} | {case['batch']} | {what} | {_fmt(e['decode_tok_s'])} | "
+                f"{_fmt(e['ttft_ms'])} | {bw} | {_fmt(e['warm_start_s'], 2)} | "
+                f"{_fmt(e['cold_start_s'], 2)} | {agree} |"
+            )
     lines.append("")
     lines.append(f"CPU pressure before: {report['pressure_before']}; after: {report.get('pressure_after', '?')}.")
     return "\n".join(lines)
@@ -621,10 +756,15 @@ def merge(paths: list[str]) -> dict:
         for case in r["cases"]:
             if "ceiling_gb_s" in case:
                 add_ceiling(case, {"gb_s": case["ceiling_gb_s"]})
-    out = dict(reports[0], merged_from=[os.path.abspath(p) for p in paths],
-               cases=[c for r in reports for c in r["cases"]], pressure_after=reports[-1].get("pressure_after"),
-               pieces=[{k: r.get(k) for k in ("started", "pressure_before", "pressure_after", "ceilings", "prep")}
-                       for r in reports])
+    out = dict(
+        reports[0],
+        merged_from=[os.path.abspath(p) for p in paths],
+        cases=[c for r in reports for c in r["cases"]],
+        pressure_after=reports[-1].get("pressure_after"),
+        pieces=[
+            {k: r.get(k) for k in ("started", "pressure_before", "pressure_after", "ceilings", "prep")} for r in reports
+        ],
+    )
     out.pop("table", None)
     out["table"] = markdown(out)
     return out

@@ -33,11 +33,22 @@ def measure(model, batch: torch.Tensor, ref_logits: torch.Tensor) -> dict:
     """Loss on `batch`, KL(bf16 || this) per token and top-1 agreement with bf16, teacher-forced."""
     with torch.no_grad():
         out = model(batch, labels=batch)
-    kl = torch.nn.functional.kl_div(out.logits.float().log_softmax(-1), ref_logits.float().log_softmax(-1),
-                                    log_target=True, reduction="batchmean").item() / batch.shape[1]
+    kl = (
+        torch.nn.functional.kl_div(
+            out.logits.float().log_softmax(-1),
+            ref_logits.float().log_softmax(-1),
+            log_target=True,
+            reduction="batchmean",
+        ).item()
+        / batch.shape[1]
+    )
     top1 = (out.logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    return {"loss": round(out.loss.item(), 5), "kl_per_token": kl, "top1_agreement": round(top1, 5),
-            "bytes_stored": weight_bytes(model)}
+    return {
+        "loss": round(out.loss.item(), 5),
+        "kl_per_token": kl,
+        "top1_agreement": round(top1, 5),
+        "bytes_stored": weight_bytes(model),
+    }
 
 
 def compare(load, batch: torch.Tensor) -> dict:
@@ -47,8 +58,9 @@ def compare(load, batch: torch.Tensor) -> dict:
         ref = base(batch, labels=batch)
     out = {"bf16": {"loss": round(ref.loss.item(), 5), "bytes_stored": weight_bytes(base)}}
     for name, head in CHOICES.items():
-        out[name] = measure(load(QuantizationConfig("int8_weight_only", include_input_output_embeddings=head)),
-                            batch, ref.logits)
+        out[name] = measure(
+            load(QuantizationConfig("int8_weight_only", include_input_output_embeddings=head)), batch, ref.logits
+        )
     return out
 
 
@@ -70,7 +82,8 @@ def main() -> None:
         "tiny_trained": compare(tiny, affine_rows(64, 96, seed=10_000)),
         "reference_41m_random": compare(
             lambda config: AutoModelForCausalLM.from_pretrained(path, dtype="bfloat16", quantization_config=config),
-            torch.randint(1, 32000, (4, 128), generator=torch.Generator().manual_seed(0))),
+            torch.randint(1, 32000, (4, 128), generator=torch.Generator().manual_seed(0)),
+        ),
     }
     print(json.dumps(report, indent=1))
 

@@ -44,32 +44,114 @@ if importlib.util.find_spec("staticformers") is None:
 
 _COMMON = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 SIZES = {
-    "41m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, **_COMMON),
-    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                 rope_theta=1000000.0, **_COMMON),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, **_COMMON),
-    "moe50m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=64, max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
-                   moe_intermediate_size=384, norm_topk_prob=True, **_COMMON),
+    "41m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        **_COMMON,
+    ),
+    "1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        **_COMMON,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        **_COMMON,
+    ),
+    "moe50m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=384,
+        norm_topk_prob=True,
+        **_COMMON,
+    ),
 }
-SIZES["gptoss50m"] = dict(vocab_size=32000, hidden_size=512, intermediate_size=384, num_hidden_layers=6,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                          num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
-                          **{**_COMMON, "tie_word_embeddings": False})
-SIZES["gemma3-50m"] = dict(vocab_size=262144, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                           num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
-                           sliding_window=128, query_pre_attn_scalar=64, **_COMMON)
-SIZES["qwen3_5-50m"] = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                            linear_num_key_heads=4, linear_key_head_dim=64, linear_num_value_heads=8,
-                            linear_value_head_dim=64, linear_conv_kernel_dim=4, **_COMMON)
-DEFAULT_DTYPES = {"41m": "float32", "1.7b": "bfloat16", "tiny": "float32", "moe50m": "float32", "gptoss50m": "float32",
-                  "gemma3-50m": "float32", "qwen3_5-50m": "float32"}
-MODEL_TYPES = {"moe50m": "qwen3_moe", "gptoss50m": "gpt_oss", "gemma3-50m": "gemma3_text",
-               "qwen3_5-50m": "qwen3_5_text"}  # every other size is a Qwen3
+SIZES["gptoss50m"] = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=384,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=128,
+    **{**_COMMON, "tie_word_embeddings": False},
+)
+SIZES["gemma3-50m"] = dict(
+    vocab_size=262144,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+    sliding_window=128,
+    query_pre_attn_scalar=64,
+    **_COMMON,
+)
+SIZES["qwen3_5-50m"] = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    linear_num_key_heads=4,
+    linear_key_head_dim=64,
+    linear_num_value_heads=8,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    **_COMMON,
+)
+DEFAULT_DTYPES = {
+    "41m": "float32",
+    "1.7b": "bfloat16",
+    "tiny": "float32",
+    "moe50m": "float32",
+    "gptoss50m": "float32",
+    "gemma3-50m": "float32",
+    "qwen3_5-50m": "float32",
+}
+MODEL_TYPES = {
+    "moe50m": "qwen3_moe",
+    "gptoss50m": "gpt_oss",
+    "gemma3-50m": "gemma3_text",
+    "qwen3_5-50m": "qwen3_5_text",
+}  # every other size is a Qwen3
 REFERENCE = SIZES["41m"]  # the name earlier scripts import
 MODELS_ENV = "STATICFORMERS_BENCH_MODELS"  # where reference folders go (default bench/results)
 
@@ -148,12 +230,15 @@ def weight_counts(size: str = "41m") -> dict:
     linear = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}
     experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
     active = experts * config.num_experts_per_tok // config.num_experts if experts else 0
-    return {"parameters": sum(p.numel() for p in params.values()),
-            "linear_parameters": sum(w.numel() for w in linear.values()) + active}
+    return {
+        "parameters": sum(p.numel() for p in params.values()),
+        "linear_parameters": sum(w.numel() for w in linear.values()) + active,
+    }
 
 
-def build_reference(directory: str | None = None, dtype: str | None = None, seed: int = 0, size: str = "41m",
-                    device: str = "cpu") -> str:
+def build_reference(
+    directory: str | None = None, dtype: str | None = None, seed: int = 0, size: str = "41m", device: str = "cpu"
+) -> str:
     """Save the `size` checkpoint in `dtype` to `directory` unless it is already there; return the folder.
 
     The weights are drawn on `device` (a GPU builds the 1.7B model in a second; the CPU's and a GPU's

@@ -63,9 +63,15 @@ def percentile(values: list, q: float):
 
 
 def summary(ttft: list, itl: list, tokens: int, wall: float) -> dict:
-    return {"output_tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 3), "output_tokens": tokens,
-            "ttft_ms_p50": _ms(percentile(ttft, 0.5)), "ttft_ms_p99": _ms(percentile(ttft, 0.99)),
-            "itl_ms_p50": _ms(percentile(itl, 0.5)), "itl_ms_p99": _ms(percentile(itl, 0.99))}
+    return {
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "ttft_ms_p50": _ms(percentile(ttft, 0.5)),
+        "ttft_ms_p99": _ms(percentile(ttft, 0.99)),
+        "itl_ms_p50": _ms(percentile(itl, 0.5)),
+        "itl_ms_p99": _ms(percentile(itl, 0.99)),
+    }
 
 
 def _ms(x):
@@ -105,9 +111,26 @@ def workload(n: int, prompt: int, new: int, vocab: int, seed: int = 0) -> list:
 # ---------------------------------------------------------------------------------------------
 class ServerProcess:
     def __init__(self, folder: str, device: str, slots: int, max_model_len: int, extra: list):
-        argv = [sys.executable, "-m", "staticformers", "serve", folder, "--port", "0", "--device", device,
-                "--max-batch-size", str(slots), "--max-model-len", str(max_model_len), "--served-model-name", "ref",
-                "--grace", "5", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "staticformers",
+            "serve",
+            folder,
+            "--port",
+            "0",
+            "--device",
+            device,
+            "--max-batch-size",
+            str(slots),
+            "--max-model-len",
+            str(max_model_len),
+            "--served-model-name",
+            "ref",
+            "--grace",
+            "5",
+            *extra,
+        ]
         self.argv = argv  # the exact command, for the results
         # in this process's group: a caller that stops this benchmark's group (device_check's step limit)
         # stops the server too
@@ -151,14 +174,23 @@ def parse_graphs_compiled(text: str) -> float:
     """`staticformers:graphs_compiled_total` in a `/metrics` text, or one sentence saying it is missing."""
     values = re.findall(r"^staticformers:graphs_compiled_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
     if not values:
-        raise RuntimeError("the server's /metrics has no staticformers:graphs_compiled_total line: "
-                           "is it a staticformers server of this checkout?")
+        raise RuntimeError(
+            "the server's /metrics has no staticformers:graphs_compiled_total line: "
+            "is it a staticformers server of this checkout?"
+        )
     return sum(float(v) for v in values)
 
 
-STRUCTURED_SCHEMA = {"type": "object", "properties": {
-    "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
-    "score": {"type": "number"}, "done": {"type": "boolean"}}, "required": ["title", "tags", "score", "done"]}
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+        "done": {"type": "boolean"},
+    },
+    "required": ["title", "tags", "score", "done"],
+}
 
 
 def mask_time(url: str) -> tuple:
@@ -166,8 +198,10 @@ def mask_time(url: str) -> tuple:
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    values = [re.search(rf"^staticformers:structured_mask_{k}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-              for k in ("seconds", "steps")]
+    values = [
+        re.search(rf"^staticformers:structured_mask_{k}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+        for k in ("seconds", "steps")
+    ]
     return tuple(float(v.group(1)) if v else 0.0 for v in values)
 
 
@@ -202,8 +236,15 @@ async def http_run(url: str, jobs: list, clients: int, extra: Optional[dict] = N
                 prompt, new = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            body = {"model": "ref", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-                    "ignore_eos": True, **(extra or {})}
+            body = {
+                "model": "ref",
+                "prompt": prompt,
+                "max_tokens": new,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                **(extra or {}),
+            }
             start = last = time.perf_counter()
             first = True
             async with c.stream("POST", url + "/v1/completions", json=body) as r:
@@ -234,8 +275,7 @@ def hf_manager(model, jobs: list):
     """transformers' continuous-batching manager, started (one for every client count)."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max(n for _, n in jobs), do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
+    config = GenerationConfig(max_new_tokens=max(n for _, n in jobs), do_sample=False, eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
     return manager
@@ -287,8 +327,13 @@ def sequential_run(model, jobs: list, compile_config=None) -> dict:
     start = time.perf_counter()
     for prompt, new in jobs:
         t = time.perf_counter()
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                             compile_config=compile_config)
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            compile_config=compile_config,
+        )
         tokens += out.shape[1] - len(prompt)
         ttft.append(time.perf_counter() - t)  # a whole answer: the client sees nothing before
     wall = time.perf_counter() - start
@@ -324,12 +369,18 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", type=int, default=128, help="longest prompt (tokens)")
     p.add_argument("--new", type=int, default=64, help="longest answer (tokens)")
     p.add_argument("--peers", default="hf_cb,sequential", help="comma-separated: hf_cb, sequential (or none)")
-    p.add_argument("--backend", default=None,
-                   help="our compile backend (default: the device's): the server's, and the in-process generate()'s "
-                        "(bare TTFT, sequential)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="our compile backend (default: the device's): the server's, and the in-process generate()'s "
+        "(bare TTFT, sequential)",
+    )
     p.add_argument("--no-compile", action="store_true", help="our steps eagerly (a short time budget)")
-    p.add_argument("--structured", action="store_true",
-                   help="also run every client count with a JSON schema on every request (see the docstring)")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run every client count with a JSON schema on every request (see the docstring)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="timed passes per client count (A B, then B A, ...)")
     p.add_argument("--out", default=None)
     p.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "capacity"])
@@ -349,14 +400,26 @@ def main(argv=None) -> None:
     jobs = workload(args.requests, args.prompt, args.new, vocab)
     slots = max(args.clients)
     max_len = 1 << (args.prompt + args.new - 1).bit_length()
-    result = {"device": args.device, "size": args.size, "requests": args.requests, "prompt": args.prompt,
-              "new": args.new, "clients": args.clients, "pressure_before": pressure(), "sf_server": {}}
+    result = {
+        "device": args.device,
+        "size": args.size,
+        "requests": args.requests,
+        "prompt": args.prompt,
+        "new": args.new,
+        "clients": args.clients,
+        "pressure_before": pressure(),
+        "sf_server": {},
+    }
     peers = [x for x in args.peers.split(",") if x and x != "none"]
 
     extra = (["--backend", args.backend] if args.backend else []) + (["--no-compile"] if args.no_compile else [])
     server = ServerProcess(served, args.device, slots, max_len, extra)
-    constrained = {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": STRUCTURED_SCHEMA,
-                                                                               "strict": True}}}
+    constrained = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "item", "schema": STRUCTURED_SCHEMA, "strict": True},
+        }
+    }
     try:
         for c in sorted(set(args.clients)):  # warm-up: every shape the runs will meet
             asyncio.run(http_run(server.url, jobs, c))
@@ -384,9 +447,13 @@ def main(argv=None) -> None:
                     result["sf_structured"][str(c)] = got["structured"] = run
                     print(json.dumps({"sf_structured": c, "round": r, **run}), file=sys.stderr, flush=True)
                 if args.structured:
-                    pairs.setdefault(str(c), []).append([got["free"]["output_tokens_per_s"],
-                                                         got["structured"]["output_tokens_per_s"],
-                                                         got["structured"]["mask_ms_per_step"]])
+                    pairs.setdefault(str(c), []).append(
+                        [
+                            got["free"]["output_tokens_per_s"],
+                            got["structured"]["output_tokens_per_s"],
+                            got["structured"]["mask_ms_per_step"],
+                        ]
+                    )
         if args.structured:
             result["structured_rounds"] = pairs
         result["sf_graphs_after_warmup"] = graphs_compiled(server.url) - warm  # 0 expected
@@ -422,13 +489,17 @@ def main(argv=None) -> None:
     if isinstance(result.get("hf_cb"), dict) and top in result["hf_cb"]:
         ratios["throughput_vs_hf_cb_at_max_clients"] = round(ours_top / result["hf_cb"][top]["output_tokens_per_s"], 2)
     if "sequential" in result:
-        ratios["throughput_vs_sequential_at_max_clients"] = round(ours_top / result["sequential"]["output_tokens_per_s"], 2)
+        ratios["throughput_vs_sequential_at_max_clients"] = round(
+            ours_top / result["sequential"]["output_tokens_per_s"], 2
+        )
     if "sf_structured" in result:  # the median over rounds of each round's ratio
         ratios["structured_vs_free_throughput_at_max_clients"] = round(
-            statistics.median(s / f for f, s, _ in result["structured_rounds"][top]), 2)
+            statistics.median(s / f for f, s, _ in result["structured_rounds"][top]), 2
+        )
     if "1" in result["sf_server"]:
-        ratios["ttft_1_client_vs_bare_generate"] = round(result["sf_server"]["1"]["ttft_ms_p50"]
-                                                         / result["bare_generate_ttft_ms"], 2)
+        ratios["ttft_1_client_vs_bare_generate"] = round(
+            result["sf_server"]["1"]["ttft_ms_p50"] / result["bare_generate_ttft_ms"], 2
+        )
     result["ratios"] = ratios
     result["pressure_after"] = pressure()
     result["torch"] = torch.__version__
@@ -443,17 +514,30 @@ def run_workload(args, folder: str, vocab: int) -> None:
     import serve_workloads
     from reference import pressure
 
-    base = (["--backend", args.backend] if args.backend else []) + (["--no-compile"] if args.no_compile else []) + \
-        args.server_args.split()
+    base = (
+        (["--backend", args.backend] if args.backend else [])
+        + (["--no-compile"] if args.no_compile else [])
+        + args.server_args.split()
+    )
 
     def server(extra, slots=None):
         return ServerProcess(folder, args.device, slots or max(args.clients), args.max_model_len, base + extra)
 
     before = pressure()
-    run = {"shared-prefix": serve_workloads.shared_prefix, "long-prompt": serve_workloads.long_prompt,
-           "capacity": lambda *a: kv_capacity.capacity(*a, client_run=http_run)}[args.workload]
-    result = {"device": args.device, "size": args.size, "server_args": base, "pressure_before": before,
-              **run(server, args, vocab), "pressure_after": pressure(), "torch": torch.__version__}
+    run = {
+        "shared-prefix": serve_workloads.shared_prefix,
+        "long-prompt": serve_workloads.long_prompt,
+        "capacity": lambda *a: kv_capacity.capacity(*a, client_run=http_run),
+    }[args.workload]
+    result = {
+        "device": args.device,
+        "size": args.size,
+        "server_args": base,
+        "pressure_before": before,
+        **run(server, args, vocab),
+        "pressure_after": pressure(),
+        "torch": torch.__version__,
+    }
     report(result, args.out)
 
 

@@ -42,8 +42,14 @@ async def tagged_run(url: str, jobs: list) -> dict:
 
     async def one(c, prompt, new, tag, delay):
         await asyncio.sleep(delay)
-        body = {"model": "ref", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": "ref",
+            "prompt": prompt,
+            "max_tokens": new,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         rec = out.setdefault(tag, {"ttft": [], "itl": []})
         start = last = time.perf_counter()
         first = True
@@ -109,25 +115,44 @@ async def _clients_run(url: str, prompts: list, clients: int, new: int) -> dict:
     ttft = [t for r in results for t in r["by_tag"]["r"]["ttft"]]
     itl = [t for r in results for t in r["by_tag"]["r"]["itl"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"ttft_ms_p50": _ms(statistics.median(ttft)), "ttft_ms_p99": _ms(_pct(ttft, 0.99)),
-            "itl_ms_p50": _ms(_pct(itl, 0.5)), "itl_ms_p99": _ms(_pct(itl, 0.99)),
-            "output_tokens_per_s": round(tokens / wall, 2), "output_tokens": tokens, "wall_s": round(wall, 2)}
+    return {
+        "ttft_ms_p50": _ms(statistics.median(ttft)),
+        "ttft_ms_p99": _ms(_pct(ttft, 0.99)),
+        "itl_ms_p50": _ms(_pct(itl, 0.5)),
+        "itl_ms_p99": _ms(_pct(itl, 0.99)),
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 2),
+    }
 
 
 def shared_prefix(server_factory, args, vocab: int) -> dict:
     warm, prompts = (shared_prefix_jobs(args.requests, args.system, vocab, seed) for seed in (0, 1))
-    out = {"workload": "shared-prefix", "clients": args.clients[-1], "requests": args.requests, "system": args.system,
-           "new": args.new}
+    out = {
+        "workload": "shared-prefix",
+        "clients": args.clients[-1],
+        "requests": args.requests,
+        "system": args.system,
+        "new": args.new,
+    }
     blocks = args.clients[-1] * args.max_model_len // 32  # the static rows' positions, in the server's 32-token blocks
-    for label, extra in (("no_cache", []), ("prefix_cache", ["--enable-prefix-caching"]),
-                         ("shared_blocks", ["--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks)])):
+    for label, extra in (
+        ("no_cache", []),
+        ("prefix_cache", ["--enable-prefix-caching"]),
+        ("shared_blocks", ["--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks)]),
+    ):
         server = server_factory(extra)
         try:
             asyncio.run(_clients_run(server.url, warm, args.clients[-1], args.new))  # warm-up: other turns
-            q0, h0, g0 = (counter(server.url, n) for n in ("prefix_cache_queries_total", "prefix_cache_hits_total",
-                                                             "graphs_compiled_total"))
+            q0, h0, g0 = (
+                counter(server.url, n)
+                for n in ("prefix_cache_queries_total", "prefix_cache_hits_total", "graphs_compiled_total")
+            )
             row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))
-            q, h = counter(server.url, "prefix_cache_queries_total") - q0, counter(server.url, "prefix_cache_hits_total") - h0
+            q, h = (
+                counter(server.url, "prefix_cache_queries_total") - q0,
+                counter(server.url, "prefix_cache_hits_total") - h0,
+            )
             row["prefix_hit_rate"] = round(h / q, 3) if q else None
             row["graphs_after_warmup"] = counter(server.url, "graphs_compiled_total") - g0
         finally:
@@ -135,11 +160,16 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
         out[label] = row
     out["ratios"] = {
         "ttft_p50_no_cache_over_cache": round(out["no_cache"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
-        "output_tokens_per_s_cache_over_no_cache": round(out["prefix_cache"]["output_tokens_per_s"]
-                                                         / out["no_cache"]["output_tokens_per_s"], 2),
-        "ttft_p50_shared_over_copied": round(out["shared_blocks"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
-        "output_tokens_per_s_shared_over_copied": round(out["shared_blocks"]["output_tokens_per_s"]
-                                                        / out["prefix_cache"]["output_tokens_per_s"], 2)}
+        "output_tokens_per_s_cache_over_no_cache": round(
+            out["prefix_cache"]["output_tokens_per_s"] / out["no_cache"]["output_tokens_per_s"], 2
+        ),
+        "ttft_p50_shared_over_copied": round(
+            out["shared_blocks"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2
+        ),
+        "output_tokens_per_s_shared_over_copied": round(
+            out["shared_blocks"]["output_tokens_per_s"] / out["prefix_cache"]["output_tokens_per_s"], 2
+        ),
+    }
     return out
 
 
@@ -147,8 +177,10 @@ def long_prompt(server_factory, args, vocab: int) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    decoders = [(torch.randint(1, vocab, (64,), generator=g).tolist(), args.new, "decode", 0.0)
-                for _ in range(args.clients[-1] - 1)]
+    decoders = [
+        (torch.randint(1, vocab, (64,), generator=g).tolist(), args.new, "decode", 0.0)
+        for _ in range(args.clients[-1] - 1)
+    ]
     long = [(torch.randint(1, vocab, (args.long,), generator=g).tolist(), 16, "long", args.long_delay)]
     warm = [(d[0], 4, "decode", 0.0) for d in decoders] + [(long[0][0], 2, "long", 0.0)]
     out = {"workload": "long-prompt", "decoding_clients": len(decoders), "long": args.long, "new": args.new}
@@ -163,11 +195,19 @@ def long_prompt(server_factory, args, vocab: int) -> dict:
         finally:
             server.stop()
         itl = run["by_tag"]["decode"]["itl"]
-        out[label] = {"decode_itl_ms_p50": _ms(_pct(itl, 0.5)), "decode_itl_ms_p99": _ms(_pct(itl, 0.99)),
-                      "decode_itl_ms_max": _ms(max(itl)), "long_ttft_ms": _ms(run["by_tag"]["long"]["ttft"][0]),
-                      "output_tokens_per_s": round(run["tokens"] / run["wall"], 2), "graphs_after_warmup": graphs}
-    out["ratios"] = {"decode_itl_p99_unchunked_over_chunked": round(out["unchunked"]["decode_itl_ms_p99"]
-                                                                    / out["chunked"]["decode_itl_ms_p99"], 2)}
+        out[label] = {
+            "decode_itl_ms_p50": _ms(_pct(itl, 0.5)),
+            "decode_itl_ms_p99": _ms(_pct(itl, 0.99)),
+            "decode_itl_ms_max": _ms(max(itl)),
+            "long_ttft_ms": _ms(run["by_tag"]["long"]["ttft"][0]),
+            "output_tokens_per_s": round(run["tokens"] / run["wall"], 2),
+            "graphs_after_warmup": graphs,
+        }
+    out["ratios"] = {
+        "decode_itl_p99_unchunked_over_chunked": round(
+            out["unchunked"]["decode_itl_ms_p99"] / out["chunked"]["decode_itl_ms_p99"], 2
+        )
+    }
     return out
 
 

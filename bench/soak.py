@@ -42,8 +42,7 @@ from serve import ServerProcess  # noqa: E402
 
 VOCAB = 512
 EOS = 7  # "w7": a word the random model emits now and then
-CHAT_TEMPLATE = ("{% for m in messages %}w2 {{ m.content }} w3 {% endfor %}{% if add_generation_prompt %}w4 "
-                 "{% endif %}")
+CHAT_TEMPLATE = "{% for m in messages %}w2 {{ m.content }} w3 {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
 
 
 def build_model(folder: str) -> None:
@@ -53,17 +52,34 @@ def build_model(folder: str) -> None:
 
     from staticformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                  max_position_embeddings=512, eos_token_id=EOS, tie_word_embeddings=True)
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        eos_token_id=EOS,
+        tie_word_embeddings=True,
+    )
     AutoModelForCausalLM.from_config(config, seed=0).save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "eos_token": f"w{EOS}",
-                   "chat_template": CHAT_TEMPLATE}, f)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 512,
+                "eos_token": f"w{EOS}",
+                "chat_template": CHAT_TEMPLATE,
+            },
+            f,
+        )
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -83,9 +99,14 @@ def known_answers(folder: str, count: int = 8, new: int = 12) -> list:
     for _ in range(count):
         prompt = words(rng, rng.randint(2, 40))
         ids = tok(prompt)["input_ids"]
-        got = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                             compile_config=CompileConfig(backend="eager"))
-        out.append((prompt, tok.decode(got[0, len(ids):], skip_special_tokens=True)))
+        got = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            compile_config=CompileConfig(backend="eager"),
+        )
+        out.append((prompt, tok.decode(got[0, len(ids) :], skip_special_tokens=True)))
     return out
 
 
@@ -129,8 +150,10 @@ async def one(client, url: str, rng: random.Random, known: list, tally: Tally) -
         return
     if draw < 0.30:  # a known greedy answer
         prompt, want = known[rng.randrange(len(known))]
-        r = await client.post(url + "/v1/completions", json={"model": "soak", "prompt": prompt, "max_tokens": 12,
-                                                             "temperature": 0, "ignore_eos": True})
+        r = await client.post(
+            url + "/v1/completions",
+            json={"model": "soak", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        )
         if r.status_code != 200:
             tally.fail("known answer", f"{r.status_code} {r.text[:200]}")
         elif r.json()["choices"][0]["text"] != want:
@@ -141,8 +164,13 @@ async def one(client, url: str, rng: random.Random, known: list, tally: Tally) -
     chat = draw < 0.50
     path = "/v1/chat/completions" if chat else "/v1/completions"
     max_tokens = 1 if rng.random() < 0.2 else rng.randint(2, 32)
-    body = {"model": "soak", "max_tokens": max_tokens, "temperature": rng.choice([0, 0.8]),
-            "n": rng.choice([1, 1, 1, 2]), "seed": rng.randrange(1000)}
+    body = {
+        "model": "soak",
+        "max_tokens": max_tokens,
+        "temperature": rng.choice([0, 0.8]),
+        "n": rng.choice([1, 1, 1, 2]),
+        "seed": rng.randrange(1000),
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": words(rng, rng.randint(1, 30))}]
     else:
@@ -217,11 +245,18 @@ def after(url: str, known: list) -> dict:
         time.sleep(0.2)
     wrong = 0
     for prompt, want in known:
-        r = httpx.post(url + "/v1/completions", json={"model": "soak", "prompt": prompt, "max_tokens": 12,
-                                                      "temperature": 0, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "soak", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
         wrong += r.status_code != 200 or r.json()["choices"][0]["text"] != want
-    return {"running": running, "waiting": waiting, "known_answers_wrong": wrong,
-            "health": httpx.get(url + "/health", timeout=30).status_code}
+    return {
+        "running": running,
+        "waiting": waiting,
+        "known_answers_wrong": wrong,
+        "health": httpx.get(url + "/health", timeout=30).status_code,
+    }
 
 
 def main(argv=None) -> int:
@@ -235,8 +270,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder)
         known = known_answers(folder)
-        server = ServerProcess(folder, "cpu", 8, 512, ["--no-compile", "--served-model-name", "soak",
-                                                       "--max-queued-requests", "64"])
+        server = ServerProcess(
+            folder, "cpu", 8, 512, ["--no-compile", "--served-model-name", "soak", "--max-queued-requests", "64"]
+        )
         try:
             url = server.url
             started = time.monotonic()
@@ -248,13 +284,30 @@ def main(argv=None) -> int:
         log = "".join(server.lines)
     requests = sum(sum(v.values()) for v in tally.counts.values())
     failed = sum(v.get("FAILED", 0) for v in tally.counts.values())
-    ok = failed == 0 and state["running"] == 0 and state["waiting"] == 0 and state["known_answers_wrong"] == 0 \
-        and state["health"] == 200 and server.proc.returncode == 0
-    result = {"seconds": round(wall, 1), "clients": args.clients, "requests": requests,
-              "requests_per_s": round(requests / wall, 2), "failed": failed, "failures": tally.failures,
-              "outcomes": tally.counts, "after": state, "exit_code": server.proc.returncode,
-              "server_log_lines": len(log.splitlines()), "tracebacks_in_log": log.count("Traceback"),
-              "pressure_before": before, "pressure_after": pressure(), "ok": ok}
+    ok = (
+        failed == 0
+        and state["running"] == 0
+        and state["waiting"] == 0
+        and state["known_answers_wrong"] == 0
+        and state["health"] == 200
+        and server.proc.returncode == 0
+    )
+    result = {
+        "seconds": round(wall, 1),
+        "clients": args.clients,
+        "requests": requests,
+        "requests_per_s": round(requests / wall, 2),
+        "failed": failed,
+        "failures": tally.failures,
+        "outcomes": tally.counts,
+        "after": state,
+        "exit_code": server.proc.returncode,
+        "server_log_lines": len(log.splitlines()),
+        "tracebacks_in_log": log.count("Traceback"),
+        "pressure_before": before,
+        "pressure_after": pressure(),
+        "ok": ok,
+    }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

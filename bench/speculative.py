@@ -56,7 +56,7 @@ def extractive_prompts(batch: int, length: int, vocab: int, seed: int = 0) -> li
     for _ in range(batch):
         doc = torch.randint(10, vocab, (length - 16,), generator=gen).tolist()
         start = len(doc) // 3
-        out.append(doc + doc[start:start + 16])
+        out.append(doc + doc[start : start + 16])
     return out
 
 
@@ -115,8 +115,9 @@ def labelled(modes: list, ks: list) -> list:
     return out
 
 
-def time_case(model, settings, plan, prompts: list, new: int, entries: list, repeats: int, engines: list,
-              temperature=None) -> dict:
+def time_case(
+    model, settings, plan, prompts: list, new: int, entries: list, repeats: int, engines: list, temperature=None
+) -> dict:
     """One batch: warm every entry (label, make speculator) up, then time them interleaved A B C A B C; each
     entry's greedy tokens are checked equal to the first entry's (no speculation). Sampled rows
     (`temperature`) are not compared: speculation keeps their distribution, not their draws."""
@@ -130,8 +131,9 @@ def time_case(model, settings, plan, prompts: list, new: int, entries: list, rep
             if label == "none" and not temperature:
                 reference = out["tokens"]
     case["warmup_seconds"] = round(time.perf_counter() - start, 1)
-    rows = {label: {"ttft": [], "decode": [], "drafted": 0, "accepted": 0, "steps": 0, "graphs": 0}
-            for label, _ in entries}
+    rows = {
+        label: {"ttft": [], "decode": [], "drafted": 0, "accepted": 0, "steps": 0, "graphs": 0} for label, _ in entries
+    }
     for _ in range(repeats):  # interleaved A B A B
         for label, make in entries:
             spec = make()
@@ -150,13 +152,20 @@ def time_case(model, settings, plan, prompts: list, new: int, entries: list, rep
                 r["steps"] += spec.num_steps
     for label, r in rows.items():
         decode = statistics.median(r["decode"])
-        entry = {"ttft_ms": round(statistics.median(r["ttft"]) * 1000, 1),
-                 "decode_tok_s": round(batch * (new - 1) / decode, 1),
-                 "decode_runs_s": [round(x, 3) for x in r["decode"]], "graphs_while_timed": r["graphs"]}
+        entry = {
+            "ttft_ms": round(statistics.median(r["ttft"]) * 1000, 1),
+            "decode_tok_s": round(batch * (new - 1) / decode, 1),
+            "decode_runs_s": [round(x, 3) for x in r["decode"]],
+            "graphs_while_timed": r["graphs"],
+        }
         if label != "none":
-            entry.update(proposed=r["drafted"], accepted=r["accepted"], verify_steps=r["steps"],
-                         acceptance=round(r["accepted"] / max(r["drafted"], 1), 3),
-                         tokens_per_verify_row=round((r["accepted"] + r["steps"] * batch) / max(r["steps"] * batch, 1), 2))
+            entry.update(
+                proposed=r["drafted"],
+                accepted=r["accepted"],
+                verify_steps=r["steps"],
+                acceptance=round(r["accepted"] / max(r["drafted"], 1), 3),
+                tokens_per_verify_row=round((r["accepted"] + r["steps"] * batch) / max(r["steps"] * batch, 1), 2),
+            )
         case[label] = entry
     for label, _ in entries:
         if label != "none" and "none" in case:
@@ -169,19 +178,36 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--k", type=int, nargs="+", default=[4, 8],
-                    help="proposed tokens per step (num_speculative_tokens); several: each speculating mode at each k")
+    ap.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[4, 8],
+        help="proposed tokens per step (num_speculative_tokens); several: each speculating mode at each k",
+    )
     ap.add_argument("--ngram", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--backend", default=None, help="torch.compile backend (default: the device's)")
-    ap.add_argument("--modes", nargs="+", default=["none", "lookup", "draft"],
-                    help="none, lookup, draft (the reference's first layers); trained_draft times a trained "
-                         "target with none, lookup (if asked) and its trained draft (bench/trained_pair.py)")
-    ap.add_argument("--temperature", type=float, default=None,
-                    help="sample at this temperature (a seed per row) instead of greedy; tokens are then not compared")
-    ap.add_argument("--target", choices=["reference", "trained", "both"], default=None,
-                    help="which target the modes run on (default: trained when trained_draft is asked, else reference)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["none", "lookup", "draft"],
+        help="none, lookup, draft (the reference's first layers); trained_draft times a trained "
+        "target with none, lookup (if asked) and its trained draft (bench/trained_pair.py)",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample at this temperature (a seed per row) instead of greedy; tokens are then not compared",
+    )
+    ap.add_argument(
+        "--target",
+        choices=["reference", "trained", "both"],
+        default=None,
+        help="which target the modes run on (default: trained when trained_draft is asked, else reference)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     target = args.target or ("trained" if "trained_draft" in args.modes else "reference")
@@ -190,15 +216,28 @@ def main(argv=None) -> None:
     if target == "trained" and "draft" in args.modes:
         ap.error("draft (the reference's first layers) runs on the reference: pass --target reference or both.")
 
-    report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), "k": args.k, "ngram": args.ngram,
-              "prompt": args.prompt, "new": args.new, "draft_layers": args.draft_layers,
-              "temperature": args.temperature,
-              "note": "machine shared with other work; see pressure_before/after", "cases": []}
+    report = {
+        "pressure_before": pressure(),
+        "threads": torch.get_num_threads(),
+        "k": args.k,
+        "ngram": args.ngram,
+        "prompt": args.prompt,
+        "new": args.new,
+        "draft_layers": args.draft_layers,
+        "temperature": args.temperature,
+        "note": "machine shared with other work; see pressure_before/after",
+        "cases": [],
+    }
     config = GenerationConfig()
     cc = CompileConfig(backend=args.backend)
     kv = 1 << (args.prompt + args.new + max(args.k)).bit_length()
-    plan = ShapePlan(batch_sizes=sorted(set(args.batches)), prompt_lengths=[args.prompt], kv_lengths=[kv],
-                     max_model_len=kv, extend_widths=[(k + 1, k + 1) for k in sorted(set(args.k))])
+    plan = ShapePlan(
+        batch_sizes=sorted(set(args.batches)),
+        prompt_lengths=[args.prompt],
+        kv_lengths=[kv],
+        max_model_len=kv,
+        extend_widths=[(k + 1, k + 1) for k in sorted(set(args.k))],
+    )
     report["plan"] = str(plan)
 
     def write() -> None:
@@ -225,8 +264,13 @@ def main(argv=None) -> None:
             prompts = prompts_for(batch)
             before = pressure()
             case = time_case(model, settings, plan, prompts, args.new, entries, args.repeats, engines, args.temperature)
-            case = {"model": section, **case, "pressure_before": before, "pressure_after": pressure(),
-                    "lookup_host_us_per_row_step": lookup_cost_us(prompts, max(args.k), args.ngram)}
+            case = {
+                "model": section,
+                **case,
+                "pressure_before": before,
+                "pressure_after": pressure(),
+                "lookup_host_us_per_row_step": lookup_cost_us(prompts, max(args.k), args.ngram),
+            }
             report["cases"].append(case)
             print(json.dumps(case), file=sys.stderr, flush=True)
             write()
@@ -238,16 +282,22 @@ def main(argv=None) -> None:
             model = AutoModelForCausalLM.from_pretrained(ref_dir)
             drafts = {"draft": layer_draft(ref_dir, args.draft_layers)} if "draft" in reference_modes else {}
             vocab = model.config.vocab_size
-            run_cases(model, drafts, reference_modes, lambda b: extractive_prompts(b, args.prompt, vocab, seed=b),
-                      "reference")
+            run_cases(
+                model, drafts, reference_modes, lambda b: extractive_prompts(b, args.prompt, vocab, seed=b), "reference"
+            )
         if target in ("trained", "both"):
             from trained_pair import corpus_prompts, trained_pair
 
             pair = trained_pair()
             report["trained_pair"] = pair.report
             modes = [m for m in args.modes if m != "draft"]
-            run_cases(pair.target, {"trained_draft": pair.draft}, modes,
-                      lambda b: corpus_prompts(pair.settings, b, args.prompt, seed=1000 + b), "trained target")
+            run_cases(
+                pair.target,
+                {"trained_draft": pair.draft},
+                modes,
+                lambda b: corpus_prompts(pair.settings, b, args.prompt, seed=1000 + b),
+                "trained target",
+            )
     report["pressure_after"] = pressure()
     write_report(report, args.out)
 

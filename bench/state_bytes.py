@@ -32,12 +32,17 @@ def cache_bytes(config, context: int, dtype: torch.dtype) -> dict:
     allocated = KVCache.for_model(model, batch=1, max_length=context).nbytes
     accounted = KVCache.bytes_for(model, batch=1, max_length=context)
     if allocated != accounted:
-        raise SystemExit(f"The cache allocates {allocated} bytes, not the {accounted} its accounting says: fix "
-                         f"models/kv_cache.py.")
+        raise SystemExit(
+            f"The cache allocates {allocated} bytes, not the {accounted} its accounting says: fix models/kv_cache.py."
+        )
     per_position = bytes_per_position(config, dtype)
     # the fixed-size part: the linear layers' states and a hybrid row's counted-token index
-    return {"per_position": per_position, "states": state_bytes_per_row(config, dtype),
-            "fixed": allocated - per_position * context, "total": allocated}
+    return {
+        "per_position": per_position,
+        "states": state_bytes_per_row(config, dtype),
+        "fixed": allocated - per_position * context,
+        "total": allocated,
+    }
 
 
 def main(argv=None) -> dict:

@@ -102,9 +102,26 @@ def case(impl: str, threads: int, wait: str, load: str, args, env: dict) -> dict
     try:
         time.sleep(0.2 if load_procs else 0)
         t = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", CHILD, impl, args.ref, str(threads), str(args.prompt),
-                              str(args.new), str(args.repeats), args.gguf or "", args.dtype, str(args.batch)], env=env, capture_output=True, text=True,
-                             timeout=args.timeout)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                impl,
+                args.ref,
+                str(threads),
+                str(args.prompt),
+                str(args.new),
+                str(args.repeats),
+                args.gguf or "",
+                args.dtype,
+                str(args.batch),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         wall = time.perf_counter() - t
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s", "pressure_before": before, "pressure_after": pressure()}
@@ -127,7 +144,9 @@ def summarize(result: dict, runs: dict) -> dict:
         if ok:
             row.update({k: round(statistics.median(x[k] for x in ok), 3) for k in ("ttft_ms", "step_ms")})
         result["cases"].append(row)
-    base = {(c["impl"], c["load"]): c.get("step_ms") for c in result["cases"] if c["threads"] == 1 and c["wait"] == "spin"}
+    base = {
+        (c["impl"], c["load"]): c.get("step_ms") for c in result["cases"] if c["threads"] == 1 and c["wait"] == "spin"
+    }
     quiet = {(c["impl"], c["threads"], c["wait"]): c.get("step_ms") for c in result["cases"] if c["load"] == "none"}
     for c in result["cases"]:
         if c.get("step_ms") and base.get((c["impl"], c["load"])):
@@ -141,8 +160,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--which", nargs="+", default=["sf"], choices=["sf", "hf"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--waits", nargs="+", default=["spin", "passive"],
-                    help="spin (OpenMP's default), passive (OMP_WAIT_POLICY=PASSIVE), spinN (GOMP_SPINCOUNT=N)")
+    ap.add_argument(
+        "--waits",
+        nargs="+",
+        default=["spin", "passive"],
+        help="spin (OpenMP's default), passive (OMP_WAIT_POLICY=PASSIVE), spinN (GOMP_SPINCOUNT=N)",
+    )
     ap.add_argument("--loads", nargs="+", default=["none", "spin"], choices=["none", "spin"])
     ap.add_argument("--load-procs", type=int, default=2, help="spinning processes of the competing load")
     ap.add_argument("--rounds", type=int, default=3)
@@ -150,10 +173,17 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=33)
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "sf-bench-threads-cache"),
-                    help="the compile cache every case shares (warmed first)")
-    ap.add_argument("--model", default="41m", choices=["41m", "smollm2"],
-                    help="41m: the reference checkpoint; smollm2: the suite's real model (its GGUF, installed on demand)")
+    ap.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "sf-bench-threads-cache"),
+        help="the compile cache every case shares (warmed first)",
+    )
+    ap.add_argument(
+        "--model",
+        default="41m",
+        choices=["41m", "smollm2"],
+        help="41m: the reference checkpoint; smollm2: the suite's real model (its GGUF, installed on demand)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -162,12 +192,26 @@ def main() -> None:
         args.ref, args.gguf = real_model()
     else:
         args.ref, args.gguf = build_reference(reference_dir("41m")), None
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC), STATICFORMERS_CACHE=args.cache,
-               TORCHINDUCTOR_CACHE_DIR=os.path.join(args.cache, "inductor"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.path.abspath(SRC),
+        STATICFORMERS_CACHE=args.cache,
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(args.cache, "inductor"),
+    )
     env.pop("OMP_NUM_THREADS", None)
-    result = {"pressure_before": pressure(), "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-              "load_procs": args.load_procs, "prompt": args.prompt, "new": args.new, "model": args.model,
-              "dtype": args.dtype, "batch": args.batch, "warm": {}, "cases": []}
+    result = {
+        "pressure_before": pressure(),
+        "cpus": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "load_procs": args.load_procs,
+        "prompt": args.prompt,
+        "new": args.new,
+        "model": args.model,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "warm": {},
+        "cases": [],
+    }
     if "sf" in args.which:
         for threads in args.threads:  # compile once per thread count, quiet, before anything is timed
             result["warm"][str(threads)] = case("sf", threads, "spin", "none", args, env)

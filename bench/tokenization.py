@@ -46,17 +46,33 @@ def build(folder: Path, docs: list[str]) -> None:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=8000,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(docs[:2000], trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "model_max_length": 131072}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "Qwen2Tokenizer",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "model_max_length": 131072,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -74,7 +90,7 @@ def main() -> None:
 
     pressure_before = cpu_pressure()
     docs = make_text(args.mb)
-    batches = [docs[i:i + args.batch] for i in range(0, len(docs), args.batch)]
+    batches = [docs[i : i + args.batch] for i in range(0, len(docs), args.batch)]
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp), docs)
         with warnings.catch_warnings():
@@ -108,18 +124,31 @@ def main() -> None:
         med_ours = statistics.median(times["staticformers"])
         med_ref = statistics.median(times["transformers"])
         results[mode] = {
-            "staticformers_s": round(med_ours, 3), "transformers_s": round(med_ref, 3),
+            "staticformers_s": round(med_ours, 3),
+            "transformers_s": round(med_ref, 3),
             "speedup_vs_transformers": round(med_ref / med_ours, 3),
             "staticformers_MB_per_s": round(args.mb / med_ours, 2),
             "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()},
         }
-    print(json.dumps({
-        "bench": "tokenize", "megabytes": args.mb, "texts": len(docs), "batch": args.batch, "reps": args.reps,
-        "max_length": args.max_length, "cpus": os.cpu_count(), "tokenizers_threads": os.environ.get(
-            "RAYON_NUM_THREADS", "default"),
-        "transformers": transformers.__version__, "results": results,
-        "cpu_pressure_before": pressure_before, "cpu_pressure_after": cpu_pressure(),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "bench": "tokenize",
+                "megabytes": args.mb,
+                "texts": len(docs),
+                "batch": args.batch,
+                "reps": args.reps,
+                "max_length": args.max_length,
+                "cpus": os.cpu_count(),
+                "tokenizers_threads": os.environ.get("RAYON_NUM_THREADS", "default"),
+                "transformers": transformers.__version__,
+                "results": results,
+                "cpu_pressure_before": pressure_before,
+                "cpu_pressure_after": cpu_pressure(),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

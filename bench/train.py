@@ -58,8 +58,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(path: str, docs: list, precision: str, mode: str, steps: int, packing: bool = False, *,
-             device: str = "cpu", batch: int = BATCH, seq: int = SEQ, backend: str | None = None) -> dict:
+def run_ours(
+    path: str,
+    docs: list,
+    precision: str,
+    mode: str,
+    steps: int,
+    packing: bool = False,
+    *,
+    device: str = "cpu",
+    batch: int = BATCH,
+    seq: int = SEQ,
+    backend: str | None = None,
+) -> dict:
 
     from staticformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -73,34 +84,74 @@ def run_ours(path: str, docs: list, precision: str, mode: str, steps: int, packi
             return norm
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_length=seq,
-                             max_steps=steps, learning_rate=LR, bf16=precision == "bf16", torch_compile=mode == "compiled",
-                             torch_compile_backend=backend, save_strategy="no", logging_steps=10**6, disable_tqdm=True,
-                             packing=packing, long_documents="truncate", use_cpu=device == "cpu")
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        max_length=seq,
+        max_steps=steps,
+        learning_rate=LR,
+        bf16=precision == "bf16",
+        torch_compile=mode == "compiled",
+        torch_compile_backend=backend,
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        packing=packing,
+        long_documents="truncate",
+        use_cpu=device == "cpu",
+    )
     trainer = Timed(model=model, args=args, train_dataset=docs)
     trainer.get_train_rows()  # rows are built before the clock starts, as the peer's are
     start = time.perf_counter()
     out = trainer.train()
     periods = [b - a for a, b in zip(ends, ends[1:])]
     rows = trainer.get_train_rows()
-    return {"first_step_s": ends[0] - start, "step_s": periods, "graphs": trainer.compile_stats()["train_graphs"],
-            "loss": out.training_loss, "padding_waste": rows.padding_waste, "real_tokens_per_row": rows.real_tokens / rows.num_rows}
+    return {
+        "first_step_s": ends[0] - start,
+        "step_s": periods,
+        "graphs": trainer.compile_stats()["train_graphs"],
+        "loss": out.training_loss,
+        "padding_waste": rows.padding_waste,
+        "real_tokens_per_row": rows.real_tokens / rows.num_rows,
+    }
 
 
-def run_theirs(path: str, rows, precision: str, mode: str, steps: int, *, device: str = "cpu", batch: int = BATCH,
-               backend: str | None = None) -> dict:
+def run_theirs(
+    path: str,
+    rows,
+    precision: str,
+    mode: str,
+    steps: int,
+    *,
+    device: str = "cpu",
+    batch: int = BATCH,
+    backend: str | None = None,
+) -> dict:
     import transformers
 
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise SystemExit("transformers' Trainer needs accelerate: install the bench extra (pip install -e '.[bench]').") from None
+        raise SystemExit(
+            "transformers' Trainer needs accelerate: install the bench extra (pip install -e '.[bench]')."
+        ) from None
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     extra = {"torch_compile_backend": backend} if backend and mode == "compiled" else {}
     args = transformers.TrainingArguments(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
-        bf16=precision == "bf16", torch_compile=mode == "compiled", save_strategy="no", logging_steps=10**6,
-        report_to="none", use_cpu=device == "cpu", dataloader_drop_last=True, disable_tqdm=True, **extra)
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=LR,
+        bf16=precision == "bf16",
+        torch_compile=mode == "compiled",
+        save_strategy="no",
+        logging_steps=10**6,
+        report_to="none",
+        use_cpu=device == "cpu",
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        **extra,
+    )
     return train_with_transformers(model, args, rows, device)
 
 
@@ -134,8 +185,12 @@ def train_with_transformers(model, args, rows, device: str) -> dict:
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[Clock()])
     out = trainer.train()
     periods = [b - a for a, b in zip(ends, ends[1:])]
-    return {"first_step_s": ends[0] - begin[0], "step_s": periods,
-            "graphs": dyn_utils.counters["stats"]["unique_graphs"] - before, "loss": out.training_loss}
+    return {
+        "first_step_s": ends[0] - begin[0],
+        "step_s": periods,
+        "graphs": dyn_utils.counters["stats"]["unique_graphs"] - before,
+        "loss": out.training_loss,
+    }
 
 
 def run_child(spec: dict) -> dict:
@@ -143,8 +198,9 @@ def run_child(spec: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.join(HERE, "..", "src")}
     if spec["device"].startswith("cuda:"):  # the child sees that GPU alone, as cuda:0
         env["CUDA_VISIBLE_DEVICES"] = spec["device"].split(":", 1)[1]
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_run", json.dumps(spec)], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1][:500]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -165,8 +221,16 @@ def child(spec: dict) -> int:
     docs = documents(spec["documents"], vocab=vocab)
     kw = dict(device=device, batch=spec["batch"], backend=spec.get("backend"))
     if spec["who"] == "ours":
-        res = run_ours(path, docs, spec["precision"], spec["mode"], spec["steps"], packing=spec.get("packing", False),
-                       seq=spec["seq"], **kw)
+        res = run_ours(
+            path,
+            docs,
+            spec["precision"],
+            spec["mode"],
+            spec["steps"],
+            packing=spec.get("packing", False),
+            seq=spec["seq"],
+            **kw,
+        )
     else:
         padded = build_rows(docs, None, spec["seq"], packing=False, long_documents="truncate")
         res = run_theirs(path, padded, spec["precision"], spec["mode"], spec["steps"], **kw)
@@ -179,8 +243,10 @@ def flops_per_token(size: str, seq: int) -> int:
     from reference import SIZES, weight_counts
 
     c = SIZES[size]
-    return 6 * weight_counts(size)["linear_parameters"] + \
-        12 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * seq
+    return (
+        6 * weight_counts(size)["linear_parameters"]
+        + 12 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * seq
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both trainers run there")
-    parser.add_argument("--size", default="41m", choices=sorted(SIZES), help="reference checkpoint (bench/reference.py)")
+    parser.add_argument(
+        "--size", default="41m", choices=sorted(SIZES), help="reference checkpoint (bench/reference.py)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--documents", type=int, default=400)
@@ -226,18 +294,35 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     flops = flops_per_token(a.size, seq)
     report = {
-        "model": f"reference Qwen3-shaped {a.size} (bench/reference.py)", "size": a.size, "batch": batch, "seq": seq,
-        "device": device_info(device), "backend": a.backend or "inductor", "ceiling": ceiling,
+        "model": f"reference Qwen3-shaped {a.size} (bench/reference.py)",
+        "size": a.size,
+        "batch": batch,
+        "seq": seq,
+        "device": device_info(device),
+        "backend": a.backend or "inductor",
+        "ceiling": ceiling,
         "model_flops_per_token": flops,
-        "data": {"documents": len(docs), "median_tokens": statistics.median(len(d["input_ids"]) for d in docs),
-                 "padding_waste_padded": round(padded.padding_waste, 4),
-                 "padding_waste_packed_bfd": round(packed_bfd.padding_waste, 4),
-                 "padding_waste_packed_wrapped": round(packed_wrapped.padding_waste, 4),
-                 "rows_padded": padded.num_rows, "rows_packed_bfd": packed_bfd.num_rows},
-        "pressure_start": pressure(), "results": {},
+        "data": {
+            "documents": len(docs),
+            "median_tokens": statistics.median(len(d["input_ids"]) for d in docs),
+            "padding_waste_padded": round(padded.padding_waste, 4),
+            "padding_waste_packed_bfd": round(packed_bfd.padding_waste, 4),
+            "padding_waste_packed_wrapped": round(packed_wrapped.padding_waste, 4),
+            "rows_padded": padded.num_rows,
+            "rows_packed_bfd": packed_bfd.num_rows,
+        },
+        "pressure_start": pressure(),
+        "results": {},
     }
-    base = {"steps": a.steps, "documents": a.documents, "device": str(device), "size": a.size, "batch": batch,
-            "seq": seq, "backend": a.backend}
+    base = {
+        "steps": a.steps,
+        "documents": a.documents,
+        "device": str(device),
+        "size": a.size,
+        "batch": batch,
+        "seq": seq,
+        "backend": a.backend,
+    }
     for precision in a.precisions.split(","):
         for mode in a.modes.split(","):
             key = f"{precision}-{mode}"
@@ -248,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
                     res = run_child({**base, "who": who, "precision": precision, "mode": mode})  # errors are recorded
                     res["pressure_before"], res["pressure_after"] = p0, pressure()
                     runs[who].append(res)
-                    print(f"[{key}] round {r} {who}: first {res.get('first_step_s', float('nan')):.1f}s "
-                          f"steps {[round(s, 3) for s in res.get('step_s', [])]} {res.get('error', '')} "
-                          f"({res['pressure_after']})", file=sys.stderr, flush=True)
+                    print(
+                        f"[{key}] round {r} {who}: first {res.get('first_step_s', float('nan')):.1f}s "
+                        f"steps {[round(s, 3) for s in res.get('step_s', [])]} {res.get('error', '')} "
+                        f"({res['pressure_after']})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             summary = {}
             for who, rs in runs.items():
                 ok = [x for x in rs if "error" not in x]
@@ -277,17 +366,30 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             best = "bf16" if "bf16" in a.precisions else "fp32"
-            res = run_child({**base, "who": "ours", "precision": best, "packing": True,
-                             "mode": "compiled" if "compiled" in a.modes else "eager"})
+            res = run_child(
+                {
+                    **base,
+                    "who": "ours",
+                    "precision": best,
+                    "packing": True,
+                    "mode": "compiled" if "compiled" in a.modes else "eager",
+                }
+            )
             if "error" in res:
                 raise RuntimeError(res["error"])
             steady = statistics.median(res["step_s"])
-            report["packed"] = {"precision": best, "real_tokens_per_s": round(batch * res["real_tokens_per_row"] / steady, 1),
-                                "positions_per_s": round(batch * seq / steady, 1),
-                                "padding_waste": round(res["padding_waste"], 4), "graphs": res["graphs"]}
+            report["packed"] = {
+                "precision": best,
+                "real_tokens_per_s": round(batch * res["real_tokens_per_row"] / steady, 1),
+                "positions_per_s": round(batch * seq / steady, 1),
+                "padding_waste": round(res["padding_waste"], 4),
+                "graphs": res["graphs"],
+            }
             pr = report["results"].get(f"{best}-compiled", {}).get("summary", {}).get("ours", {})
             if pr.get("steady_tokens_per_s"):
-                report["packed"]["padded_real_tokens_per_s"] = round(pr["steady_tokens_per_s"] * (1 - padded.padding_waste), 1)
+                report["packed"]["padded_real_tokens_per_s"] = round(
+                    pr["steady_tokens_per_s"] * (1 - padded.padding_waste), 1
+                )
         except Exception as err:
             report["packed"] = {"error": f"{type(err).__name__}: {err}"[:500]}
     report["pressure_end"] = pressure()

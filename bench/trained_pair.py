@@ -87,7 +87,7 @@ class Chain:
             if len(out) > 32 and rng.random() < self.copy_rate:
                 span = int(rng.integers(8, 25))
                 start = int(rng.integers(0, len(out) - span))
-                out += out[start:start + span]
+                out += out[start : start + span]
                 continue
             out.append(int(self.succ[out[-1], rng.choice(4, p=self.probs)]))
         return [self.base + t for t in out[:length]]
@@ -104,7 +104,7 @@ def corpus_prompts(s: PairSettings, batch: int, length: int, seed: int) -> list[
     for _ in range(batch):
         doc = chain.document(length - 16, rng)
         start = len(doc) // 3
-        out.append(doc + doc[start:start + 16])
+        out.append(doc + doc[start : start + 16])
     return out
 
 
@@ -112,8 +112,14 @@ def _config(s: PairSettings, draft: bool):
     shape = dict(SIZES["41m"])
     if draft:
         h = s.draft_hidden
-        shape.update(hidden_size=h, intermediate_size=3 * h, num_hidden_layers=s.draft_layers,
-                     num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 128), head_dim=64)
+        shape.update(
+            hidden_size=h,
+            intermediate_size=3 * h,
+            num_hidden_layers=s.draft_layers,
+            num_attention_heads=max(1, h // 64),
+            num_key_value_heads=max(1, h // 128),
+            head_dim=64,
+        )
     return AutoConfig.for_model("qwen3", **shape)
 
 
@@ -158,11 +164,17 @@ def train(model, data: torch.Tensor, s: PairSettings, label: str) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         if step % 20 == 0 or step == len(data) - 1:
-            print(f"{label} step {step} loss {losses[-1]:.3f} ({time.perf_counter() - start:.0f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{label} step {step} loss {losses[-1]:.3f} ({time.perf_counter() - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     model.eval()
-    return {"first_loss": round(losses[0], 3), "last_loss": round(losses[-1], 3),
-            "train_seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "first_loss": round(losses[0], 3),
+        "last_loss": round(losses[-1], 3),
+        "train_seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def cache_dir(s: PairSettings) -> str:
@@ -178,13 +190,21 @@ def trained_pair(s: PairSettings = PairSettings()) -> Pair:
         with open(marker) as f:
             report = json.load(f)
         report["cached"] = True
-        return Pair(AutoModelForCausalLM.from_pretrained(os.path.join(folder, "target")).eval(),
-                    AutoModelForCausalLM.from_pretrained(os.path.join(folder, "draft")).eval(), s, report)
+        return Pair(
+            AutoModelForCausalLM.from_pretrained(os.path.join(folder, "target")).eval(),
+            AutoModelForCausalLM.from_pretrained(os.path.join(folder, "draft")).eval(),
+            s,
+            report,
+        )
     chain = Chain(s)
     data = _batches(s, chain, s.steps, seed=s.seed + 1)
     held = _batches(s, chain, 4, seed=s.seed + 2)
-    report = {"settings": asdict(s), "key": s.key(), "chain_entropy_nats": round(chain.entropy(), 4),
-              "uniform_loss_nats": round(math.log(32000), 3)}
+    report = {
+        "settings": asdict(s),
+        "key": s.key(),
+        "chain_entropy_nats": round(chain.entropy(), 4),
+        "uniform_loss_nats": round(math.log(32000), 3),
+    }
     models = {}
     for label in ("target", "draft"):
         model = AutoModelForCausalLM.from_config(_config(s, label == "draft"), seed=s.seed)

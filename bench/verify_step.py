@@ -44,10 +44,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     report = {"pressure_before": pressure(), "threads": torch.get_num_threads(), **vars(args)}
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint or build_reference(reference_dir()),
-                                                 dtype=args.dtype)
-    plan = ShapePlan(batch_sizes=[args.batch], prompt_lengths=[16], kv_lengths=[args.kv], max_model_len=args.kv,
-                     extend_widths=[(k + 1, k + 1) for k in args.k])
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint or build_reference(reference_dir()), dtype=args.dtype)
+    plan = ShapePlan(
+        batch_sizes=[args.batch],
+        prompt_lengths=[16],
+        kv_lengths=[args.kv],
+        max_model_len=args.kv,
+        extend_widths=[(k + 1, k + 1) for k in args.k],
+    )
     engine = engine_for(model)
     settings = compile_settings(model, GenerationConfig(), CompileConfig(backend=args.backend))
     cache = engine.cache(args.batch, args.kv)
@@ -65,6 +69,7 @@ def main(argv=None) -> None:
             positions = torch.arange(width).repeat(b, 1) + args.position
             keep = torch.arange(width).repeat(b, 1)
             return engine.extend(settings, cache, tokens, positions, keep, plan=plan)
+
         return run
 
     steps = {"decode [%d, 1]" % b: decode, **{f"extend [{b}, {k + 1}]": extend(k + 1) for k in args.k}}
@@ -81,8 +86,14 @@ def main(argv=None) -> None:
                 times[name].append(time.perf_counter() - start)
     first = next(iter(times))
     base = statistics.median(times[first])
-    report["steps"] = {name: {"min_ms": round(min(t) * 1e3, 2), "median_ms": round(statistics.median(t) * 1e3, 2),
-                              "vs_decode": round(statistics.median(t) / base, 2)} for name, t in times.items()}
+    report["steps"] = {
+        name: {
+            "min_ms": round(min(t) * 1e3, 2),
+            "median_ms": round(statistics.median(t) * 1e3, 2),
+            "vs_decode": round(statistics.median(t) / base, 2),
+        }
+        for name, t in times.items()
+    }
     report["compile_backend"] = settings.label
     report["pressure_after"] = pressure()
     write_report(report, args.out)

@@ -62,8 +62,10 @@ def conversations() -> tuple[list[dict], dict[str, str]]:
             continue
         subject = title[0].lower() + title[1:]  # 'The "for" statement' -> 'the "for" statement'
         answers[subject] = answer
-        rows.extend({"messages": [{"role": "user", "content": q.format(subject)},
-                                  {"role": "assistant", "content": answer}]} for q in ASKED)
+        rows.extend(
+            {"messages": [{"role": "user", "content": q.format(subject)}, {"role": "assistant", "content": answer}]}
+            for q in ASKED
+        )
     return rows, answers
 
 
@@ -82,8 +84,10 @@ LEARNING_RATE = 3e-3
 def unseen_conversations() -> list[dict]:
     """The same statements asked in the phrasing training never saw (`UNSEEN`), with the docs' answers."""
     _, answers = conversations()
-    return [{"messages": [{"role": "user", "content": UNSEEN.format(s)}, {"role": "assistant", "content": a}]}
-            for s, a in answers.items()]
+    return [
+        {"messages": [{"role": "user", "content": UNSEEN.format(s)}, {"role": "assistant", "content": a}]}
+        for s, a in answers.items()
+    ]
 
 
 def answered_exactly(model, tok, rows: list[dict]) -> list[bool]:
@@ -94,22 +98,30 @@ def answered_exactly(model, tok, rows: list[dict]) -> list[bool]:
     end-of-text included)."""
     import torch
 
-    encoded = [tok.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True)
-               for row in rows]
+    encoded = [
+        tok.apply_chat_template(row["messages"], return_dict=True, return_assistant_tokens_mask=True) for row in rows
+    ]
     width = max(len(e["input_ids"]) for e in encoded)
     ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, e in enumerate(encoded):
-        ids[i, :len(e["input_ids"])] = torch.tensor(e["input_ids"])
-        mask[i, :len(e["input_ids"])] = torch.tensor(e["assistant_masks"], dtype=torch.bool)
+        ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[i, : len(e["input_ids"])] = torch.tensor(e["assistant_masks"], dtype=torch.bool)
     with torch.no_grad():
         predicted = model(input_ids=ids.to(model.device)).logits[:, :-1].argmax(-1).cpu()
     right = (predicted == ids[:, 1:]) | ~mask[:, 1:]
     return [bool(mask[i, 1:].any()) and bool(right[i].all()) for i in range(len(rows))]
 
 
-def chat_stage(model_dir: str, out_dir: str, steps: int = STEPS, compile: bool = False, bf16: bool | None = None,
-               learning_rate: float = LEARNING_RATE, answer: bool = True) -> dict:
+def chat_stage(
+    model_dir: str,
+    out_dir: str,
+    steps: int = STEPS,
+    compile: bool = False,
+    bf16: bool | None = None,
+    learning_rate: float = LEARNING_RATE,
+    answer: bool = True,
+) -> dict:
     """Fine-tune `model_dir` on the synthetic conversations (assistant-only loss, cosine schedule), save to
     `out_dir`, print the evaluation (trained questions, and the unseen phrasing as a probe), and (`answer`)
     ask `questions()` through the chat template with `generate`."""
@@ -129,21 +141,36 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = STEPS, compile: bool =
 
         bf16 = supports_bf16(auto_device())
     args = TrainingArguments(
-        output_dir=os.path.join(out_dir, "run"), max_length=96, per_device_train_batch_size=8, max_steps=steps,
-        learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10),
-        logging_steps=max(1, steps // 6), save_strategy="no", bf16=bf16, torch_compile=compile, seed=0,
-        disable_tqdm=False, assistant_only_loss=True, chat_template_path=template_path, packing=True)  # the bar: a minutes-long stage must show progress
+        output_dir=os.path.join(out_dir, "run"),
+        max_length=96,
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 10),
+        logging_steps=max(1, steps // 6),
+        save_strategy="no",
+        bf16=bf16,
+        torch_compile=compile,
+        seed=0,
+        disable_tqdm=False,
+        assistant_only_loss=True,
+        chat_template_path=template_path,
+        packing=True,
+    )  # the bar: a minutes-long stage must show progress
     trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tok)
     out = trainer.train()
     trainer.save_model(out_dir)
     m = out.metrics
     logged = [e for e in trainer.state.log_history if "grad_norm" in e]
     losses = [e["loss"] for e in logged]
-    print(f"chat: {len(rows)} synthetic conversations about {len(answers)} statements, {out.global_step} steps with "
-          f"assistant-only loss (learning rate {learning_rate:g}, cosine after {args.warmup_steps} warm-up steps) in "
-          f"{m['train_runtime']:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} (last gradient norm "
-          f"{logged[-1]['grad_norm']:.2f}), {100 * m['train_loss_token_share']:.1f}% of the tokens carry loss "
-          f"(padding waste {100 * m['train_padding_waste']:.1f}%)")
+    print(
+        f"chat: {len(rows)} synthetic conversations about {len(answers)} statements, {out.global_step} steps with "
+        f"assistant-only loss (learning rate {learning_rate:g}, cosine after {args.warmup_steps} warm-up steps) in "
+        f"{m['train_runtime']:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} (last gradient norm "
+        f"{logged[-1]['grad_norm']:.2f}), {100 * m['train_loss_token_share']:.1f}% of the tokens carry loss "
+        f"(padding waste {100 * m['train_padding_waste']:.1f}%)"
+    )
     trained = time.perf_counter()
 
     # the evaluation: the answers' loss and exact answers, on the trained questions and on the unseen phrasing
@@ -152,34 +179,55 @@ def chat_stage(model_dir: str, out_dir: str, steps: int = STEPS, compile: bool =
     seen_loss = trainer.evaluate(rows, metric_key_prefix="trained")["trained_loss"]
     unseen_loss = trainer.evaluate(unseen, metric_key_prefix="unseen")["unseen_loss"]
     seen_exact, unseen_exact = answered_exactly(model, tok, rows), answered_exactly(model, tok, unseen)
-    print(f"evaluation (greedy answers, teacher-forced): the {len(rows)} trained questions: "
-          f"{sum(seen_exact)} answered exactly as the docs say (answer loss {seen_loss:.3f}); "
-          f"the {len(unseen)} statements asked as \"{UNSEEN.format('...')}\", a phrasing training never saw: "
-          f"{sum(unseen_exact)} (answer loss {unseen_loss:.3f}). The first measures what was taught; the second "
-          f"is a probe of how far 36 memorised conversations carry a 2M-parameter model, not a score to reach.")
-    summary = {"train_seconds": round(trained - start, 2), "first_loss": losses[0], "last_loss": losses[-1],
-               "last_grad_norm": logged[-1]["grad_norm"], "loss_token_share": m["train_loss_token_share"],
-               "padding_waste": m["train_padding_waste"], "trained_exact": sum(seen_exact), "trained": len(rows),
-               "unseen_exact": sum(unseen_exact), "unseen": len(unseen), "trained_loss": seen_loss,
-               "unseen_loss": unseen_loss}
+    print(
+        f"evaluation (greedy answers, teacher-forced): the {len(rows)} trained questions: "
+        f"{sum(seen_exact)} answered exactly as the docs say (answer loss {seen_loss:.3f}); "
+        f'the {len(unseen)} statements asked as "{UNSEEN.format("...")}", a phrasing training never saw: '
+        f"{sum(unseen_exact)} (answer loss {unseen_loss:.3f}). The first measures what was taught; the second "
+        f"is a probe of how far 36 memorised conversations carry a 2M-parameter model, not a score to reach."
+    )
+    summary = {
+        "train_seconds": round(trained - start, 2),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "last_grad_norm": logged[-1]["grad_norm"],
+        "loss_token_share": m["train_loss_token_share"],
+        "padding_waste": m["train_padding_waste"],
+        "trained_exact": sum(seen_exact),
+        "trained": len(rows),
+        "unseen_exact": sum(unseen_exact),
+        "unseen": len(unseen),
+        "trained_loss": seen_loss,
+        "unseen_loss": unseen_loss,
+    }
     if not answer:
         return summary
 
     model = AutoModelForCausalLM.from_pretrained(out_dir, device_map="auto")
     results = []
     for question, subject, _ in questions():
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                      return_tensors="pt")
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt"
+        )
         generated = model.generate(ids, max_new_tokens=48, do_sample=False)
-        reply = tok.decode(generated[0, ids.shape[1]:], skip_special_tokens=True).strip()
-        results.append({"question": question, "answer": reply, "expected": answers[subject],
-                        "exact": reply == answers[subject]})
-        print(f"  Q: {question}\n  A: {reply}{'' if reply == answers[subject] else '   (docs: ' + answers[subject] + ')'}")
+        reply = tok.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        results.append(
+            {"question": question, "answer": reply, "expected": answers[subject], "exact": reply == answers[subject]}
+        )
+        print(
+            f"  Q: {question}\n  A: {reply}{'' if reply == answers[subject] else '   (docs: ' + answers[subject] + ')'}"
+        )
     done = time.perf_counter()
-    print(f"chat: {sum(r['exact'] for r in results)} of {len(results)} answers exactly as the docs say; "
-          f"training {trained - start:.1f}s, answering {done - trained:.1f}s (including compiles)")
-    return {**summary, "answer_seconds": round(done - trained, 2), "seconds": round(done - start, 2),
-            "answers": results}
+    print(
+        f"chat: {sum(r['exact'] for r in results)} of {len(results)} answers exactly as the docs say; "
+        f"training {trained - start:.1f}s, answering {done - trained:.1f}s (including compiles)"
+    )
+    return {
+        **summary,
+        "answer_seconds": round(done - trained, 2),
+        "seconds": round(done - start, 2),
+        "answers": results,
+    }
 
 
 def main() -> int:

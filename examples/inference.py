@@ -18,9 +18,13 @@ import torch
 
 from staticformers import AutoModelForCausalLM, AutoTokenizer  # the only line changed from the seed
 
-DEFAULT = os.environ.get("STATICFORMERS_EXAMPLE_DIR", os.path.join(tempfile.gettempdir(), "staticformers-example-qwen3"))
-CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-                 "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+DEFAULT = os.environ.get(
+    "STATICFORMERS_EXAMPLE_DIR", os.path.join(tempfile.gettempdir(), "staticformers-example-qwen3")
+)
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 CORPUS = [
     "The French Bread Law states that a baguette must be made on the premises where it is sold.",
     "Trainium compiles one graph per input shape, so static shapes avoid recompilation.",
@@ -39,26 +43,68 @@ def build_checkpoint(folder: str, steps: int = 30) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": tok.get_vocab_size(),
-              "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "tie_word_embeddings": True,
-              "eos_token_id": tok.token_to_id("<|im_end|>"), "pad_token_id": tok.token_to_id("<|endoftext|>")}
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": tok.get_vocab_size(),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": True,
+        "eos_token_id": tok.token_to_id("<|im_end|>"),
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+    }
     model = AutoModelForCausalLM.from_config(config, seed=0)
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-                   "chat_template": CHAT_TEMPLATE, "model_max_length": 1024}, f, indent=2)
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 1024,
+            },
+            f,
+            indent=2,
+        )
     if steps:
         from staticformers import Trainer, TrainingArguments
 
-        args = TrainingArguments(output_dir=os.path.join(folder, "run"), max_length=32, per_device_train_batch_size=8,
-                                 max_steps=steps, learning_rate=1e-2, warmup_steps=5, lr_scheduler_type="cosine",
-                                 save_strategy="no", logging_steps=steps, disable_tqdm=True, use_cpu=True, seed=0)
-        Trainer(model=model, args=args, train_dataset=[{"text": t} for t in CORPUS],
-                processing_class=AutoTokenizer.from_pretrained(folder)).train()
+        args = TrainingArguments(
+            output_dir=os.path.join(folder, "run"),
+            max_length=32,
+            per_device_train_batch_size=8,
+            max_steps=steps,
+            learning_rate=1e-2,
+            warmup_steps=5,
+            lr_scheduler_type="cosine",
+            save_strategy="no",
+            logging_steps=steps,
+            disable_tqdm=True,
+            use_cpu=True,
+            seed=0,
+        )
+        Trainer(
+            model=model,
+            args=args,
+            train_dataset=[{"text": t} for t in CORPUS],
+            processing_class=AutoTokenizer.from_pretrained(folder),
+        ).train()
     model.save_pretrained(folder)
     return folder
 

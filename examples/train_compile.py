@@ -26,8 +26,17 @@ steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 training_args.max_steps, training_args.max_length, training_args.packing = steps, 64, True
 training_args.per_device_train_batch_size, training_args.learning_rate = 4, 3e-3
 training_args.logging_steps, training_args.save_strategy = 5, "no"
-config = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+config = AutoConfig.for_model(
+    "qwen3",
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+)
 model = AutoModelForCausalLM.from_config(config, seed=0)
 data = [{"input_ids": [(s + i) % 63 + 1 for i in range(3 + s % 58)]} for s in range(200)]
 

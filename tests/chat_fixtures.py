@@ -96,30 +96,58 @@ MACRO_TRAINING_TEMPLATE = """{%- macro answer(text) -%}
     {%- endif %}
 {%- endfor %}"""
 
-TRAINING_TEMPLATES = {"qwen3": QWEN_TRAINING_TEMPLATE, "plain": PLAIN_TRAINING_TEMPLATE,
-                      "macro": MACRO_TRAINING_TEMPLATE}
+TRAINING_TEMPLATES = {
+    "qwen3": QWEN_TRAINING_TEMPLATE,
+    "plain": PLAIN_TRAINING_TEMPLATE,
+    "macro": MACRO_TRAINING_TEMPLATE,
+}
 
-WEATHER_TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city, in °C",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city, in °C",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 CONVERSATIONS = [
-    [{"role": "user", "content": "Hello! Café 你好 😀"},
-     {"role": "assistant", "content": "Hello there, how are you doing today?"}],
-    [{"role": "system", "content": "You are terse.\tTabs\r\nCRLF"},
-     {"role": "user", "content": "What is 2+2?"},
-     {"role": "assistant", "content": "4", "reasoning_content": "\nadd them\n"},
-     {"role": "user", "content": "And 3+3?"},
-     {"role": "assistant", "content": "6", "reasoning_content": "three and three"}],
-    [{"role": "user", "content": "Weather in Paris?"},
-     {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [
-         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-     {"role": "tool", "content": '{"temp": 21}'},
-     {"role": "assistant", "content": "It is 21 °C in Paris."}],
-    [{"role": "user", "content": "Two calls at once?"},
-     {"role": "assistant", "content": "Sure.", "tool_calls": [
-         {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
-         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-     {"role": "tool", "content": "20"}, {"role": "tool", "content": "5"},
-     {"role": "assistant", "content": "Rome 20, Oslo 5."}],
+    [
+        {"role": "user", "content": "Hello! Café 你好 😀"},
+        {"role": "assistant", "content": "Hello there, how are you doing today?"},
+    ],
+    [
+        {"role": "system", "content": "You are terse.\tTabs\r\nCRLF"},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "\nadd them\n"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "three and three"},
+    ],
+    [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21 °C in Paris."},
+    ],
+    [
+        {"role": "user", "content": "Two calls at once?"},
+        {
+            "role": "assistant",
+            "content": "Sure.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            ],
+        },
+        {"role": "tool", "content": "20"},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "Rome 20, Oslo 5."},
+    ],
 ]

@@ -120,6 +120,10 @@ def _neuron_name_stays_consistent():
     except RuntimeError:
         return  # PrivateUse1 was never renamed: nothing to keep consistent
     if getattr(torch, "neuron", None) is None:
-        torch.neuron = types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0,
-                                             manual_seed=lambda seed: None, manual_seed_all=lambda seed: None,
-                                             _is_in_bad_fork=lambda: False)
+        torch.neuron = types.SimpleNamespace(
+            is_available=lambda: False,
+            device_count=lambda: 0,
+            manual_seed=lambda seed: None,
+            manual_seed_all=lambda seed: None,
+            _is_in_bad_fork=lambda: False,
+        )

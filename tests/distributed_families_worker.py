@@ -56,13 +56,14 @@ def cached_states(model, layer) -> list | None:
 
 
 def run(spec: dict, out: str) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=torch.float32,
-                                                 distributed_config=DistributedConfig(**spec["distributed"]))
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["path"], dtype=torch.float32, distributed_config=DistributedConfig(**spec["distributed"])
+    )
     result = {}
     with torch.no_grad():
         result["logits"] = model(input_ids=torch.tensor(PROMPT)).logits[0, -1].tolist()
     ids = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
-    result["generate"] = ids[0, len(PROMPT[0]):].tolist()
+    result["generate"] = ids[0, len(PROMPT[0]) :].tolist()
     params = dict(model.named_parameters())
     result["local"] = {name: list(_local(params[name]).shape) for name in spec.get("local", [])}
     result["states"] = cached_states(model, spec.get("states"))

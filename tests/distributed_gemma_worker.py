@@ -34,9 +34,10 @@ def run(model) -> dict:
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT)).logits[0].tolist()
-    out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True,
-                         eos_token_id=None)
-    tokens = out[0, len(PROMPT[0]):].tolist()
+    out = model.generate(
+        torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True, eos_token_id=None
+    )
+    tokens = out[0, len(PROMPT[0]) :].tolist()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     losses = []
@@ -54,8 +55,9 @@ def main(out: str, *paths: str) -> None:
     rank = int(os.environ["RANK"])
     result = {}
     for path in paths:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     distributed_config=DistributedConfig(tp_size=2))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2)
+        )
         weight = model.model.layers[0].self_attn.q_proj.weight
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         result[path] = {**run(model), "q_proj_rows": local.shape[0]}

@@ -49,16 +49,21 @@ def main(path: str, out: str) -> None:
     layout = DistributedConfig(tp_size=2, fsdp_size=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=layout)
     add_adapter(model)
-    result = {"trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
-              "placements": placements(model)}
+    result = {
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "placements": placements(model),
+    }
     data = docs(model.config.vocab_size)
     trainer = Trainer(model=model, args=args_for(os.path.join(out, "run"), GLOBAL_BATCH // 2), train_dataset=data)
     trainer.train()
     result["run"] = history(trainer)
     result["checkpoint_files"] = sorted(os.listdir(os.path.join(out, "run", f"checkpoint-{SAVE_STEPS}")))
     # every adapter weight gathered by DTensor itself: what save_model must write, bit for bit
-    gathered = {f"base_model.model.{n}".replace(".default", ""): p.full_tensor().detach().clone()
-                for n, p in model.named_parameters() if "lora_" in n}
+    gathered = {
+        f"base_model.model.{n}".replace(".default", ""): p.full_tensor().detach().clone()
+        for n, p in model.named_parameters()
+        if "lora_" in n
+    }
     if rank == 0:
         from safetensors.torch import save_file
 

@@ -30,7 +30,9 @@ from staticformers.distributed.dcp_checkpoint import load_checkpoint, save_check
 
 
 def load(path, **sizes):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes)
+    )
 
 
 def expert_shard_rows(model) -> list:
@@ -89,9 +91,17 @@ def main(path: str, out: str) -> None:
 
     # 4. the Trainer, decoder blocks compiled
     model = load(path, fsdp_size=4, ep_size=2)
-    trainer = Trainer(model=model, args=T.args_for(os.path.join(out, "trainer"), T.GLOBAL_BATCH // 4, torch_compile=True,
-                                                   torch_compile_backend="aot_eager", save_strategy="no"),
-                      train_dataset=T.docs(model.config.vocab_size))
+    trainer = Trainer(
+        model=model,
+        args=T.args_for(
+            os.path.join(out, "trainer"),
+            T.GLOBAL_BATCH // 4,
+            torch_compile=True,
+            torch_compile_backend="aot_eager",
+            save_strategy="no",
+        ),
+        train_dataset=T.docs(model.config.vocab_size),
+    )
     trainer.train()
     result["trainer_ep2"] = T.history(trainer)
     del trainer, model

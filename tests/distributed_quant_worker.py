@@ -35,7 +35,7 @@ def greedy(model, prompt, n) -> list[int]:
         for _ in range(n):
             nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)
-    return ids[0, len(prompt[0]):].tolist()
+    return ids[0, len(prompt[0]) :].tolist()
 
 
 def shards(model) -> dict:
@@ -45,8 +45,11 @@ def shards(model) -> dict:
     for name, layer in (("q_proj", attn.q_proj), ("o_proj", attn.o_proj)):
         for pname in ("weight", "weight_scale"):
             p = getattr(layer, pname)
-            out[f"{name}.{pname}"] = [[str(pl) for pl in getattr(p, "placements", ())], list(p.to_local().shape),
-                                      str(p.dtype)]
+            out[f"{name}.{pname}"] = [
+                [str(pl) for pl in getattr(p, "placements", ())],
+                list(p.to_local().shape),
+                str(p.dtype),
+            ]
     return out
 
 
@@ -54,21 +57,28 @@ def run(model) -> dict:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(PROMPT)).logits[0].tolist()
     generated = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
-    return {"logits": logits, "greedy": greedy(model, PROMPT, NEW_TOKENS), "shards": shards(model),
-            "generate": generated[0, len(PROMPT[0]):].tolist()}
+    return {
+        "logits": logits,
+        "greedy": greedy(model, PROMPT, NEW_TOKENS),
+        "shards": shards(model),
+        "generate": generated[0, len(PROMPT[0]) :].tolist(),
+    }
 
 
 def main(path: str, int8_path: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     tp2 = DistributedConfig(tp_size=2)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=tp2,
-                                                 quantization_config=QuantizationConfig("int8_weight_only"))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=tp2, quantization_config=QuantizationConfig("int8_weight_only")
+    )
     result = {"quantized_at_load": run(model)}
     del model
     model = AutoModelForCausalLM.from_pretrained(int8_path, dtype=torch.float32, distributed_config=tp2)
     result["saved_int8"] = run(model)
     try:  # FSDP over a quantized model: refused
-        AutoModelForCausalLM.from_pretrained(int8_path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=2))
+        AutoModelForCausalLM.from_pretrained(
+            int8_path, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=2)
+        )
         result["fsdp_refused"] = None
     except ValueError as err:
         result["fsdp_refused"] = str(err)

@@ -69,7 +69,7 @@ def greedy(model, prompt, n) -> list[int]:
         for _ in range(n):
             nxt = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)
-    return ids[0, len(prompt[0]):].tolist()
+    return ids[0, len(prompt[0]) :].tolist()
 
 
 def local_bytes(model, optimizer) -> dict:
@@ -90,11 +90,13 @@ def generate(model):
         out_ids = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True)
     except Exception as err:  # reported to the test, which shows it
         return f"{type(err).__name__}: {err}"
-    return out_ids[0, len(PROMPT[0]):].tolist()
+    return out_ids[0, len(PROMPT[0]) :].tolist()
 
 
 def load(path, **sizes):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(**sizes)
+    )
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight, f"untied at {sizes}"
     return model
@@ -156,13 +158,17 @@ def main(path: str, gen_path: str, bias_path: str, out: str) -> None:
     gc.collect()
 
     # 5. HSDP, FSDP2 CPU offload, FSDP2 mixed precision (bf16 compute over fp32 shards)
-    for name, sizes, steps in (("hsdp2x2", {"dp_replicate_size": 2, "fsdp_size": 2}, STEPS),
-                               ("fsdp4_offload", {"fsdp_size": 4, "fsdp_cpu_offload": True}, 2),
-                               ("tp2_fsdp2_bf16", {"tp_size": 2, "fsdp_size": 2, "fsdp_mixed_precision": True}, 2)):
+    for name, sizes, steps in (
+        ("hsdp2x2", {"dp_replicate_size": 2, "fsdp_size": 2}, STEPS),
+        ("fsdp4_offload", {"fsdp_size": 4, "fsdp_cpu_offload": True}, 2),
+        ("tp2_fsdp2_bf16", {"tp_size": 2, "fsdp_size": 2, "fsdp_mixed_precision": True}, 2),
+    ):
         model = load(path, **sizes)
         opt = make_optimizer(model)
-        result[name] = {"losses": train_steps(model, opt, range(steps)),
-                        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+        result[name] = {
+            "losses": train_steps(model, opt, range(steps)),
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        }
         del model, opt
         gc.collect()
 

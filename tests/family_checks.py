@@ -73,8 +73,10 @@ def assert_saved_as_loaded(path, tmp_path, ids: torch.Tensor, mask: torch.Tensor
 
     ours = AutoModelForCausalLM.from_pretrained(path)
     ours.save_pretrained(tmp_path)
-    with safe_open(os.path.join(path, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
+    with (
+        safe_open(os.path.join(path, "model.safetensors"), "pt") as a,
+        safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
         for name in a.keys():
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
@@ -96,8 +98,12 @@ def chunked_and_prefix_cached_run(path):
     from staticformers.generation.loop import GenerationLoop, GenerationRequest
 
     model, ref = AutoModelForCausalLM.from_pretrained(path), hf_model(path)
-    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
-                                         max_model_len=128, extend_widths=((16, 1),)))
+    engine = engine_for(
+        model,
+        ShapePlan(
+            batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128], max_model_len=128, extend_widths=((16, 1),)
+        ),
+    )
     settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
     g = torch.Generator().manual_seed(6)
     shared = torch.randint(3, 128, (40,), generator=g).tolist()
@@ -105,16 +111,25 @@ def chunked_and_prefix_cached_run(path):
 
     def want(prompt):
         ids = torch.tensor([prompt])
-        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+        return ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(prompt) :
+        ].tolist()
 
     loop = GenerationLoop(engine, settings, chunked_prefill=16, prefix_caching=True, prefix_block_size=8)
-    out = run_loop(loop, {0: [GenerationRequest(long, 8, request_id="long")],
-                          12: [GenerationRequest(second, 8, request_id="second")]})
+    out = run_loop(
+        loop,
+        {0: [GenerationRequest(long, 8, request_id="long")], 12: [GenerationRequest(second, 8, request_id="second")]},
+    )
     assert loop.chunks > 0 and loop.prefix.hits >= 40  # the shared 40 tokens came from the cache
     assert out["long"] == want(long) and out["second"] == want(second)
     return loop
 
 
-__all__ = ["hf_model", "padded_batch", "assert_bf16_logits_agree", "reference_losses", "assert_saved_as_loaded",
-           "chunked_and_prefix_cached_run"]
+__all__ = [
+    "hf_model",
+    "padded_batch",
+    "assert_bf16_logits_agree",
+    "reference_losses",
+    "assert_saved_as_loaded",
+    "chunked_and_prefix_cached_run",
+]

@@ -25,22 +25,49 @@ import torch
 
 gguf = __import__("pytest").importorskip("gguf")
 
-ARCH = {"llama": "llama", "llama-tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3-untied": "qwen3",
-        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "phi4-longrope": "phi3"}
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TEXT = ["Hello world, this is a tiny tokenizer for GGUF tests.", "def f(x):\n    return x * 2  # twice\n",
-        "The quick brown fox jumps over the lazy dog 1234567890 times.", "café naïve über straße"] * 4
+ARCH = {
+    "llama": "llama",
+    "llama-tied": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3-untied": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "phi4-longrope": "phi3",
+}
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXT = [
+    "Hello world, this is a tiny tokenizer for GGUF tests.",
+    "def f(x):\n    return x * 2  # twice\n",
+    "The quick brown fox jumps over the lazy dog 1234567890 times.",
+    "café naïve über straße",
+] * 4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-            "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 # per architecture, the names that differ from llama's (llama.cpp's gguf.MODEL_TENSORS / TensorNameMap)
 _ARCH_TO_GGUF = {
-    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm"},
+    "gemma2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
 }
 _ARCH_TO_GGUF["gemma3"] = _ARCH_TO_GGUF["gemma2"]
@@ -49,8 +76,11 @@ _K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in fixed:
         return fixed[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -72,8 +102,12 @@ def byte_level_vocab(size: int = 320) -> tuple[list[str], list[str], list[int]]:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXT, trainer)
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
@@ -122,7 +156,7 @@ def _k_blocks(shape: tuple, kind: str, rng: np.random.Generator) -> np.ndarray:
     data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
     for offset in _K_SCALES[kind]:
         scales = rng.uniform(1e-3, 4e-3, size=(rows, cols // block)).astype(np.float16)
-        data[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+        data[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
     return data.reshape(rows, -1)
 
 
@@ -168,13 +202,24 @@ def _arch_metadata(w, arch: str, cfg, head_dim: int) -> dict:
         return {}
     scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
     w.add_rope_scaling_attn_factors(
-        math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1.0 else 1.0)
-    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
-            "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32)}
+        math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)) if scale > 1.0 else 1.0
+    )
+    return {
+        "rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32),
+    }
 
 
-def write_tiny_gguf(path: str, family: str, model, types: dict | None = None, tokenizer: str = "gpt2",
-                    seed: int = 0, extra_tensors: dict | None = None, **metadata) -> str:
+def write_tiny_gguf(
+    path: str,
+    family: str,
+    model,
+    types: dict | None = None,
+    tokenizer: str = "gpt2",
+    seed: int = 0,
+    extra_tensors: dict | None = None,
+    **metadata,
+) -> str:
     """Write `model` (a tiny transformers model of `family`) as a GGUF file at `path`.
 
     `types`: GGUF tensor-name suffix (e.g. "attn_q.weight", "token_embd.weight") -> ggml type name; the rest
@@ -273,5 +318,12 @@ def write_tiny_gguf(path: str, family: str, model, types: dict | None = None, to
     return path
 
 
-__all__ = ["write_tiny_gguf", "byte_level_vocab", "sentencepiece_vocab", "gemma_vocab", "TEMPLATE", "gguf_name",
-           "permute"]
+__all__ = [
+    "write_tiny_gguf",
+    "byte_level_vocab",
+    "sentencepiece_vocab",
+    "gemma_vocab",
+    "TEMPLATE",
+    "gguf_name",
+    "permute",
+]

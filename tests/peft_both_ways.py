@@ -12,8 +12,9 @@ import torch
 import tolerances as tol
 
 
-def assert_lora_equals_peft_both_ways(path: str, family: str, targets: list, tmp_path, ids: torch.Tensor,
-                                      mask: Optional[torch.Tensor] = None) -> None:
+def assert_lora_equals_peft_both_ways(
+    path: str, family: str, targets: list, tmp_path, ids: torch.Tensor, mask: Optional[torch.Tensor] = None
+) -> None:
     """`path`: the family's tiny checkpoint (tests/tiny.py `family`); `ids` (and a left-padding `mask`, whose real
     positions are compared) the inputs."""
     peft = pytest.importorskip("peft")
@@ -29,8 +30,10 @@ def assert_lora_equals_peft_both_ways(path: str, family: str, targets: list, tmp
         return out if mask is None else out[mask.bool()]
 
     torch.manual_seed(1)
-    pm = peft.get_peft_model(build_hf_model(family), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)).eval()
+    pm = peft.get_peft_model(
+        build_hf_model(family),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0),
+    ).eval()
     pm.save_pretrained(str(tmp_path / "peft"))
     ours = AutoModelForCausalLM.from_pretrained(path)
     ours.load_adapter(tmp_path / "peft")

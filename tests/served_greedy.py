@@ -27,10 +27,14 @@ def assert_served_completion_is_greedy(model, tok, folder: str, text: str, max_t
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60.0, max_retries=0)
         ids = tok(text)["input_ids"]
         reply = client.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, temperature=0)
-        want = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                              compile_config=CompileConfig(backend="eager"))[0, len(ids):].tolist()
+        want = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            compile_config=CompileConfig(backend="eager"),
+        )[0, len(ids) :].tolist()
         if tok.eos_token_id in want:
-            want = want[:want.index(tok.eos_token_id)]
+            want = want[: want.index(tok.eos_token_id)]
         assert reply.choices[0].text == tok.decode(want)
     finally:
         server.stop()

@@ -48,15 +48,18 @@ def solo(path, adapter, prompt, n):
         model.load_adapter(adapter)
         model.merge_and_unload()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None, disable_compile=True)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_checkpoints, tmp_path_factory):
     path = tiny_checkpoints("qwen3")
     root = tmp_path_factory.mktemp("adapters")
-    return path, {"a": save_adapter(path, root / "a", 1, 4), "b": save_adapter(path, root / "b", 2, 8),
-                  "c": save_adapter(path, root / "c", 3, 4)}
+    return path, {
+        "a": save_adapter(path, root / "a", 1, 4),
+        "b": save_adapter(path, root / "b", 2, 8),
+        "c": save_adapter(path, root / "c", 3, 4),
+    }
 
 
 @pytest.mark.slow
@@ -75,22 +78,39 @@ def test_a_mixed_batch_gives_each_row_its_own_models_tokens_and_compiles_nothing
     rows = prompts([5, 12, 3, 9, 14, 7], seed=1)
     names = ["a", "__base__", "b", None, "b", "a"]  # None: the model as it is, its active adapter ("a")
     answers = [6, 9, 4, 8, 5, 7]
-    expected = {i: solo(path, folders["a" if n is None else n] if n != "__base__" else None, rows[i], answers[i])
-                for i, n in enumerate(names)}
+    expected = {
+        i: solo(path, folders["a" if n is None else n] if n != "__base__" else None, rows[i], answers[i])
+        for i, n in enumerate(names)
+    }
     assert expected[0] != solo(path, None, rows[0], answers[0])  # the adapters change the tokens
-    later = {"c": solo(path, folders["c"], rows[0], 6), "b": solo(path, folders["b"], rows[1], 6),
-             0: solo(path, folders["c"], rows[2], 5)}
+    later = {
+        "c": solo(path, folders["c"], rows[0], 6),
+        "b": solo(path, folders["b"], rows[1], 6),
+        0: solo(path, folders["c"], rows[2], 5),
+    }
     counters.clear()  # the solo runs above compile their own models' graphs
     loop = GenerationLoop(engine, settings)
-    got = run_loop(loop, {0: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in range(4)],
-                     3: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in (4, 5)]})
+    got = run_loop(
+        loop,
+        {
+            0: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in range(4)],
+            3: [GenerationRequest(rows[i], answers[i], request_id=i, adapter=names[i]) for i in (4, 5)],
+        },
+    )
     assert got == expected
     assert counters["stats"]["unique_graphs"] == 0
 
     # another adapter of rank <= the bank's, put into a free slot: in place, nothing compiles
     bank.load("c", folders["c"])
-    got = run_loop(GenerationLoop(engine, settings), {0: [GenerationRequest(rows[0], 6, request_id="c", adapter="c"),
-                                                     GenerationRequest(rows[1], 6, request_id="b", adapter="b")]})
+    got = run_loop(
+        GenerationLoop(engine, settings),
+        {
+            0: [
+                GenerationRequest(rows[0], 6, request_id="c", adapter="c"),
+                GenerationRequest(rows[1], 6, request_id="b", adapter="b"),
+            ]
+        },
+    )
     assert got == {"c": later["c"], "b": later["b"]}
     # loaded over named adapter "a" (same modules, same rank): its tensors and its bank slot, in place
     model.load_adapter(folders["c"], adapter_name="a")
@@ -105,8 +125,13 @@ def test_generate_with_adapter_names_batches_peft_style(adapters):
     model.load_adapter(folders["a"], adapter_name="a")
     model.load_adapter(folders["b"], adapter_name="b")
     rows = prompts([6, 6, 6], seed=2)
-    out = model.generate(torch.tensor(rows), adapter_names=["b", "__base__", "a"], max_new_tokens=5,
-                         eos_token_id=None, compile_config=EAGER)
+    out = model.generate(
+        torch.tensor(rows),
+        adapter_names=["b", "__base__", "a"],
+        max_new_tokens=5,
+        eos_token_id=None,
+        compile_config=EAGER,
+    )
     assert out[0, 6:].tolist() == solo(path, folders["b"], rows[0], 5)
     assert out[1, 6:].tolist() == solo(path, None, rows[1], 5)
     assert out[2, 6:].tolist() == solo(path, folders["a"], rows[2], 5)
@@ -126,8 +151,9 @@ def test_generate_runs_the_active_adapter_unmerged_and_follows_switches(adapters
     prompt = prompts([7], seed=3)[0]
 
     def greedy():
-        return model.generate(torch.tensor([prompt]), max_new_tokens=6, eos_token_id=None,
-                              compile_config=EAGER)[0, 7:].tolist()
+        return model.generate(torch.tensor([prompt]), max_new_tokens=6, eos_token_id=None, compile_config=EAGER)[
+            0, 7:
+        ].tolist()
 
     assert greedy() == solo(path, folders["a"], prompt, 6)
     model.set_adapter("c")

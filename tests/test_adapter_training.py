@@ -20,9 +20,18 @@ ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def tiny_model(seed=0, dtype=None, initializer_range=0.02):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                               initializer_range=initializer_range)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        initializer_range=initializer_range,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed, dtype=dtype)
 
 
@@ -36,8 +45,18 @@ def counting_docs(n=48, seed=0):
 
 
 def args_for(path, **kw):
-    base = dict(output_dir=str(path), max_length=20, per_device_train_batch_size=8, max_steps=6, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, learning_rate=2e-2, seed=0, report_to=[])
+    base = dict(
+        output_dir=str(path),
+        max_length=20,
+        per_device_train_batch_size=8,
+        max_steps=6,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=2e-2,
+        seed=0,
+        report_to=[],
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -56,8 +75,9 @@ def test_the_adapter_alone_learns_and_the_base_is_untouched(tmp_path):
     model = with_adapter(tiny_model(initializer_range=0.2))
     base = frozen(model)
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-    trainer = Trainer(model=model, args=args_for(tmp_path, max_steps=40, lr_scheduler_type="constant"),
-                      train_dataset=counting_docs())
+    trainer = Trainer(
+        model=model, args=args_for(tmp_path, max_steps=40, lr_scheduler_type="constant"), train_dataset=counting_docs()
+    )
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     assert losses[-1] < 0.02 * losses[0], losses  # learned: near zero, from about ln(64) and more
@@ -98,9 +118,19 @@ def test_a_float32_base_trained_in_bf16_gets_its_values_back(tmp_path):
 def test_checkpoints_hold_the_adapter_alone_and_resume_exactly(tmp_path):
     def run(out, resume=None):
         model = with_adapter(tiny_model())
-        trainer = Trainer(model=model, args=args_for(out, max_steps=6, save_strategy="steps", save_steps=3,
-                                                     lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01),
-                          train_dataset=counting_docs())
+        trainer = Trainer(
+            model=model,
+            args=args_for(
+                out,
+                max_steps=6,
+                save_strategy="steps",
+                save_steps=3,
+                lr_scheduler_type="cosine",
+                warmup_steps=1,
+                weight_decay=0.01,
+            ),
+            train_dataset=counting_docs(),
+        )
         trainer.train(resume_from_checkpoint=resume)
         return model, trainer
 
@@ -125,8 +155,11 @@ def test_checkpoints_hold_the_adapter_alone_and_resume_exactly(tmp_path):
 def test_compiled_lora_training_builds_a_fixed_set_of_graphs(tmp_path, monkeypatch):
     monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
     model = with_adapter(tiny_model())
-    trainer = Trainer(model=model, args=args_for(tmp_path, torch_compile=True, torch_compile_backend="aot_eager",
-                                                 max_steps=4), train_dataset=counting_docs())
+    trainer = Trainer(
+        model=model,
+        args=args_for(tmp_path, torch_compile=True, torch_compile_backend="aot_eager", max_steps=4),
+        train_dataset=counting_docs(),
+    )
     trainer.train()
     stats = trainer.compile_stats()
     assert stats["train_graphs"] == 2  # one layer region every layer shares, the head with the loss
@@ -166,9 +199,28 @@ def test_the_cli_trains_an_adapter(tmp_path, capsys):
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in counting_docs(16)))
     out = tmp_path / "out"
-    rc = main(["train", str(folder), "--data", str(data), "--output-dir", str(out), "--max-length", "20",
-               "--max-steps", "2", "--batch-size", "4", "--no-save", "--quiet", "--lora-r", "4",
-               "--lora-target", "q_proj,v_proj,down_proj"])
+    rc = main(
+        [
+            "train",
+            str(folder),
+            "--data",
+            str(data),
+            "--output-dir",
+            str(out),
+            "--max-length",
+            "20",
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--no-save",
+            "--quiet",
+            "--lora-r",
+            "4",
+            "--lora-target",
+            "q_proj,v_proj,down_proj",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     per_layer = 4 * (64 + 64) + 4 * (64 + 32) + 4 * (128 + 64)  # q_proj, v_proj, down_proj: r x (in + out)

@@ -82,15 +82,32 @@ def test_our_files_hold_what_peft_writes(tiny_checkpoints, tmp_path):
             shapes[who] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert shapes["ours"] == shapes["peft"]
     theirs, ours = (json.loads((tmp_path / who / ADAPTER_CONFIG).read_text()) for who in ("peft", "ours"))
-    for key in ("peft_type", "r", "lora_alpha", "use_rslora", "bias", "lora_dropout", "fan_in_fan_out",
-                "use_dora", "rank_pattern", "alpha_pattern"):
+    for key in (
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "bias",
+        "lora_dropout",
+        "fan_in_fan_out",
+        "use_dora",
+        "rank_pattern",
+        "alpha_pattern",
+    ):
         assert ours[key] == theirs[key], key
     assert sorted(ours["target_modules"]) == sorted(theirs["target_modules"])
 
 
 def test_rank_and_alpha_patterns_and_rslora_both_ways(tiny_checkpoints, tmp_path):
-    pm = peft_adapter("llama", tmp_path / "peft", r=4, lora_alpha=8, use_rslora=True,
-                      rank_pattern={"down_proj": 2, "q_proj": 6}, alpha_pattern={"v_proj": 3})
+    pm = peft_adapter(
+        "llama",
+        tmp_path / "peft",
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        rank_pattern={"down_proj": 2, "q_proj": 6},
+        alpha_pattern={"v_proj": 3},
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
     model.load_adapter(tmp_path / "peft")
     layer = model.model.layers[0]
@@ -132,14 +149,26 @@ def test_targets_all_linear_regex_and_layers(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
     every = target_names(model, LoraConfig(target_modules="all-linear"))
     assert len(every) == 2 * 7 and "lm_head" not in every
-    assert target_names(model, LoraConfig(target_modules=r".*\.1\.self_attn\.(q|v)_proj")) == \
-        ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
-    assert target_names(model, LoraConfig(target_modules=ALL7, layers_to_transform=[0],
-                                          exclude_modules=["down_proj"])) == \
-        [f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")]
-    assert target_names(model, LoraConfig()) == [f"model.layers.{i}.self_attn.{n}" for i in (0, 1)
-                                                 for n in ("q_proj", "v_proj")]
+    assert target_names(model, LoraConfig(target_modules=r".*\.1\.self_attn\.(q|v)_proj")) == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+    ]
+    assert target_names(
+        model, LoraConfig(target_modules=ALL7, layers_to_transform=[0], exclude_modules=["down_proj"])
+    ) == [
+        f"model.layers.0.{n}"
+        for n in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    ]
+    assert target_names(model, LoraConfig()) == [
+        f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("q_proj", "v_proj")
+    ]
 
 
 def test_switching_disabling_and_deleting_adapters(tiny_checkpoints):
@@ -202,26 +231,32 @@ def test_from_pretrained_of_an_adapter_folder_loads_its_base(tiny_checkpoints, t
 
 
 # ---- refusals ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(bias="all"), "bias='all' trains the base layers' biases"),
-    (dict(use_dora=True), "DoRA"),
-    (dict(fan_in_fan_out=True), "Conv1D"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-    (dict(init_lora_weights="pissa"), "PiSSA"),
-    (dict(r=0), "r=0 must be a positive integer"),
-    (dict(lora_dropout=1.0), r"lora_dropout=1.0 must be a number in \[0, 1\)"),
-    (dict(target_modules=[]), "target_modules=\\[\\] must be a list of module names"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bias="all"), "bias='all' trains the base layers' biases"),
+        (dict(use_dora=True), "DoRA"),
+        (dict(fan_in_fan_out=True), "Conv1D"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+        (dict(init_lora_weights="pissa"), "PiSSA"),
+        (dict(r=0), "r=0 must be a positive integer"),
+        (dict(lora_dropout=1.0), r"lora_dropout=1.0 must be a number in \[0, 1\)"),
+        (dict(target_modules=[]), "target_modules=\\[\\] must be a list of module names"),
+    ],
+)
 def test_configs_we_cannot_honour_are_refused(kwargs, message):
     with pytest.raises(AdapterConfigError, match=message):
         LoraConfig(**kwargs)
 
 
-@pytest.mark.parametrize("targets, message", [
-    (["qproj"], "entry 'qproj' matches no projection of this model: use names among .*down_proj"),
-    (["lm_head"], "the output head or the embedding"),
-    ("nothing_matches", "selects no projection"),
-])
+@pytest.mark.parametrize(
+    "targets, message",
+    [
+        (["qproj"], "entry 'qproj' matches no projection of this model: use names among .*down_proj"),
+        (["lm_head"], "the output head or the embedding"),
+        ("nothing_matches", "selects no projection"),
+    ],
+)
 def test_targets_that_match_nothing_are_refused_and_nothing_changes(tiny_checkpoints, targets, message):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     with pytest.raises(AdapterConfigError, match=message):
@@ -244,35 +279,57 @@ def _rewrite_weights(folder, edit):
     save_file(tensors, str(folder / ADAPTER_WEIGHTS))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: _edit_config(f, peft_type="PREFIX_TUNING"), "peft_type='PREFIX_TUNING' is not LoRA"),
-    (lambda f: _edit_config(f, use_dora=True), "DoRA"),
-    (lambda f: _edit_config(f, layer_replication=[[0, 1]]), "layer_replication=.*PEFT feature"),
-    (lambda f: _edit_config(f, r=8), "with r=8 in adapter_config.json"),
-    (lambda f: (f / ADAPTER_CONFIG).write_text("{not json"), "is not valid JSON"),
-    (lambda f: os.remove(f / ADAPTER_CONFIG), "has no adapter_config.json"),
-    (lambda f: os.remove(f / ADAPTER_WEIGHTS), "has no adapter_model.safetensors"),
-    (lambda f: (f / ADAPTER_WEIGHTS).write_bytes(b"\x00" * 12), "adapter_model.safetensors"),
-    (lambda f: _rewrite_weights(f, lambda t: t.update({"base_model.model.lm_head.weight": torch.zeros(2, 2)})),
-     "not the lora_A or lora_B weight"),
-    (lambda f: _rewrite_weights(f, lambda t: t.pop("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight")),
-     "has lora_A but no lora_B for model.layers.0.mlp.up_proj"),
-    (lambda f: _rewrite_weights(f, lambda t: t["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"]
-                                .fill_(float("nan"))), "NaN or infinite"),
-    (lambda f: _rewrite_weights(f, lambda t: t.update({
-        "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(4, 32)})),
-     "trained on another model"),
-    (lambda f: _edit_config(f, target_modules=["nope_proj"]),
-     r"adapter_model.safetensors: its adapter_config.json does not fit this model: target_modules entry 'nope_proj' "
-     r"matches no projection"),
-    (lambda f: _edit_config(f, target_modules=["q_proj"]),
-     r"has weights for model.layers.0.mlp.down_proj and \d+ more, which its adapter_config.json does not target "
-     r"\(target_modules=\['q_proj'\]\): the config and the weights disagree; fix the config\.$"),
-    (lambda f: _edit_config(f, rank_pattern={"q_proj(": 8}),
-     r"rank_pattern key 'q_proj\(' is not a regular expression \(missing \), unterminated subpattern"),
-])
-def test_damaged_or_foreign_adapter_folders_are_refused_and_nothing_changes(tiny_checkpoints, tmp_path, damage,
-                                                                           message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda f: _edit_config(f, peft_type="PREFIX_TUNING"), "peft_type='PREFIX_TUNING' is not LoRA"),
+        (lambda f: _edit_config(f, use_dora=True), "DoRA"),
+        (lambda f: _edit_config(f, layer_replication=[[0, 1]]), "layer_replication=.*PEFT feature"),
+        (lambda f: _edit_config(f, r=8), "with r=8 in adapter_config.json"),
+        (lambda f: (f / ADAPTER_CONFIG).write_text("{not json"), "is not valid JSON"),
+        (lambda f: os.remove(f / ADAPTER_CONFIG), "has no adapter_config.json"),
+        (lambda f: os.remove(f / ADAPTER_WEIGHTS), "has no adapter_model.safetensors"),
+        (lambda f: (f / ADAPTER_WEIGHTS).write_bytes(b"\x00" * 12), "adapter_model.safetensors"),
+        (
+            lambda f: _rewrite_weights(f, lambda t: t.update({"base_model.model.lm_head.weight": torch.zeros(2, 2)})),
+            "not the lora_A or lora_B weight",
+        ),
+        (
+            lambda f: _rewrite_weights(f, lambda t: t.pop("base_model.model.model.layers.0.mlp.up_proj.lora_B.weight")),
+            "has lora_A but no lora_B for model.layers.0.mlp.up_proj",
+        ),
+        (
+            lambda f: _rewrite_weights(
+                f, lambda t: t["base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight"].fill_(float("nan"))
+            ),
+            "NaN or infinite",
+        ),
+        (
+            lambda f: _rewrite_weights(
+                f,
+                lambda t: t.update({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": torch.zeros(4, 32)}),
+            ),
+            "trained on another model",
+        ),
+        (
+            lambda f: _edit_config(f, target_modules=["nope_proj"]),
+            r"adapter_model.safetensors: its adapter_config.json does not fit this model: target_modules entry 'nope_proj' "
+            r"matches no projection",
+        ),
+        (
+            lambda f: _edit_config(f, target_modules=["q_proj"]),
+            r"has weights for model.layers.0.mlp.down_proj and \d+ more, which its adapter_config.json does not target "
+            r"\(target_modules=\['q_proj'\]\): the config and the weights disagree; fix the config\.$",
+        ),
+        (
+            lambda f: _edit_config(f, rank_pattern={"q_proj(": 8}),
+            r"rank_pattern key 'q_proj\(' is not a regular expression \(missing \), unterminated subpattern",
+        ),
+    ],
+)
+def test_damaged_or_foreign_adapter_folders_are_refused_and_nothing_changes(
+    tiny_checkpoints, tmp_path, damage, message
+):
     peft_adapter("qwen3", tmp_path / "a")
     damage(tmp_path / "a")
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
@@ -283,9 +340,15 @@ def test_damaged_or_foreign_adapter_folders_are_refused_and_nothing_changes(tiny
 
 def test_an_adapter_for_a_module_this_model_lacks_is_refused(tiny_checkpoints, tmp_path):
     peft_adapter("qwen3", tmp_path / "a")
-    _rewrite_weights(tmp_path / "a", lambda t: t.update({
-        "base_model.model.model.layers.5.mlp.up_proj.lora_A.weight": torch.zeros(4, 64),
-        "base_model.model.model.layers.5.mlp.up_proj.lora_B.weight": torch.zeros(128, 4)}))
+    _rewrite_weights(
+        tmp_path / "a",
+        lambda t: t.update(
+            {
+                "base_model.model.model.layers.5.mlp.up_proj.lora_A.weight": torch.zeros(4, 64),
+                "base_model.model.model.layers.5.mlp.up_proj.lora_B.weight": torch.zeros(128, 4),
+            }
+        ),
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     with pytest.raises(AdapterFileError, match="model.layers.5.mlp.up_proj, which is not a projection"):
         model.load_adapter(tmp_path / "a")

@@ -17,8 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(SRC))
 
 def test_the_layer_contracts_are_kept():
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    out = subprocess.run([lint, "--config", os.path.join(ROOT, "pyproject.toml"), "--no-cache"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [lint, "--config", os.path.join(ROOT, "pyproject.toml"), "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "2 kept, 0 broken" in out.stdout
 
@@ -27,8 +32,13 @@ def _imports(path: str, module: str, known: set) -> set:
     """Modules of the package that `path` imports, lazy ones inside functions included."""
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
-    annotations = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for stmt in node.body for n in ast.walk(stmt)}  # never run: not dependencies
+    annotations = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for n in ast.walk(stmt)
+    }  # never run: not dependencies
     found = set()
     for node in ast.walk(tree):
         if id(node) in annotations:
@@ -57,8 +67,10 @@ def test_no_module_imports_itself_through_others():
                 rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(SRC))[:-3].replace(os.sep, ".")
                 paths[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
     # a package's __init__ re-exporting its own children is how a package is built, not a cycle
-    graph = {m: {t for t in _imports(p, m, set(paths)) if not (p.endswith("__init__.py") and t.startswith(m + "."))}
-             for m, p in paths.items()}
+    graph = {
+        m: {t for t in _imports(p, m, set(paths)) if not (p.endswith("__init__.py") and t.startswith(m + "."))}
+        for m, p in paths.items()
+    }
     # a module is on a cycle when it reaches itself
     on_cycle = []
     for start in graph:

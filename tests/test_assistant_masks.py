@@ -56,8 +56,14 @@ def test_masks_equal_transformers_batched_padded_and_as_tensors(pairs, side):
     ours_tok.padding_side = ref_tok.padding_side = side
     try:
         for tensors in (None, "pt"):
-            ours, ref = both(pairs["qwen"], CONVERSATIONS, chat_template=QWEN_TRAINING_TEMPLATE, tools=WEATHER_TOOLS,
-                             padding=True, return_tensors=tensors)
+            ours, ref = both(
+                pairs["qwen"],
+                CONVERSATIONS,
+                chat_template=QWEN_TRAINING_TEMPLATE,
+                tools=WEATHER_TOOLS,
+                padding=True,
+                return_tensors=tensors,
+            )
             if tensors:
                 assert torch.equal(ours["assistant_masks"], ref["assistant_masks"])
                 assert torch.equal(ours["input_ids"], ref["input_ids"])
@@ -75,28 +81,40 @@ def test_masks_equal_transformers_when_truncation_cuts_a_span(pairs):
     full, _ = both(pairs["qwen"], CONVERSATIONS[1], chat_template=QWEN_TRAINING_TEMPLATE)
     n = len(full["input_ids"])
     for max_length in range(8, n, 7):  # cuts before, inside and between the assistant's spans
-        ours, ref = both(pairs["qwen"], CONVERSATIONS[1], chat_template=QWEN_TRAINING_TEMPLATE, truncation=True,
-                         max_length=max_length)
+        ours, ref = both(
+            pairs["qwen"],
+            CONVERSATIONS[1],
+            chat_template=QWEN_TRAINING_TEMPLATE,
+            truncation=True,
+            max_length=max_length,
+        )
         assert ours["assistant_masks"] == ref["assistant_masks"] and len(ours["input_ids"]) == max_length
 
 
 def test_qwen3_training_masks_hold_exactly_the_assistant_turns(pairs):
     ours_tok, _ = pairs["qwen"]
-    out = ours_tok.apply_chat_template(CONVERSATIONS[2], chat_template=QWEN_TRAINING_TEMPLATE, tools=WEATHER_TOOLS,
-                                       return_dict=True, return_assistant_tokens_mask=True)
+    out = ours_tok.apply_chat_template(
+        CONVERSATIONS[2],
+        chat_template=QWEN_TRAINING_TEMPLATE,
+        tools=WEATHER_TOOLS,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     marked = [t for t, m in zip(out["input_ids"], out["assistant_masks"]) if m]
     assert ours_tok.decode(marked) == (
         '<think>\nI should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
         '{"city": "Paris"}}\n</tool_call><|im_end|>\n'
-        "<think>\n\n</think>\n\nIt is 21 °C in Paris.<|im_end|>\n")
+        "<think>\n\n</think>\n\nIt is 21 °C in Paris.<|im_end|>\n"
+    )
 
 
 def test_spans_are_kept_apart_across_threads(pairs):
     ours_tok, _ = pairs["qwen"]
 
     def masks(chat):
-        return ours_tok.apply_chat_template(chat, chat_template=QWEN_TRAINING_TEMPLATE, return_dict=True,
-                                            return_assistant_tokens_mask=True)["assistant_masks"]
+        return ours_tok.apply_chat_template(
+            chat, chat_template=QWEN_TRAINING_TEMPLATE, return_dict=True, return_assistant_tokens_mask=True
+        )["assistant_masks"]
 
     expected = [masks(c) for c in CONVERSATIONS]
     with ThreadPoolExecutor(4) as pool:

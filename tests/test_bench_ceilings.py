@@ -20,8 +20,16 @@ def test_the_1_7b_reference_has_qwen3_1_7b_shape_and_transformers_parameter_coun
     import transformers
 
     c = reference.SIZES["1.7b"]
-    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
-            c["intermediate_size"], c["vocab_size"], c["tie_word_embeddings"]) == (2048, 28, 16, 8, 128, 6144, 151936, True)
+    assert (
+        c["hidden_size"],
+        c["num_hidden_layers"],
+        c["num_attention_heads"],
+        c["num_key_value_heads"],
+        c["head_dim"],
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["tie_word_embeddings"],
+    ) == (2048, 28, 16, 8, 128, 6144, 151936, True)
     assert c["eos_token_id"] is None  # every benchmark generates all the tokens it asks for
     ours = reference.weight_counts("1.7b")
     hf_config = transformers.Qwen3Config(**{k: v for k, v in c.items() if k != "rope_theta"})
@@ -90,8 +98,11 @@ def test_build_reference_saves_bf16_once_and_loads_in_both_libraries(tmp_path, m
         assert json.load(f)["config"] == reference.SIZES["tiny"]
     ours = AutoModelForCausalLM.from_pretrained(path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path)
-    assert ours.num_parameters() == reference.weight_counts("tiny")["parameters"] == \
-        sum(p.numel() for p in theirs.parameters())
+    assert (
+        ours.num_parameters()
+        == reference.weight_counts("tiny")["parameters"]
+        == sum(p.numel() for p in theirs.parameters())
+    )
     with pytest.raises(ValueError, match="Unknown reference size '7b': use one of"):
         reference.build_reference(size="7b")
 
@@ -102,8 +113,9 @@ def test_cpu_memory_ceiling_is_the_best_of_three_probes_over_the_weights_bytes()
     first = ceiling.sample(repeats=3)
     assert set(first) == {"torch.mv", "sum", "compiled multiply-and-sum"}
     probe = ceiling.result()
-    assert probe["what"].startswith("the best of torch.mv, sum and a compiled multiply-and-sum over a 4096 x 512 "
-                                    "bfloat16 matrix")
+    assert probe["what"].startswith(
+        "the best of torch.mv, sum and a compiled multiply-and-sum over a 4096 x 512 bfloat16 matrix"
+    )
     assert probe["bytes"] == nbytes and probe["gb_s"] > 0
     assert probe["gb_s"] == ceilings.sig(nbytes / probe["seconds"] / 1e9) == max(first.values())
     assert first[probe["probe"]] == probe["gb_s"]
@@ -115,7 +127,7 @@ def test_cpu_memory_ceiling_is_the_best_of_three_probes_over_the_weights_bytes()
         ceiling.sample()
     assert ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.float32, cols=512, repeats=3)["bytes"] == nbytes
     mm = ceilings.matmul_ceiling(torch.device("cpu"), n=128, repeats=3)
-    assert mm["flop"] == 2 * 128 ** 3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
+    assert mm["flop"] == 2 * 128**3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
 
 
 def test_the_compiled_probe_reads_the_gemv_s_bytes_and_computes_its_product():
@@ -131,11 +143,17 @@ def test_the_compiled_probe_reads_the_gemv_s_bytes_and_computes_its_product():
 def test_generate_s_utilisation_is_against_the_run_s_ceiling_and_names_a_contender_above_it():
     import generate
 
-    case = {"dtype": "float32", "batch": 1, "hf": {"weights_gb_s": 10.0, "prefill_tflop_s": 0.1},
-            "sf": {"weights_gb_s": 30.0, "prefill_tflop_s": 0.2}}
+    case = {
+        "dtype": "float32",
+        "batch": 1,
+        "hf": {"weights_gb_s": 10.0, "prefill_tflop_s": 0.1},
+        "sf": {"weights_gb_s": 30.0, "prefill_tflop_s": 0.2},
+    }
     generate.add_utilisation(case, {"memory": {"gb_s": 40.0}, "matmul": {"tflop_s": 0.4}})
     assert (case["hf"]["bandwidth_utilisation"], case["sf"]["bandwidth_utilisation"]) == (0.25, 0.75)
-    assert case["sf"]["prefill_flops_utilisation"] == 0.5 and case["ceiling_misses"] == [] and case["ceiling_gb_s"] == 40
+    assert (
+        case["sf"]["prefill_flops_utilisation"] == 0.5 and case["ceiling_misses"] == [] and case["ceiling_gb_s"] == 40
+    )
     generate.add_utilisation(case, {"memory": {"gb_s": 20.0}, "matmul": {"tflop_s": 0.4}})  # a probe that missed
     assert case["sf"]["bandwidth_utilisation"] == 1.5 and case["ceiling_misses"] == ["sf"]
 
@@ -156,7 +174,7 @@ def test_gpu_ceilings_are_measured_on_the_device():
     assert copy["probe"] == "copy" and torch.cuda.memory_allocated(device) < 256 * 2**20  # freed after sampling
     assert copy["gb_s"] == ceilings.sig(copy["bytes"] / copy["seconds"] / 1e9) > 0
     mm = ceilings.matmul_ceiling(device, n=4096)
-    assert mm["flop"] == 2 * 4096 ** 3 and mm["tflop_s"] > 0
+    assert mm["flop"] == 2 * 4096**3 and mm["tflop_s"] > 0
 
 
 def test_serve_bench_reads_the_graph_count_the_server_renders():

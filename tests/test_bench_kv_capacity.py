@@ -81,29 +81,58 @@ def test_the_budget_is_an_eighth_of_16_static_rows_two_rows_and_127_blocks():
 
 def test_metrics_samples_summarise_running_usage_and_preemptions():
     parsed = kv_capacity.parse_metrics(METRICS_TEXT)
-    assert parsed == {"num_requests_running": 5.0, "num_requests_waiting": 11.0, "kv_cache_usage_perc": 0.9375,
-                      "num_preemptions_total": 3.0, "graphs_compiled_total": 3.0}
+    assert parsed == {
+        "num_requests_running": 5.0,
+        "num_requests_waiting": 11.0,
+        "kv_cache_usage_perc": 0.9375,
+        "num_preemptions_total": 3.0,
+        "graphs_compiled_total": 3.0,
+    }
     assert kv_capacity.parse_metrics("# nothing here\n") == {}
-    samples = [{"num_requests_running": r, "num_requests_waiting": w, "kv_cache_usage_perc": u}
-               for r, w, u in [(0, 0, 0.0), (4, 12, 0.5), (16, 0, 0.99), (8, 0, 0.25)]]
+    samples = [
+        {"num_requests_running": r, "num_requests_waiting": w, "kv_cache_usage_perc": u}
+        for r, w, u in [(0, 0, 0.0), (4, 12, 0.5), (16, 0, 0.99), (8, 0, 0.25)]
+    ]
     before = {"num_preemptions_total": 2.0, "graphs_compiled_total": 5.0}
     after = {"num_preemptions_total": 9.0, "graphs_compiled_total": 5.0}
     s = kv_capacity.sample_summary(samples, before, after)
-    assert s == {"samples": 4, "running_max": 16, "running_mean": 7.0, "running_p50": 6.0, "waiting_max": 12,
-                 "waiting_mean": 3.0, "kv_cache_usage_peak": 0.99, "preemptions": 7, "graphs_compiled": 0}
+    assert s == {
+        "samples": 4,
+        "running_max": 16,
+        "running_mean": 7.0,
+        "running_p50": 6.0,
+        "waiting_max": 12,
+        "waiting_mean": 3.0,
+        "kv_cache_usage_peak": 0.99,
+        "preemptions": 7,
+        "graphs_compiled": 0,
+    }
     empty = kv_capacity.sample_summary([], {}, {})
     assert empty["running_max"] is None and empty["preemptions"] is None
 
 
 def test_ratios_are_medians_of_each_rounds_blocks_over_static():
-    rounds = [{"static": {"running_max": 2, "running_mean": 2.0, "output_tokens_per_s": 100.0},
-               "blocks": {"running_max": 16, "running_mean": 10.0, "output_tokens_per_s": 300.0}},
-              {"static": {"running_max": 2, "running_mean": 1.0, "output_tokens_per_s": 100.0},
-               "blocks": {"running_max": 12, "running_mean": 9.0, "output_tokens_per_s": 200.0}},
-              {"static": {"running_max": 2, "running_mean": 2.0, "output_tokens_per_s": 200.0},
-               "blocks": {"running_max": 14, "running_mean": 8.0, "output_tokens_per_s": 200.0}}]
-    assert kv_capacity.ratios(rounds) == {"running_max_blocks_over_static": 7.0,
-                                          "running_mean_blocks_over_static": 5.0,
-                                          "output_tokens_per_s_blocks_over_static": 2.0}
-    assert kv_capacity.medians([r["blocks"] for r in rounds]) == {"running_max": 14, "running_mean": 9.0,
-                                                                   "output_tokens_per_s": 200.0}
+    rounds = [
+        {
+            "static": {"running_max": 2, "running_mean": 2.0, "output_tokens_per_s": 100.0},
+            "blocks": {"running_max": 16, "running_mean": 10.0, "output_tokens_per_s": 300.0},
+        },
+        {
+            "static": {"running_max": 2, "running_mean": 1.0, "output_tokens_per_s": 100.0},
+            "blocks": {"running_max": 12, "running_mean": 9.0, "output_tokens_per_s": 200.0},
+        },
+        {
+            "static": {"running_max": 2, "running_mean": 2.0, "output_tokens_per_s": 200.0},
+            "blocks": {"running_max": 14, "running_mean": 8.0, "output_tokens_per_s": 200.0},
+        },
+    ]
+    assert kv_capacity.ratios(rounds) == {
+        "running_max_blocks_over_static": 7.0,
+        "running_mean_blocks_over_static": 5.0,
+        "output_tokens_per_s_blocks_over_static": 2.0,
+    }
+    assert kv_capacity.medians([r["blocks"] for r in rounds]) == {
+        "running_max": 14,
+        "running_mean": 9.0,
+        "output_tokens_per_s": 200.0,
+    }

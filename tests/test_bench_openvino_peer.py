@@ -30,5 +30,7 @@ def test_a_dtype_without_a_pinned_precision_is_refused():
 
 def test_without_optimum_intel_the_contender_names_the_extra(monkeypatch):
     monkeypatch.setattr(openvino_peer, "available", lambda: False)
-    with pytest.raises(SystemExit, match=r"needs optimum-intel with OpenVINO, not importable here: pip install -e '\.\[openvino\]'"):
+    with pytest.raises(
+        SystemExit, match=r"needs optimum-intel with OpenVINO, not importable here: pip install -e '\.\[openvino\]'"
+    ):
         openvino_peer.check(["openvino"], ["float32"], "cpu")

@@ -31,29 +31,46 @@ def nothing_heavy(monkeypatch, tmp_path):
     monkeypatch.setattr(peers, "run_plan", refuse)
 
 
-@pytest.mark.parametrize("argv, sentence", [
-    (["--batches", "1", "0"], "--batches: each batch must be a positive integer, not 0."),
-    (["--new", "1"], "--new must be at least 2 (decode tokens/s is measured over the tokens after the first), not 1."),
-    (["--prompt", "0"], "--prompt must be at least 1 token, not 0."),
-    (["--prompt", "8000", "--new", "500"], "--prompt 8000 + --new 500 is past SmolLM2-135M's context of 8192 tokens."),
-    (["--rounds", "0"], "--rounds must be at least 1, not 0."),
-    (["--repeats", "0"], "--repeats must be at least 1, not 0."),
-    (["--threads", "0"], "--threads must be a positive integer, not 0."),
-    (["--child-timeout", "0"], "--child-timeout must be positive, not 0.0."),
-    (["--install-only", "llama-cpp", "--no-install"], "--install-only and --no-install contradict each other"),
-    (["--engines", "hf", "--precisions", "int8"],
-     "--engines hf has no contender in --precisions int8 (transformers has no int8 pair here)"),
-])
+@pytest.mark.parametrize(
+    "argv, sentence",
+    [
+        (["--batches", "1", "0"], "--batches: each batch must be a positive integer, not 0."),
+        (
+            ["--new", "1"],
+            "--new must be at least 2 (decode tokens/s is measured over the tokens after the first), not 1.",
+        ),
+        (["--prompt", "0"], "--prompt must be at least 1 token, not 0."),
+        (
+            ["--prompt", "8000", "--new", "500"],
+            "--prompt 8000 + --new 500 is past SmolLM2-135M's context of 8192 tokens.",
+        ),
+        (["--rounds", "0"], "--rounds must be at least 1, not 0."),
+        (["--repeats", "0"], "--repeats must be at least 1, not 0."),
+        (["--threads", "0"], "--threads must be a positive integer, not 0."),
+        (["--child-timeout", "0"], "--child-timeout must be positive, not 0.0."),
+        (["--install-only", "llama-cpp", "--no-install"], "--install-only and --no-install contradict each other"),
+        (
+            ["--engines", "hf", "--precisions", "int8"],
+            "--engines hf has no contender in --precisions int8 (transformers has no int8 pair here)",
+        ),
+    ],
+)
 def test_bad_arguments_get_one_sentence(argv, sentence):
     with pytest.raises(SystemExit) as e:
         peers.main(argv)
     assert str(e.value).startswith(sentence) and str(e.value).count("\n") == 0
 
 
-@pytest.mark.parametrize("argv, word", [
-    (["--precisions", "fp16"], "--precisions"), (["--engines", "vllm"], "--engines"),
-    (["--install-only", "onnx"], "--install-only"), (["--batches", "x"], "--batches"),
-    (["--int8-dtype", "float16"], "--int8-dtype")])
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["--precisions", "fp16"], "--precisions"),
+        (["--engines", "vllm"], "--engines"),
+        (["--install-only", "onnx"], "--install-only"),
+        (["--batches", "x"], "--batches"),
+        (["--int8-dtype", "float16"], "--int8-dtype"),
+    ],
+)
 def test_argparse_refuses_unknown_values(argv, word, capsys):
     with pytest.raises(SystemExit) as e:
         peers.main(argv)
@@ -66,10 +83,12 @@ def test_no_install_names_the_missing_peer_and_the_command(monkeypatch):
     with pytest.raises(SystemExit) as e:
         peers.main(["--no-install", "--engines", "sf", "llama_cpp"])
     env = peer_envs.peers()["llama-cpp"]
-    assert str(e.value) == (f"--no-install: the llama-cpp peer (llama.cpp through llama-cpp-python "
-                            f"{peer_envs.LLAMA_CPP_VERSION}) is not installed in {peer_envs.venv_dir(env)}; install it "
-                            f"with `python bench/peers.py --install-only llama-cpp` (it takes minutes and needs PyPI) "
-                            f"or drop --no-install.")
+    assert str(e.value) == (
+        f"--no-install: the llama-cpp peer (llama.cpp through llama-cpp-python "
+        f"{peer_envs.LLAMA_CPP_VERSION}) is not installed in {peer_envs.venv_dir(env)}; install it "
+        f"with `python bench/peers.py --install-only llama-cpp` (it takes minutes and needs PyPI) "
+        f"or drop --no-install."
+    )
     with pytest.raises(SystemExit, match=r"^--no-install: the openvino peer .*--install-only openvino`"):
         peers.main(["--no-install"])  # every engine: the first missing peer in engine order is named
 
@@ -90,12 +109,20 @@ def test_the_pairs_are_like_precision():
     def labels(p, engines=peers.ENGINES):
         return [(c.label, c.dtype, c.weights) for c in peers.contenders(p, engines)]
 
-    assert labels("fp32") == [("sf", "float32", "float32"), ("hf", "float32", "float32"),
-                              ("openvino", "float32", "float32"), ("llama_cpp_F32", "float32", "F32")]
+    assert labels("fp32") == [
+        ("sf", "float32", "float32"),
+        ("hf", "float32", "float32"),
+        ("openvino", "float32", "float32"),
+        ("llama_cpp_F32", "float32", "F32"),
+    ]
     assert [x[0] for x in labels("bf16")] == ["sf", "hf", "openvino", "llama_cpp_F16", "llama_cpp_BF16"]
     assert {x[1] for x in labels("bf16")} == {"bfloat16"}
-    assert labels("int8") == [("sf_int8", "bfloat16", "int8"), ("sf_int8_head", "bfloat16", "int8+head"),
-                              ("openvino_int8", "bfloat16", "int8"), ("llama_cpp_Q8_0", "bfloat16", "Q8_0")]
+    assert labels("int8") == [
+        ("sf_int8", "bfloat16", "int8"),
+        ("sf_int8_head", "bfloat16", "int8+head"),
+        ("openvino_int8", "bfloat16", "int8"),
+        ("llama_cpp_Q8_0", "bfloat16", "Q8_0"),
+    ]
     assert {c.dtype for c in peers.contenders("int8", peers.ENGINES, "float32")} == {"float32"}
     assert labels("int8", ("hf",)) == []
     assert peers.needed_peers(["fp32"], ("sf", "hf")) == []
@@ -118,8 +145,11 @@ def test_peer_venvs_live_outside_the_clone_named_by_what_they_install(tmp_path):
 
 def test_prompt_rows_are_windows_and_a_short_text_is_refused():
     assert peers.prompt_rows(list(range(10)), 2, 3) == [[0, 1, 2], [3, 4, 5]]
-    with pytest.raises(SystemExit, match=r"^the prompt text has 10 tokens, fewer than --batches' largest x --prompt "
-                                         r"\(4 x 3\): lower one of them\.$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^the prompt text has 10 tokens, fewer than --batches' largest x --prompt "
+        r"\(4 x 3\): lower one of them\.$",
+    ):
         peers.prompt_rows(list(range(10)), 4, 3)
     assert len(peers.prompt_text()) > 20_000  # ~8 x 128 tokens and more
 
@@ -128,9 +158,11 @@ def _tiny_q4_1_gguf(path: str) -> dict:
     """A GGUF shaped like the suite's: a Q4_1 matrix, a Q8_0 embedding, an F32 norm, a few metadata keys."""
     gguf = pytest.importorskip("gguf")
     rng = np.random.default_rng(0)
-    arrays = {"token_embd.weight": (rng.standard_normal((8, 64)).astype(np.float32), "Q8_0"),
-              "blk.0.ffn_up.weight": (rng.standard_normal((4, 64)).astype(np.float32), "Q4_1"),
-              "blk.0.attn_norm.weight": (rng.standard_normal(64).astype(np.float32), "F32")}
+    arrays = {
+        "token_embd.weight": (rng.standard_normal((8, 64)).astype(np.float32), "Q8_0"),
+        "blk.0.ffn_up.weight": (rng.standard_normal((4, 64)).astype(np.float32), "Q4_1"),
+        "blk.0.attn_norm.weight": (rng.standard_normal(64).astype(np.float32), "F32"),
+    }
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(1)
     w.add_string("general.name", "tiny")
@@ -174,7 +206,7 @@ def test_llama_cpp_files_hold_the_dequantised_values(tmp_path, fmt):
         elif fmt == "F16":
             np.testing.assert_array_equal(values, want[name].astype(np.float16).astype(np.float32))
         else:  # BF16: 8 bits of mantissa; Q8_0: a block's max / 127 a step
-            tol = 2 ** -8 * np.abs(want[name]) if fmt == "BF16" else np.abs(want[name]).max() / 127
+            tol = 2**-8 * np.abs(want[name]) if fmt == "BF16" else np.abs(want[name]).max() / 127
             assert (np.abs(values - want[name]) <= tol + 1e-7).all()
     assert llama_cpp_peer.weight_bytes(dest) == sum(int(t.n_bytes) for t in reader.tensors)
     with pytest.raises(ValueError, match="llama.cpp format 'Q4_K': use one of F32, F16, BF16, Q8_0"):
@@ -188,21 +220,23 @@ def test_spawn_records_a_child_s_error_and_its_pressure():
 
 
 def test_spawn_turns_a_child_s_clocks_into_starts():
-    code = ("import json, time; t = time.time(); print(json.dumps({'t_start': t, 't_imported': t, 't_loaded': t, "
-            "'t_first_token': t + 0.5, 'warmup_s': 0, 'ttft_s': [0.01, 0.03, 0.02], 'total_s': [0.5, 0.4, 0.6], "
-            "'tokens': list(range(40))}))")
+    code = (
+        "import json, time; t = time.time(); print(json.dumps({'t_start': t, 't_imported': t, 't_loaded': t, "
+        "'t_first_token': t + 0.5, 'warmup_s': 0, 'ttft_s': [0.01, 0.03, 0.02], 'total_s': [0.5, 0.4, 0.6], "
+        "'tokens': list(range(40))}))"
+    )
     rec = peers.spawn([sys.executable, "-c", code], dict(os.environ), 60)
     assert rec["ttft_ms"] == 20.0 and rec["total_s"] == 0.5 and len(rec["tokens"]) == 32
     assert 0.5 <= rec["start_to_first_token_s"] < 30 and "t_first_token" not in rec
 
 
 def test_summaries_are_medians_of_the_warm_processes_and_the_cold_one_s_start():
-    runs = [{"cold": True, "start_to_first_token_s": 40.0, "ttft_ms": 500.0, "total_s": 9.0, "tokens": [1]},
-            {"cold": False, "start_to_first_token_s": 4.0, "ttft_ms": 20.0, "total_s": 0.02 + 0.01 * 15,
-             "tokens": [1, 2]},
-            {"cold": False, "start_to_first_token_s": 6.0, "ttft_ms": 40.0, "total_s": 0.04 + 0.03 * 15,
-             "tokens": [1, 3]},
-            {"cold": False, "error": "exit 1: boom"}]
+    runs = [
+        {"cold": True, "start_to_first_token_s": 40.0, "ttft_ms": 500.0, "total_s": 9.0, "tokens": [1]},
+        {"cold": False, "start_to_first_token_s": 4.0, "ttft_ms": 20.0, "total_s": 0.02 + 0.01 * 15, "tokens": [1, 2]},
+        {"cold": False, "start_to_first_token_s": 6.0, "ttft_ms": 40.0, "total_s": 0.04 + 0.03 * 15, "tokens": [1, 3]},
+        {"cold": False, "error": "exit 1: boom"},
+    ]
     s = peers.summarise(runs, batch=8, new=16, weight_bytes=10**9)
     assert s["cold_start_s"] == 40.0 and s["warm_start_s"] == 5.0 and s["ttft_ms"] == 30.0
     assert s["step_ms"] == 20.0 and s["decode_tok_s"] == 400.0 and s["all_decode_tok_s"] == [800.0, 266.7]
@@ -211,26 +245,62 @@ def test_summaries_are_medians_of_the_warm_processes_and_the_cold_one_s_start():
 
 
 def _case():
-    return {"precision": "fp32", "batch": 1, "contenders": {
-        "sf": {"engine": "sf", "dtype": "float32", "weights": "float32", "decode_tok_s": 100.0, "ttft_ms": 20.0,
-               "warm_start_s": 4.0, "cold_start_s": 40.0, "tokens": [5, 6, 7], "weights_gb_s": 54.0, "errors": []},
-        "llama_cpp_F32": {"engine": "llama_cpp", "dtype": "float32", "weights": "F32", "decode_tok_s": 90.0,
-                          "ttft_ms": 30.0, "warm_start_s": 1.0, "cold_start_s": 1.1, "tokens": [5, 6, 8],
-                          "weights_gb_s": 48.6, "errors": []},
-        "openvino": {"engine": "openvino", "dtype": "float32", "weights": "float32", "cold_start_s": None,
-                     "errors": ["exit 1: no export"]}}}
+    return {
+        "precision": "fp32",
+        "batch": 1,
+        "contenders": {
+            "sf": {
+                "engine": "sf",
+                "dtype": "float32",
+                "weights": "float32",
+                "decode_tok_s": 100.0,
+                "ttft_ms": 20.0,
+                "warm_start_s": 4.0,
+                "cold_start_s": 40.0,
+                "tokens": [5, 6, 7],
+                "weights_gb_s": 54.0,
+                "errors": [],
+            },
+            "llama_cpp_F32": {
+                "engine": "llama_cpp",
+                "dtype": "float32",
+                "weights": "F32",
+                "decode_tok_s": 90.0,
+                "ttft_ms": 30.0,
+                "warm_start_s": 1.0,
+                "cold_start_s": 1.1,
+                "tokens": [5, 6, 8],
+                "weights_gb_s": 48.6,
+                "errors": [],
+            },
+            "openvino": {
+                "engine": "openvino",
+                "dtype": "float32",
+                "weights": "float32",
+                "cold_start_s": None,
+                "errors": ["exit 1: no export"],
+            },
+        },
+    }
 
 
 def test_the_table_has_a_row_per_contender_errors_included():
     case = _case()
     peers.add_agreement(case)
     peers.add_ceiling(case, {"gb_s": 60.0})
-    report = {"cases": [case], "ceilings": {"fp32": {"gb_s": 60.0, "probe": "sum"}}, "pressure_before": "some avg10=1",
-              "pressure_after": "some avg10=2"}
+    report = {
+        "cases": [case],
+        "ceilings": {"fp32": {"gb_s": 60.0, "probe": "sum"}},
+        "pressure_before": "some avg10=1",
+        "pressure_after": "some avg10=2",
+    }
     table = peers.markdown(report).splitlines()
-    assert table[2] == ("| fp32 | 1 | sf (fp32 weights, fp32) | 100.0 | 20.0 | 54.0 of 60.0 (0.90) | 4.00 | 40.00 "
-                        "| 3 of 3 |")
-    assert table[3] == "| fp32 | 1 | llama_cpp_F32 (F32 file) | 90.0 | 30.0 | 48.6 of 60.0 (0.81) | 1.00 | 1.10 | 2 of 3 |"
+    assert table[2] == (
+        "| fp32 | 1 | sf (fp32 weights, fp32) | 100.0 | 20.0 | 54.0 of 60.0 (0.90) | 4.00 | 40.00 | 3 of 3 |"
+    )
+    assert (
+        table[3] == "| fp32 | 1 | llama_cpp_F32 (F32 file) | 90.0 | 30.0 | 48.6 of 60.0 (0.81) | 1.00 | 1.10 | 2 of 3 |"
+    )
     assert table[4].startswith("| fp32 | 1 | openvino (fp32 weights, fp32) | error: exit 1: no export |")
     assert table[-1] == "CPU pressure before: some avg10=1; after: some avg10=2."
     assert case["ceiling_misses"] == []
@@ -243,8 +313,14 @@ def test_runs_made_in_pieces_merge_into_one_report(tmp_path, capsys):
     for i, batch in enumerate((1, 8)):
         case = dict(_case(), batch=batch)
         peers.add_ceiling(case, {"gb_s": 60.0 + i})
-        report = {"started": f"t{i}", "cases": [case], "ceilings": {"fp32": {"gb_s": 60.0 + i, "probe": "sum"}},
-                  "pressure_before": f"before {i}", "pressure_after": f"after {i}", "prep": {}}
+        report = {
+            "started": f"t{i}",
+            "cases": [case],
+            "ceilings": {"fp32": {"gb_s": 60.0 + i, "probe": "sum"}},
+            "pressure_before": f"before {i}",
+            "pressure_after": f"after {i}",
+            "prep": {},
+        }
         pieces.append(tmp_path / f"piece{i}.json")
         pieces[-1].write_text(json.dumps(report))
     out = tmp_path / "all.json"

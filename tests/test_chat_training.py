@@ -47,14 +47,29 @@ def dataset():
 
 
 def expected_labels(ref_tok, example):
-    out = ref_tok.apply_chat_template(example["messages"], tools=example.get("tools"), chat_template=QWEN_TRAINING_TEMPLATE,
-                                      return_dict=True, return_assistant_tokens_mask=True)
+    out = ref_tok.apply_chat_template(
+        example["messages"],
+        tools=example.get("tools"),
+        chat_template=QWEN_TRAINING_TEMPLATE,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     return out["input_ids"], [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
 
 
 def args_for(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_length=128, per_device_train_batch_size=4, max_steps=2, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, learning_rate=1e-3, seed=0, use_cpu=True)
+    base = dict(
+        output_dir=str(tmp_path),
+        max_length=128,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        seed=0,
+        use_cpu=True,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -78,11 +93,15 @@ def documents_in(rows, pad_id):
 def assert_pieces_keep_labels(found, originals, max_length, packed):
     """Every piece is a max_length-aligned slice of one original document, with that slice's labels."""
     for ids, labels in found:
-        matches = [(o_ids, o_labels, s) for o_ids, o_labels in originals for s in range(0, len(o_ids), max_length)
-                   if o_ids[s:s + len(ids)] == ids]
+        matches = [
+            (o_ids, o_labels, s)
+            for o_ids, o_labels in originals
+            for s in range(0, len(o_ids), max_length)
+            if o_ids[s : s + len(ids)] == ids
+        ]
         assert matches, ids
         o_ids, o_labels, s = matches[0]
-        want = o_labels[s:s + len(ids)]
+        want = o_labels[s : s + len(ids)]
         if packed:
             want = [IGNORE_INDEX] + want[1:]  # a packed piece's first token never predicts across documents
         assert labels == want
@@ -106,7 +125,7 @@ def test_assistant_only_labels_are_transformers_masks_padded_and_packed(tok, ref
 def test_full_loss_without_assistant_only(tok, ref_tok):
     rows = build_rows(dataset(), tok, 512, False)
     ids, _ = expected_labels(ref_tok, dataset()[1])
-    assert rows.input_ids[1, :len(ids)].tolist() == ids and rows.labels[1, :len(ids)].tolist() == ids
+    assert rows.input_ids[1, : len(ids)].tolist() == ids and rows.labels[1, : len(ids)].tolist() == ids
 
 
 @pytest.mark.parametrize("packing,strategy", [(False, "bfd"), (True, "bfd"), (True, "wrapped")])
@@ -137,26 +156,27 @@ def test_prompt_completion_strings_and_messages(tok):
     prompt_ids = tok("Hello world! ")["input_ids"]
     rows = build_rows([{"prompt": "Hello world! ", "completion": "How are you?"}], tok, 64, False)
     full = tok("Hello world! How are you?")["input_ids"] + [tok.eos_token_id]
-    assert full[:len(prompt_ids)] == prompt_ids
-    assert rows.input_ids[0, :len(full)].tolist() == full
-    assert rows.labels[0, :len(full)].tolist() == [IGNORE_INDEX] * len(prompt_ids) + full[len(prompt_ids):]
-    everything = build_rows([{"prompt": "Hello world! ", "completion": "How are you?"}], tok, 64, False,
-                            completion_only_loss=False)
-    assert everything.labels[0, :len(full)].tolist() == full
+    assert full[: len(prompt_ids)] == prompt_ids
+    assert rows.input_ids[0, : len(full)].tolist() == full
+    assert rows.labels[0, : len(full)].tolist() == [IGNORE_INDEX] * len(prompt_ids) + full[len(prompt_ids) :]
+    everything = build_rows(
+        [{"prompt": "Hello world! ", "completion": "How are you?"}], tok, 64, False, completion_only_loss=False
+    )
+    assert everything.labels[0, : len(full)].tolist() == full
 
     prompt = [{"role": "user", "content": "What is 2+2?"}]
     completion = [{"role": "assistant", "content": "4", "reasoning_content": "add"}]
     convo = tok.apply_chat_template(prompt + completion)
     header = tok.apply_chat_template(prompt, add_generation_prompt=True)
-    assert convo[:len(header)] == header
+    assert convo[: len(header)] == header
     rows = build_rows([{"prompt": prompt, "completion": completion}], tok, 64, False)
-    assert rows.labels[0, :len(convo)].tolist() == [IGNORE_INDEX] * len(header) + convo[len(header):]
+    assert rows.labels[0, : len(convo)].tolist() == [IGNORE_INDEX] * len(header) + convo[len(header) :]
     # both masks at once: the user turn inside the completion is not the assistant's
     completion2 = completion + [{"role": "user", "content": "thanks"}]
     both = build_rows([{"prompt": prompt, "completion": completion2}], tok, 64, False, assistant_only_loss=True)
     out = tok.apply_chat_template(prompt + completion2, return_dict=True, return_assistant_tokens_mask=True)
     want = [t if m else IGNORE_INDEX for t, m in zip(out["input_ids"], out["assistant_masks"])]
-    assert both.labels[0, :len(want)].tolist() == want and want[-1] == IGNORE_INDEX
+    assert both.labels[0, : len(want)].tolist() == want and want[-1] == IGNORE_INDEX
 
 
 def test_tools_as_json_text_and_template_kwargs(tok):
@@ -165,27 +185,39 @@ def test_tools_as_json_text_and_template_kwargs(tok):
     none = build_rows([{"messages": CONVERSATIONS[2]}], tok, 512, False)
     assert torch.equal(plain.input_ids, as_text.input_ids) and plain.real_tokens > none.real_tokens + 50
     tok.chat_template = "{{ greeting }}" + PLAIN_TRAINING_TEMPLATE
-    greeted = build_rows([{"messages": CONVERSATIONS[0], "chat_template_kwargs": {"greeting": "Hello world!"}}], tok, 64,
-                         False)
-    assert tok.decode(greeted.input_ids[0, :greeted.real_tokens]) == "Hello world!" + tok.apply_chat_template(
-        CONVERSATIONS[0], tokenize=False, greeting="")
+    greeted = build_rows(
+        [{"messages": CONVERSATIONS[0], "chat_template_kwargs": {"greeting": "Hello world!"}}], tok, 64, False
+    )
+    assert tok.decode(greeted.input_ids[0, : greeted.real_tokens]) == "Hello world!" + tok.apply_chat_template(
+        CONVERSATIONS[0], tokenize=False, greeting=""
+    )
 
 
-@pytest.mark.parametrize("example,kw,match", [
-    ({"text": "plain text"}, dict(assistant_only_loss=True), "example 0 is text"),
-    ({"input_ids": [1, 2, 3]}, dict(assistant_only_loss=True), "example 0 is token ids"),
-    ({"prompt": "a", "completion": "b"}, dict(assistant_only_loss=True), "a prompt-completion pair of strings"),
-    ({"messages": [{"role": "user", "content": "only a user"}]}, dict(assistant_only_loss=True), "no assistant tokens"),
-    ({"messages": "hello"}, {}, "not a non-empty list"),
-    ({"messages": []}, {}, "not a non-empty list"),
-    ({"prompt": "a"}, {}, "has a 'prompt' but no 'completion'"),
-    ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, {}, "different kinds"),
-    ({"messages": CONVERSATIONS[0], "tools": "{not json"}, {}, "'tools' that are not valid JSON"),
-    ({"messages": CONVERSATIONS[0], "chat_template_kwargs": [1]}, {}, "'chat_template_kwargs' that are not a dict"),
-    ({"text": "x"}, dict(completion_only_loss=True), "completion_only_loss=True needs 'prompt'/'completion'"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, dict(template=QWEN_TEMPLATE),
-     "Example 0 could not be rendered with the chat template: Unknown role: robot"),
-])
+@pytest.mark.parametrize(
+    "example,kw,match",
+    [
+        ({"text": "plain text"}, dict(assistant_only_loss=True), "example 0 is text"),
+        ({"input_ids": [1, 2, 3]}, dict(assistant_only_loss=True), "example 0 is token ids"),
+        ({"prompt": "a", "completion": "b"}, dict(assistant_only_loss=True), "a prompt-completion pair of strings"),
+        (
+            {"messages": [{"role": "user", "content": "only a user"}]},
+            dict(assistant_only_loss=True),
+            "no assistant tokens",
+        ),
+        ({"messages": "hello"}, {}, "not a non-empty list"),
+        ({"messages": []}, {}, "not a non-empty list"),
+        ({"prompt": "a"}, {}, "has a 'prompt' but no 'completion'"),
+        ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, {}, "different kinds"),
+        ({"messages": CONVERSATIONS[0], "tools": "{not json"}, {}, "'tools' that are not valid JSON"),
+        ({"messages": CONVERSATIONS[0], "chat_template_kwargs": [1]}, {}, "'chat_template_kwargs' that are not a dict"),
+        ({"text": "x"}, dict(completion_only_loss=True), "completion_only_loss=True needs 'prompt'/'completion'"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            dict(template=QWEN_TEMPLATE),
+            "Example 0 could not be rendered with the chat template: Unknown role: robot",
+        ),
+    ],
+)
 def test_bad_chat_data_gets_one_sentence(tok, example, kw, match):
     if "template" in kw:
         tok.chat_template = kw.pop("template")
@@ -214,8 +246,12 @@ def test_chat_template_path_file_and_folder(qwen_folder, tmp_path, tiny_checkpoi
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3", vocab_size=VOCAB))
     (tmp_path / "train.jinja").write_text(PLAIN_TRAINING_TEMPLATE)
     tok = AutoTokenizer.from_pretrained(qwen_folder)
-    trainer = Trainer(model=model, args=args_for(tmp_path, chat_template_path=str(tmp_path / "train.jinja")),
-                      train_dataset=dataset(), processing_class=tok)
+    trainer = Trainer(
+        model=model,
+        args=args_for(tmp_path, chat_template_path=str(tmp_path / "train.jinja")),
+        train_dataset=dataset(),
+        processing_class=tok,
+    )
     assert tok.chat_template == PLAIN_TRAINING_TEMPLATE
     trainer.save_model(str(tmp_path / "saved"))
     assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == PLAIN_TRAINING_TEMPLATE
@@ -227,8 +263,11 @@ def test_chat_template_path_file_and_folder(qwen_folder, tmp_path, tiny_checkpoi
         args_for(tmp_path, chat_template_path="nowhere.jinja")
     (tmp_path / "empty.jinja").write_text(" \n")
     with pytest.raises(ValueError, match="is an empty file"):
-        Trainer(model=model, args=args_for(tmp_path, chat_template_path=str(tmp_path / "empty.jinja")),
-                processing_class=AutoTokenizer.from_pretrained(qwen_folder))
+        Trainer(
+            model=model,
+            args=args_for(tmp_path, chat_template_path=str(tmp_path / "empty.jinja")),
+            processing_class=AutoTokenizer.from_pretrained(qwen_folder),
+        )
     with pytest.raises(ValueError, match="no tokenizer was given"):
         Trainer(model=model, args=args_for(tmp_path, chat_template_path=str(tmp_path / "train.jinja")))
 
@@ -239,7 +278,10 @@ def test_chat_template_folder_whose_tokens_this_tokenizer_lacks(qwen_folder, tmp
 
     llama = AutoTokenizer.from_pretrained(build_llama3(tmp_path / "llama3"))
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3", vocab_size=VOCAB))
-    with pytest.raises(ValueError, match=r"writes token\(s\) </think>, .*<\|im_end\|>, <\|im_start\|> that this tokenizer does not have"):
+    with pytest.raises(
+        ValueError,
+        match=r"writes token\(s\) </think>, .*<\|im_end\|>, <\|im_start\|> that this tokenizer does not have",
+    ):
         Trainer(model=model, args=args_for(tmp_path, chat_template_path=str(qwen_folder)), processing_class=llama)
 
 
@@ -282,15 +324,26 @@ def test_user_words_reach_the_loss_only_through_the_context(tok, tmp_path, tiny_
     data = dataset()
     trainer = chat_trainer(tmp_path, tiny_checkpoints, tok, data)
     base, batch = loss_of(trainer)
-    user_next = (batch["labels"][:, 1:] == IGNORE_INDEX)  # positions whose next token carries no loss
+    user_next = batch["labels"][:, 1:] == IGNORE_INDEX  # positions whose next token carries no loss
 
     # the user's words change: the assistant's labels are the same tokens, and the loss moves (the context changed)
-    changed = [dict(e, messages=[dict(m, content=m["content"].replace("Paris", "Tokyo").replace("2+2", "5+5"))
-                                 if m["role"] == "user" else m for m in e["messages"]]) for e in data]
+    changed = [
+        dict(
+            e,
+            messages=[
+                dict(m, content=m["content"].replace("Paris", "Tokyo").replace("2+2", "5+5"))
+                if m["role"] == "user"
+                else m
+                for m in e["messages"]
+            ],
+        )
+        for e in data
+    ]
     other = chat_trainer(tmp_path, tiny_checkpoints, tok, changed)
     moved, other_batch = loss_of(other)
     assert sorted(other_batch["labels"][other_batch["labels"] != IGNORE_INDEX].tolist()) == sorted(
-        batch["labels"][batch["labels"] != IGNORE_INDEX].tolist())
+        batch["labels"][batch["labels"] != IGNORE_INDEX].tolist()
+    )
     assert abs(float(moved) - float(base)) > 1e-4
 
     # what the model predicts where the next token is the user's never counts: perturb those predictions
@@ -301,6 +354,7 @@ def test_user_words_reach_the_loss_only_through_the_context(tok, tmp_path, tiny_
             noise = torch.zeros_like(output)
             noise[:, :-1][where] = 5.0
             return output + noise * torch.randn_like(output)
+
         return norm.register_forward_hook(hook)
 
     handle = perturb(user_next)
@@ -345,15 +399,38 @@ def test_a_tiny_model_learns_a_question_format_from_the_assistant_turns_only(tok
     from staticformers import AutoConfig, AutoModelForCausalLM
 
     rng = random.Random(0)
-    data = [{"messages": [{"role": "user", "content": color_question(thing, rng)},
-                          {"role": "assistant", "content": color}]} for _ in range(8) for thing, color in COLORS.items()]
-    config = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                                  eos_token_id=tok.eos_token_id)
+    data = [
+        {"messages": [{"role": "user", "content": color_question(thing, rng)}, {"role": "assistant", "content": color}]}
+        for _ in range(8)
+        for thing, color in COLORS.items()
+    ]
+    config = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+    )
     model = AutoModelForCausalLM.from_config(config, seed=0)
-    args = args_for(tmp_path, max_length=64, per_device_train_batch_size=8, max_steps=60, logging_steps=10,
-                    learning_rate=3e-3, lr_scheduler_type="constant_with_warmup", warmup_steps=2, packing=True,
-                    assistant_only_loss=True, torch_compile=True, torch_compile_backend="aot_eager")
+    args = args_for(
+        tmp_path,
+        max_length=64,
+        per_device_train_batch_size=8,
+        max_steps=60,
+        logging_steps=10,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=2,
+        packing=True,
+        assistant_only_loss=True,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data, processing_class=tok)
     out = trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "grad_norm" in e]
@@ -374,9 +451,12 @@ def test_a_tiny_model_learns_a_question_format_from_the_assistant_turns_only(tok
     # new questions, answered through the chat template
     right = 0
     for thing, color in COLORS.items():
-        ids = tok.apply_chat_template([{"role": "user", "content": color_question(thing, rng)}],
-                                      add_generation_prompt=True, return_tensors="pt")
-        answer = tok.decode(model.generate(ids, max_new_tokens=12, do_sample=False, disable_compile=True)[0, ids.shape[1]:])
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": color_question(thing, rng)}], add_generation_prompt=True, return_tensors="pt"
+        )
+        answer = tok.decode(
+            model.generate(ids, max_new_tokens=12, do_sample=False, disable_compile=True)[0, ids.shape[1] :]
+        )
         right += answer == f"<think>\n\n</think>\n\n{color}<|im_end|>"
     assert right >= 5, right
 

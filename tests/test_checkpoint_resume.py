@@ -19,20 +19,44 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed=0):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 def docs(n=40, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()} for k in torch.randint(3, 30, (n,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()}
+        for k in torch.randint(3, 30, (n,), generator=g)
+    ]
 
 
 def args_for(path, **kw):
-    base = dict(output_dir=str(path), max_length=32, per_device_train_batch_size=4, max_steps=8, logging_steps=2,
-                save_strategy="steps", save_steps=3, disable_tqdm=True, learning_rate=1e-3, seed=0,
-                lr_scheduler_type="cosine", warmup_steps=2, weight_decay=0.01)
+    base = dict(
+        output_dir=str(path),
+        max_length=32,
+        per_device_train_batch_size=4,
+        max_steps=8,
+        logging_steps=2,
+        save_strategy="steps",
+        save_steps=3,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        seed=0,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        weight_decay=0.01,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -53,11 +77,14 @@ class Crashing(Trainer):
             raise Crash()
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(bf16=True, packing=True, gradient_accumulation_steps=2)],
-                         ids=["fp32", "bf16-packed-accum"])
+@pytest.mark.parametrize(
+    "extra", [dict(), dict(bf16=True, packing=True, gradient_accumulation_steps=2)], ids=["fp32", "bf16-packed-accum"]
+)
 def test_resume_is_bit_identical(tmp_path, extra):
     full = tiny_model()
-    Trainer(model=full, args=args_for(tmp_path / "full", **extra), train_dataset=docs()).train()  # 10 batches/epoch: crosses epochs
+    Trainer(
+        model=full, args=args_for(tmp_path / "full", **extra), train_dataset=docs()
+    ).train()  # 10 batches/epoch: crosses epochs
 
     first = tiny_model()
     with pytest.raises(Crash):
@@ -71,12 +98,21 @@ def test_resume_is_bit_identical(tmp_path, extra):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     saved = os.listdir(tmp_path / "split" / "checkpoint-3")
-    for name in ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "trainer_state.json",
+    ):
         assert name in saved
 
 
 def test_save_total_limit_and_checkpoint_folders(tmp_path):
-    trainer = Trainer(model=tiny_model(), args=args_for(tmp_path, save_steps=2, save_total_limit=2), train_dataset=docs())
+    trainer = Trainer(
+        model=tiny_model(), args=args_for(tmp_path, save_steps=2, save_total_limit=2), train_dataset=docs()
+    )
     trainer.train()
     assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [6, 8]
     st = ckpt.read_json(str(tmp_path / "checkpoint-8" / "trainer_state.json"))
@@ -102,14 +138,18 @@ def test_resume_refuses_other_data(tmp_path):
     model = tiny_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="same dataset"):
-        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs(80)).train(resume_from_checkpoint=True)
+        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs(80)).train(
+            resume_from_checkpoint=True
+        )
     # the refusal loses nothing: the caller's fp32 weights are untouched (not cast, not overwritten)
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
     # a checkpoint that fails half-way through loading (its optimizer file is gone) gives the model back too
     os.remove(os.path.join(ckpt.last_checkpoint(str(tmp_path)), ckpt.OPTIMIZER))
     with pytest.raises(FileNotFoundError):
-        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs()).train(resume_from_checkpoint=True)
+        Trainer(model=model, args=args_for(tmp_path, bf16=True), train_dataset=docs()).train(
+            resume_from_checkpoint=True
+        )
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
     with pytest.raises(ValueError, match="not a complete checkpoint"):

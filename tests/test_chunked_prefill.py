@@ -24,8 +24,14 @@ CHUNK = 16
 
 
 def plan(**kw):
-    return ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 32], kv_lengths=[64, 256], max_model_len=256,
-                     extend_widths=((CHUNK, 1),), **kw)
+    return ShapePlan(
+        batch_sizes=[1, 2, 4],
+        prompt_lengths=[16, 32],
+        kv_lengths=[64, 256],
+        max_model_len=256,
+        extend_widths=((CHUNK, 1),),
+        **kw,
+    )
 
 
 def prompts(lengths, seed=0, vocab=128):
@@ -43,9 +49,10 @@ def qwen3(tiny_checkpoints):
 def hf_greedy(path, prompt, n):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_a_prompt_longer_than_the_largest_bucket_runs_in_chunks_and_matches_transformers(qwen3, tiny_checkpoints):
@@ -70,8 +77,11 @@ def test_chunked_tokens_equal_unchunked_under_mixed_traffic(qwen3):
 
     def arrivals():
         def request(i):
-            sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=7 + i) if i % 2 else SamplingParams()
+            sampling = (
+                SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=7 + i) if i % 2 else SamplingParams()
+            )
             return GenerationRequest(rows[i], answers[i], sampling, request_id=i)
+
         return {0: [request(0), request(1)], 2: [request(2)], 3: [request(3), request(4)], 9: [request(5), request(6)]}
 
     plain = run_loop(GenerationLoop(engine, settings), arrivals())
@@ -202,20 +212,32 @@ def test_mixed_traffic_compiles_nothing_outside_the_plan(tiny_checkpoints, monke
 
     monkeypatch.setenv("STATICFORMERS_STRICT_SHAPES", "1")
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
-    small = ShapePlan(batch_sizes=[2], prompt_lengths=[16, 32], kv_lengths=[128], max_model_len=128,
-                      extend_widths=((CHUNK, 1),))
+    small = ShapePlan(
+        batch_sizes=[2], prompt_lengths=[16, 32], kv_lengths=[128], max_model_len=128, extend_widths=((CHUNK, 1),)
+    )
     engine = engine_for(model, small)
     settings = compile_settings(model, GenerationConfig(), EAGER)
     engine.precompile(settings)
     system = prompts([40], seed=8)[0]
-    rows = [system + [5], prompts([7], seed=9)[0], system + [6, 7, 8], prompts([90], seed=10)[0], system[:20] + [9],
-            system + [4]]
+    rows = [
+        system + [5],
+        prompts([7], seed=9)[0],
+        system + [6, 7, 8],
+        prompts([90], seed=10)[0],
+        system[:20] + [9],
+        system + [4],
+    ]
     counters.clear()
     loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, prefix_block_size=8)
-    arrivals = {0: [GenerationRequest(rows[0], 5, request_id=0), GenerationRequest(rows[1], 30, request_id=1)],
-                8: [GenerationRequest(rows[2], 4, SamplingParams(do_sample=True, seed=3), request_id=2),
-                    GenerationRequest(rows[3], 6, request_id=3)],
-                20: [GenerationRequest(rows[4], 3, request_id=4)], 30: [GenerationRequest(rows[5], 3, request_id=5)]}
+    arrivals = {
+        0: [GenerationRequest(rows[0], 5, request_id=0), GenerationRequest(rows[1], 30, request_id=1)],
+        8: [
+            GenerationRequest(rows[2], 4, SamplingParams(do_sample=True, seed=3), request_id=2),
+            GenerationRequest(rows[3], 6, request_id=3),
+        ],
+        20: [GenerationRequest(rows[4], 3, request_id=4)],
+        30: [GenerationRequest(rows[5], 3, request_id=5)],
+    }
     out = run_loop(loop, arrivals)
     assert sorted(out) == list(range(6)) and loop.prefix.hits > 0 and loop.chunks > 0
     assert counters["stats"]["unique_graphs"] == 0
@@ -235,14 +257,23 @@ def test_chunks_prefix_hits_and_speculation_together_give_the_plain_loops_tokens
 
     def arrivals(seeded: bool):
         sampling = SamplingParams(do_sample=True, temperature=0.8, seed=11) if seeded else SamplingParams()
-        return {0: [GenerationRequest(short, 12, request_id="short")],
-                1: [GenerationRequest(long, 10, sampling, request_id="long")],
-                3: [GenerationRequest(short + [11], 12, request_id="again"), GenerationRequest(other, 8, request_id="o")]}
+        return {
+            0: [GenerationRequest(short, 12, request_id="short")],
+            1: [GenerationRequest(long, 10, sampling, request_id="long")],
+            3: [GenerationRequest(short + [11], 12, request_id="again"), GenerationRequest(other, 8, request_id="o")],
+        }
 
     plain = run_loop(GenerationLoop(engine, settings), arrivals(False))
     spec = Speculator(PromptLookup(3))
-    together = GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, prefix_block_size=8,
-                              prefix_cache_blocks=32, speculator=spec)
+    together = GenerationLoop(
+        engine,
+        settings,
+        chunked_prefill=CHUNK,
+        prefix_caching=True,
+        prefix_block_size=8,
+        prefix_cache_blocks=32,
+        speculator=spec,
+    )
     assert run_loop(together, arrivals(False)) == plain
     assert together.chunks > 0 and spec.num_steps > 0 and together.prefix.hits > 0
     # A seeded row's tokens follow its own generator, but a verify step draws acceptance uniforms that a decode step
@@ -250,9 +281,18 @@ def test_chunks_prefix_hits_and_speculation_together_give_the_plain_loops_tokens
     # seeded run is compared with itself (the same arrivals give the same tokens), and its greedy rows with plain.
 
     def seeded():
-        return run_loop(GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True,
-                                       prefix_block_size=8, prefix_cache_blocks=32,
-                                       speculator=Speculator(PromptLookup(3))), arrivals(True))
+        return run_loop(
+            GenerationLoop(
+                engine,
+                settings,
+                chunked_prefill=CHUNK,
+                prefix_caching=True,
+                prefix_block_size=8,
+                prefix_cache_blocks=32,
+                speculator=Speculator(PromptLookup(3)),
+            ),
+            arrivals(True),
+        )
 
     first = seeded()
     assert seeded() == first

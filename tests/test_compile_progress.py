@@ -5,8 +5,12 @@ from staticformers.compilation.progress import FIRST_GUESS, CompileProgress
 
 def run(total, seconds, backend="inductor", hits=()):
     lines = []
-    progress = CompileProgress(total, backend, write=lines.append,
-                               describe=lambda r: f"done {r['shape']} {'hit' if r['cache_hit'] else 'compiled'}")
+    progress = CompileProgress(
+        total,
+        backend,
+        write=lines.append,
+        describe=lambda r: f"done {r['shape']} {'hit' if r['cache_hit'] else 'compiled'}",
+    )
     progress.begin()
     for i, s in enumerate(seconds):
         progress({"kind": "decode", "shape": [1, 1, 256 * (i + 1)], "seconds": s, "cache_hit": i in hits, "graphs": 1})

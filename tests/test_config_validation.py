@@ -29,8 +29,19 @@ def refused(match, **changes):
         ModelConfig.from_dict(raw(**changes), source="cfg.json")
 
 
-@pytest.mark.parametrize("key", ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ],
+)
 @pytest.mark.parametrize("value", [True, False, 0, -16, 3.5, "64", [64], INF])
 def test_integer_fields(key, value):
     refused(rf"cfg.json: {key}=.* must be a positive integer", **{key: value})
@@ -69,19 +80,41 @@ def test_rope_parameters_must_be_an_object(value):
         ModelConfig.from_dict(d, source="cfg.json")
 
 
-@pytest.mark.parametrize("params,match", [
-    ({"rope_type": "linear", "factor": 0}, "factor=0 must be a finite number above 0"),
-    ({"rope_type": "linear", "factor": "2"}, "factor='2' must be a number"),
-    ({"rope_type": "linear", "factor": NAN}, "factor=nan"),
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": -64}, "original_max_position_embeddings=-64"),
-    ({"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}, "beta_fast=-32"),
-    ({"rope_type": "yarn", "factor": 4.0, "attention_factor": INF}, "attention_factor=inf"),
-    ({"rope_type": "yarn", "factor": 4.0, "truncate": "no"}, "truncate='no' must be true or false"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 64}, "high_freq_factor > low_freq_factor"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": "4",
-      "original_max_position_embeddings": 64}, "high_freq_factor='4' must be a number"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"rope_type": "linear", "factor": 0}, "factor=0 must be a finite number above 0"),
+        ({"rope_type": "linear", "factor": "2"}, "factor='2' must be a number"),
+        ({"rope_type": "linear", "factor": NAN}, "factor=nan"),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": -64},
+            "original_max_position_embeddings=-64",
+        ),
+        ({"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}, "beta_fast=-32"),
+        ({"rope_type": "yarn", "factor": 4.0, "attention_factor": INF}, "attention_factor=inf"),
+        ({"rope_type": "yarn", "factor": 4.0, "truncate": "no"}, "truncate='no' must be true or false"),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "high_freq_factor > low_freq_factor",
+        ),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": "4",
+                "original_max_position_embeddings": 64,
+            },
+            "high_freq_factor='4' must be a number",
+        ),
+    ],
+)
 def test_rope_scaling_values(params, match):
     refused(match, rope_parameters={"rope_theta": 10000.0, **params})
 
@@ -135,9 +168,13 @@ def test_from_pretrained_refuses_before_loading(tmp_path):
     """Through the public loader: the sentence names the file; lists of eos ids in range load."""
     path = save_tiny("qwen3", str(tmp_path / "m"))
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
-    for key, value, match in [("rms_norm_eps", -1, "rms_norm_eps=-1"), ("tie_word_embeddings", "false", "tie_word_embeddings=.false. must be true or false"),
-                              ("eos_token_id", -1, "eos_token_id=-1"), ("hidden_size", True, "hidden_size=True"),
-                              ("rms_norm_eps", NAN, "rms_norm_eps=nan")]:
+    for key, value, match in [
+        ("rms_norm_eps", -1, "rms_norm_eps=-1"),
+        ("tie_word_embeddings", "false", "tie_word_embeddings=.false. must be true or false"),
+        ("eos_token_id", -1, "eos_token_id=-1"),
+        ("hidden_size", True, "hidden_size=True"),
+        ("rms_norm_eps", NAN, "rms_norm_eps=nan"),
+    ]:
         (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ConfigError, match=rf"config.json: {match}"):
             AutoModelForCausalLM.from_pretrained(path)

@@ -4,8 +4,15 @@ import pytest
 import torch
 
 from staticformers import AutoConfig, AutoModelForCausalLM
-from staticformers.training.data import (EMPTY_ROW, IGNORE_INDEX, StaticBatchSampler, build_rows, pack_rows, pad_rows,
-                                         tokenize_dataset)
+from staticformers.training.data import (
+    EMPTY_ROW,
+    IGNORE_INDEX,
+    StaticBatchSampler,
+    build_rows,
+    pack_rows,
+    pad_rows,
+    tokenize_dataset,
+)
 import tolerances as tol
 
 
@@ -107,8 +114,16 @@ def test_sampler_always_full_batches():
 
 
 def tiny_model():
-    cfg = AutoConfig.for_model("qwen3", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=0).eval()
 
 
@@ -120,12 +135,18 @@ def test_packed_loss_equals_unpacked_loss():
     padded = pad_rows(tokenize_dataset(ds), 16)
     assert packed.num_rows < padded.num_rows and packed.padding_waste < padded.padding_waste
     with torch.no_grad():
+
         def summed(table, positions):
             b = table.batch(list(range(table.num_rows)))
             n = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-            out = model(input_ids=b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids") if positions else None,
-                        num_items_in_batch=torch.tensor(n))
+            out = model(
+                input_ids=b["input_ids"],
+                labels=b["labels"],
+                position_ids=b.get("position_ids") if positions else None,
+                num_items_in_batch=torch.tensor(n),
+            )
             return out.loss, n
+
         lp, np_ = summed(packed, True)
         lu, nu = summed(padded, False)
     assert np_ == nu == sum(n - 1 for n in lengths)

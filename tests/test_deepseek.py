@@ -19,8 +19,13 @@ import torch
 
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.models.model_config import ModelConfig
-from family_checks import (assert_bf16_logits_agree, assert_saved_as_loaded, chunked_and_prefix_cached_run,
-                           hf_model, padded_batch)
+from family_checks import (
+    assert_bf16_logits_agree,
+    assert_saved_as_loaded,
+    chunked_and_prefix_cached_run,
+    hf_model,
+    padded_batch,
+)
 import tolerances as tol
 from tiny import DEEPSEEK_FAMILIES
 
@@ -38,12 +43,32 @@ def _inputs(seq=12, seed=1):
 # the configuration
 # ---------------------------------------------------------------------------------------------
 def test_config_defaults_and_round_trip_follow_transformers(tiny_checkpoints):
-    raw = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
-           "num_hidden_layers": 4, "num_attention_heads": 4}
+    raw = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+    }
     ours, ref = ModelConfig.from_dict(raw), transformers.DeepseekV3Config(**raw)
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "norm_topk_prob",
-                "rope_interleave", "num_experts_per_tok", "moe_intermediate_size", "head_dim"):
+    for key in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "norm_topk_prob",
+        "rope_interleave",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "head_dim",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.num_experts == ref.n_routed_experts == 256
     assert [ours.layer_is_sparse(i) for i in range(4)] == [False, False, False, True]  # first_k_dense_replace=3
@@ -53,15 +78,18 @@ def test_config_defaults_and_round_trip_follow_transformers(tiny_checkpoints):
     assert transformers.DeepseekV3Config(**config.to_dict()).to_dict()["n_routed_experts"] == 8
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"n_group": 3}, r"n_routed_experts=8 is not a multiple of n_group=3"),
-    ({"topk_group": 5}, r"topk_group=5 is more than n_group=4"),
-    ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 is more than the 4 experts of the topk_group=2 groups"),
-    ({"n_group": 8, "topk_group": 2}, r"n_group=8 leaves fewer than 2 experts per group"),
-    ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim=15 is odd"),
-    ({"first_k_dense_replace": 9}, r"first_k_dense_replace=9 is more than the 3 layers"),
-    ({"kv_lora_rank": 0}, r"kv_lora_rank"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"n_group": 3}, r"n_routed_experts=8 is not a multiple of n_group=3"),
+        ({"topk_group": 5}, r"topk_group=5 is more than n_group=4"),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 is more than the 4 experts of the topk_group=2 groups"),
+        ({"n_group": 8, "topk_group": 2}, r"n_group=8 leaves fewer than 2 experts per group"),
+        ({"qk_rope_head_dim": 15}, r"qk_rope_head_dim=15 is odd"),
+        ({"first_k_dense_replace": 9}, r"first_k_dense_replace=9 is more than the 3 layers"),
+        ({"kv_lora_rank": 0}, r"kv_lora_rank"),
+    ],
+)
 def test_a_bad_key_is_one_sentence(tiny_checkpoints, bad, message):
     from staticformers.models.config_checks import ConfigError
 
@@ -79,8 +107,15 @@ def test_grouped_routing_equals_transformers_router():
 
     from staticformers.models.moe import route_grouped
 
-    config = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=16, n_group=4, topk_group=2,
-                                           num_experts_per_tok=4, routed_scaling_factor=2.5, norm_topk_prob=True)
+    config = transformers.DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     router = DeepseekV3TopkRouter(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -116,7 +151,9 @@ def test_logits_parameters_and_the_latent_cache(tiny_checkpoints, family):
     cache = KVCache.for_model(ours, batch=2, max_length=64)
     assert cache.nbytes == 2 * 64 * c.num_hidden_layers * latent * 4 == KVCache.bytes_for(ours, 2, 64)
     assert bytes_per_position(c, torch.float32) == c.num_hidden_layers * latent * 4
-    expanded = c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    expanded = (
+        c.num_hidden_layers * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * 4
+    )
     assert bytes_per_position(c, torch.float32) < expanded / 2
     assert cache.values == [] and [tuple(k.shape) for k in cache.keys] == [(2, 1, 64, latent)] * c.num_hidden_layers
 
@@ -157,6 +194,7 @@ def test_chunked_prefill_and_prefix_caching_equal_transformers(tiny_checkpoints)
     loop = chunked_and_prefix_cached_run(tiny_checkpoints("deepseek-v3"))
     assert loop.prefix.values == [] and loop.prefix.keys[0].shape[-1] == 32 + 16  # the pool holds latents
 
+
 # ---------------------------------------------------------------------------------------------
 # checkpoints, adapters, int8
 # ---------------------------------------------------------------------------------------------
@@ -167,10 +205,23 @@ def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_p
     saved, original = assert_saved_as_loaded(tiny_checkpoints("deepseek-v3"), tmp_path, *_inputs())
     with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as b:
         assert b.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
-    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "routed_scaling_factor", "n_shared_experts", "first_k_dense_replace", "n_routed_experts",
-                "rope_interleave", "rope_parameters"):
+    for key in (
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "n_routed_experts",
+        "rope_interleave",
+        "rope_parameters",
+    ):
         assert saved[key] == original[key], key
+
 
 LATENT = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
 
@@ -183,8 +234,11 @@ def test_lora_equals_peft_both_ways_and_kv_b_proj_is_refused(tiny_checkpoints, t
     path = tiny_checkpoints("deepseek-v3")
     ids, mask = _inputs()
     assert_lora_equals_peft_both_ways(path, "deepseek-v3", LATENT, tmp_path, ids, mask)
-    with pytest.raises(AdapterConfigError, match=r"selects model\.layers\.0\.self_attn\.kv_b_proj, which latent "
-                                                 r"attention never runs as a projection .* exclude_modules=\['kv_b_proj'\]"):
+    with pytest.raises(
+        AdapterConfigError,
+        match=r"selects model\.layers\.0\.self_attn\.kv_b_proj, which latent "
+        r"attention never runs as a projection .* exclude_modules=\['kv_b_proj'\]",
+    ):
         AutoModelForCausalLM.from_pretrained(path).add_adapter(LoraConfig(r=4, target_modules="all-linear"))
     mine = AutoModelForCausalLM.from_pretrained(path)
     mine.add_adapter(LoraConfig(r=4, target_modules="all-linear", exclude_modules=["kv_b_proj"]))
@@ -206,10 +260,17 @@ def test_int8_weights_greedy_equals_its_dequantised_model(tiny_checkpoints):
                 ref.get_submodule(name).weight.copy_(module.dequantized())
             elif getattr(module, "quantized", None):
                 for w in ("gate_up_proj", "down_proj"):
-                    getattr(ref.get_submodule(name), w).copy_(getattr(module, w).float() * getattr(module, w + "_scale"))
+                    getattr(ref.get_submodule(name), w).copy_(
+                        getattr(module, w).float() * getattr(module, w + "_scale")
+                    )
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
-    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
-              compile_config=CompileConfig(backend="eager"))
+    kw = dict(
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        compile_config=CompileConfig(backend="eager"),
+    )
     assert torch.equal(q.generate(ids, **kw), ref.generate(ids, **kw))
 
 
@@ -224,7 +285,11 @@ def test_the_tensor_parallel_plan_splits_the_heads_and_keeps_the_latent_whole(ti
     DistributedConfig(fsdp_size=2, ep_size=2).check_model(config)
     plan = default_tp_plan(config)
     assert {k.rsplit(".", 1)[-1]: v for k, v in plan.items() if ".self_attn." in k} == {
-        "q_b_proj": "colwise", "kv_b_proj": "colwise", "shared_latent": "latent", "o_proj": "rowwise"}
+        "q_b_proj": "colwise",
+        "kv_b_proj": "colwise",
+        "shared_latent": "latent",
+        "o_proj": "rowwise",
+    }
     assert layout(config, tp=2) == layout(config) == (1, 32 + 16, 32)  # every rank caches the whole latent
     with pytest.raises(DistributedConfigError, match=r"num_attention_heads=4 is not divisible by tp_size=8"):
         DistributedConfig(tp_size=8).check_model(config)

@@ -12,10 +12,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_demo(folder, *flags):
-    env = dict(os.environ, STATICFORMERS_DEMO_DIR=str(folder), STATICFORMERS_COMPILE_BACKEND="eager",
-               STATICFORMERS_CACHE=str(folder / "cache"), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), *flags], capture_output=True,
-                         text=True, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        STATICFORMERS_DEMO_DIR=str(folder),
+        STATICFORMERS_COMPILE_BACKEND="eager",
+        STATICFORMERS_CACHE=str(folder / "cache"),
+        OMP_NUM_THREADS="1",
+    )
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "demo.py"), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout, res.stderr
 
@@ -34,17 +44,19 @@ def test_demo_first_and_second_run(tmp_path):
     assert "prefill  [1, 16]" in first and "decode   [1, 1, 256]" in first  # the compile stage's lines
     for prompt in demo.PROMPTS:
         assert f"> {prompt}" in first
-    table = first[first.index("prompt  "):].splitlines()
+    table = first[first.index("prompt  ") :].splitlines()
     assert table[0].split()[-3:] == ["tokens", "time", "tokens/s"]
-    assert all(line.split()[-2] in ("us", "ms", "s") for line in table[1:len(demo.PROMPTS) + 2])  # "12.3 ms"
-    counts = [int(line[len(max(demo.PROMPTS, key=len)):].split()[0]) for line in table[1:len(demo.PROMPTS) + 1]]
+    assert all(line.split()[-2] in ("us", "ms", "s") for line in table[1 : len(demo.PROMPTS) + 2])  # "12.3 ms"
+    counts = [int(line[len(max(demo.PROMPTS, key=len)) :].split()[0]) for line in table[1 : len(demo.PROMPTS) + 1]]
     assert all(1 <= c <= demo.MAX_NEW_TOKENS for c in counts)  # what was generated, not the maximum
     assert "no prompt compiled a graph" in first
     assert not [line for line in first.splitlines() if line.lstrip().startswith("{")] and '"retired"' not in first
     # the chat stage fine-tunes with assistant-only loss and evaluates; the serve stage answers four questions at
     # once, three as trained and one phrased anew
     assert "with assistant-only loss" in first and (tmp_path / "chat" / "model.safetensors").exists()
-    assert "cosine after" in first and "evaluation (greedy answers, teacher-forced): the 36 trained questions: " in first
+    assert (
+        "cosine after" in first and "evaluation (greedy answers, teacher-forced): the 36 trained questions: " in first
+    )
     assert first.count("  Q: ") == 4 and first.count("(as trained)") == 3 and "streamed in" in first
     assert " of 3 trained questions answered exactly as the docs say; the new phrasing " in first
     assert "0 graphs compiled while serving" in first

@@ -31,20 +31,28 @@ def test_conversations_come_from_the_docs_and_only_answers_carry_loss(tmp_path):
     tok = Tokenizer(models.BPE())  # a tokenizer like the demo's: byte-level BPE, one special token
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     texts = [m["content"] for r in rows for m in r["messages"]]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                                 "pad_token": "<|endoftext|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    )
     ours = AutoTokenizer.from_pretrained(tmp_path)
     ours.chat_template = demo.TEMPLATE
     table = build_rows(rows, ours, 96, False, assistant_only_loss=True)
     for r, row in enumerate(rows):
         kept = [t for t in table.labels[r].tolist() if t != IGNORE_INDEX]
         assert ours.decode(kept) == " " + row["messages"][1]["content"] + "<|endoftext|>"
-    prompt = ours.apply_chat_template([{"role": "user", "content": "What does x do?"}], tokenize=False,
-                                      add_generation_prompt=True)
+    prompt = ours.apply_chat_template(
+        [{"role": "user", "content": "What does x do?"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "Question: What does x do?\nAnswer:"
 
 
@@ -59,20 +67,33 @@ def test_answered_exactly_checks_every_answer_token_and_only_those(tmp_path):
 
     demo = load_demo_chat()
     rows = demo.conversations()[0][:3] + demo.unseen_conversations()[:2]
-    assert [r["messages"][0]["content"] for r in rows[3:]] == [demo.UNSEEN.format(s) for s in list(demo.conversations()[1])[:2]]
+    assert [r["messages"][0]["content"] for r in rows[3:]] == [
+        demo.UNSEEN.format(s) for s in list(demo.conversations()[1])[:2]
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator([m["content"] for r in rows for m in r["messages"]],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [m["content"] for r in rows for m in r["messages"]],
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                                 "pad_token": "<|endoftext|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    )
     ours = AutoTokenizer.from_pretrained(tmp_path)
     ours.chat_template = demo.TEMPLATE
     vocab = ours.vocab_size
-    encoded = [ours.apply_chat_template(r["messages"], return_dict=True, return_assistant_tokens_mask=True,
-                                        return_tensors="pt") for r in rows]
+    encoded = [
+        ours.apply_chat_template(
+            r["messages"], return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt"
+        )
+        for r in rows
+    ]
 
     class Model:
         """Next-token argmax = the row's true next token, except at the positions `wrong_at(ids, mask)` names."""
@@ -85,8 +106,11 @@ def test_answered_exactly_checks_every_answer_token_and_only_those(tmp_path):
         def __call__(self, input_ids):  # a right-padded batch of the rows
             out = []
             for row in input_ids:
-                ids, mask = next((e["input_ids"][0], torch.as_tensor(e["assistant_masks"]).reshape(-1))
-                                 for e in encoded if torch.equal(e["input_ids"][0], row[:e["input_ids"].shape[1]]))
+                ids, mask = next(
+                    (e["input_ids"][0], torch.as_tensor(e["assistant_masks"]).reshape(-1))
+                    for e in encoded
+                    if torch.equal(e["input_ids"][0], row[: e["input_ids"].shape[1]])
+                )
                 nxt = torch.cat([row[1:], row[:1]])
                 for i in self.wrong_at(ids, mask):
                     nxt[i] = (nxt[i] + 1) % vocab

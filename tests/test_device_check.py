@@ -19,8 +19,13 @@ import device_check  # noqa: E402
 
 
 def _env(tmp_path) -> dict:
-    return dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"),
-                STATICFORMERS_BENCH_MODELS=str(tmp_path / "models"), STATICFORMERS_CACHE=str(tmp_path / "cache"))
+    return dict(
+        os.environ,
+        PYTHON=sys.executable,
+        OUT=str(tmp_path / "out"),
+        STATICFORMERS_BENCH_MODELS=str(tmp_path / "models"),
+        STATICFORMERS_CACHE=str(tmp_path / "cache"),
+    )
 
 
 @pytest.mark.slow
@@ -28,14 +33,21 @@ def test_dry_run_goes_through_every_step_and_writes_the_results(tmp_path):
     # the dry run proves that every step runs, not how fast: limits generous enough for a busy machine (the
     # suite's other worker beside it), and a step that still runs out of time is named with its seconds
     generous = [arg for step in device_check.DEFAULT_LIMITS for arg in ("--limit", f"{step}=1200")]
-    res = subprocess.run(["bash", os.path.join(BENCH, "device_check.sh"), "--dry-run", "--total", "1400", *generous],
-                         env=_env(tmp_path), capture_output=True, text=True, timeout=1500)
+    res = subprocess.run(
+        ["bash", os.path.join(BENCH, "device_check.sh"), "--dry-run", "--total", "1400", *generous],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = tmp_path / "out"
     assert sorted(os.listdir(out)) == ["device_check.json", "device_check.log", "device_check.md"]
     report = json.loads((out / "device_check.json").read_text())
     steps = report["steps"]
-    slow = {name: (rec["status"], rec["seconds"], rec["limit"]) for name, rec in steps.items() if rec["status"] == "timeout"}
+    slow = {
+        name: (rec["status"], rec["seconds"], rec["limit"]) for name, rec in steps.items() if rec["status"] == "timeout"
+    }
     assert not slow, f"these steps ran out of time (status, seconds, limit): {slow}"
     assert report["dry_run"] and report["device"] == "cpu" and report["wall_seconds"] <= report["total_limit"]
     assert list(steps) == ["cuda_tests", "reference", "generate_b1", "generate_b8", "train", "serve"]
@@ -57,7 +69,11 @@ def test_dry_run_goes_through_every_step_and_writes_the_results(tmp_path):
         assert case["sf"]["graphs_after_warmup"] == 0 and case["sf_graphs"] > 0
     train = steps["train"]["result"]["results"]["bf16-compiled"]["summary"]
     assert steps["train"]["status"] == "ok"
-    assert train["ours"]["steady_tokens_per_s"] > 0 and train["ours"]["graphs"] == 2 and train["ours"]["flops_utilisation"] > 0
+    assert (
+        train["ours"]["steady_tokens_per_s"] > 0
+        and train["ours"]["graphs"] == 2
+        and train["ours"]["flops_utilisation"] > 0
+    )
     assert train["transformers"]["steady_tokens_per_s"] or train["transformers"]["errors"]  # needs accelerate
     if not os.path.exists(os.path.join(BENCH, "serve.py")):
         assert steps["serve"]["status"] == "skipped" and "serve.py" in steps["serve"]["note"]
@@ -71,30 +87,47 @@ def test_dry_run_goes_through_every_step_and_writes_the_results(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_without_a_gpu_the_check_says_what_to_do(tmp_path):
-    res = subprocess.run(["bash", os.path.join(BENCH, "device_check.sh")], env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        ["bash", os.path.join(BENCH, "device_check.sh")],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert "no CUDA GPU" in res.stderr and "--dry-run" in res.stderr
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dry-run", "--limit", "train"], "write STEP=SECONDS"),
-    (["--dry-run", "--limit", "nosuch=3"], "write STEP=SECONDS with STEP one of"),
-    (["--dry-run", "--only", "generate_b1,nosuch"], "unknown step"),
-    (["--dry-run", "--device", "cuda"], "runs on the CPU"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dry-run", "--limit", "train"], "write STEP=SECONDS"),
+        (["--dry-run", "--limit", "nosuch=3"], "write STEP=SECONDS with STEP one of"),
+        (["--dry-run", "--only", "generate_b1,nosuch"], "unknown step"),
+        (["--dry-run", "--device", "cuda"], "runs on the CPU"),
+    ],
+)
 def test_bad_options_get_one_sentence(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message):
         device_check.main(argv + ["--out", str(tmp_path)])
 
 
 def _report(b1_sf_util, b1_hf, b1_static, graphs, train_ratio) -> dict:
-    case = {"batch": 1, "sf": {"bandwidth_utilisation": b1_sf_util, "graphs_after_warmup": graphs},
-            "ratio_decode_vs_hf": b1_hf, "ratio_decode_vs_hf_static": b1_static}
+    case = {
+        "batch": 1,
+        "sf": {"bandwidth_utilisation": b1_sf_util, "graphs_after_warmup": graphs},
+        "ratio_decode_vs_hf": b1_hf,
+        "ratio_decode_vs_hf_static": b1_static,
+    }
     train = {"results": {"bf16-compiled": {"summary": {"steady_ratio": train_ratio}}}}
-    return {"steps": {"generate_b1": {"result": {"cases": [case]}}, "generate_b8": {"status": "timeout"},
-                      "train": {"result": train}}}
+    return {
+        "steps": {
+            "generate_b1": {"result": {"cases": [case]}},
+            "generate_b8": {"status": "timeout"},
+            "train": {"result": train},
+        }
+    }
 
 
 def test_targets_are_judged_against_the_issue_thresholds():

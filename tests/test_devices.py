@@ -7,7 +7,15 @@ import logging
 import pytest
 import torch
 
-from staticformers.backends.devices import DeviceUnavailableError, compile_backend_for, describe, dist_backend_for, kind_of, resolve_device, supports_bf16
+from staticformers.backends.devices import (
+    DeviceUnavailableError,
+    compile_backend_for,
+    describe,
+    dist_backend_for,
+    kind_of,
+    resolve_device,
+    supports_bf16,
+)
 
 
 def test_auto_is_cpu_here_and_says_why(caplog):
@@ -41,7 +49,9 @@ def test_neuron_installed_but_no_device(fake_neuron):
 
 
 def test_unavailable_devices_are_refused_with_what_to_do():
-    with pytest.raises(DeviceUnavailableError, match=r"'neuron' is not available here: install torch-neuronx.*device_map=\"auto\""):
+    with pytest.raises(
+        DeviceUnavailableError, match=r"'neuron' is not available here: install torch-neuronx.*device_map=\"auto\""
+    ):
         resolve_device("neuron")
     with pytest.raises(DeviceUnavailableError, match=r"'cuda:1' is not available here: install a CUDA build"):
         resolve_device("cuda:1")
@@ -53,8 +63,11 @@ def test_unavailable_devices_are_refused_with_what_to_do():
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("torch_xla") is not None, reason="torch_xla is here")
 def test_xla_without_torch_xla_is_refused_with_what_to_install():
-    with pytest.raises(DeviceUnavailableError, match=r"'xla' is not available here: install torch-xla with the torch it "
-                                                     r"pins \(the `xla` extra\) and set PJRT_DEVICE"):
+    with pytest.raises(
+        DeviceUnavailableError,
+        match=r"'xla' is not available here: install torch-xla with the torch it "
+        r"pins \(the `xla` extra\) and set PJRT_DEVICE",
+    ):
         resolve_device("xla")
     assert kind_of("xla").compile_backend == "openxla" and kind_of("xla:1").dist_backend == "xla"
     info = describe()
@@ -80,15 +93,25 @@ def test_cpu_forms():
 
 
 def test_backends_per_kind():
-    assert [kind_of(n).compile_backend for n in ("neuron", "cuda:1", "xpu", "cpu")] == ["neuron", "inductor", "inductor", "inductor"]
+    assert [kind_of(n).compile_backend for n in ("neuron", "cuda:1", "xpu", "cpu")] == [
+        "neuron",
+        "inductor",
+        "inductor",
+        "inductor",
+    ]
     assert [kind_of(n).dist_backend for n in ("neuron", "cuda", "xpu", "cpu")] == ["neuron", "nccl", "xccl", "gloo"]
     assert supports_bf16("cpu") and not supports_bf16("cuda")
 
 
 def test_describe_reports_the_seed_check(fake_neuron):
     info = describe()
-    assert info["devices"]["neuron"] == {"available": True, "count": 4, "compile_backend": "neuron",
-                                         "dist_backend": "neuron", "bf16": True}
+    assert info["devices"]["neuron"] == {
+        "available": True,
+        "count": 4,
+        "compile_backend": "neuron",
+        "dist_backend": "neuron",
+        "bf16": True,
+    }
     assert info["auto"] == "neuron:0" and info["torch"] == torch.__version__
 
 
@@ -106,7 +129,11 @@ def test_doctor_console_script_runs():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "staticformers.commands.cli", "doctor", "--json"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "staticformers.commands.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     info = json.loads(out)
     assert info["auto"] == "cpu" and info["devices"]["cpu"]["available"] is True

@@ -83,14 +83,16 @@ def test_checkpoint_from_tp2_fsdp2_resumes_at_fsdp4_and_in_one_process(launched,
     from staticformers.distributed.dcp_checkpoint import load_checkpoint
 
     results, out = launched
-    tail = reference["losses"][W.RESUME_AT:]
+    tail = reference["losses"][W.RESUME_AT :]
     for res in results:
         assert res["resumed_fsdp4"]["losses"] == pytest.approx(tail, rel=tol.FP32_TRAINED)
     model = _single(checkpoint)
     opt = W.make_optimizer(model)
     extra = load_checkpoint(os.path.join(out, "dcp"), model, opt)
     assert extra == {"step": W.RESUME_AT}
-    assert W.train_steps(model, opt, range(W.RESUME_AT, W.STEPS), clip=_torch_clip) == pytest.approx(tail, rel=tol.FP32_TRAINED)
+    assert W.train_steps(model, opt, range(W.RESUME_AT, W.STEPS), clip=_torch_clip) == pytest.approx(
+        tail, rel=tol.FP32_TRAINED
+    )
 
 
 def test_save_pretrained_writes_one_checkpoint_transformers_loads(launched, reference):
@@ -157,4 +159,6 @@ def test_fsdp_mixed_precision_keeps_fp32_shards_and_trains_close(launched, refer
     results, _ = launched
     for res in results:
         assert res["tp2_fsdp2_bf16"]["param_dtypes"] == ["torch.float32"]  # master shards stay fp32
-        assert res["tp2_fsdp2_bf16"]["losses"] == pytest.approx(reference["losses"][:2], rel=tol.BF16_LOSS)  # bf16 compute
+        assert res["tp2_fsdp2_bf16"]["losses"] == pytest.approx(
+            reference["losses"][:2], rel=tol.BF16_LOSS
+        )  # bf16 compute

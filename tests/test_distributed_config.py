@@ -16,10 +16,12 @@ TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MAS
 @pytest.fixture
 def torchrun_env(monkeypatch):
     """Pretend to be rank 0 of a torchrun job of `world` processes."""
+
     def set_world(world: int):
         for k, v in TORCHRUN_ENV.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("WORLD_SIZE", str(world))
+
     return set_world
 
 
@@ -30,9 +32,17 @@ def plain_env(monkeypatch):
 
 
 def qwen3(**kw) -> ModelConfig:
-    base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                tie_word_embeddings=True)
+    base = dict(
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return ModelConfig.from_dict({**base, **kw})
 
 
@@ -48,28 +58,40 @@ def test_sizes_must_multiply_to_world_size(torchrun_env):
     torchrun_env(4)
     with pytest.raises(DistributedConfigError, match=r"2 \* 4 \* 2 = 16 ranks, but torchrun started WORLD_SIZE=4"):
         DistributedConfig(tp_size=2, fsdp_size=4, dp_replicate_size=2).resolved()
-    with pytest.raises(DistributedConfigError, match="WORLD_SIZE=4 is not divisible by tp_size \\* dp_replicate_size = 3"):
+    with pytest.raises(
+        DistributedConfigError, match="WORLD_SIZE=4 is not divisible by tp_size \\* dp_replicate_size = 3"
+    ):
         DistributedConfig(tp_size=3).resolved()
 
 
 def test_more_than_one_rank_outside_torchrun_is_refused(plain_env):
-    with pytest.raises(DistributedConfigError, match=r"asks for 4 processes, but this one runs alone .*"
-                                                     r"`torchrun --nproc_per_node=4"):
+    with pytest.raises(
+        DistributedConfigError,
+        match=r"asks for 4 processes, but this one runs alone .*"
+        r"`torchrun --nproc_per_node=4",
+    ):
         DistributedConfig(tp_size=2, fsdp_size=2).resolved()
 
 
 def test_world_size_without_torchrun_variables_is_refused(plain_env, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(DistributedConfigError, match="RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is not: launch with torchrun"):
+    with pytest.raises(
+        DistributedConfigError, match="RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT is not: launch with torchrun"
+    ):
         DistributedConfig(tp_size=2).resolved()
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"tp_size": 0}, "tp_size=0"), ({"fsdp_size": 1.5}, "fsdp_size=1.5"), ({"dp_replicate_size": True}, "dp_replicate_size=True"),
-    ({"tp_plan": "colwise"}, "neither \"auto\" nor a dict"),
-    ({"tp_plan": {"lm_head": "diagonal"}}, "'diagonal' is not a style"),
-    ({"fsdp_mixed_precision": "int8"}, "fsdp_mixed_precision='int8'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"tp_size": 0}, "tp_size=0"),
+        ({"fsdp_size": 1.5}, "fsdp_size=1.5"),
+        ({"dp_replicate_size": True}, "dp_replicate_size=True"),
+        ({"tp_plan": "colwise"}, 'neither "auto" nor a dict'),
+        ({"tp_plan": {"lm_head": "diagonal"}}, "'diagonal' is not a style"),
+        ({"fsdp_mixed_precision": "int8"}, "fsdp_mixed_precision='int8'"),
+    ],
+)
 def test_bad_values_are_refused(kwargs, words):
     with pytest.raises(DistributedConfigError, match=words.replace("(", r"\(")):
         DistributedConfig(**kwargs)
@@ -81,11 +103,14 @@ def test_mixed_precision_spellings():
     assert DistributedConfig(fsdp_mixed_precision="float16").param_dtype is torch.float16
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"num_attention_heads": 6, "num_key_value_heads": 2}, "num_attention_heads=6 is not divisible by tp_size=4"),
-    ({}, "num_key_value_heads=2 is not divisible by tp_size=4"),
-    ({"num_key_value_heads": 4, "intermediate_size": 130}, "intermediate_size=130 is not divisible by tp_size=4"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"num_attention_heads": 6, "num_key_value_heads": 2}, "num_attention_heads=6 is not divisible by tp_size=4"),
+        ({}, "num_key_value_heads=2 is not divisible by tp_size=4"),
+        ({"num_key_value_heads": 4, "intermediate_size": 130}, "intermediate_size=130 is not divisible by tp_size=4"),
+    ],
+)
 def test_model_shapes_tp_cannot_split_are_refused(kw, words):
     with pytest.raises(DistributedConfigError, match=words):
         DistributedConfig(tp_size=4).check_model(qwen3(**kw))
@@ -93,9 +118,21 @@ def test_model_shapes_tp_cannot_split_are_refused(kw, words):
 
 def hybrid(architecture: str, **kw) -> ModelConfig:
     """A Qwen3.5 / Qwen3-Next config: three Gated DeltaNet layers (2 key heads, 4 value heads), one full layer."""
-    base = dict(architectures=[architecture], vocab_size=128, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                linear_key_head_dim=16, linear_num_value_heads=4, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    base = dict(
+        architectures=[architecture],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_num_value_heads=4,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )
     if architecture != "Qwen3_5ForCausalLM":
         base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     return ModelConfig.from_dict({**base, **kw})
@@ -104,9 +141,12 @@ def hybrid(architecture: str, **kw) -> ModelConfig:
 def test_linear_attention_key_heads_tp_cannot_split_are_refused():
     config = hybrid("Qwen3_5ForCausalLM", num_key_value_heads=4, linear_num_key_heads=2, linear_num_value_heads=4)
     DistributedConfig(tp_size=2).check_model(config)
-    with pytest.raises(DistributedConfigError, match=r"^Qwen3_5ForCausalLM cannot be split 4 ways: "
-                                                     r"linear_num_key_heads=2 is not divisible by tp_size=4; choose a "
-                                                     r"tp_size that divides them"):
+    with pytest.raises(
+        DistributedConfigError,
+        match=r"^Qwen3_5ForCausalLM cannot be split 4 ways: "
+        r"linear_num_key_heads=2 is not divisible by tp_size=4; choose a "
+        r"tp_size that divides them",
+    ):
         DistributedConfig(tp_size=4).check_model(config)
 
 
@@ -126,8 +166,11 @@ def test_hybrid_plans_split_every_linear_attention_module(architecture):
         assert module in chosen, name
     fused = architecture == "Qwen3NextForCausalLM"
     assert chosen[f"{layer}.in_proj_qkvz" if fused else f"{layer}.in_proj_qkv.k"] == "colwise"
-    assert (chosen[f"{layer}.conv1d.v"], chosen[layer], chosen[f"{layer}.out_proj"]) == ("channels", "value_heads",
-                                                                                         "rowwise")
+    assert (chosen[f"{layer}.conv1d.v"], chosen[layer], chosen[f"{layer}.out_proj"]) == (
+        "channels",
+        "value_heads",
+        "rowwise",
+    )
 
 
 @pytest.mark.parametrize("architecture", ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
@@ -159,7 +202,7 @@ def test_a_linear_attention_layer_cut_as_the_plan_says_sums_to_the_whole(archite
         for name, style in chosen.items():
             if name != at and not name.startswith(at + "."):
                 continue
-            module = share.get_submodule(name[len(at) + 1:])
+            module = share.get_submodule(name[len(at) + 1 :])
             for key, p in list(module.named_parameters(recurse=False)):
                 if style in dims:
                     module._parameters[key] = nn.Parameter(p.detach().chunk(2, dims[style])[rank].clone())
@@ -184,9 +227,17 @@ def test_family_plans():
     plan = default_tp_plan(qwen3())
     assert plan["model.layers.*.self_attn.q_norm"] == "heads"
     assert plan["model.layers.*.self_attn.o_proj"] == plan["model.layers.*.mlp.down_proj"] == "rowwise"
-    llama = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-                                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                   "num_key_value_heads": 2})
+    llama = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     assert not any(style == "heads" for style in default_tp_plan(llama).values())
 
 
@@ -223,6 +274,9 @@ def test_the_sinks_style_on_a_module_without_sinks_is_one_sentence():
 
     from staticformers.distributed.parallelize import HeadsParameter
 
-    with pytest.raises(DistributedConfigError, match=r"tp_plan style 'sinks' shards a module's per-head `sinks`, but "
-                                                     r"the Linear it was given has none: give it to attention modules"):
+    with pytest.raises(
+        DistributedConfigError,
+        match=r"tp_plan style 'sinks' shards a module's per-head `sinks`, but "
+        r"the Linear it was given has none: give it to attention modules",
+    ):
         HeadsParameter("sinks")._apply(nn.Linear(2, 2), None)

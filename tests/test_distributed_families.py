@@ -29,34 +29,71 @@ transformers = pytest.importorskip("transformers")
 
 # name -> (tiny family, DistributedConfig's arguments, LoRA targets for the training step, gradients compared)
 SINKS = ["model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"]
-EXPERT_BIASES = ["model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias",
-                 "model.layers.0.mlp.experts.down_proj"]
+EXPERT_BIASES = [
+    "model.layers.0.mlp.experts.gate_up_proj_bias",
+    "model.layers.0.mlp.experts.down_proj_bias",
+    "model.layers.0.mlp.experts.down_proj",
+]
 # DeepSeek-V3: the latent path every head reads (its gradient summed over the ranks' heads), the heads' own
 # projections, the router and shared experts beside the split experts
-LATENT = [f"model.layers.0.self_attn.{name}.weight" for name in
-          ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_b_proj", "o_proj")]
-ROUTED = ["model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
-          "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+LATENT = [
+    f"model.layers.0.self_attn.{name}.weight"
+    for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_b_proj", "o_proj")
+]
+ROUTED = [
+    "model.layers.1.mlp.gate.weight",
+    "model.layers.1.mlp.experts.gate_up_proj",
+    "model.layers.1.mlp.shared_experts.down_proj.weight",
+    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+]
 # Qwen3.5: the gated full layer split over its heads, and the linear layers over their key heads: the parts of
 # in_proj_qkv and of the convolution, the gate and decay projections, A_log and dt_bias by rows, out_proj by columns,
 # the gated norm replicated (its gradient summed over the ranks' heads)
 LINEAR = "model.layers.0.linear_attn."
-SPLIT = [LINEAR + name for name in ("in_proj_qkv.q.weight", "in_proj_qkv.k.weight", "in_proj_qkv.v.weight",
-                                    "conv1d.q.weight", "conv1d.v.weight", "in_proj_z.weight", "in_proj_a.weight",
-                                    "A_log", "dt_bias")]
-HYBRID = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_norm.weight", *SPLIT,
-          LINEAR + "out_proj.weight", LINEAR + "norm.weight"]
+SPLIT = [
+    LINEAR + name
+    for name in (
+        "in_proj_qkv.q.weight",
+        "in_proj_qkv.k.weight",
+        "in_proj_qkv.v.weight",
+        "conv1d.q.weight",
+        "conv1d.v.weight",
+        "in_proj_z.weight",
+        "in_proj_a.weight",
+        "A_log",
+        "dt_bias",
+    )
+]
+HYBRID = [
+    "model.layers.3.self_attn.q_proj.weight",
+    "model.layers.3.self_attn.q_norm.weight",
+    *SPLIT,
+    LINEAR + "out_proj.weight",
+    LINEAR + "norm.weight",
+]
 # Qwen3.5 with LoRA on the DeltaNet's projections by PEFT's names: in_proj_qkv's parts share one A (whole) and split
 # their rows of B with their heads; out_proj's A splits by columns
 LORA = ["in_proj_qkv", "in_proj_z", "out_proj"]
-HYBRID_LORA = [LINEAR + name for name in ("in_proj_qkv.q.lora_A.default.weight", "in_proj_qkv.k.lora_B.default.weight",
-                                          "in_proj_z.lora_B.default.weight", "out_proj.lora_A.default.weight")]
+HYBRID_LORA = [
+    LINEAR + name
+    for name in (
+        "in_proj_qkv.q.lora_A.default.weight",
+        "in_proj_qkv.k.lora_B.default.weight",
+        "in_proj_z.lora_B.default.weight",
+        "out_proj.lora_A.default.weight",
+    )
+]
 # Qwen3-Next: the same with its DeltaNet projections fused per key head (a plain row split keeps whole groups),
 # experts and a gated shared expert (layer 1 dense) beside the split attention
 NEXT_SPLIT = [LINEAR + name for name in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.k.weight", "A_log")]
-NEXT = ["model.layers.3.self_attn.q_proj.weight", *NEXT_SPLIT, LINEAR + "norm.weight",
-        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.shared_expert_gate.weight",
-        "model.layers.1.mlp.down_proj.weight"]
+NEXT = [
+    "model.layers.3.self_attn.q_proj.weight",
+    *NEXT_SPLIT,
+    LINEAR + "norm.weight",
+    "model.layers.0.mlp.experts.gate_up_proj",
+    "model.layers.0.mlp.shared_expert_gate.weight",
+    "model.layers.1.mlp.down_proj.weight",
+]
 # run -> (parameters each rank must hold half the rows of, a linear-attention layer whose cached states must be half)
 HALVED = {"qwen3_5-tp": (SPLIT, 0), "qwen3-next-tp": (NEXT_SPLIT, 0)}
 DCP = ("qwen3_5-tp",)  # runs whose DCP checkpoint (split linear layers) must resume in one process
@@ -79,9 +116,19 @@ RUNS = {
 def launched(tiny_checkpoints, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dist_families"))
     paths = {name: tiny_checkpoints(family) for name, (family, _, _, _) in RUNS.items()}
-    specs = [{"name": name, "path": paths[name], "distributed": dist, "lora": lora, "grads": grads,
-              "local": HALVED.get(name, ([], None))[0], "states": HALVED.get(name, ([], None))[1], "dcp": name in DCP}
-             for name, (_, dist, lora, grads) in RUNS.items()]
+    specs = [
+        {
+            "name": name,
+            "path": paths[name],
+            "distributed": dist,
+            "lora": lora,
+            "grads": grads,
+            "local": HALVED.get(name, ([], None))[0],
+            "states": HALVED.get(name, ([], None))[1],
+            "dcp": name in DCP,
+        }
+        for name, (_, dist, lora, grads) in RUNS.items()
+    ]
     spec_file = os.path.join(out, "runs.json")
     with open(spec_file, "w") as f:
         json.dump(specs, f)
@@ -112,7 +159,7 @@ def _single(name, path):
     loss.backward()
     params = dict(model.named_parameters())
     grads = {name: params[name].grad for name in RUNS[name][3]}
-    return logits, ids[0, len(W.PROMPT[0]):].tolist(), float(loss.detach()), grads, whole
+    return logits, ids[0, len(W.PROMPT[0]) :].tolist(), float(loss.detach()), grads, whole
 
 
 @pytest.mark.parametrize("family", list(RUNS))
@@ -133,8 +180,10 @@ def test_partitioned_over_2_ranks_equals_one_process(launched, family):
     from safetensors import safe_open
 
     saved = os.path.join(out, f"{family}_saved")
-    with safe_open(os.path.join(saved, "model.safetensors"), "pt") as f, \
-            safe_open(os.path.join(paths[family], "model.safetensors"), "pt") as g:
+    with (
+        safe_open(os.path.join(saved, "model.safetensors"), "pt") as f,
+        safe_open(os.path.join(paths[family], "model.safetensors"), "pt") as g,
+    ):
         assert set(f.keys()) == set(g.keys())
         for name in g.keys():
             assert torch.equal(f.get_tensor(name), g.get_tensor(name)), name

@@ -81,8 +81,9 @@ def test_save_model_writes_the_gathered_adapter_in_peft_format(launched, referen
     _, model = reference
     saved = load_file(os.path.join(out, "final", "adapter_model.safetensors"))
     gathered = load_file(os.path.join(out, "gathered.safetensors"))  # DTensor's own full_tensor() of each weight
-    ours = {f"base_model.model.{n}".replace(".default", ""): p.detach() for n, p in model.named_parameters()
-            if "lora_" in n}
+    ours = {
+        f"base_model.model.{n}".replace(".default", ""): p.detach() for n, p in model.named_parameters() if "lora_" in n
+    }
     assert saved.keys() == ours.keys() == gathered.keys()
     for k in saved:
         assert torch.equal(saved[k], gathered[k]), k  # a gather moves values, it computes nothing

@@ -53,9 +53,11 @@ def reference(checkpoint, tmp_path_factory):
     opt = W.make_optimizer(model)
     losses = W.train_steps(model, opt, range(W.STEPS), clip=lambda p, n: torch.nn.utils.clip_grad_norm_(list(p), n))
     trainer_model = _single(checkpoint)
-    trainer = Trainer(model=trainer_model, args=T.args_for(str(tmp_path_factory.mktemp("moe_one")), T.GLOBAL_BATCH,
-                                                           save_strategy="no"),
-                      train_dataset=T.docs(trainer_model.config.vocab_size))
+    trainer = Trainer(
+        model=trainer_model,
+        args=T.args_for(str(tmp_path_factory.mktemp("moe_one")), T.GLOBAL_BATCH, save_strategy="no"),
+        train_dataset=T.docs(trainer_model.config.vocab_size),
+    )
     trainer.train()
     return {"losses": losses, "model": model.eval(), "greedy": greedy, "trainer": T.history(trainer)}
 
@@ -86,14 +88,16 @@ def test_a_checkpoint_from_ep2_resumes_at_ep4_and_in_one_process(launched, refer
     from staticformers.distributed.dcp_checkpoint import load_checkpoint
 
     results, out = launched
-    tail = reference["losses"][W.RESUME_AT:]
+    tail = reference["losses"][W.RESUME_AT :]
     for res in results:
         assert res["resumed_ep4"]["losses"] == pytest.approx(tail, rel=tol.FP32_TRAINED)
     model = _single(checkpoint)
     opt = W.make_optimizer(model)
     assert load_checkpoint(os.path.join(out, "dcp"), model, opt) == {"step": W.RESUME_AT}
     clip = lambda p, n: torch.nn.utils.clip_grad_norm_(list(p), n)  # noqa: E731
-    assert W.train_steps(model, opt, range(W.RESUME_AT, W.STEPS), clip=clip) == pytest.approx(tail, rel=tol.FP32_TRAINED)
+    assert W.train_steps(model, opt, range(W.RESUME_AT, W.STEPS), clip=clip) == pytest.approx(
+        tail, rel=tol.FP32_TRAINED
+    )
 
 
 def test_the_export_loads_in_transformers_and_generation_matches(launched, reference):

@@ -31,15 +31,21 @@ def checkpoint(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def one_process(checkpoint, tmp_path_factory):
     """(the int8 model's logits and greedy tokens in one process, the folder it saved)."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                 quantization_config=QuantizationConfig("int8_weight_only"))
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, quantization_config=QuantizationConfig("int8_weight_only")
+    )
     saved = str(tmp_path_factory.mktemp("int8"))
     model.save_pretrained(saved)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor(W.PROMPT)).logits[0]
-    generated = model.generate(torch.tensor(W.PROMPT), max_new_tokens=W.NEW_TOKENS, do_sample=False, disable_compile=True)
-    return {"logits": logits, "greedy": W.greedy(model, W.PROMPT, W.NEW_TOKENS),
-            "generate": generated[0, len(W.PROMPT[0]):].tolist()}, saved
+    generated = model.generate(
+        torch.tensor(W.PROMPT), max_new_tokens=W.NEW_TOKENS, do_sample=False, disable_compile=True
+    )
+    return {
+        "logits": logits,
+        "greedy": W.greedy(model, W.PROMPT, W.NEW_TOKENS),
+        "generate": generated[0, len(W.PROMPT[0]) :].tolist(),
+    }, saved
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +58,10 @@ def launched(checkpoint, one_process, tmp_path_factory):
 @pytest.mark.parametrize("how", ["quantized_at_load", "saved_int8"])
 def test_tp2_int8_matches_one_process_int8(launched, one_process, how):
     expected = one_process[0]
-    assert json.load(open(os.path.join(one_process[1], "config.json")))["quantization_config"]["format"] == \
-        "pack-quantized"
+    assert (
+        json.load(open(os.path.join(one_process[1], "config.json")))["quantization_config"]["format"]
+        == "pack-quantized"
+    )
     for rank in launched:
         got = rank[how]
         tol.assert_close(torch.tensor(got["logits"]), expected["logits"])

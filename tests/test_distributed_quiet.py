@@ -14,12 +14,17 @@ def test_only_the_two_notices_are_silenced(caplog):
         warnings.simplefilter("always")
         silence_pytorch_notices.__globals__["_installed"] = False
         silence_pytorch_notices()  # the filter goes in front of "always"
-        warnings.warn("FSDP2-wrapped module (FSDPCausalLM) returned a view tensor. An in-place op ...", UserWarning,
-                      stacklevel=1)
+        warnings.warn(
+            "FSDP2-wrapped module (FSDPCausalLM) returned a view tensor. An in-place op ...", UserWarning, stacklevel=1
+        )
         warnings.warn("FSDP2-wrapped module (FSDPCausalLM) did something else", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["FSDP2-wrapped module (FSDPCausalLM) did something else"]
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
     with caplog.at_level(logging.WARNING, logger=logger.name):
-        logger.warning("While redistributing from (S, S) to (R, R), 2 sequential all_gather operations will be performed.")
+        logger.warning(
+            "While redistributing from (S, S) to (R, R), 2 sequential all_gather operations will be performed."
+        )
         logger.warning("While redistributing, something else happened.")
-    assert [r.getMessage() for r in caplog.records if r.name == logger.name] == ["While redistributing, something else happened."]
+    assert [r.getMessage() for r in caplog.records if r.name == logger.name] == [
+        "While redistributing, something else happened."
+    ]

@@ -13,8 +13,11 @@ from staticformers.checkpoints.safetensors_io import SafetensorsFile
 @pytest.fixture
 def file(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(40, 24, generator=g), "b": torch.randn(7, generator=g),
-               "h": torch.randn(6, 5, generator=g).to(torch.bfloat16)}
+    tensors = {
+        "w": torch.randn(40, 24, generator=g),
+        "b": torch.randn(7, generator=g),
+        "h": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+    }
     path = str(tmp_path / "model.safetensors")
     save_file(tensors, path)
     return path, tensors
@@ -28,7 +31,7 @@ def test_slices_in_any_dtype(file, offsets, lengths, dtype, monkeypatch):
     target = torch.empty(lengths, dtype=dtype)
     with SafetensorsFile(path) as f:
         reader.read_slice(f, "w", offsets, lengths, target)
-    expected = tensors["w"][offsets[0]:offsets[0] + lengths[0], offsets[1]:offsets[1] + lengths[1]].to(dtype)
+    expected = tensors["w"][offsets[0] : offsets[0] + lengths[0], offsets[1] : offsets[1] + lengths[1]].to(dtype)
     assert torch.equal(target, expected)
 
 

@@ -15,7 +15,6 @@ import tolerances as tol
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoints):
     return tiny_checkpoints("qwen3", num_key_value_heads=4)
@@ -56,7 +55,9 @@ def test_trainer_at_tp2_fsdp2_matches_one_process(launched, reference):
         # one Trainer class; a partitioned model gives it its distributed side
         assert res["trainer_class"] == "Trainer" and res["distributed"] == "DistributedTraining"
         assert res["tp2_fsdp2"]["losses"] == pytest.approx(expected["losses"], rel=tol.FP32_TRAINED), f"rank {rank}"
-        assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=tol.FP32_TRAINED), f"rank {rank}"
+        assert res["tp2_fsdp2"]["grad_norms"] == pytest.approx(expected["grad_norms"], rel=tol.FP32_TRAINED), (
+            f"rank {rank}"
+        )
         assert res["eval_loss"] == pytest.approx(expected["eval_loss"], rel=tol.FP32_TRAINED), f"rank {rank}"
 
 

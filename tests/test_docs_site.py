@@ -54,8 +54,13 @@ def links(path: str) -> list[str]:
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
     pytest.importorskip("mkdocs")  # the `test` extra installs it
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").exists() and (tmp_path / "site" / "families" / "index.html").exists()
     assert not os.path.exists(os.path.join(ROOT, "site"))
@@ -86,8 +91,10 @@ def test_every_link_leads_somewhere():
 
 def test_the_link_checker_finds_a_broken_link_and_a_missing_anchor(tmp_path):
     pytest.importorskip("markdown")
-    (tmp_path / "a.md").write_text("# Title here\n\n## Second `code` part\n\n[x](b.md) [y](#second-code-part) "
-                                   "[z](#nothing)\n```\n[not](a link.md)\n```\n")
+    (tmp_path / "a.md").write_text(
+        "# Title here\n\n## Second `code` part\n\n[x](b.md) [y](#second-code-part) "
+        "[z](#nothing)\n```\n[not](a link.md)\n```\n"
+    )
     assert links(str(tmp_path / "a.md")) == ["b.md", "#second-code-part", "#nothing"]
     assert anchors(str(tmp_path / "a.md")) == {"title-here", "second-code-part"}
 
@@ -104,6 +111,12 @@ def test_the_family_table_is_one_row_per_family_and_easy_to_extend():
             break
         rows.append(line)
     names = [row.split("`")[1] for row in rows]
-    assert {"Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3MoeForCausalLM",
-            "MixtralForCausalLM"} <= set(names)
+    assert {
+        "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "MistralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+    } <= set(names)
     assert all(row.count(" | ") == 3 for row in rows), "each row: family | needs | on the Hub | proven"

@@ -103,8 +103,11 @@ def resolves(name: str, module: Path) -> bool:
 
 def dangling(source: str, module: Path) -> list:
     """(line, name) of each reference in `source` (the text of `module`) that names nothing here."""
-    return [(line, name) for line, name in references(source)
-            if name not in NOT_IN_REPOSITORY and not resolves(name, module)]
+    return [
+        (line, name)
+        for line, name in references(source)
+        if name not in NOT_IN_REPOSITORY and not resolves(name, module)
+    ]
 
 
 def _relative(module: Path) -> str:
@@ -112,22 +115,31 @@ def _relative(module: Path) -> str:
 
 
 def test_docstrings_and_comments_name_only_files_that_exist():
-    stale = [f"{_relative(module)}:{line}: {name}"
-             for module in scanned_modules()
-             for line, name in dangling(module.read_text(encoding="utf-8"), module)]
-    assert not stale, ("docstrings or comments name files that do not exist (point them at the file that "
-                       "holds the thing now, or reword):\n" + "\n".join(stale))
+    stale = [
+        f"{_relative(module)}:{line}: {name}"
+        for module in scanned_modules()
+        for line, name in dangling(module.read_text(encoding="utf-8"), module)
+    ]
+    assert not stale, (
+        "docstrings or comments name files that do not exist (point them at the file that "
+        "holds the thing now, or reword):\n" + "\n".join(stale)
+    )
 
 
 def test_a_made_up_reference_is_dangling():
-    source = ('"""See `models/kv_cache.py`, `backends/cpu/`, BENCHMARKS.md and `models/no_such_module.py`."""\n'
-              "\n"
-              "# the old home was compilation/gone.py; a user's config.json is not ours\n"
-              "X = 1\n"
-              '"""Attribute docstring naming `no_such_folder/`."""\n')
+    source = (
+        '"""See `models/kv_cache.py`, `backends/cpu/`, BENCHMARKS.md and `models/no_such_module.py`."""\n'
+        "\n"
+        "# the old home was compilation/gone.py; a user's config.json is not ours\n"
+        "X = 1\n"
+        '"""Attribute docstring naming `no_such_folder/`."""\n'
+    )
     module = PACKAGE / "generation" / "synthetic.py"
-    assert dangling(source, module) == [(1, "models/no_such_module.py"), (3, "compilation/gone.py"),
-                                        (5, "no_such_folder/")]
+    assert dangling(source, module) == [
+        (1, "models/no_such_module.py"),
+        (3, "compilation/gone.py"),
+        (5, "no_such_folder/"),
+    ]
 
 
 def test_an_existing_reference_passes():
@@ -136,29 +148,35 @@ def test_an_existing_reference_passes():
     assert dangling(source, PACKAGE / "generation" / "synthetic.py") == []
 
 
-@pytest.mark.parametrize("module, name, found", [
-    ("generation/x.py", "loop.py", True),  # the module's own folder
-    ("models/x.py", "loop.py", False),  # a bare name is not looked up in other packages
-    ("generation/speculative/x.py", "loop.py", True),  # the parent package
-    ("backends/x.py", "cpu/threads.py", True),  # a subpackage
-    ("backends/cpu/x.py", "xla/", True),  # a sibling package
-    ("models/x.py", "compilation/regions.py", True),  # src/staticformers/
-    ("models/x.py", "bench/serve.py", True),  # the repository root
-    ("models/x.py", "backends/cpu/", True),
-    ("models/x.py", "backends/cpu/threads.py/", False),  # a file is not a folder
-    ("models/x.py", "models/", True),
-    ("models/x.py", "models/kv_cache.md", False),
-])
+@pytest.mark.parametrize(
+    "module, name, found",
+    [
+        ("generation/x.py", "loop.py", True),  # the module's own folder
+        ("models/x.py", "loop.py", False),  # a bare name is not looked up in other packages
+        ("generation/speculative/x.py", "loop.py", True),  # the parent package
+        ("backends/x.py", "cpu/threads.py", True),  # a subpackage
+        ("backends/cpu/x.py", "xla/", True),  # a sibling package
+        ("models/x.py", "compilation/regions.py", True),  # src/staticformers/
+        ("models/x.py", "bench/serve.py", True),  # the repository root
+        ("models/x.py", "backends/cpu/", True),
+        ("models/x.py", "backends/cpu/threads.py/", False),  # a file is not a folder
+        ("models/x.py", "models/", True),
+        ("models/x.py", "models/kv_cache.md", False),
+    ],
+)
 def test_resolution_rules(module, name, found):
     assert resolves(name, PACKAGE / module) is found
 
 
-@pytest.mark.parametrize("text", [
-    "https://github.com/org/repo/blob/main/models/no_such.py",  # a URL
-    "/proc/pressure/cpu and /v1/no_such/",  # absolute paths
-    "$STATICFORMERS_CACHE/no_such/",  # under an environment variable's folder
-    "chat_templates/<name>.jinja",  # a placeholder
-    "model.layers.0.mlp and grad_scale.ScaleGrad",  # dotted names, no file extension
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "https://github.com/org/repo/blob/main/models/no_such.py",  # a URL
+        "/proc/pressure/cpu and /v1/no_such/",  # absolute paths
+        "$STATICFORMERS_CACHE/no_such/",  # under an environment variable's folder
+        "chat_templates/<name>.jinja",  # a placeholder
+        "model.layers.0.mlp and grad_scale.ScaleGrad",  # dotted names, no file extension
+    ],
+)
 def test_what_is_not_a_reference(text):
     assert references(f'"""{text}"""\n') == []

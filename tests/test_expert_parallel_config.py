@@ -15,28 +15,50 @@ TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MAS
 
 
 def qwen3_moe(**kw) -> ModelConfig:
-    base = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
-                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
+    base = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+    )
     return ModelConfig.from_dict({**base, **kw})
 
 
 def mixtral(**kw) -> ModelConfig:
-    base = dict(architectures=["MixtralForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                num_experts_per_tok=2)
+    base = dict(
+        architectures=["MixtralForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
     return ModelConfig.from_dict({**base, **kw})
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"tp_size": 2, "fsdp_size": 2, "ep_size": 3}, "ep_size=3 is not a multiple of tp_size=2"),
-    ({"fsdp_size": 2, "ep_size": 4}, "ep_size=4 does not divide fsdp_size \\* tp_size = 2"),
-    ({"ep_size": 0}, "ep_size=0"),
-    ({"ep_size": 2, "ep_implementation": "all_to_all"}, "depend on the routing .* use \"auto\""),
-    ({"ep_size": 2, "ep_implementation": "fast"}, "ep_implementation='fast' is not one of"),
-    ({"tp_size": 2, "ep_size": 4, "fsdp_size": 4, "ep_implementation": "all_reduce"}, "needs ep_size == tp_size"),
-    ({"ep_size": 2, "ep_plan": {"model.layers.*.mlp.experts": "grouped_gemm"}}, "leave ep_plan=None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"tp_size": 2, "fsdp_size": 2, "ep_size": 3}, "ep_size=3 is not a multiple of tp_size=2"),
+        ({"fsdp_size": 2, "ep_size": 4}, "ep_size=4 does not divide fsdp_size \\* tp_size = 2"),
+        ({"ep_size": 0}, "ep_size=0"),
+        ({"ep_size": 2, "ep_implementation": "all_to_all"}, 'depend on the routing .* use "auto"'),
+        ({"ep_size": 2, "ep_implementation": "fast"}, "ep_implementation='fast' is not one of"),
+        ({"tp_size": 2, "ep_size": 4, "fsdp_size": 4, "ep_implementation": "all_reduce"}, "needs ep_size == tp_size"),
+        ({"ep_size": 2, "ep_plan": {"model.layers.*.mlp.experts": "grouped_gemm"}}, "leave ep_plan=None"),
+    ],
+)
 def test_wrong_expert_parallel_layouts_are_refused(kwargs, words):
     with pytest.raises(DistributedConfigError, match=words):
         DistributedConfig(**kwargs)
@@ -57,8 +79,16 @@ def test_efsdp_and_the_rule_against_the_resolved_world(monkeypatch):
 def test_models_expert_parallelism_cannot_split_are_refused():
     with pytest.raises(DistributedConfigError, match="8 experts per sparse layer, which ep_size=3 does not divide"):
         DistributedConfig(fsdp_size=3, ep_size=3).check_model(qwen3_moe())
-    dense = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-                                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})
+    dense = ModelConfig.from_dict(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        }
+    )
     with pytest.raises(DistributedConfigError, match="has none: drop ep_size"):
         DistributedConfig(fsdp_size=2, ep_size=2).check_model(dense)
     DistributedConfig(fsdp_size=4, ep_size=4).check_model(qwen3_moe())
@@ -81,21 +111,28 @@ def test_both_count_spellings_and_the_layers_that_route():
     b = qwen3_moe(num_experts=None, num_local_experts=8)
     assert a.num_experts == b.num_experts == 8
     assert [a.layer_is_sparse(i) for i in range(3)] == [True, False, True]
-    assert [qwen3_moe(mlp_only_layers=[], decoder_sparse_step=2).layer_is_sparse(i) for i in range(3)] == [False, True, False]
+    assert [qwen3_moe(mlp_only_layers=[], decoder_sparse_step=2).layer_is_sparse(i) for i in range(3)] == [
+        False,
+        True,
+        False,
+    ]
     m = mixtral()
     assert m.num_experts == 4 and m.moe_intermediate_size == 96 and m.norm_topk_prob  # Mixtral always renormalises
     assert m.rms_norm_eps == 1e-5 and m.rope_theta == 1e6  # Mixtral's defaults
     assert not m.qkv_bias and not mixtral(attention_bias=True).qkv_bias  # Mixtral's projections have no bias
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is more than the 8 experts"),
-    ({"num_experts": 0}, "num_experts=0 must be a positive integer"),
-    ({"mlp_only_layers": [5]}, "mlp_only_layers=\\[5\\] must be a list of layer indices from 0 to 2"),
-    ({"router_aux_loss_coef": -1}, "router_aux_loss_coef=-1 must be a finite number"),
-    ({"decoder_sparse_step": "2"}, "decoder_sparse_step='2' must be a positive integer"),
-    ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is more than the 8 experts"),
+        ({"num_experts": 0}, "num_experts=0 must be a positive integer"),
+        ({"mlp_only_layers": [5]}, "mlp_only_layers=\\[5\\] must be a list of layer indices from 0 to 2"),
+        ({"router_aux_loss_coef": -1}, "router_aux_loss_coef=-1 must be a finite number"),
+        ({"decoder_sparse_step": "2"}, "decoder_sparse_step='2' must be a positive integer"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob='yes' must be true or false"),
+    ],
+)
 def test_bad_moe_values_are_refused(kw, words):
     with pytest.raises(ConfigError, match=words):
         qwen3_moe(**kw)

@@ -12,8 +12,9 @@ from staticformers.generation.engine import CompileSettings, Engine
 from staticformers.generation.plan import PlanError
 import tolerances as tol
 
-PLAN = ShapePlan(batch_sizes=[2], prompt_lengths=[8, 16], kv_lengths=[32], max_model_len=32,
-                 extend_widths=[(4, 4), (4, 1)])
+PLAN = ShapePlan(
+    batch_sizes=[2], prompt_lengths=[8, 16], kv_lengths=[32], max_model_len=32, extend_widths=[(4, 4), (4, 1)]
+)
 
 
 @pytest.fixture
@@ -26,8 +27,9 @@ def _full_logits(model, ids: list) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("family,regional", [("qwen3", True), ("qwen3", False), ("mistral-window", True),
-                                             ("qwen3-moe", True)])
+@pytest.mark.parametrize(
+    "family,regional", [("qwen3", True), ("qwen3", False), ("mistral-window", True), ("qwen3-moe", True)]
+)
 def test_extend_matches_the_full_forward_and_leaves_other_rows_alone(tiny_checkpoints, strict, family, regional):
     """Row 0 extends its prompt by 4 tokens (every position kept, then only the last); row 1 takes part
     at positions past its length, and its next decode step is still the full forward's."""
@@ -78,13 +80,19 @@ def test_extend_graphs_are_the_plans_and_an_undeclared_width_is_refused(tiny_che
             engine.extend(settings, cache, tokens, start + torch.arange(4), torch.tensor([[3], [3]]))
     assert engine.graph_count() == before
     with pytest.raises(ShapePlanViolation, match="extend widths"), torch.no_grad():
-        engine.extend(settings, cache, torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long),
-                      torch.zeros(2, 1, dtype=torch.long))
+        engine.extend(
+            settings,
+            cache,
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.zeros(2, 3, dtype=torch.long),
+            torch.zeros(2, 1, dtype=torch.long),
+        )
 
 
 def test_the_plan_declares_prints_and_checks_extend_widths():
-    plan = ShapePlan(batch_sizes=[1, 2], prompt_lengths=[8], kv_lengths=[16, 32], max_model_len=32,
-                     extend_widths=[(5, 5)])
+    plan = ShapePlan(
+        batch_sizes=[1, 2], prompt_lengths=[8], kv_lengths=[16, 32], max_model_len=32, extend_widths=[(5, 5)]
+    )
     assert plan.extend_shapes() == [(1, 16, 5, 5), (1, 32, 5, 5), (2, 16, 5, 5), (2, 32, 5, 5)]
     assert plan.num_shapes == 2 + 4 + 4
     assert "extend widths   5 keep 5" in str(plan)

@@ -42,9 +42,10 @@ def _tokens(n, seed):
 
 def _hf_greedy(hf, prompt, n):
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,12 +59,19 @@ def test_seeded_sampling_repeats_and_a_batch_row_draws_as_alone(tiny_checkpoints
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    kw = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=40, disable_compile=True, eos_token_id=None,
-              pad_token_id=0)
+    kw = dict(
+        max_new_tokens=10,
+        do_sample=True,
+        temperature=1.5,
+        top_k=40,
+        disable_compile=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     a, b, c = (model.generate(ids, attention_mask=mask, seed=s, **kw) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a[:, width:], c[:, width:])
     alone = model.generate(torch.tensor([prompts[1]]), seed=6, **kw)  # row 1 of seed 5's batch samples with 5 + 1
-    assert alone[0, len(prompts[1]):].tolist() == a[1, width:].tolist()
+    assert alone[0, len(prompts[1]) :].tolist() == a[1, width:].tolist()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +87,7 @@ def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path, family):
     ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
     assert_lora_equals_peft_both_ways(tiny_checkpoints(family), family, ALL7, tmp_path, ids)
 
+
 def test_gpt_oss_all_linear_is_peft_s_and_its_router_is_refused(tiny_checkpoints, tmp_path):
     """gpt-oss's router is `mlp.router` in transformers and no linear layer there: peft's "all-linear" adapts the
     attention projections only, and so does ours (peft loads it with our logits); naming the router is refused in
@@ -88,8 +97,11 @@ def test_gpt_oss_all_linear_is_peft_s_and_its_router_is_refused(tiny_checkpoints
     from staticformers.adapters.lora_config import AdapterConfigError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("gpt-oss"))
-    with pytest.raises(AdapterConfigError, match=r"^target_modules entry 'gate' matches no projection of this model: "
-                                                 r"use names among k_proj, o_proj, q_proj, v_proj \(or \"all-linear\"\)\.$"):
+    with pytest.raises(
+        AdapterConfigError,
+        match=r"^target_modules entry 'gate' matches no projection of this model: "
+        r"use names among k_proj, o_proj, q_proj, v_proj \(or \"all-linear\"\)\.$",
+    ):
         model.add_adapter(LoraConfig(target_modules=["q_proj", "gate"]))
     torch.manual_seed(2)
     model.add_adapter(LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False))
@@ -117,14 +129,24 @@ def test_trainer_steps_lose_what_transformers_loses(tiny_checkpoints, tmp_path, 
     g = torch.Generator().manual_seed(5)
     docs = [{"input_ids": torch.randint(3, 128, (int(n),), generator=g).tolist()} for n in (24, 17, 30, 9)]
     steps, lr = 2, 3e-3
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=32, max_steps=steps,
-                             learning_rate=lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                             disable_tqdm=True, seed=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_length=32,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(path), args=args, train_dataset=docs)
     trainer.train()
     ours = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    ref = reference_losses(path, build_rows(docs, None, max_length=32, packing=False).batch(list(range(4))), steps, lr,
-                           torch.device("cpu"))
+    ref = reference_losses(
+        path, build_rows(docs, None, max_length=32, packing=False).batch(list(range(4))), steps, lr, torch.device("cpu")
+    )
     assert len(ours) == steps and ref[1] != ref[0]
     # logged losses are rounded to 6 decimals
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(ref), rtol=tol.FP32_TRAINED, atol=2e-6)
@@ -149,8 +171,10 @@ def test_int8_weights_within_the_bound(tiny_checkpoints, family):
         if isinstance(m, QuantLinear):
             pairs = [(before[f"{name}.weight"], m.weight, m.weight_scale)]
         elif isinstance(m, Experts) and m.quantized:
-            pairs = [(before[f"{name}.gate_up_proj"], m.gate_up_proj, m.gate_up_proj_scale),
-                     (before[f"{name}.down_proj"], m.down_proj, m.down_proj_scale)]
+            pairs = [
+                (before[f"{name}.gate_up_proj"], m.gate_up_proj, m.gate_up_proj_scale),
+                (before[f"{name}.down_proj"], m.down_proj, m.down_proj_scale),
+            ]
         else:
             continue
         for w, qw, scale in pairs:
@@ -160,7 +184,9 @@ def test_int8_weights_within_the_bound(tiny_checkpoints, family):
     sparse = sum(ref.config.layer_is_sparse(i) for i in range(ref.config.num_hidden_layers))
     assert checked == 7 * ref.config.num_hidden_layers - sparse  # a sparse layer: 4 projections, 2 expert stacks
     params = dict(model.named_parameters())
-    exact = [k for k in before if "embed" in k or "norm" in k or ".mlp.gate." in k or "sinks" in k or k == "lm_head.weight"]
+    exact = [
+        k for k in before if "embed" in k or "norm" in k or ".mlp.gate." in k or "sinks" in k or k == "lm_head.weight"
+    ]
     assert exact and all(torch.equal(params[k], before[k]) for k in exact if k in params)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -174,8 +200,10 @@ def _run(loop, arrivals):
     """request id -> (tokens, the raw logits each was chosen from, [n, vocab])."""
     from loop_driver import run_loop_events
 
-    return {rid: ([e.token for e in events], torch.stack([e.logits for e in events]))
-            for rid, events in run_loop_events(loop, arrivals).items()}
+    return {
+        rid: ([e.token for e in events], torch.stack([e.logits for e in events]))
+        for rid, events in run_loop_events(loop, arrivals).items()
+    }
 
 
 def _assert_same_runs(got, want):
@@ -196,8 +224,10 @@ def test_prompt_lookup_greedy_equals_greedy_without(tiny_checkpoints, family):
     prompts = [span * 3 + span[:4], _tokens(23, 5), _tokens(6, 6) + span * 2]
 
     def arrivals():
-        return {0: [GenerationRequest(p, 12, request_id=i, output_logits=True) for i, p in enumerate(prompts[:2])],
-                2: [GenerationRequest(prompts[2], 8, request_id=2, output_logits=True)]}
+        return {
+            0: [GenerationRequest(p, 12, request_id=i, output_logits=True) for i, p in enumerate(prompts[:2])],
+            2: [GenerationRequest(prompts[2], 8, request_id=2, output_logits=True)],
+        }
 
     plain = _run(GenerationLoop(engine, settings), arrivals())
     spec = Speculator(PromptLookup(3))
@@ -213,29 +243,40 @@ def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(tiny_checkp
     repeat one token, which alone would prove little)."""
     path = tiny_checkpoints(family)
     model = AutoModelForCausalLM.from_pretrained(path)
-    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128],
-                                         max_model_len=128, extend_widths=((16, 1),)))
+    engine = engine_for(
+        model,
+        ShapePlan(
+            batch_sizes=[1, 2], prompt_lengths=[16, 32], kv_lengths=[128], max_model_len=128, extend_widths=((16, 1),)
+        ),
+    )
     shared = _tokens(40, 7)
     long, second = shared + _tokens(30, 8), shared + [5, 9, 11]
-    loop = GenerationLoop(engine, compile_settings(model, EAGER_RUN), chunked_prefill=16, prefix_caching=True,
-                          prefix_block_size=8)
-    out = _run(loop, {0: [GenerationRequest(long, 8, request_id="long", output_logits=True)],
-                      12: [GenerationRequest(second, 8, request_id="second", output_logits=True)]})
+    loop = GenerationLoop(
+        engine, compile_settings(model, EAGER_RUN), chunked_prefill=16, prefix_caching=True, prefix_block_size=8
+    )
+    out = _run(
+        loop,
+        {
+            0: [GenerationRequest(long, 8, request_id="long", output_logits=True)],
+            12: [GenerationRequest(second, 8, request_id="second", output_logits=True)],
+        },
+    )
     assert loop.chunks > 0 and loop.prefix.hits >= 40
     hf = _hf(path)
     for rid, prompt in (("long", long), ("second", second)):
         tokens, logits = out[rid]
         assert tokens == _hf_greedy(hf, prompt, 8)
         with torch.no_grad():
-            want = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+            want = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
         tol.assert_close(logits, want)
 
 
 # ---------------------------------------------------------------------------------------------
 # the server
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["gemma3", "olmo2", "glm4", "granite", "smollm3", "gpt-oss", "deepseek-v3", "qwen3_5",
-                                    "qwen3-next"])
+@pytest.mark.parametrize(
+    "family", ["gemma3", "olmo2", "glm4", "granite", "smollm3", "gpt-oss", "deepseek-v3", "qwen3_5", "qwen3-next"]
+)
 def test_a_served_completion_is_the_models_greedy_text(tmp_path, family):
     pytest.importorskip("openai")
     from served_greedy import assert_served_completion_is_greedy

@@ -13,12 +13,27 @@ from staticformers import AutoModelForCausalLM
 from staticformers.backends.cpu import plain_projections
 from staticformers.backends.cpu.onednn import onednn_available
 from staticformers.backends.cpu.packed_linear import packed_available
-from staticformers.backends.cpu.formulations import PLAIN_CPU, CPUOps, attend, attend_blocks, decode_formulation, gemm_kernel, prefill_formulation
+from staticformers.backends.cpu.formulations import (
+    PLAIN_CPU,
+    CPUOps,
+    attend,
+    attend_blocks,
+    decode_formulation,
+    gemm_kernel,
+    prefill_formulation,
+)
 from staticformers.models.kv_cache import KVCache
 from staticformers.models.decoder import packed_segments
 
-FORMS = [("reduce", "reduce", "reduce"), ("reduce", None, None), ("matmul", None, None), ("matmul", None, "reduce"),
-         (None, None, "reduce"), (None, "onednn", "onednn"), ("reduce", "onednn", "reduce")]
+FORMS = [
+    ("reduce", "reduce", "reduce"),
+    ("reduce", None, None),
+    ("matmul", None, None),
+    ("matmul", None, "reduce"),
+    (None, None, "reduce"),
+    (None, "onednn", "onednn"),
+    ("reduce", "onednn", "reduce"),
+]
 
 
 def run(model, ids, mask, kv_len, form):
@@ -30,7 +45,7 @@ def run(model, ids, mask, kv_len, form):
     lengths = mask.sum(-1)
     prompt = torch.zeros_like(ids)
     for i in range(b):
-        prompt[i, :lengths[i]] = ids[i][mask[i]]
+        prompt[i, : lengths[i]] = ids[i][mask[i]]
     pos = torch.arange(ids.shape[1]).expand(b, -1).contiguous()
     logits = model(input_ids=prompt, position_ids=pos, kv_cache=cache, ops=ops).logits
     out = [logits[torch.arange(b), lengths - 1]]
@@ -106,11 +121,12 @@ def test_blocked_attention_matches_sdpa(case):
     if case == "packed":
         ids = torch.cat([torch.arange(100), torch.arange(s - 100)]).expand(2, s)
         seg = packed_segments(ids)
-        mask = (causal & (seg[:, None, :, None] == seg[:, None, None, :]))
+        mask = causal & (seg[:, None, :, None] == seg[:, None, None, :])
     elif case == "window":
         mask = (causal & (pos[:, None] - pos[None, :] < 40)).expand(2, 1, s, s)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if mask is not None else causal, scale=0.25,
-                                          enable_gqa=True)
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask if mask is not None else causal, scale=0.25, enable_gqa=True
+    )
     got = attend_blocks(q, k, v, mask, 0.25, block=64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -17,8 +17,10 @@ from tolerances import assert_close
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-           "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]}
+TARGETS = {
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
 
 
 def ids(seed=0):
@@ -78,8 +80,11 @@ def test_our_phi3_adapter_is_peft_s_and_trains_like_it(tiny_checkpoints, tmp_pat
     assert_close(ours_loss.logits.detach(), theirs.logits.detach())
     ours_loss.loss.backward()
     theirs.loss.backward()
-    grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad for n, p in pm.named_parameters()
-             if p.grad is not None}
+    grads = {
+        n.replace("base_model.model.", "").replace(".default", ""): p.grad
+        for n, p in pm.named_parameters()
+        if p.grad is not None
+    }
     assert_close(attn.q_proj.lora_A["default"].weight.grad, grads["model.layers.1.self_attn.qkv_proj.lora_A.weight"])
     split_b = torch.cat([getattr(attn, p).lora_B["default"].weight.grad for p in ("q_proj", "k_proj", "v_proj")])
     assert_close(split_b, grads["model.layers.1.self_attn.qkv_proj.lora_B.weight"])
@@ -91,8 +96,11 @@ def test_our_phi3_adapter_is_peft_s_and_trains_like_it(tiny_checkpoints, tmp_pat
 
 def test_split_names_are_refused_on_phi3(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("phi3"))
-    with pytest.raises(AdapterConfigError, match=r"'q_proj' matches no projection of this model: use names among "
-                                                 r"down_proj, gate_up_proj, o_proj, qkv_proj"):
+    with pytest.raises(
+        AdapterConfigError,
+        match=r"'q_proj' matches no projection of this model: use names among "
+        r"down_proj, gate_up_proj, o_proj, qkv_proj",
+    ):
         model.add_adapter(LoraConfig(target_modules=["q_proj", "v_proj"]))
     assert not lora_modules(model)
     model.add_adapter(LoraConfig(target_modules="all-linear"))
@@ -110,9 +118,19 @@ def test_phi3_lora_training_checkpoints_resume_exactly(tiny_checkpoints, tmp_pat
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("phi3"))
         torch.manual_seed(1)
         model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS["phi3"]))
-        args = TrainingArguments(output_dir=str(out), max_length=16, per_device_train_batch_size=4, max_steps=4,
-                                 logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True,
-                                 learning_rate=1e-2, seed=0, report_to=[])
+        args = TrainingArguments(
+            output_dir=str(out),
+            max_length=16,
+            per_device_train_batch_size=4,
+            max_steps=4,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=2,
+            disable_tqdm=True,
+            learning_rate=1e-2,
+            seed=0,
+            report_to=[],
+        )
         trainer = Trainer(model=model, args=args, train_dataset=docs)
         trainer.train(resume_from_checkpoint=resume)
         return model, trainer
@@ -127,8 +145,9 @@ def test_phi3_lora_training_checkpoints_resume_exactly(tiny_checkpoints, tmp_pat
         assert torch.equal(a, b), n
     attn = resumed.model.layers[0].self_attn
     assert attn.q_proj.lora_A["default"] is attn.v_proj.lora_A["default"]
-    assert [h["loss"] for h in t2.state.log_history if "grad_norm" in h] == \
-        [h["loss"] for h in t1.state.log_history if "grad_norm" in h]
+    assert [h["loss"] for h in t2.state.log_history if "grad_norm" in h] == [
+        h["loss"] for h in t1.state.log_history if "grad_norm" in h
+    ]
 
 
 def test_phi3_adapters_batched_from_files_give_each_row_its_models_tokens(tiny_checkpoints, tmp_path):
@@ -163,8 +182,9 @@ def test_phi3_adapters_batched_from_files_give_each_row_its_models_tokens(tiny_c
     bank_for_files(model, folders)
     loop = GenerationLoop(engine_for(model), compile_settings(model, GenerationConfig(disable_compile=True)))
     names = ["a", None, "b"]
-    got = run_loop(loop, {0: [GenerationRequest(rows[i].tolist(), 6, request_id=i, adapter=names[i])
-                              for i in range(3)]})
+    got = run_loop(
+        loop, {0: [GenerationRequest(rows[i].tolist(), 6, request_id=i, adapter=names[i]) for i in range(3)]}
+    )
     expected = {i: solo(names[i], rows[i]) for i in range(3)}
     assert expected[0] != solo(None, rows[0]) and expected[2] != solo(None, rows[2])  # the adapters change tokens
     assert got == expected

@@ -38,8 +38,8 @@ def _left_padded(lengths, seed=2):
     g = torch.Generator().manual_seed(seed)
     ids, mask = torch.zeros(len(lengths), width, dtype=torch.long), torch.zeros(len(lengths), width, dtype=torch.long)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 128, (n,), generator=g)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = torch.randint(3, 128, (n,), generator=g)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
@@ -152,9 +152,19 @@ def test_what_we_save_transformers_loads_with_the_same_logits(tiny_checkpoints, 
     tol.assert_close(_logits(ours, ids), _logits(theirs, ids))
     assert ours.config.num_parameters == ours.num_parameters() == theirs.num_parameters()
     expected = hf_config(family)
-    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
-                "final_logit_softcapping", "hidden_activation", "rope_parameters", "tie_word_embeddings",
-                "attention_bias", "rms_norm_eps", "head_dim"):
+    for key in (
+        "layer_types",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "hidden_activation",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "attention_bias",
+        "rms_norm_eps",
+        "head_dim",
+    ):
         if hasattr(expected, key):
             assert written[key] == getattr(expected, key), key
             assert getattr(theirs.config, key) == getattr(expected, key), key
@@ -165,10 +175,22 @@ def test_what_we_save_transformers_loads_with_the_same_logits(tiny_checkpoints, 
 def test_older_gemma_configs_get_transformers_defaults():
     """A Gemma 3 config.json of the Hub's first spelling (rope_theta, rope_local_base_freq, rope_scaling, no
     layer_types) and a Gemma 2 one without layer_types read as transformers reads them."""
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4,
-                num_key_value_heads=2)
-    old = {"architectures": ["Gemma3ForCausalLM"], **base, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512}
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    old = {
+        "architectures": ["Gemma3ForCausalLM"],
+        **base,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 512,
+    }
     ours = ModelConfig.from_dict(old)
     theirs = transformers.Gemma3TextConfig(**{k: v for k, v in old.items() if k != "architectures"})
     assert ours.layer_types == theirs.layer_types and ours.head_dim == 256 and ours.tie_word_embeddings
@@ -179,24 +201,46 @@ def test_older_gemma_configs_get_transformers_defaults():
     assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true makes a Gemma3ForCausalLM an encoder"),
-    ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
-    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
-    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
-    ({"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}},
-     "rope_parameters.sliding_attention"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            {"use_bidirectional_attention": True},
+            "use_bidirectional_attention=true makes a Gemma3ForCausalLM an encoder",
+        ),
+        ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
+        ({"final_logit_softcapping": -1.0}, "final_logit_softcapping"),
+        ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}},
+            "rope_parameters.sliding_attention",
+        ),
+    ],
+)
 def test_bad_gemma_keys_get_one_sentence(change, words):
-    raw = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, **change}
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        **change,
+    }
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         ModelConfig.from_dict(raw)
 
 
 def test_tanh_gelu_is_refused_for_experts():
-    raw = {"architectures": ["MixtralForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu_pytorch_tanh"}
+    raw = {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
     with pytest.raises(ConfigError, match="MixtralForCausalLM's experts compute SiLU only"):
         ModelConfig.from_dict(raw)
     llama = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"]})  # a dense MLP takes either
@@ -222,8 +266,9 @@ def test_lora_on_gemma3_equals_peft_both_ways(tiny_checkpoints, tmp_path):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     hf = build_hf_model("gemma3")
     torch.manual_seed(1)
-    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
-                                                 lora_dropout=0.0)).eval()
+    pm = peft.get_peft_model(
+        hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, lora_dropout=0.0)
+    ).eval()
     pm.save_pretrained(str(tmp_path / "peft"))
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("gemma3"))
     model.load_adapter(tmp_path / "peft")
@@ -296,18 +341,30 @@ def test_regional_compiled_training_equals_eager(tiny_checkpoints, tmp_path, mon
     from staticformers.training import step_functions as compiled
 
     g = torch.Generator().manual_seed(0)
-    docs = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
-            for n in torch.randint(3, 30, (24,), generator=g)]
+    docs = [
+        {"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
+        for n in torch.randint(3, 30, (24,), generator=g)
+    ]
     runs = {}
     for name in ("eager", "regional"):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family))
         if name == "regional":
             monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (True, compiled.PLAIN))
-        args = TrainingArguments(output_dir=str(tmp_path / name), max_length=32, per_device_train_batch_size=4,
-                                 max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                                 learning_rate=1e-3, seed=0, packing=True, gradient_checkpointing=name == "regional",
-                                 torch_compile=name == "regional",
-                                 torch_compile_backend="aot_eager" if name == "regional" else None)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name),
+            max_length=32,
+            per_device_train_batch_size=4,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=1e-3,
+            seed=0,
+            packing=True,
+            gradient_checkpointing=name == "regional",
+            torch_compile=name == "regional",
+            torch_compile_backend="aot_eager" if name == "regional" else None,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=docs)
         trainer.train()
         runs[name] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -340,8 +397,9 @@ def test_a_long_prompt_in_chunks_gives_transformers_tokens(tiny_checkpoints, fam
     out = run_loop(loop, {0: [GenerationRequest(prompt, 10, request_id="long")]})
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.tensor([prompt])
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
+    ref = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert out["long"] == ref[0, 70:].tolist()
     assert loop.chunks == 4  # ceil((70 - 16) / 16)
 
@@ -354,6 +412,6 @@ def test_the_embedding_scale_is_rounded_without_tensors():
 
     for hidden in (7, 64, 100, 640, 1152, 2304, 2560, 3840, 5376):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            want = float(torch.tensor(hidden ** 0.5, dtype=torch.float32).to(dtype))
+            want = float(torch.tensor(hidden**0.5, dtype=torch.float32).to(dtype))
             with torch.device("meta"):
-                assert embedding_scale(hidden ** 0.5, dtype) == want, (hidden, dtype)
+                assert embedding_scale(hidden**0.5, dtype) == want, (hidden, dtype)

@@ -31,8 +31,8 @@ def left_padded(lengths):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 128, (n,))
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = torch.randint(3, 128, (n,))
+        mask[i, width - n :] = 1
     return ids, mask
 
 
@@ -58,8 +58,15 @@ def test_greedy_parity_left_padded_batches_and_split(tiny_checkpoints, family):
     torch.manual_seed(2)
     ids, mask = left_padded([5, 20, 13, 1, 9, 17])  # 6 rows: split into 4 + 2 by the plan
     ref = hf_generate(hf, ids, mask, max_new_tokens=10, eos_token_id=None)
-    out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                        disable_compile=True, pad_token_id=0, eos_token_id=None)
+    out = ours.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        disable_compile=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     assert torch.equal(out, ref)
 
 
@@ -77,12 +84,20 @@ def test_greedy_parity_of_compiled_regions_on_padded_batches(tiny_checkpoints, f
     width = ids.shape[1]
     ref = hf_generate(hf, ids, mask, max_new_tokens=8, eos_token_id=None)
     config = CompileConfig(backend="eager")
-    out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                        eos_token_id=None, compile_config=config)
+    out = ours.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        compile_config=config,
+    )
     assert torch.equal(out, ref)
-    one = ours.generate(input_ids=ids[:1, width - 5:], max_new_tokens=1, do_sample=False, eos_token_id=None,
-                        compile_config=config)  # a prompt alone, no decode step after it
-    assert torch.equal(one, ref[:1, width - 5:width + 1])
+    one = ours.generate(
+        input_ids=ids[:1, width - 5 :], max_new_tokens=1, do_sample=False, eos_token_id=None, compile_config=config
+    )  # a prompt alone, no decode step after it
+    assert torch.equal(one, ref[:1, width - 5 : width + 1])
     assert all(r["graphs"] <= r["functions"] for r in compile_stats(ours))
 
 
@@ -95,7 +110,7 @@ def test_eos_stops_per_sequence_and_pads(tiny_checkpoints):
     ref = hf_generate(hf, ids, max_new_tokens=8, eos_token_id=[eos, 127])
     out = ours.generate(ids, max_new_tokens=8, eos_token_id=[eos, 127], pad_token_id=0, disable_compile=True)
     assert torch.equal(out, ref)
-    assert (out[0, 6 + 3:] == 0).all()
+    assert (out[0, 6 + 3 :] == 0).all()
 
 
 def test_options_from_generation_config_and_min_new_tokens(tiny_checkpoints):
@@ -104,8 +119,14 @@ def test_options_from_generation_config_and_min_new_tokens(tiny_checkpoints):
     free = hf_generate(hf, ids, max_new_tokens=6, eos_token_id=None)
     eos = int(free[0, 10])
     ref = hf_generate(hf, ids, max_new_tokens=6, eos_token_id=eos, min_new_tokens=3, repetition_penalty=1.4)
-    cfg = GenerationConfig(max_new_tokens=6, eos_token_id=eos, pad_token_id=0, min_new_tokens=3,
-                           repetition_penalty=1.4, disable_compile=True)
+    cfg = GenerationConfig(
+        max_new_tokens=6,
+        eos_token_id=eos,
+        pad_token_id=0,
+        min_new_tokens=3,
+        repetition_penalty=1.4,
+        disable_compile=True,
+    )
     out = ours.generate(ids, generation_config=cfg)
     assert torch.equal(out, ref)
 
@@ -113,8 +134,16 @@ def test_options_from_generation_config_and_min_new_tokens(tiny_checkpoints):
 def test_sampling_reproducible_with_seed(tiny_checkpoints):
     _, ours = load_pair(tiny_checkpoints("qwen3"))
     ids = torch.randint(3, 128, (2, 7))
-    kw = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02,
-              disable_compile=True, eos_token_id=None)
+    kw = dict(
+        max_new_tokens=8,
+        do_sample=True,
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.02,
+        disable_compile=True,
+        eos_token_id=None,
+    )
     a, b, c = (ours.generate(ids, seed=s, **kw) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
@@ -160,23 +189,28 @@ def test_weights_changed_by_training_are_used(tiny_checkpoints):
     after = ours.generate(ids, max_new_tokens=5, disable_compile=True, eos_token_id=None)
     ref = ours.generate(ids, max_new_tokens=5, disable_compile=True, eos_token_id=None)
     assert not torch.equal(before, after) and torch.equal(after, ref)
-    expect = [ours(torch.cat([ids, after[:, 6:6 + i]], 1)).logits[0, -1].argmax().item() for i in range(5)]
+    expect = [ours(torch.cat([ids, after[:, 6 : 6 + i]], 1)).logits[0, -1].argmax().item() for i in range(5)]
     assert after[0, 6:].tolist() == expect
 
 
-@pytest.mark.parametrize("call,match", [
-    (dict(input_ids=torch.randint(3, 128, (1, 97))), "more than the largest prompt bucket"),
-    (dict(input_ids=torch.randint(3, 128, (1, 60)), max_new_tokens=50), "exceed max_model_len=96"),
-    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "The prompt is empty"),
-    (dict(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])),
-     r"empty for sequence\(s\) \[1\]"),
-    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, temperature=0.0), "temperature=0.0"),
-    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, top_p=1.2), "top_p=1.2"),
-    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=0), "max_new_tokens=0"),
-    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), cache_implementation="dynamic"), "always static"),
-    (dict(input_ids=torch.full((1, 3), 500)), "outside the vocabulary"),
-    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), num_beams=4), "does not know: num_beams"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (dict(input_ids=torch.randint(3, 128, (1, 97))), "more than the largest prompt bucket"),
+        (dict(input_ids=torch.randint(3, 128, (1, 60)), max_new_tokens=50), "exceed max_model_len=96"),
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "The prompt is empty"),
+        (
+            dict(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])),
+            r"empty for sequence\(s\) \[1\]",
+        ),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, temperature=0.0), "temperature=0.0"),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, top_p=1.2), "top_p=1.2"),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=0), "max_new_tokens=0"),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long), cache_implementation="dynamic"), "always static"),
+        (dict(input_ids=torch.full((1, 3), 500)), "outside the vocabulary"),
+        (dict(input_ids=torch.ones(1, 3, dtype=torch.long), num_beams=4), "does not know: num_beams"),
+    ],
+)
 def test_bad_input_one_sentence_engine_intact(tiny_checkpoints, call, match):
     _, ours = load_pair(tiny_checkpoints("qwen3"))
     engine = engine_for(ours)
@@ -208,8 +242,15 @@ def test_repetition_penalty_on_a_batch_smaller_than_its_bucket(tiny_checkpoints)
     torch.manual_seed(4)
     ids = torch.randint(3, 128, (3, 6))
     ref = hf_generate(hf, ids, max_new_tokens=8, eos_token_id=None, repetition_penalty=1.3)
-    out = ours.generate(ids, max_new_tokens=8, do_sample=False, repetition_penalty=1.3, disable_compile=True,
-                        eos_token_id=None, pad_token_id=0)
+    out = ours.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        repetition_penalty=1.3,
+        disable_compile=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert torch.equal(out, ref)
 
 

@@ -31,11 +31,15 @@ def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_chec
     per_shape = {"prefill": 1, "decode": 2, "head": 1} if regional else {"prefill": 1, "decode": 1}
     config = CompileConfig(backend="eager", regional=regional)
     gen = torch.Generator().manual_seed(0)
-    calls = [(int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen)))
-             for _ in range(10)] + [(2, 16), (1, 3)]
+    calls = [
+        (int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen)))
+        for _ in range(10)
+    ] + [(2, 16), (1, 3)]
     counters.clear()
-    outs = [model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=config,
-                           eos_token_id=None) for b, n in calls]
+    outs = [
+        model.generate(torch.randint(3, 128, (b, n)), max_new_tokens=4, compile_config=config, eos_token_id=None)
+        for b, n in calls
+    ]
     first = counters["stats"]["unique_graphs"]
     assert 0 < first <= 4 * per_shape["prefill"] + 2 * per_shape["decode"] + 2 * per_shape.get("head", 0)
     assert PLAN.num_shapes == 6
@@ -47,7 +51,16 @@ def test_graphs_never_exceed_the_plan_and_second_pass_compiles_nothing(tiny_chec
     stats = model.compile_stats()
     assert sum(s["graphs"] for s in stats) == first
     assert all(s["graphs"] == s["functions"] == per_shape[s["kind"]] for s in stats)
-    assert {tuple(s["shape"]) for s in stats} <= {(1, 8), (1, 16), (2, 8), (2, 16), (1, 1, 32), (2, 1, 32), (1, 1), (2, 1)}
+    assert {tuple(s["shape"]) for s in stats} <= {
+        (1, 8),
+        (1, 16),
+        (2, 8),
+        (2, 16),
+        (1, 1, 32),
+        (2, 1, 32),
+        (1, 1),
+        (2, 1),
+    }
     assert any(s["kind"] == "head" for s in stats) == regional
 
 
@@ -57,8 +70,9 @@ def test_compiled_matches_eager(tiny_checkpoints):
     ids = torch.randint(3, 128, (2, 11))
     a = model.generate(ids, max_new_tokens=6, compile_config=EAGER, eos_token_id=None)
     b = model.generate(ids, max_new_tokens=6, disable_compile=True, eos_token_id=None)
-    c = model.generate(ids, max_new_tokens=6, compile_config=CompileConfig(backend="eager", regional=False),
-                       eos_token_id=None)
+    c = model.generate(
+        ids, max_new_tokens=6, compile_config=CompileConfig(backend="eager", regional=False), eos_token_id=None
+    )
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
@@ -68,9 +82,19 @@ def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
     from staticformers import AutoConfig
     from staticformers.generation.engine import CompileSettings, Engine
 
-    cfg = AutoConfig.for_model("qwen3", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-                               sliding_window=4, layer_types=["full_attention", "sliding_attention", "full_attention"])
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+    )
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     assert [layer.self_attn.window for layer in model.model.layers] == [None, 4, None]
     regional, whole = Engine(model, PLAN), Engine(model, PLAN)
@@ -88,8 +112,10 @@ def test_regions_with_mixed_windows_and_logits_match_the_whole_graph(strict):
             tol.assert_close(a[:, :, :7], b[:, :, :7])  # what the rows wrote
         tokens = torch.stack([out_r[0][1], out_r[0][0]]).view(2, 1)
         positions = torch.tensor([[4], [7]])
-        steps = [e.decode(s, c, tokens, positions) for e, s, c in ((regional, r_settings, caches[0]),
-                                                                    (whole, w_settings, caches[1]))]
+        steps = [
+            e.decode(s, c, tokens, positions)
+            for e, s, c in ((regional, r_settings, caches[0]), (whole, w_settings, caches[1]))
+        ]
         tol.assert_close(steps[0][1], steps[1][1])
     rows = {(r["kind"], tuple(r["shape"])): r for r in regional.stats()}
     # the prefill's layer region per window of the layers but the last; decode: prepare + one per window
@@ -201,8 +227,9 @@ def test_every_warmed_step_runs_the_compiled_regions(tiny_checkpoints, strict):
     engine_for(model, ShapePlan(batch_sizes=[1], prompt_lengths=[8], kv_lengths=[32], max_model_len=32))
     ids = torch.randint(3, 128, (1, 6))
     want = model.generate(ids, max_new_tokens=7, disable_compile=True, eos_token_id=None)
-    got = model.generate(ids, max_new_tokens=7, compile_config=CompileConfig(backend="sf_test_counting"),
-                         eos_token_id=None)
+    got = model.generate(
+        ids, max_new_tokens=7, compile_config=CompileConfig(backend="sf_test_counting"), eos_token_id=None
+    )
     assert torch.equal(got, want)
     # graphs in order of compilation: prefill layer (every layer but the last), then what the prompt's
     # last position runs through the last layer, the decode's: prepare, layer, the batch's head (shared
@@ -283,15 +310,27 @@ def test_forward_hooks_added_or_removed_after_warm_up_are_honoured(tiny_checkpoi
     assert all(isinstance(g.step, Regions) for g in engine.graphs.values())
 
 
-@pytest.mark.parametrize("layer_types", [["full_attention"], ["sliding_attention", "sliding_attention", "full_attention"]])
+@pytest.mark.parametrize(
+    "layer_types", [["full_attention"], ["sliding_attention", "sliding_attention", "full_attention"]]
+)
 def test_prefill_warms_when_only_the_last_layer_has_its_window(strict, layer_types):
     """A prefill continued by its decode runs the layer regions of all layers but the last: a window only
     the last layer has (or a one-layer model) must not keep the step off its warmed path."""
     from staticformers import AutoConfig
 
-    cfg = AutoConfig.for_model("qwen3", vocab_size=128, hidden_size=64, intermediate_size=128,
-                               num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=16, use_sliding_window=True, sliding_window=4, layer_types=layer_types)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=layer_types,
+    )
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     engine = engine_for(model, PLAN)
     ids = torch.randint(3, 128, (1, 6))

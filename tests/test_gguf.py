@@ -26,42 +26,92 @@ from staticformers.checkpoints.gguf_config import config_dict  # noqa: E402
 from staticformers.checkpoints.gguf_file import GGUFError, open_gguf  # noqa: E402
 from staticformers.models.quantization import QuantizationConfig, QuantLinear  # noqa: E402
 
-STRINGS = ["Hello world", " leading space", "def f(x):\n    return x * 2  # twice\n", "café naïve 日本語 🤗",
-           "<|im_start|>user\nhi<|im_end|>", "numbers 1234567 and 3.14", "   several   spaces\t\ttabs", "",
-           "I'm sure they'll", "a  b    c\n\n  d"]
+STRINGS = [
+    "Hello world",
+    " leading space",
+    "def f(x):\n    return x * 2  # twice\n",
+    "café naïve 日本語 🤗",
+    "<|im_start|>user\nhi<|im_end|>",
+    "numbers 1234567 and 3.14",
+    "   several   spaces\t\ttabs",
+    "",
+    "I'm sure they'll",
+    "a  b    c\n\n  d",
+]
 
 # (name, family, {GGUF name suffix: ggml type}, tokenizer, extra config): every type we dequantise appears;
 # K-quants need rows of 256 (intermediate 256 for ffn_down, hidden 256 for the others); transformers reads no
 # head_dim from a qwen3 GGUF (it keeps Qwen3Config's 128), so the qwen3 files use 128
 CASES = [
     ("llama-f32", "llama", {}, "gpt2", {}),
-    ("llama-tied-q8", "llama-tied", {"attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0", "token_embd.weight": "Q8_0"},
-     "gpt2", {}),
-    ("qwen2-mixed", "qwen2", {"attn_q.weight": "Q8_0", "ffn_up.weight": "Q4_0", "ffn_gate.weight": "Q4_1",
-                              "token_embd.weight": "F16", "attn_v.weight": "Q5_1"}, "gpt2", {}),
-    ("qwen3-kquant", "qwen3-untied", {"ffn_down.weight": "Q4_K", "attn_k.weight": "BF16", "attn_v.weight": "Q5_0",
-                                      "output.weight": "Q8_0"}, "gpt2", dict(intermediate_size=256, head_dim=128)),
-    ("llama-spm-kquant", "llama", {"ffn_down.weight": "Q6_K", "ffn_up.weight": "Q5_K", "attn_q.weight": "Q4_K",
-                                   "attn_output.weight": "Q4_1"}, "llama", dict(intermediate_size=256, hidden_size=256)),
+    (
+        "llama-tied-q8",
+        "llama-tied",
+        {"attn_q.weight": "Q8_0", "attn_k.weight": "Q8_0", "token_embd.weight": "Q8_0"},
+        "gpt2",
+        {},
+    ),
+    (
+        "qwen2-mixed",
+        "qwen2",
+        {
+            "attn_q.weight": "Q8_0",
+            "ffn_up.weight": "Q4_0",
+            "ffn_gate.weight": "Q4_1",
+            "token_embd.weight": "F16",
+            "attn_v.weight": "Q5_1",
+        },
+        "gpt2",
+        {},
+    ),
+    (
+        "qwen3-kquant",
+        "qwen3-untied",
+        {"ffn_down.weight": "Q4_K", "attn_k.weight": "BF16", "attn_v.weight": "Q5_0", "output.weight": "Q8_0"},
+        "gpt2",
+        dict(intermediate_size=256, head_dim=128),
+    ),
+    (
+        "llama-spm-kquant",
+        "llama",
+        {"ffn_down.weight": "Q6_K", "ffn_up.weight": "Q5_K", "attn_q.weight": "Q4_K", "attn_output.weight": "Q4_1"},
+        "llama",
+        dict(intermediate_size=256, hidden_size=256),
+    ),
 ]
 # Gemma 2, Gemma 3 and Phi-3 as transformers' GGUF loader reads them right (what it reads is its oracle): it
 # reads neither query_pre_attn_scalar nor Gemma 2's soft caps nor Gemma 3's RoPE scaling (its config class's
 # defaults stay: 256, 50 and 30, none), so these use head_dim 256 and those values; Gemma 3 has llama.cpp's
 # 6 layers (5 sliding, 1 full); Phi-3 rotates whole heads. Gemma's norms are stored as 1 + w, Phi-3's q/k/v
 # and gate/up fused. What transformers leaves out is tested in FILE_ONLY.
-_GEMMA2 = dict(tie_word_embeddings=True, head_dim=256, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-               final_logit_softcapping=30.0)
+_GEMMA2 = dict(
+    tie_word_embeddings=True,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+)
 _GEMMA3 = dict(num_hidden_layers=6, layer_types=None, head_dim=256, query_pre_attn_scalar=256, rope_parameters=None)
-_Q8 = {"attn_q.weight": "Q8_0", "attn_output.weight": "Q8_0", "ffn_gate.weight": "Q8_0", "ffn_down.weight": "Q8_0",
-       "token_embd.weight": "Q8_0"}
+_Q8 = {
+    "attn_q.weight": "Q8_0",
+    "attn_output.weight": "Q8_0",
+    "ffn_gate.weight": "Q8_0",
+    "ffn_down.weight": "Q8_0",
+    "token_embd.weight": "Q8_0",
+}
 CASES += [
     ("gemma2-f32", "gemma2", {}, "gemma", _GEMMA2),
     ("gemma2-q8", "gemma2", _Q8, "gpt2", _GEMMA2),
     ("gemma3-f32", "gemma3", {}, "gpt2", _GEMMA3),
     ("gemma3-q8", "gemma3", _Q8, "gemma", _GEMMA3),
     ("phi3-f32", "phi3", {}, "llama", {}),
-    ("phi3-q8", "phi3", {"attn_qkv.weight": "Q8_0", "ffn_up.weight": "Q8_0", "output.weight": "Q8_0",
-                         "token_embd.weight": "Q8_0"}, "gpt2", {}),
+    (
+        "phi3-q8",
+        "phi3",
+        {"attn_qkv.weight": "Q8_0", "ffn_up.weight": "Q8_0", "output.weight": "Q8_0", "token_embd.weight": "Q8_0"},
+        "gpt2",
+        {},
+    ),
 ]
 # (name, family, extra config): what the file states and transformers' GGUF loader leaves at its config
 # class's defaults, so its oracle is the transformers model the file was written from (and our load of that
@@ -77,8 +127,7 @@ FILE_ONLY = [
 
 @pytest.fixture(scope="module")
 def vocab_sizes():
-    return {"gpt2": len(byte_level_vocab()[0]), "llama": len(sentencepiece_vocab()[0]),
-            "gemma": len(gemma_vocab()[0])}
+    return {"gpt2": len(byte_level_vocab()[0]), "llama": len(sentencepiece_vocab()[0]), "gemma": len(gemma_vocab()[0])}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +155,10 @@ def _logits(model, ids):
     return out.logits if hasattr(out, "logits") else out
 
 
-_FUSED = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+_FUSED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
 
 
 def _joined(ours: dict, theirs: dict) -> dict:
@@ -137,16 +188,22 @@ def test_llama_q_and_k_rows_are_unpermuted(files):
     ours, _ = _both(files, "llama-f32")
     hf = files["llama-f32"][2]
     for proj in ("q_proj", "k_proj"):
-        assert torch.equal(getattr(ours.model.layers[0].self_attn, proj).weight,
-                           getattr(hf.model.layers[0].self_attn, proj).weight)
+        assert torch.equal(
+            getattr(ours.model.layers[0].self_attn, proj).weight, getattr(hf.model.layers[0].self_attn, proj).weight
+        )
 
 
 def test_config_from_metadata(files):
     folder, file, hf = files["qwen3-kquant"]
     ours = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
     c = ours.config
-    assert (c.architecture, c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == \
-        ("Qwen3ForCausalLM", hf.config.hidden_size, 2, 2, 128)
+    assert (c.architecture, c.hidden_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim) == (
+        "Qwen3ForCausalLM",
+        hf.config.hidden_size,
+        2,
+        2,
+        128,
+    )
     assert not c.tie_word_embeddings and ours.dtype == torch.float32
     folder, file, _ = files["llama-tied-q8"]
     tied = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
@@ -155,8 +212,9 @@ def test_config_from_metadata(files):
 
 def _greedy(ours, theirs, ids):
     a = ours.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, disable_compile=True)
-    b = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)
+    b = theirs.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     assert a.tolist() == b.tolist() and a.shape[1] == ids.shape[1] + 8
 
 
@@ -170,25 +228,67 @@ def test_gemma_and_phi3_config_from_metadata(files):
     and llama.cpp's layer pattern, Gemma 3's two RoPEs (the file's base on the full layers, 10000 on the
     sliding ones), Phi-3's head_dim from hidden / heads and its original context."""
     c = AutoModelForCausalLM.from_pretrained(files["gemma2-q8"][0], gguf_file=files["gemma2-q8"][1]).config
-    assert (c.architecture, c.head_dim, c.query_pre_attn_scalar, c.attn_logit_softcapping, c.final_logit_softcapping,
-            c.sliding_window, c.layer_types, c.tie_word_embeddings, c.rope_theta) == \
-        ("Gemma2ForCausalLM", 256, 256, 50.0, 30.0, 4, ["sliding_attention", "full_attention", "sliding_attention"],
-         True, 10000.0)
+    assert (
+        c.architecture,
+        c.head_dim,
+        c.query_pre_attn_scalar,
+        c.attn_logit_softcapping,
+        c.final_logit_softcapping,
+        c.sliding_window,
+        c.layer_types,
+        c.tie_word_embeddings,
+        c.rope_theta,
+    ) == (
+        "Gemma2ForCausalLM",
+        256,
+        256,
+        50.0,
+        30.0,
+        4,
+        ["sliding_attention", "full_attention", "sliding_attention"],
+        True,
+        10000.0,
+    )
     c = AutoModelForCausalLM.from_pretrained(files["gemma3-q8"][0], gguf_file=files["gemma3-q8"][1]).config
-    assert (c.architecture, c.model_type, c.head_dim, c.sliding_window, c.rope_theta, c.rope_scaling,
-            c.rope_local["rope_theta"], c.final_logit_softcapping) == \
-        ("Gemma3ForCausalLM", "gemma3_text", 256, 5, 1000000.0, None, 10000.0, None)
+    assert (
+        c.architecture,
+        c.model_type,
+        c.head_dim,
+        c.sliding_window,
+        c.rope_theta,
+        c.rope_scaling,
+        c.rope_local["rope_theta"],
+        c.final_logit_softcapping,
+    ) == ("Gemma3ForCausalLM", "gemma3_text", 256, 5, 1000000.0, None, 10000.0, None)
     assert c.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     c = AutoModelForCausalLM.from_pretrained(files["phi3-q8"][0], gguf_file=files["phi3-q8"][1]).config
-    assert (c.architecture, c.head_dim, c.partial_rotary_factor, c.rope_scaling, c.sliding_window,
-            c.tie_word_embeddings) == ("Phi3ForCausalLM", 16, 1.0, None, None, False)
+    assert (
+        c.architecture,
+        c.head_dim,
+        c.partial_rotary_factor,
+        c.rope_scaling,
+        c.sliding_window,
+        c.tie_word_embeddings,
+    ) == ("Phi3ForCausalLM", 16, 1.0, None, None, False)
     folder, file, _ = files["phi3-q8"]
     assert config_dict(open_gguf(f"{folder}/{file}"))["original_max_position_embeddings"] == 4096
 
 
-_COMPARED = ("head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
-             "sliding_window", "layer_types", "rope_theta", "rope_local", "partial_rotary_factor",
-             "tie_word_embeddings", "rms_norm_eps", "max_position_embeddings", "num_key_value_heads")
+_COMPARED = (
+    "head_dim",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "sliding_window",
+    "layer_types",
+    "rope_theta",
+    "rope_local",
+    "partial_rotary_factor",
+    "tie_word_embeddings",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "num_key_value_heads",
+)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in FILE_ONLY])
@@ -207,8 +307,9 @@ def test_what_transformers_gguf_loader_leaves_out_is_read_from_the_file(tmp_path
         a, b = getattr(ours.config, key), getattr(st.config, key)
         assert (np.float32(a) == np.float32(b)) if isinstance(b, float) else a == b, key
     a, b = ours.config.rope_scaling or {}, st.config.rope_scaling or {}  # LongRoPE's factors went through float32
-    assert a.keys() == b.keys() and all(a[k] == b[k] if isinstance(b[k], str) else
-                                        np.array_equal(np.float32(a[k]), np.float32(b[k])) for k in a), (a, b)
+    assert a.keys() == b.keys() and all(
+        a[k] == b[k] if isinstance(b[k], str) else np.array_equal(np.float32(a[k]), np.float32(b[k])) for k in a
+    ), (a, b)
     sa, sb = ours.state_dict(), st.state_dict()
     assert set(sa) == set(sb)
     for key in sb:
@@ -224,37 +325,66 @@ def test_gemma_27b_query_scale_and_the_files_own_pattern_and_swa_base(tmp_path):
     Gemma 2, 62 of Gemma 3), as llama.cpp reads them; a Gemma 3 file may state its sliding layers' RoPE base
     and pattern (newer llama.cpp reads both); without a sliding window every Gemma 3 layer is full."""
     common = {"embedding_length": 4608, "attention.head_count": 32, "attention.key_length": 128}
-    path = _write_bare(tmp_path / "g2.gguf", "gemma2", **{f"gemma2.{k}": v for k, v in
-                                                            {**common, "block_count": 46}.items()})
+    path = _write_bare(
+        tmp_path / "g2.gguf", "gemma2", **{f"gemma2.{k}": v for k, v in {**common, "block_count": 46}.items()}
+    )
     assert config_dict(open_gguf(path))["query_pre_attn_scalar"] == 144
-    path = _write_bare(tmp_path / "g2b.gguf", "gemma2", **{f"gemma2.{k}": v for k, v in
-                                                             {**common, "block_count": 42}.items()})
+    path = _write_bare(
+        tmp_path / "g2b.gguf", "gemma2", **{f"gemma2.{k}": v for k, v in {**common, "block_count": 42}.items()}
+    )
     assert config_dict(open_gguf(path))["query_pre_attn_scalar"] == 128
-    path = _write_bare(tmp_path / "g3.gguf", "gemma3", **{f"gemma3.{k}": v for k, v in {
-        **common, "block_count": 62, "attention.sliding_window": 1024, "attention.sliding_window_pattern": 4,
-        "rope.freq_base_swa": 50000.0}.items()})
+    path = _write_bare(
+        tmp_path / "g3.gguf",
+        "gemma3",
+        **{
+            f"gemma3.{k}": v
+            for k, v in {
+                **common,
+                "block_count": 62,
+                "attention.sliding_window": 1024,
+                "attention.sliding_window_pattern": 4,
+                "rope.freq_base_swa": 50000.0,
+            }.items()
+        },
+    )
     d = config_dict(open_gguf(path))
     assert d["query_pre_attn_scalar"] == 144 and d["sliding_window"] == 1024
-    assert d["layer_types"][:8] == ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + \
-        ["full_attention"]
+    assert d["layer_types"][:8] == ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + [
+        "full_attention"
+    ]
     assert d["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 50000.0}
-    path = _write_bare(tmp_path / "g3b.gguf", "gemma3", **{f"gemma3.{k}": v for k, v in
-                                                             {**common, "block_count": 4}.items()})
+    path = _write_bare(
+        tmp_path / "g3b.gguf", "gemma3", **{f"gemma3.{k}": v for k, v in {**common, "block_count": 4}.items()}
+    )
     d = config_dict(open_gguf(path))
     assert d["sliding_window"] is None and d["layer_types"] == ["full_attention"] * 4
 
 
 def test_what_a_gemma3_or_phi3_file_cannot_say_is_one_sentence(tmp_path):
     common = {"embedding_length": 64, "attention.head_count": 4, "block_count": 2}
-    path = _write_bare(tmp_path / "y.gguf", "gemma3", **{f"gemma3.{k}": v for k, v in common.items()},
-                       **{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 8.0})
-    with pytest.raises(GGUFError, match=r"RoPE scaling 'yarn' .* reads only as 'linear' from GGUF: use the model's "
-                                        r"safetensors checkpoint"):
+    path = _write_bare(
+        tmp_path / "y.gguf",
+        "gemma3",
+        **{f"gemma3.{k}": v for k, v in common.items()},
+        **{"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 8.0},
+    )
+    with pytest.raises(
+        GGUFError,
+        match=r"RoPE scaling 'yarn' .* reads only as 'linear' from GGUF: use the model's "
+        r"safetensors checkpoint",
+    ):
         config_dict(open_gguf(path))
-    path = _write_bare(tmp_path / "p.gguf", "phi3", [("rope_factors_long.weight", np.ones(8, np.float32), None)],
-                       **{f"phi3.{k}": v for k, v in {**common, "rope.scaling.original_context_length": 64}.items()})
-    with pytest.raises(GGUFError, match=r"carries LongRoPE factors \(rope_factors_long.weight\) but no "
-                                        r"rope_factors_short.weight: the file is incomplete"):
+    path = _write_bare(
+        tmp_path / "p.gguf",
+        "phi3",
+        [("rope_factors_long.weight", np.ones(8, np.float32), None)],
+        **{f"phi3.{k}": v for k, v in {**common, "rope.scaling.original_context_length": 64}.items()},
+    )
+    with pytest.raises(
+        GGUFError,
+        match=r"carries LongRoPE factors \(rope_factors_long.weight\) but no "
+        r"rope_factors_short.weight: the file is incomplete",
+    ):
         config_dict(open_gguf(path))
 
 
@@ -293,8 +423,12 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(files, name):
         assert a == b, text
         assert ours.decode(a) == theirs.decode(b), text
         assert ours.decode(a, skip_special_tokens=True) == theirs.decode(b, skip_special_tokens=True), text
-    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == \
-        (theirs.bos_token, theirs.eos_token, theirs.unk_token, theirs.pad_token)
+    assert (ours.bos_token, ours.eos_token, ours.unk_token, ours.pad_token) == (
+        theirs.bos_token,
+        theirs.eos_token,
+        theirs.unk_token,
+        theirs.pad_token,
+    )
     assert len(ours) == len(theirs)
 
 
@@ -303,10 +437,13 @@ def test_chat_template_from_the_file_renders_as_transformers(files):
     ours = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     theirs = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
-    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    a, b = ours.apply_chat_template(chat, add_generation_prompt=True), \
-        theirs.apply_chat_template(chat, add_generation_prompt=True)
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    a, b = (
+        ours.apply_chat_template(chat, add_generation_prompt=True),
+        theirs.apply_chat_template(chat, add_generation_prompt=True),
+    )
     assert (a if isinstance(a, list) else a["input_ids"]) == (b if isinstance(b, list) else b["input_ids"])
 
 
@@ -316,8 +453,9 @@ def test_q8_0_asked_as_int8_is_requantised_per_row_within_half_a_step(files):
     step of the Q8_0 values, and the error is measured here."""
     folder, file, _ = files["llama-tied-q8"]
     plain = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
-    q = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                             quantization_config=QuantizationConfig("int8_weight_only"))
+    q = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=file, quantization_config=QuantizationConfig("int8_weight_only")
+    )
     layer = q.model.layers[0].self_attn.q_proj
     assert isinstance(layer, QuantLinear) and layer.weight.dtype == torch.int8
     q8 = plain.model.layers[0].self_attn.q_proj.weight
@@ -333,7 +471,8 @@ def _write_bare(path, arch="llama", tensors=(), **keys):
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in keys.items():
         (w.add_uint32 if isinstance(value, int) else w.add_float32 if isinstance(value, float) else w.add_string)(
-            key, value)
+            key, value
+        )
     for name, array, raw in tensors:
         w.add_tensor(name, array, raw_dtype=raw)
     w.write_header_to_file()
@@ -350,8 +489,12 @@ def test_an_unsupported_architecture_is_one_sentence(tmp_path):
 
 
 def test_a_mixture_of_experts_is_one_sentence(tmp_path):
-    path = _write_bare(tmp_path / "m.gguf", "llama", [("token_embd.weight", np.zeros((4, 8), np.float32), None)],
-                       **{"llama.expert_count": 8})
+    path = _write_bare(
+        tmp_path / "m.gguf",
+        "llama",
+        [("token_embd.weight", np.zeros((4, 8), np.float32), None)],
+        **{"llama.expert_count": 8},
+    )
     with pytest.raises(GGUFError, match="mixture of experts .*expert_count = 8"):
         AutoModelForCausalLM.from_pretrained(path, gguf_file=path)
 
@@ -381,8 +524,11 @@ def test_an_unsupported_tensor_type_is_one_sentence_naming_it(files, tmp_path, v
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight as IQ4_NL, a ggml type staticformers does not "
-                                        r"dequantise .*use a GGUF of one of those types"):
+    with pytest.raises(
+        GGUFError,
+        match=r"blk\.0\.ffn_up\.weight as IQ4_NL, a ggml type staticformers does not "
+        r"dequantise .*use a GGUF of one of those types",
+    ):
         AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="iq2.gguf")
 
 

@@ -19,8 +19,13 @@ import torch
 from staticformers import AutoModelForCausalLM, CompileConfig
 from staticformers.checkpoints import mxfp4
 from staticformers.models.model_config import ModelConfig
-from family_checks import (assert_bf16_logits_agree, assert_saved_as_loaded, chunked_and_prefix_cached_run,
-                           hf_model, padded_batch)
+from family_checks import (
+    assert_bf16_logits_agree,
+    assert_saved_as_loaded,
+    chunked_and_prefix_cached_run,
+    hf_model,
+    padded_batch,
+)
 import tolerances as tol
 
 transformers = pytest.importorskip("transformers")
@@ -39,16 +44,25 @@ def _inputs(seq=12, seed=1):
 def test_config_defaults_follow_transformers():
     """A config.json without layer_types or rope_parameters: gpt-oss's own (alternating, YaRN factor 32
     without truncation, theta 150000), as transformers' GptOssConfig fills them in."""
-    raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
-           "intermediate_size": 32}
+    raw = {
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+    }
     ours = ModelConfig.from_dict(raw)
     ref = transformers.GptOssConfig(**raw)
     assert ours.layer_types == ref.layer_types == ["sliding_attention", "full_attention"] * 2
     assert ours.head_dim == ref.head_dim == 64 and ours.sliding_window == ref.sliding_window == 128
     assert ours.rope_theta == ref.rope_parameters["rope_theta"] == 150000.0
-    assert {k: v for k, v in ours.rope_scaling.items()} == {k: v for k, v in ref.rope_parameters.items()
-                                                            if k != "rope_theta"}
+    assert {k: v for k, v in ours.rope_scaling.items()} == {
+        k: v for k, v in ref.rope_parameters.items() if k != "rope_theta"
+    }
     assert ours.qkv_bias and ours.o_bias and (ours.swiglu_alpha, ours.swiglu_limit) == (1.702, 7.0)
     # a file that names its own RoPE keeps it (no YaRN keys of the default leak in)
     own = ModelConfig.from_dict({**raw, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
@@ -58,8 +72,11 @@ def test_config_defaults_follow_transformers():
 def test_layers_windows_sinks_and_parameters(tiny_checkpoints):
     path = tiny_checkpoints("gpt-oss")
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
-    assert [layer.kind for layer in ours.model.layers] == [(4, "moe", "sinks"), (None, "moe", "sinks"),
-                                                           (4, "moe", "sinks")]
+    assert [layer.kind for layer in ours.model.layers] == [
+        (4, "moe", "sinks"),
+        (None, "moe", "sinks"),
+        (4, "moe", "sinks"),
+    ]
     assert ours.num_parameters() == ref.num_parameters() == ours.config.num_parameters
     ids = _inputs()[0][:1]
     with torch.no_grad():
@@ -98,8 +115,9 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
     config = CompileConfig(backend=backend)
     one = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
     want = ref.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    got = ours.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0,
-                        compile_config=config)
+    got = ours.generate(
+        one, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, compile_config=config
+    )
     assert torch.equal(got, want)
     assert len(set(want[0, 9:].tolist())) > 4  # a model that says something, not one token over and over
     ids, mask = _inputs(seq=13, seed=5)
@@ -113,10 +131,19 @@ def test_greedy_tokens_equal_transformers(tiny_checkpoints, backend):
 def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path):
     """Ours saves transformers' layout (stacked experts transposed, `mlp.router`, `self_attn.sinks`)."""
     saved, original = assert_saved_as_loaded(tiny_checkpoints("gpt-oss"), tmp_path, *_inputs())
-    for key in ("layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit", "attention_bias", "num_local_experts",
-                "intermediate_size", "head_dim"):
+    for key in (
+        "layer_types",
+        "sliding_window",
+        "swiglu_alpha",
+        "swiglu_limit",
+        "attention_bias",
+        "num_local_experts",
+        "intermediate_size",
+        "head_dim",
+    ):
         assert saved[key] == original[key], key
     assert saved["rope_parameters"] == original["rope_parameters"]
+
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -127,7 +154,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a byte (the even value low)."""
     e, r, c = w.shape
     groups = w.float().reshape(e, r, c // 32, 32)
-    exp = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100) / 6.0))
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-100) / 6.0))
     scaled = groups / torch.exp2(exp)
     nibble = (scaled.abs().unsqueeze(-1) - FP4).abs().argmin(-1) + 8 * (scaled < 0)
     blocks = (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8)
@@ -147,8 +174,15 @@ def mxfp4_checkpoint(tiny_checkpoints, tmp_path):
             tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
     config = json.load(open(os.path.join(path, "config.json")))
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
@@ -224,12 +258,18 @@ def test_bad_mxfp4_tensors_get_one_sentence(mxfp4_checkpoint):
 
     name = "model.layers.2.mlp.experts.down_proj"
     _edit(mxfp4_checkpoint, lambda t: t.__setitem__(name + "_scales", t[name + "_scales"][:, :32].contiguous()))
-    with pytest.raises(CheckpointError, match=r"down_proj_blocks \[4, 64, 1, 16\] and .*down_proj_scales \[4, 32, 1\] "
-                                              r"in model.safetensors do not pair up"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"down_proj_blocks \[4, 64, 1, 16\] and .*down_proj_scales \[4, 32, 1\] "
+        r"in model.safetensors do not pair up",
+    ):
         AutoModelForCausalLM.from_pretrained(str(mxfp4_checkpoint))
     _edit(mxfp4_checkpoint, lambda t: t.pop(name + "_scales"))
-    with pytest.raises(CheckpointError, match=r"holds model\.layers\.2\.mlp\.experts\.down_proj_blocks but no "
-                                              r".*down_proj_scales"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds model\.layers\.2\.mlp\.experts\.down_proj_blocks but no "
+        r".*down_proj_scales",
+    ):
         AutoModelForCausalLM.from_pretrained(str(mxfp4_checkpoint))
 
 
@@ -243,8 +283,11 @@ def test_mxfp4_blocks_of_another_model_are_named(mxfp4_checkpoint):
         t[name + "_scales"] = t[name + "_scales"][:, :, :1].contiguous()
 
     _edit(mxfp4_checkpoint, halve)
-    with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks in model.safetensors dequantises to \[4, 64, 32\], "
-                                              r"but config.json implies \[4, 64, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"gate_up_proj_blocks in model.safetensors dequantises to \[4, 64, 32\], "
+        r"but config.json implies \[4, 64, 64\]",
+    ):
         AutoModelForCausalLM.from_pretrained(str(mxfp4_checkpoint))
 
 
@@ -269,7 +312,11 @@ def test_cpu_formulations_take_the_sinks():
     from staticformers.models.attention_sinks import attention_with_sinks
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    q, k, v = (
+        torch.randn(2, 4, 5, 16, generator=g),
+        torch.randn(2, 2, 9, 16, generator=g),
+        torch.randn(2, 2, 9, 16, generator=g),
+    )
     sinks = torch.randn(4, generator=g) * 3
     mask = torch.rand(2, 1, 5, 9, generator=g) > 0.3
     mask[..., 0] = True
@@ -303,26 +350,44 @@ def test_compiled_training_steps_as_eager_with_a_region_per_layer_kind(tiny_chec
     from staticformers import Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
-            for n in torch.randint(3, 30, (24,), generator=g)]
+    data = [
+        {"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
+        for n in torch.randint(3, 30, (24,), generator=g)
+    ]
     runs = {}
     for compiled in (False, True):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("gpt-oss"))
         model.config.output_router_logits = True
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        args = TrainingArguments(output_dir=str(tmp_path / str(compiled)), max_length=32, per_device_train_batch_size=4,
-                                 max_steps=3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                                 learning_rate=2e-3, seed=0, torch_compile=compiled,
-                                 torch_compile_backend="aot_eager" if compiled else None)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(compiled)),
+            max_length=32,
+            per_device_train_batch_size=4,
+            max_steps=3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=2e-3,
+            seed=0,
+            torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         runs[compiled] = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
         if compiled:
             names = sorted(f.name for f in trainer.train_step.functions.values())
-            assert names == ["head_loss_train", "layer_forward_routed_train_moe_sinks",
-                             "layer_forward_routed_train_window4_moe_sinks"]
-        for name in ("model.layers.0.self_attn.sinks", "model.layers.0.mlp.gate.bias",
-                     "model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"):
+            assert names == [
+                "head_loss_train",
+                "layer_forward_routed_train_moe_sinks",
+                "layer_forward_routed_train_window4_moe_sinks",
+            ]
+        for name in (
+            "model.layers.0.self_attn.sinks",
+            "model.layers.0.mlp.gate.bias",
+            "model.layers.0.mlp.experts.gate_up_proj_bias",
+            "model.layers.0.mlp.experts.down_proj_bias",
+        ):
             assert not torch.equal(model.state_dict()[name], before[name]), name
     assert len(runs[True]) == 3 and runs[True] == pytest.approx(runs[False], rel=tol.FP32_TRAINED)
 

@@ -53,14 +53,24 @@ def _option(i: int) -> str:
 
 
 def ask(server, options: list):
-    return httpx.post(server.url + "/v1/completions", json={
-        "model": "tiny", "prompt": "Pick:", "max_tokens": 100, "temperature": 0,
-        "structured_outputs": {"choice": options}}, timeout=TIMEOUT)
+    return httpx.post(
+        server.url + "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "Pick:",
+            "max_tokens": 100,
+            "temperature": 0,
+            "structured_outputs": {"choice": options},
+        },
+        timeout=TIMEOUT,
+    )
 
 
 def test_health_is_answered_while_the_largest_accepted_grammar_compiles(server, monkeypatch):
     options = choices(DEFAULT_MAX_GRAMMAR_BYTES)
-    assert len(StructuredOutputs(choice=options).text().encode()) > DEFAULT_MAX_GRAMMAR_BYTES - 100  # one more string would not fit
+    assert (
+        len(StructuredOutputs(choice=options).text().encode()) > DEFAULT_MAX_GRAMMAR_BYTES - 100
+    )  # one more string would not fit
     compiling, answered, done = threading.Event(), [], threading.Event()
     seen: dict = {}
     real = runs.constraint
@@ -91,7 +101,8 @@ def test_health_is_answered_while_the_largest_accepted_grammar_compiles(server, 
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] in options, r.json()
     assert seen["enough"] and seen["during"] >= HEALTH_ANSWERS, (
-        f"/health was answered {seen['during']} times while the grammar compiled: the compile blocks the event loop")
+        f"/health was answered {seen['during']} times while the grammar compiled: the compile blocks the event loop"
+    )
     assert set(answered) == {200}
 
 
@@ -108,7 +119,8 @@ def test_a_grammar_past_the_limit_is_a_400_naming_it_and_compiles_nothing(server
     assert error["message"] == (
         f"structured_outputs.choice is {size} bytes, more than this server compiles (--max-grammar-bytes="
         f"{DEFAULT_MAX_GRAMMAR_BYTES}): a grammar's compile time grows faster than its size; send a smaller one, or "
-        f"restart the server with a larger --max-grammar-bytes.")
+        f"restart the server with a larger --max-grammar-bytes."
+    )
     assert compiled == []
 
 
@@ -118,35 +130,66 @@ def test_the_same_constraint_compiles_once(server, monkeypatch):
     monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, *a: compiled.append(1) or real(self, *a))
     regex = r"[a-c]{2}-unique-to-this-test"
     for _ in range(2):
-        r = httpx.post(server.url + "/v1/completions", json={
-            "model": "tiny", "prompt": "x", "max_tokens": 30, "temperature": 0,
-            "structured_outputs": {"regex": regex}}, timeout=TIMEOUT)
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "x",
+                "max_tokens": 30,
+                "temperature": 0,
+                "structured_outputs": {"regex": regex},
+            },
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200 and re.fullmatch(regex, r.json()["choices"][0]["text"]), r.text
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
     for keys in (list(schema["properties"]), list(reversed(schema["properties"]))):  # the same schema, reordered
         body = {"type": "object", "properties": {k: schema["properties"][k] for k in keys}}
-        r = httpx.post(server.url + "/v1/completions", json={
-            "model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": 0,
-            "structured_outputs": {"json": body}}, timeout=TIMEOUT)
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "x",
+                "max_tokens": 4,
+                "temperature": 0,
+                "structured_outputs": {"json": body},
+            },
+            timeout=TIMEOUT,
+        )
         assert r.status_code == 200, r.text
     assert len(compiled) == 2, compiled  # one regex, one schema
 
 
-@pytest.mark.parametrize("field,value,param,held", [
-    ("structured_outputs", {"choice": ["<think>hello", "bye"]}, "structured_outputs.choice", "<think>"),
-    ("structured_outputs", {"regex": "a <tool_call> b"}, "structured_outputs.regex", "<tool_call>"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
-        "type": "object", "properties": {"tag": {"const": "</think>"}}, "required": ["tag"]}}},
-     "response_format.json_schema.schema", "</think>"),
-])
+@pytest.mark.parametrize(
+    "field,value,param,held",
+    [
+        ("structured_outputs", {"choice": ["<think>hello", "bye"]}, "structured_outputs.choice", "<think>"),
+        ("structured_outputs", {"regex": "a <tool_call> b"}, "structured_outputs.regex", "<tool_call>"),
+        (
+            "response_format",
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "t",
+                    "schema": {"type": "object", "properties": {"tag": {"const": "</think>"}}, "required": ["tag"]},
+                },
+            },
+            "response_format.json_schema.schema",
+            "</think>",
+        ),
+    ],
+)
 def test_a_constraint_holding_an_added_token_s_text_is_a_400_saying_why(server, field, value, param, held):
-    r = httpx.post(server.url + "/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, field: value},
-        timeout=TIMEOUT)
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, field: value},
+        timeout=TIMEOUT,
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert error["message"] == (
         f"{param} holds {held!r}, the text of one of the model's added tokens, which a constrained answer cannot "
         f"write (the mask offers only the added token, which the grammar then refuses): leave it out of the "
-        f"constraint.")
+        f"constraint."
+    )

@@ -30,8 +30,13 @@ print("faults", min(counts[3:]))  # steady state: the last three steps' best
 
 
 def probe(**env) -> tuple[bool, int]:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src"), **env})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "src"), **env},
+    )
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
     return lines["tuned"] == "True", int(lines["faults"])
 

@@ -23,8 +23,11 @@ def test_a_base_weight_holding_nan_or_inf_is_refused_naming_it(tiny_checkpoints,
     name = "model.layers.1.mlp.down_proj.weight"
     tensors[name][3, 5] = bad
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(SafetensorsFormatError, match=rf"model.safetensors: tensor '{name}' holds NaN or infinite "
-                                                     rf"values, so the model would compute nothing useful"):
+    with pytest.raises(
+        SafetensorsFormatError,
+        match=rf"model.safetensors: tensor '{name}' holds NaN or infinite "
+        rf"values, so the model would compute nothing useful",
+    ):
         AutoModelForCausalLM.from_pretrained(str(folder))
 
 

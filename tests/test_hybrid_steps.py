@@ -29,8 +29,13 @@ CHUNK, K = 16, 3
 
 
 def _plan():
-    return ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 96], kv_lengths=[64, 160], max_model_len=160,
-                     extend_widths=((CHUNK, 1),))
+    return ShapePlan(
+        batch_sizes=[1, 2, 4],
+        prompt_lengths=[16, 32, 96],
+        kv_lengths=[64, 160],
+        max_model_len=160,
+        extend_widths=((CHUNK, 1),),
+    )
 
 
 def _prompts(lengths, seed=0):
@@ -56,10 +61,13 @@ def hybrid(request, tiny_checkpoints):
 def _arrivals(rows, answers, sampled=()):
     """Requests joining at different steps, so chunks run beside decoding rows and decode steps beside chunking
     ones; the rows in `sampled` draw with their own seed."""
+
     def request(i):
-        sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=11 + i) if i in sampled \
-            else SamplingParams()
+        sampling = (
+            SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=11 + i) if i in sampled else SamplingParams()
+        )
         return GenerationRequest(rows[i], answers[i], sampling, request_id=i)
+
     return {0: [request(0)], 2: [request(1), request(2)], 5: [request(3)], 9: [request(4)]}
 
 
@@ -72,8 +80,9 @@ def test_a_long_prompt_in_chunks_gives_transformers_tokens(hybrid):
     got = run_loop(loop, {0: [GenerationRequest(prompt, 24, request_id="long")]})["long"]
     ref = transformers.AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([prompt])
-    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[0, 100:].tolist()
+    want = ref.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, 100:].tolist()
     assert got == want
     assert loop.chunks == 6
 
@@ -104,7 +113,7 @@ class OneWrong:
         out = []
         for slot, m in zip(slots, limits):
             row = loop.rows[slot]
-            ahead = self.truth[row.request.request_id][row.generated:row.generated + min(self.k, m)]
+            ahead = self.truth[row.request.request_id][row.generated : row.generated + min(self.k, m)]
             wrong = self.turn % (self.k + 1)
             self.turn += 1
             out.append([(t + 1) % 128 if j == wrong else t for j, t in enumerate(ahead)])
@@ -164,13 +173,19 @@ def test_generate_speculates_on_a_hybrid_as_transformers_generates(hybrid):
 def test_prefix_caching_and_a_hybrid_draft_are_refused_in_one_sentence(hybrid):
     path, model, engine, settings = hybrid
     arch = model.config.architecture
-    with pytest.raises(ValueError, match=rf"^prefix caching is not supported for {arch}: its linear-attention layers "
-                                         r"keep one recurrent state per request, not per position, .* turn prefix "
-                                         r"caching off\.$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^prefix caching is not supported for {arch}: its linear-attention layers "
+        r"keep one recurrent state per request, not per position, .* turn prefix "
+        r"caching off\.$",
+    ):
         GenerationLoop(engine, settings, prefix_caching=True)
     draft = AutoModelForCausalLM.from_pretrained(path)
-    with pytest.raises(ValueError, match=rf"^The draft model \({arch}\) has linear-attention layers, .* use a draft "
-                                         r"model without them, or prompt lookup \(prompt_lookup_num_tokens\)\.$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^The draft model \({arch}\) has linear-attention layers, .* use a draft "
+        r"model without them, or prompt lookup \(prompt_lookup_num_tokens\)\.$",
+    ):
         DraftModel(engine_for(draft), settings, K).check(model)
 
 
@@ -185,9 +200,16 @@ def test_served_with_chunks_and_speculation_the_completion_is_the_models_greedy_
     folder = save_served("qwen3_5", tmp_path, positions=128)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    assert_served_completion_is_greedy(model, tok, folder, "Hello there, hello there, this is a longer prompt", 12,
-                                       enable_chunked_prefill=True, max_num_batched_tokens=16,
-                                       speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert_served_completion_is_greedy(
+        model,
+        tok,
+        folder,
+        "Hello there, hello there, this is a longer prompt",
+        12,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
 
 
 def test_the_plans_linear_chunk_sets_the_chunked_form_and_changes_no_token(hybrid):

@@ -38,8 +38,9 @@ def folder(tmp_path_factory):
 
 def _run(folder, backend: str, cache_dir: str) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": os.path.join(ROOT, "src")}
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(folder), backend], capture_output=True, text=True,
-                         env=env, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(folder), backend], capture_output=True, text=True, env=env, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -59,8 +60,9 @@ def expected(folder) -> list:
     from staticformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder)
-    return [model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False,
-                           disable_compile=True)[0].tolist()] * 2
+    return [
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, disable_compile=True)[0].tolist()
+    ] * 2
 
 
 def test_eager_generation_never_imports_dynamo_and_ignores_the_folder(folder, unusable, expected):
@@ -73,7 +75,9 @@ def test_a_compiled_run_warns_once_and_goes_on_without_a_persistent_cache(folder
     bad = _run(folder, "eager", unusable)  # the eager compile backend: Dynamo traces, inductor is not run
     assert bad["tokens"] == expected
     (warning,) = bad["warnings"]  # two generate calls, one warning
-    assert warning.startswith(f"staticformers: inductor's cache folder {unusable!r} (TORCHINDUCTOR_CACHE_DIR) "
-                              "cannot be used (Not a directory); this process compiles without a persistent cache, "
-                              "in ")
+    assert warning.startswith(
+        f"staticformers: inductor's cache folder {unusable!r} (TORCHINDUCTOR_CACHE_DIR) "
+        "cannot be used (Not a directory); this process compiles without a persistent cache, "
+        "in "
+    )
     assert warning.endswith("Set TORCHINDUCTOR_CACHE_DIR to a writable folder to keep compiled graphs between runs.")

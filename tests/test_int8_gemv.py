@@ -33,7 +33,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) ->
     to its dtype (bf16: half a unit in the last place, 2**-8 relative)."""
     want, mags = exact(x, w, s)
     k = x.shape[-1]
-    bound = k * 2 ** -24 * mags + (2 ** -8 * want.abs() if y.dtype == torch.bfloat16 else 0) + 1e-30
+    bound = k * 2**-24 * mags + (2**-8 * want.abs() if y.dtype == torch.bfloat16 else 0) + 1e-30
     err = (y.double() - want).abs()
     assert (err <= bound).all(), float((err / bound).max())
 
@@ -94,17 +94,19 @@ def test_one_decode_row_runs_the_kernel_and_a_few_rows_atens():
             got = f.project(layer, one, how)
             want = layer(one)
             _, mags = exact(one.reshape(1, 64), layer.weight, layer.weight_scale.view(-1))
-            assert ((got - want).abs().reshape(1, -1) <= 64 * 2 ** -24 * mags.float() + 1e-6).all()
+            assert ((got - want).abs().reshape(1, -1) <= 64 * 2**-24 * mags.float() + 1e-6).all()
         got, want = f.project(layer, few), layer(few)
         _, mags = exact(few.reshape(2, 64), layer.weight, layer.weight_scale.view(-1))
         err = (got - want).abs().reshape(2, -1)
-        assert (err <= 3 * 2 ** -9 * mags.float() + 1e-5).all() and float(err.max()) > 1e-6  # bf16 did round
+        assert (err <= 3 * 2**-9 * mags.float() + 1e-5).all() and float(err.max()) > 1e-6  # bf16 did round
 
 
 def test_q_k_v_and_gate_up_are_one_call_and_mixed_groups_are_not(monkeypatch):
     torch.manual_seed(0)
-    layers = tuple(QuantLinear.from_linear(torch.nn.Linear(64, n, bias=b).bfloat16(), "int8")
-                   for n, b in ((64, True), (32, False), (32, False)))
+    layers = tuple(
+        QuantLinear.from_linear(torch.nn.Linear(64, n, bias=b).bfloat16(), "int8")
+        for n, b in ((64, True), (32, False), (32, False))
+    )
     calls = []
     real = f.int8_gemv
 
@@ -125,7 +127,7 @@ def test_q_k_v_and_gate_up_are_one_call_and_mixed_groups_are_not(monkeypatch):
         plain = torch.nn.Linear(64, 16).bfloat16()
         mixed = ops.linear_group((layers[0], plain), x)
         assert calls == [3, 1, 1, 1, 1]  # the int8 one alone; the plain one as a reduction
-        torch.testing.assert_close(mixed[1], plain(x), rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(mixed[1], plain(x), rtol=2**-7, atol=1e-3)
 
 
 def test_a_traced_graph_calls_the_kernel_whole():
@@ -153,7 +155,7 @@ def test_where_the_kernel_cannot_run_atens_does(monkeypatch):
         got = f.project(layer, x, "reduce").reshape(1, -1).double()
         want, mags = exact(x.reshape(1, -1), layer.weight, layer.weight_scale.view(-1))
         want = want + layer.bias.double()
-        assert ((got - want).abs() <= 3 * 2 ** -8 * (mags + layer.bias.double().abs())).all()  # bf16 roundings
+        assert ((got - want).abs() <= 3 * 2**-8 * (mags + layer.bias.double().abs())).all()  # bf16 roundings
 
 
 def test_bad_input_is_refused_in_one_sentence():
@@ -172,16 +174,18 @@ def test_a_fresh_process_calling_the_operator_first_loads_its_kernel():
     import subprocess
     import sys
 
-    code = ("import torch\n"
-            "from staticformers.backends.cpu import int8_gemv as g\n"
-            "assert 'loaded' not in g._STATE\n"
-            "torch.manual_seed(0)\n"
-            "w = torch.randint(-127, 128, (8, 64), dtype=torch.int8); x = torch.randn(1, 64); s = torch.rand(8)\n"
-            "y = torch.ops.staticformers.int8_gemv(x, [w], [s])[0]\n"
-            "assert g._STATE['loaded']\n"
-            # float32 sums of 64 products: each output within 64 roundings of the sum of the products' sizes
-            "bound = 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t() * s.double())\n"
-            "assert ((y.double() - x.double() @ w.double().t() * s.double()).abs() <= bound).all()\n"
-            "print('ok')\n")
+    code = (
+        "import torch\n"
+        "from staticformers.backends.cpu import int8_gemv as g\n"
+        "assert 'loaded' not in g._STATE\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randint(-127, 128, (8, 64), dtype=torch.int8); x = torch.randn(1, 64); s = torch.rand(8)\n"
+        "y = torch.ops.staticformers.int8_gemv(x, [w], [s])[0]\n"
+        "assert g._STATE['loaded']\n"
+        # float32 sums of 64 products: each output within 64 roundings of the sum of the products' sizes
+        "bound = 64 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t() * s.double())\n"
+        "assert ((y.double() - x.double() @ w.double().t() * s.double()).abs() <= bound).all()\n"
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

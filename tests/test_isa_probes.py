@@ -100,7 +100,7 @@ def test_the_cpu_backend_installs_the_remembering_probe_once(monkeypatch, tmp_pa
     assert VecISA._probe_load is installed  # not wrapped twice
 
 
-@pytest.mark.parametrize("content", ['{"loaded": null}', '{"loaded": 5}', '{"loaded": [[1]]}', '[]', '"x"'])
+@pytest.mark.parametrize("content", ['{"loaded": null}', '{"loaded": 5}', '{"loaded": [[1]]}', "[]", '"x"'])
 def test_a_malformed_record_counts_as_empty(tmp_path, content):
     lib = tmp_path / "probe.so"
     lib.write_bytes(b"x")

@@ -27,8 +27,9 @@ def test_onednn_linear_traces_with_the_weight_as_a_graph_input():
         seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
         return gm
 
-    fn = torch.compile(lambda x, w, b: torch.ops.staticformers.onednn_linear(x, w, b).relu(), backend=backend,
-                       fullgraph=True)
+    fn = torch.compile(
+        lambda x, w, b: torch.ops.staticformers.onednn_linear(x, w, b).relu(), backend=backend, fullgraph=True
+    )
     x = torch.randn(3, 32)
     with torch.no_grad():
         out = fn(x, layer.weight, layer.bias)

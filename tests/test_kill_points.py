@@ -20,19 +20,33 @@ from staticformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArg
 from staticformers.utils.fault_points import ENV
 from staticformers.training import checkpoint_folders as ckpt
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs fork")]
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="needs fork"),
+]
 
 
 def tiny_model(seed=0):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 def docs():
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()} for k in torch.randint(3, 30, (24,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()}
+        for k in torch.randint(3, 30, (24,), generator=g)
+    ]
 
 
 def tokenizer():
@@ -42,15 +56,31 @@ def tokenizer():
 
 
 def args(path, **kw):
-    return TrainingArguments(**{**dict(output_dir=str(path), max_length=32, per_device_train_batch_size=4, max_steps=4,
-                                       save_steps=1, save_total_limit=2, disable_tqdm=True, learning_rate=1e-3, seed=0,
-                                       warmup_steps=1, weight_decay=0.01), **kw})
+    return TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(path),
+                max_length=32,
+                per_device_train_batch_size=4,
+                max_steps=4,
+                save_steps=1,
+                save_total_limit=2,
+                disable_tqdm=True,
+                learning_rate=1e-3,
+                seed=0,
+                warmup_steps=1,
+                weight_decay=0.01,
+            ),
+            **kw,
+        }
+    )
 
 
 def train(out, resume=None, seed=0, **kw):
     model = tiny_model(seed)
     Trainer(model=model, args=args(out, **kw), train_dataset=docs(), processing_class=tokenizer()).train(
-        resume_from_checkpoint=resume)
+        resume_from_checkpoint=resume
+    )
     return model
 
 
@@ -89,8 +119,14 @@ def assert_loadable_checkpoints(out):
         assert ckpt.verify_checkpoint(path) is None
 
 
-POINTS = ["checkpoint:files-written:2", "checkpoint:before-rename:2", "checkpoint:renamed:2", "checkpoint:rotating:1",
-          "save_pretrained:weights-staged:2", "save_pretrained:weights-replaced:3"]
+POINTS = [
+    "checkpoint:files-written:2",
+    "checkpoint:before-rename:2",
+    "checkpoint:renamed:2",
+    "checkpoint:rotating:1",
+    "save_pretrained:weights-staged:2",
+    "save_pretrained:weights-replaced:3",
+]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -110,8 +146,9 @@ def test_kill_between_the_renames_of_a_resave(tmp_path, reference, caplog):
     out = tmp_path / "run"
     train(out, save_total_limit=None)
     before = (out / "checkpoint-3" / "model.safetensors").read_bytes()
-    killed_at("checkpoint:old-moved-aside:1",
-              lambda: train(out, resume=str(out / "checkpoint-2"), save_total_limit=None))
+    killed_at(
+        "checkpoint:old-moved-aside:1", lambda: train(out, resume=str(out / "checkpoint-2"), save_total_limit=None)
+    )
     names = os.listdir(out)
     assert "checkpoint-3" not in names and any(n.startswith(".old-checkpoint-3-") for n in names)
     assert ckpt.recover_leftovers(str(out))[0].startswith(f"recovered {out / 'checkpoint-3'} from .old-checkpoint-3-")
@@ -124,8 +161,9 @@ def test_kill_between_the_renames_of_a_resave(tmp_path, reference, caplog):
 def test_a_killed_resave_is_recovered_by_the_next_save(tmp_path):
     out = tmp_path / "run"
     train(out, save_total_limit=None)
-    killed_at("checkpoint:old-moved-aside:1",
-              lambda: train(out, resume=str(out / "checkpoint-2"), save_total_limit=None))
+    killed_at(
+        "checkpoint:old-moved-aside:1", lambda: train(out, resume=str(out / "checkpoint-2"), save_total_limit=None)
+    )
     train(out, resume=str(out / "checkpoint-1"), save_total_limit=None, max_steps=2)  # saves step 2 only
     assert [s for s, _ in ckpt.list_checkpoints(str(out))] == [1, 2, 3, 4]
     assert not [n for n in os.listdir(out) if n.startswith(".")]
@@ -144,16 +182,20 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("old_sharded,new_sharded,point,expect", [
-    (False, False, "save_pretrained:weights-staged", "old"),
-    (False, False, "save_pretrained:weights-replaced", "new"),
-    (True, False, "save_pretrained:weights-replaced", "old"),  # the old index still wins until it is removed
-    (True, False, "save_pretrained:weights-committed", "new"),
-    (False, True, "save_pretrained:index-written", "new"),
-    (True, True, "save_pretrained:weights-staged", "old"),
-    (True, True, "save_pretrained:index-on-temporaries", "new"),  # same shard names: the index names the new files
-    (True, True, "save_pretrained:index-written", "new"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "old_sharded,new_sharded,point,expect",
+    [
+        (False, False, "save_pretrained:weights-staged", "old"),
+        (False, False, "save_pretrained:weights-replaced", "new"),
+        (True, False, "save_pretrained:weights-replaced", "old"),  # the old index still wins until it is removed
+        (True, False, "save_pretrained:weights-committed", "new"),
+        (False, True, "save_pretrained:index-written", "new"),
+        (True, True, "save_pretrained:weights-staged", "old"),
+        (True, True, "save_pretrained:index-on-temporaries", "new"),  # same shard names: the index names the new files
+        (True, True, "save_pretrained:index-written", "new"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_save_pretrained_over_an_existing_model(tmp_path, old_sharded, new_sharded, point, expect):
     folder = tmp_path / "model"
     old, new = tiny_model(seed=1), tiny_model(seed=2)

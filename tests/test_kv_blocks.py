@@ -33,8 +33,13 @@ CHUNK = 16
 
 
 def plan():
-    return ShapePlan(batch_sizes=[1, 2, 4, 8], prompt_lengths=[16, 32], kv_lengths=[64, 128], max_model_len=128,
-                     extend_widths=((CHUNK, 1),))
+    return ShapePlan(
+        batch_sizes=[1, 2, 4, 8],
+        prompt_lengths=[16, 32],
+        kv_lengths=[64, 128],
+        max_model_len=128,
+        extend_widths=((CHUNK, 1),),
+    )
 
 
 def prompts(lengths, seed=0, vocab=128):
@@ -47,7 +52,7 @@ def greedy(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             out.append(int(model(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
-    return out[len(prompt):]
+    return out[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +112,11 @@ def test_a_small_pool_preempts_the_newest_rows_and_they_finish_identically(qwen3
     def arrivals(sampled):
         out = {}
         for i, (p, n) in enumerate(zip(rows, news)):
-            params = SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=100 + i) if sampled and i % 2 \
+            params = (
+                SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=100 + i)
+                if sampled and i % 2
                 else SamplingParams()
+            )
             out.setdefault(i // 2, []).append(GenerationRequest(p, n, params, request_id=i))
         return out
 
@@ -120,8 +128,9 @@ def test_a_small_pool_preempts_the_newest_rows_and_they_finish_identically(qwen3
     small_sampled = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=10, kv_block_size=BLOCK)
     sampled = run(small_sampled, arrivals(True))
     assert small_sampled.preemptions > 0
-    roomy = run(GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=64, kv_block_size=BLOCK),
-                arrivals(True))
+    roomy = run(
+        GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=64, kv_block_size=BLOCK), arrivals(True)
+    )
     assert sampled == roomy
 
 
@@ -146,8 +155,9 @@ def test_speculation_runs_on_block_caches(qwen3):
     model, engine, settings = qwen3
     rows = [(list(range(5, 25)) * 3)[:50], prompts([30], seed=4)[0]]
     speculator = Speculator(PromptLookup(3))
-    loop = GenerationLoop(engine, settings, speculator=speculator, chunked_prefill=CHUNK, kv_blocks=9,
-                          kv_block_size=BLOCK)
+    loop = GenerationLoop(
+        engine, settings, speculator=speculator, chunked_prefill=CHUNK, kv_blocks=9, kv_block_size=BLOCK
+    )
     got = run(loop, {0: [GenerationRequest(p, 30, request_id=i) for i, p in enumerate(rows)]})
     assert speculator.num_accepted_tokens > 0
     for i, p in enumerate(rows):
@@ -164,8 +174,9 @@ def test_random_traffic_with_cancels_and_preemption(qwen3, shared):
     system = tokens(32, 9)
     starts = prompts([3, 14, 26, 41, 60], seed=5) + [system + p for p in prompts([2, 9, 20], seed=6)]
     pool = [(p, greedy(model, p, 40)) for p in starts]
-    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=12, kv_block_size=BLOCK,
-                          prefix_caching=shared)
+    loop = GenerationLoop(
+        engine, settings, chunked_prefill=CHUNK, kv_blocks=12, kv_block_size=BLOCK, prefix_caching=shared
+    )
     wanted, got, cancelled, step, rid = {}, {}, set(), 0, 0
     held_counts = []
     while step < 400 or not loop.idle:
@@ -192,7 +203,7 @@ def test_random_traffic_with_cancels_and_preemption(qwen3, shared):
     for r, answer in wanted.items():
         have = got.get(r, [])
         if r in cancelled:
-            assert have == answer[:len(have)], r
+            assert have == answer[: len(have)], r
         else:
             assert have == answer, r
 
@@ -265,8 +276,11 @@ def test_refusals_in_one_sentence(qwen3, tiny_checkpoints):
     model, engine, settings = qwen3
     with pytest.raises(ValueError, match="kv_blocks=0 must be a positive number of blocks"):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=0)
-    with pytest.raises(ValueError, match=r"The KV block size 48 \(kv_block_size, the server's --block-size\) "
-                                         r"does not divide the plan's KV lengths"):
+    with pytest.raises(
+        ValueError,
+        match=r"The KV block size 48 \(kv_block_size, the server's --block-size\) "
+        r"does not divide the plan's KV lengths",
+    ):
         GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=8, kv_block_size=48)
     with pytest.raises(ValueError, match="turn chunked prefill on with kv_blocks"):
         GenerationLoop(engine, settings, kv_blocks=8, kv_block_size=BLOCK)
@@ -293,8 +307,9 @@ def one_by_one(loop, requests) -> dict:
 
 
 def sharing(engine, settings, blocks=64, **kw):
-    return GenerationLoop(engine, settings, chunked_prefill=CHUNK, prefix_caching=True, kv_blocks=blocks,
-                          kv_block_size=8, **kw)
+    return GenerationLoop(
+        engine, settings, chunked_prefill=CHUNK, prefix_caching=True, kv_blocks=blocks, kv_block_size=8, **kw
+    )
 
 
 def test_prefix_hits_share_blocks_and_give_the_tokens_of_no_caching(qwen3):
@@ -302,12 +317,25 @@ def test_prefix_hits_share_blocks_and_give_the_tokens_of_no_caching(qwen3):
     counted as vLLM counts (prompt tokens looked up and found); a hit adds no graph."""
     model, engine, settings = qwen3
     system = tokens(40, 0)
-    prompts = [system + tokens(5, 1), system + tokens(10, 2), system[:20] + tokens(10, 3), tokens(20, 4),
-               system + tokens(5, 1), system]
+    prompts = [
+        system + tokens(5, 1),
+        system + tokens(10, 2),
+        system[:20] + tokens(10, 3),
+        tokens(20, 4),
+        system + tokens(5, 1),
+        system,
+    ]
 
     def requests():
-        return [GenerationRequest(p, 6, SamplingParams(do_sample=True, temperature=0.8, top_k=30, seed=11 + i)
-                                  if i % 2 else SamplingParams(), request_id=i) for i, p in enumerate(prompts)]
+        return [
+            GenerationRequest(
+                p,
+                6,
+                SamplingParams(do_sample=True, temperature=0.8, top_k=30, seed=11 + i) if i % 2 else SamplingParams(),
+                request_id=i,
+            )
+            for i, p in enumerate(prompts)
+        ]
 
     plain = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK), requests())
     loop = sharing(engine, settings)
@@ -326,8 +354,10 @@ def test_rows_running_together_hold_one_copy_of_their_shared_prefix(qwen3):
     system = tokens(64, 5)
     prompts = [system + tokens(3, 6 + i) for i in range(3)]
     loop = sharing(engine, settings)
-    arrivals = {0: [GenerationRequest(prompts[0], 30, request_id=0)],
-                6: [GenerationRequest(p, 20, request_id=i + 1) for i, p in enumerate(prompts[1:])]}
+    arrivals = {
+        0: [GenerationRequest(prompts[0], 30, request_id=0)],
+        6: [GenerationRequest(p, 20, request_id=i + 1) for i, p in enumerate(prompts[1:])],
+    }
     most_shared = 0
     out, step = {}, 0
     while arrivals or not loop.idle:
@@ -354,8 +384,9 @@ def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter
     for name, seed in (("old", 1), ("new", 2)):
         donor = AutoModelForCausalLM.from_pretrained(path)
         torch.manual_seed(seed)
-        donor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"],
-                                     init_lora_weights=False))
+        donor.add_adapter(
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+        )
         with torch.no_grad():
             for n, p in donor.named_parameters():
                 if "lora_B" in n:
@@ -372,8 +403,9 @@ def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter
     order = [("a", 1), ("__base__", 2), ("b", 3), ("a", 4), ("__base__", 5)]
 
     def requests():
-        return [GenerationRequest(system + tokens(4, s), 5, request_id=i, adapter=name)
-                for i, (name, s) in enumerate(order)]
+        return [
+            GenerationRequest(system + tokens(4, s), 5, request_id=i, adapter=name) for i, (name, s) in enumerate(order)
+        ]
 
     plain = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK), requests())
     assert plain[0] != plain[1]  # the adapter changes the tokens
@@ -389,8 +421,10 @@ def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter
     bank_of(model).load("a", str(folders["new"]))  # reloaded under its name, in place
     again = GenerationRequest(system + tokens(4, 1), 5, request_id="again", adapter="a")
     got = one_by_one(loop, [again])["again"]
-    fresh = one_by_one(GenerationLoop(engine, settings, chunked_prefill=CHUNK),
-                       [GenerationRequest(system + tokens(4, 1), 5, request_id="again", adapter="a")])["again"]
+    fresh = one_by_one(
+        GenerationLoop(engine, settings, chunked_prefill=CHUNK),
+        [GenerationRequest(system + tokens(4, 1), 5, request_id="again", adapter="a")],
+    )["again"]
     assert got == fresh != plain[0]
 
 

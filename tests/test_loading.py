@@ -111,8 +111,9 @@ def test_unknown_config_keys_round_trip(tiny_checkpoints, tmp_path):
 
 def test_generation_config_round_trips(tiny_checkpoints, tmp_path):
     path = _copy(tiny_checkpoints("qwen3"), tmp_path)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4], "temperature": 0.7,
-                                                              "do_sample": True, "top_k": 20}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [3, 4], "temperature": 0.7, "do_sample": True, "top_k": 20})
+    )
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.generation_config.eos_token_id == [3, 4] and model.generation_config.top_k == 20
     model.save_pretrained(tmp_path / "out")
@@ -156,7 +157,9 @@ def test_refuses_folder_without_weights(tiny_checkpoints, tmp_path):
 
 
 def test_refuses_missing_shard(tiny_checkpoints, tmp_path):
-    AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama")).save_pretrained(tmp_path / "s", max_shard_size="40KB")
+    AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama")).save_pretrained(
+        tmp_path / "s", max_shard_size="40KB"
+    )
     shard = sorted(f for f in os.listdir(tmp_path / "s") if f.endswith(".safetensors"))[1]
     os.remove(tmp_path / "s" / shard)
     with pytest.raises(CheckpointNotFoundError, match=f"Shard {shard}.*missing"):
@@ -197,7 +200,9 @@ def test_refuses_unsupported_architecture(tiny_checkpoints, tmp_path):
 
 
 def test_refuses_unsupported_rope_and_bad_json(tiny_checkpoints, tmp_path):
-    path = _with_config(tiny_checkpoints("qwen3"), tmp_path, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0})
+    path = _with_config(
+        tiny_checkpoints("qwen3"), tmp_path, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
+    )
     with pytest.raises(ConfigError, match=r"RoPE scaling 'dynamic' is not supported"):
         AutoModelForCausalLM.from_pretrained(path)
     (path / "config.json").write_text("{not json")
@@ -209,7 +214,7 @@ def test_refuses_bad_arguments(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints("qwen3")
     with pytest.raises(ConfigError, match=r"dtype='int7' is not a dtype"):
         AutoModelForCausalLM.from_pretrained(path, dtype="int7")
-    with pytest.raises(ValueError, match="A quantization_config dict needs \"quant_type\""):
+    with pytest.raises(ValueError, match='A quantization_config dict needs "quant_type"'):
         AutoModelForCausalLM.from_pretrained(path, quantization_config={})
     with pytest.raises(CheckpointNotFoundError, match="has no config.json: it is not a complete checkpoint"):
         AutoModelForCausalLM.from_pretrained(tmp_path)

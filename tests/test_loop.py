@@ -25,9 +25,10 @@ EAGER = CompileConfig(backend="eager")
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts(lengths, seed=0, vocab=128):
@@ -54,8 +55,7 @@ def test_every_prompt_length_up_to_the_models_positions_runs(short_model):
     lengths = [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 197, 200, 240, 254, 255]
     for prompt in prompts(lengths, seed=1):
         n = len(prompt)
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=256 - n, eos_token_id=None,
-                             compile_config=EAGER)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=256 - n, eos_token_id=None, compile_config=EAGER)
         assert out[0, n:].tolist() == hf_greedy(hf, prompt, 256 - n), n
     engine = engine_for(model)
     assert {k for k, _, _ in engine.caches} == {1} and {kv for _, kv, _ in engine.caches} <= {256}
@@ -85,14 +85,14 @@ def test_a_padded_batch_gives_each_row_its_solo_tokens(tiny_checkpoints, side):
     mask = torch.zeros_like(ids)
     for i, p in enumerate(rows):
         if side == "left":
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+            ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
         else:
-            ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
+            ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None, compile_config=EAGER)
     assert torch.equal(out[:, :width], ids)
     for i, p in enumerate(rows):
         solo = model.generate(torch.tensor([p]), max_new_tokens=6, eos_token_id=None, compile_config=EAGER)
-        assert out[i, width:].tolist() == solo[0, len(p):].tolist() == hf_greedy(hf, p, 6), (side, i)
+        assert out[i, width:].tolist() == solo[0, len(p) :].tolist() == hf_greedy(hf, p, 6), (side, i)
 
 
 def test_requests_join_and_leave_between_steps_and_nothing_compiles_after_warm_up(tiny_checkpoints, monkeypatch):
@@ -112,7 +112,9 @@ def test_requests_join_and_leave_between_steps_and_nothing_compiles_after_warm_u
     rows = prompts(lengths, seed=3)
 
     def params(i):
-        return SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=100 + i) if i % 3 == 0 else SamplingParams()
+        return (
+            SamplingParams(do_sample=True, temperature=0.9, top_k=20, seed=100 + i) if i % 3 == 0 else SamplingParams()
+        )
 
     def request(i):
         return GenerationRequest(rows[i], answers[i], params(i), request_id=i)
@@ -124,8 +126,13 @@ def test_requests_join_and_leave_between_steps_and_nothing_compiles_after_warm_u
         assert len(solo[i]) == answers[i]
     counters.clear()
     loop = GenerationLoop(engine, settings, max_batch_size=4)
-    arrivals = {0: [request(0), request(1), request(2)], 2: [request(3), request(4)], 3: [request(5)],
-                7: [request(6), request(7), request(8)], 20: [request(9), request(10), request(11)]}
+    arrivals = {
+        0: [request(0), request(1), request(2)],
+        2: [request(3), request(4)],
+        3: [request(5)],
+        7: [request(6), request(7), request(8)],
+        20: [request(9), request(10), request(11)],
+    }
     together = run_loop(loop, arrivals)
     assert together == solo
     assert counters["stats"]["unique_graphs"] == 0
@@ -168,7 +175,11 @@ def test_bad_requests_are_refused_before_any_work(tiny_checkpoints):
 def test_an_exception_in_a_step_fails_that_steps_requests_and_the_loop_goes_on(tiny_checkpoints, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
     engine = engine_for(model, ShapePlan(max_model_len=64))
-    settings = compile_settings(model, GenerationConfig(), CompileConfig(), )
+    settings = compile_settings(
+        model,
+        GenerationConfig(),
+        CompileConfig(),
+    )
     settings = compile_settings(model, GenerationConfig(disable_compile=True))
     loop = GenerationLoop(engine, settings)
     real = engine.decode

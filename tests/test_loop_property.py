@@ -49,7 +49,7 @@ class Expected:
         self.tokens, self.reason = greedy[:max_new], "length"
         for j, t in enumerate(greedy[:max_new]):
             if t in stops:
-                self.tokens, self.reason = greedy[:j + 1], "stop"
+                self.tokens, self.reason = greedy[: j + 1], "stop"
                 break
         self.got: list[int] = []
         self.done = self.cancelled = self.failed = False
@@ -75,7 +75,7 @@ def _check_event(e, want: Expected) -> None:
     assert e.error is None, e.error
     assert e.index == len(want.got), (want.rid, e.index, len(want.got))
     want.got.append(e.token)
-    assert want.got == want.tokens[:len(want.got)], (want.rid, want.got, want.tokens)
+    assert want.got == want.tokens[: len(want.got)], (want.rid, want.got, want.tokens)
     if len(want.got) == len(want.tokens):
         assert e.finish_reason == want.reason, (want.rid, e.finish_reason, want.reason)
         want.done = True
@@ -142,6 +142,7 @@ def test_an_injected_failure_fails_that_batch_and_the_loop_serves_the_next(setup
             if boom["on"] and rng.random() < 0.05:
                 raise RuntimeError("injected")
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(loop, "_emit", maybe(real_emit))
@@ -186,9 +187,15 @@ def test_batched_generate_with_a_row_ending_on_its_first_token(setup):
     eos = ga[0]
     ids = torch.zeros(2, len(b), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    ids[0, :len(a)], mask[0, :len(a)] = torch.tensor(a), 1
+    ids[0, : len(a)], mask[0, : len(a)] = torch.tensor(a), 1
     ids[1], mask[1] = torch.tensor(b), 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
-                         compile_config=CompileConfig(backend="eager"))
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        eos_token_id=eos,
+        pad_token_id=0,
+        compile_config=CompileConfig(backend="eager"),
+    )
     want_b = Expected("b", gb, 6, [eos]).tokens
-    assert out[0, len(b)] == eos and out[1, len(b):len(b) + len(want_b)].tolist() == want_b
+    assert out[0, len(b)] == eos and out[1, len(b) : len(b) + len(want_b)].tolist() == want_b

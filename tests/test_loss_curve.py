@@ -57,14 +57,30 @@ def test_without_matplotlib_one_warning_and_metrics_stay(tmp_path, monkeypatch, 
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     monkeypatch.setattr(plot, "_warned_missing", False)
-    cfg = AutoConfig.for_model("qwen3", vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     ds = [{"input_ids": [(s + i) % 31 + 1 for i in range(10)]} for s in range(16)]
     with caplog.at_level(logging.WARNING, logger="staticformers"):
         for run in ("a", "b"):
             out = tmp_path / run
-            args = TrainingArguments(output_dir=str(out), max_length=16, per_device_train_batch_size=4, max_steps=2,
-                                     logging_steps=1, save_strategy="no", disable_tqdm=True)
+            args = TrainingArguments(
+                output_dir=str(out),
+                max_length=16,
+                per_device_train_batch_size=4,
+                max_steps=2,
+                logging_steps=1,
+                save_strategy="no",
+                disable_tqdm=True,
+            )
             trainer = Trainer(model=AutoModelForCausalLM.from_config(cfg, seed=0), args=args, train_dataset=ds)
             trainer.train()
             assert not (out / "loss_curve.png").exists()

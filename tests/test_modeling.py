@@ -76,7 +76,9 @@ def test_loss_matches_transformers(family, tiny_checkpoints):
     path = tiny_checkpoints(family)
     ours, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
     ids, mask = _inputs()
-    mask = mask.flip(1)  # right padding, as training batches are (a left-pad row's first label is predicted from padding)
+    mask = mask.flip(
+        1
+    )  # right padding, as training batches are (a left-pad row's first label is predicted from padding)
     labels = ids.masked_fill(mask == 0, -100)
     with torch.no_grad():
         a = ours(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -150,8 +152,10 @@ def test_kept_positions_skip_the_last_layer_elsewhere_and_match_transformers(fam
     torch.testing.assert_close(hooked_logits, ours(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits)
     full = ours(input_ids=ids, attention_mask=mask)
     kept = ours(input_ids=ids, attention_mask=mask, logits_to_keep=2)
-    grads = [torch.autograd.grad(out.logits[:, -2:].square().sum(), ours.model.layers[0].mlp.up_proj.weight)[0]
-             for out in (full, kept)]
+    grads = [
+        torch.autograd.grad(out.logits[:, -2:].square().sum(), ours.model.layers[0].mlp.up_proj.weight)[0]
+        for out in (full, kept)
+    ]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
 
@@ -165,8 +169,17 @@ def test_output_access_like_transformers(tiny_checkpoints):
 def test_from_config_init_and_tying():
     from staticformers import AutoConfig
 
-    cfg = AutoConfig.for_model("qwen3", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.num_parameters() == cfg.num_parameters

@@ -125,8 +125,11 @@ def test_checkpoints_are_hub_layout_and_load_both_ways(family, tiny_checkpoints,
     ours.save_pretrained(tmp_path)
     with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    block, gate, up, down = ("mlp", "gate_proj", "up_proj", "down_proj") if family == "qwen3-moe" else \
-        ("block_sparse_moe", "w1", "w3", "w2")
+    block, gate, up, down = (
+        ("mlp", "gate_proj", "up_proj", "down_proj")
+        if family == "qwen3-moe"
+        else ("block_sparse_moe", "w1", "w3", "w2")
+    )
     for e in range(4):
         for proj in (gate, up, down):
             assert f"model.layers.0.{block}.experts.{e}.{proj}.weight" in names
@@ -170,7 +173,9 @@ def test_a_missing_expert_is_named(tiny_checkpoints, tmp_path):
     save_file(tensors, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         (tmp_path / "config.json").write_text(f.read())
-    with pytest.raises(CheckpointError, match=r"lacks 1 weight\(s\) .*layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"lacks 1 weight\(s\) .*layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight"
+    ):
         AutoModelForCausalLM.from_pretrained(str(tmp_path))
 
 
@@ -219,8 +224,10 @@ def test_a_slice_of_the_experts_computes_its_share(how):
     x = torch.randn(tokens, h, generator=g)
     gate_up, down = torch.randn(experts, 2 * i, h, generator=g), torch.randn(experts, h, i, generator=g)
     weights, idx = _routing(tokens, experts, k, "spread")
-    parts = [expert_mlp(x, weights, idx, gate_up[s:s + 2], down[s:s + 2], first=s, total=experts, how=how)
-             for s in range(0, experts, 2)]
+    parts = [
+        expert_mlp(x, weights, idx, gate_up[s : s + 2], down[s : s + 2], first=s, total=experts, how=how)
+        for s in range(0, experts, 2)
+    ]
     tol.assert_close(sum(parts), _loop(x, weights, idx, gate_up, down))
 
 
@@ -256,7 +263,7 @@ def test_the_worst_routing_fits_the_blocks():
     g = torch.Generator().manual_seed(10)
     tokens, experts = 400, 8
     idx = torch.full((tokens, 1), experts - 1)
-    idx[:experts - 1, 0] = torch.arange(experts - 1)
+    idx[: experts - 1, 0] = torch.arange(experts - 1)
     counts = torch.bincount(idx.reshape(-1), minlength=experts)
     assert int(((counts + BLOCK - 1) // BLOCK).sum()) == num_blocks(tokens, 1, experts)
     x = torch.randn(tokens, 16, generator=g)

@@ -29,8 +29,8 @@ def _left_padded(lengths, seed=0):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 128, (n,), generator=g)
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = torch.randint(3, 128, (n,), generator=g)
+        mask[row, width - n :] = 1
     return ids, mask
 
 
@@ -42,8 +42,9 @@ def _pair(path):
 
 
 def _reference(hf, ids, mask, new=10):
-    return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                       eos_token_id=None)
+    return hf.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
 
 
 @pytest.mark.parametrize("regional", [True, False])
@@ -53,11 +54,25 @@ def test_greedy_left_padded_batch_equals_transformers(tiny_checkpoints, strict, 
     ids, mask = _left_padded([13, 4, 9])
     ref = _reference(hf, ids, mask)
     config = CompileConfig(backend="eager", regional=regional)
-    out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                        eos_token_id=None, compile_config=config)
+    out = ours.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        compile_config=config,
+    )
     assert torch.equal(out, ref)
-    eager = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                          eos_token_id=None, disable_compile=True)
+    eager = ours.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        disable_compile=True,
+    )
     assert torch.equal(eager, ref)
     stats = ours.compile_stats()
     assert all(s["graphs"] == s["functions"] for s in stats)
@@ -86,8 +101,15 @@ def _expert_counts(model, ids, mask):
         from staticformers.models.moe import route_grouped
 
         first = next(layer for layer in model.model.layers if layer.sparse)
-        chosen = route_grouped(logits, first.mlp.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                               c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)[1]
+        chosen = route_grouped(
+            logits,
+            first.mlp.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )[1]
     else:
         chosen = torch.topk(logits, c.num_experts_per_tok, dim=-1).indices
     return torch.bincount(chosen.reshape(-1), minlength=c.num_experts)
@@ -116,8 +138,15 @@ def test_all_tokens_to_one_expert_or_spread_same_graphs_exact_tokens(tiny_checkp
         else:  # spread: every expert, or (DeepSeek, limited to its best groups) more than one token's choice
             assert used == c.num_experts if c.n_group == 1 else used > c.num_experts_per_tok
         counters.clear()
-        out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                            eos_token_id=None, compile_config=config)
+        out = ours.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            compile_config=config,
+        )
         graphs.append(counters["stats"]["unique_graphs"])
         assert torch.equal(out, _reference(hf, ids, mask, new=8)), f"to_one={to_one}"
         outs[to_one] = out

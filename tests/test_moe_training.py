@@ -18,22 +18,51 @@ VOCAB = 64
 
 def tiny_moe(seed=0, **kw):
     """Qwen3-MoE: a sparse, a dense, a sparse layer; 4 experts, top-2, the aux loss on."""
-    cfg = AutoConfig.for_model("qwen3_moe", **{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        mlp_only_layers=[1], norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.05), **kw})
+    cfg = AutoConfig.for_model(
+        "qwen3_moe",
+        **{
+            **dict(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                mlp_only_layers=[1],
+                norm_topk_prob=True,
+                output_router_logits=True,
+                router_aux_loss_coef=0.05,
+            ),
+            **kw,
+        },
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 def docs(n=40, seed=0, lo=3, hi=30):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
-            for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
+        for k in torch.randint(lo, hi, (n,), generator=g)
+    ]
 
 
 def args_for(path, **kw):
-    base = dict(output_dir=str(path), max_length=32, per_device_train_batch_size=4, max_steps=4, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, learning_rate=2e-3, seed=0)
+    base = dict(
+        output_dir=str(path),
+        max_length=32,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=2e-3,
+        seed=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -69,10 +98,16 @@ def test_compiled_regions_train_as_eager_with_a_fixed_graph_count(tmp_path, pack
     runs = {}
     for compiled in (False, True):
         model = tiny_moe()
-        args = args_for(tmp_path / str(compiled), max_steps=4, torch_compile=compiled, packing=packing,
-                        torch_compile_backend="aot_eager" if compiled else None, eval_strategy="steps", eval_steps=2)
-        trainer = Trainer(model=model, args=args, train_dataset=docs(48, lo=2, hi=60),
-                          eval_dataset=docs(10, seed=5))
+        args = args_for(
+            tmp_path / str(compiled),
+            max_steps=4,
+            torch_compile=compiled,
+            packing=packing,
+            torch_compile_backend="aot_eager" if compiled else None,
+            eval_strategy="steps",
+            eval_steps=2,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=docs(48, lo=2, hi=60), eval_dataset=docs(10, seed=5))
         trainer.train()
         runs[compiled] = (losses(trainer), weights(model))
         if compiled:
@@ -96,8 +131,14 @@ def test_the_aux_loss_moves_the_router(tmp_path):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    extra = dict(max_steps=6, save_strategy="steps", save_steps=3, packing=True, torch_compile=True,
-                 torch_compile_backend="aot_eager")
+    extra = dict(
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        packing=True,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
     full = tiny_moe()
     reference = Trainer(model=full, args=args_for(tmp_path / "full", **extra), train_dataset=docs())
     reference.train()

@@ -41,8 +41,9 @@ def test_torch_neuronx_metrics_are_recorded_when_present(monkeypatch):
         metrics["num_compilations"] += 1
         return gm.forward
 
-    compiled = NeuronBackend().compile_one(lambda x: x + 1, "neuron_metrics", (2,),
-                                           CompileSettings(backend=fake_neuron_compiler))
+    compiled = NeuronBackend().compile_one(
+        lambda x: x + 1, "neuron_metrics", (2,), CompileSettings(backend=fake_neuron_compiler)
+    )
     compiled(torch.ones(2))
     compiled(torch.ones(2))
     assert compiled.neuron_compiles == 1 and compiled.graphs == 1

@@ -19,8 +19,11 @@ def _message(load, *args, **kwargs):
 @pytest.mark.parametrize("path", ["./no/such/model", "/no/such/model"])
 def test_a_missing_folder_reads_the_same_for_model_and_tokenizer(path):
     messages = {name: _message(load, path) for name, load in LOADERS.items()}
-    assert messages["model"] == messages["tokenizer"] == \
-        f"{path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\"."
+    assert (
+        messages["model"]
+        == messages["tokenizer"]
+        == f'{path} is not a folder: pass a checkpoint folder or a Hub id like "Qwen/Qwen3-0.6B".'
+    )
 
 
 def test_an_empty_folder_names_the_missing_file(tmp_path):

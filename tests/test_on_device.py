@@ -59,8 +59,8 @@ def left_padded(lengths: list[int], device: torch.device, seed: int = 0, vocab: 
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -69,8 +69,9 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(ours.float(), ref.float(), rtol=0, atol=tolerance(dtype) * max(scale, 1.0))
 
 
-def assert_greedy_agrees(theirs, ours_out: torch.Tensor, ref_out: torch.Tensor, mask: torch.Tensor,
-                         dtype: torch.dtype) -> None:
+def assert_greedy_agrees(
+    theirs, ours_out: torch.Tensor, ref_out: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype
+) -> None:
     """Our greedy tokens equal transformers', or part at a near-tie of transformers' own logits."""
     assert ours_out.shape == ref_out.shape and ours_out.device == ref_out.device
     prompt = mask.shape[1]
@@ -80,15 +81,16 @@ def assert_greedy_agrees(theirs, ours_out: torch.Tensor, ref_out: torch.Tensor, 
             continue
         t = differ[0]
         assert t >= prompt, f"row {row}: the prompt came back changed at position {t}"
-        prefix = ref_out[row:row + 1, :t]
-        prefix_mask = torch.cat([mask[row:row + 1], torch.ones_like(prefix[:, prompt:])], dim=1)
+        prefix = ref_out[row : row + 1, :t]
+        prefix_mask = torch.cat([mask[row : row + 1], torch.ones_like(prefix[:, prompt:])], dim=1)
         with torch.no_grad():
             logits = theirs(input_ids=prefix, attention_mask=prefix_mask).logits[0, -1].float()
         gap = float(logits.max() - logits[ours_out[row, t]])
         scale = max(float(logits.abs().max()), 1.0)
         assert gap <= 2 * tolerance(dtype) * scale, (
             f"row {row}: token {t - prompt} differs ({int(ours_out[row, t])} vs {int(ref_out[row, t])}) and transformers' "
-            f"logits for them are {gap:.4g} apart, more than rounding ({2 * tolerance(dtype) * scale:.4g})")
+            f"logits for them are {gap:.4g} apart, more than rounding ({2 * tolerance(dtype) * scale:.4g})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +113,18 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_checkpoints, device, f
     real = mask.bool()
     assert_logits_close(a[real], b[real], dtype)
 
-    ref = theirs.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)
-    out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
-                        eos_token_id=None, compile_config=CompileConfig(backend="eager"))
+    ref = theirs.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    out = ours.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        compile_config=CompileConfig(backend="eager"),
+    )
     assert out.device == ids.device
     assert_greedy_agrees(theirs, out, ref, mask, dtype)
 
@@ -146,17 +156,23 @@ def test_compiled_whole_model_graphs_once_per_shape_and_tokens_match(tiny_checkp
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
 
     counters.clear()
-    outs = [ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, shape_plan=PLAN, **kw)
-            for ids, mask in (pair, single)]
+    outs = [
+        ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, shape_plan=PLAN, **kw)
+        for ids, mask in (pair, single)
+    ]
     assert counters["stats"]["unique_graphs"] == 2
     stats = sorted(ours.compile_stats(), key=lambda s: s["kind"])
     assert [(s["kind"], tuple(s["shape"]), s["graphs"], s["backend"]) for s in stats] == [
-        ("decode", (2, 1, 32), 1, backend), ("prefill", (2, 16), 1, backend)]
+        ("decode", (2, 1, 32), 1, backend),
+        ("prefill", (2, 16), 1, backend),
+    ]
     calls = {s["kind"]: s["calls"] for s in stats}
 
     counters.clear()
-    again = [ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, shape_plan=PLAN, **kw)
-             for ids, mask in (pair, single)]
+    again = [
+        ours.generate(input_ids=ids, attention_mask=mask, compile_config=config, shape_plan=PLAN, **kw)
+        for ids, mask in (pair, single)
+    ]
     assert counters["stats"]["unique_graphs"] == 0 and counters["frames"]["ok"] == 0
     after = {s["kind"]: s for s in ours.compile_stats()}
     assert all(after[k]["graphs"] == 1 and after[k]["calls"] == 2 * calls[k] for k in calls)
@@ -202,10 +218,22 @@ def test_compiled_trainer_steps_follow_transformers(tiny_checkpoints, device, dt
     docs = [{"input_ids": torch.randint(3, 128, (int(n),), generator=g).tolist()} for n in (24, 17, 30, 9)]
     steps, lr = 4, 3e-3
     backend = graph_backend(device)
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_length=32, max_steps=steps,
-                             learning_rate=lr, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                             disable_tqdm=True, bf16=dtype == torch.bfloat16, torch_compile=True,
-                             torch_compile_backend=backend, use_cpu=device.type == "cpu", seed=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_length=32,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=dtype == torch.bfloat16,
+        torch_compile=True,
+        torch_compile_backend=backend,
+        use_cpu=device.type == "cpu",
+        seed=0,
+    )
     model = AutoModelForCausalLM.from_pretrained(path)
     trainer = Trainer(model=model, args=args, train_dataset=docs)
     assert trainer.args.device == device
@@ -241,17 +269,25 @@ def test_server_completions_on_device(tmp_path, device):
     folder = Path(tmp_path) / "served"
     build_qwen(folder)
     tok = AutoTokenizer.from_pretrained(str(folder))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=128,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(folder))
+    build_hf_model(
+        "qwen3", vocab_size=len(tok), max_position_embeddings=128, eos_token_id=tok.eos_token_id
+    ).save_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), device_map=str(device))
-    options = ServeOptions(model=str(folder), served_model_name="tiny", max_batch_size=2, device=str(device),
-                           backend=graph_backend(device))
+    options = ServeOptions(
+        model=str(folder), served_model_name="tiny", max_batch_size=2, device=str(device), backend=graph_backend(device)
+    )
     plan = ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[64], max_model_len=64)
     prompt = "for x in"
     ids = tok(prompt, return_tensors="pt")["input_ids"]
-    want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, shape_plan=plan,
-                          compile_config=CompileConfig(backend=graph_backend(device)))
-    want = tok.decode(want[0, ids.shape[1]:], skip_special_tokens=True)
+    want = model.generate(
+        ids,
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=None,
+        shape_plan=plan,
+        compile_config=CompileConfig(backend=graph_backend(device)),
+    )
+    want = tok.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
     with Server(build_state(model, tok, build_loop(model, options, plan=plan), options)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
         kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})

@@ -31,8 +31,9 @@ def _make_plan(tmp_path, venv, *overrides) -> str:
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed here")
-    res = subprocess.run(["make", "-n", "-C", ROOT, "setup", f"VENV={venv}", *overrides], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["make", "-n", "-C", ROOT, "setup", f"VENV={venv}", *overrides], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -53,7 +54,7 @@ def test_make_pins_torch_unless_told_or_a_neuron_sdk_is_there(tmp_path):
     (neuron / "site" / "torch_neuronx" / "__init__.py").write_text("")
     (neuron / "bin").mkdir()
     python = neuron / "bin" / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={neuron / 'site'} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={neuron / "site"} exec {sys.executable} "$@"\n')
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
     plan = _make_plan(tmp_path, neuron)
     assert "pip install -q 'torch" not in plan and "-m venv" not in plan and "(torch-neuronx)" in plan
@@ -100,13 +101,17 @@ def test_make_test_runs_the_xla_suite_when_the_main_suite_fails_and_reports_both
         python = venv / "bin" / "python"
         python.write_text(
             "#!/bin/sh\n"
-            f"case \"$*\" in *pytest*) echo \"{name} $*\" >> {log}; exit {pytest_status};; esac\n"
-            f"exec {sys.executable} \"$@\"\n")
+            f'case "$*" in *pytest*) echo "{name} $*" >> {log}; exit {pytest_status};; esac\n'
+            f'exec {sys.executable} "$@"\n'
+        )
         python.chmod(python.stat().st_mode | stat.S_IXUSR)
         (venv / ".installed").touch()  # the set-up stamps, newer than pyproject.toml: nothing is installed
-    res = subprocess.run(["make", "-s", "-C", ROOT, "test", f"VENV={tmp_path / 'main'}",
-                          f"XLA_VENV={tmp_path / 'xla'}", "SKIP_TORCH=1"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        ["make", "-s", "-C", ROOT, "test", f"VENV={tmp_path / 'main'}", f"XLA_VENV={tmp_path / 'xla'}", "SKIP_TORCH=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     ran = log.read_text().splitlines()
     assert [line.split()[0] for line in ran] == ["main", "xla"], (ran, res.stdout, res.stderr)
     assert "tests/xla" in ran[1]

@@ -14,8 +14,9 @@ from staticformers import AutoModelForCausalLM
 from staticformers.backends.cpu import packed_linear as pl
 from staticformers.backends.cpu.formulations import CPUOps
 
-pytestmark = pytest.mark.skipif(not pl.packed_available(torch.bfloat16),
-                                reason="this CPU's oneDNN has no bf16 kernels to pack for")
+pytestmark = pytest.mark.skipif(
+    not pl.packed_available(torch.bfloat16), reason="this CPU's oneDNN has no bf16 kernels to pack for"
+)
 
 
 def _layer(out=48, inp=64, bias=True, seed=0):

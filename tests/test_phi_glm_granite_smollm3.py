@@ -37,8 +37,8 @@ def _left_padded(lengths, seed):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = torch.randint(3, 128, (n,), generator=g)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = torch.randint(3, 128, (n,), generator=g)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
@@ -54,13 +54,20 @@ def test_greedy_mixed_batch_compiled_and_batch_1_equal_transformers(tiny_checkpo
     hf, ours = _hf(path), AutoModelForCausalLM.from_pretrained(path)
     engine_for(ours, PLAN)
     ids, mask = _left_padded([5, 20, 13, 1, 9], seed=2)
-    want = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0,
-                       eos_token_id=None)
+    want = hf.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0, eos_token_id=None
+    )
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(ours.generate(input_ids=ids, compile_config=CompileConfig(backend="eager"), **kw), want)
     one = ids[1:2]
-    want_one = hf.generate(input_ids=one, attention_mask=torch.ones_like(one), do_sample=False, max_new_tokens=24,
-                           pad_token_id=0, eos_token_id=None)
+    want_one = hf.generate(
+        input_ids=one,
+        attention_mask=torch.ones_like(one),
+        do_sample=False,
+        max_new_tokens=24,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     got = ours.generate(one, max_new_tokens=24, do_sample=False, eos_token_id=None, disable_compile=True)
     assert torch.equal(got, want_one)
 
@@ -93,12 +100,24 @@ def test_longrope_in_the_engine_chooses_by_the_cache_length(tiny_checkpoints):
     long_prompt = torch.randint(3, 128, (1, 70), generator=g)
     short_prompt = long_prompt[:, :10]
     engine_for(ours, ShapePlan(max_model_len=128, max_batch_size=1, prompt_lengths=(16, 128), kv_lengths=(64, 128)))
-    want = hf.generate(input_ids=long_prompt, attention_mask=torch.ones_like(long_prompt), do_sample=False,
-                       max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    want = hf.generate(
+        input_ids=long_prompt,
+        attention_mask=torch.ones_like(long_prompt),
+        do_sample=False,
+        max_new_tokens=16,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     got = ours.generate(long_prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, disable_compile=True)
     assert torch.equal(got, want)
-    short_want = hf.generate(input_ids=short_prompt, attention_mask=torch.ones_like(short_prompt), do_sample=False,
-                             max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    short_want = hf.generate(
+        input_ids=short_prompt,
+        attention_mask=torch.ones_like(short_prompt),
+        do_sample=False,
+        max_new_tokens=16,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     got = ours.generate(short_prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, disable_compile=True)
     assert torch.equal(got, short_want)  # 26 positions: the cache of 64, short factors as in transformers
 
@@ -119,8 +138,9 @@ def test_phi3_sliding_window_applies_to_every_layer(tiny_checkpoints):
     ids, mask = _left_padded([12, 8, 3], seed=8)
     with torch.no_grad():
         real = mask.bool()
-        tol.assert_close(ours(input_ids=ids, attention_mask=mask).logits[real],
-                         hf(input_ids=ids, attention_mask=mask).logits[real])
+        tol.assert_close(
+            ours(input_ids=ids, attention_mask=mask).logits[real], hf(input_ids=ids, attention_mask=mask).logits[real]
+        )
         tol.assert_close(ours(input_ids=ids[:1]).logits, hf(input_ids=ids[:1]).logits)
 
 
@@ -157,15 +177,38 @@ def test_save_then_transformers_loads_the_same_logits(tiny_checkpoints, tmp_path
 
 
 def test_unknown_keys_are_kept_and_old_spellings_read():
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512)
-    glm = ModelConfig.from_dict({**base, "architectures": ["Glm4ForCausalLM"], "head_dim": 16, "rope_theta": 10000.0,
-                                 "partial_rotary_factor": 0.5, "my_key": [1, 2]})
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    glm = ModelConfig.from_dict(
+        {
+            **base,
+            "architectures": ["Glm4ForCausalLM"],
+            "head_dim": 16,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "my_key": [1, 2],
+        }
+    )
     assert glm.rotary_dim == 8 and glm.attention_bias  # GLM-4's defaults: half the head rotates, q/k/v biased
     out = glm.to_dict()
     assert out["my_key"] == [1, 2] and out["rope_parameters"]["partial_rotary_factor"] == 0.5
-    smol = ModelConfig.from_dict({**base, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 4,
-                                  "no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 8})
+    smol = ModelConfig.from_dict(
+        {
+            **base,
+            "architectures": ["SmolLM3ForCausalLM"],
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+        }
+    )
     assert smol.no_rope_layers == [1, 0, 1, 0]
     assert smol.layer_types == ["full_attention", "sliding_attention"] * 2  # transformers' rule
     assert [smol.layer_uses_rope(i) for i in range(4)] == [True, False, True, False]
@@ -175,18 +218,47 @@ def test_unknown_keys_are_kept_and_old_spellings_read():
     assert llama.logits_scaling == 1.0 and llama.to_dict()["logits_scaling"] == 8  # not Llama's key: kept as is
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 5,
-                          "long_factor": [1.0] * 8}}, r"'short_factor' as a list of 8 positive numbers"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
-                          "long_factor": [1.0] * 7 + [-1.0]}}, r"'long_factor' as a list of 8"),
-    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor=1.5 must be at most 1"),
-    ({"partial_rotary_factor": 0.1}, r"rotates 1 dims: it must give an even number"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 5,
+                    "long_factor": [1.0] * 8,
+                }
+            },
+            r"'short_factor' as a list of 8 positive numbers",
+        ),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [1.0] * 7 + [-1.0],
+                }
+            },
+            r"'long_factor' as a list of 8",
+        ),
+        ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor=1.5 must be at most 1"),
+        ({"partial_rotary_factor": 0.1}, r"rotates 1 dims: it must give an even number"),
+    ],
+)
 def test_bad_phi3_configs_get_one_sentence(change, message):
-    raw = dict(architectures=["Phi3ForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512,
-               original_max_position_embeddings=64, **change)
+    raw = dict(
+        architectures=["Phi3ForCausalLM"],
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        **change,
+    )
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(raw)
 
@@ -194,16 +266,31 @@ def test_bad_phi3_configs_get_one_sentence(change, message):
 def test_phi3_older_rope_type_names_mean_longrope():
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     for old in ("su", "yarn"):
-        config = ModelConfig.from_dict(dict(architectures=["Phi3ForCausalLM"], vocab_size=128, hidden_size=64,
-                                            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                            max_position_embeddings=512, original_max_position_embeddings=64,
-                                            rope_scaling={"type": old, **factors}))
+        config = ModelConfig.from_dict(
+            dict(
+                architectures=["Phi3ForCausalLM"],
+                vocab_size=128,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=512,
+                original_max_position_embeddings=64,
+                rope_scaling={"type": old, **factors},
+            )
+        )
         assert config.rope_type == "longrope" and config.rope_scaling["original_max_position_embeddings"] == 64
 
 
 def test_bad_smollm3_and_granite_configs_get_one_sentence():
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=512)
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    )
     with pytest.raises(ConfigError, match=r"no_rope_layers must list 0 or 1 for each of the 2 layers"):
         ModelConfig.from_dict({**base, "architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0, 1]})
     with pytest.raises(ConfigError, match=r"logits_scaling"):
@@ -229,6 +316,7 @@ def test_phi3_int8_saves_fused_loads_in_transformers_and_is_served(tmp_path):
     logits; the folder is served through the openai client with the engine's tokens."""
     pytest.importorskip("openai")
     from served_greedy import assert_served_completion_is_greedy
+
     pytest.importorskip("compressed_tensors")
     from safetensors import safe_open
 
@@ -245,8 +333,11 @@ def test_phi3_int8_saves_fused_loads_in_transformers_and_is_served(tmp_path):
     tok.save_pretrained(str(saved))
     with safe_open(str(saved / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    assert {"model.layers.0.self_attn.qkv_proj.weight_packed", "model.layers.0.self_attn.qkv_proj.weight_scale",
-            "model.layers.0.mlp.gate_up_proj.weight_packed"} <= names
+    assert {
+        "model.layers.0.self_attn.qkv_proj.weight_packed",
+        "model.layers.0.self_attn.qkv_proj.weight_scale",
+        "model.layers.0.mlp.gate_up_proj.weight_packed",
+    } <= names
     assert not any(".q_proj." in n or ".up_proj." in n for n in names)
     again = AutoModelForCausalLM.from_pretrained(str(saved))
     mine, theirs = dict(model.named_parameters()), dict(again.named_parameters())

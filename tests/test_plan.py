@@ -32,11 +32,14 @@ def test_first_fit_and_kv_need():
     assert plan.choose(1, 255, 1) == Entry(1, 256, 256)
 
 
-@pytest.mark.parametrize("args,match", [
-    ((1, 600, 1), "more than the largest prompt bucket"),
-    ((1, 500, 20), "exceed max_model_len=512"),
-    ((1, 300, 200), "needs 499 cache positions, more than the largest KV length \\(256\\)"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((1, 600, 1), "more than the largest prompt bucket"),
+        ((1, 500, 20), "exceed max_model_len=512"),
+        ((1, 300, 200), "needs 499 cache positions, more than the largest KV length \\(256\\)"),
+    ],
+)
 def test_refusals_are_one_sentence(args, match):
     plan = ShapePlan(max_model_len=512, kv_lengths=[128, 256])
     with pytest.raises(PlanError, match=match) as err:

@@ -49,8 +49,7 @@ def test_a_corrupt_artifact_is_discarded(tmp_path):
 
 def test_prune_deletes_unused_artifacts_and_abandoned_writes(tmp_path, monkeypatch, caplog):
     now = time.time()
-    ages = {"unused-1.bin": 31 * 86400, "recent-2.bin": 86400, "tmpab12": 7200, "tmpcd34": 60,
-            "notes.txt": 90 * 86400}
+    ages = {"unused-1.bin": 31 * 86400, "recent-2.bin": 86400, "tmpab12": 7200, "tmpcd34": 60, "notes.txt": 90 * 86400}
     for name, age in ages.items():
         (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / name, (now - age, now - age))

@@ -22,8 +22,13 @@ BLOCK = 8
 
 
 def plan():
-    return ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 64], kv_lengths=[128], max_model_len=128,
-                     extend_widths=((16, 1),))
+    return ShapePlan(
+        batch_sizes=[1, 2, 4],
+        prompt_lengths=[16, 32, 64],
+        kv_lengths=[128],
+        max_model_len=128,
+        extend_widths=((16, 1),),
+    )
 
 
 def tokens(n, seed, vocab=128):
@@ -49,12 +54,14 @@ def sampling(i):
 
 def traffic(system):
     """(prompt, what the pool holds when it arrives) for each request, in order."""
-    return [system + tokens(5, 1),    # miss: 45 tokens queried, 5 blocks stored
-            system + tokens(10, 2),   # hit: 5 blocks (40 tokens), its last 10 tokens as a chunk
-            system[:20] + tokens(10, 3),  # partial: 2 blocks (16 tokens)
-            tokens(20, 4),            # miss
-            system + tokens(5, 1),    # hit: 5 blocks (a 45-token prompt keeps its last 5 to compute)
-            system]                   # hit: 4 blocks (40 tokens: the last block holds its last token)
+    return [
+        system + tokens(5, 1),  # miss: 45 tokens queried, 5 blocks stored
+        system + tokens(10, 2),  # hit: 5 blocks (40 tokens), its last 10 tokens as a chunk
+        system[:20] + tokens(10, 3),  # partial: 2 blocks (16 tokens)
+        tokens(20, 4),  # miss
+        system + tokens(5, 1),  # hit: 5 blocks (a 45-token prompt keeps its last 5 to compute)
+        system,
+    ]  # hit: 4 blocks (40 tokens: the last block holds its last token)
 
 
 def test_hits_misses_and_partial_hits_give_the_tokens_of_no_caching(tiny_checkpoints):
@@ -115,7 +122,9 @@ def test_an_adapters_prefix_serves_neither_the_base_nor_another_adapter(tiny_che
     folder = tmp_path / "a"
     donor = AutoModelForCausalLM.from_pretrained(path)
     torch.manual_seed(1)
-    donor.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False))
+    donor.add_adapter(
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    )
     with torch.no_grad():
         for n, p in donor.named_parameters():
             if "lora_B" in n:
@@ -129,8 +138,12 @@ def test_an_adapters_prefix_serves_neither_the_base_nor_another_adapter(tiny_che
     settings = compile_settings(model, GenerationConfig(), EAGER)
     system = tokens(40, 30)
     order = [("a", 1), ("__base__", 2), ("b", 3), ("a", 4), ("__base__", 5)]
-    requests = lambda: [GenerationRequest(system + tokens(4, s), 5, request_id=i, adapter=name)  # noqa: E731
-                        for i, (name, s) in enumerate(order)]
+
+    def requests():
+        return [
+            GenerationRequest(system + tokens(4, s), 5, request_id=i, adapter=name) for i, (name, s) in enumerate(order)
+        ]
+
     plain = one_by_one(GenerationLoop(engine, settings), requests())
     assert plain[0] != plain[1]  # the adapter changes the tokens
     loop = GenerationLoop(engine, settings, prefix_caching=True, prefix_block_size=BLOCK)

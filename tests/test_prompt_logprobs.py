@@ -83,14 +83,30 @@ def test_prompt_logprobs_out_of_range_is_refused():
 def test_generate_output_logits_equal_transformers(models):
     model, hf = models
     ids = torch.tensor([[5, 9, 17, 33, 2], [7, 7, 40, 41, 99]])
-    out = model.generate(ids, max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True, output_logits=True,
-                         compile_config=CompileConfig(backend="eager"))
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
-                      pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=4,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+        compile_config=CompileConfig(backend="eager"),
+    )
+    ref = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     assert torch.equal(out.sequences, ref.sequences) and torch.equal(out["sequences"], ref.sequences)
     assert len(out.logits) == len(ref.logits) == 4
     for ours, theirs in zip(out.logits, ref.logits):
         assert_close(ours, theirs.float())
-    assert isinstance(model.generate(ids, max_new_tokens=2, compile_config=CompileConfig(backend="eager")), torch.Tensor)
+    assert isinstance(
+        model.generate(ids, max_new_tokens=2, compile_config=CompileConfig(backend="eager")), torch.Tensor
+    )
     with pytest.raises(ValueError, match="output_scores=True .* pass output_logits=True"):
         model.generate(ids, max_new_tokens=2, return_dict_in_generate=True, output_scores=True)

@@ -11,8 +11,15 @@ import os
 import pytest
 import torch
 
-from staticformers import (AutoConfig, AutoModelForCausalLM, CompileConfig, LoraConfig, QuantizationConfig, ShapePlan,
-                           TorchAoConfig)
+from staticformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    CompileConfig,
+    LoraConfig,
+    QuantizationConfig,
+    ShapePlan,
+    TorchAoConfig,
+)
 from staticformers.generation.engines import engine_for
 from staticformers.checkpoints.compressed_tensors import QuantizationFormatError, pack_int8, unpack_int8
 from staticformers.models import moe, quantization as q
@@ -37,8 +44,10 @@ def check_within_int8_bound(before: dict, model) -> int:
             source = "model.model.embed_tokens.weight" if name == "lm_head" and f"{name}.weight" not in before else None
             pairs.append((before[source or f"{name}.weight"], m.weight, m.weight_scale))
         elif isinstance(m, Experts) and m.quantized:
-            pairs += [(before[f"{name}.gate_up_proj"], m.gate_up_proj, m.gate_up_proj_scale),
-                      (before[f"{name}.down_proj"], m.down_proj, m.down_proj_scale)]
+            pairs += [
+                (before[f"{name}.gate_up_proj"], m.gate_up_proj, m.gate_up_proj_scale),
+                (before[f"{name}.down_proj"], m.down_proj, m.down_proj_scale),
+            ]
         for w, qw, scale in pairs:
             assert qw.dtype == torch.int8 and scale.shape == (*w.shape[:-1], 1) and scale.dtype == w.dtype
             err = (w.float() - dequantize(qw, scale, torch.float32)).abs()
@@ -75,7 +84,7 @@ def test_fp8_format_round_trip_and_pack_round_trip():
     assert qw.dtype == torch.float8_e4m3fn and scale.shape == (33, 1)
     err = (w - dequantize(qw, scale, torch.float32)).abs()
     # e4m3: 3 mantissa bits (half an ulp is 2**-4 relative), subnormal steps of 2**-9 times the scale
-    assert (err <= w.abs() * 2 ** -4 + scale.float() * 2 ** -10 + 1e-12).all()
+    assert (err <= w.abs() * 2**-4 + scale.float() * 2**-10 + 1e-12).all()
     q8, _ = quantize_rows(w, "int8", torch.float32)
     packed = pack_int8(q8)
     assert packed.dtype == torch.int32 and packed.shape == (33, 18)
@@ -84,14 +93,18 @@ def test_fp8_format_round_trip_and_pack_round_trip():
 
 def test_fp8_is_refused_on_a_device_without_fp8_arithmetic(tiny_checkpoints):
     with pytest.raises(ValueError, match=r"^fp8 weights need a device with fp8 arithmetic .* and cpu has none"):
-        AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"),
-                                             quantization_config=QuantizationConfig("float8_weight_only"))
+        AutoModelForCausalLM.from_pretrained(
+            tiny_checkpoints("qwen3"), quantization_config=QuantizationConfig("float8_weight_only")
+        )
 
 
-@pytest.mark.parametrize("bad, pattern", [
-    (lambda: TorchAoConfig("int4_weight_only"), "not a weight-only type staticformers runs"),
-    (lambda: QuantizationConfig(modules_to_not_convert="lm_head"), "must be a list of module names"),
-])
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (lambda: TorchAoConfig("int4_weight_only"), "not a weight-only type staticformers runs"),
+        (lambda: QuantizationConfig(modules_to_not_convert="lm_head"), "must be a list of module names"),
+    ],
+)
 def test_bad_configs_get_one_sentence(bad, pattern):
     with pytest.raises(ValueError, match=pattern):
         bad()
@@ -111,7 +124,7 @@ def test_the_cpus_int8_kernel_and_reduction_equal_the_generic_product():
         bf16 = QuantLinear.from_linear(torch.nn.Linear(64, 48, bias=True).bfloat16(), "int8")
         xb = x.bfloat16()
         # bf16 both ways: the kernel and the widened product each round their output once (2**-9 relative)
-        tol.assert_close(int8_linear(bf16, xb).float(), bf16(xb).float(), rel=2 ** -7)
+        tol.assert_close(int8_linear(bf16, xb).float(), bf16(xb).float(), rel=2**-7)
     wanting = x.clone().requires_grad_()
     reduced = project(layer, wanting, "reduce")
     reduced.sum().backward()
@@ -142,7 +155,7 @@ def test_the_cpus_int8_projection_is_the_kernel_in_bf16_for_few_float32_rows_and
             got, want = project(layer, few, how), layer(few)
             magnitudes = few.abs() @ layer.dequantized().float().abs().t()
             err = (got - want).abs()
-            assert (err <= 3 * 2 ** -9 * magnitudes + 1e-5).all(), float((err / magnitudes).max())
+            assert (err <= 3 * 2**-9 * magnitudes + 1e-5).all(), float((err / magnitudes).max())
             assert float(err.max()) > 1e-6  # bf16 did round: the kernel ran in bf16, not float32
         for how in (None, "onednn"):
             tol.assert_close(project(layer, prompt, how), layer(prompt))
@@ -167,9 +180,19 @@ def affine_rows(n: int, length: int, seed: int, noise: float = 0.1) -> torch.Ten
 
 
 def tiny_config():
-    return AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                                max_position_embeddings=320, initializer_range=0.2)
+    return AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=320,
+        initializer_range=0.2,
+    )
 
 
 def train(model, steps: int, lr: float = 1e-2, rows: int = 16, length: int = 32) -> list[float]:
@@ -225,8 +248,13 @@ def test_a_lora_trains_over_an_int8_base():
     model = AutoModelForCausalLM.from_config(tiny_config(), seed=1)  # untrained: the adapter has work to do
     model.quantize(INT8)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
-    model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj"]))
+    model.add_adapter(
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
@@ -263,8 +291,9 @@ def test_save_and_load_do_not_quantise_again_and_transformers_reads_the_files(ti
     from staticformers import DistributedConfig
 
     with pytest.raises(ValueError, match="quantized already"):  # tensor parallel: test_distributed_quantization.py
-        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=INT8,
-                                             distributed_config=DistributedConfig(tp_size=2))
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path, quantization_config=INT8, distributed_config=DistributedConfig(tp_size=2)
+        )
 
 
 def test_the_int_quantized_format_and_its_refusals_are_read(tiny_checkpoints, tmp_path):
@@ -309,12 +338,19 @@ def test_an_int8_model_compiles_the_plans_graphs_and_no_more(tiny_checkpoints):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"), quantization_config=qc)
         engine_for(model, plan)
         counters.clear()
-        outs[name] = [model.generate(torch.randint(3, 128, (b, n), generator=torch.Generator().manual_seed(b * n)),
-                                     max_new_tokens=4, compile_config=config, eos_token_id=None)
-                      for b, n in ((1, 5), (2, 12))]
+        outs[name] = [
+            model.generate(
+                torch.randint(3, 128, (b, n), generator=torch.Generator().manual_seed(b * n)),
+                max_new_tokens=4,
+                compile_config=config,
+                eos_token_id=None,
+            )
+            for b, n in ((1, 5), (2, 12))
+        ]
         graphs[name] = counters["stats"]["unique_graphs"]
-        eager = [model.generate(o[:, :-4], max_new_tokens=4, disable_compile=True, eos_token_id=None)
-                 for o in outs[name]]
+        eager = [
+            model.generate(o[:, :-4], max_new_tokens=4, disable_compile=True, eos_token_id=None) for o in outs[name]
+        ]
         assert all(torch.equal(a, b) for a, b in zip(outs[name], eager))
     assert graphs["int8"] == graphs["fp32"] > 0
 
@@ -328,8 +364,9 @@ def test_a_quantized_folder_is_served(tmp_path):
 
     build_qwen(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=128,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(tmp_path))
+    build_hf_model(
+        "qwen3", vocab_size=len(tok), max_position_embeddings=128, eos_token_id=tok.eos_token_id
+    ).save_pretrained(str(tmp_path))
     AutoModelForCausalLM.from_pretrained(str(tmp_path), quantization_config=INT8).save_pretrained(str(tmp_path / "q"))
     for f in os.listdir(tmp_path):
         if f.startswith("tokenizer") or f.endswith(".jinja"):

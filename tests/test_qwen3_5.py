@@ -41,14 +41,21 @@ def _inputs(seed=1):
 # ---------------------------------------------------------------------------------------------
 def _delta_inputs(seed=0, b=2, s=37, key_heads=2, heads=4, dk=16, dv=8):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, s, key_heads, dk, generator=g), torch.randn(b, s, key_heads, dk, generator=g),
-            torch.randn(b, s, heads, dv, generator=g), -torch.rand(b, s, heads, generator=g),
-            torch.rand(b, s, heads, generator=g), torch.randn(b, heads, dk, dv, generator=g))
+    return (
+        torch.randn(b, s, key_heads, dk, generator=g),
+        torch.randn(b, s, key_heads, dk, generator=g),
+        torch.randn(b, s, heads, dv, generator=g),
+        -torch.rand(b, s, heads, generator=g),
+        torch.rand(b, s, heads, generator=g),
+        torch.randn(b, heads, dk, dv, generator=g),
+    )
 
 
 def test_both_forms_equal_transformers_reference_functions():
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                              torch_recurrent_gated_delta_rule)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
 
     from staticformers.models.gated_delta import chunked_gated_delta, recurrent_gated_delta
 
@@ -83,7 +90,11 @@ def test_positions_that_are_not_there_change_no_state():
     tol.assert_close(final[1:], tail_state)
     tol.assert_close(out[1:, 12:], tail)
     gx = torch.Generator().manual_seed(1)
-    x, w, conv = torch.randn(2, 12, 37, generator=gx), torch.randn(12, 4, generator=gx), torch.randn(2, 12, 3, generator=gx)
+    x, w, conv = (
+        torch.randn(2, 12, 37, generator=gx),
+        torch.randn(12, 4, generator=gx),
+        torch.randn(2, 12, 3, generator=gx),
+    )
     y, new = causal_conv(x, w, conv, valid)
     y0, new0 = causal_conv(x[:1, :, :20], w, conv[:1])
     torch.testing.assert_close(new[:1], new0)
@@ -104,20 +115,39 @@ def test_positions_that_are_not_there_change_no_state():
 def test_config_defaults_round_trip_and_refusals(tiny_checkpoints):
     from staticformers.models.config_checks import ConfigError
 
-    raw = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 128,
-           "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4,
-           "num_key_value_heads": 2}
+    raw = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     ours, ref = ModelConfig.from_dict(raw), transformers.Qwen3_5TextConfig(**raw)
-    assert ours.layer_types == ref.layer_types == ["linear_attention"] * 3 + ["full_attention"] + \
-        ["linear_attention"] * 3 + ["full_attention"]
-    for key in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
-                "linear_conv_kernel_dim", "head_dim"):
+    assert (
+        ours.layer_types
+        == ref.layer_types
+        == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    )
+    for key in (
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "head_dim",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"] == 0.25
     config = ModelConfig.from_pretrained(tiny_checkpoints("qwen3_5"))
     assert ModelConfig.from_dict(config.to_dict()) == config
-    with pytest.raises(ConfigError, match=r"layer_types ends with a 'linear_attention' layer: staticformers runs "
-                                          r"hybrid models whose last layer is full attention"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layer_types ends with a 'linear_attention' layer: staticformers runs "
+        r"hybrid models whose last layer is full attention",
+    ):
         ModelConfig.from_dict({**raw, "layer_types": ["full_attention"] * 7 + ["linear_attention"]})
     with pytest.raises(ConfigError, match=r"linear_num_value_heads=6 is not a multiple of linear_num_key_heads=4"):
         ModelConfig.from_dict({**raw, "linear_num_key_heads": 4, "linear_num_value_heads": 6})
@@ -178,7 +208,9 @@ def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
 
     theirs, want = dict(ref.named_parameters()), dict(exact.named_parameters())
     # in transformers' names: in_proj_qkv's and conv1d's parts (held apart, linear_attention.py) joined
-    grads = CheckpointNames(fused=ours.config.family.fused_names).to_hub({n: p.grad for n, p in ours.named_parameters()})
+    grads = CheckpointNames(fused=ours.config.family.fused_names).to_hub(
+        {n: p.grad for n, p in ours.named_parameters()}
+    )
     assert set(grads) == set(want)
     for name, grad in grads.items():
         e = want[name].grad
@@ -234,22 +266,36 @@ def test_rows_join_and_leave_with_their_own_state(tiny_checkpoints, family, comp
 
     path = tiny_checkpoints(family)
     model, ref = AutoModelForCausalLM.from_pretrained(path), _hf(path)
-    engine = engine_for(model, ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 80], kv_lengths=[128],
-                                         max_model_len=128))
-    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="eager")) if compiled else \
-        compile_settings(model, GenerationConfig(disable_compile=True))
+    engine = engine_for(
+        model, ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 80], kv_lengths=[128], max_model_len=128)
+    )
+    settings = (
+        compile_settings(model, GenerationConfig(), CompileConfig(backend="eager"))
+        if compiled
+        else compile_settings(model, GenerationConfig(disable_compile=True))
+    )
     g = torch.Generator().manual_seed(7)
-    prompts = {name: torch.randint(3, 128, (n,), generator=g).tolist() for name, n in
-               (("a", 12), ("b", 70), ("c", 5), ("d", 33))}
+    prompts = {
+        name: torch.randint(3, 128, (n,), generator=g).tolist()
+        for name, n in (("a", 12), ("b", 70), ("c", 5), ("d", 33))
+    }
     new = {"a": 20, "b": 6, "c": 14, "d": 9}
     loop = GenerationLoop(engine, settings)
-    out = run_loop(loop, {0: [GenerationRequest(prompts["a"], new["a"], request_id="a")],
-                          3: [GenerationRequest(prompts["b"], new["b"], request_id="b"),
-                              GenerationRequest(prompts["c"], new["c"], request_id="c")],
-                          9: [GenerationRequest(prompts["d"], new["d"], request_id="d")]})
+    out = run_loop(
+        loop,
+        {
+            0: [GenerationRequest(prompts["a"], new["a"], request_id="a")],
+            3: [
+                GenerationRequest(prompts["b"], new["b"], request_id="b"),
+                GenerationRequest(prompts["c"], new["c"], request_id="c"),
+            ],
+            9: [GenerationRequest(prompts["d"], new["d"], request_id="d")],
+        },
+    )
     for name, prompt in prompts.items():
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new[name], do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()
+        want = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=new[name], do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert out[name] == want, name
 
 
@@ -259,17 +305,36 @@ def test_rows_join_and_leave_with_their_own_state(tiny_checkpoints, family, comp
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3-next"])
 def test_save_loads_in_transformers_with_the_same_logits(tiny_checkpoints, tmp_path, family):
     saved, original = assert_saved_as_loaded(tiny_checkpoints(family), tmp_path, *_inputs())
-    keys = ("layer_types", "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
-            "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim", "model_type")
+    keys = (
+        "layer_types",
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "head_dim",
+        "model_type",
+    )
     if family == "qwen3-next":  # the keys Qwen3.5-MoE has no use for: its layers are all sparse, always renormalised
-        keys += ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "attention_bias")
+        keys += (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "attention_bias",
+        )
     for key in keys:
         assert saved[key] == original[key], key
     assert saved["rope_parameters"]["partial_rotary_factor"] == 0.25
 
-TARGETS = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"],
-           "qwen3-next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "v_proj", "o_proj"]}  # PEFT's names
+
+TARGETS = {
+    "qwen3_5": ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "o_proj"],
+    "qwen3-next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "v_proj", "o_proj"],
+}  # PEFT's names
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3-next"])
@@ -279,28 +344,43 @@ def test_lora_equals_peft_both_ways(tiny_checkpoints, tmp_path, family):
     ids, mask = _inputs()
     assert_lora_equals_peft_both_ways(tiny_checkpoints(family), family, TARGETS[family], tmp_path, ids, mask)
 
+
 def test_compiled_training_steps_as_eager_with_a_region_for_the_linear_layers(tiny_checkpoints, tmp_path):
     """The Trainer: compiled regions (the linear layers' and the full layer's, the head) train as eager does, and
     the linear layers' decay parameters learn."""
     from staticformers import Trainer, TrainingArguments
 
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
-            for n in torch.randint(3, 30, (16,), generator=g)]
+    data = [
+        {"input_ids": torch.randint(1, 128, (int(n),), generator=g).tolist()}
+        for n in torch.randint(3, 30, (16,), generator=g)
+    ]
     runs = {}
     for compiled in (False, True):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3_5"))
         before = model.model.layers[0].linear_attn.A_log.detach().clone()
-        args = TrainingArguments(output_dir=str(tmp_path / str(compiled)), max_length=32, per_device_train_batch_size=4,
-                                 max_steps=3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                                 learning_rate=2e-3, seed=0, torch_compile=compiled,
-                                 torch_compile_backend="aot_eager" if compiled else None)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(compiled)),
+            max_length=32,
+            per_device_train_batch_size=4,
+            max_steps=3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            learning_rate=2e-3,
+            seed=0,
+            torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
         runs[compiled] = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
         if compiled:
             assert sorted(f.name for f in trainer.train_step.functions.values()) == [
-                "head_loss_train", "layer_forward_train", "layer_forward_train_linear"]
+                "head_loss_train",
+                "layer_forward_train",
+                "layer_forward_train_linear",
+            ]
         assert not torch.equal(model.model.layers[0].linear_attn.A_log.detach(), before)
     assert len(runs[True]) == 3 and runs[True] == pytest.approx(runs[False], rel=tol.FP32_TRAINED)
 
@@ -332,7 +412,7 @@ def test_fused_projections_reorder_as_transformers_does():
     held = names.assemble(layout, read)
     back = names.to_hub(held)  # and back under transformers' names, as saving writes them
     assert set(back) == set(read) and all(torch.equal(back[k], read[k]) for k in read)
-    ours.load_state_dict({k[len(at):]: v for k, v in held.items()})
+    ours.load_state_dict({k[len(at) :]: v for k, v in held.items()})
     assert torch.equal(ours.conv_weight(), theirs.conv1d.weight)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
@@ -341,8 +421,9 @@ def test_fused_projections_reorder_as_transformers_does():
     torch.testing.assert_close(mixed, torch.cat([t.reshape(2, 5, -1) for t in (q, k, v)], -1), rtol=0, atol=0)
     torch.testing.assert_close(got_z, z.reshape(2, 5, -1), rtol=0, atol=0)
     torch.testing.assert_close((got_b, got_a), (b, a), rtol=0, atol=0)
-    assert not hasattr(ours, "in_proj_qkv") and sum(p.numel() for p in ours.parameters()) == \
-        sum(p.numel() for p in theirs.parameters())
+    assert not hasattr(ours, "in_proj_qkv") and sum(p.numel() for p in ours.parameters()) == sum(
+        p.numel() for p in theirs.parameters()
+    )
     torch.manual_seed(3)
     ours.reset_parameters()  # transformers' init (`_init_weights`): dt_bias ones, A_log = log U(0.01, 16)
     torch.manual_seed(3)
@@ -356,40 +437,78 @@ def test_qwen3_next_config_defaults_dense_layers_round_trip_and_refusals():
     mlp_only_layers as in transformers; what we write, transformers reads the same; a bad value is one sentence."""
     from staticformers.models.config_checks import ConfigError
 
-    raw = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 128,
-           "hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4}
+    raw = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+    }
     ours, ref = ModelConfig.from_dict(raw), transformers.Qwen3NextConfig(**raw)
-    for key in ("num_key_value_heads", "head_dim", "intermediate_size", "num_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-                "mlp_only_layers", "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
-                "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "rms_norm_eps",
-                "max_position_embeddings", "tie_word_embeddings", "attention_bias"):
+    for key in (
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+        "layer_types",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"] == 0.25
     assert ours.rope_theta == ref.rope_parameters["rope_theta"]
-    mixed = ModelConfig.from_dict({**raw, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False,
-                                   "full_attention_interval": 2})
+    mixed = ModelConfig.from_dict(
+        {**raw, "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False, "full_attention_interval": 2}
+    )
     assert [mixed.layer_is_sparse(i) for i in range(8)] == [False, True, False, False, False, True, False, True]
     back = transformers.Qwen3NextConfig(**{k: v for k, v in mixed.to_dict().items() if k != "architectures"})
-    for key in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "layer_types", "num_key_value_heads",
-                "shared_expert_intermediate_size"):
+    for key in (
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "norm_topk_prob",
+        "layer_types",
+        "num_key_value_heads",
+        "shared_expert_intermediate_size",
+    ):
         assert getattr(back, key) == getattr(mixed, key), key
     assert ModelConfig.from_dict(mixed.to_dict()) == mixed
-    with pytest.raises(ConfigError, match=r"config.json: linear_num_value_heads=6 is not a multiple of "
-                                          r"linear_num_key_heads=4: each key head serves as many value heads\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config.json: linear_num_value_heads=6 is not a multiple of "
+        r"linear_num_key_heads=4: each key head serves as many value heads\.$",
+    ):
         ModelConfig.from_dict({**raw, "linear_num_key_heads": 4, "linear_num_value_heads": 6})
-    with pytest.raises(ConfigError, match=r"layer_types ends with a 'linear_attention' layer: .* \(as Qwen3\.5's and "
-                                          r"Qwen3-Next's are\)\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layer_types ends with a 'linear_attention' layer: .* \(as Qwen3\.5's and "
+        r"Qwen3-Next's are\)\.$",
+    ):
         ModelConfig.from_dict({**raw, "full_attention_interval": 3})  # layers 2 and 5 full, 7 linear
     with pytest.raises(ConfigError, match=r"mlp_only_layers=\[8\] must be a list of layer indices from 0 to 7\.$"):
         ModelConfig.from_dict({**raw, "mlp_only_layers": [8]})
-    with pytest.raises(ConfigError, match=r"hidden_act='gelu_pytorch_tanh': Qwen3NextForCausalLM's experts compute "
-                                          r"SiLU only: use \"silu\"\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"hidden_act='gelu_pytorch_tanh': Qwen3NextForCausalLM's experts compute "
+        r"SiLU only: use \"silu\"\.$",
+    ):
         ModelConfig.from_dict({**raw, "hidden_act": "gelu_pytorch_tanh"})  # (also the DeltaNet convolution's)
 
 
-def test_qwen3_next_checkpoints_multi_token_prediction_head_is_skipped_as_transformers_does(tiny_checkpoints,
-                                                                                               tmp_path):
+def test_qwen3_next_checkpoints_multi_token_prediction_head_is_skipped_as_transformers_does(tiny_checkpoints, tmp_path):
     """The Hub's Qwen3-Next files also hold `mtp.*` (a multi-token-prediction head transformers does not build and
     skips): they load here too, with the same logits; any other tensor the model does not use is still refused."""
     import shutil
@@ -408,8 +527,12 @@ def test_qwen3_next_checkpoints_multi_token_prediction_head_is_skipped_as_transf
         got = AutoModelForCausalLM.from_pretrained(str(tmp_path))(input_ids=ids, attention_mask=mask).logits
         want = AutoModelForCausalLM.from_pretrained(path)(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(got, want)
-    save_file({**tensors, "model.extra.weight": torch.ones(2)}, str(tmp_path / "model.safetensors"),
-              metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"has 1 weight\(s\) this Qwen3NextForCausalLM does not use: "
-                                              r"model\.extra\.weight"):
+    save_file(
+        {**tensors, "model.extra.weight": torch.ones(2)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"}
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"has 1 weight\(s\) this Qwen3NextForCausalLM does not use: "
+        r"model\.extra\.weight",
+    ):
         AutoModelForCausalLM.from_pretrained(str(tmp_path))

@@ -72,8 +72,14 @@ def code_blocks(text: str) -> list[dict]:
             above = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             skip = SKIP.search(above)
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            blocks.append({"lang": "python" if fence.group(1) == "python" else "shell", "line": i + 1,
-                           "text": "\n".join(lines[i + 1:end]), "skip": skip.group(1) if skip else None})
+            blocks.append(
+                {
+                    "lang": "python" if fence.group(1) == "python" else "shell",
+                    "line": i + 1,
+                    "text": "\n".join(lines[i + 1 : end]),
+                    "skip": skip.group(1) if skip else None,
+                }
+            )
             i = end
         i += 1
     return blocks
@@ -91,11 +97,15 @@ PYTHON_PAGES = [page for page in PAGES if any(b["lang"] == "python" and not b["s
 
 
 def test_the_parser_reads_blocks_and_markers():
-    sample = ("x\n<!-- skip: hardware (two nodes) -->\n```bash\necho a\n```\n\n```sh\necho b\n```\n"
-              "<!-- skip: hub -->\n```python\nprint(1)\n```\n")
-    assert code_blocks(sample) == [{"lang": "shell", "line": 3, "text": "echo a", "skip": "hardware"},
-                                   {"lang": "shell", "line": 7, "text": "echo b", "skip": None},
-                                   {"lang": "python", "line": 11, "text": "print(1)", "skip": "hub"}]
+    sample = (
+        "x\n<!-- skip: hardware (two nodes) -->\n```bash\necho a\n```\n\n```sh\necho b\n```\n"
+        "<!-- skip: hub -->\n```python\nprint(1)\n```\n"
+    )
+    assert code_blocks(sample) == [
+        {"lang": "shell", "line": 3, "text": "echo a", "skip": "hardware"},
+        {"lang": "shell", "line": 7, "text": "echo b", "skip": None},
+        {"lang": "python", "line": 11, "text": "print(1)", "skip": "hub"},
+    ]
     assert len(SHELL) >= 10 and len(PYTHON_PAGES) >= 6
 
 
@@ -110,7 +120,7 @@ def test_every_marker_gives_one_known_reason_and_none_is_left_over():
         lines = text.splitlines()
         for i, line in enumerate(lines):  # a marker stands right above a fence, or it skips nothing
             if SKIP.search(line):
-                after = next((x for x in lines[i + 1:] if x.strip()), "")
+                after = next((x for x in lines[i + 1 :] if x.strip()), "")
                 assert FENCE.match(after.strip()), f"{page}:{i + 1}: a skip marker with no code block under it"
 
 
@@ -160,26 +170,41 @@ def after_demo(tmp_path_factory):
 
 
 def environment(tmp_path) -> dict:
-    return dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-                STATICFORMERS_COMPILE_BACKEND="eager", STATICFORMERS_EXAMPLE_STEPS="3",
-                STATICFORMERS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.path.join(ROOT, "src"))
+    return dict(
+        os.environ,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        STATICFORMERS_COMPILE_BACKEND="eager",
+        STATICFORMERS_EXAMPLE_STEPS="3",
+        STATICFORMERS_CACHE=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.path.join(ROOT, "src"),
+    )
 
 
 def check_quiet(res, where: str, text: str) -> None:
-    assert res.returncode == 0, f"{where} failed:\n{text}\n--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, (
+        f"{where} failed:\n{text}\n--- stdout\n{res.stdout[-3000:]}\n--- stderr\n{res.stderr[-3000:]}"
+    )
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     # nothing a new user would take for a problem (PyTorch's notices included: distributed/quiet.py)
-    assert "Warning" not in res.stderr and "warning" not in res.stderr.lower().replace("no warning", ""), \
+    assert "Warning" not in res.stderr and "warning" not in res.stderr.lower().replace("no warning", ""), (
         f"{where}:\n{res.stderr[-3000:]}"
+    )
 
 
 @pytest.mark.parametrize("page,block", SHELL, ids=[f"{p}:{b['line']}" for p, b in SHELL])
 def test_shell_block_runs(page, block, after_demo, tmp_path):
     if block["skip"]:
         pytest.skip(f"{page}:{block['line']}: {REASONS[block['skip']]}")
-    res = subprocess.run(["bash", "-e", "-c", block["text"]], cwd=after_demo, env=environment(tmp_path),
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        ["bash", "-e", "-c", block["text"]],
+        cwd=after_demo,
+        env=environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     check_quiet(res, f"{page}:{block['line']}", block["text"])
 
 
@@ -196,8 +221,14 @@ for where, text in blocks:
 def test_python_blocks_of_a_page_run_in_order(page, after_demo, tmp_path):
     blocks = [(f"{page}:{b['line']}", b["text"]) for b in BLOCKS[page] if b["lang"] == "python" and not b["skip"]]
     code = DRIVER.format(blocks=blocks)
-    res = subprocess.run([sys.executable, "-c", code], cwd=after_demo, env=environment(tmp_path), capture_output=True,
-                         text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=after_demo,
+        env=environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_quiet(res, page, "\n\n".join(text for _, text in blocks))
 
 
@@ -248,4 +279,9 @@ def test_the_docs_install_from_the_clone_with_extras_that_exist():
     assert installs and any("serve" in i.split(",") for i in installs)
     for names in installs:
         assert set(names.split(",")) <= set(extras), names
-    assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {"fastapi", "uvicorn", "prometheus_client", "llguidance"}
+    assert {d.split(">")[0].split("=")[0] for d in extras["serve"]} == {
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+        "llguidance",
+    }

@@ -24,8 +24,7 @@ EAGER = CompileConfig(backend="eager")
 NEW_TOKENS = 16
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "system", "content": "You answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
 ]
 # Perplexities of the same fp32 model over the same tokens, in another order of operations: the mean of
 # ~500 log-probabilities, each within ~1e-5 relative (tolerances.FP32_REORDERED), then exp: 1e-4 relative
@@ -96,12 +95,19 @@ def test_greedy_tokens_equal_transformers(ours, theirs, tok):
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # one mixed-length batch, left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, compile_config=EAGER,
-                        eos_token_id=None)
+    out = ours.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, compile_config=EAGER, eos_token_id=None
+    )
     for row, p in enumerate(prompts):
-        want = theirs.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=pad)
-        assert out[row, width:].tolist() == want[0, len(p):].tolist()
+        want = theirs.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )
+        assert out[row, width:].tolist() == want[0, len(p) :].tolist()
 
 
 def _docstrings_text() -> str:
@@ -141,8 +147,7 @@ def test_one_chat_round_trip_through_the_server(ours, tok, folder):
     pytest.importorskip("fastapi")
     from staticformers.serving.server import ServeOptions, Server, build_loop, build_state
 
-    opts = ServeOptions(model=folder, served_model_name="smollm2", backend="eager", max_batch_size=1,
-                        max_model_len=256)
+    opts = ServeOptions(model=folder, served_model_name="smollm2", backend="eager", max_batch_size=1, max_model_len=256)
     server = Server(build_state(ours, tok, build_loop(ours, opts), opts), grace=2.0)
     server.start()
     try:
@@ -151,8 +156,8 @@ def test_one_chat_round_trip_through_the_server(ours, tok, folder):
     finally:
         server.stop()
     ids = _prompt(tok, CHATS[0])
-    new = ours.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, compile_config=EAGER)[0, len(ids):]
+    new = ours.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, compile_config=EAGER)[0, len(ids) :]
     new = new.tolist()
-    new = new[:new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+    new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
     assert r.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
     assert "Paris" in r.choices[0].message.content

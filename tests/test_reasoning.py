@@ -132,8 +132,9 @@ def start(folder, script=None):
     from test_server import ScriptedLoop
 
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=8,
-                        reasoning_parser="qwen3")
+    opts = ServeOptions(
+        model=folder, served_model_name="tiny", backend="eager", max_batch_size=8, reasoning_parser="qwen3"
+    )
     state = build_state(model, tok, build_loop(model, opts), opts)
     if script is not None:  # every request 'generates' the scripted text: what is tested is the HTTP layer
         state.engine.shutdown(0)
@@ -144,15 +145,23 @@ def start(folder, script=None):
     return server, openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=120.0, max_retries=0), tok
 
 
-@pytest.mark.parametrize("text, state", [(THOUGHT, "open"), ("Plain answer, no thinking.", "open"),
-                                         ("Reasoning already open </think> answer", "reasoning"),
-                                         ("<think>x</think>y", "content"), ("<thi", "open"), ("<think>cut off", "open")])
+@pytest.mark.parametrize(
+    "text, state",
+    [
+        (THOUGHT, "open"),
+        ("Plain answer, no thinking.", "open"),
+        ("Reasoning already open </think> answer", "reasoning"),
+        ("<think>x</think>y", "content"),
+        ("<thi", "open"),
+        ("<think>cut off", "open"),
+    ],
+)
 def test_the_splitter_streamed_joins_to_the_whole_split(text, state):
     whole = ReasoningSplitter("qwen3", state)
     reasoning, content = whole.feed(text, final=True)
     for step in (1, 2, 5):
         s = ReasoningSplitter("qwen3", state)
-        parts = [s.feed(text[i:i + step]) for i in range(0, len(text), step)] + [s.feed("", final=True)]
+        parts = [s.feed(text[i : i + step]) for i in range(0, len(text), step)] + [s.feed("", final=True)]
         assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == (reasoning, content)
         assert s.reasoning == whole.reasoning
     if text == THOUGHT:
@@ -174,12 +183,19 @@ def test_reasoning_content_and_content_split_whole_and_streamed(folder):
         assert "".join(d.content or "" for d in deltas) == message.content
         assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas)
         # enable_thinking false reaches the template: its empty block is in the prompt, the answer is content
-        off = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100,
-                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        off = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=100,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
         rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
         assert rendered.endswith("<think>\n\n</think>\n\n")
-        assert off.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)["input_ids"]) == \
-            r.usage.prompt_tokens + len(tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+        assert (
+            off.usage.prompt_tokens
+            == len(tok(rendered, add_special_tokens=False)["input_ids"])
+            == r.usage.prompt_tokens + len(tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+        )
         assert off.choices[0].message.content == THOUGHT and off.choices[0].message.reasoning_content is None
     finally:
         server.stop()
@@ -187,19 +203,31 @@ def test_reasoning_content_and_content_split_whole_and_streamed(folder):
 
 def test_a_structured_output_constrains_the_answer_after_the_reasoning(folder):
     server, client, tok = start(folder)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema, "strict": True}}
     try:  # thinking off: the prompt closed the block, the grammar applies from the first token
-        r = client.chat.completions.create(model="tiny", messages=MESSAGES, n=8, temperature=1.0, seed=1, max_tokens=30,
-                                           response_format=fmt,
-                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            n=8,
+            temperature=1.0,
+            seed=1,
+            max_tokens=30,
+            response_format=fmt,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
         for c in r.choices:
             jsonschema.validate(json.loads(c.message.content), schema)
             assert c.message.reasoning_content is None
         # thinking on: the random model's thinking is free (not JSON), the grammar waits for </think>
-        r = client.chat.completions.create(model="tiny", messages=MESSAGES, n=4, temperature=1.0, seed=1, max_tokens=12,
-                                           response_format=fmt)
+        r = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, n=4, temperature=1.0, seed=1, max_tokens=12, response_format=fmt
+        )
         texts = [c.message.content or "" for c in r.choices]
         assert not all(t.startswith('{"ok": ') for t in texts), texts
     finally:

@@ -17,19 +17,42 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed=0):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 def docs(n=24, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()} for k in torch.randint(3, 30, (n,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()}
+        for k in torch.randint(3, 30, (n,), generator=g)
+    ]
 
 
 def args(path, **kw):
-    base = dict(output_dir=str(path), max_length=32, per_device_train_batch_size=4, max_steps=6, logging_steps=1,
-                save_steps=2, disable_tqdm=True, learning_rate=1e-3, seed=0, warmup_steps=1, weight_decay=0.01)
+    base = dict(
+        output_dir=str(path),
+        max_length=32,
+        per_device_train_batch_size=4,
+        max_steps=6,
+        logging_steps=1,
+        save_steps=2,
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        seed=0,
+        warmup_steps=1,
+        weight_decay=0.01,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -85,6 +108,7 @@ def set_json(**changes):
         state = json.loads(path.read_text())
         state.update(changes)
         path.write_text(json.dumps(state))
+
     return change
 
 
@@ -98,8 +122,10 @@ CASES = {
     "optimizer-nan-lr": ("optimizer.pt", "nan-lr"),
     "optimizer-nan-moment": ("optimizer.pt", "nan-moment"),
     "scheduler-truncated": ("scheduler.pt", truncate),
-    "scheduler-foreign-values": ("scheduler.pt", lambda p: torch.save({"base_lrs": ["x"], "last_epoch": 3,
-                                                                       "lr_lambdas": [None]}, p)),
+    "scheduler-foreign-values": (
+        "scheduler.pt",
+        lambda p: torch.save({"base_lrs": ["x"], "last_epoch": 3, "lr_lambdas": [None]}, p),
+    ),
     "scheduler-negative-epoch": ("scheduler.pt", lambda p: torch.save({**torch.load(p), "last_epoch": -7}, p)),
     "scheduler-payload": ("scheduler.pt", "payload"),
     "rng-truncated": ("rng_state.pth", truncate),
@@ -144,7 +170,9 @@ def test_damaged_newest_checkpoint(runs, tmp_path, case, caplog):
     model = tiny_model(seed=9)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises((CorruptCheckpointError, FileNotFoundError)) as err:
-        Trainer(model=model, args=args(out), train_dataset=docs()).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+        Trainer(model=model, args=args(out), train_dataset=docs()).train(
+            resume_from_checkpoint=str(out / "checkpoint-4")
+        )
     text = str(err.value)
     assert name in text and "resume from another checkpoint-N folder, or start without resuming" in text, text
     assert "Traceback" not in text and text.count("\n") == 0
@@ -167,8 +195,11 @@ def test_no_good_checkpoint_left(runs, tmp_path):
     shutil.copytree(part, out)
     for step in (2, 4):
         truncate(out / f"checkpoint-{step}" / "optimizer.pt")
-    with pytest.raises(CorruptCheckpointError, match=r"No checkpoint in .* can be resumed from: the newest, "
-                                                     r".*checkpoint-4, fails with: .*optimizer.pt is damaged"):
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=r"No checkpoint in .* can be resumed from: the newest, "
+        r".*checkpoint-4, fails with: .*optimizer.pt is damaged",
+    ):
         Trainer(model=tiny_model(), args=args(out), train_dataset=docs()).train(resume_from_checkpoint=True)
 
 
@@ -179,8 +210,12 @@ def test_missing_weights_and_state_file(runs, tmp_path):
     os.remove(out / "checkpoint-4" / "model.safetensors")
     with pytest.raises(CorruptCheckpointError, match=r"checkpoint-4 has no model.safetensors"):
         Trainer(model=tiny_model(), args=args(out), train_dataset=docs()).train(
-            resume_from_checkpoint=str(out / "checkpoint-4"))
+            resume_from_checkpoint=str(out / "checkpoint-4")
+        )
     os.remove(out / "checkpoint-2" / "scheduler.pt")
-    with pytest.raises(FileNotFoundError, match=r"checkpoint-2/scheduler.pt is missing, so the checkpoint is incomplete"):
+    with pytest.raises(
+        FileNotFoundError, match=r"checkpoint-2/scheduler.pt is missing, so the checkpoint is incomplete"
+    ):
         Trainer(model=tiny_model(), args=args(out), train_dataset=docs()).train(
-            resume_from_checkpoint=str(out / "checkpoint-2"))
+            resume_from_checkpoint=str(out / "checkpoint-2")
+        )

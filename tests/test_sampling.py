@@ -36,7 +36,12 @@ def test_temperature(logits):
 
 
 def test_full_chain_matches_transformers_distribution(logits):
-    chain = [tp.TemperatureLogitsWarper(0.8), tp.TopKLogitsWarper(20), tp.TopPLogitsWarper(0.9), tp.MinPLogitsWarper(0.05)]
+    chain = [
+        tp.TemperatureLogitsWarper(0.8),
+        tp.TopKLogitsWarper(20),
+        tp.TopPLogitsWarper(0.9),
+        tp.MinPLogitsWarper(0.05),
+    ]
     ref = logits
     for proc in chain:
         ref = proc(None, ref)
@@ -84,8 +89,8 @@ def test_each_row_gets_its_own_warpers(logits, monkeypatch):
     monkeypatch.undo()
     for i, settings in enumerate(ROW_SETTINGS):
         if settings["do_sample"]:
-            want = real_softmax(_reference(logits[i:i + 1], settings), dim=-1)
-            torch.testing.assert_close(seen["probs"][i:i + 1], want, rtol=0, atol=0)
+            want = real_softmax(_reference(logits[i : i + 1], settings), dim=-1)
+            torch.testing.assert_close(seen["probs"][i : i + 1], want, rtol=0, atol=0)
             assert want[0, choice.ids[i]] > 0  # drawn among the tokens the warpers keep
         else:
             assert choice.ids[i] == logits[i].argmax()
@@ -157,27 +162,36 @@ def test_a_seeded_row_draws_the_same_whatever_its_neighbours(logits):
 
     seeded = dict(do_sample=True, temperature=1.5, seed=11)
     alone = draw({0: SamplingParams(**seeded)}, 0)
-    crowded = draw({0: SamplingParams(do_sample=True, seed=3), 2: SamplingParams(**seeded),
-                    3: SamplingParams(do_sample=True, top_k=3)}, 2)
+    crowded = draw(
+        {
+            0: SamplingParams(do_sample=True, seed=3),
+            2: SamplingParams(**seeded),
+            3: SamplingParams(do_sample=True, top_k=3),
+        },
+        2,
+    )
     assert alone == crowded
     assert alone != draw({0: SamplingParams(do_sample=True, temperature=1.5, seed=12)}, 0)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(do_sample=True, temperature=0.0), "temperature=0.0 must be greater than 0"),
-    (dict(do_sample=True, top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
-    (dict(do_sample=True, top_p=0.0), r"top_p=0.0 must be in"),
-    (dict(do_sample=True, top_k=-1), "top_k=-1"),
-    (dict(top_k=2.5), "top_k=2.5 must be an integer"),
-    (dict(temperature="hot"), "temperature='hot' must be a finite number"),
-    (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
-    (dict(do_sample="yes"), "do_sample='yes' must be True or False"),
-    (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
-    (dict(presence_penalty=3.0), r"presence_penalty=3.0 must be in \[-2, 2\]"),
-    (dict(seed=2**70), r"seed=1180591620717411303424 must be an integer from 0 to 2\*\*64 - 1"),
-    (dict(logprobs=21), "logprobs=21 must be between 0 and 20"),
-    (dict(min_new_tokens=-1), "min_new_tokens=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(do_sample=True, temperature=0.0), "temperature=0.0 must be greater than 0"),
+        (dict(do_sample=True, top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
+        (dict(do_sample=True, top_p=0.0), r"top_p=0.0 must be in"),
+        (dict(do_sample=True, top_k=-1), "top_k=-1"),
+        (dict(top_k=2.5), "top_k=2.5 must be an integer"),
+        (dict(temperature="hot"), "temperature='hot' must be a finite number"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+        (dict(do_sample="yes"), "do_sample='yes' must be True or False"),
+        (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
+        (dict(presence_penalty=3.0), r"presence_penalty=3.0 must be in \[-2, 2\]"),
+        (dict(seed=2**70), r"seed=1180591620717411303424 must be an integer from 0 to 2\*\*64 - 1"),
+        (dict(logprobs=21), "logprobs=21 must be between 0 and 20"),
+        (dict(min_new_tokens=-1), "min_new_tokens=-1"),
+    ],
+)
 def test_bad_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

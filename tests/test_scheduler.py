@@ -17,12 +17,14 @@ BLOCK = 16
 
 
 def scheduler(blocks=None, chunk=16, max_slots=4, kv=None, ahead=1):
-    plan = ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 64], kv_lengths=[64, 128, 256],
-                     extend_widths=((chunk, 1),)).bind(256)
+    plan = ShapePlan(
+        batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 64], kv_lengths=[64, 128, 256], extend_widths=((chunk, 1),)
+    ).bind(256)
     state = {"kv": kv}
     pool = BlockAllocator(blocks) if blocks is not None else None
-    s = Scheduler(plan, max_slots, chunk, True, pool, BLOCK, False, ahead, model=torch.nn.Module(),
-                  kv_length=lambda: state["kv"])
+    s = Scheduler(
+        plan, max_slots, chunk, True, pool, BLOCK, False, ahead, model=torch.nn.Module(), kv_length=lambda: state["kv"]
+    )
     return s, state
 
 
@@ -125,7 +127,7 @@ def test_random_joins_cancels_and_steps_never_leak_a_block(seed):
     free, after every decision."""
     rng = random.Random(seed)
     s, state = scheduler(blocks=10, kv=256, chunk=16)
-    ids = iter(range(10 ** 6))
+    ids = iter(range(10**6))
 
     def check():
         held = [b for r in list(s.rows.values()) for b in r.blocks]

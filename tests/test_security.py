@@ -49,19 +49,43 @@ def marker(tmp_path):
 
 
 def tiny_model(seed=0):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 def docs():
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()} for k in torch.randint(3, 30, (24,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, 64, (int(k),), generator=g).tolist()}
+        for k in torch.randint(3, 30, (24,), generator=g)
+    ]
 
 
 def targs(path, **kw):
-    return TrainingArguments(**{**dict(output_dir=str(path), max_length=32, per_device_train_batch_size=4, max_steps=2,
-                                       save_steps=1, disable_tqdm=True, learning_rate=1e-3), **kw})
+    return TrainingArguments(
+        **{
+            **dict(
+                output_dir=str(path),
+                max_length=32,
+                per_device_train_batch_size=4,
+                max_steps=2,
+                save_steps=1,
+                disable_tqdm=True,
+                learning_rate=1e-3,
+            ),
+            **kw,
+        }
+    )
 
 
 # ---- torch.distributed.checkpoint ---------------------------------------------------------------
@@ -92,7 +116,9 @@ def load_dcp(folder):
 def test_dcp_round_trip_still_loads(dcp_folder):
     extra, model = load_dcp(dcp_folder)
     assert extra == {"step": 1}
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), load_dcp(dcp_folder)[1].state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), load_dcp(dcp_folder)[1].state_dict().values())
+    )
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -101,8 +127,11 @@ def test_dcp_metadata_payload(dcp_folder, marker, payload):
 
     with open(dcp_folder / ".metadata", "wb") as f:
         pickle.dump(payload(marker), f)
-    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata is not plain torch.distributed.checkpoint metadata .*"
-                                                    r"refused without running anything"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"\.metadata is not plain torch.distributed.checkpoint metadata .*"
+        r"refused without running anything",
+    ):
         load_dcp(dcp_folder)
 
 
@@ -150,7 +179,9 @@ def test_dcp_byte_value_payload(tmp_path, marker, payload):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / "dcp"))
-    with pytest.raises(UnsafeCheckpointError, match=r"'optim.param_groups.0.lr' in the DCP checkpoint is not plain data"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"'optim.param_groups.0.lr' in the DCP checkpoint is not plain data"
+    ):
         load_dcp(tmp_path / "dcp")
 
 
@@ -174,7 +205,8 @@ def test_state_file_payloads(trained, tmp_path, marker, name, payload, auto):
         torch.save(payload(marker), out / f"checkpoint-{step}" / name)
     with pytest.raises(CorruptCheckpointError, match=rf"{name}.*(nothing in it was run|can be resumed from)"):
         Trainer(model=tiny_model(), args=targs(out, max_steps=3), train_dataset=docs()).train(
-            resume_from_checkpoint=True if auto else str(out / "checkpoint-2"))
+            resume_from_checkpoint=True if auto else str(out / "checkpoint-2")
+        )
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -220,7 +252,8 @@ def test_a_lora_checkpoint_with_a_pickle_adapter_is_never_unpickled(tmp_path, ma
     torch.save(payload(marker), ckpt / "adapter_model.bin")
     with pytest.raises(CorruptCheckpointError, match="never unpickles"):
         Trainer(model=lora_model(), args=targs(out, max_steps=3), train_dataset=docs()).train(
-            resume_from_checkpoint=str(ckpt))
+            resume_from_checkpoint=str(ckpt)
+        )
 
 
 # ---- precompiled artifacts ------------------------------------------------------------------------
@@ -309,5 +342,7 @@ def test_dcp_metadata_symlinked_out_of_the_folder(dcp_folder, tmp_path):
 
     os.rename(dcp_folder / ".metadata", tmp_path / "elsewhere.metadata")
     os.symlink(tmp_path / "elsewhere.metadata", dcp_folder / ".metadata")
-    with pytest.raises(UnsafeCheckpointError, match=r"names '.metadata', which is a symbolic link that resolves outside"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"names '.metadata', which is a symbolic link that resolves outside"
+    ):
         load_dcp(dcp_folder)

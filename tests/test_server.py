@@ -70,11 +70,11 @@ def client(server):
 
 def greedy(model, ids: list[int], n: int, **kw) -> list[int]:
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, compile_config=EAGER, **kw)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def cut_at_eos(tokens: list[int], eos: int) -> list[int]:
-    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
 def metric(url: str, name: str) -> float:
@@ -107,8 +107,14 @@ def test_chat_greedy_streamed_and_not_equals_generate(client, model, tok):
     want = tok.decode(cut_at_eos(greedy(model, ids, 10), tok.eos_token_id), skip_special_tokens=True)
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
     assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
@@ -134,9 +140,15 @@ def test_stop_strings_match_across_tokens_and_are_not_returned(client, model, to
     full = tok.decode(greedy(model, ids, 16, eos_token_id=None), skip_special_tokens=True)
     assert len(full) > 6
     stop = full[3:6]  # three characters, very likely across a token boundary
-    want = full[:full.find(stop)]
-    body = dict(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "\x00never"],
-                extra_body={"ignore_eos": True})
+    want = full[: full.find(stop)]
+    body = dict(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stop=[stop, "\x00never"],
+        extra_body={"ignore_eos": True},
+    )
     r = client.completions.create(**body)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True))
@@ -148,16 +160,22 @@ def test_stop_token_ids_end_the_answer(client, model, tok):
     tokens = greedy(model, ids, 8, eos_token_id=None)
     stop_id = tokens[2]
     first = tokens.index(stop_id)
-    r = client.completions.create(model="tiny", prompt="A tuple is", max_tokens=8, temperature=0,
-                                  extra_body={"stop_token_ids": [stop_id], "ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt="A tuple is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == first + 1
     # as vLLM: the stop token is the answer's last token, its text kept unless it is a special token
-    assert r.choices[0].text == tok.decode(tokens[:first + 1], skip_special_tokens=True)
+    assert r.choices[0].text == tok.decode(tokens[: first + 1], skip_special_tokens=True)
 
 
 def test_n_choices_with_a_seed_are_reproducible(client):
-    body = dict(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, n=3, seed=5,
-                extra_body={"ignore_eos": True})
+    body = dict(
+        model="tiny", prompt="Once", max_tokens=8, temperature=1.0, n=3, seed=5, extra_body={"ignore_eos": True}
+    )
     a, b = client.completions.create(**body), client.completions.create(**body)
     texts = [c.text for c in a.choices]
     assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.text for c in b.choices]
@@ -168,17 +186,24 @@ def test_n_choices_with_a_seed_are_reproducible(client):
 def test_logprobs_are_the_models(client, model, tok):
     prompt = "while"
     ids = tok(prompt)["input_ids"]
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
     tokens = greedy(model, ids, 4, eos_token_id=None)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).view(-1, 1)).flatten()
     assert len(lp.token_logprobs) == 4 and all(len(t) <= 3 for t in lp.top_logprobs)
     torch.testing.assert_close(torch.tensor(lp.token_logprobs), want, rtol=1e-4, atol=1e-4)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     entries = chat.choices[0].logprobs.content
     assert len(entries) == chat.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
     assert entries[0].top_logprobs[0].logprob >= entries[0].top_logprobs[1].logprob
@@ -206,11 +231,12 @@ def test_logprobs_of_byte_level_tokens_keep_their_own_keys_and_bytes(client, mod
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     ids = tok("while")["input_ids"]
-    r = client.completions.create(model="tiny", prompt="while", max_tokens=4, temperature=0, logprobs=20,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt="while", max_tokens=4, temperature=0, logprobs=20, extra_body={"ignore_eos": True}
+    )
     tokens = greedy(model, ids, 4, eos_token_id=None)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
     top = torch.log_softmax(logits, -1).topk(20)
     partial = 0
     for position, got in enumerate(r.choices[0].logprobs.top_logprobs):
@@ -221,13 +247,21 @@ def test_logprobs_of_byte_level_tokens_keep_their_own_keys_and_bytes(client, mod
         partial += sum(k.startswith("bytes:") for k in got)
     assert partial >= 2  # byte-level tokens were among them (they collided before)
     messages = [{"role": "user", "content": "é€"}]
-    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
-                                          top_logprobs=5, extra_body={"ignore_eos": True})
-    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-              add_special_tokens=False)["input_ids"]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
     tokens = greedy(model, ids, 6, eos_token_id=None)
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float()
     top5 = logits.topk(5).indices.tolist()
     entries = chat.choices[0].logprobs.content
     assert len(entries) == 6
@@ -246,31 +280,46 @@ def test_models_health_tokenize_and_detokenize(server, tok):
     assert out["tokens"] == tok("for x in y")["input_ids"] and out["count"] == len(out["tokens"])
     back = httpx.post(server.url + "/detokenize", json={"tokens": out["tokens"]}, timeout=TIMEOUT).json()
     assert back["prompt"] == "for x in y"
-    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
-                      timeout=TIMEOUT).json()
+    chat = httpx.post(
+        server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=TIMEOUT
+    ).json()
     assert chat["count"] > 3
 
 
 # ---------------------------------------------------------------------------------------------
 # refusals
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("body,status,pattern", [
-    ({"prompt": "x", "temperature": 5}, 400, r"temperature=5 must be in \[0.0, 2.0\]"),
-    ({"prompt": "x", "top_p": 0}, 400, r"top_p=0 must be in \(0.0, 1.0\]"),
-    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens='ten' must be an integer"),
-    ({"prompt": "x", "n": 9}, 400, "n=9 must be between 1 and 4"),
-    ({"prompt": "x", "logprobs": 30}, 400, "logprobs=30 must be between 0 and 20"),
-    ({"prompt": "x", "stop": 3}, 400, "stop=3 must be a string or a list of strings"),
-    ({"prompt": "x", "seed": "s"}, 400, "seed='s' must be an integer"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
-    ({"prompt": [1, 99999]}, 400, r"ids outside the vocabulary"),
-    ({"prompt": "x" * 10, "max_tokens": 300}, 400, r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256"),
-    ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
-    ({}, 400, "prompt is required"),
-    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
-     r"^stream_options.continuous_usage_stats=True is not supported: only include_usage is\.$"),
-    ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, r"^min_tokens=9 is more than max_tokens=4: ask for at most 4\.$"),
-])
+@pytest.mark.parametrize(
+    "body,status,pattern",
+    [
+        ({"prompt": "x", "temperature": 5}, 400, r"temperature=5 must be in \[0.0, 2.0\]"),
+        ({"prompt": "x", "top_p": 0}, 400, r"top_p=0 must be in \(0.0, 1.0\]"),
+        ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens='ten' must be an integer"),
+        ({"prompt": "x", "n": 9}, 400, "n=9 must be between 1 and 4"),
+        ({"prompt": "x", "logprobs": 30}, 400, "logprobs=30 must be between 0 and 20"),
+        ({"prompt": "x", "stop": 3}, 400, "stop=3 must be a string or a list of strings"),
+        ({"prompt": "x", "seed": "s"}, 400, "seed='s' must be an integer"),
+        ({"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ({"prompt": [1, 99999]}, 400, r"ids outside the vocabulary"),
+        (
+            {"prompt": "x" * 10, "max_tokens": 300},
+            400,
+            r"\d+ tokens and max_tokens=300: \d+ exceed --max-model-len=256",
+        ),
+        ({"prompt": "x", "model": "other"}, 404, "'other' does not exist here"),
+        ({}, 400, "prompt is required"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            400,
+            r"^stream_options.continuous_usage_stats=True is not supported: only include_usage is\.$",
+        ),
+        (
+            {"prompt": "x", "min_tokens": 9, "max_tokens": 4},
+            400,
+            r"^min_tokens=9 is more than max_tokens=4: ask for at most 4\.$",
+        ),
+    ],
+)
 def test_invalid_fields_are_openai_errors(server, body, status, pattern):
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", **body}, timeout=TIMEOUT)
     assert r.status_code == status, r.text
@@ -281,31 +330,59 @@ def test_invalid_fields_are_openai_errors(server, body, status, pattern):
 
 # every field of the issue's list that would change the answer, on the endpoint that would read it
 UNHONOURED = [
-    ("/v1/completions", "guided_json", {"type": "object"}), ("/v1/completions", "guided_regex", "a+"),
-    ("/v1/completions", "guided_choice", ["a", "b"]), ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/completions", "guided_choice", ["a", "b"]),
+    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
     ("/v1/completions", "allowed_token_ids", [5]),
-    ("/v1/completions", "bad_words", ["x"]), ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "prompt_logprobs", 1), ("/v1/chat/completions", "functions", [{"name": "f"}]),
-    ("/v1/chat/completions", "function_call", "auto"), ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "prompt_logprobs", 1),
-    ("/tokenize", "chat_template", "{{ 'x' }}"), ("/detokenize", "skip_special_tokens", False),
+    ("/v1/completions", "bad_words", ["x"]),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/tokenize", "chat_template", "{{ 'x' }}"),
+    ("/detokenize", "skip_special_tokens", False),
 ]
 
 
 @pytest.mark.parametrize("path,name,value", UNHONOURED, ids=[f"{p}:{n}" for p, n, _ in UNHONOURED])
 def test_a_field_that_would_change_the_answer_is_refused_by_name(server, path, name, value):
-    body = {"model": "tiny", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
-                                                 else {"prompt": "hi"} if "detok" not in path else {"tokens": [5]})}
+    body = {
+        "model": "tiny",
+        "max_tokens": 2,
+        **(
+            {"messages": [{"role": "user", "content": "hi"}]}
+            if "chat" in path
+            else {"prompt": "hi"}
+            if "detok" not in path
+            else {"tokens": [5]}
+        ),
+    }
     if path in ("/tokenize", "/detokenize"):
         body.pop("max_tokens")
     r = httpx.post(server.url + path, json={**body, name: value}, timeout=TIMEOUT)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == name and error["code"] == "unsupported_field" and set(error) == {"message", "type", "param", "code"}
-    assert error["message"] == (f"The field {name!r} is not supported by this server and would change the answer: "
-                                f"leave it out" + (" (for 'functions', send \"tools\" instead)" if name == "functions" else
-                                                   " (for 'function_call', send \"tool_choice\" instead)"
-                                                   if name == "function_call" else "") + ".")
+    assert (
+        error["param"] == name
+        and error["code"] == "unsupported_field"
+        and set(error) == {"message", "type", "param", "code"}
+    )
+    assert error["message"] == (
+        f"The field {name!r} is not supported by this server and would change the answer: "
+        f"leave it out"
+        + (
+            " (for 'functions', send \"tools\" instead)"
+            if name == "functions"
+            else " (for 'function_call', send \"tool_choice\" instead)"
+            if name == "function_call"
+            else ""
+        )
+        + "."
+    )
 
 
 def test_every_unknown_field_is_named_and_descriptive_fields_pass(server, tok):
@@ -313,8 +390,11 @@ def test_every_unknown_field_is_named_and_descriptive_fields_pass(server, tok):
     the client, `fields.DESCRIPTIVE`) pass on every endpoint and change nothing."""
     from staticformers.serving.fields import DESCRIPTIVE
 
-    r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
-                   json={"model": "tiny", "prompt": "hi", "best_of": 1, "bad_words": ["x"], "use_beam_search": True})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=TIMEOUT,
+        json={"model": "tiny", "prompt": "hi", "best_of": 1, "bad_words": ["x"], "use_beam_search": True},
+    )
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and message.startswith("The fields 'bad_words', 'use_beam_search' are not supported")
     described = {"user": "u-1", "metadata": {"team": "a"}, "store": False}
@@ -330,8 +410,9 @@ def test_every_unknown_field_is_named_and_descriptive_fields_pass(server, tok):
 
 
 def test_bad_json_and_big_bodies(server):
-    r = httpx.post(server.url + "/v1/completions", content=b"{nope", timeout=TIMEOUT,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions", content=b"{nope", timeout=TIMEOUT, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", content=b"x" * (5 * 2**20), timeout=TIMEOUT)
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
@@ -342,21 +423,37 @@ def test_bad_json_and_big_bodies(server):
 SURROGATE = '"\\ud800"'  # JSON text for a lone UTF-16 surrogate
 
 
-@pytest.mark.parametrize("path,body,where", [
-    ("/v1/completions", '{"model": "tiny", "prompt": %s}', "prompt"),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}', "messages[0].content"),
-    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
-                             '[{"type": "function", "function": {"name": %s}}]}', "tools[0].function.name"),
-    ("/tokenize", '{"prompt": %s}', "prompt"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "x", %s: 1}', "a key of body"),
-])
+@pytest.mark.parametrize(
+    "path,body,where",
+    [
+        ("/v1/completions", '{"model": "tiny", "prompt": %s}', "prompt"),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny", "messages": [{"role": "user", "content": %s}]}',
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
+            '[{"type": "function", "function": {"name": %s}}]}',
+            "tools[0].function.name",
+        ),
+        ("/tokenize", '{"prompt": %s}', "prompt"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "x", %s: 1}', "a key of body"),
+    ],
+)
 def test_a_lone_surrogate_is_a_400_naming_where(server, path, body, where):
-    r = httpx.post(server.url + path, content=(body % SURROGATE).encode(), timeout=TIMEOUT,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + path,
+        content=(body % SURROGATE).encode(),
+        timeout=TIMEOUT,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["message"] == (f"{where} holds a lone UTF-16 surrogate ('\\ud800' at character 0), which is not "
-                                f"text: send valid Unicode."), error["message"]
+    assert error["message"] == (
+        f"{where} holds a lone UTF-16 surrogate ('\\ud800' at character 0), which is not text: send valid Unicode."
+    ), error["message"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
 
 
@@ -365,10 +462,15 @@ def test_deep_json_unknown_routes_and_handler_bugs_are_openai_json(server, monke
     unknown route is 404 and a wrong method 405, in OpenAI's format; a handler that raises is a JSON 500
     and the server goes on."""
     for depth in (100_000, 65):
-        r = httpx.post(server.url + "/v1/completions", content=b"[" * depth + b"]" * depth, timeout=TIMEOUT,
-                       headers={"content-type": "application/json"})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            content=b"[" * depth + b"]" * depth,
+            timeout=TIMEOUT,
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(
-            "The request body nests JSON more than 64 levels deep"), r.text
+            "The request body nests JSON more than 64 levels deep"
+        ), r.text
     deep_ok = {"model": "tiny", "prompt": "x", "max_tokens": 1, "metadata": {"a": {"b": {"c": [[[1]]]}}}}
     assert httpx.post(server.url + "/v1/completions", json=deep_ok, timeout=TIMEOUT).status_code == 200
     r = httpx.get(server.url + "/v1/nothing", timeout=TIMEOUT)
@@ -383,22 +485,38 @@ def test_deep_json_unknown_routes_and_handler_bugs_are_openai_json(server, monke
     monkeypatch.setattr(server.state, "adapters", Broken())
     r = httpx.get(server.url + "/v1/models", timeout=TIMEOUT)
     assert r.status_code == 500 and r.json()["error"] == {
-        "message": "The server failed this request (KeyError): report it.", "type": "server_error", "param": None,
-        "code": None}
+        "message": "The server failed this request (KeyError): report it.",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
     monkeypatch.undo()
     assert httpx.get(server.url + "/v1/models", timeout=TIMEOUT).status_code == 200
 
 
-@pytest.mark.parametrize("tools,pattern", [
-    ([{"type": "function", "function": {"name": "a b"}}], r"^tools\[0\]\.function\.name='a b' must be 1 to 64 letters"),
-    ([{"type": "function", "function": {}}], r"^tools\[0\]\.function\.name=None must be 1 to 64 letters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}],
-     r"^tools\[0\]\.function\.parameters='x' must be a JSON Schema object"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}],
-     r"^tools\[0\]\.function\.parameters=.* must be a JSON Schema object"),
-    ([{"type": "function", "function": {"name": "f"}}, {"name": "g"}], r"^tools\[1\]=\{'name': 'g'\} must be \{\"type\""),
-    ({"name": "f"}, r"^tools=\{'name': 'f'\} must be a list of tool objects"),
-])
+@pytest.mark.parametrize(
+    "tools,pattern",
+    [
+        (
+            [{"type": "function", "function": {"name": "a b"}}],
+            r"^tools\[0\]\.function\.name='a b' must be 1 to 64 letters",
+        ),
+        ([{"type": "function", "function": {}}], r"^tools\[0\]\.function\.name=None must be 1 to 64 letters"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+            r"^tools\[0\]\.function\.parameters='x' must be a JSON Schema object",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}],
+            r"^tools\[0\]\.function\.parameters=.* must be a JSON Schema object",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f"}}, {"name": "g"}],
+            r"^tools\[1\]=\{'name': 'g'\} must be \{\"type\"",
+        ),
+        ({"name": "f"}, r"^tools=\{'name': 'f'\} must be a list of tool objects"),
+    ],
+)
 def test_a_malformed_tool_is_refused_naming_it(server, tools, pattern):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 2}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
@@ -418,8 +536,11 @@ def test_startup_refusals_an_empty_api_key_and_a_broken_chat_template(model, tok
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}{{ m.content }")
     opts = ServeOptions(model=folder, chat_template=str(broken))
-    with pytest.raises(ValueError, match=rf"^--chat-template {re.escape(str(broken))} cannot render a chat of one user "
-                                         rf"message: The chat template has a Jinja syntax error at line 1: .*; fix the template\.$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^--chat-template {re.escape(str(broken))} cannot render a chat of one user "
+        rf"message: The chat template has a Jinja syntax error at line 1: .*; fix the template\.$",
+    ):
         build_state(model, tok, build_loop(model, opts), opts)
 
 
@@ -429,8 +550,11 @@ def test_a_huge_prompt_is_refused_by_its_length_and_tokenizing_never_blocks_othe
     until /health has answered (events, not seconds): on the event loop, /health could not answer until it
     gave up waiting."""
     r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "ab " * 1_300_000}, timeout=TIMEOUT)
-    assert r.status_code == 400 and re.fullmatch(r"The prompt has 3900000 characters, far more tokens than "
-                                                 r"--max-model-len=256 holds: shorten it\.", r.json()["error"]["message"])
+    assert r.status_code == 400 and re.fullmatch(
+        r"The prompt has 3900000 characters, far more tokens than "
+        r"--max-model-len=256 holds: shorten it\.",
+        r.json()["error"]["message"],
+    )
     real = server.state.tokenizer
     started, answered, seen = threading.Event(), threading.Event(), {}
 
@@ -450,8 +574,9 @@ def test_a_huge_prompt_is_refused_by_its_length_and_tokenizing_never_blocks_othe
 
     async def both():
         async with httpx.AsyncClient(timeout=TIMEOUT) as c:
-            slow = asyncio.create_task(c.post(server.url + "/v1/completions",
-                                              json={"model": "tiny", "prompt": "x", "max_tokens": 1}))
+            slow = asyncio.create_task(
+                c.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+            )
             assert await asyncio.to_thread(started.wait, 60), "the request never reached its tokenizer"
             health = await c.get(server.url + "/health")
             answered.set()
@@ -480,17 +605,23 @@ def test_the_port_answers_503_with_the_reason_until_the_model_is_ready(server):
     early, later = asyncio.run(ask())
     for r in early:
         assert r.status_code == 503 and r.headers["Retry-After"] == "5"
-        assert r.json()["error"] == {"message": "The server is starting (loading /models/x, then compiling its shape "
-                                                "plan): retry in a moment.", "type": "server_error", "param": None,
-                                     "code": None}
+        assert r.json()["error"] == {
+            "message": "The server is starting (loading /models/x, then compiling its shape plan): retry in a moment.",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
     assert later.status_code == 200
 
 
 def test_api_key(model, tok, folder):
     s = start(model, tok, folder, api_key="sekrit")
     try:
-        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
-                                ({"Authorization": "Bearer sekrit"}, 200)):
+        for headers, status in (
+            ({}, 401),
+            ({"Authorization": "Bearer wrong"}, 401),
+            ({"Authorization": "Bearer sekrit"}, 200),
+        ):
             r = httpx.get(s.url + "/v1/models", headers=headers, timeout=TIMEOUT)
             assert r.status_code == status
         assert "API key is missing" in httpx.get(s.url + "/v1/models", timeout=TIMEOUT).json()["error"]["message"]
@@ -506,11 +637,14 @@ def test_api_key(model, tok, folder):
 def test_a_full_queue_is_429_with_retry_after(model, tok, folder):
     s = start(model, tok, folder, max_batch_size=1, max_queued_requests=1)
     try:
-        never = httpx.post(s.url + "/v1/completions", timeout=TIMEOUT,
-                           json={"model": "tiny", "prompt": ["go", "on"], "max_tokens": 2})  # on an idle server
+        never = httpx.post(
+            s.url + "/v1/completions", timeout=TIMEOUT, json={"model": "tiny", "prompt": ["go", "on"], "max_tokens": 2}
+        )  # on an idle server
         assert never.status_code == 400 and never.json()["error"]["message"] == (
             "This request asks for 2 sequences (prompts x n), more than the 1 the server's queue holds "
-            "(--max-queued-requests): ask for at most 1.")
+            "(--max-queued-requests): ask for at most 1."
+        )
+
         async def burst():
             async with httpx.AsyncClient(timeout=TIMEOUT) as c:
                 body = {"model": "tiny", "prompt": "go", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -571,8 +705,9 @@ def test_shutdown_past_the_grace_ends_every_answer_with_abort_and_done(model, to
     stopped = time.monotonic() - started
     # the rows needed 7 s or more (240 slowed steps): ending before them is what the grace promises; the bound
     # is only there so that a server that waited for its rows fails with a sentence
-    assert not any(t.is_alive() for t in threads) and all(k in results for k in (0, 1, 2, "whole")), \
+    assert not any(t.is_alive() for t in threads) and all(k in results for k in (0, 1, 2, "whole")), (
         f"the answers had not ended {stopped:.1f} s after stop() with a 2 s grace: shutdown waited for the rows"
+    )
     for i in range(3):
         lines = results[i]
         assert lines[-1] == "data: [DONE]", lines[-3:]
@@ -619,7 +754,9 @@ def test_an_exception_in_a_step_is_500_and_the_server_goes_on(model, tok, folder
         s.stop()
 
 
-def test_a_step_that_raises_past_the_loop_fails_its_rows_and_the_next_request_is_served(model, tok, folder, monkeypatch):
+def test_a_step_that_raises_past_the_loop_fails_its_rows_and_the_next_request_is_served(
+    model, tok, folder, monkeypatch
+):
     """Fault injection outside the loop's own recovery (its whole `step` raises once): that batch's request
     gets a 500 in OpenAI's format, /health stays 200, and the next request is answered right."""
     s = start(model, tok, folder)
@@ -661,8 +798,12 @@ def test_a_one_token_request_beside_a_longer_one_never_breaks_the_server(server,
             for _ in range(12):
                 one = {"model": "tiny", "prompt": "a b", "max_tokens": 1, "temperature": 0}
                 eight = {"model": "tiny", "prompt": "a b", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-                out.append(await asyncio.gather(c.post(server.url + "/v1/completions", json=one),
-                                                c.post(server.url + "/v1/completions", json=eight)))
+                out.append(
+                    await asyncio.gather(
+                        c.post(server.url + "/v1/completions", json=one),
+                        c.post(server.url + "/v1/completions", json=eight),
+                    )
+                )
             return out
 
     for one, eight in asyncio.run(rounds()):
@@ -674,11 +815,13 @@ def test_a_one_token_request_beside_a_longer_one_never_breaks_the_server(server,
 def test_health_is_503_once_the_engine_thread_died(model, tok, folder, monkeypatch):
     """Only the engine thread's death (something that is not an `Exception`) stops the server: 500 for the
     request it held, then 503 on /health and for every request, each in OpenAI's format."""
+
     class Fatal(BaseException):
         pass
 
     s = start(model, tok, folder)
     try:
+
         def dead(*args, **kwargs):
             raise Fatal("the thread is gone")
 
@@ -764,8 +907,11 @@ def test_tool_calls_streamed_and_not(model, tok, folder):
         (call,) = message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
         assert call.id.startswith("call_") and call.type == "function"
-        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
-                                                tools=tools, stream=True))
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=tools, stream=True
+            )
+        )
         content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
         calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
         # OpenAI's deltas: one per call once its block parsed (index, id, name and the whole arguments), so a
@@ -774,8 +920,9 @@ def test_tool_calls_streamed_and_not(model, tok, folder):
         assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
         assert calls[0].function.arguments == call.function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        plain = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
-                                          tools=tools, tool_choice="none")
+        plain = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=tools, tool_choice="none"
+        )
         assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
     finally:
         s.stop()
@@ -799,8 +946,9 @@ def test_load_64_requests_16_clients_some_disconnecting(model, tok, folder):
     for prompt, max_tokens, drop in jobs:
         if not drop:
             ids = tok(prompt)["input_ids"]
-            solo[prompt, max_tokens] = tok.decode(cut_at_eos(greedy(model, ids, max_tokens), tok.eos_token_id),
-                                                  skip_special_tokens=True)
+            solo[prompt, max_tokens] = tok.decode(
+                cut_at_eos(greedy(model, ids, max_tokens), tok.eos_token_id), skip_special_tokens=True
+            )
     s = start(model, tok, folder, precompile=True)
     try:
         compiled_before = metric(s.url, "graphs_compiled_total")

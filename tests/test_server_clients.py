@@ -66,8 +66,9 @@ def test_echo_logprobs_score_the_prompt_as_transformers(client, hf, tok):
     max_tokens 0 (and 1: the generated token comes after the prompt's)."""
     prompts = [tok("The for statement loops over a list")["input_ids"], tok("A tuple is")["input_ids"]]
     for max_tokens in (0, 1):
-        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=max_tokens, temperature=0, echo=True,
-                                      logprobs=1)
+        r = client.completions.create(
+            model="tiny", prompt=prompts, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
+        )
         for choice in sorted(r.choices, key=lambda c: c.index):
             ids = prompts[choice.index]
             lp = choice.logprobs
@@ -76,18 +77,22 @@ def test_echo_logprobs_score_the_prompt_as_transformers(client, hf, tok):
             with torch.no_grad():
                 ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
             want = torch.stack([ref[j - 1, ids[j]] for j in range(1, len(ids))])
-            assert_close(torch.tensor(lp.token_logprobs[1:len(ids)]), want)
+            assert_close(torch.tensor(lp.token_logprobs[1 : len(ids)]), want)
             for j in range(1, len(ids)):
-                (text, value), = lp.top_logprobs[j].items()
+                ((text, value),) = lp.top_logprobs[j].items()
                 best = int(ref[j - 1].argmax())
                 assert text == shown_text(tok, best) and value == pytest.approx(float(ref[j - 1, best]), abs=1e-5)
-            assert lp.tokens[:len(ids)] == [shown_text(tok, t) for t in ids]  # bytes:\xNN for part of a character
+            assert lp.tokens[: len(ids)] == [shown_text(tok, t) for t in ids]  # bytes:\xNN for part of a character
             assert choice.text.startswith(tok.decode(ids)) and choice.finish_reason == "length"
         assert r.usage.completion_tokens == max_tokens * len(prompts)
-    whole = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=3, temperature=0, echo=True,
-                                      logprobs=2)
-    chunks = list(client.completions.create(model="tiny", prompt=prompts[1], max_tokens=3, temperature=0, echo=True,
-                                            logprobs=2, stream=True))
+    whole = client.completions.create(
+        model="tiny", prompt=prompts[1], max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=3, temperature=0, echo=True, logprobs=2, stream=True
+        )
+    )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert [t for lp in streamed for t in lp.token_logprobs] == whole.choices[0].logprobs.token_logprobs
@@ -95,8 +100,9 @@ def test_echo_logprobs_score_the_prompt_as_transformers(client, hf, tok):
 
 
 def test_max_tokens_zero_needs_echo(server):
-    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0},
-                   timeout=TIMEOUT)
+    r = httpx.post(
+        server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0}, timeout=TIMEOUT
+    )
     assert r.status_code == 400
     assert "max_tokens=0 is only allowed with echo=true" in r.json()["error"]["message"]
 
@@ -108,16 +114,25 @@ def test_responses_text_equals_chat_streamed_and_not(client):
     messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "What is a list?"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     want = chat.choices[0].message.content
-    r = client.responses.create(model="tiny", instructions="Be short.", input="What is a list?", max_output_tokens=8,
-                                temperature=0)
+    r = client.responses.create(
+        model="tiny", instructions="Be short.", input="What is a list?", max_output_tokens=8, temperature=0
+    )
     assert r.output_text == want and r.object == "response" and r.model == "tiny"
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
     # the same as message items, streamed
-    events = list(client.responses.create(model="tiny", input=[{"role": "developer", "content": "Be short."},
-                                                               {"role": "user", "content": [
-                                                                   {"type": "input_text", "text": "What is a list?"}]}],
-                                          max_output_tokens=8, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model="tiny",
+            input=[
+                {"role": "developer", "content": "Be short."},
+                {"role": "user", "content": [{"type": "input_text", "text": "What is a list?"}]},
+            ],
+            max_output_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
@@ -127,11 +142,19 @@ def test_responses_text_equals_chat_streamed_and_not(client):
 
 def test_responses_previous_response_id_continues_the_conversation(client, server):
     first = client.responses.create(model="tiny", input="Name a number.", max_output_tokens=4, temperature=0)
-    second = client.responses.create(model="tiny", input="And another?", previous_response_id=first.id,
-                                     max_output_tokens=4, temperature=0)
-    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=4, messages=[
-        {"role": "user", "content": "Name a number."}, {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And another?"}])
+    second = client.responses.create(
+        model="tiny", input="And another?", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model="tiny",
+        temperature=0,
+        max_tokens=4,
+        messages=[
+            {"role": "user", "content": "Name a number."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"},
+        ],
+    )
     assert second.output_text == chat.choices[0].message.content
     assert client.responses.retrieve(second.id).output_text == second.output_text
     with pytest.raises(openai.NotFoundError, match="is not stored here"):
@@ -163,8 +186,9 @@ def test_responses_function_calls_parse(server, tok):
     answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     state = server.state
     real = state.engine
-    state.engine = EngineThread(ScriptedLoop(real.loop, tok(answer, add_special_tokens=False)["input_ids"]
-                                             + [tok.eos_token_id]), state.metrics).start()
+    state.engine = EngineThread(
+        ScriptedLoop(real.loop, tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]), state.metrics
+    ).start()
     try:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=TIMEOUT, max_retries=0)
         tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
@@ -176,8 +200,11 @@ def test_responses_function_calls_parse(server, tok):
         deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
         assert len(deltas) == 1 and json.loads(deltas[0].delta) == {"city": "Paris"}
         assert [o.type for o in events[-1].response.output] == ["function_call"]
-        follow = c.responses.create(model="tiny", previous_response_id=r.id, input=[
-            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        follow = c.responses.create(
+            model="tiny",
+            previous_response_id=r.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        )
         assert follow.status == "completed"
     finally:
         state.engine.shutdown(0)
@@ -202,7 +229,11 @@ def test_the_plan_is_precompiled_by_default_on_neuron_and_xla_only():
     assert not warm("xla", no_compile=True)
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert [p.parse_args(["m", *a]).precompile for a in ([], ["--precompile"], ["--no-precompile"])] == [None, True, False]
+    assert [p.parse_args(["m", *a]).precompile for a in ([], ["--precompile"], ["--no-precompile"])] == [
+        None,
+        True,
+        False,
+    ]
     assert "on for neuron and xla" in " ".join(p.format_help().split())
 
 
@@ -213,8 +244,14 @@ def test_the_warm_up_can_compile_the_scoring_prefills(folder, tok):
     from staticformers.generation.sampling import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(folder)
-    opts = ServeOptions(model=folder, backend="eager", max_batch_size=1, max_model_len=16, precompile=True,
-                        precompile_prompt_logprobs=True)
+    opts = ServeOptions(
+        model=folder,
+        backend="eager",
+        max_batch_size=1,
+        max_model_len=16,
+        precompile=True,
+        precompile_prompt_logprobs=True,
+    )
     loop = build_loop(model, opts)
     kinds = {row["kind"] for row in loop.engine.stats()}
     assert "score" in kinds

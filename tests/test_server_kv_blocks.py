@@ -37,16 +37,25 @@ def model(folder):
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"staticformers:{name}{{") or line.startswith(f"staticformers:{name} "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f"staticformers:{name}{{") or line.startswith(f"staticformers:{name} ")
+    )
 
 
 def test_concurrent_answers_on_a_small_pool_equal_generate(model, folder):
     """Six concurrent completions of 24-40 tokens on a pool of 6 blocks of 16 positions (4 slots): requests are
     preempted and resumed, and each answer's tokens equal `generate()`'s; the pool is empty afterwards."""
     tok = AutoTokenizer.from_pretrained(folder)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4, block_size=16,
-                        num_gpu_blocks_override=6)
+    opts = ServeOptions(
+        model=folder,
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=4,
+        block_size=16,
+        num_gpu_blocks_override=6,
+    )
     loop = build_loop(model, opts)
     server = Server(build_state(model, tok, loop, opts), grace=2.0)
     server.start()
@@ -57,8 +66,9 @@ def test_concurrent_answers_on_a_small_pool_equal_generate(model, folder):
         got: dict = {}
 
         def ask(i):
-            r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
-                                          extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=lengths[i], temperature=0, extra_body={"ignore_eos": True}
+            )
             got[i] = r.choices[0]
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
@@ -69,8 +79,9 @@ def test_concurrent_answers_on_a_small_pool_equal_generate(model, folder):
         assert len(got) == len(prompts)
         for i, p in enumerate(prompts):
             ids = tok(p)["input_ids"]
-            want = model.generate(torch.tensor([ids]), max_new_tokens=lengths[i], do_sample=False,
-                                  compile_config=EAGER, eos_token_id=None)[0, len(ids):].tolist()
+            want = model.generate(
+                torch.tensor([ids]), max_new_tokens=lengths[i], do_sample=False, compile_config=EAGER, eos_token_id=None
+            )[0, len(ids) :].tolist()
             assert got[i].text == tok.decode(want, skip_special_tokens=True), i
         assert metric(server.url, "num_preemptions_total") > 0
         assert metric(server.url, "kv_cache_usage_perc") == 0.0
@@ -86,8 +97,15 @@ def test_prefix_caching_shares_the_pools_blocks(model, folder):
     """--enable-prefix-caching on a block pool: a second request that starts like the first finds its prefix's
     blocks (counted on /metrics in prompt tokens, as vLLM counts), and both answers equal `generate()`'s."""
     tok = AutoTokenizer.from_pretrained(folder)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4, block_size=16,
-                        num_gpu_blocks_override=32, enable_prefix_caching=True)
+    opts = ServeOptions(
+        model=folder,
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=4,
+        block_size=16,
+        num_gpu_blocks_override=32,
+        enable_prefix_caching=True,
+    )
     server = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
     server.start()
     try:
@@ -95,10 +113,12 @@ def test_prefix_caching_shares_the_pools_blocks(model, folder):
         system = " ".join(["The for statement iterates over the items of any sequence"] * 6)
         for question in (" Lists hold", " Sets of"):
             ids = tok(system + question)["input_ids"]
-            want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, compile_config=EAGER,
-                                  eos_token_id=None)[0, len(ids):].tolist()
-            r = client.completions.create(model="tiny", prompt=system + question, max_tokens=8, temperature=0,
-                                          extra_body={"ignore_eos": True})
+            want = model.generate(
+                torch.tensor([ids]), max_new_tokens=8, do_sample=False, compile_config=EAGER, eos_token_id=None
+            )[0, len(ids) :].tolist()
+            r = client.completions.create(
+                model="tiny", prompt=system + question, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+            )
             assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)
         assert metric(server.url, "prefix_cache_hits_total") >= 16
     finally:

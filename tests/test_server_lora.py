@@ -35,8 +35,9 @@ def folders(tmp_path_factory):
     base = root / "base"
     build_qwen(base)
     tok = AutoTokenizer.from_pretrained(str(base))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(base))
+    build_hf_model(
+        "qwen3", vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id
+    ).save_pretrained(str(base))
     out = {"base": str(base)}
     for name, seed, r in (("sql", 1, 4), ("poem", 2, 8), ("third", 3, 8), ("wide", 4, 32)):
         model = AutoModelForCausalLM.from_pretrained(str(base))
@@ -55,10 +56,18 @@ def folders(tmp_path_factory):
 def server(folders):
     """The base, sql and poem, room for one more adapter loaded at run time from the folders' root; the plan
     (32 positions) compiled first, so that the graph count must not move after."""
-    opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=4,
-                        lora_modules={"sql": folders["sql"], "poem": folders["poem"]}, max_model_len=32,
-                        enable_lora_runtime_updates=True, lora_root=str(Path(folders["base"]).parent), max_loras=3,
-                        precompile=True)
+    opts = ServeOptions(
+        model=folders["base"],
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=4,
+        lora_modules={"sql": folders["sql"], "poem": folders["poem"]},
+        max_model_len=32,
+        enable_lora_runtime_updates=True,
+        lora_root=str(Path(folders["base"]).parent),
+        max_loras=3,
+        precompile=True,
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls on a shared machine; set before the plan compiles (Dynamo guards on it)
     model, tok = load(opts)
@@ -82,8 +91,10 @@ def expected_text(folders, adapter, prompt, n):
         model.merge_and_unload()
     ids = tok(prompt)["input_ids"]
     ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, disable_compile=True)
-    return tok.decode(out[0, len(ids):].tolist())
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, disable_compile=True
+    )
+    return tok.decode(out[0, len(ids) :].tolist())
 
 
 def test_models_lists_the_base_and_its_adapters(client, folders):
@@ -98,8 +109,9 @@ def test_each_request_gets_its_adapters_answer_in_shared_batches(client, folders
     jobs = [("sql", "sql"), ("tiny", None), ("poem", "poem"), ("sql", "sql")]
 
     def ask(name):
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0.0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=name, prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}
+        )
         return r.model, r.choices[0].text
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -117,20 +129,29 @@ def test_adapter_requests_are_counted_under_the_adapter_s_name(server, client):
         text = httpx.get(server.url + "/metrics", timeout=60).text
         out = {}
         for line in text.splitlines():
-            for metric in ("prompt_tokens_total", "generation_tokens_total", "request_success_total",
-                           "time_to_first_token_seconds_count"):
+            for metric in (
+                "prompt_tokens_total",
+                "generation_tokens_total",
+                "request_success_total",
+                "time_to_first_token_seconds_count",
+            ):
                 if line.startswith(f"staticformers:{metric}{{") and f'model_name="{name}"' in line:
                     out[metric] = out.get(metric, 0.0) + float(line.rsplit(" ", 1)[1])
         return out
 
     before = {name: counted(name) for name in ("tiny", "sql", "poem")}
-    r = client.completions.create(model="poem", prompt="The for statement", max_tokens=5, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="poem", prompt="The for statement", max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     after = {name: counted(name) for name in ("tiny", "sql", "poem")}
     assert after["tiny"] == before["tiny"] and after["sql"] == before["sql"]  # nothing counted under the others
     grew = {k: after["poem"][k] - before["poem"].get(k, 0.0) for k in after["poem"]}
-    assert grew == {"prompt_tokens_total": r.usage.prompt_tokens, "generation_tokens_total": 5,
-                    "request_success_total": 1, "time_to_first_token_seconds_count": 1}
+    assert grew == {
+        "prompt_tokens_total": r.usage.prompt_tokens,
+        "generation_tokens_total": 5,
+        "request_success_total": 1,
+        "time_to_first_token_seconds_count": 1,
+    }
 
 
 def test_chat_with_an_adapter_and_an_unknown_model_is_404(client):
@@ -168,9 +189,15 @@ def peft_greedy(folders, adapter: str, prompt: str, n: int) -> str:
     model = peft.PeftModel.from_pretrained(hf, folders[adapter]).eval()
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return tok.decode(out[0, ids.shape[1]:].tolist())
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return tok.decode(out[0, ids.shape[1] :].tolist())
 
 
 def post(server, route: str, body: dict):
@@ -190,8 +217,9 @@ def test_adapters_load_use_unload_and_load_again_under_8_clients(server, client,
 
     def ask(name: str):
         start = time.monotonic()
-        r = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0.0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=name, prompt=prompt, max_tokens=n, temperature=0.0, extra_body={"ignore_eos": True}
+        )
         return r.choices[0].text, r.choices[0].finish_reason, time.monotonic() - start
 
     def background(i: int):
@@ -249,7 +277,9 @@ def test_runtime_adapter_refusals(server, folders, tmp_path):
     assert wide.status_code == 400 and "rank 32" in wide.json()["error"]["message"]
     again = post(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": folders["sql"]})
     assert again.status_code == 409 and "already loaded" in again.json()["error"]["message"]
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]}).status_code == 200
+    assert (
+        post(server, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": folders["third"]}).status_code == 200
+    )
     try:
         full = post(server, "/v1/load_lora_adapter", {"lora_name": "fourth", "lora_path": folders["third"]})
         assert full.status_code == 409 and "bank is full (3 adapters, --max-loras)" in full.json()["error"]["message"]
@@ -267,8 +297,9 @@ def test_runtime_adapter_routes_are_behind_the_api_key_and_off_by_default(folder
     state = ServerState("tiny", None, None, None, 64, 1, api_key="k")
     scope = {"type": "http", "path": "/v1/load_lora_adapter", "headers": []}
     assert Guard(None, state).refusal(scope).status_code == 401
-    opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=1,
-                        max_model_len=32)
+    opts = ServeOptions(
+        model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=1, max_model_len=32
+    )
     model, tok = load(opts)
     s = Server(build_state(model, tok, build_loop(model, opts), opts), grace=1.0)
     s.start()
@@ -281,12 +312,19 @@ def test_runtime_adapter_routes_are_behind_the_api_key_and_off_by_default(folder
 
 def test_max_lora_rank_and_max_loras_below_the_adapters_are_refused(folders):
     """--max-lora-rank 2 with a rank-8 adapter (it was raised to 8 silently), --max-loras 1 with two adapters."""
-    opts = ServeOptions(model=folders["base"], lora_modules={"sql": folders["sql"], "poem": folders["poem"]},
-                        max_lora_rank=2)
-    with pytest.raises(ValueError, match=r"^--max-lora-rank 2 is less than the rank 8 of adapter 'poem' \(.*poem\): "
-                                         r"pass --max-lora-rank 8 or more, or leave it out\.$"):
+    opts = ServeOptions(
+        model=folders["base"], lora_modules={"sql": folders["sql"], "poem": folders["poem"]}, max_lora_rank=2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^--max-lora-rank 2 is less than the rank 8 of adapter 'poem' \(.*poem\): "
+        r"pass --max-lora-rank 8 or more, or leave it out\.$",
+    ):
         load(opts)
     opts.max_lora_rank, opts.max_loras = None, 1
-    with pytest.raises(ValueError, match=r"^--max-loras 1 is less than the 2 adapters of --lora-modules: pass "
-                                         r"--max-loras 2 or more"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--max-loras 1 is less than the 2 adapters of --lora-modules: pass "
+        r"--max-loras 2 or more",
+    ):
         load(opts)

@@ -34,8 +34,9 @@ def folders(tmp_path_factory):
     base = root / "base"
     build_qwen(base)
     tok = AutoTokenizer.from_pretrained(str(base))
-    build_hf_model("qwen3", vocab_size=len(tok), max_position_embeddings=256,
-                   eos_token_id=tok.eos_token_id).save_pretrained(str(base))
+    build_hf_model(
+        "qwen3", vocab_size=len(tok), max_position_embeddings=256, eos_token_id=tok.eos_token_id
+    ).save_pretrained(str(base))
     out = {"base": str(base)}
     for name, seed in (("old", 1), ("new", 2)):
         model = AutoModelForCausalLM.from_pretrained(str(base))
@@ -54,9 +55,19 @@ def folders(tmp_path_factory):
 def server(folders, request):
     """The prefix cache copying its blocks into static rows, or sharing the blocks of a KV block pool."""
     blocks = 32 if request.param == "shared" else None
-    opts = ServeOptions(model=folders["base"], served_model_name="tiny", backend="eager", max_batch_size=2,
-                        max_model_len=64, enable_lora_runtime_updates=True, lora_root=str(Path(folders["base"]).parent),
-                        max_loras=2, enable_prefix_caching=True, block_size=8, num_gpu_blocks_override=blocks)
+    opts = ServeOptions(
+        model=folders["base"],
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=2,
+        max_model_len=64,
+        enable_lora_runtime_updates=True,
+        lora_root=str(Path(folders["base"]).parent),
+        max_loras=2,
+        enable_prefix_caching=True,
+        block_size=8,
+        num_gpu_blocks_override=blocks,
+    )
     model, tok = load(opts)
     s = Server(build_state(model, tok, build_loop(model, opts), opts), grace=2.0)
     s.start()
@@ -73,14 +84,25 @@ def fresh_tokens(folders, adapter: str, n: int) -> list:
     model = AutoModelForCausalLM.from_pretrained(folders["base"])
     model.load_adapter(folders[adapter])
     model.merge_and_unload()
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         disable_compile=True)
-    return out[0, len(PROMPT):].tolist()
+    out = model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, disable_compile=True
+    )
+    return out[0, len(PROMPT) :].tolist()
 
 
 def answer(server, name: str) -> str:
-    r = post(server, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
-                                         "ignore_eos": True, "skip_special_tokens": False})
+    r = post(
+        server,
+        "/v1/completions",
+        {
+            "model": name,
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 6
     return r.json()["choices"][0]["text"]
@@ -130,14 +152,18 @@ def test_a_reserved_adapter_name_is_refused(server, folders, name):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == "lora_name"
-    assert error["message"] == (f"lora_name={name!r} is reserved: it names the base model without an adapter. "
-                                f"Pick another name.")
+    assert error["message"] == (
+        f"lora_name={name!r} is reserved: it names the base model without an adapter. Pick another name."
+    )
     names = {m["id"] for m in httpx.get(server.url + "/v1/models", timeout=TIMEOUT).json()["data"]}
     assert name not in names and not bank_of(server.state.engine.loop.engine.model).slots
 
 
 def test_a_reserved_name_in_lora_modules_is_refused_at_start(folders):
     opts = ServeOptions(model=folders["base"], lora_modules={"__base__": folders["old"]})
-    with pytest.raises(ValueError, match=r"^The adapter name '__base__' in --lora-modules is reserved: it names the "
-                                         r"base model without an adapter\. Pick another name\.$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^The adapter name '__base__' in --lora-modules is reserved: it names the "
+        r"base model without an adapter\. Pick another name\.$",
+    ):
         load(opts)

@@ -32,9 +32,16 @@ def test_prefix_hits_answer_as_misses_and_are_counted_in_tokens(tmp_path):
 
     folder = save_served("qwen3", tmp_path / "served")
     model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=4,
-                        enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64,
-                        block_size=8)
+    opts = ServeOptions(
+        model=folder,
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=4,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        block_size=8,
+    )
     loop = build_loop(model, opts)
     assert loop.chunk == 16 and (16, 1) in loop.plan.extend_widths  # 64 tokens a step over 4 rows
     server = Server(build_state(model, tok, loop, opts), grace=2.0)
@@ -43,8 +50,10 @@ def test_prefix_hits_answer_as_misses_and_are_counted_in_tokens(tmp_path):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
         system = list(range(10, 60))  # 50 prompt tokens shared
         asked = [system + [70, 71], system + [70, 71], system[:20] + [90, 91, 92]]
-        texts = [client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0).choices[0].text
-                 for ids in asked]
+        texts = [
+            client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0).choices[0].text
+            for ids in asked
+        ]
         assert texts[1] == texts[0]  # computed from the pool's blocks and a 4-token chunk, or all prefilled
         assert metric(server.url, "prefix_cache_queries_total") == sum(len(p) for p in asked)
         assert metric(server.url, "prefix_cache_hits_total") == 0 + 48 + 16
@@ -52,7 +61,7 @@ def test_prefix_hits_answer_as_misses_and_are_counted_in_tokens(tmp_path):
         server.stop()
     alone = GenerationLoop(engine_for(model), loop.settings)  # the same engine without a pool: the partial hit's answer
     want = run_loop(alone, {0: [GenerationRequest(asked[2], 6, SamplingParams(), request_id=0)]})[0]
-    want = want[:want.index(tok.eos_token_id)] if tok.eos_token_id in want else want
+    want = want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want
     assert texts[2] == tok.decode(want, skip_special_tokens=True)
 
 

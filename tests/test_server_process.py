@@ -34,8 +34,9 @@ class Process:
     """A server process whose first 'serving ... on http://...' line gives its address."""
 
     def __init__(self, argv: list[str], env: dict):
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
         self.lines: list[str] = []
         self.url = None
         ready = threading.Event()
@@ -82,17 +83,44 @@ def greedy_text(folder: str, prompt: str, n: int) -> str:
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     ids = tok(prompt)["input_ids"]
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         compile_config=CompileConfig(backend="eager"))
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        compile_config=CompileConfig(backend="eager"),
+    )
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(folder):
-    p = Process([sys.executable, "-m", "staticformers", "serve", folder, "--port", "0", "--max-batch-size", "2",
-                 "--grace", "60", "--served-model-name", "tiny"], env())
+    p = Process(
+        [
+            sys.executable,
+            "-m",
+            "staticformers",
+            "serve",
+            folder,
+            "--port",
+            "0",
+            "--max-batch-size",
+            "2",
+            "--grace",
+            "60",
+            "--served-model-name",
+            "tiny",
+        ],
+        env(),
+    )
     try:
-        body = {"model": "tiny", "prompt": "for x in", "max_tokens": 60, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": "for x in",
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         text = []
         with httpx.stream("POST", p.url + "/v1/completions", json=body, timeout=LIMIT) as r:
             lines = r.iter_lines()
@@ -115,11 +143,21 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(folder):
 
 
 def test_bad_flags_are_one_sentence(folder):
-    out = subprocess.run([sys.executable, "-m", "staticformers", "serve", folder, "--tensor-parallel-size", "2"],
-                         capture_output=True, text=True, timeout=LIMIT, env=env())
+    out = subprocess.run(
+        [sys.executable, "-m", "staticformers", "serve", folder, "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=env(),
+    )
     assert out.returncode == 2 and "--tensor-parallel-size 2 needs as many processes, but 1 is running" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "staticformers", "serve", folder, "--port", "99999"],
-                         capture_output=True, text=True, timeout=LIMIT, env=env())
+    out = subprocess.run(
+        [sys.executable, "-m", "staticformers", "serve", folder, "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env=env(),
+    )
     assert out.returncode == 2 and "99999 is not a port number" in out.stderr
 
 
@@ -127,14 +165,33 @@ def test_bad_flags_are_one_sentence(folder):
 @pytest.mark.slow
 def test_tensor_parallel_serving_under_torchrun(folder):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    p = Process(torchrun + ["-m", "staticformers", "serve", folder, "--port", "0", "--tensor-parallel-size", "2",
-                            "--no-compile", "--served-model-name", "tiny", "--grace", "10"], env())
+    p = Process(
+        torchrun
+        + [
+            "-m",
+            "staticformers",
+            "serve",
+            folder,
+            "--port",
+            "0",
+            "--tensor-parallel-size",
+            "2",
+            "--no-compile",
+            "--served-model-name",
+            "tiny",
+            "--grace",
+            "10",
+        ],
+        env(),
+    )
     try:
         prompts = ["for x in", "while True", "class A"]
         with httpx.Client(timeout=LIMIT) as c:
             for prompt in prompts:
-                r = c.post(p.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 8,
-                                                            "temperature": 0, "ignore_eos": True})
+                r = c.post(
+                    p.url + "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == greedy_text(folder, prompt, 8), prompt
         import psutil

@@ -29,18 +29,29 @@ def folder(tmp_path_factory) -> str:
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(f"staticformers:{name}{{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"staticformers:{name}{{")
+    )
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_serving_answers_as_without_and_counts_tokens(folder, method):
     model = AutoModelForCausalLM.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(folder)
-    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3} if method == "ngram" else \
-        {"model": folder, "num_speculative_tokens": 2}  # the model as its own draft: every proposal accepted
-    opts = ServeOptions(model=folder, served_model_name="tiny", backend="eager", max_batch_size=1, max_model_len=64,
-                        precompile=True, speculative_config=config)
+    config = (
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+        if method == "ngram"
+        else {"model": folder, "num_speculative_tokens": 2}
+    )  # the model as its own draft: every proposal accepted
+    opts = ServeOptions(
+        model=folder,
+        served_model_name="tiny",
+        backend="eager",
+        max_batch_size=1,
+        max_model_len=64,
+        precompile=True,
+        speculative_config=config,
+    )
     loop = build_loop(model, opts)
     graphs = engine_for(model).graph_count()
     server = Server(build_state(model, tok, loop, opts), grace=2.0)
@@ -50,14 +61,16 @@ def test_speculative_serving_answers_as_without_and_counts_tokens(folder, method
         prompt = "one two three four one two three four one two"
         ids = tok(prompt)["input_ids"]
         full = model.generate(torch.tensor([ids]), max_new_tokens=16, eos_token_id=None, compile_config=EAGER)
-        text = tok.decode(full[0, len(ids):].tolist(), skip_special_tokens=True)
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        text = tok.decode(full[0, len(ids) :].tolist(), skip_special_tokens=True)
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].text == text
         stop = text[4:7]
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
+        r = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
         drafted = metric(server.url, "spec_decode_num_draft_tokens_total")
         accepted = metric(server.url, "spec_decode_num_accepted_tokens_total")
         assert drafted == loop.speculator.num_draft_tokens > 0
@@ -69,17 +82,24 @@ def test_speculative_serving_answers_as_without_and_counts_tokens(folder, method
         server.stop()
 
 
-@pytest.mark.parametrize("raw, message", [
-    ("{not json", r"--speculative-config is not valid JSON"),
-    ("[1]", r"--speculative-config must be a JSON object"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', r"method 'eagle' is not available"),
-    ('{"method": "ngram"}', r"num_speculative_tokens=None must be a positive integer"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
-     r"key\(s\) draft_tensor_parallel_size that are not read here"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
-     r"prompt_lookup_min=4 is more than prompt_lookup_max=2"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', r"needs \"model\": the draft model's path"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("{not json", r"--speculative-config is not valid JSON"),
+        ("[1]", r"--speculative-config must be a JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', r"method 'eagle' is not available"),
+        ('{"method": "ngram"}', r"num_speculative_tokens=None must be a positive integer"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
+            r"key\(s\) draft_tensor_parallel_size that are not read here",
+        ),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            r"prompt_lookup_min=4 is more than prompt_lookup_max=2",
+        ),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', r"needs \"model\": the draft model's path"),
+    ],
+)
 def test_a_bad_speculative_config_is_refused_in_one_sentence(raw, message):
     with pytest.raises(ValueError, match=message):
         parse_speculative_config(raw)

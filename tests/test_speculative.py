@@ -42,8 +42,11 @@ def prompts(vocab: int = 128, seed: int = 0) -> list[list[int]]:
     """Prompts built to hit (repeated spans) and to miss (random tokens)."""
     gen = torch.Generator().manual_seed(seed)
     span = torch.randint(3, vocab, (9,), generator=gen).tolist()
-    return [span * 3 + span[:4], torch.randint(3, vocab, (23,), generator=gen).tolist(),
-            torch.randint(3, vocab, (6,), generator=gen).tolist() + span * 2]
+    return [
+        span * 3 + span[:4],
+        torch.randint(3, vocab, (23,), generator=gen).tolist(),
+        torch.randint(3, vocab, (6,), generator=gen).tolist() + span * 2,
+    ]
 
 
 def run(model, settings, requests: dict, speculator=None, plan=None) -> dict:
@@ -78,8 +81,10 @@ def test_greedy_with_speculation_is_greedy_without_for_every_family(tiny_checkpo
     settings = compile_settings(model, EAGER_RUN)
 
     def requests():
-        return {0: [GenerationRequest(p, 12, request_id=i) for i, p in enumerate(prompts()[:2])],
-                2: [GenerationRequest(prompts()[2], 8, request_id=2)]}
+        return {
+            0: [GenerationRequest(p, 12, request_id=i) for i, p in enumerate(prompts()[:2])],
+            2: [GenerationRequest(prompts()[2], 8, request_id=2)],
+        }
 
     expected = run(model, settings, requests())
     lookup_spec = Speculator(PromptLookup(3))
@@ -96,15 +101,31 @@ def _workload(eos: int) -> dict:
     raw logits, one that ends after two tokens, and a seeded sampling row."""
     p = prompts()
     return {
-        0: [GenerationRequest(p[0], 24, request_id="plain"),
-            GenerationRequest(p[1], 18, request_id="penalised",
-                              sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4))],
-        2: [GenerationRequest(p[2], 16, request_id="stop", sampling=SamplingParams(eos_token_ids=[eos], min_new_tokens=3)),
+        0: [
+            GenerationRequest(p[0], 24, request_id="plain"),
+            GenerationRequest(
+                p[1],
+                18,
+                request_id="penalised",
+                sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+            ),
+        ],
+        2: [
+            GenerationRequest(
+                p[2], 16, request_id="stop", sampling=SamplingParams(eos_token_ids=[eos], min_new_tokens=3)
+            ),
             GenerationRequest(p[0][:20], 2, request_id="short"),
-            GenerationRequest(p[1][:12] * 2, 14, request_id="logprobs", sampling=SamplingParams(logprobs=2))],
-        5: [GenerationRequest(p[2][:10] * 2, 12, request_id="sampled", sampling=SamplingParams(do_sample=True, seed=7,
-                                                                                                 temperature=0.8)),
-            GenerationRequest(p[0], 10, request_id="logits", output_logits=True)],
+            GenerationRequest(p[1][:12] * 2, 14, request_id="logprobs", sampling=SamplingParams(logprobs=2)),
+        ],
+        5: [
+            GenerationRequest(
+                p[2][:10] * 2,
+                12,
+                request_id="sampled",
+                sampling=SamplingParams(do_sample=True, seed=7, temperature=0.8),
+            ),
+            GenerationRequest(p[0], 10, request_id="logits", output_logits=True),
+        ],
     }
 
 
@@ -122,7 +143,10 @@ def test_a_mixed_workload_keeps_every_row_exact_and_compiles_nothing_outside_the
     base = run_loop_events(GenerationLoop(engine_for(model), settings, plan), _workload(eos))
     assert base["stop"][-1].finish_reason == "stop"
 
-    for proposer in (PromptLookup(3), DraftModel(engine_for(draft), compile_settings(draft, GenerationConfig(), EAGER), 3)):
+    for proposer in (
+        PromptLookup(3),
+        DraftModel(engine_for(draft), compile_settings(draft, GenerationConfig(), EAGER), 3),
+    ):
         spec = Speculator(proposer)
         loop = GenerationLoop(engine_for(model), settings, plan, speculator=spec)
         got = run_loop_events(loop, _workload(eos))
@@ -137,15 +161,19 @@ def test_a_mixed_workload_keeps_every_row_exact_and_compiles_nothing_outside_the
         assert len(got["sampled"]) == 12 and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
         engines = [engine_for(model)] + ([proposer.engine] if isinstance(proposer, DraftModel) else [])
-        shapes = {"decode": {(b, 1, k) for b, k in loop.plan.decode_shapes()},
-                  "prefill": {(b, n) for b, n in loop.plan.prefill_shapes()},
-                  "extend": {(b, t, k, n) for b, k, t, n in loop.plan.extend_shapes()}}
+        shapes = {
+            "decode": {(b, 1, k) for b, k in loop.plan.decode_shapes()},
+            "prefill": {(b, n) for b, n in loop.plan.prefill_shapes()},
+            "extend": {(b, t, k, n) for b, k, t, n in loop.plan.extend_shapes()},
+        }
         for engine in engines:
             for g in engine.graphs.values():
                 assert tuple(g.shape) in shapes[g.kind], (g.kind, g.shape)
         assert any(g.kind == "extend" and g.calls for g in engine_for(model).graphs.values())
         before = [e.graph_count() for e in engines]
-        again = run_loop_events(GenerationLoop(engine_for(model), settings, plan, speculator=Speculator(proposer)), _workload(eos))
+        again = run_loop_events(
+            GenerationLoop(engine_for(model), settings, plan, speculator=Speculator(proposer)), _workload(eos)
+        )
         assert [e.graph_count() for e in engines] == before
         assert [e.token for e in again["sampled"]] == [e.token for e in got["sampled"]]  # seeded: reproducible
 
@@ -187,6 +215,7 @@ def small_vocab(tmp_path_factory):
 def _exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's exact distributions of the 2nd and 3rd new tokens, summed over every earlier token."""
     with torch.no_grad():
+
         def dist(prefixes):
             ids = torch.tensor([prompt + list(p) for p in prefixes])
             return torch.softmax(model(input_ids=ids).logits[:, -1].double() / temperature, -1)
@@ -202,8 +231,7 @@ def _exact_marginals(model, prompt: list[int], temperature: float) -> tuple[torc
 
 
 @pytest.mark.parametrize("proposer", ["lookup", "draft"])
-def test_sampled_tokens_keep_the_targets_distribution_and_plain_acceptance_does_not(small_vocab, proposer,
-                                                                                    monkeypatch):
+def test_sampled_tokens_keep_the_targets_distribution_and_plain_acceptance_does_not(small_vocab, proposer, monkeypatch):
     """1200 seeded requests: the 2nd and 3rd tokens (both verified) match the target's exact marginals
     by a chi-square test (p > 0.001), as sampling without speculation does; the same draws with every
     proposal accepted do not (p < 1e-6)."""
@@ -215,12 +243,20 @@ def test_sampled_tokens_keep_the_targets_distribution_and_plain_acceptance_does_
     settings = compile_settings(model, EAGER_RUN)
 
     def sample(speculate: bool = True):
-        prop = PromptLookup(2) if proposer == "lookup" else \
-            DraftModel(engine_for(draft), compile_settings(draft, EAGER_RUN), 2)
+        prop = (
+            PromptLookup(2)
+            if proposer == "lookup"
+            else DraftModel(engine_for(draft), compile_settings(draft, EAGER_RUN), 2)
+        )
         spec = Speculator(prop) if speculate else None
-        requests = {0: [GenerationRequest(prompt, 4, request_id=i,
-                                          sampling=SamplingParams(do_sample=True, temperature=temperature, seed=i))
-                        for i in range(draws)]}
+        requests = {
+            0: [
+                GenerationRequest(
+                    prompt, 4, request_id=i, sampling=SamplingParams(do_sample=True, temperature=temperature, seed=i)
+                )
+                for i in range(draws)
+            ]
+        }
         out = run(model, settings, requests, spec, plan)
         assert spec is None or spec.num_draft_tokens >= draws
         tokens = torch.tensor([out[i] for i in range(draws)])
@@ -251,13 +287,19 @@ def test_generate_takes_transformers_names(tiny_checkpoints):
     assert torch.equal(model.generate(ids, assistant_model=draft, **kw), expected)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0 must be a positive integer"),
-    (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size="3"), r"max_matching_ngram_size='3' must be a positive integer"),
-    (dict(num_assistant_tokens=3), r"num_assistant_tokens needs an assistant_model"),
-    (dict(max_matching_ngram_size=3), r"max_matching_ngram_size needs prompt_lookup_num_tokens"),
-    (dict(assistant_model="a path"), r"assistant_model must be a staticformers model"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt_lookup_num_tokens=0), r"prompt_lookup_num_tokens=0 must be a positive integer"),
+        (
+            dict(prompt_lookup_num_tokens=2, max_matching_ngram_size="3"),
+            r"max_matching_ngram_size='3' must be a positive integer",
+        ),
+        (dict(num_assistant_tokens=3), r"num_assistant_tokens needs an assistant_model"),
+        (dict(max_matching_ngram_size=3), r"max_matching_ngram_size needs prompt_lookup_num_tokens"),
+        (dict(assistant_model="a path"), r"assistant_model must be a staticformers model"),
+    ],
+)
 def test_generate_refuses_bad_speculative_arguments(tiny_checkpoints, kwargs, message):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
     with pytest.raises((ValueError, TypeError), match=message):
@@ -283,8 +325,10 @@ def test_lora_rows_of_one_batch_speculate_with_their_own_adapters(tiny_checkpoin
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
     for name, seed in (("a", 1), ("b", 2)):
         torch.manual_seed(seed)
-        model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                     init_lora_weights=False), adapter_name=name)
+        model.add_adapter(
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+            adapter_name=name,
+        )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -294,9 +338,13 @@ def test_lora_rows_of_one_batch_speculate_with_their_own_adapters(tiny_checkpoin
     p = prompts()
 
     def requests(names):
-        return {0: [GenerationRequest(p[0][:23], 12, request_id=0, adapter=names[0]),
-                    GenerationRequest(p[1], 12, request_id=1, adapter=names[1])],
-                1: [GenerationRequest(p[2][:23], 12, request_id=2, adapter=names[2])]}
+        return {
+            0: [
+                GenerationRequest(p[0][:23], 12, request_id=0, adapter=names[0]),
+                GenerationRequest(p[1], 12, request_id=1, adapter=names[1]),
+            ],
+            1: [GenerationRequest(p[2][:23], 12, request_id=2, adapter=names[2])],
+        }
 
     expected = run(model, settings, requests(["a", "__base__", "b"]))
     assert expected[0] != run(model, settings, requests(["b", "__base__", "a"]))[0]
@@ -340,8 +388,10 @@ def test_rows_near_the_end_of_the_cache_decode_plainly_and_the_draft_catches_up(
     p = prompts()
 
     def requests():
-        return {0: [GenerationRequest(p[1][:9] * 3 + p[1][:3], 34, request_id="full")],
-                2: [GenerationRequest(p[0][:20], 40, request_id="later")]}
+        return {
+            0: [GenerationRequest(p[1][:9] * 3 + p[1][:3], 34, request_id="full")],
+            2: [GenerationRequest(p[0][:20], 40, request_id="later")],
+        }
 
     expected = run(model, settings, requests(), plan=plan)
     for proposer in (PromptLookup(3), DraftModel(engine_for(perturbed(path)), settings, 3)):

@@ -14,18 +14,33 @@ from staticformers.tokenization.template_bounds import TemplateLimitError
 CHAT = [[{"role": "user", "content": "hi"}]]
 
 
-@pytest.mark.parametrize("template,message", [
-    ("{{ 'a' * 10**9 }}", r"^The chat template repeats a value of length 1 1000000000 times, more than the 16777216"),
-    ("{{ [1, 2] * 10**8 }}", r"^The chat template repeats a value of length 2 100000000 times"),
-    ("{{ 10 ** 100000000 }}", r"^The chat template computes 10 \*\* 100000000, an integer of more than 4096 bits"),
-    ("{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}", r"^The chat template made more than 16777216 characters"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-     r"^The chat template ran for more than 0.3 s and was stopped"),
-    ("{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
-     r"^The chat template ran for more than 0.3 s and was stopped"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
-     r"^The chat template ran for more than 0.3 s and was stopped"),
-])
+@pytest.mark.parametrize(
+    "template,message",
+    [
+        (
+            "{{ 'a' * 10**9 }}",
+            r"^The chat template repeats a value of length 1 1000000000 times, more than the 16777216",
+        ),
+        ("{{ [1, 2] * 10**8 }}", r"^The chat template repeats a value of length 2 100000000 times"),
+        ("{{ 10 ** 100000000 }}", r"^The chat template computes 10 \*\* 100000000, an integer of more than 4096 bits"),
+        (
+            "{% for i in range(1000) %}{{ 'x' * 100000 }}{% endfor %}",
+            r"^The chat template made more than 16777216 characters",
+        ),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            r"^The chat template ran for more than 0.3 s and was stopped",
+        ),
+        (
+            "{% set r = range(100000) %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
+            r"^The chat template ran for more than 0.3 s and was stopped",
+        ),
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+            r"^The chat template ran for more than 0.3 s and was stopped",
+        ),
+    ],
+)
 def test_a_hostile_template_is_stopped(monkeypatch, template, message):
     monkeypatch.setattr(template_bounds, "MAX_SECONDS", 0.3)
     start = time.monotonic()
@@ -37,6 +52,8 @@ def test_a_hostile_template_is_stopped(monkeypatch, template, message):
 
 
 def test_ordinary_templates_still_render():
-    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content * 2 }}{% endfor %}"
-                "{% for i in range(3) %}{{ i }}{% endfor %}{{ 2 ** 10 }}{{ '-' * 3 }}{{ range(5) | length }}")
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content * 2 }}{% endfor %}"
+        "{% for i in range(3) %}{{ i }}{% endfor %}{{ 2 ** 10 }}{{ '-' * 3 }}{{ range(5) | length }}"
+    )
     assert render(template, CHAT) == ["<user>hihi0121024---5"]

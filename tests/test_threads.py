@@ -12,32 +12,53 @@ import torch
 
 from staticformers.backends.cpu.threads import apply_thread_choice
 from staticformers.commands.cli import main
-from staticformers.utils.cpus import (THREADS_ENV, ThreadChoice, cgroup_dirs, cgroup_quota, choose_threads, parse_cfs,
-                                      parse_cpu_max, prefer_bounded_spin, usable_cpus, wait_policy)
+from staticformers.utils.cpus import (
+    THREADS_ENV,
+    ThreadChoice,
+    cgroup_dirs,
+    cgroup_quota,
+    choose_threads,
+    parse_cfs,
+    parse_cpu_max,
+    prefer_bounded_spin,
+    usable_cpus,
+    wait_policy,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("text, cpus, usable", [
-    ("max 100000", None, 4),
-    ("max", None, 4),
-    ("150000 100000", 1.5, 1),
-    ("200000 100000", 2.0, 2),
-    ("50000 100000", 0.5, 1),  # less than a CPU: still one thread
-    ("300000", 3.0, 3),  # no period: the kernel's default
-    ("", None, 4),
-    ("lots 100000", None, 4),
-    ("-5 100000", None, 4),
-    ("100000 0", None, 4),
-])
+@pytest.mark.parametrize(
+    "text, cpus, usable",
+    [
+        ("max 100000", None, 4),
+        ("max", None, 4),
+        ("150000 100000", 1.5, 1),
+        ("200000 100000", 2.0, 2),
+        ("50000 100000", 0.5, 1),  # less than a CPU: still one thread
+        ("300000", 3.0, 3),  # no period: the kernel's default
+        ("", None, 4),
+        ("lots 100000", None, 4),
+        ("-5 100000", None, 4),
+        ("100000 0", None, 4),
+    ],
+)
 def test_cpu_max_quota_caps_the_usable_cpus(text, cpus, usable):
     assert parse_cpu_max(text) == cpus
     assert usable_cpus(4, parse_cpu_max(text), 8) == usable
 
 
-@pytest.mark.parametrize("quota, period, cpus", [("-1", "100000", None), ("150000", "100000", 1.5),
-                                                 ("200000\n", "100000\n", 2.0), ("x", "100000", None),
-                                                 (None, "100000", None), ("100000", "", None)])
+@pytest.mark.parametrize(
+    "quota, period, cpus",
+    [
+        ("-1", "100000", None),
+        ("150000", "100000", 1.5),
+        ("200000\n", "100000\n", 2.0),
+        ("x", "100000", None),
+        (None, "100000", None),
+        ("100000", "", None),
+    ],
+)
 def test_cgroup_v1_cfs_quota(quota, period, cpus):
     assert parse_cfs(quota, period) == cpus
 
@@ -61,7 +82,10 @@ def test_v2_quota_is_the_tightest_of_the_cgroup_and_its_parents(tmp_path):
     assert cgroup_quota(str(tmp_path), "0::/a/b\n") == 1.5
     assert cgroup_quota(str(tmp_path), "0::/\n") == 4.0  # a container's own cgroup at the mount
     assert [d for _, d in cgroup_dirs("0::/a/b\n", str(tmp_path))] == [
-        str(tmp_path / "a" / "b"), str(tmp_path / "a"), str(tmp_path)]
+        str(tmp_path / "a" / "b"),
+        str(tmp_path / "a"),
+        str(tmp_path),
+    ]
 
 
 def test_v1_quota_from_the_cpu_controller_s_mount(tmp_path):
@@ -195,11 +219,19 @@ def test_threads_applied_and_bounded_spin_read_by_the_openmp_runtime(tmp_path):
     import inference
 
     checkpoint = inference.build_checkpoint(str(tmp_path / "model"))
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", THREADS_ENV, "OMP_WAIT_POLICY",
-                                                                "GOMP_SPINCOUNT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", THREADS_ENV, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    }
     env.update(PYTHONPATH=os.path.join(ROOT, "src"), OMP_DISPLAY_ENV="VERBOSE", STATICFORMERS_CACHE=str(tmp_path / "c"))
-    out = subprocess.run([sys.executable, "-c", CHILD, checkpoint, "--threads", "3"], capture_output=True, text=True,
-                         env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, checkpoint, "--threads", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     result = next((line for line in out.stdout.splitlines() if line.startswith("RESULT")), None)
     assert result == "RESULT 0 3 2000", out.stdout[-2000:] + out.stderr[-2000:]
     assert "GOMP_SPINCOUNT = '2000'" in out.stderr, out.stderr[-2000:]
@@ -213,4 +245,7 @@ def test_several_spinning_threads_warn_once_naming_what_to_set(monkeypatch, capl
     assert threads.spin_hint(2, {"OMP_WAIT_POLICY": "ACTIVE"}) is False  # the user chose
     assert threads.spin_hint(2, {}) is True
     assert threads.spin_hint(2, {}) is False  # once per process
-    assert "Set GOMP_SPINCOUNT=2000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported" in caplog.text
+    assert (
+        "Set GOMP_SPINCOUNT=2000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported"
+        in caplog.text
+    )

@@ -10,8 +10,17 @@ from staticformers import AutoConfig, AutoModelForCausalLM
 
 
 def test_tied_weights_survive_a_conversion_that_replaces_parameters():
-    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     old = model.model.embed_tokens.weight
     torch.__future__.set_overwrite_module_params_on_conversion(True)

@@ -28,7 +28,9 @@ def tok(qwen_folder):
 def test_folder_without_tokenizer_json_is_refused(tmp_path):
     (tmp_path / "tokenizer.model").write_bytes(b"\x00sentencepiece")
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(CheckpointNotFoundError, match=r"has no tokenizer\.json \(only a SentencePiece tokenizer\.model\).*convert"):
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"has no tokenizer\.json \(only a SentencePiece tokenizer\.model\).*convert"
+    ):
         AutoTokenizer.from_pretrained(tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -70,10 +72,21 @@ def test_legacy_special_tokens_map(tmp_path):
     for key in ("bos_token", "eos_token", "added_tokens_decoder"):
         config.pop(key)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False},
-        "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {
+                    "content": "<|begin_of_text|>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                },
+                "eos_token": "<|end_of_text|>",
+                "pad_token": "<|pad|>",
+            }
+        )
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = transformers.AutoTokenizer.from_pretrained(folder)
@@ -102,42 +115,61 @@ def test_padding_without_pad_token(tmp_path):
     assert ours(["a", "bb"])["input_ids"]  # no padding asked: fine
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda t: t(None), "No text given"),
-    (lambda t: t(123), "text must be a str"),
-    (lambda t: t(["ok", 5]), "text must be a str"),
-    (lambda t: t([]), "empty batch"),
-    (lambda t: t(["a", "b"], ["only one"]), "text has 2 items but text_pair has 1"),
-    (lambda t: t(["a"], "pair"), "text_pair must be a list"),
-    (lambda t: t("a", padding="maximum"), "padding='maximum' is not valid"),
-    (lambda t: t("a", truncation="sometimes"), "truncation='sometimes' is not valid"),
-    (lambda t: t("a", max_length=0), "max_length must be a positive int"),
-    (lambda t: t("a", return_tensors="tf"), "return_tensors='tf' is not supported"),
-    (lambda t: t(["a", "bb bb bb"], return_tensors="pt"), "different lengths .* pass padding=True"),
-    (lambda t: t("a", padding_side="up"), "padding_side must be"),
-    (lambda t: t("a", stride=2), "stride"),
-    (lambda t: t(["a b c"], padding=True, truncation=True, max_length=10, pad_to_multiple_of=4), "multiple of"),
-    (lambda t: t.encode(["a"]), "encode takes one str"),
-    (lambda t: t.decode([1, -100]), "non-negative ints"),
-    (lambda t: t.decode("abc"), "Token ids must be"),
-    (lambda t: t.apply_chat_template([]), "non-empty list"),
-    (lambda t: t.apply_chat_template(["hi"]), "must be dicts"),
-    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], tools=[print]), "JSON schema dict"),
-    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% if %}"), "syntax error"),
-    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], return_assistant_tokens_mask=True),
-     "needs return_dict=True and tokenize=True"),
-    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], return_assistant_tokens_mask=True,
-                                     return_dict=True), r"this one has no such blocks: pass chat_template="),
-    (lambda t: t.apply_chat_template([{"role": "assistant", "content": "x"}], return_assistant_tokens_mask=True,
-                                     return_dict=True, continue_final_message=True), "cannot be combined"),
-    (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], sanitize_control_tokens=True),
-     "sanitize_control_tokens=True is not supported"),
-    (lambda t: t.add_special_tokens({"foo_token": "x"}), "not a special token name"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda t: t(None), "No text given"),
+        (lambda t: t(123), "text must be a str"),
+        (lambda t: t(["ok", 5]), "text must be a str"),
+        (lambda t: t([]), "empty batch"),
+        (lambda t: t(["a", "b"], ["only one"]), "text has 2 items but text_pair has 1"),
+        (lambda t: t(["a"], "pair"), "text_pair must be a list"),
+        (lambda t: t("a", padding="maximum"), "padding='maximum' is not valid"),
+        (lambda t: t("a", truncation="sometimes"), "truncation='sometimes' is not valid"),
+        (lambda t: t("a", max_length=0), "max_length must be a positive int"),
+        (lambda t: t("a", return_tensors="tf"), "return_tensors='tf' is not supported"),
+        (lambda t: t(["a", "bb bb bb"], return_tensors="pt"), "different lengths .* pass padding=True"),
+        (lambda t: t("a", padding_side="up"), "padding_side must be"),
+        (lambda t: t("a", stride=2), "stride"),
+        (lambda t: t(["a b c"], padding=True, truncation=True, max_length=10, pad_to_multiple_of=4), "multiple of"),
+        (lambda t: t.encode(["a"]), "encode takes one str"),
+        (lambda t: t.decode([1, -100]), "non-negative ints"),
+        (lambda t: t.decode("abc"), "Token ids must be"),
+        (lambda t: t.apply_chat_template([]), "non-empty list"),
+        (lambda t: t.apply_chat_template(["hi"]), "must be dicts"),
+        (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], tools=[print]), "JSON schema dict"),
+        (lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% if %}"), "syntax error"),
+        (
+            lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], return_assistant_tokens_mask=True),
+            "needs return_dict=True and tokenize=True",
+        ),
+        (
+            lambda t: t.apply_chat_template(
+                [{"role": "user", "content": "x"}], return_assistant_tokens_mask=True, return_dict=True
+            ),
+            r"this one has no such blocks: pass chat_template=",
+        ),
+        (
+            lambda t: t.apply_chat_template(
+                [{"role": "assistant", "content": "x"}],
+                return_assistant_tokens_mask=True,
+                return_dict=True,
+                continue_final_message=True,
+            ),
+            "cannot be combined",
+        ),
+        (
+            lambda t: t.apply_chat_template([{"role": "user", "content": "x"}], sanitize_control_tokens=True),
+            "sanitize_control_tokens=True is not supported",
+        ),
+        (lambda t: t.add_special_tokens({"foo_token": "x"}), "not a special token name"),
+    ],
+)
 def test_bad_input_gets_one_clear_error(tok, call, match):
     with pytest.raises((ValueError, TypeError)) as info:
         call(tok)
     import re
+
     assert re.search(match, str(info.value)), str(info.value)
 
 

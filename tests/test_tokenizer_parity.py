@@ -63,8 +63,15 @@ def test_vocab_and_special_tokens(pairs, name):
     assert ours.all_special_ids == ref.all_special_ids
     assert ours.all_special_tokens == ref.all_special_tokens
     assert ours.special_tokens_map == ref.special_tokens_map
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "model_max_length",
-                 "padding_side", "truncation_side"):
+    for attr in (
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "unk_token_id",
+        "model_max_length",
+        "padding_side",
+        "truncation_side",
+    ):
         assert getattr(ours, attr) == getattr(ref, attr), attr
     assert ours.get_vocab() == ref.get_vocab()
     tokens = ref.convert_ids_to_tokens(list(range(len(ref))))
@@ -74,7 +81,8 @@ def test_vocab_and_special_tokens(pairs, name):
     assert ours.convert_ids_to_tokens(5) == ref.convert_ids_to_tokens(5)
     ids = ours(SPECIAL_IN_TEXT)["input_ids"]
     assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == ref.convert_ids_to_tokens(
-        ids, skip_special_tokens=True)
+        ids, skip_special_tokens=True
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -82,20 +90,32 @@ def test_vocab_and_special_tokens(pairs, name):
 def test_encode_hard_strings(pairs, name, add_special_tokens):
     ours, ref = pairs[name]
     for text in HARD_STRINGS + [SPECIAL_IN_TEXT]:
-        _same(dict(ours(text, add_special_tokens=add_special_tokens)),
-              dict(ref(text, add_special_tokens=add_special_tokens)))
+        _same(
+            dict(ours(text, add_special_tokens=add_special_tokens)),
+            dict(ref(text, add_special_tokens=add_special_tokens)),
+        )
         assert ours.encode(text, add_special_tokens=add_special_tokens) == ref.encode(
-            text, add_special_tokens=add_special_tokens)
+            text, add_special_tokens=add_special_tokens
+        )
         assert ours.tokenize(text) == ref.tokenize(text)
-    _same(dict(ours(HARD_STRINGS, add_special_tokens=add_special_tokens)),
-          dict(ref(HARD_STRINGS, add_special_tokens=add_special_tokens)))
+    _same(
+        dict(ours(HARD_STRINGS, add_special_tokens=add_special_tokens)),
+        dict(ref(HARD_STRINGS, add_special_tokens=add_special_tokens)),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("padding,max_length,multiple", [
-    (True, None, None), ("longest", None, 8), ("max_length", 48, None), ("max_length", 7, None), (False, 5, None),
-])
+@pytest.mark.parametrize(
+    "padding,max_length,multiple",
+    [
+        (True, None, None),
+        ("longest", None, 8),
+        ("max_length", 48, None),
+        ("max_length", 7, None),
+        (False, 5, None),
+    ],
+)
 def test_padding_and_truncation(pairs, name, side, padding, max_length, multiple):
     ours, ref = pairs[name]
     ours.padding_side = ref.padding_side = side
@@ -137,8 +157,11 @@ def test_truncation_strategies_and_pairs(pairs, name, truncation_side):
 def test_return_options(pairs, name):
     ours, ref = pairs[name]
     ours.padding_side = ref.padding_side = "left"
-    for kwargs in (dict(return_attention_mask=False, padding=True), dict(padding=True, padding_side="right"),
-                   dict(padding=True, return_tensors="np")):
+    for kwargs in (
+        dict(return_attention_mask=False, padding=True),
+        dict(padding=True, padding_side="right"),
+        dict(padding=True, return_tensors="np"),
+    ):
         a, b = ours(BATCH, **kwargs), ref(BATCH, **kwargs)
         assert set(a) == set(b)
         for key in a:
@@ -146,7 +169,10 @@ def test_return_options(pairs, name):
     enc = ours(BATCH, padding=True, return_tensors="pt")
     assert enc.input_ids is enc["input_ids"] and enc.to("cpu") is enc
     assert enc["input_ids"].dtype == torch.int64 and enc["attention_mask"].dtype == torch.int64
-    assert ours.encode("hello world", return_tensors="pt").tolist() == ref.encode("hello world", return_tensors="pt").tolist()
+    assert (
+        ours.encode("hello world", return_tensors="pt").tolist()
+        == ref.encode("hello world", return_tensors="pt").tolist()
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -157,10 +183,12 @@ def test_decode(pairs, name):
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
             assert ours.decode(torch.tensor(ids, dtype=torch.long), skip_special_tokens=skip) == ref.decode(
-                ids, skip_special_tokens=skip)
+                ids, skip_special_tokens=skip
+            )
         for cleanup in (False, True):
             assert ours.decode(ids, clean_up_tokenization_spaces=cleanup) == ref.decode(
-                ids, clean_up_tokenization_spaces=cleanup)
+                ids, clean_up_tokenization_spaces=cleanup
+            )
     batch = ref(BATCH, padding=True, return_tensors="pt")["input_ids"]
     for skip in (False, True):
         assert ours.batch_decode(batch, skip_special_tokens=skip) == ref.batch_decode(batch, skip_special_tokens=skip)
@@ -204,7 +232,9 @@ def test_decode_takes_lists_of_tensors_and_numpy_ints(pairs, name):
     ours, ref = pairs[name]
     rows = ours(["hello world", "a b c d"], padding=True, return_tensors="pt")["input_ids"]
     as_tensors = [row[1:] for row in rows]  # the model-card pattern: out[len(inputs):] per row
-    assert ours.batch_decode(as_tensors, skip_special_tokens=True) == ref.batch_decode(as_tensors, skip_special_tokens=True)
+    assert ours.batch_decode(as_tensors, skip_special_tokens=True) == ref.batch_decode(
+        as_tensors, skip_special_tokens=True
+    )
     ids = ours("hello world")["input_ids"]
     assert ours.decode([np.int64(i) for i in ids]) == ref.decode([np.int64(i) for i in ids])
     assert ours.decode([torch.tensor(i) for i in ids]) == ref.decode([torch.tensor(i) for i in ids])

@@ -13,14 +13,26 @@ import pytest
 
 from staticformers.serving.text import CLOSE, OPEN, ToolCallParser, split_tool_calls
 
-TEXTS = ["Hello", " world", "\n", "<tool", "call>", "{\"a\": 1}", "</tool_call", "ü", "  ", "<", "tool_call"]
-GOOD = [{"name": "weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "clock", "arguments": {}},
-        {"name": "say", "arguments": {"text": "a } \" </tool_call"}}, {"name": "s", "parameters": {"x": [1, 2]}},
-        {"name": "t", "arguments": "{\"q\": 1}"}]
-BROKEN = ['{"name": "weather", "arguments": {"city": "P"', '{"name": "weather", "arguments": {"city": "P"}, "id": 7}',
-          '{"name": "weather", "arguments": [1]}', '{"name": "weather", "arguments": "not json"}',
-          '{"name": 3, "arguments": {}}', '{"name": "w", "arguments": {}', 'plain text', '',
-          '{"name": "w", "arguments": "[1]"}', '{"name": "w", "arguments": {}} trailing']
+TEXTS = ["Hello", " world", "\n", "<tool", "call>", '{"a": 1}', "</tool_call", "ü", "  ", "<", "tool_call"]
+GOOD = [
+    {"name": "weather", "arguments": {"city": "Paris", "days": 3}},
+    {"name": "clock", "arguments": {}},
+    {"name": "say", "arguments": {"text": 'a } " </tool_call'}},
+    {"name": "s", "parameters": {"x": [1, 2]}},
+    {"name": "t", "arguments": '{"q": 1}'},
+]
+BROKEN = [
+    '{"name": "weather", "arguments": {"city": "P"',
+    '{"name": "weather", "arguments": {"city": "P"}, "id": 7}',
+    '{"name": "weather", "arguments": [1]}',
+    '{"name": "weather", "arguments": "not json"}',
+    '{"name": 3, "arguments": {}}',
+    '{"name": "w", "arguments": {}',
+    "plain text",
+    "",
+    '{"name": "w", "arguments": "[1]"}',
+    '{"name": "w", "arguments": {}} trailing',
+]
 
 
 def _answer(rng: random.Random) -> tuple[str, list]:
@@ -39,7 +51,7 @@ def _answer(rng: random.Random) -> tuple[str, list]:
         else:
             parts.append(f"{OPEN}{rng.choice(BROKEN)}{CLOSE}")
     if rng.random() < 0.2:  # an answer cut short inside a block
-        parts.append(OPEN + rng.choice(BROKEN)[:rng.randint(0, 12)])
+        parts.append(OPEN + rng.choice(BROKEN)[: rng.randint(0, 12)])
     return "".join(parts), calls
 
 
@@ -48,7 +60,7 @@ def _streamed(text: str, rng: random.Random, forced: bool = False) -> tuple[str,
     deltas = []
     while i < len(text):
         n = rng.randint(1, 9)
-        out, new = parser.feed(text[i:i + n])
+        out, new = parser.feed(text[i : i + n])
         content, calls, i = content + out, calls + new, i + n
         deltas += parser.take_deltas()
     out, new = parser.finish()
@@ -64,15 +76,17 @@ def test_streamed_in_any_chunks_equals_the_whole_and_every_call_parses(seed):
         whole_content, whole_calls = split_tool_calls(text)
         content, calls, deltas = _streamed(text, rng)
         assert content == whole_content, text
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-               [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in whole_calls
+        ]
         assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == want, text
         for c in calls:
             assert isinstance(json.loads(c["function"]["arguments"]), dict)
         # the deltas: one per call, numbered in order, joining to the calls
         assert [d["index"] for d in deltas] == list(range(len(calls)))
-        assert [(d["id"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
-               [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        assert [(d["id"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+            (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls
+        ]
         # nothing lost: every character is content or inside a returned call's block
         assert len(content) + sum(1 for _ in calls) <= len(text)
         assert not any(OPEN + json.dumps(g) + CLOSE in content for g in GOOD)
@@ -90,7 +104,7 @@ def test_a_forced_answer_has_no_content_and_drops_a_call_cut_short():
     """tool_choice="required" with parallel calls, cut by max_tokens inside its last call: the calls before it,
     no content (the newlines between calls and the unfinished markup are not content)."""
     call = f'{OPEN}\n{{"name": "w", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
-    text = f"{call}\n{call}\n\n\n{OPEN}\n{{\""
+    text = f'{call}\n{call}\n\n\n{OPEN}\n{{"'
     for seed in range(10):
         content, calls, _ = _streamed(text, random.Random(seed), forced=True)
         assert content == "" and [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}'] * 2

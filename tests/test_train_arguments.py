@@ -39,24 +39,27 @@ def test_backend_given_turns_compile_on(tmp_path):
     assert args.torch_compile and args.torch_compile_backend == "aot_eager"
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(per_device_train_batch_size=0), "positive integer"),
-    (dict(max_length=1), "at least 2"),
-    (dict(lr_scheduler_type="polynomial"), "linear, cosine"),
-    (dict(warmup_steps=2, warmup_ratio=0.1), "not both"),
-    (dict(lr_scheduler_type="constant", warmup_steps=3), "constant_with_warmup"),
-    (dict(eval_strategy="sometimes"), "no, steps, epoch"),
-    (dict(save_total_limit=0), "at least 1"),
-    (dict(max_steps=0), "positive number"),
-    (dict(num_train_epochs=0), "trains nothing"),
-    (dict(report_to="wandb"), "tensorboard"),
-    (dict(packing_strategy="ffd"), "bfd"),
-    (dict(assistant_only_loss="yes"), "must be True or False"),
-    (dict(completion_only_loss=1), "must be True, False or None"),
-    (dict(chat_template_path="no/such/template.jinja"), "does not exist: give a .jinja file"),
-    (dict(adam_beta2=1.0), "[0, 1)"),
-    (dict(max_grad_norm=-1.0), "negative"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(per_device_train_batch_size=0), "positive integer"),
+        (dict(max_length=1), "at least 2"),
+        (dict(lr_scheduler_type="polynomial"), "linear, cosine"),
+        (dict(warmup_steps=2, warmup_ratio=0.1), "not both"),
+        (dict(lr_scheduler_type="constant", warmup_steps=3), "constant_with_warmup"),
+        (dict(eval_strategy="sometimes"), "no, steps, epoch"),
+        (dict(save_total_limit=0), "at least 1"),
+        (dict(max_steps=0), "positive number"),
+        (dict(num_train_epochs=0), "trains nothing"),
+        (dict(report_to="wandb"), "tensorboard"),
+        (dict(packing_strategy="ffd"), "bfd"),
+        (dict(assistant_only_loss="yes"), "must be True or False"),
+        (dict(completion_only_loss=1), "must be True, False or None"),
+        (dict(chat_template_path="no/such/template.jinja"), "does not exist: give a .jinja file"),
+        (dict(adam_beta2=1.0), "[0, 1)"),
+        (dict(max_grad_norm=-1.0), "negative"),
+    ],
+)
 def test_invalid_values_get_a_sentence(tmp_path, kwargs, words):
     with pytest.raises(ValueError, match=None) as err:
         TrainingArguments(output_dir=str(tmp_path), **kwargs)

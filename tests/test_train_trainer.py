@@ -22,21 +22,40 @@ VOCAB = 64
 
 
 def tiny_model(seed=0, **kw):
-    cfg = AutoConfig.for_model("qwen3", **{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                                  tie_word_embeddings=True), **kw})
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        **{
+            **dict(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                tie_word_embeddings=True,
+            ),
+            **kw,
+        },
+    )
     return AutoModelForCausalLM.from_config(cfg, seed=seed)
 
 
 # three layers, the middle one attending within a sliding window of 8
-WINDOW_LAYERS = dict(use_sliding_window=True, sliding_window=8,
-                     layer_types=["full_attention", "sliding_attention", "full_attention"], num_hidden_layers=3)
+WINDOW_LAYERS = dict(
+    use_sliding_window=True,
+    sliding_window=8,
+    layer_types=["full_attention", "sliding_attention", "full_attention"],
+    num_hidden_layers=3,
+)
 
 
 def random_docs(n=48, lo=3, hi=30, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
-            for k in torch.randint(lo, hi, (n,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
+        for k in torch.randint(lo, hi, (n,), generator=g)
+    ]
 
 
 def counting_docs(n=64, seed=0):
@@ -50,8 +69,17 @@ def counting_docs(n=64, seed=0):
 
 
 def args_for(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_length=32, per_device_train_batch_size=4, max_steps=4, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, learning_rate=1e-3, seed=0)
+    base = dict(
+        output_dir=str(tmp_path),
+        max_length=32,
+        per_device_train_batch_size=4,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        seed=0,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -78,8 +106,17 @@ def test_loss_equals_transformers_for_the_same_model_and_batch(tiny_checkpoints,
 
 def test_a_tiny_model_learns_and_logs(tmp_path):
     model = tiny_model()
-    args = args_for(tmp_path, max_steps=40, logging_steps=10, learning_rate=3e-3, packing=True, eval_strategy="steps",
-                    eval_steps=20, lr_scheduler_type="constant_with_warmup", warmup_steps=2)
+    args = args_for(
+        tmp_path,
+        max_steps=40,
+        logging_steps=10,
+        learning_rate=3e-3,
+        packing=True,
+        eval_strategy="steps",
+        eval_steps=20,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=2,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=counting_docs(), eval_dataset=counting_docs(16, seed=9))
     out = trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
@@ -100,10 +137,22 @@ def test_a_fixed_set_of_graphs_over_mixed_lengths(tmp_path):
     cases = ((False, "eager", {}, 2), (True, "aot_eager", {}, 2), (True, "eager", WINDOW_LAYERS, 3))
     for i, (packing, backend, kw, expected) in enumerate(cases):
         model = tiny_model(**kw)
-        args = args_for(tmp_path / str(i), max_steps=6, torch_compile=True, torch_compile_backend=backend,
-                        packing=packing, eval_strategy="steps", eval_steps=3, gradient_accumulation_steps=2)
-        trainer = Trainer(model=model, args=args, train_dataset=random_docs(64, lo=2, hi=70),
-                          eval_dataset=random_docs(10, lo=2, hi=50, seed=5))
+        args = args_for(
+            tmp_path / str(i),
+            max_steps=6,
+            torch_compile=True,
+            torch_compile_backend=backend,
+            packing=packing,
+            eval_strategy="steps",
+            eval_steps=3,
+            gradient_accumulation_steps=2,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=random_docs(64, lo=2, hi=70),
+            eval_dataset=random_docs(10, lo=2, hi=50, seed=5),
+        )
         trainer.train()
         trainer.evaluate()
         stats = trainer.compile_stats()
@@ -117,14 +166,18 @@ def test_regional_and_whole_graph_compile_train_alike(tmp_path, monkeypatch):
     from staticformers.training import step_functions as compiled
 
     runs = {}
-    for name, regional, checkpointing in (("eager", None, False), ("regional", True, True),
-                                          ("whole", False, False)):
+    for name, regional, checkpointing in (("eager", None, False), ("regional", True, True), ("whole", False, False)):
         if regional is not None:
             monkeypatch.setattr(compiled.StepFunction.__init__, "__defaults__", (regional, compiled.PLAIN))
         model = tiny_model(**WINDOW_LAYERS)
-        args = args_for(tmp_path / name, max_steps=3, torch_compile=regional is not None,
-                        torch_compile_backend="aot_eager" if regional is not None else None,
-                        gradient_checkpointing=checkpointing, packing=True)
+        args = args_for(
+            tmp_path / name,
+            max_steps=3,
+            torch_compile=regional is not None,
+            torch_compile_backend="aot_eager" if regional is not None else None,
+            gradient_checkpointing=checkpointing,
+            packing=True,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=random_docs())
         trainer.train()
         runs[name] = weights(model)
@@ -139,8 +192,12 @@ def test_compiled_step_matches_eager(tmp_path):
     runs = {}
     for compiled in (False, True):
         model = tiny_model()
-        args = args_for(tmp_path / str(compiled), max_steps=3, torch_compile=compiled,
-                        torch_compile_backend="aot_eager" if compiled else None)
+        args = args_for(
+            tmp_path / str(compiled),
+            max_steps=3,
+            torch_compile=compiled,
+            torch_compile_backend="aot_eager" if compiled else None,
+        )
         Trainer(model=model, args=args, train_dataset=random_docs()).train()
         runs[compiled] = weights(model)
     for k in runs[False]:
@@ -151,8 +208,13 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     runs = {}
     for bs, ga in ((8, 1), (4, 2), (2, 4)):
         model = tiny_model()
-        args = args_for(tmp_path / f"{bs}", per_device_train_batch_size=bs, gradient_accumulation_steps=ga, max_steps=2,
-                        max_grad_norm=0.5)
+        args = args_for(
+            tmp_path / f"{bs}",
+            per_device_train_batch_size=bs,
+            gradient_accumulation_steps=ga,
+            max_steps=2,
+            max_grad_norm=0.5,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=random_docs(32))
         trainer.train()
         runs[(bs, ga)] = (weights(model), [e["loss"] for e in trainer.state.log_history if "grad_norm" in e])
@@ -169,8 +231,11 @@ def test_clipping_and_no_decay_groups(tmp_path):
     skip = no_decay_parameter_names(model)
     assert "model.norm.weight" in skip and "model.layers.0.self_attn.q_norm.weight" in skip
     assert "model.layers.0.mlp.up_proj.weight" not in skip and "model.embed_tokens.weight" not in skip
-    trainer = Trainer(model=model, args=args_for(tmp_path, max_steps=1, max_grad_norm=1e-3, weight_decay=0.1),
-                      train_dataset=random_docs())
+    trainer = Trainer(
+        model=model,
+        args=args_for(tmp_path, max_steps=1, max_grad_norm=1e-3, weight_decay=0.1),
+        train_dataset=random_docs(),
+    )
     before = weights(model)
     trainer.train()
     groups = trainer.optimizer.param_groups
@@ -199,7 +264,9 @@ def test_bf16_trains_bf16_weights_with_fp32_master(tmp_path):
     trainer = Spy(model=model, args=args_for(tmp_path / "bf16", max_steps=5, bf16=True), train_dataset=counting_docs())
     out = trainer.train()
     assert seen == {"dtype": torch.bfloat16, "master": torch.float32}
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # back to its dtype, holding the master values
+    assert (
+        model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    )  # back to its dtype, holding the master values
     assert math.isfinite(out.training_loss)
     diff = max(float((a - b).abs().max()) for a, b in zip(weights(model).values(), weights(ref).values()))
     assert diff < 2e-2  # bf16 follows the fp32 run closely
@@ -212,8 +279,11 @@ def test_nan_stops_with_the_step_and_keeps_the_good_checkpoint(tmp_path):
             return loss * float("nan") if self.state.global_step == 2 else loss
 
     model = tiny_model()
-    trainer = Poisoned(model=model, args=args_for(tmp_path, max_steps=6, save_strategy="steps", save_steps=1),
-                       train_dataset=random_docs())
+    trainer = Poisoned(
+        model=model,
+        args=args_for(tmp_path, max_steps=6, save_strategy="steps", save_steps=1),
+        train_dataset=random_docs(),
+    )
     with pytest.raises(TrainingDivergedError, match="step 3") as err:
         trainer.train()
     assert "checkpoint-2" in str(err.value)
@@ -226,8 +296,9 @@ def test_bf16_master_weights_start_from_the_fp32_values(tmp_path):
     so a run whose updates vanish (lr 1e-30) gives back exactly the weights it was handed."""
     model = tiny_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    Trainer(model=model, args=args_for(tmp_path, bf16=True, max_steps=1, learning_rate=1e-30),
-            train_dataset=random_docs()).train()
+    Trainer(
+        model=model, args=args_for(tmp_path, bf16=True, max_steps=1, learning_rate=1e-30), train_dataset=random_docs()
+    ).train()
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, before[n]), n
 
@@ -241,8 +312,11 @@ def test_after_divergence_no_nan_gradient_is_left_and_resume_trains(tmp_path):
             return loss * float("nan") if self.state.global_step == self.poison_at else loss
 
     model = tiny_model()
-    trainer = Poisoned(model=model, args=args_for(tmp_path, max_steps=5, save_strategy="steps", save_steps=1),
-                       train_dataset=random_docs())
+    trainer = Poisoned(
+        model=model,
+        args=args_for(tmp_path, max_steps=5, save_strategy="steps", save_steps=1),
+        train_dataset=random_docs(),
+    )
     with pytest.raises(TrainingDivergedError):
         trainer.train()
     assert all(p.grad is None for p in model.parameters())
@@ -253,8 +327,12 @@ def test_after_divergence_no_nan_gradient_is_left_and_resume_trains(tmp_path):
 def test_evaluate_uses_the_dataset_it_is_given(tmp_path):
     """Rows are cached by dataset identity: a freed dataset whose id() is reused never answers for another."""
     cases = ((1, 16), (2, 8), (3, 12))
-    expected = [Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs()).evaluate(
-        random_docs(n=n, seed=seed))["eval_loss"] for seed, n in cases]
+    expected = [
+        Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs()).evaluate(
+            random_docs(n=n, seed=seed)
+        )["eval_loss"]
+        for seed, n in cases
+    ]
     trainer = Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs())
     got, ids = [], set()
     for seed, n in cases:  # each dataset is freed before the next is built: CPython hands out the same id
@@ -287,7 +365,10 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="train_dataset"):
         Trainer(model=tiny_model(), args=args_for(tmp_path)).train()
     with pytest.raises(ValueError, match="fewer than gradient_accumulation_steps"):
-        Trainer(model=tiny_model(), args=args_for(tmp_path, gradient_accumulation_steps=8),
-                train_dataset=random_docs(8)).train()
+        Trainer(
+            model=tiny_model(), args=args_for(tmp_path, gradient_accumulation_steps=8), train_dataset=random_docs(8)
+        ).train()
     with pytest.raises(ValueError, match="no complete checkpoint"):
-        Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs()).train(resume_from_checkpoint=True)
+        Trainer(model=tiny_model(), args=args_for(tmp_path), train_dataset=random_docs()).train(
+            resume_from_checkpoint=True
+        )

@@ -15,6 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_mypy_finds_nothing():
     pytest.importorskip("mypy", reason="mypy comes with the test extra: pip install -e '.[test]'")
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", "--no-color-output"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", "pyproject.toml", "--no-color-output"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]

@@ -67,8 +67,10 @@ def assert_no_leak(err):
     assert "secret-line" not in text and str(len(SECRET)) not in text
 
 
-@pytest.mark.parametrize("name", ["../outside/evil.safetensors", "sub/../../outside/evil.safetensors", "ABSOLUTE",
-                                  "..\\outside\\evil.safetensors"])
+@pytest.mark.parametrize(
+    "name",
+    ["../outside/evil.safetensors", "sub/../../outside/evil.safetensors", "ABSOLUTE", "..\\outside\\evil.safetensors"],
+)
 def test_index_names_outside_the_folder(ckpt, outside, name):
     weight_map, keys = shard(ckpt, None)
     weight_map[keys[0]] = str(outside) if name == "ABSOLUTE" else name
@@ -83,7 +85,9 @@ def test_symlinks_out_of_the_folder(ckpt, outside):
     os.symlink(outside, ckpt / "c.safetensors")
     weight_map[keys[0]] = "c.safetensors"
     write_index(ckpt, weight_map)
-    with pytest.raises(CheckpointError, match=r"names 'c.safetensors', which is a symbolic link that resolves outside") as err:
+    with pytest.raises(
+        CheckpointError, match=r"names 'c.safetensors', which is a symbolic link that resolves outside"
+    ) as err:
         AutoModelForCausalLM.from_pretrained(ckpt)
     assert_no_leak(err)
     # a symlinked directory inside the folder that leads out of it
@@ -99,7 +103,9 @@ def test_fixed_names_that_are_symlinks_out(ckpt, outside, name):
     if (ckpt / name).exists():
         os.remove(ckpt / name)
     os.symlink(outside, ckpt / name)
-    with pytest.raises(OutsideFolderError, match=rf"names '{name}', which is a symbolic link that resolves outside") as err:
+    with pytest.raises(
+        OutsideFolderError, match=rf"names '{name}', which is a symbolic link that resolves outside"
+    ) as err:
         AutoModelForCausalLM.from_pretrained(ckpt)
     assert_no_leak(err)
 
@@ -110,13 +116,16 @@ def test_symlinks_inside_the_folder_load(ckpt):
     AutoModelForCausalLM.from_pretrained(ckpt)
 
 
-@pytest.mark.parametrize("weight_map,match", [
-    ({"model.embed_tokens.weight": 3}, r"maps weight 'model.embed_tokens.weight' to 3, not to a shard file name"),
-    ({"model.embed_tokens.weight": None}, r"to None, not to a shard"),
-    ({"model.embed_tokens.weight": ["a.safetensors"]}, r"not to a shard"),
-    ("a.safetensors", r'has no "weight_map" object'),
-    ({}, r'has no "weight_map" object'),
-])
+@pytest.mark.parametrize(
+    "weight_map,match",
+    [
+        ({"model.embed_tokens.weight": 3}, r"maps weight 'model.embed_tokens.weight' to 3, not to a shard file name"),
+        ({"model.embed_tokens.weight": None}, r"to None, not to a shard"),
+        ({"model.embed_tokens.weight": ["a.safetensors"]}, r"not to a shard"),
+        ("a.safetensors", r'has no "weight_map" object'),
+        ({}, r'has no "weight_map" object'),
+    ],
+)
 def test_malformed_index(ckpt, weight_map, match):
     shard(ckpt, None)
     write_index(ckpt, weight_map)
@@ -136,7 +145,7 @@ def raw_file(path, header, data):
 def header_of(path):
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 def test_header_checks_match_the_safetensors_library(ckpt):
@@ -155,11 +164,14 @@ def test_header_checks_match_the_safetensors_library(ckpt):
 
     cases = {
         "overlap": lambda h: h[second].update(data_offsets=[size0 - 4, h[second]["data_offsets"][1] - 4]),
-        "gap": lambda h: [h[n].update(data_offsets=[h[n]["data_offsets"][0] + 4, h[n]["data_offsets"][1] + 4])
-                          for n in names[1:]] and b"\0" * 4,
+        "gap": lambda h: (
+            [h[n].update(data_offsets=[h[n]["data_offsets"][0] + 4, h[n]["data_offsets"][1] + 4]) for n in names[1:]]
+            and b"\0" * 4
+        ),
         "trailing bytes": lambda h: b"\0" * 16,
-        "truncated": lambda h: h[names[-1]].update(data_offsets=[h[names[-1]]["data_offsets"][0],
-                                                                 h[names[-1]]["data_offsets"][1] + 4]),
+        "truncated": lambda h: h[names[-1]].update(
+            data_offsets=[h[names[-1]]["data_offsets"][0], h[names[-1]]["data_offsets"][1] + 4]
+        ),
         "bad dtype": lambda h: h[first].update(dtype="F7"),
         "negative shape": lambda h: h[first].update(shape=[-1, 64]),
         "string shape": lambda h: h[first].update(shape=["128", 64]),
@@ -173,8 +185,11 @@ def test_header_checks_match_the_safetensors_library(ckpt):
         with pytest.raises(Exception):  # noqa: B017 (safetensors raises several types)
             with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
                 [f.get_tensor(k) for k in f.keys()]
-        with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file \(.*\): "
-                                                  r"re-download or re-save it\.$"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"model.safetensors is not a readable safetensors file \(.*\): "
+            r"re-download or re-save it\.$",
+        ):
             AutoModelForCausalLM.from_pretrained(ckpt)
     # the same name twice in the header
     blob = json.dumps(header).encode()
@@ -190,8 +205,11 @@ def test_integer_weights_are_refused(ckpt, dtype):
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].to(dtype)
     save_file(tensors, ckpt / "model.safetensors")
-    with pytest.raises(CheckpointError, match=rf"Weight {name} in model.safetensors is stored as "
-                                              rf"{str(dtype).removeprefix('torch.')}, .* floating point"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"Weight {name} in model.safetensors is stored as "
+        rf"{str(dtype).removeprefix('torch.')}, .* floating point",
+    ):
         AutoModelForCausalLM.from_pretrained(ckpt)
 
 
@@ -231,14 +249,17 @@ def tok_folder(qwen_tokenizer, tmp_path):
     return tmp_path / "tok"
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                  "special_tokens_map.json"])
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
+)
 def test_tokenizer_files_that_are_symlinks_out(tok_folder, outside, name):
     target = tok_folder / name
     if target.exists():
         os.remove(target)
     os.symlink(outside, target)
-    with pytest.raises(OutsideFolderError, match=rf"names '{name}', which is a symbolic link that resolves outside") as err:
+    with pytest.raises(
+        OutsideFolderError, match=rf"names '{name}', which is a symbolic link that resolves outside"
+    ) as err:
         AutoTokenizer.from_pretrained(tok_folder)
     assert_no_leak(err)
 
@@ -252,18 +273,21 @@ def test_chat_template_dir_symlinks_and_subfolder(tok_folder, outside):
         AutoTokenizer.from_pretrained(tok_folder, subfolder="../outside")
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"model_max_length": -5}, r"model_max_length=-5 must be a positive integer"),
-    ({"model_max_length": 0}, r"model_max_length=0"),
-    ({"model_max_length": "512"}, r"model_max_length='512'"),
-    ({"model_max_length": True}, r"model_max_length=True"),
-    ({"clean_up_tokenization_spaces": "false"}, r"clean_up_tokenization_spaces='false' must be true or false"),
-    ({"padding_side": "middle"}, r"padding_side must be 'left' or 'right'"),
-    ({"model_input_names": "input_ids"}, r"model_input_names='input_ids' must be a list"),
-    ({"added_tokens_decoder": {"x": {"content": "a"}}}, r"added_tokens_decoder\['x'\] must map a token id"),
-    ({"chat_template": [{"name": "default"}]}, r"chat_template, as a list, must hold"),
-    ({"chat_template": 5}, r"chat_template must be a string"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"model_max_length": -5}, r"model_max_length=-5 must be a positive integer"),
+        ({"model_max_length": 0}, r"model_max_length=0"),
+        ({"model_max_length": "512"}, r"model_max_length='512'"),
+        ({"model_max_length": True}, r"model_max_length=True"),
+        ({"clean_up_tokenization_spaces": "false"}, r"clean_up_tokenization_spaces='false' must be true or false"),
+        ({"padding_side": "middle"}, r"padding_side must be 'left' or 'right'"),
+        ({"model_input_names": "input_ids"}, r"model_input_names='input_ids' must be a list"),
+        ({"added_tokens_decoder": {"x": {"content": "a"}}}, r"added_tokens_decoder\['x'\] must map a token id"),
+        ({"chat_template": [{"name": "default"}]}, r"chat_template, as a list, must hold"),
+        ({"chat_template": 5}, r"chat_template must be a string"),
+    ],
+)
 def test_tokenizer_config_values(tok_folder, changes, match):
     path = tok_folder / "tokenizer_config.json"
     config = json.loads(path.read_text()) if path.exists() else {}
@@ -277,9 +301,18 @@ def test_tokenizer_config_values(tok_folder, changes, match):
 
 
 # ---- sampling options, from a call or from generation_config.json ----------------------------------
-@pytest.mark.parametrize("key,value", [("temperature", "0.7"), ("temperature", float("nan")), ("temperature", True),
-                                       ("top_p", "0.9"), ("min_p", float("inf")), ("repetition_penalty", "1.1"),
-                                       ("do_sample", "true")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("temperature", "0.7"),
+        ("temperature", float("nan")),
+        ("temperature", True),
+        ("top_p", "0.9"),
+        ("min_p", float("inf")),
+        ("repetition_penalty", "1.1"),
+        ("do_sample", "true"),
+    ],
+)
 def test_sampling_options_of_the_wrong_type(ckpt, key, value):
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     prompt = torch.tensor([[1, 2, 3]])

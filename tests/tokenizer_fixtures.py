@@ -51,10 +51,14 @@ HARD_STRINGS = [
     "The quick brown fox 你好 😀 " * 400,
 ]
 
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 QWEN_TEMPLATE = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -187,13 +191,19 @@ def _write(folder: Path, tok: Tokenizer, config: dict, chat_template: str | None
 def _byte_level_bpe(split: str, specials: list[str], vocab_size: int = 600) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=specials, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=specials,
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -202,12 +212,19 @@ def build_qwen(folder: Path) -> Path:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = _byte_level_bpe(QWEN_SPLIT, specials)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in
-                    ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")]
+    )
     config = {
-        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 131072,
-        "clean_up_tokenization_spaces": False, "errors": "replace", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
     }
     return _write(folder, tok, config, QWEN_TEMPLATE)
@@ -217,18 +234,34 @@ def build_llama3(folder: Path) -> Path:
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     tok = _byte_level_bpe(LLAMA3_SPLIT, specials)
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-                                      special_tokens=[("<|begin_of_text|>", bos)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                special_tokens=[("<|begin_of_text|>", bos)],
+            ),
+        ]
+    )
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
-        "model_max_length": 131072, "clean_up_tokenization_spaces": True,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": True,
         "model_input_names": ["input_ids", "attention_mask"],
-        "added_tokens_decoder": {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
-                                                            "rstrip": False, "single_word": False, "special": True}
-                                 for t in specials},
+        "added_tokens_decoder": {
+            str(tok.token_to_id(t)): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t in specials
+        },
     }
     return _write(folder, tok, config, LLAMA3_TEMPLATE)
 
@@ -247,15 +280,24 @@ def build_mistral(folder: Path) -> Path:
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
-                                                       special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", 1)]
+    )
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "pad_token": None, "add_bos_token": True, "add_eos_token": False, "model_max_length": 32768,
-        "clean_up_tokenization_spaces": False, "padding_side": "left",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "padding_side": "left",
     }
     return _write(folder, tok, config, MISTRAL_TEMPLATE)
 
@@ -265,18 +307,31 @@ def build_unigram(folder: Path) -> Path:
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    trainer = trainers.UnigramTrainer(vocab_size=400, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
-                                      show_progress=False)
+    trainer = trainers.UnigramTrainer(
+        vocab_size=400, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                       special_tokens=[("</s>", tok.token_to_id("</s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
+    )
     # Leave "<extra>" out of tokenizer.json: the config's special token must be added on load.
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False,
-                                                                    "normalized": False, "rstrip": False,
-                                                                    "single_word": False, "special": True},
-        "pad_token": "<pad>", "unk_token": "<unk>", "model_max_length": 64, "clean_up_tokenization_spaces": True,
-        "truncation_side": "left", "additional_special_tokens": ["<extra>"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": {
+            "__type": "AddedToken",
+            "content": "</s>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        },
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "model_max_length": 64,
+        "clean_up_tokenization_spaces": True,
+        "truncation_side": "left",
+        "additional_special_tokens": ["<extra>"],
     }
     return _write(folder, tok, config)
 

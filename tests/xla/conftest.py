@@ -49,4 +49,3 @@ def xla_models(tiny_checkpoints):
         return loaded[family]
 
     return get
-

@@ -26,7 +26,7 @@ def cpu_tokens(path, adapter, prompt, n):
         model.load_adapter(adapter)
         model.merge_and_unload()
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None, disable_compile=True)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_mixed_adapter_rows_on_xla(tiny_checkpoints, tmp_path):

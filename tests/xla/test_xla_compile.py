@@ -120,8 +120,13 @@ def test_precompiled_plan_counts_and_a_second_process_compiles_nothing(tiny_chec
     env = {**os.environ, "STATICFORMERS_CACHE": str(tmp_path / "cache")}
     reports = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", PRECOMPILE, path, json.dumps(PLAN)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", PRECOMPILE, path, json.dumps(PLAN)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     cold, warm = reports

@@ -31,8 +31,13 @@ def test_doctor_reports_torch_xla_and_the_pjrt_device(capsys):
 
     info = describe()
     assert info["torch_xla"] == torch_xla.__version__ and info["pjrt_device"] == "CPU"
-    assert info["devices"]["xla"] == {"available": True, "count": 1, "compile_backend": "openxla",
-                                      "dist_backend": "xla", "bf16": True}
+    assert info["devices"]["xla"] == {
+        "available": True,
+        "count": 1,
+        "compile_backend": "openxla",
+        "dist_backend": "xla",
+        "bf16": True,
+    }
     from staticformers.commands.cli import main
 
     assert main(["doctor"]) == 0
@@ -62,7 +67,7 @@ def test_pipeline_on_xla_gives_the_cpus_greedy_text(tmp_path):
     cpu = AutoModelForCausalLM.from_pretrained(str(tmp_path))
     ids = tok("for x in")["input_ids"]
     out = cpu.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, disable_compile=True)
-    assert text == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    assert text == tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def test_the_xla_generator_state_round_trips_whatever_its_size():

@@ -36,8 +36,9 @@ def test_extend_compiles_once_per_shape_and_gives_transformers_logits(xla_models
             tokens = torch.randint(3, 128, (4, 4), generator=gen)
             positions = torch.tensor([[len(p) + 4 * step + j for j in range(4)] for p in prompts])
             before = runtime.counters()
-            _, logits = engine.extend(settings, cache, tokens.to(device), positions.to(device),
-                                      torch.arange(4).repeat(4, 1).to(device))
+            _, logits = engine.extend(
+                settings, cache, tokens.to(device), positions.to(device), torch.arange(4).repeat(4, 1).to(device)
+            )
             engine.backend.flush(device)
             results.append((tokens, logits.cpu()))
             grown.append(runtime.counters() - before)
@@ -49,4 +50,4 @@ def test_extend_compiles_once_per_shape_and_gives_transformers_logits(xla_models
             full = hf(torch.tensor([ids])).logits[0]
         for step, (_, logits) in enumerate(results):
             start = len(p) + 4 * step
-            tol.assert_close(logits[i], full[start:start + 4])
+            tol.assert_close(logits[i], full[start : start + 4])

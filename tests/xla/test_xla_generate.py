@@ -39,13 +39,14 @@ def test_greedy_equals_transformers(xla_models, family):
     for p, want in zip(prompts, expected):  # batch 1
         out = ours.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
         assert out.device.type == "cpu"
-        assert out[0, len(p):].tolist() == want, (family, len(p))
+        assert out[0, len(p) :].tolist() == want, (family, len(p))
     mixed = prompts + [torch.randint(3, 128, (11,), generator=gen).tolist()]
     expected.append(hf_greedy(hf, mixed[-1], NEW))
     for side in ("left", "right"):
         ids, mask = padded(mixed, side)
-        out = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
+        out = ours.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert [row[-NEW:] for row in out.tolist()] == expected, (family, side)
     from staticformers.generation.engines import compile_stats
 

@@ -28,8 +28,9 @@ def traffic(seed: int) -> tuple[dict, dict]:
     arriving over the steps; the mix's shape is the same for every seed, the tokens are not."""
     values = torch.Generator().manual_seed(seed)
     arrivals, prompts = {}, {}
-    for i, (span, repeats, own, new, step) in enumerate([(5, 4, 2, 8, 0), (0, 0, 30, 5, 0), (6, 2, 0, 7, 3),
-                                                         (4, 3, 11, 6, 5)]):
+    for i, (span, repeats, own, new, step) in enumerate(
+        [(5, 4, 2, 8, 0), (0, 0, 30, 5, 0), (6, 2, 0, 7, 3), (4, 3, 11, 6, 5)]
+    ):
         part = torch.randint(3, 128, (span,), generator=values).tolist()
         prompt = part * repeats + torch.randint(3, 128, (own,), generator=values).tolist()
         prompts[i] = (prompt, new)
@@ -39,8 +40,10 @@ def traffic(seed: int) -> tuple[dict, dict]:
 
 def test_chunks_and_verification_on_a_hybrid_compile_nothing_once_warm(xla_models):
     model, hf, _ = xla_models("qwen3_5")
-    engine = engine_for(model, ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[48], max_model_len=48,
-                                         extend_widths=[(8, 1)]))
+    engine = engine_for(
+        model,
+        ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[48], max_model_len=48, extend_widths=[(8, 1)]),
+    )
     spec = Speculator(PromptLookup(3))
     loop = GenerationLoop(engine, compile_settings(model, GenerationConfig()), speculator=spec, chunked_prefill=8)
     arrivals, _ = traffic(seed=1)

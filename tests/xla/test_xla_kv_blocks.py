@@ -27,8 +27,7 @@ def traffic(seed: int) -> dict:
     seeded sampling mixed; the shape of the mix is the same for every seed, the tokens are not."""
     values = torch.Generator().manual_seed(seed)
     arrivals: dict = {}
-    for i, (own, new, step) in enumerate([(12, 20, 0), (40, 12, 0), (9, 24, 2), (5, 16, 3), (30, 10, 6),
-                                          (7, 20, 9)]):
+    for i, (own, new, step) in enumerate([(12, 20, 0), (40, 12, 0), (9, 24, 2), (5, 16, 3), (30, 10, 6), (7, 20, 9)]):
         prompt = torch.randint(3, 128, (own,), generator=values).tolist()
         params = SamplingParams(do_sample=True, seed=seed + i) if i % 2 else SamplingParams()
         arrivals.setdefault(step, []).append(GenerationRequest(prompt, new, params, request_id=i))
@@ -37,8 +36,9 @@ def traffic(seed: int) -> dict:
 
 def test_block_caches_compile_nothing_once_warm_under_preemption(xla_models):
     model, _, _ = xla_models("qwen3")
-    plan = ShapePlan(batch_sizes=[2, 4], prompt_lengths=[16], kv_lengths=[32, 64], max_model_len=64,
-                     extend_widths=[(8, 1)])
+    plan = ShapePlan(
+        batch_sizes=[2, 4], prompt_lengths=[16], kv_lengths=[32, 64], max_model_len=64, extend_widths=[(8, 1)]
+    )
     engine = engine_for(model, plan)
     settings = compile_settings(model, GenerationConfig())
     static = run_loop(GenerationLoop(engine, settings, chunked_prefill=8), traffic(seed=1))

@@ -27,8 +27,9 @@ def traffic(seed: int) -> dict:
     values = torch.Generator().manual_seed(seed)
     system = torch.randint(3, 128, (24,), generator=values).tolist()
     arrivals: dict = {}
-    for i, (shared, own, new, step) in enumerate([(24, 3, 4, 0), (0, 40, 3, 0), (24, 9, 5, 2), (8, 5, 2, 3),
-                                                  (24, 30, 3, 6), (0, 5, 4, 9), (16, 2, 3, 12)]):
+    for i, (shared, own, new, step) in enumerate(
+        [(24, 3, 4, 0), (0, 40, 3, 0), (24, 9, 5, 2), (8, 5, 2, 3), (24, 30, 3, 6), (0, 5, 4, 9), (16, 2, 3, 12)]
+    ):
         prompt = system[:shared] + torch.randint(3, 128, (own,), generator=values).tolist()
         params = SamplingParams(do_sample=True, seed=seed + i) if i % 2 else SamplingParams()
         arrivals.setdefault(step, []).append(GenerationRequest(prompt, new, params))
@@ -37,10 +38,13 @@ def traffic(seed: int) -> dict:
 
 def test_chunks_and_prefix_hits_compile_nothing_once_warm(xla_models):
     model, _, _ = xla_models("qwen3")
-    engine = engine_for(model, ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[64], max_model_len=64,
-                                         extend_widths=[(8, 1)]))
-    loop = GenerationLoop(engine, compile_settings(model, GenerationConfig()), chunked_prefill=8, prefix_caching=True,
-                          prefix_block_size=4)
+    engine = engine_for(
+        model,
+        ShapePlan(batch_sizes=[2], prompt_lengths=[16], kv_lengths=[64], max_model_len=64, extend_widths=[(8, 1)]),
+    )
+    loop = GenerationLoop(
+        engine, compile_settings(model, GenerationConfig()), chunked_prefill=8, prefix_caching=True, prefix_block_size=4
+    )
     warm = run_loop(loop, traffic(seed=1))
     hits = loop.prefix.hits
     before = runtime.counters()

@@ -34,9 +34,10 @@ def cpu_greedy(folder: str, prompt: str, n: int) -> str:
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     ids = tok(prompt)["input_ids"]
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                         disable_compile=True)
-    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, disable_compile=True
+    )
+    return tok.decode(out[0, len(ids) :], skip_special_tokens=True)
 
 
 def graphs_compiled(url: str) -> float:
@@ -45,10 +46,34 @@ def graphs_compiled(url: str) -> float:
 
 
 def test_serve_on_xla_answers_the_openai_client(folder):
-    argv = [sys.executable, "-m", "staticformers", "serve", folder, "--device", "xla", "--precompile", "--port", "0",
-            "--max-batch-size", "2", "--max-model-len", "32", "--served-model-name", "tiny", "--grace", "5"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "staticformers",
+        "serve",
+        folder,
+        "--device",
+        "xla",
+        "--precompile",
+        "--port",
+        "0",
+        "--max-batch-size",
+        "2",
+        "--max-model-len",
+        "32",
+        "--served-model-name",
+        "tiny",
+        "--grace",
+        "5",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,
+    )
     lines, found = [], threading.Event()
     url = []
 
@@ -72,13 +97,15 @@ def test_serve_on_xla_answers_the_openai_client(folder):
         want = {p: cpu_greedy(folder, p, 6) for p in prompts}
 
         def ask(prompt):
-            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            )
             return r.choices[0].text
 
         assert ask(prompts[0]) == want[prompts[0]]
-        stream = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=6, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny", prompt=prompts[1], max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(c.choices[0].text for c in stream) == want[prompts[1]]
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(ask, prompts)) == [want[p] for p in prompts]

@@ -21,18 +21,39 @@ VOCAB = 64
 
 def docs(n=48, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
-            for k in torch.randint(3, 30, (n,), generator=g)]
+    return [
+        {"input_ids": torch.randint(1, VOCAB, (int(k),), generator=g).tolist()}
+        for k in torch.randint(3, 30, (n,), generator=g)
+    ]
 
 
 def train(tmp_path, device: str, steps: int, resume: str = None, **kw):
-    cfg = AutoConfig.for_model("qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = AutoConfig.for_model(
+        "qwen3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(cfg, seed=0)
     if device == "xla":
         model.to(torch.device("xla", 0))
-    base = dict(output_dir=str(tmp_path / device), max_length=32, per_device_train_batch_size=4, max_steps=steps,
-                logging_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-3, seed=0, packing=True)
+    base = dict(
+        output_dir=str(tmp_path / device),
+        max_length=32,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        seed=0,
+        packing=True,
+    )
     args = TrainingArguments(**{**base, **kw})
     trainer = Trainer(model=model, args=args, train_dataset=docs())
     compiles = []

@@ -64,10 +64,16 @@ class AdapterBank:
         for layer in layers.values():
             w = layer.base_layer.weight
             dtype = compute_dtype(layer.base_layer)  # a quantized base: its scales' dtype
-            layer.register_buffer("lora_bank_A", torch.zeros(capacity + 1, rank, layer.in_features, dtype=dtype,
-                                                             device=w.device), persistent=False)
-            layer.register_buffer("lora_bank_B", torch.zeros(capacity + 1, layer.out_features, rank, dtype=dtype,
-                                                             device=w.device), persistent=False)
+            layer.register_buffer(
+                "lora_bank_A",
+                torch.zeros(capacity + 1, rank, layer.in_features, dtype=dtype, device=w.device),
+                persistent=False,
+            )
+            layer.register_buffer(
+                "lora_bank_B",
+                torch.zeros(capacity + 1, layer.out_features, rank, dtype=dtype, device=w.device),
+                persistent=False,
+            )
             layer.lora_routing = self
 
     @property
@@ -98,19 +104,25 @@ class AdapterBank:
             raise AdapterBankError(f"The adapter name {name!r} is reserved: {RESERVED[name]}. Pick another name.")
         outside = [m for m in weights if m not in self.layers]
         if outside:
-            raise AdapterBankError(f"Adapter {name!r} has weights on {outside[0]}, which this bank does not cover: make "
-                                   f"the bank with target modules that include it.")
+            raise AdapterBankError(
+                f"Adapter {name!r} has weights on {outside[0]}, which this bank does not cover: make "
+                f"the bank with target modules that include it."
+            )
         ranks = {m: a.shape[0] for m, (a, _, _) in weights.items()}
         too_big = [m for m, r in ranks.items() if r > self.rank]
         if too_big:
-            raise AdapterBankError(f"Adapter {name!r} has rank {ranks[too_big[0]]} on {too_big[0]}, more than the bank's "
-                                   f"{self.rank}: make the bank with max_rank={ranks[too_big[0]]} or more.")
+            raise AdapterBankError(
+                f"Adapter {name!r} has rank {ranks[too_big[0]]} on {too_big[0]}, more than the bank's "
+                f"{self.rank}: make the bank with max_rank={ranks[too_big[0]]} or more."
+            )
         slot = self.slots.get(name)
         if slot is None:
             free = [s for s in range(1, self.capacity + 1) if s not in self.slots.values()]
             if not free:
-                raise AdapterBankError(f"The adapter bank holds {self.capacity} adapter(s) ({', '.join(map(repr, self.slots))}) and "
-                                       f"is full: remove one first, or make it with a larger max_adapters.")
+                raise AdapterBankError(
+                    f"The adapter bank holds {self.capacity} adapter(s) ({', '.join(map(repr, self.slots))}) and "
+                    f"is full: remove one first, or make it with a larger max_adapters."
+                )
             slot = free[0]
         with torch.no_grad():
             for module, layer in self.layers.items():
@@ -135,8 +147,11 @@ class AdapterBank:
 
     def put_named(self, name: str) -> int:
         """Copy the model's named adapter `name` into the bank (again, when it is there already)."""
-        weights = {m: (layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
-                   for m, layer in self.layers.items() if name in layer.lora_A}
+        weights = {
+            m: (layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name])
+            for m, layer in self.layers.items()
+            if name in layer.lora_A
+        }
         if not weights:
             raise AdapterBankError(f"The model has no adapter named {name!r} on the layers this bank covers.")
         slot = self.put(name, weights)
@@ -163,8 +178,12 @@ class AdapterBank:
                 layer.lora_bank_B[slot].zero_()
 
     def _named_versions(self, name: str) -> tuple:
-        return tuple((id(p), p._version) for layer in self.layers.values() if name in layer.lora_A
-                     for p in (layer.lora_A[name].weight, layer.lora_B[name].weight))
+        return tuple(
+            (id(p), p._version)
+            for layer in self.layers.values()
+            if name in layer.lora_A
+            for p in (layer.lora_A[name].weight, layer.lora_B[name].weight)
+        )
 
     def refresh(self) -> None:
         """Copy again the named adapters whose weights changed since they were copied (training, a hot swap)."""
@@ -214,14 +233,20 @@ class AdapterBank:
         self.layers = {}
 
 
-def enable_adapter_batching(model, max_adapters: Optional[int] = None, max_rank: Optional[int] = None,
-                            target_modules: Optional[Iterable[str]] = None) -> AdapterBank:
+def enable_adapter_batching(
+    model,
+    max_adapters: Optional[int] = None,
+    max_rank: Optional[int] = None,
+    target_modules: Optional[Iterable[str]] = None,
+) -> AdapterBank:
     """Give the model an AdapterBank holding its named adapters, with room for `max_adapters` (default: as
     many as it has) of rank up to `max_rank` (default: the largest it has), on its LoRA layers plus
     `target_modules`. A bank the model had is replaced. Compiled generation steps are rebuilt once."""
     if getattr(model, "parallel_dims", None) is not None:
-        raise AdapterBankError("Batches mixing adapters need the model in one process: serve a tensor-parallel model "
-                               "with one adapter merged (merge_and_unload) instead.")
+        raise AdapterBankError(
+            "Batches mixing adapters need the model in one process: serve a tensor-parallel model "
+            "with one adapter merged (merge_and_unload) instead."
+        )
     old = bank_of(model)
     if old is not None:
         old.detach()
@@ -232,8 +257,10 @@ def enable_adapter_batching(model, max_adapters: Optional[int] = None, max_rank:
         layers = {**layers, **wrap(model, names)}
         layers = {n: layers[n] for n in lora_modules(model)}  # the model's order
     if not layers:
-        raise AdapterBankError("The model has no adapter to batch: load adapters first (model.load_adapter(path, "
-                               "adapter_name=...)) or name the target modules.")
+        raise AdapterBankError(
+            "The model has no adapter to batch: load adapters first (model.load_adapter(path, "
+            "adapter_name=...)) or name the target modules."
+        )
     ranks = [r for layer in layers.values() for r in layer.r.values()]
     rank = max_rank if max_rank is not None else max(ranks or [1])
     capacity = max_adapters if max_adapters is not None else max(len(configs), 1)
@@ -257,45 +284,66 @@ def bank_for_names(model, names: Iterable[str]) -> AdapterBank:
     unknown = [n for n in wanted if n not in configs]
     if unknown:
         held = ", ".join(map(repr, configs)) or "none"
-        raise AdapterBankError(f"adapter_names asks for {unknown[0]!r}, which the model does not have (its adapters: "
-                               f"{held}; {BASE!r} is the base model).")
+        raise AdapterBankError(
+            f"adapter_names asks for {unknown[0]!r}, which the model does not have (its adapters: "
+            f"{held}; {BASE!r} is the base model)."
+        )
     bank = bank_of(model)
     if bank is None:
         return enable_adapter_batching(model)
     missing = [n for n in wanted if n not in bank.slots]
     free = bank.capacity - len(bank.slots)
-    if len(missing) > free or any(r > bank.rank for n in missing for layer in lora_modules(model).values()
-                                  for a, r in layer.r.items() if a == n):
+    if len(missing) > free or any(
+        r > bank.rank for n in missing for layer in lora_modules(model).values() for a, r in layer.r.items() if a == n
+    ):
         return enable_adapter_batching(model, max_adapters=max(bank.capacity, len(configs)))
     for n in missing:
         bank.put_named(n)
     return bank
 
 
-def bank_for_files(model, adapters: dict[str, str], max_adapters: Optional[int] = None,
-                   max_rank: Optional[int] = None, target_modules=None, **hub) -> AdapterBank:
+def bank_for_files(
+    model,
+    adapters: dict[str, str],
+    max_adapters: Optional[int] = None,
+    max_rank: Optional[int] = None,
+    target_modules=None,
+    **hub,
+) -> AdapterBank:
     """A bank holding the PEFT adapters `adapters` (name -> folder), all read and checked before the model
     is changed; it covers the union of their layers and of `target_modules` (a `LoraConfig.target_modules`
     value, e.g. "all-linear": room for adapters loaded later)."""
     read = {name: read_adapter(model, path, **hub) for name, path in adapters.items()}
     projections = linear_candidates(model)
-    modules = sorted({fused_targets.peft_name(model, m, projections) for _, weights in read.values() for m in weights}
-                     | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ()))
+    modules = sorted(
+        {fused_targets.peft_name(model, m, projections) for _, weights in read.values() for m in weights}
+        | set(target_names(model, LoraConfig(target_modules=target_modules)) if target_modules else ())
+    )
     ranks = {name: max(a["A"].shape[0] for a in w.values()) for name, (_, w) in read.items() if w}
     largest = max(ranks.values(), default=1)
     if max_rank is not None and max_rank < largest:
         name = max(ranks, key=ranks.get)
-        raise ValueError(f"--max-lora-rank {max_rank} is less than the rank {largest} of adapter {name!r} "
-                         f"({adapters[name]}): pass --max-lora-rank {largest} or more, or leave it out.")
+        raise ValueError(
+            f"--max-lora-rank {max_rank} is less than the rank {largest} of adapter {name!r} "
+            f"({adapters[name]}): pass --max-lora-rank {largest} or more, or leave it out."
+        )
     if max_adapters is not None and max_adapters < len(adapters):
-        raise ValueError(f"--max-loras {max_adapters} is less than the {len(adapters)} adapters of --lora-modules: pass "
-                         f"--max-loras {len(adapters)} or more, or leave it out.")
+        raise ValueError(
+            f"--max-loras {max_adapters} is less than the {len(adapters)} adapters of --lora-modules: pass "
+            f"--max-loras {len(adapters)} or more, or leave it out."
+        )
     rank = max(max_rank or 1, largest)
     capacity = max(max_adapters or 0, len(adapters))
     bank = enable_adapter_batching(model, max_adapters=capacity, max_rank=rank, target_modules=modules)
     for name, (config, weights) in read.items():  # weights per model module; scales by PEFT's module names
-        bank.put(name, {m: (w["A"], w["B"], config.scaling_for(fused_targets.peft_name(model, m, projections)))
-                        for m, w in weights.items()}, source=adapters[name])
+        bank.put(
+            name,
+            {
+                m: (w["A"], w["B"], config.scaling_for(fused_targets.peft_name(model, m, projections)))
+                for m, w in weights.items()
+            },
+            source=adapters[name],
+        )
     return bank
 
 
@@ -307,8 +355,9 @@ def routed(model, rows: Optional[Sequence[int]], batch: int, refresh: bool = Fal
     bank = bank_of(model)
     if bank is None:
         if rows is not None and any(rows):
-            raise AdapterBankError("Rows ask for adapters but the model has no adapter bank: "
-                                   "model.enable_adapter_batching() first.")
+            raise AdapterBankError(
+                "Rows ask for adapters but the model has no adapter bank: model.enable_adapter_batching() first."
+            )
         yield
         return
     if refresh:
@@ -321,5 +370,13 @@ def routed(model, rows: Optional[Sequence[int]], batch: int, refresh: bool = Fal
         bank.engaged = False
 
 
-__all__ = ["AdapterBank", "AdapterBankError", "enable_adapter_batching", "bank_for_files", "bank_for_names", "bank_of", "routed",
-           "MAX_ROWS"]
+__all__ = [
+    "AdapterBank",
+    "AdapterBankError",
+    "enable_adapter_batching",
+    "bank_for_files",
+    "bank_for_names",
+    "bank_of",
+    "routed",
+    "MAX_ROWS",
+]

@@ -32,8 +32,16 @@ import torch
 from .lora_config import AdapterConfigError, LoraConfig
 from .bank_registry import bank_of
 from . import fused_targets
-from .lora import (DEFAULT_ADAPTER, adapter_dtype, check_adapter_name, linear_candidates, lora_modules,
-                   peft_target_names, set_adapter, wrap)
+from .lora import (
+    DEFAULT_ADAPTER,
+    adapter_dtype,
+    check_adapter_name,
+    linear_candidates,
+    lora_modules,
+    peft_target_names,
+    set_adapter,
+    wrap,
+)
 from ..utils.atomic_files import write_atomic, write_text_atomic
 from ..checkpoints.hub import resolve_file
 from ..checkpoints.safetensors_io import SafetensorsFile, SafetensorsFormatError, save_file
@@ -74,8 +82,10 @@ def read_config(path: str, **hub) -> LoraConfig:
     try:
         file = resolve_file(path, ADAPTER_CONFIG, **hub)
     except CheckpointNotFoundError:
-        raise AdapterFileError(f"{path} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder (pass the folder "
-                               f"peft's or staticformers' save_pretrained wrote).") from None
+        raise AdapterFileError(
+            f"{path} has no {ADAPTER_CONFIG}: it is not a PEFT adapter folder (pass the folder "
+            f"peft's or staticformers' save_pretrained wrote)."
+        ) from None
     data = read_json_object(file, "restore it from the adapter's source", AdapterFileError)
     return LoraConfig.from_peft_dict(data, source=file)
 
@@ -89,7 +99,8 @@ def weights_file(path: str, **hub) -> str:
         raise AdapterFileError(
             f"{path} holds only a pickle adapter ({ADAPTER_PICKLE}), which staticformers never unpickles: convert it "
             f"to safetensors first (with peft: PeftModel.from_pretrained(...).save_pretrained(dir, "
-            f"safe_serialization=True)).")
+            f"safe_serialization=True))."
+        )
     raise AdapterFileError(f"{path} has no {ADAPTER_WEIGHTS}: the adapter folder is incomplete.")
 
 
@@ -106,25 +117,35 @@ def read_weights(file: str) -> dict[str, dict[str, torch.Tensor]]:
         for key in f.keys():
             m = _KEY.match(key)
             if m is None:
-                raise AdapterFileError(f"{file} holds {key!r}, which is not the lora_A or lora_B weight of a linear "
-                                       f"layer: staticformers loads plain LoRA adapters (no DoRA, embeddings or saved "
-                                       f"modules).")
+                raise AdapterFileError(
+                    f"{file} holds {key!r}, which is not the lora_A or lora_B weight of a linear "
+                    f"layer: staticformers loads plain LoRA adapters (no DoRA, embeddings or saved "
+                    f"modules)."
+                )
             if not f.dtype(key).is_floating_point or len(f.shape(key)) != 2:
-                raise AdapterFileError(f"{key} in {name} is {list(f.shape(key))} {f.dtype(key)}: a LoRA weight is a "
-                                       f"floating-point matrix; the file is damaged or not a LoRA adapter.")
+                raise AdapterFileError(
+                    f"{key} in {name} is {list(f.shape(key))} {f.dtype(key)}: a LoRA weight is a "
+                    f"floating-point matrix; the file is damaged or not a LoRA adapter."
+                )
             out.setdefault(m.group("module"), {})[m.group("part")] = f.read(key)
     for module, parts in out.items():
         if set(parts) != {"A", "B"}:
             missing = "B" if "A" in parts else "A"
-            raise AdapterFileError(f"{file} has lora_{'A' if missing == 'B' else 'B'} but no lora_{missing} for "
-                                   f"{module}: the adapter file is incomplete.")
+            raise AdapterFileError(
+                f"{file} has lora_{'A' if missing == 'B' else 'B'} but no lora_{missing} for "
+                f"{module}: the adapter file is incomplete."
+            )
         a, b = parts["A"], parts["B"]
         if a.shape[0] != b.shape[1]:
-            raise AdapterFileError(f"{file}: {module}'s lora_A is {list(a.shape)} and lora_B {list(b.shape)}, whose "
-                                   f"ranks differ: the file is damaged.")
+            raise AdapterFileError(
+                f"{file}: {module}'s lora_A is {list(a.shape)} and lora_B {list(b.shape)}, whose "
+                f"ranks differ: the file is damaged."
+            )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterFileError(f"{file}: {module}'s LoRA weights hold NaN or infinite values: the adapter is "
-                                   f"broken; train or download it again.")
+            raise AdapterFileError(
+                f"{file}: {module}'s LoRA weights hold NaN or infinite values: the adapter is "
+                f"broken; train or download it again."
+            )
     if not out:
         raise AdapterFileError(f"{file} holds no LoRA weights.")
     return out
@@ -142,15 +163,19 @@ def check_fits(model, config: LoraConfig, weights: dict, source: str) -> None:
         raise AdapterFileError(f"{source}: its {ADAPTER_CONFIG} does not fit this model: {err}") from None
     strays = sorted(m for m in weights if m in candidates and m not in targeted)
     if strays:
-        raise AdapterFileError(f"{source} has weights for {strays[0]}{f' and {len(strays) - 1} more' if len(strays) > 1 else ''}"
-                               f", which its {ADAPTER_CONFIG} does not target (target_modules="
-                               f"{config.target_modules!r}): the config and the weights disagree; fix the config.")
+        raise AdapterFileError(
+            f"{source} has weights for {strays[0]}{f' and {len(strays) - 1} more' if len(strays) > 1 else ''}"
+            f", which its {ADAPTER_CONFIG} does not target (target_modules="
+            f"{config.target_modules!r}): the config and the weights disagree; fix the config."
+        )
     for module, parts in weights.items():
         features = candidates.get(module)
         if features is None:
-            raise AdapterFileError(f"{source} has weights for {module}, which is not a projection of this model's "
-                                   f"decoder layers (staticformers puts adapters on those only): the adapter targets "
-                                   f"other modules or was trained on another architecture.")
+            raise AdapterFileError(
+                f"{source} has weights for {module}, which is not a projection of this model's "
+                f"decoder layers (staticformers puts adapters on those only): the adapter targets "
+                f"other modules or was trained on another architecture."
+            )
         in_features, out_features = features
         r = config.rank_for(module)
         a, b = parts["A"], parts["B"]
@@ -158,7 +183,8 @@ def check_fits(model, config: LoraConfig, weights: dict, source: str) -> None:
             raise AdapterFileError(
                 f"{source}: {module}'s lora_A is {list(a.shape)} and lora_B {list(b.shape)}, but this model's layer "
                 f"is {in_features} -> {out_features} with r={r} in {ADAPTER_CONFIG}: the adapter was "
-                f"trained on another model, or its config does not match its weights.")
+                f"trained on another model, or its config does not match its weights."
+            )
 
 
 def read_adapter(model, path: str, **hub) -> tuple[LoraConfig, dict]:
@@ -175,9 +201,16 @@ def read_adapter(model, path: str, **hub) -> tuple[LoraConfig, dict]:
 # ---------------------------------------------------------------------------------------------
 # loading into the model
 # ---------------------------------------------------------------------------------------------
-def load_adapter(model, peft_model_id: str, adapter_name: Optional[str] = None, is_trainable: bool = False,
-                 revision: Optional[str] = None, cache_dir: Optional[str] = None, local_files_only: bool = False,
-                 token: Optional[str] = None) -> str:
+def load_adapter(
+    model,
+    peft_model_id: str,
+    adapter_name: Optional[str] = None,
+    is_trainable: bool = False,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    local_files_only: bool = False,
+    token: Optional[str] = None,
+) -> str:
     """Load a PEFT adapter (folder or Hub id) as `adapter_name` (default "default"); see the module docstring.
     The base is frozen, and the adapter too unless `is_trainable` (transformers' default). The first
     adapter of a model becomes active. Returns the adapter's name."""
@@ -200,16 +233,26 @@ def load_adapter(model, peft_model_id: str, adapter_name: Optional[str] = None, 
 
 def _install(model, name: str, config: LoraConfig, weights: dict, trainable: bool) -> None:
     if getattr(model, "parallel_dims", None) is not None:
-        raise ValueError("load_adapter on a partitioned model is not supported: load it in one process, or add a "
-                         "new adapter with add_adapter and train it partitioned.")
+        raise ValueError(
+            "load_adapter on a partitioned model is not supported: load it in one process, or add a "
+            "new adapter with add_adapter and train it partitioned."
+        )
     frozen = [p for n, p in model.named_parameters() if ".lora_" not in n]  # the base (other adapters keep theirs)
     projections = linear_candidates(model)
     layers = wrap(model, list(weights))
     for module, layer in layers.items():
         a, b = weights[module]["A"], weights[module]["B"]
         peft = fused_targets.peft_name(model, module, projections)
-        layer.add(name, config.rank_for(peft), config.alpha_for(peft), config.scaling_for(peft),
-                  float(config.lora_dropout), False, adapter_dtype(layer), layer.base_layer.weight.device)
+        layer.add(
+            name,
+            config.rank_for(peft),
+            config.alpha_for(peft),
+            config.scaling_for(peft),
+            float(config.lora_dropout),
+            False,
+            adapter_dtype(layer),
+            layer.base_layer.weight.device,
+        )
         with torch.no_grad():
             layer.lora_A[name].weight.copy_(a)
             layer.lora_B[name].weight.copy_(b)
@@ -227,13 +270,18 @@ def _hot_swap(model, name: str, config: LoraConfig, weights: dict, source: str, 
     projections = linear_candidates(model)
     peft = {m: fused_targets.peft_name(model, m, projections) for m in weights}
     if set(layers) != set(weights) or any(layers[m].r[name] != config.rank_for(peft[m]) for m in weights):
-        raise ValueError(f"The model has an adapter named {name!r} on other modules or with other ranks than "
-                         f"{source}: pass another adapter_name, or model.delete_adapter({name!r}) first.")
+        raise ValueError(
+            f"The model has an adapter named {name!r} on other modules or with other ranks than "
+            f"{source}: pass another adapter_name, or model.delete_adapter({name!r}) first."
+        )
     with torch.no_grad():
         for module, layer in layers.items():
             layer.lora_A[name].weight.copy_(weights[module]["A"])
             layer.lora_B[name].weight.copy_(weights[module]["B"])
-            layer.lora_alpha[name], layer.scaling[name] = config.alpha_for(peft[module]), config.scaling_for(peft[module])
+            layer.lora_alpha[name], layer.scaling[name] = (
+                config.alpha_for(peft[module]),
+                config.scaling_for(peft[module]),
+            )
             for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
                 p.requires_grad_(trainable)
     model.peft_config[name] = config.copy(inference_mode=not trainable)
@@ -268,13 +316,20 @@ def saved_adapter(model) -> str:
     if len(names) != 1:
         if not names and len(model.peft_config) == 1:
             return next(iter(model.peft_config))
-        raise ValueError(f"save_pretrained writes one adapter and {len(names)} are active ({', '.join(names)}): "
-                         f"model.set_adapter(name) first.")
+        raise ValueError(
+            f"save_pretrained writes one adapter and {len(names)} are active ({', '.join(names)}): "
+            f"model.set_adapter(name) first."
+        )
     return names[0]
 
 
-def save_adapter(model, directory: str, adapter_name: Optional[str] = None, tensors: Optional[dict] = None,
-                 weights: Optional[dict] = None) -> str:
+def save_adapter(
+    model,
+    directory: str,
+    adapter_name: Optional[str] = None,
+    tensors: Optional[dict] = None,
+    weights: Optional[dict] = None,
+) -> str:
     """Write adapter_config.json and adapter_model.safetensors of one adapter into `directory` (created).
     `weights` (PEFT key -> tensor) are written as given (a partitioned model's gathered ones)."""
     directory = os.fspath(directory)
@@ -285,17 +340,22 @@ def save_adapter(model, directory: str, adapter_name: Optional[str] = None, tens
         raise ValueError(f"The model has no adapter named {name!r}: it has {', '.join(map(repr, model.peft_config))}.")
     os.makedirs(directory, exist_ok=True)
     weights = weights if weights is not None else adapter_tensors(model, name, tensors)
-    write_atomic(os.path.join(directory, ADAPTER_WEIGHTS),
-                 lambda tmp: save_file(weights, tmp, metadata={"format": "pt"}))
-    config = model.peft_config[name].copy(base_model_name_or_path=getattr(model, "name_or_path", None) or
-                                          model.peft_config[name].base_model_name_or_path,
-                                          inference_mode=True)
-    write_text_atomic(os.path.join(directory, ADAPTER_CONFIG), json.dumps(config.to_peft_dict(), indent=2, sort_keys=True))
+    write_atomic(
+        os.path.join(directory, ADAPTER_WEIGHTS), lambda tmp: save_file(weights, tmp, metadata={"format": "pt"})
+    )
+    config = model.peft_config[name].copy(
+        base_model_name_or_path=getattr(model, "name_or_path", None) or model.peft_config[name].base_model_name_or_path,
+        inference_mode=True,
+    )
+    write_text_atomic(
+        os.path.join(directory, ADAPTER_CONFIG), json.dumps(config.to_peft_dict(), indent=2, sort_keys=True)
+    )
     return directory
 
 
-def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
-                            fused=None) -> Optional[dict[str, torch.Tensor]]:
+def read_checkpoint_adapter(
+    directory: str, expected: dict[str, tuple], fused=None
+) -> Optional[dict[str, torch.Tensor]]:
     """A training checkpoint's adapter as {param name: tensor} for the names in `expected` (one adapter's
     weights, name -> shape), or None when `directory` holds no adapter. `fused`: the family's
     `checkpoints.names.FusedNames`, whose fused modules' weights are split over their parts (A to each part
@@ -307,8 +367,10 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
         return None
     weights = read_weights(file)
     if not all(".lora_" in n for n in expected):
-        raise AdapterFileError(f"{file}: the checkpoint holds an adapter alone, but this run also trains other "
-                               f"weights ({next(n for n in expected if '.lora_' not in n)}).")
+        raise AdapterFileError(
+            f"{file}: the checkpoint holds an adapter alone, but this run also trains other "
+            f"weights ({next(n for n in expected if '.lora_' not in n)})."
+        )
     adapters = {n.split(".lora_")[1].split(".")[1] for n in expected}
     if len(adapters) != 1:
         raise AdapterFileError(f"{file}: a checkpoint holds one adapter, and this run trains {len(adapters)}.")
@@ -322,7 +384,7 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
                 if param_name(piece, "A", name) in expected:
                     out[param_name(piece, "A", name)] = parts["A"]
                 rows = expected[param_name(piece, "B", name)][0]
-                out[param_name(piece, "B", name)] = parts["B"][start:start + rows]
+                out[param_name(piece, "B", name)] = parts["B"][start : start + rows]
                 start += rows
             continue
         for part, value in parts.items():
@@ -334,8 +396,10 @@ def read_checkpoint_adapter(directory: str, expected: dict[str, tuple],
         raise AdapterFileError(f"{file} {what}: the checkpoint belongs to another adapter or model.")
     for n, t in out.items():
         if tuple(t.shape) != tuple(expected[n]):
-            raise AdapterFileError(f"{file}: {n} has shape {list(t.shape)}, not {list(expected[n])}: the checkpoint "
-                                   f"belongs to another adapter or model.")
+            raise AdapterFileError(
+                f"{file}: {n} has shape {list(t.shape)}, not {list(expected[n])}: the checkpoint "
+                f"belongs to another adapter or model."
+            )
     return out
 
 
@@ -351,6 +415,20 @@ def _fused_parts(module: str, fused, adapter: str, expected: dict) -> Optional[l
     return None
 
 
-__all__ = ["load_adapter", "save_adapter", "read_adapter", "read_config", "read_weights", "adapter_tensors",
-           "peft_key", "param_name", "is_adapter_folder", "read_checkpoint_adapter", "AdapterFileError",
-           "AdapterConfigError", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "ADAPTER_PICKLE"]
+__all__ = [
+    "load_adapter",
+    "save_adapter",
+    "read_adapter",
+    "read_config",
+    "read_weights",
+    "adapter_tensors",
+    "peft_key",
+    "param_name",
+    "is_adapter_folder",
+    "read_checkpoint_adapter",
+    "AdapterFileError",
+    "AdapterConfigError",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "ADAPTER_PICKLE",
+]

@@ -83,7 +83,7 @@ def split(model: nn.Module, weights: dict, projections: dict[str, nn.Module]) ->
         start = 0
         for part in grouped[module]:
             rows = projections[part].out_features
-            out[part] = {"A": parts["A"], "B": parts["B"][start:start + rows]}
+            out[part] = {"A": parts["A"], "B": parts["B"][start : start + rows]}
             start += rows
     return out
 

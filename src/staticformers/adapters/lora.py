@@ -70,8 +70,17 @@ class LoraLinear(nn.Module):
         self.disabled = False
         self.lora_routing = None  # an AdapterBank (adapters/bank.py) while one is attached
 
-    def add(self, name: str, r: int, alpha: float, scaling: float, dropout: float, init: Union[bool, str],
-            dtype: torch.dtype, device: torch.device) -> None:
+    def add(
+        self,
+        name: str,
+        r: int,
+        alpha: float,
+        scaling: float,
+        dropout: float,
+        init: Union[bool, str],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         """Create adapter `name` of rank `r` (initialised as PEFT does, see the module docstring)."""
         a = nn.Linear(self.in_features, r, bias=False, dtype=dtype, device=device)
         b = nn.Linear(r, self.out_features, bias=False, dtype=dtype, device=device)
@@ -189,18 +198,24 @@ def peft_target_names(model: nn.Module, config: LoraConfig, projections: Optiona
         chosen = list(candidates)
     elif isinstance(targets, str):
         if re.fullmatch(targets, "lm_head"):
-            raise AdapterConfigError(f"target_modules={targets!r} matches lm_head: staticformers puts adapters on the "
-                                     f"decoder layers' projections only.")
+            raise AdapterConfigError(
+                f"target_modules={targets!r} matches lm_head: staticformers puts adapters on the "
+                f"decoder layers' projections only."
+            )
         chosen = [n for n in candidates if re.fullmatch(targets, n)]
     else:
         if "lm_head" in targets or "embed_tokens" in targets:
-            raise AdapterConfigError(f"target_modules={targets!r} names the output head or the embedding: staticformers "
-                                     f"puts adapters on the decoder layers' projections only.")
+            raise AdapterConfigError(
+                f"target_modules={targets!r} names the output head or the embedding: staticformers "
+                f"puts adapters on the decoder layers' projections only."
+            )
         for t in targets:
             if not any(n == t or n.endswith("." + t) for n in candidates):
                 short = sorted({n.rsplit(".", 1)[-1] for n in candidates})
-                raise AdapterConfigError(f"target_modules entry {t!r} matches no projection of this model: use names "
-                                         f"among {', '.join(short)} (or \"all-linear\").")
+                raise AdapterConfigError(
+                    f"target_modules entry {t!r} matches no projection of this model: use names "
+                    f'among {", ".join(short)} (or "all-linear").'
+                )
         chosen = [n for n in candidates if any(n == t or n.endswith("." + t) for t in targets)]
     excluded = config.exclude_modules
     if excluded:
@@ -217,10 +232,13 @@ def peft_target_names(model: nn.Module, config: LoraConfig, projections: Optiona
         if leaf in getattr(model.get_submodule(parent), "absorbed", ()):
             raise AdapterConfigError(
                 f"target_modules={targets!r} selects {n}, which latent attention never runs as a projection (its "
-                f"weight is absorbed into the query and the output): leave it out, e.g. exclude_modules=[{leaf!r}].")
+                f"weight is absorbed into the query and the output): leave it out, e.g. exclude_modules=[{leaf!r}]."
+            )
     if not chosen:
-        raise AdapterConfigError(f"target_modules={targets!r} selects no projection of this model (after "
-                                 f"exclude_modules and layers_to_transform): check the names in model.named_modules().")
+        raise AdapterConfigError(
+            f"target_modules={targets!r} selects no projection of this model (after "
+            f"exclude_modules and layers_to_transform): check the names in model.named_modules()."
+        )
     return chosen
 
 
@@ -249,8 +267,10 @@ def adapter_dtype(layer: LoraLinear) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 def check_adapter_name(name) -> str:
     if not isinstance(name, str) or not _NAME.match(name) or name == BASE:
-        raise ValueError(f"adapter_name={name!r} must be a non-empty name of letters, digits, '_' or '-' "
-                         f"(and not {BASE!r}, which means the base model).")
+        raise ValueError(
+            f"adapter_name={name!r} must be a non-empty name of letters, digits, '_' or '-' "
+            f"(and not {BASE!r}, which means the base model)."
+        )
     return name
 
 
@@ -263,13 +283,16 @@ def _configs(model) -> dict:
 def _require(model, what: str) -> dict:
     configs = getattr(model, "peft_config", None)
     if not configs:
-        raise ValueError(f"{what} needs an adapter, and this model has none: add one with "
-                         f"model.add_adapter(LoraConfig(...)) or model.load_adapter(path).")
+        raise ValueError(
+            f"{what} needs an adapter, and this model has none: add one with "
+            f"model.add_adapter(LoraConfig(...)) or model.load_adapter(path)."
+        )
     return configs
 
 
-def add_adapter(model, config: LoraConfig, adapter_name: Optional[str] = None, trainable: bool = True,
-                activate: bool = True) -> list[str]:
+def add_adapter(
+    model, config: LoraConfig, adapter_name: Optional[str] = None, trainable: bool = True, activate: bool = True
+) -> list[str]:
     """Add a new adapter (`config` a LoraConfig) on the modules it targets; the base is frozen and the new
     adapter active and trainable (transformers' `add_adapter`). Returns the wrapped module names (a
     partitioned model's caller then partitions them: `distributed.adapters.partition_adapters`)."""
@@ -278,8 +301,10 @@ def add_adapter(model, config: LoraConfig, adapter_name: Optional[str] = None, t
     name = check_adapter_name(adapter_name or DEFAULT_ADAPTER)
     configs = _configs(model)
     if name in configs:
-        raise ValueError(f"The model has an adapter named {name!r} already: pass another adapter_name, or "
-                         f"model.delete_adapter({name!r}) first.")
+        raise ValueError(
+            f"The model has an adapter named {name!r} already: pass another adapter_name, or "
+            f"model.delete_adapter({name!r}) first."
+        )
     projections = linear_candidates(model)
     names = target_names(model, config)
     for p in model.parameters():
@@ -287,15 +312,23 @@ def add_adapter(model, config: LoraConfig, adapter_name: Optional[str] = None, t
     layers = wrap(model, names)
     for module_name, layer in layers.items():
         peft = fused_targets.peft_name(model, module_name, projections)  # what rank_pattern / alpha_pattern name
-        layer.add(name, config.rank_for(peft), config.alpha_for(peft), config.scaling_for(peft),
-                  float(config.lora_dropout), config.init_lora_weights, adapter_dtype(layer),
-                  layer.base_layer.weight.device)
+        layer.add(
+            name,
+            config.rank_for(peft),
+            config.alpha_for(peft),
+            config.scaling_for(peft),
+            float(config.lora_dropout),
+            config.init_lora_weights,
+            adapter_dtype(layer),
+            layer.base_layer.weight.device,
+        )
     fused_targets.share_a(model, name, linear_candidates(model))
     for layer in layers.values():
         for p in list(layer.lora_A[name].parameters()) + list(layer.lora_B[name].parameters()):
             p.requires_grad_(trainable)
-    configs[name] = config.copy(base_model_name_or_path=getattr(model, "name_or_path", None),
-                                inference_mode=not trainable)
+    configs[name] = config.copy(
+        base_model_name_or_path=getattr(model, "name_or_path", None), inference_mode=not trainable
+    )
     if activate:
         set_adapter(model, name)
     return names
@@ -307,8 +340,10 @@ def set_adapter(model, adapter_name: Union[str, list]) -> None:
     names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
     missing = [n for n in names if n not in configs]
     if missing or not names:
-        raise ValueError(f"The model has no adapter named {missing[0] if missing else adapter_name!r}: it has "
-                         f"{', '.join(map(repr, configs))}.")
+        raise ValueError(
+            f"The model has no adapter named {missing[0] if missing else adapter_name!r}: it has "
+            f"{', '.join(map(repr, configs))}."
+        )
     for layer in lora_modules(model).values():
         layer.active = tuple(n for n in names if n in layer.lora_A)
     model.active_adapter_names = names
@@ -361,8 +396,10 @@ def detach_bank(model) -> None:
 
 def _refuse_partitioned(model, what: str) -> None:
     if getattr(model, "parallel_dims", None) is not None:
-        raise ValueError(f"{what} on a partitioned model is not supported: save the adapter (save_pretrained), "
-                         f"load it in one process and {what} there.")
+        raise ValueError(
+            f"{what} on a partitioned model is not supported: save the adapter (save_pretrained), "
+            f"load it in one process and {what} there."
+        )
 
 
 def merge_and_unload(model, adapter_names: Optional[list] = None, safe_merge: bool = False, progressbar: bool = False):
@@ -377,8 +414,10 @@ def merge_and_unload(model, adapter_names: Optional[list] = None, safe_merge: bo
         raise ValueError(f"The model has no adapter named {unknown[0]!r}: it has {', '.join(map(repr, configs))}.")
     quantized = [n for n, layer in lora_modules(model).items() if isinstance(layer.base_layer, QuantLinear)]
     if quantized:
-        raise ValueError(f"merge_and_unload over a quantized base ({quantized[0]}) would round the adapter away: load "
-                         f"the unquantized base, load the adapter there and merge, then quantize.")
+        raise ValueError(
+            f"merge_and_unload over a quantized base ({quantized[0]}) would round the adapter away: load "
+            f"the unquantized base, load the adapter there and merge, then quantize."
+        )
     detach_bank(model)
     with torch.no_grad():
         for name, layer in lora_modules(model).items():
@@ -388,8 +427,10 @@ def merge_and_unload(model, adapter_names: Optional[list] = None, safe_merge: bo
                 if n in layer.lora_A:
                     merged = merged + layer.delta_weight(n).to(w.device)
             if safe_merge and not torch.isfinite(merged).all():
-                raise ValueError(f"Merging into {name} gives NaN or infinite weights: the adapter is broken; "
-                                 f"nothing was merged into that layer.")
+                raise ValueError(
+                    f"Merging into {name} gives NaN or infinite weights: the adapter is broken; "
+                    f"nothing was merged into that layer."
+                )
             w.copy_(merged.to(w.dtype))
     unload(model)
     return model
@@ -412,9 +453,17 @@ def unload(model):
 def adapter_state(modules: Iterable[nn.Module]) -> tuple:
     """What decides the adapters' forward besides their weights (active names, disabled, the attached
     bank): part of the generation engine's fingerprint, so a change rebuilds the compiled steps."""
-    return tuple((id(m), m.active, m.disabled, tuple(m.scaling.items()),
-                   m.lora_routing.serial if m.lora_routing is not None else None)
-                 for m in modules if isinstance(m, LoraLinear))
+    return tuple(
+        (
+            id(m),
+            m.active,
+            m.disabled,
+            tuple(m.scaling.items()),
+            m.lora_routing.serial if m.lora_routing is not None else None,
+        )
+        for m in modules
+        if isinstance(m, LoraLinear)
+    )
 
 
 def trainable_adapter(model) -> Optional[str]:
@@ -425,11 +474,28 @@ def trainable_adapter(model) -> Optional[str]:
             if any(p.requires_grad for p in list(layer.lora_A[n].parameters()) + list(layer.lora_B[n].parameters())):
                 names.add(n)
     if len(names) > 1:
-        raise ValueError(f"Adapters {', '.join(sorted(map(repr, names)))} are all trainable: train one adapter at a "
-                         f"time (load the others with is_trainable=False).")
+        raise ValueError(
+            f"Adapters {', '.join(sorted(map(repr, names)))} are all trainable: train one adapter at a "
+            f"time (load the others with is_trainable=False)."
+        )
     return names.pop() if names else None
 
 
-__all__ = ["LoraConfig", "LoraLinear", "add_adapter", "set_adapter", "active_adapters", "enable_adapters",
-           "delete_adapter", "merge_and_unload", "unload", "lora_modules", "has_adapters", "target_names",
-           "adapter_state", "trainable_adapter", "DEFAULT_ADAPTER", "BASE"]
+__all__ = [
+    "LoraConfig",
+    "LoraLinear",
+    "add_adapter",
+    "set_adapter",
+    "active_adapters",
+    "enable_adapters",
+    "delete_adapter",
+    "merge_and_unload",
+    "unload",
+    "lora_modules",
+    "has_adapters",
+    "target_names",
+    "adapter_state",
+    "trainable_adapter",
+    "DEFAULT_ADAPTER",
+    "BASE",
+]

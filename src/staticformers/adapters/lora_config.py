@@ -71,13 +71,16 @@ class LoraConfig:
     # ---- checks ------------------------------------------------------------------------------------
     def check(self, source: str = "") -> None:
         """Refuse, in one sentence, what staticformers cannot honour (see the module docstring)."""
+
         def bad(message: str) -> AdapterConfigError:
             return _refuse(source, message)
 
         if str(self.peft_type).upper() != "LORA":
             raise bad(f"peft_type={self.peft_type!r} is not LoRA: staticformers loads and trains LoRA adapters only.")
         if self.task_type not in (None, "CAUSAL_LM"):
-            raise bad(f"task_type={self.task_type!r}: these models are causal language models; use task_type=\"CAUSAL_LM\".")
+            raise bad(
+                f'task_type={self.task_type!r}: these models are causal language models; use task_type="CAUSAL_LM".'
+            )
         if not _count(self.r):
             raise bad(f"r={self.r!r} must be a positive integer (the adapter's rank, e.g. 8 or 16).")
         if not _positive_number(self.lora_alpha):
@@ -85,46 +88,70 @@ class LoraConfig:
         if not (_number(self.lora_dropout) and 0 <= self.lora_dropout < 1):
             raise bad(f"lora_dropout={self.lora_dropout!r} must be a number in [0, 1).")
         if self.bias != "none":
-            raise bad(f"bias={self.bias!r} trains the base layers' biases, which staticformers does not do: use "
-                      f"bias=\"none\" (PEFT's default).")
+            raise bad(
+                f"bias={self.bias!r} trains the base layers' biases, which staticformers does not do: use "
+                f'bias="none" (PEFT\'s default).'
+            )
         if self.fan_in_fan_out:
-            raise bad("fan_in_fan_out=True is for GPT-2's Conv1D layers; these models' projections are nn.Linear: "
-                      "leave it False.")
+            raise bad(
+                "fan_in_fan_out=True is for GPT-2's Conv1D layers; these models' projections are nn.Linear: "
+                "leave it False."
+            )
         if self.use_dora:
             raise bad("use_dora=True (DoRA) is not supported: use plain LoRA (use_dora=False).")
         if self.lora_bias:
             raise bad("lora_bias=True (a bias on lora_B) is not supported: leave it False.")
         if self.modules_to_save:
-            raise bad(f"modules_to_save={self.modules_to_save!r} trains whole copies of modules beside the adapter, "
-                      f"which staticformers does not do: leave it None (the adapter alone trains).")
-        if self.init_lora_weights not in INITS or isinstance(self.init_lora_weights, int) and \
-                not isinstance(self.init_lora_weights, bool):
-            raise bad(f"init_lora_weights={self.init_lora_weights!r} is not supported: use True (B zero, A Kaiming), "
-                      f"\"gaussian\" or False (initialisations that rewrite the base weights, such as PiSSA or "
-                      f"OLoRA, are not).")
+            raise bad(
+                f"modules_to_save={self.modules_to_save!r} trains whole copies of modules beside the adapter, "
+                f"which staticformers does not do: leave it None (the adapter alone trains)."
+            )
+        if (
+            self.init_lora_weights not in INITS
+            or isinstance(self.init_lora_weights, int)
+            and not isinstance(self.init_lora_weights, bool)
+        ):
+            raise bad(
+                f"init_lora_weights={self.init_lora_weights!r} is not supported: use True (B zero, A Kaiming), "
+                f'"gaussian" or False (initialisations that rewrite the base weights, such as PiSSA or '
+                f"OLoRA, are not)."
+            )
         if not isinstance(self.use_rslora, bool):
             raise bad(f"use_rslora={self.use_rslora!r} must be true or false.")
         _check_names(self.target_modules, "target_modules", bad)
         _check_names(self.exclude_modules, "exclude_modules", bad)
         layers = self.layers_to_transform
-        if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0 or
-                                       isinstance(layers, list) and layers and
-                                       all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+        if layers is not None and not (
+            isinstance(layers, int)
+            and not isinstance(layers, bool)
+            and layers >= 0
+            or isinstance(layers, list)
+            and layers
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+        ):
             raise bad(f"layers_to_transform={layers!r} must be a layer index or a non-empty list of them.")
         if self.layers_pattern not in (None, "", [], "layers", ["layers"]):
-            raise bad(f"layers_pattern={self.layers_pattern!r}: these models' decoder layers are model.layers; "
-                      f"use \"layers\" or leave it None.")
-        for name, pattern, valid in (("rank_pattern", self.rank_pattern, _count),
-                                     ("alpha_pattern", self.alpha_pattern, _positive_number)):
+            raise bad(
+                f"layers_pattern={self.layers_pattern!r}: these models' decoder layers are model.layers; "
+                f'use "layers" or leave it None.'
+            )
+        for name, pattern, valid in (
+            ("rank_pattern", self.rank_pattern, _count),
+            ("alpha_pattern", self.alpha_pattern, _positive_number),
+        ):
             if not isinstance(pattern, dict) or not all(isinstance(k, str) and valid(v) for k, v in pattern.items()):
-                raise bad(f"{name}={pattern!r} must map module names or patterns to "
-                          f"{'positive integer ranks' if name == 'rank_pattern' else 'positive numbers'}.")
+                raise bad(
+                    f"{name}={pattern!r} must map module names or patterns to "
+                    f"{'positive integer ranks' if name == 'rank_pattern' else 'positive numbers'}."
+                )
             for key in pattern:
                 try:
                     re.compile(rf"(.*\.)?({key})$")
                 except re.error as err:
-                    raise bad(f"{name} key {key!r} is not a regular expression ({err}): write a module name such as "
-                              f"\"q_proj\" or a valid pattern.") from None
+                    raise bad(
+                        f"{name} key {key!r} is not a regular expression ({err}): write a module name such as "
+                        f'"q_proj" or a valid pattern.'
+                    ) from None
 
     # ---- per module --------------------------------------------------------------------------------
     def rank_for(self, module_name: str) -> int:
@@ -145,9 +172,17 @@ class LoraConfig:
     def to_peft_dict(self) -> dict[str, Any]:
         """What PEFT writes to adapter_config.json for this adapter."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(fan_in_fan_out=False, layer_replication=None, loftq_config={}, megatron_config=None,
-                   megatron_core="megatron.core", use_qalora=False, trainable_token_indices=None,
-                   target_parameters=None, auto_mapping=None)
+        out.update(
+            fan_in_fan_out=False,
+            layer_replication=None,
+            loftq_config={},
+            megatron_config=None,
+            megatron_core="megatron.core",
+            use_qalora=False,
+            trainable_token_indices=None,
+            target_parameters=None,
+            auto_mapping=None,
+        )
         if isinstance(out["target_modules"], list):
             out["target_modules"] = sorted(out["target_modules"])
         return out
@@ -159,8 +194,11 @@ class LoraConfig:
         unknown = {k: v for k, v in data.items() if k not in known and k not in _INERT_KEYS and _on(v)}
         if unknown:
             key = sorted(unknown)[0]
-            raise _refuse(source, f"{key}={unknown[key]!r} is a PEFT feature staticformers does not support: use an "
-                                  f"adapter without it (plain LoRA on the decoder's linear layers).")
+            raise _refuse(
+                source,
+                f"{key}={unknown[key]!r} is a PEFT feature staticformers does not support: use an "
+                f"adapter without it (plain LoRA on the decoder's linear layers).",
+            )
         kwargs = {k: v for k, v in data.items() if k in known}
         for k in ("rank_pattern", "alpha_pattern"):
             if kwargs.get(k) is None:
@@ -208,8 +246,10 @@ def _check_names(value, what: str, bad) -> None:
         return
     if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
         return
-    raise bad(f"{what}={value!r} must be a list of module names (such as [\"q_proj\", \"v_proj\"]), a regular "
-              f"expression, or \"all-linear\".")
+    raise bad(
+        f'{what}={value!r} must be a list of module names (such as ["q_proj", "v_proj"]), a regular '
+        f'expression, or "all-linear".'
+    )
 
 
 __all__ = ["LoraConfig", "AdapterConfigError", "DEFAULT_TARGETS", "ALL_LINEAR", "pattern_key"]

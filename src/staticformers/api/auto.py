@@ -39,8 +39,9 @@ class ModelForCausalLM(CausalLM):
     def from_pretrained(cls, *args, **kwargs) -> "ModelForCausalLM":
         return from_pretrained(*args, model_class=cls, **kwargs)
 
-    def save_pretrained(self, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
-                        **kwargs) -> None:
+    def save_pretrained(
+        self, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB", **kwargs
+    ) -> None:
         """Write a Hugging Face checkpoint (transformers loads it); a model with adapters writes its active
         adapter alone, in PEFT's format (`merge_and_unload()` first for the whole model). A partitioned
         model: every rank calls this, rank 0 writes the gathered weights."""
@@ -87,8 +88,13 @@ class ModelForCausalLM(CausalLM):
             layers = adapters.lora_modules(self)
             partition_adapters(self, {n: layers[n] for n in names})
 
-    def load_adapter(self, peft_model_id: Union[str, os.PathLike], adapter_name: Optional[str] = None,
-                     is_trainable: bool = False, **kwargs) -> str:
+    def load_adapter(
+        self,
+        peft_model_id: Union[str, os.PathLike],
+        adapter_name: Optional[str] = None,
+        is_trainable: bool = False,
+        **kwargs,
+    ) -> str:
         """A PEFT adapter folder or Hub id (adapter_config.json + adapter_model.safetensors); loading over an
         adapter of the same name and shapes writes its weights in place. Returns the adapter's name."""
         return adapter_files.load_adapter(self, os.fspath(peft_model_id), adapter_name, is_trainable, **kwargs)
@@ -108,8 +114,9 @@ class ModelForCausalLM(CausalLM):
     def delete_adapter(self, adapter_name: str) -> None:
         adapters.delete_adapter(self, adapter_name)
 
-    def merge_and_unload(self, progressbar: bool = False, safe_merge: bool = False,
-                         adapter_names: Optional[list] = None) -> "ModelForCausalLM":
+    def merge_and_unload(
+        self, progressbar: bool = False, safe_merge: bool = False, adapter_names: Optional[list] = None
+    ) -> "ModelForCausalLM":
         """The active adapters (or `adapter_names`) added into the base weights, every adapter dropped."""
         return adapters.merge_and_unload(self, adapter_names, safe_merge)
 
@@ -146,17 +153,28 @@ def from_pretrained(
         return _with_adapter(path, device_map, distributed_config, model_class, kwargs)
     resolved = resolve(pretrained_model_name_or_path, **kwargs)
     if resolved.quantization is not None:
-        check_device(resolved.quantization, resolve_device(device_map) if device_map is not None else torch.device("cpu"))
+        check_device(
+            resolved.quantization, resolve_device(device_map) if device_map is not None else torch.device("cpu")
+        )
     if distributed_config is not None:
         from ..distributed.sharded_loading import load_distributed
 
         if resolved.gguf is not None:
-            raise ValueError("A GGUF file (gguf_file=) with distributed_config is not supported: load it without "
-                             "distributed_config, save_pretrained it to a folder, and load that folder partitioned.")
+            raise ValueError(
+                "A GGUF file (gguf_file=) with distributed_config is not supported: load it without "
+                "distributed_config, save_pretrained it to a folder, and load that folder partitioned."
+            )
         if resolved.quantization is not None and "quantization_config" in resolved.config.extra:
             raise ValueError(f"{path} is quantized already; load it without quantization_config.")
-        model = load_distributed(resolved.config, resolved.files, resolved.dtype, distributed_config, device_map,
-                                 model_class=model_class, quantization=resolved.quantization)
+        model = load_distributed(
+            resolved.config,
+            resolved.files,
+            resolved.dtype,
+            distributed_config,
+            device_map,
+            model_class=model_class,
+            quantization=resolved.quantization,
+        )
     else:
         device = resolve_device(device_map) if device_map is not None else torch.device("cpu")
         model = load_model(resolved, device, model_class)
@@ -170,11 +188,15 @@ def _with_adapter(path: str, device_map, distributed_config, model_class: type, 
     adapter_config.json) with the adapter loaded, as transformers does."""
     base = adapter_files.read_config(path).base_model_name_or_path
     if not base:
-        raise ValueError(f"{path} is an adapter folder whose adapter_config.json names no base model "
-                         f"(base_model_name_or_path): load the base model, then model.load_adapter({path!r}).")
+        raise ValueError(
+            f"{path} is an adapter folder whose adapter_config.json names no base model "
+            f"(base_model_name_or_path): load the base model, then model.load_adapter({path!r})."
+        )
     if distributed_config is not None:
-        raise ValueError("An adapter folder with distributed_config is not supported: load the base model with "
-                         "distributed_config and add the adapter to it.")
+        raise ValueError(
+            "An adapter folder with distributed_config is not supported: load the base model with "
+            "distributed_config and add the adapter to it."
+        )
     model = from_pretrained(base, device_map=device_map, model_class=model_class, **kwargs)
     model.load_adapter(path)
     return model
@@ -189,11 +211,15 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(pretrained_model_name_or_path, *args, **kwargs) -> ModelForCausalLM:
         if args:
-            raise TypeError("from_pretrained takes the path or Hub id as its only positional argument; pass the rest by name.")
+            raise TypeError(
+                "from_pretrained takes the path or Hub id as its only positional argument; pass the rest by name."
+            )
         return from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @staticmethod
-    def from_config(config: Union[ModelConfig, dict], dtype=None, seed: Optional[int] = None, **kwargs) -> ModelForCausalLM:
+    def from_config(
+        config: Union[ModelConfig, dict], dtype=None, seed: Optional[int] = None, **kwargs
+    ) -> ModelForCausalLM:
         if isinstance(config, dict):
             config = ModelConfig.from_dict(config, source="from_config(dict)")
         if kwargs:
@@ -201,10 +227,15 @@ class AutoModelForCausalLM:
         if seed is not None:
             check_seed(seed)
         width = parse_dtype(dtype).itemsize if dtype not in (None, "auto") else 4
-        check_fits(config.num_parameters * width, "cpu", f"A model of {config.num_parameters:,} parameters",
-                   "check vocab_size, hidden_size, intermediate_size and num_hidden_layers")
-        return ModelForCausalLM.from_config(config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None,
-                                            seed=seed)
+        check_fits(
+            config.num_parameters * width,
+            "cpu",
+            f"A model of {config.num_parameters:,} parameters",
+            "check vocab_size, hidden_size, intermediate_size and num_hidden_layers",
+        )
+        return ModelForCausalLM.from_config(
+            config, dtype=parse_dtype(dtype) if dtype not in (None, "auto") else None, seed=seed
+        )
 
 
 __all__ = ["AutoModelForCausalLM", "ModelForCausalLM", "from_pretrained"]

@@ -62,7 +62,9 @@ def _as_list(x) -> list[int]:
 
 def merged_config(model, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a staticformers.GenerationConfig, got {type(generation_config).__name__}.")
+        raise TypeError(
+            f"generation_config must be a staticformers.GenerationConfig, got {type(generation_config).__name__}."
+        )
     base = generation_config or model.generation_config or GenerationConfig()
     config = base.copy()
     rest = config.update(**kwargs)
@@ -81,7 +83,9 @@ def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[list[
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids of shape [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}.")
+        raise ValueError(
+            f"input_ids must be integer token ids of shape [batch, length], got {tuple(input_ids.shape)} {input_ids.dtype}."
+        )
     out_device = input_ids.device
     ids = input_ids.detach().to("cpu", torch.long)
     if ids.shape[0] == 0 or ids.shape[1] == 0:
@@ -95,13 +99,16 @@ def _prompts(model, input_ids, attention_mask) -> tuple[torch.Tensor, list[list[
         mask = mask.bool()
     empty = (~mask.any(-1)).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"The prompt is empty for sequence(s) {empty[:8]} (attention_mask is all zeros): "
-                         f"pass at least one token per sequence.")
+        raise ValueError(
+            f"The prompt is empty for sequence(s) {empty[:8]} (attention_mask is all zeros): "
+            f"pass at least one token per sequence."
+        )
     kept = ids[mask]
     vocab = model.config.vocab_size
     if int(kept.min()) < 0 or int(kept.max()) >= vocab:
-        raise ValueError(f"input_ids hold ids outside the vocabulary [0, {vocab}): "
-                         f"found {int(kept.min())}..{int(kept.max())}.")
+        raise ValueError(
+            f"input_ids hold ids outside the vocabulary [0, {vocab}): found {int(kept.min())}..{int(kept.max())}."
+        )
     return ids, [row[m].tolist() for row, m in zip(ids, mask)], out_device
 
 
@@ -113,8 +120,10 @@ def _max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
             raise ValueError(f"max_length={config.max_length!r} must be a positive integer.")
         max_new = config.max_length - prompt_width
         if max_new < 1:
-            raise ValueError(f"max_length={config.max_length} leaves no room after a prompt of {prompt_width} tokens: "
-                             f"pass max_new_tokens instead.")
+            raise ValueError(
+                f"max_length={config.max_length} leaves no room after a prompt of {prompt_width} tokens: "
+                f"pass max_new_tokens instead."
+            )
     else:
         max_new = _DEFAULT_MAX_NEW_TOKENS
     if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
@@ -125,8 +134,9 @@ def _max_new_tokens(config: GenerationConfig, prompt_width: int) -> int:
 def _pad_and_eos(model, config: GenerationConfig, no_eos: bool) -> tuple[list[int], int]:
     eos = _as_list(config.eos_token_id)
     if not eos and not no_eos:  # eos_token_id=None passed explicitly means "never stop early", as in transformers
-        eos = _as_list(getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None) \
-            or _as_list(model.config.eos_token_id)
+        eos = _as_list(
+            getattr(model.generation_config, "eos_token_id", None) if model.generation_config else None
+        ) or _as_list(model.config.eos_token_id)
     pad = config.pad_token_id
     if pad is None and model.generation_config is not None:
         pad = model.generation_config.pad_token_id
@@ -139,16 +149,23 @@ def _pad_and_eos(model, config: GenerationConfig, no_eos: bool) -> tuple[list[in
     return eos, int(pad)
 
 
-def _sampling(config: GenerationConfig, eos: list[int], row: int, seed: Optional[int],
-              generator: Optional[torch.Generator]) -> SamplingParams:
+def _sampling(
+    config: GenerationConfig, eos: list[int], row: int, seed: Optional[int], generator: Optional[torch.Generator]
+) -> SamplingParams:
     """Row `row`'s settings: with `seed`, its own generator seeded `seed + row`, so each row of a batch
     samples what it samples alone with that seed."""
     return SamplingParams(
-        do_sample=config.do_sample, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-        min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+        do_sample=config.do_sample,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty,
         min_new_tokens=config.min_new_tokens if config.min_new_tokens is not None else 0,
-        eos_token_ids=eos, seed=(seed + row) % 2**64 if seed is not None else None,
-        generator=generator if seed is None else None)
+        eos_token_ids=eos,
+        seed=(seed + row) % 2**64 if seed is not None else None,
+        generator=generator if seed is None else None,
+    )
 
 
 def _without_autocast(device: torch.device):
@@ -170,8 +187,10 @@ def _grammars(structured: Any, tokenizer, vocab: int, eos: list, rows: int) -> l
     per_row = isinstance(structured, (list, tuple))
     specs = list(structured) if per_row else [structured] * rows
     if len(specs) != rows:
-        raise ValueError(f"structured_outputs lists {len(specs)} constraints for a batch of {rows} rows: pass one per "
-                         f"row or a single one for all.")
+        raise ValueError(
+            f"structured_outputs lists {len(specs)} constraints for a batch of {rows} rows: pass one per "
+            f"row or a single one for all."
+        )
     out, compiled = [], {}
     for given in specs:
         spec = given
@@ -181,12 +200,15 @@ def _grammars(structured: Any, tokenizer, vocab: int, eos: list, rows: int) -> l
         if isinstance(spec, dict):
             unknown = set(spec) - {"json", "regex", "choice", "grammar", "json_object", "whitespace"}
             if unknown:
-                raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}: use json, regex, choice, "
-                                 f"grammar or json_object.")
+                raise ValueError(
+                    f"structured_outputs has unknown keys {sorted(unknown)}: use json, regex, choice, "
+                    f"grammar or json_object."
+                )
             spec = StructuredOutputs(**spec)
         if not isinstance(spec, StructuredOutputs):
-            raise TypeError(f"structured_outputs must be a StructuredOutputs, a dict or a Grammar, not "
-                            f"{type(spec).__name__}.")
+            raise TypeError(
+                f"structured_outputs must be a StructuredOutputs, a dict or a Grammar, not {type(spec).__name__}."
+            )
         if tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer to compile its grammar: pass tokenizer=.")
         key = id(given)  # one compile per distinct constraint given (the list repeats the same object)
@@ -239,31 +261,47 @@ def generate(
     as_dict = bool(kwargs.pop("return_dict_in_generate", False))
     want_logits = bool(kwargs.pop("output_logits", False))
     if kwargs.pop("output_scores", False):
-        raise ValueError("output_scores=True (the processed scores) is not available here: pass output_logits=True "
-                         "with return_dict_in_generate=True for the unprocessed logits of each step.")
+        raise ValueError(
+            "output_scores=True (the processed scores) is not available here: pass output_logits=True "
+            "with return_dict_in_generate=True for the unprocessed logits of each step."
+        )
     speculative = {key: kwargs.pop(key) for key in SPECULATIVE_ARGUMENTS if key in kwargs}
     config = merged_config(model, generation_config, kwargs)
     speculator = speculator_from_generate(  # speculative.py; the draft compiles as the model does
-        model, speculative, lambda draft: (engine_for(draft), compile_settings(draft, config, compile_config)))
+        model, speculative, lambda draft: (engine_for(draft), compile_settings(draft, config, compile_config))
+    )
     engine = engine_for(model)
     ids, prompts, out_device = _prompts(model, input_ids, attention_mask)
     if config.cache_implementation not in (None, "static"):
-        raise ValueError(f"cache_implementation={config.cache_implementation!r} is not available: staticformers' "
-                         f"cache is always static (pass None or \"static\").")
+        raise ValueError(
+            f"cache_implementation={config.cache_implementation!r} is not available: staticformers' "
+            f'cache is always static (pass None or "static").'
+        )
     max_new = _max_new_tokens(config, ids.shape[1])
     if generator is not None and seed is not None:
         raise ValueError("Pass generator or seed, not both.")
     if seed is not None:
         check_seed(seed)
     eos, pad = _pad_and_eos(model, config, no_eos)
-    if adapter_names is not None and (not isinstance(adapter_names, (list, tuple)) or len(adapter_names) != len(prompts)
-                                      or not all(isinstance(n, str) for n in adapter_names)):
-        raise ValueError(f"adapter_names must list one adapter name per row ({len(prompts)}), \"__base__\" for none.")
+    if adapter_names is not None and (
+        not isinstance(adapter_names, (list, tuple))
+        or len(adapter_names) != len(prompts)
+        or not all(isinstance(n, str) for n in adapter_names)
+    ):
+        raise ValueError(f'adapter_names must list one adapter name per row ({len(prompts)}), "__base__" for none.')
     grammars = _grammars(structured, tokenizer, model.config.vocab_size, eos, len(prompts))
-    requests = [GenerationRequest(p, max_new, _sampling(config, eos, i, seed, generator), request_id=i,
-                                  adapter=adapter_names[i] if adapter_names is not None else None,
-                                  output_logits=as_dict and want_logits, structured_outputs=grammars[i])
-                for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(
+            p,
+            max_new,
+            _sampling(config, eos, i, seed, generator),
+            request_id=i,
+            adapter=adapter_names[i] if adapter_names is not None else None,
+            output_logits=as_dict and want_logits,
+            structured_outputs=grammars[i],
+        )
+        for i, p in enumerate(prompts)
+    ]
     settings = compile_settings(model, config, compile_config)
     plan = shape_plan.bind(model.config.max_position_embeddings) if shape_plan is not None else None
     if streamer is not None and len(prompts) != 1:
@@ -303,14 +341,22 @@ def generate(
     longest = max(len(n) for n in new)
     out = torch.full((len(new), longest), pad, dtype=torch.long)
     for i, tokens in enumerate(new):
-        out[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     sequences = torch.cat([ids, out], dim=1).to(out_device)
     if not as_dict:
         return sequences
     logits = None
     if want_logits:
         vocab = model.config.vocab_size
-        logits = tuple(torch.stack([rows[t] if t < len(rows) else torch.full((vocab,), float("nan"), device=rows[0].device,
-                                                                          dtype=rows[0].dtype)
-                                    for rows in step_logits]).to(out_device) for t in range(longest))
+        logits = tuple(
+            torch.stack(
+                [
+                    rows[t]
+                    if t < len(rows)
+                    else torch.full((vocab,), float("nan"), device=rows[0].device, dtype=rows[0].dtype)
+                    for rows in step_logits
+                ]
+            ).to(out_device)
+            for t in range(longest)
+        )
     return GenerateDecoderOnlyOutput(sequences=sequences, logits=logits)

@@ -47,7 +47,9 @@ class TextGenerationPipeline:
                 ids = ids[0]
             return list(ids)
         if not isinstance(item, str):
-            raise TypeError(f"text-generation takes a string, a list of strings or chat messages, got {type(item).__name__}.")
+            raise TypeError(
+                f"text-generation takes a string, a list of strings or chat messages, got {type(item).__name__}."
+            )
         ids = self.tokenizer(item)["input_ids"]
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
@@ -69,8 +71,8 @@ class TextGenerationPipeline:
         ids = torch.full((len(encoded), width), int(pad), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(encoded):
-            ids[i, width - len(row):] = torch.tensor(row)
-            mask[i, width - len(row):] = 1
+            ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
         options = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **self.generate_defaults, **kwargs}
         if options.get("pad_token_id") is None:
             options["pad_token_id"] = int(pad)
@@ -106,7 +108,7 @@ def pipeline(
     if task not in TASKS:
         raise ValueError(f"pipeline task {task!r} is not available: staticformers provides {', '.join(TASKS)}.")
     if model is None:
-        raise ValueError("pipeline(\"text-generation\") needs model= (a path, a Hub id or a loaded model).")
+        raise ValueError('pipeline("text-generation") needs model= (a path, a Hub id or a loaded model).')
     if device is not None and device_map is not None:
         raise ValueError("Pass device or device_map, not both.")
     if torch_dtype is not None:

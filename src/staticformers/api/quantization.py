@@ -17,8 +17,10 @@ from ..generation.engines import forget_engine
 def check_device(config: QuantizationConfig, device: torch.device) -> None:
     """Refuse fp8 weights on a device without fp8 arithmetic, in one sentence."""
     if config.kind == "fp8" and not for_device(device).fp8_arithmetic(device):
-        raise ValueError(f"fp8 weights need a device with fp8 arithmetic (CUDA compute capability 8.9+, Trainium2), "
-                         f"and {device} has none: use quantization_config=QuantizationConfig(\"int8_weight_only\").")
+        raise ValueError(
+            f"fp8 weights need a device with fp8 arithmetic (CUDA compute capability 8.9+, Trainium2), "
+            f'and {device} has none: use quantization_config=QuantizationConfig("int8_weight_only").'
+        )
 
 
 def quantize(model, quantization_config) -> list[str]:

@@ -21,18 +21,27 @@ from ..generation.speculative.prompt_lookup import PromptLookup
 from ..generation.speculative.step import Speculator
 
 DEFAULT_ASSISTANT_TOKENS = 4
-SPECULATIVE_ARGUMENTS = ("prompt_lookup_num_tokens", "assistant_model", "num_assistant_tokens", "max_matching_ngram_size")
+SPECULATIVE_ARGUMENTS = (
+    "prompt_lookup_num_tokens",
+    "assistant_model",
+    "num_assistant_tokens",
+    "max_matching_ngram_size",
+)
 _VLLM_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
 
 
 def _draft_proposer(model, draft, k: int, parts: Callable) -> DraftModel:
     if not hasattr(draft, "config") or not hasattr(draft, "generate"):
-        raise TypeError(f"assistant_model must be a staticformers model (AutoModelForCausalLM.from_pretrained), "
-                        f"not {type(draft).__name__}.")
+        raise TypeError(
+            f"assistant_model must be a staticformers model (AutoModelForCausalLM.from_pretrained), "
+            f"not {type(draft).__name__}."
+        )
     if draft is model:
         raise ValueError("assistant_model is the model itself: pass a smaller draft model that shares its tokenizer.")
     if draft.device != model.device:
-        raise ValueError(f"assistant_model is on {draft.device} and the model on {model.device}: load both on one device.")
+        raise ValueError(
+            f"assistant_model is on {draft.device} and the model on {model.device}: load both on one device."
+        )
     proposer = DraftModel(*parts(draft), k)
     proposer.check(model)
     return proposer
@@ -68,21 +77,28 @@ def parse_speculative_config(raw: Any) -> dict:
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON ({e.msg}): pass an object such as "
-                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'.") from None
+            raise ValueError(
+                f"--speculative-config is not valid JSON ({e.msg}): pass an object such as "
+                '\'{"method": "ngram", "num_speculative_tokens": 4}\'.'
+            ) from None
     if not isinstance(raw, dict):
-        raise ValueError("--speculative-config must be a JSON object, such as '{\"method\": \"ngram\", "
-                         "\"num_speculative_tokens\": 4}'.")
+        raise ValueError(
+            '--speculative-config must be a JSON object, such as \'{"method": "ngram", "num_speculative_tokens": 4}\'.'
+        )
     unknown = sorted(set(raw) - _VLLM_KEYS)
     if unknown:
-        raise ValueError(f"--speculative-config has key(s) {', '.join(unknown)} that are not read here: use "
-                         f"{', '.join(sorted(_VLLM_KEYS))}.")
+        raise ValueError(
+            f"--speculative-config has key(s) {', '.join(unknown)} that are not read here: use "
+            f"{', '.join(sorted(_VLLM_KEYS))}."
+        )
     method = raw.get("method", "draft_model" if "model" in raw else None)
     if method not in ("ngram", "draft_model"):
-        raise ValueError(f"--speculative-config method {method!r} is not available: use \"ngram\" (prompt lookup) "
-                         f"or give \"model\": a draft model's path.")
+        raise ValueError(
+            f'--speculative-config method {method!r} is not available: use "ngram" (prompt lookup) '
+            f'or give "model": a draft model\'s path.'
+        )
     if method == "draft_model" and not isinstance(raw.get("model"), str):
-        raise ValueError("--speculative-config with a draft needs \"model\": the draft model's path.")
+        raise ValueError('--speculative-config with a draft needs "model": the draft model\'s path.')
     k = raw.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"--speculative-config num_speculative_tokens={k!r} must be a positive integer.")

@@ -19,8 +19,17 @@ import torch
 
 from ..compilation import inductor_cache_dir
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
-from ..compilation.steps import (DecodeStep, ExtendStep, PrefillStep, ScoreStep, Step, whole_decode, whole_extend,
-                                 whole_prefill, whole_score)
+from ..compilation.steps import (
+    DecodeStep,
+    ExtendStep,
+    PrefillStep,
+    ScoreStep,
+    Step,
+    whole_decode,
+    whole_extend,
+    whole_prefill,
+    whole_score,
+)
 from ..models.ops import PLAIN, Ops
 
 
@@ -134,7 +143,9 @@ class Backend:
     def freezes_weights(self, settings) -> bool:
         """Whether graphs built under `settings` hold the weights as constants (inductor's `freezing`):
         such graphs are stale after any in-place change of a weight."""
-        return settings.enabled and settings.backend == "inductor" and bool(dict(settings.options).get("freezing", False))
+        return (
+            settings.enabled and settings.backend == "inductor" and bool(dict(settings.options).get("freezing", False))
+        )
 
     def before_compile(self, settings) -> None:
         """What a process needs before its first compile under `settings`: a usable inductor cache folder
@@ -146,8 +157,16 @@ class Backend:
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CompiledFunction:
         self.before_compile(settings)
-        return compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
-                                settings.fullgraph, settings.dynamic)
+        return compile_function(
+            fn,
+            name,
+            shape,
+            settings.backend,
+            settings.mode,
+            dict(settings.options),
+            settings.fullgraph,
+            settings.dynamic,
+        )
 
     def steps_for(self, model, tp: int = 1) -> StepBuilder:
         """This backend's per-model step builder (its own state; the engine holds it)."""

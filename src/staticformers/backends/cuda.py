@@ -59,5 +59,4 @@ class MPSBackend(Backend):
     per_rank_device = False
 
 
-
 __all__ = ["CUDABackend", "XPUBackend", "MPSBackend"]

@@ -138,23 +138,31 @@ _COUNT: dict[str, Callable[[], int]] = {
 
 KINDS: dict[str, DeviceKind] = {
     "neuron": DeviceKind(
-        "neuron", "neuron", "neuron",
-        "install torch-neuronx on a Trainium/Inferentia instance, or use device_map=\"auto\"",
+        "neuron",
+        "neuron",
+        "neuron",
+        'install torch-neuronx on a Trainium/Inferentia instance, or use device_map="auto"',
     ),
     "xla": DeviceKind(
-        "xla", "openxla", "xla",
+        "xla",
+        "openxla",
+        "xla",
         "install torch-xla with the torch it pins (the `xla` extra) and set PJRT_DEVICE (TPU, NEURON, or CPU to "
-        "emulate one on the host), or use device_map=\"auto\"",
+        'emulate one on the host), or use device_map="auto"',
     ),
     "cuda": DeviceKind(
-        "cuda", "inductor", "nccl",
-        "install a CUDA build of PyTorch on a machine with an NVIDIA GPU, or use device_map=\"auto\"",
+        "cuda",
+        "inductor",
+        "nccl",
+        'install a CUDA build of PyTorch on a machine with an NVIDIA GPU, or use device_map="auto"',
     ),
     "xpu": DeviceKind(
-        "xpu", "inductor", "xccl",
-        "install PyTorch with XPU support on a machine with an Intel GPU, or use device_map=\"auto\"",
+        "xpu",
+        "inductor",
+        "xccl",
+        'install PyTorch with XPU support on a machine with an Intel GPU, or use device_map="auto"',
     ),
-    "mps": DeviceKind("mps", "inductor", "gloo", "run on Apple silicon with macOS 12.3+, or use device_map=\"auto\""),
+    "mps": DeviceKind("mps", "inductor", "gloo", 'run on Apple silicon with macOS 12.3+, or use device_map="auto"'),
     "cpu": DeviceKind("cpu", "inductor", "gloo", ""),
 }
 
@@ -167,7 +175,7 @@ def kind_of(device: torch.device | str) -> DeviceKind:
     """The DeviceKind of a torch device or device string (`"cuda:1"` -> cuda)."""
     name = device.split(":")[0].strip().lower() if isinstance(device, str) else torch.device(device).type
     if name not in KINDS:
-        raise ValueError(f"Unknown device kind {name!r}: use one of {', '.join(KINDS)} or \"auto\".")
+        raise ValueError(f'Unknown device kind {name!r}: use one of {", ".join(KINDS)} or "auto".')
     return KINDS[name]
 
 
@@ -178,7 +186,7 @@ def auto_device() -> torch.device:
         kind = KINDS[name]
         if xla_accelerator() if name == "xla" else kind.is_available():
             reason = "is available" if not skipped else f"is available ({', '.join(skipped)} not found)"
-            logger.info("device_map=\"auto\" chose %s: %s", name, reason)
+            logger.info('device_map="auto" chose %s: %s', name, reason)
             return torch.device(name, 0) if name not in ("cpu", "mps") else torch.device(name)
         skipped.append(name)
     raise AssertionError("the CPU is always available")  # pragma: no cover
@@ -194,28 +202,30 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
     if device is None or (isinstance(device, str) and device == "auto"):
         return auto_device()
     if isinstance(device, bool):
-        raise ValueError(f"device={device!r} is not a device: pass \"auto\", \"cpu\", \"cuda\", \"neuron\", an index or a torch.device.")
+        raise ValueError(
+            f'device={device!r} is not a device: pass "auto", "cpu", "cuda", "neuron", an index or a torch.device.'
+        )
     if isinstance(device, int):
         if device < 0:
-            raise ValueError(f"Device index {device} is negative: pass an index from 0, or \"cpu\".")
+            raise ValueError(f'Device index {device} is negative: pass an index from 0, or "cpu".')
         best = auto_device()
         if best.type == "cpu":
             raise DeviceUnavailableError(
-                f"Device index {device} asks for an accelerator, and none is available here: pass device_map=\"cpu\"."
+                f'Device index {device} asks for an accelerator, and none is available here: pass device_map="cpu".'
             )
         device = torch.device(best.type, device)
     if isinstance(device, dict):
         raise ValueError(
             "device_map as a dict of module placements is not supported: staticformers places the whole model "
-            "on one device (use DistributedConfig to split it across devices); pass \"auto\" or a device name."
+            'on one device (use DistributedConfig to split it across devices); pass "auto" or a device name.'
         )
     if isinstance(device, str):
         name = device.strip().lower()
         base = name.split(":")[0]
         if base not in KINDS:
             raise ValueError(
-                f"Unknown device {device!r}: use one of \"auto\", \"neuron\", \"xla\", \"cuda\", \"xpu\", \"mps\", \"cpu\" "
-                f"(optionally with \":N\"), an int index or a torch.device."
+                f'Unknown device {device!r}: use one of "auto", "neuron", "xla", "cuda", "xpu", "mps", "cpu" '
+                f'(optionally with ":N"), an int index or a torch.device.'
             )
         if base == "neuron":
             kind = KINDS["neuron"]
@@ -229,7 +239,7 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
         except RuntimeError as err:
             raise ValueError(f"Device {device!r} is not a valid device string ({err}).") from None
     if not isinstance(device, torch.device):
-        raise ValueError(f"device={device!r} is not a device: pass \"auto\", a device name, an index or a torch.device.")
+        raise ValueError(f'device={device!r} is not a device: pass "auto", a device name, an index or a torch.device.')
     kind = KINDS.get(device.type)
     if kind is None:
         raise ValueError(f"Device type {device.type!r} is not supported: use neuron, xla, cuda, xpu, mps or cpu.")

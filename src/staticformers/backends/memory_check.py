@@ -44,8 +44,10 @@ def check_fits(nbytes: int, device: Union[str, torch.device, None], what: str, f
     """Raise `InsufficientMemoryError` when `nbytes` is above what `device` can allocate now."""
     free = available_bytes(device)
     if free is not None and nbytes > free:
-        raise InsufficientMemoryError(f"{what} needs at least {_gib(nbytes)} but {torch.device(device or 'cpu')} has "
-                                      f"{_gib(free)} available: {fix}.")
+        raise InsufficientMemoryError(
+            f"{what} needs at least {_gib(nbytes)} but {torch.device(device or 'cpu')} has "
+            f"{_gib(free)} available: {fix}."
+        )
 
 
 def training_step_bytes(config, batch: int, length: int, dtype: torch.dtype, gradient_checkpointing: bool) -> int:

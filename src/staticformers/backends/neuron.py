@@ -42,8 +42,9 @@ def neuron_compilations() -> Optional[int]:
         metrics = dataclasses.asdict(metrics)
     if not isinstance(metrics, dict):
         return None
-    counts = [v for k, v in metrics.items() if "compil" in str(k).lower() and isinstance(v, int)
-              and not isinstance(v, bool)]
+    counts = [
+        v for k, v in metrics.items() if "compil" in str(k).lower() and isinstance(v, int) and not isinstance(v, bool)
+    ]
     return sum(counts) if counts else None
 
 
@@ -78,12 +79,22 @@ class NeuronBackend(Backend):
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False):
         if settings.dynamic:
-            raise ValueError("Neuron compiles one graph per shape and rejects dynamic shapes: "
-                             "drop CompileConfig(dynamic=True).")
+            raise ValueError(
+                "Neuron compiles one graph per shape and rejects dynamic shapes: drop CompileConfig(dynamic=True)."
+            )
         self.before_compile(settings)
         # fullgraph=True whatever the settings say: a graph break must raise, never split a step
-        return compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
-                                fullgraph=True, dynamic=False, function_class=NeuronFunction)
+        return compile_function(
+            fn,
+            name,
+            shape,
+            settings.backend,
+            settings.mode,
+            dict(settings.options),
+            fullgraph=True,
+            dynamic=False,
+            function_class=NeuronFunction,
+        )
 
     def before_process_group(self, device: torch.device) -> None:
         importlib.import_module("torch_neuronx")  # registers the "neuron" c10d backend

@@ -55,16 +55,32 @@ class Scheme:
 
 def write_config(kind: str, ignore: list[str]) -> dict:
     """config.json's `quantization_config` for weight-only `kind` ("int8" or "fp8"), per output channel."""
-    weights: dict[str, Any] = {"num_bits": 8, "type": "int" if kind == "int8" else "float", "symmetric": True,
-                               "strategy": "channel", "group_size": None, "block_structure": None, "dynamic": False,
-                               "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    weights: dict[str, Any] = {
+        "num_bits": 8,
+        "type": "int" if kind == "int8" else "float",
+        "symmetric": True,
+        "strategy": "channel",
+        "group_size": None,
+        "block_structure": None,
+        "dynamic": False,
+        "actorder": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
     fmt = "pack-quantized" if kind == "int8" else "float-quantized"
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "format": fmt,
-                                      "input_activations": None, "output_activations": None}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "format": fmt,
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
         "ignore": list(ignore),
         "kv_cache_scheme": None,
     }
@@ -77,15 +93,19 @@ def read_config(raw: dict, source: str = "config.json") -> Scheme:
         raise QuantizationFormatError(
             f"{source}'s quantization_config has format {fmt!r}, which staticformers does not read: it reads "
             f"compressed-tensors' {', '.join(sorted(FORMATS))} (8-bit weights per channel); use the model's "
-            f"unquantized checkpoint with quantization_config=QuantizationConfig(\"int8_weight_only\").")
+            f'unquantized checkpoint with quantization_config=QuantizationConfig("int8_weight_only").'
+        )
     if raw.get("sparsity_config"):
-        raise QuantizationFormatError(f"{source}'s quantization_config has a sparsity_config, which staticformers does "
-                                      f"not read: use a dense checkpoint.")
+        raise QuantizationFormatError(
+            f"{source}'s quantization_config has a sparsity_config, which staticformers does "
+            f"not read: use a dense checkpoint."
+        )
     groups = raw.get("config_groups") or {}
     if len(groups) != 1:
         raise QuantizationFormatError(
             f"{source}'s quantization_config has {len(groups)} config groups; staticformers reads exactly one (every "
-            f"quantized Linear alike): use the unquantized checkpoint and quantize at load.")
+            f"quantized Linear alike): use the unquantized checkpoint and quantize at load."
+        )
     group = next(iter(groups.values()))
     weights = group.get("weights") or {}
     kind = FORMATS[fmt]
@@ -94,17 +114,18 @@ def read_config(raw: dict, source: str = "config.json") -> Scheme:
     if weights.get("num_bits") != 8 or weights.get("type") != want_type:
         problems.append(f"{weights.get('num_bits')}-bit {weights.get('type')} weights (it reads 8-bit {want_type})")
     if weights.get("strategy") not in ("channel", "tensor"):
-        problems.append(f"strategy {weights.get('strategy')!r} (it reads \"channel\" and \"tensor\")")
+        problems.append(f'strategy {weights.get("strategy")!r} (it reads "channel" and "tensor")')
     if weights.get("symmetric") is False:
         problems.append("asymmetric weights")
     if group.get("input_activations") or group.get("output_activations"):
         problems.append("quantized activations (it reads weight-only checkpoints)")
     if [t for t in group.get("targets") or [] if t != "Linear"]:
-        problems.append(f"targets {group.get('targets')} (it reads [\"Linear\"])")
+        problems.append(f'targets {group.get("targets")} (it reads ["Linear"])')
     if problems:
         raise QuantizationFormatError(
             f"{source}'s quantization_config asks for {'; '.join(problems)}, which staticformers does not read: use "
-            f"the unquantized checkpoint with quantization_config=QuantizationConfig(\"int8_weight_only\").")
+            f'the unquantized checkpoint with quantization_config=QuantizationConfig("int8_weight_only").'
+        )
     return Scheme(kind, fmt, tuple(raw.get("ignore") or ()))
 
 
@@ -113,7 +134,7 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     in the lowest byte (rows padded with zero bytes to a multiple of four)."""
     rows, cols = q.shape
     pad = (-cols) % 4
-    u = (q.to(torch.int32) + 128)
+    u = q.to(torch.int32) + 128
     if pad:
         u = torch.cat([u, u.new_zeros(rows, pad)], 1)
     u = u.view(rows, -1, 4)
@@ -124,8 +145,10 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 def unpack_int8(packed: torch.Tensor, shape: tuple) -> torch.Tensor:
     """The int8 weight `shape` `[out, in]` of a `pack-quantized` 8-bit `weight_packed` (see `pack_int8`)."""
     if packed.dtype != torch.int32:
-        raise QuantizationFormatError(f"A weight_packed tensor is {packed.dtype}, not int32: the file is not "
-                                      f"compressed-tensors' pack-quantized format.")
+        raise QuantizationFormatError(
+            f"A weight_packed tensor is {packed.dtype}, not int32: the file is not "
+            f"compressed-tensors' pack-quantized format."
+        )
     parts = [(packed >> (8 * i)) & 0xFF for i in range(4)]
     u = torch.stack(parts, -1).reshape(packed.shape[0], -1)[:, : int(shape[1])]
     return (u - 128).to(torch.int8)
@@ -142,9 +165,18 @@ def scheme_of(config_extra: dict, source: str = "config.json") -> Optional[Schem
         raise QuantizationFormatError(
             f"{source} holds a {method or 'unknown'} quantization_config, which staticformers does not read (it reads "
             f"compressed-tensors' 8-bit weight-only formats): load the unquantized checkpoint with "
-            f"quantization_config=QuantizationConfig(\"int8_weight_only\").")
+            f'quantization_config=QuantizationConfig("int8_weight_only").'
+        )
     return read_config(raw, source)
 
 
-__all__ = ["FORMATS", "QuantizationFormatError", "Scheme", "write_config", "read_config", "pack_int8", "unpack_int8",
-           "scheme_of"]
+__all__ = [
+    "FORMATS",
+    "QuantizationFormatError",
+    "Scheme",
+    "write_config",
+    "read_config",
+    "pack_int8",
+    "unpack_int8",
+    "scheme_of",
+]

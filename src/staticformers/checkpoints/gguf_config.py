@@ -35,12 +35,12 @@ from .gguf_file import GGUFError, GGUFFile
 
 # GGUF architecture -> the transformers class we build for it
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",      # Llama 2/3, SmolLM, and Mistral (GGUF converters write Mistral as llama)
+    "llama": "LlamaForCausalLM",  # Llama 2/3, SmolLM, and Mistral (GGUF converters write Mistral as llama)
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",    # the text model (a Gemma 3 GGUF holds no vision tower)
-    "phi3": "Phi3ForCausalLM",        # Phi-3, Phi-3.5-mini, Phi-4-mini
+    "gemma3": "Gemma3ForCausalLM",  # the text model (a Gemma 3 GGUF holds no vision tower)
+    "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5-mini, Phi-4-mini
 }
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 logger = logging.getLogger("staticformers")
@@ -60,8 +60,12 @@ _KEYS = {
     "vocab_size": "vocab_size",
 }
 # per architecture: which key gives head_dim (transformers reads llama's rope.dimension_count, qwen3's key_length)
-_HEAD_DIM = {"llama": "rope.dimension_count", "qwen3": "attention.key_length", "gemma2": "attention.key_length",
-             "gemma3": "attention.key_length"}
+_HEAD_DIM = {
+    "llama": "rope.dimension_count",
+    "qwen3": "attention.key_length",
+    "gemma2": "attention.key_length",
+    "gemma3": "attention.key_length",
+}
 # the GGUF runtime's Gemma constants: the sliding-layer pattern, and the layer count of the 27B models
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -73,11 +77,13 @@ def check_architecture(f: GGUFFile) -> str:
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{f.path} holds a {arch!r} model (general.architecture), which staticformers does not load from GGUF "
-            f"(it loads {', '.join(sorted(ARCHITECTURES))}): use the model's safetensors checkpoint instead.")
+            f"(it loads {', '.join(sorted(ARCHITECTURES))}): use the model's safetensors checkpoint instead."
+        )
     if f.metadata.get(f"{arch}.expert_count"):
         raise GGUFError(
             f"{f.path} holds a mixture of experts ({arch}.expert_count = {f.metadata[f'{arch}.expert_count']}), "
-            f"which staticformers does not load from GGUF yet: use the model's safetensors checkpoint instead.")
+            f"which staticformers does not load from GGUF yet: use the model's safetensors checkpoint instead."
+        )
     return arch
 
 
@@ -110,8 +116,10 @@ def config_dict(f: GGUFFile) -> dict:
 def _number(f: GGUFFile, key: str, default=None):
     value = f.metadata.get(key, default)
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise GGUFError(f"{f.path} has {key} = {str(value)[:40]!r}, which is not a number: the file is "
-                        f"inconsistent; re-download it.")
+        raise GGUFError(
+            f"{f.path} has {key} = {str(value)[:40]!r}, which is not a number: the file is "
+            f"inconsistent; re-download it."
+        )
     return value
 
 
@@ -137,8 +145,11 @@ def _gemma(f: GGUFFile, arch: str, config: dict) -> None:
         config.setdefault("final_logit_softcapping", None)
         config["rope_parameters"] = {
             "full_attention": {**_gemma3_full_rope(f), "rope_theta": float(config.pop("rope_theta", 1000000.0))},
-            "sliding_attention": {"rope_type": "default",
-                                  "rope_theta": float(_number(f, "gemma3.rope.freq_base_swa", 10000.0))}}
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(_number(f, "gemma3.rope.freq_base_swa", 10000.0)),
+            },
+        }
     if arch == "gemma3" and not window:
         config["sliding_window"] = None
         config["layer_types"] = ["full_attention"] * layers
@@ -155,8 +166,10 @@ def _gemma3_full_rope(f: GGUFFile) -> dict:
         return {"rope_type": "default"}
     if kind == "linear" and factor > 0:
         return {"rope_type": "linear", "factor": float(factor)}
-    raise GGUFError(f"{f.path} states RoPE scaling {kind!r} (gemma3.rope.scaling.type) for Gemma 3, which "
-                    f"staticformers reads only as 'linear' from GGUF: use the model's safetensors checkpoint instead.")
+    raise GGUFError(
+        f"{f.path} states RoPE scaling {kind!r} (gemma3.rope.scaling.type) for Gemma 3, which "
+        f"staticformers reads only as 'linear' from GGUF: use the model's safetensors checkpoint instead."
+    )
 
 
 def _gemma_layer_types(f: GGUFFile, arch: str, layers: int) -> list:
@@ -165,8 +178,10 @@ def _gemma_layer_types(f: GGUFFile, arch: str, layers: int) -> list:
     pattern = f.metadata.get(key, _GEMMA_PATTERN[arch])
     if isinstance(pattern, list):
         if len(pattern) != layers:
-            raise GGUFError(f"{f.path} lists {len(pattern)} flags in {key} for {layers} layers: the file is "
-                            f"inconsistent; re-download it.")
+            raise GGUFError(
+                f"{f.path} lists {len(pattern)} flags in {key} for {layers} layers: the file is "
+                f"inconsistent; re-download it."
+            )
         return ["sliding_attention" if flag else "full_attention" for flag in pattern]
     pattern = _number(f, key, _GEMMA_PATTERN[arch])
     return ["sliding_attention" if pattern == 0 or (i + 1) % pattern else "full_attention" for i in range(layers)]
@@ -189,12 +204,20 @@ def _phi3(f: GGUFFile, config: dict) -> None:
     factors = [name for name in ROPE_FACTOR_TENSORS if name in f.tensor_names]
     if factors:
         if len(factors) == 1 or original is None:
-            lacks = "phi3.rope.scaling.original_context_length" if original is None else \
-                next(n for n in ROPE_FACTOR_TENSORS if n not in factors)
-            raise GGUFError(f"{f.path} carries LongRoPE factors ({', '.join(factors)}) but no {lacks}: the file is "
-                            f"incomplete; re-download it.")
-        rope.update(rope_type="longrope", short_factor=_factors(f, ROPE_FACTOR_TENSORS[0]),
-                    long_factor=_factors(f, ROPE_FACTOR_TENSORS[1]))
+            lacks = (
+                "phi3.rope.scaling.original_context_length"
+                if original is None
+                else next(n for n in ROPE_FACTOR_TENSORS if n not in factors)
+            )
+            raise GGUFError(
+                f"{f.path} carries LongRoPE factors ({', '.join(factors)}) but no {lacks}: the file is "
+                f"incomplete; re-download it."
+            )
+        rope.update(
+            rope_type="longrope",
+            short_factor=_factors(f, ROPE_FACTOR_TENSORS[0]),
+            long_factor=_factors(f, ROPE_FACTOR_TENSORS[1]),
+        )
         _check_attention_factor(f, config.get("max_position_embeddings"), original)
     config["rope_parameters"] = rope
 
@@ -208,9 +231,16 @@ def _check_attention_factor(f: GGUFFile, positions, original: int) -> None:
     scale = positions / original
     own = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
     if abs(stated - own) > 1e-6 * own:
-        logger.warning("%s states rope.scaling.attn_factor = %.6g, not LongRoPE's %.6g for %d / %d positions: the "
-                       "model scales by %.6g, as its safetensors checkpoint does in transformers.",
-                       f.path, stated, own, positions, original, own)
+        logger.warning(
+            "%s states rope.scaling.attn_factor = %.6g, not LongRoPE's %.6g for %d / %d positions: the "
+            "model scales by %.6g, as its safetensors checkpoint does in transformers.",
+            f.path,
+            stated,
+            own,
+            positions,
+            original,
+            own,
+        )
 
 
 def _fraction(dims: int, head_dim: int) -> float:

@@ -39,7 +39,9 @@ class GGUFFile:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise GGUFError(f"{path} is not a file: pass gguf_file= the name of a .gguf file in the folder (or its path).")
+            raise GGUFError(
+                f"{path} is not a file: pass gguf_file= the name of a .gguf file in the folder (or its path)."
+            )
         gguf = _gguf()
         try:
             self._reader = gguf.GGUFReader(path)
@@ -78,7 +80,8 @@ class GGUFFile:
                 raise GGUFError(
                     f"{os.path.basename(self.path)} stores tensor {name} as {tensor.tensor_type.name}, a ggml type "
                     f"staticformers does not dequantise ({', '.join(SUPPORTED_TYPES)} are): use a GGUF of one of "
-                    f"those types, or the model's safetensors checkpoint.")
+                    f"those types, or the model's safetensors checkpoint."
+                )
 
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Tensor `name` dequantised to float32 in numpy, then in `dtype`, in torch's shape."""

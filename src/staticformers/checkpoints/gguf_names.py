@@ -38,10 +38,17 @@ _LAYER: dict[str, tuple[str, ...]] = {
     "ffn_up": ("mlp.up_proj",),
     "ffn_down": ("mlp.down_proj",),
 }
-_GEMMA_LAYER = {**_LAYER, "post_attention_norm": ("post_attention_layernorm",),
-                "ffn_norm": ("pre_feedforward_layernorm",), "post_ffw_norm": ("post_feedforward_layernorm",)}
-_PHI3_LAYER = {**_LAYER, "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-               "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_norm": ("post_attention_layernorm",),
+    "ffn_norm": ("pre_feedforward_layernorm",),
+    "post_ffw_norm": ("post_feedforward_layernorm",),
+}
+_PHI3_LAYER = {
+    **_LAYER,
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),
+}
 _LAYERS: dict[str, dict[str, tuple[str, ...]]] = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "phi3": _PHI3_LAYER}
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")

@@ -20,7 +20,9 @@ class CheckpointNotFoundError(FileNotFoundError):
 # The sentences every loader uses (model, tokenizer, generation config), so a missing folder, file or Hub
 # repo reads the same whichever loader met it.
 def not_a_folder(name_or_path) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like \"Qwen/Qwen3-0.6B\".")
+    return CheckpointNotFoundError(
+        f'{name_or_path} is not a folder: pass a checkpoint folder or a Hub id like "Qwen/Qwen3-0.6B".'
+    )
 
 
 def missing_file(folder, filename: str, why: str = "it is not a complete checkpoint") -> CheckpointNotFoundError:
@@ -28,13 +30,17 @@ def missing_file(folder, filename: str, why: str = "it is not a complete checkpo
 
 
 def not_cached(name: str, what: str) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"{what} of {name!r} is not in the local Hub cache and the Hub cannot be reached: "
-                                   f"download it once while online, or pass a local folder.")
+    return CheckpointNotFoundError(
+        f"{what} of {name!r} is not in the local Hub cache and the Hub cannot be reached: "
+        f"download it once while online, or pass a local folder."
+    )
 
 
 def no_repo(name: str) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"{name!r} is neither a local folder nor a Hub repo we can access: check the path or id "
-                                   f"(and token; a gated repo needs its licence accepted on the Hub).")
+    return CheckpointNotFoundError(
+        f"{name!r} is neither a local folder nor a Hub repo we can access: check the path or id "
+        f"(and token; a gated repo needs its licence accepted on the Hub)."
+    )
 
 
 def bad_id(name: str, err: Exception) -> CheckpointNotFoundError:
@@ -78,8 +84,12 @@ def resolve_file(
 
     try:
         return hf_hub_download(
-            name_or_path, filename, revision=revision, cache_dir=cache_dir,
-            local_files_only=local_files_only, token=token,
+            name_or_path,
+            filename,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
         )
     except LocalEntryNotFoundError:
         if not required:

@@ -11,7 +11,9 @@ import os
 from typing import Any, Type, Union
 
 
-def read_json_object(path: Union[str, os.PathLike], what_to_do: str, error: Type[Exception] = ValueError) -> dict[str, Any]:
+def read_json_object(
+    path: Union[str, os.PathLike], what_to_do: str, error: Type[Exception] = ValueError
+) -> dict[str, Any]:
     """The object in `path`; `error(sentence)` when the file is not JSON or holds something else."""
     try:
         with open(path, encoding="utf-8") as f:

@@ -44,23 +44,38 @@ def is_mxfp4_config(extra: dict) -> bool:
     return isinstance(raw, dict) and raw.get("quant_method") == "mxfp4"
 
 
-def check(base: str, blocks: tuple, blocks_dtype: torch.dtype, scales: Optional[tuple],
-          scales_dtype: Optional[torch.dtype], want: tuple, where: str) -> None:
+def check(
+    base: str,
+    blocks: tuple,
+    blocks_dtype: torch.dtype,
+    scales: Optional[tuple],
+    scales_dtype: Optional[torch.dtype],
+    want: tuple,
+    where: str,
+) -> None:
     """Refuse, in one sentence, a pair that does not dequantise into `want` (`[E, rows, cols]`, the matrix
     before transposition): `scales` None means the file holds no scales for `base`."""
     if scales is None:
-        raise Mxfp4FormatError(f"{where} holds {base}_blocks but no {base}_scales: an MXFP4 stack needs both; "
-                               f"restore the checkpoint's missing shard.")
+        raise Mxfp4FormatError(
+            f"{where} holds {base}_blocks but no {base}_scales: an MXFP4 stack needs both; "
+            f"restore the checkpoint's missing shard."
+        )
     if blocks_dtype != torch.uint8 or scales_dtype != torch.uint8:
-        raise Mxfp4FormatError(f"{base}_blocks and {base}_scales in {where} must be uint8, not "
-                               f"{blocks_dtype} and {scales_dtype}: the file is not an MXFP4 export.")
+        raise Mxfp4FormatError(
+            f"{base}_blocks and {base}_scales in {where} must be uint8, not "
+            f"{blocks_dtype} and {scales_dtype}: the file is not an MXFP4 export."
+        )
     if len(blocks) != len(want) + 1 or blocks[-1] != GROUP // 2 or tuple(blocks[:-1]) != tuple(scales):
-        raise Mxfp4FormatError(f"{base}_blocks {list(blocks)} and {base}_scales {list(scales)} in {where} do not "
-                               f"pair up (blocks must be the scales' shape plus a last dim of {GROUP // 2}).")
+        raise Mxfp4FormatError(
+            f"{base}_blocks {list(blocks)} and {base}_scales {list(scales)} in {where} do not "
+            f"pair up (blocks must be the scales' shape plus a last dim of {GROUP // 2})."
+        )
     got = (*blocks[:-2], blocks[-2] * GROUP)
     if got != tuple(want):
-        raise Mxfp4FormatError(f"{base}_blocks in {where} dequantises to {list(got)}, but config.json implies "
-                               f"{list(want)}: the config and the weights come from different models.")
+        raise Mxfp4FormatError(
+            f"{base}_blocks in {where} dequantises to {list(got)}, but config.json implies "
+            f"{list(want)}: the config and the weights come from different models."
+        )
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -72,8 +87,11 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     *prefix, groups, width = blocks.shape
     out = torch.empty(*prefix, groups, width * 2, dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales, flat_out = blocks.reshape(-1, groups, width), scales.reshape(-1, groups), \
-        out.view(-1, groups, width * 2)
+    flat_blocks, flat_scales, flat_out = (
+        blocks.reshape(-1, groups, width),
+        scales.reshape(-1, groups),
+        out.view(-1, groups, width * 2),
+    )
     for i in range(flat_blocks.shape[0]):
         b = flat_blocks[i]
         part = flat_out[i]

@@ -58,7 +58,9 @@ class ExpertNames:
 
 QWEN_MOE_NAMES = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 MIXTRAL_NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
-GPT_OSS_NAMES = ExpertNames("mlp", "gate_up_proj", "gate_up_proj", "down_proj", router="router", stacked_transposed=True)
+GPT_OSS_NAMES = ExpertNames(
+    "mlp", "gate_up_proj", "gate_up_proj", "down_proj", router="router", stacked_transposed=True
+)
 
 
 @dataclass(frozen=True)
@@ -76,18 +78,31 @@ class FusedNames:
         return None
 
 
-PHI3_FUSED = FusedNames((("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))))
+PHI3_FUSED = FusedNames(
+    (
+        ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    )
+)
 GLM4_FUSED = FusedNames((("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),))
 # Gated DeltaNet (models/linear_attention.py): transformers' `in_proj_qkv` and `conv1d`, rows [queries | keys | values],
 # held as their three parts; Qwen3-Next's projections are grouped per key head and stay whole, its conv1d is split
 _CONV_PARTS = ("linear_attn.conv1d", ("linear_attn.conv1d.q", "linear_attn.conv1d.k", "linear_attn.conv1d.v"))
-QWEN3_5_FUSED = FusedNames((("linear_attn.in_proj_qkv", ("linear_attn.in_proj_qkv.q", "linear_attn.in_proj_qkv.k",
-                                                         "linear_attn.in_proj_qkv.v")), _CONV_PARTS))
+QWEN3_5_FUSED = FusedNames(
+    (
+        (
+            "linear_attn.in_proj_qkv",
+            ("linear_attn.in_proj_qkv.q", "linear_attn.in_proj_qkv.k", "linear_attn.in_proj_qkv.v"),
+        ),
+        _CONV_PARTS,
+    )
+)
 QWEN3_NEXT_FUSED = FusedNames((_CONV_PARTS,))
 _LAYER_PART = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.(?P<module>.+)\.(?P<leaf>weight|bias|weight_scale)$")
 
-_STACKED = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$")
+_STACKED = re.compile(
+    r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)(?P<scale>_scale)?$"
+)
 _ROUTER = re.compile(r"^(?P<layer>(?:.*\.)?layers\.\d+)\.mlp\.gate\.(?P<leaf>weight|bias)$")
 
 
@@ -115,7 +130,7 @@ class Piece:
 
     def source(self, tensor: torch.Tensor) -> torch.Tensor:
         """This piece's part of the file's tensor `tensor`."""
-        return tensor if self.source_rows is None else tensor[self.source_rows[0]:self.source_rows[1]]
+        return tensor if self.source_rows is None else tensor[self.source_rows[0] : self.source_rows[1]]
 
     @property
     def target_shape(self) -> tuple:
@@ -133,7 +148,7 @@ class Piece:
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of `tensor` (the target parameter, whole) this piece is."""
         part = tensor if self.expert is None else tensor[self.expert]
-        return part if self.rows is None else part[self.rows[0]:self.rows[1]]
+        return part if self.rows is None else part[self.rows[0] : self.rows[1]]
 
     @property
     def offsets(self) -> tuple:
@@ -192,8 +207,11 @@ class CheckpointNames:
                 experts, rows, cols = shape
                 if m["kind"] == "gate_up_proj":
                     half = rows // 2
-                    return [Piece(f"{prefix}.{e}.{proj}.{leaf}", name, (half, cols), e, (start, start + half))
-                            for e in range(experts) for proj, start in ((n.gate, 0), (n.up, half))]
+                    return [
+                        Piece(f"{prefix}.{e}.{proj}.{leaf}", name, (half, cols), e, (start, start + half))
+                        for e in range(experts)
+                        for proj, start in ((n.gate, 0), (n.up, half))
+                    ]
                 return [Piece(f"{prefix}.{e}.{n.down}.{leaf}", name, (rows, cols), e) for e in range(experts)]
             m = _ROUTER.match(name)
             if m:
@@ -280,6 +298,20 @@ def names_for(config) -> CheckpointNames:
     return CheckpointNames(getattr(family, "expert_names", None), getattr(family, "fused_names", None))
 
 
-__all__ = ["ExpertNames", "QWEN_MOE_NAMES", "MIXTRAL_NAMES", "GPT_OSS_NAMES", "FusedNames", "PHI3_FUSED", "GLM4_FUSED",
-           "QWEN3_5_FUSED", "QWEN3_NEXT_FUSED", "Piece",
-           "CheckpointNames", "target_shapes", "by_file", "file_shapes", "names_for"]
+__all__ = [
+    "ExpertNames",
+    "QWEN_MOE_NAMES",
+    "MIXTRAL_NAMES",
+    "GPT_OSS_NAMES",
+    "FusedNames",
+    "PHI3_FUSED",
+    "GLM4_FUSED",
+    "QWEN3_5_FUSED",
+    "QWEN3_NEXT_FUSED",
+    "Piece",
+    "CheckpointNames",
+    "target_shapes",
+    "by_file",
+    "file_shapes",
+    "names_for",
+]

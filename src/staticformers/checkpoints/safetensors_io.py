@@ -24,9 +24,17 @@ from typing import Iterator, Optional
 import torch
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -88,7 +96,9 @@ class SafetensorsFile:
             raise
 
     def _bad(self, why: str) -> SafetensorsFormatError:
-        return SafetensorsFormatError(f"{self.path} is not a readable safetensors file ({why}): re-download or re-save it.")
+        return SafetensorsFormatError(
+            f"{self.path} is not a readable safetensors file ({why}): re-download or re-save it."
+        )
 
     def _read_header(self):
         """Parse and check the header as the safetensors library does: a JSON object (no repeated
@@ -138,15 +148,21 @@ class SafetensorsFile:
             raise self._bad(f"tensor {name!r} has a dtype we do not read ({str(dtype)[:20]!r})")
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise self._bad(f"tensor {name!r} has no valid shape (a list of non-negative integers)")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
             raise self._bad(f"tensor {name!r} has no valid data_offsets (two increasing integers)")
         count = 1
         for d in shape:
             count *= d
         if offsets[1] - offsets[0] != count * DTYPES[dtype].itemsize:
-            raise self._bad(f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, not the {count * DTYPES[dtype].itemsize} "
-                            f"its shape and dtype need")
+            raise self._bad(
+                f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes, not the {count * DTYPES[dtype].itemsize} "
+                f"its shape and dtype need"
+            )
         return offsets[0], offsets[1]
 
     def keys(self) -> list[str]:
@@ -158,8 +174,13 @@ class SafetensorsFile:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self.tensors[name]["dtype"]]
 
-    def read(self, name: str, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-             finite: bool = False) -> torch.Tensor:
+    def read(
+        self,
+        name: str,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        finite: bool = False,
+    ) -> torch.Tensor:
         """The tensor, converted to `dtype` on `device`; read straight into place when nothing changes. With
         `finite`, a floating-point tensor holding NaN or an infinity is refused (checked on the host, as read)."""
         info = self.tensors[name]
@@ -176,8 +197,10 @@ class SafetensorsFile:
                     raise self._bad(f"tensor {name!r} is cut short")
                 got += more
         if finite and buf.is_floating_point() and not bool(torch.isfinite(buf).all()):
-            raise SafetensorsFormatError(f"{self.path}: tensor {name!r} holds NaN or infinite values, so the model "
-                                         f"would compute nothing useful: re-download or re-save the checkpoint.")
+            raise SafetensorsFormatError(
+                f"{self.path}: tensor {name!r} holds NaN or infinite values, so the model "
+                f"would compute nothing useful: re-download or re-save the checkpoint."
+            )
         if (dtype is None or dtype == src) and (device is None or torch.device(device) == buf.device):
             return buf
         return buf.to(device=device, dtype=dtype if dtype is not None else src)
@@ -193,7 +216,9 @@ class SafetensorsFile:
         total = a["data_offsets"][1] - a["data_offsets"][0]
         chunk = 16 * 2**20
         for start in range(0, total, chunk):
-            if self._bytes(name, start, min(chunk, total - start)) != other._bytes(other_name, start, min(chunk, total - start)):
+            if self._bytes(name, start, min(chunk, total - start)) != other._bytes(
+                other_name, start, min(chunk, total - start)
+            ):
                 return False
         return True
 

@@ -36,7 +36,9 @@ from .safetensors_io import save_file
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
-_OUR_TEMPORARIES = re.compile(r"\.model.*\.tmp-\d+(-\d+)?\.safetensors|\.(model.*|config\.json|generation_config\.json)\.tmp-\d+")
+_OUR_TEMPORARIES = re.compile(
+    r"\.model.*\.tmp-\d+(-\d+)?\.safetensors|\.(model.*|config\.json|generation_config\.json)\.tmp-\d+"
+)
 
 
 def _staged(final: str) -> str:

@@ -42,8 +42,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     one its help already states)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default is argparse.SUPPRESS \
-                or "default" in (action.help or ""):
+        if (
+            action.default is None
+            or action.default is False
+            or action.default is argparse.SUPPRESS
+            or "default" in (action.help or "")
+        ):
             return action.help
         return super()._get_help_string(action)
 
@@ -87,8 +91,9 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     `--max-new-token` typo is an error, not a silent `--max-new-tokens`)."""
     from .. import __version__
 
-    parser = _Parser(prog="staticformers", description="Hugging Face causal LMs with a fixed shape plan.",
-                     allow_abbrev=False)
+    parser = _Parser(
+        prog="staticformers", description="Hugging Face causal LMs with a fixed shape plan.", allow_abbrev=False
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     parser.add_argument("--version", action="version", version=f"staticformers {__version__}")
     # after the subcommand too; SUPPRESS: when absent there it leaves the value set before the subcommand
@@ -96,8 +101,14 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in commands.items():
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False, parents=[verbose],
-                           formatter_class=_HelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=module.HELP,
+            allow_abbrev=False,
+            parents=[verbose],
+            formatter_class=_HelpFormatter,
+        )
         module.add_arguments(p)
     return parser
 

@@ -15,13 +15,19 @@ import os
 import sys
 import textwrap
 
-HELP = "show the devices here, the one \"auto\" picks, and versions"
+HELP = 'show the devices here, the one "auto" picks, and versions'
 WIDTH = 100  # the hint's lines are wrapped at this width
 # device nodes whose presence means an accelerator may be here (NVIDIA, AMD ROCm, Neuron)
 ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/neuron0")
 # kind -> (compile backend, torch.distributed backend): the table of backends/devices.py, read without torch
-BACKENDS = {"neuron": ("neuron", "neuron"), "xla": ("openxla", "xla"), "cuda": ("inductor", "nccl"),
-            "xpu": ("inductor", "xccl"), "mps": ("inductor", "gloo"), "cpu": ("inductor", "gloo")}
+BACKENDS = {
+    "neuron": ("neuron", "neuron"),
+    "xla": ("openxla", "xla"),
+    "cuda": ("inductor", "nccl"),
+    "xpu": ("inductor", "xccl"),
+    "mps": ("inductor", "gloo"),
+    "cpu": ("inductor", "gloo"),
+}
 
 
 def add_arguments(parser) -> None:
@@ -42,22 +48,35 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"staticformers {info['staticformers']}  python {info['python']}  torch {info['torch']}  "
-          f"torch-neuronx {info['torch_neuronx'] or 'not installed'}  "
-          f"torch_xla {info['torch_xla'] or 'not installed'}"
-          + (f" (PJRT device {info['pjrt_device']}, {info['devices']['xla']['count']} device(s))" if info["torch_xla"] else ""))
+    print(
+        f"staticformers {info['staticformers']}  python {info['python']}  torch {info['torch']}  "
+        f"torch-neuronx {info['torch_neuronx'] or 'not installed'}  "
+        f"torch_xla {info['torch_xla'] or 'not installed'}"
+        + (
+            f" (PJRT device {info['pjrt_device']}, {info['devices']['xla']['count']} device(s))"
+            if info["torch_xla"]
+            else ""
+        )
+    )
     print(f"{'device':<8}{'available':<11}{'count':<7}{'compile':<10}{'c10d':<8}bf16")
     for name, d in info["devices"].items():
-        print(f"{name:<8}{str(d['available']):<11}{d['count']:<7}{d['compile_backend']:<10}{d['dist_backend']:<8}"
-              f"{'yes' if d['bf16'] else 'no'}")
+        print(
+            f"{name:<8}{str(d['available']):<11}{d['count']:<7}{d['compile_backend']:<10}{d['dist_backend']:<8}"
+            f"{'yes' if d['bf16'] else 'no'}"
+        )
     neuron = info["devices"]["neuron"]
     print(f"torch.neuron.is_available(), torch.neuron.device_count(): {neuron['available']} {neuron['count']}")
-    print(f"device_map=\"auto\" -> {info['auto']} (compile backend {info['auto_compile_backend']}, "
-          f"bf16 {'yes' if info['auto_bf16'] else 'no'})")
+    print(
+        f'device_map="auto" -> {info["auto"]} (compile backend {info["auto_compile_backend"]}, '
+        f"bf16 {'yes' if info['auto_bf16'] else 'no'})"
+    )
     print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     if info["neuron_hint"]:
-        print(textwrap.fill(info["neuron_hint"], WIDTH, subsequent_indent="  ", break_on_hyphens=False,
-                            break_long_words=False))
+        print(
+            textwrap.fill(
+                info["neuron_hint"], WIDTH, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+            )
+        )
     return 0
 
 
@@ -84,11 +103,27 @@ def cpu_only_report() -> dict:
     import importlib.metadata
     import platform
 
-    devices = {name: {"available": name == "cpu", "count": int(name == "cpu"), "compile_backend": compile,
-                      "dist_backend": dist, "bf16": name == "cpu"} for name, (compile, dist) in BACKENDS.items()}
-    return {"python": platform.python_version(), "torch": importlib.metadata.version("torch"), "torch_neuronx": None,
-            "torch_xla": None, "pjrt_device": None, "devices": devices, "auto": "cpu",
-            "auto_compile_backend": BACKENDS["cpu"][0], "auto_bf16": True}
+    devices = {
+        name: {
+            "available": name == "cpu",
+            "count": int(name == "cpu"),
+            "compile_backend": compile,
+            "dist_backend": dist,
+            "bf16": name == "cpu",
+        }
+        for name, (compile, dist) in BACKENDS.items()
+    }
+    return {
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "torch_neuronx": None,
+        "torch_xla": None,
+        "pjrt_device": None,
+        "devices": devices,
+        "auto": "cpu",
+        "auto_compile_backend": BACKENDS["cpu"][0],
+        "auto_bf16": True,
+    }
 
 
 def cpu_threads() -> dict:
@@ -96,8 +131,16 @@ def cpu_threads() -> dict:
     from ..utils.cpus import choose_threads, wait_policy
 
     choice = choose_threads()
-    return {"threads": choice.threads, "source": choice.source, "usable": choice.usable, "affinity": choice.affinity,
-            "quota": choice.quota, "cpu_count": choice.cpu_count, "reason": choice.reason(), "wait": wait_policy()}
+    return {
+        "threads": choice.threads,
+        "source": choice.source,
+        "usable": choice.usable,
+        "affinity": choice.affinity,
+        "quota": choice.quota,
+        "cpu_count": choice.cpu_count,
+        "reason": choice.reason(),
+        "wait": wait_policy(),
+    }
 
 
 def neuron_hint(info: dict) -> str | None:
@@ -108,5 +151,7 @@ def neuron_hint(info: dict) -> str | None:
         return None
     if info["torch_neuronx"] is None:
         return f"torch-neuronx is not installed: {NEURON_INSTALL}."
-    return (f"torch-neuronx {info['torch_neuronx']} is installed but gives no available torch.neuron device (no "
-            f"NeuronCore here, or an XLA-based release): {NEURON_INSTALL}.")
+    return (
+        f"torch-neuronx {info['torch_neuronx']} is installed but gives no available torch.neuron device (no "
+        f"NeuronCore here, or an XLA-based release): {NEURON_INSTALL}."
+    )

@@ -17,8 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint folder or Hub id")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted)")
     p.add_argument("--chat", action="store_true", help="treat the prompt as a user message (chat template)")
-    p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="a Jinja chat template file, for --chat with a model that has none (or to replace its own)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file, for --chat with a model that has none (or to replace its own)",
+    )
     p.add_argument("--system", default=None, help="a system message (with --chat)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="at most this many new tokens (default 128)")
     p.add_argument("--min-new-tokens", type=int, default=None, help="no end-of-sequence before this many")
@@ -65,12 +69,15 @@ def run(args: argparse.Namespace) -> int:
     template = read_chat_template(args.chat_template) if args.chat_template else None
     tok = AutoTokenizer.from_pretrained(args.model)
     if args.chat and template is None and tok.chat_template is None:
-        raise ValueError(f"{args.model} has no chat template: pass --chat-template FILE (a Jinja template), "
-                         f"or drop --chat to continue the prompt as plain text.")
+        raise ValueError(
+            f"{args.model} has no chat template: pass --chat-template FILE (a Jinja template), "
+            f"or drop --chat to continue the prompt as plain text."
+        )
     model = from_pretrained(args.model, dtype=args.dtype, device_map=args.device)
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-            [{"role": "user", "content": prompt}]
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", chat_template=template)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -83,21 +90,37 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_compile:
             compile_first(model, plan, CompileConfig(backend=args.backend), ids.shape[1], args.max_new_tokens)
         model.generate(
-            input_ids=ids, streamer=streamer, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-            do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-            disable_compile=args.no_compile, compile_config=CompileConfig(backend=args.backend), shape_plan=plan,
+            input_ids=ids,
+            streamer=streamer,
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.min_new_tokens,
+            do_sample=args.do_sample,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            disable_compile=args.no_compile,
+            compile_config=CompileConfig(backend=args.backend),
+            shape_plan=plan,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else None,
         )
     seconds = time.perf_counter() - start
     if args.stats:
         rows = model.compile_stats()
         first_calls = sum(r["first_call_seconds"] for r in rows)
-        print(f"\n{streamer.new_tokens} new tokens in {duration(seconds)} on {model.device}; "
-              f"{graphs_line(rows, cache.answered, first_calls)}", file=sys.stderr)
+        print(
+            f"\n{streamer.new_tokens} new tokens in {duration(seconds)} on {model.device}; "
+            f"{graphs_line(rows, cache.answered, first_calls)}",
+            file=sys.stderr,
+        )
         for row in rows:
-            print(f"  {row['kind']:8s} {str(row['shape']):16s} {row['backend']:10s} graphs {row['graphs']} "
-                  f"(first call {duration(row['first_call_seconds'])}) calls {row['calls']}", file=sys.stderr)
+            print(
+                f"  {row['kind']:8s} {str(row['shape']):16s} {row['backend']:10s} graphs {row['graphs']} "
+                f"(first call {duration(row['first_call_seconds'])}) calls {row['calls']}",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -121,11 +144,21 @@ def compile_first(model, plan, compile_config, prompt_len: int, max_new_tokens: 
     settings = compile_settings(model, GenerationConfig(), compile_config)
     if not settings.enabled or (engine.warm("decode", 1, kv, settings) and engine.warm("prefill", 1, prompt, settings)):
         return
-    mine = ShapePlan(batch_sizes=[1], prompt_lengths=[prompt], kv_lengths=[kv], max_model_len=plan.max_model_len,
-                     linear_chunk=plan.linear_chunk)
-    progress = CompileProgress(mine.num_shapes, settings.backend,
-                               describe=lambda r: f"  {r['kind']} {r['shape']}: {duration(r['seconds'])} "
-                                                  f"({'loaded from the on-disk cache' if r['cache_hit'] else 'compiled'})")
+    mine = ShapePlan(
+        batch_sizes=[1],
+        prompt_lengths=[prompt],
+        kv_lengths=[kv],
+        max_model_len=plan.max_model_len,
+        linear_chunk=plan.linear_chunk,
+    )
+    progress = CompileProgress(
+        mine.num_shapes,
+        settings.backend,
+        describe=lambda r: (
+            f"  {r['kind']} {r['shape']}: {duration(r['seconds'])} "
+            f"({'loaded from the on-disk cache' if r['cache_hit'] else 'compiled'})"
+        ),
+    )
     progress.begin()
     engine.precompile(settings, plan=mine.bind(model.config.max_position_embeddings), progress=progress)
 

@@ -30,59 +30,112 @@ LORA_LEARNING_RATE = 2e-4  # TRL's SFT + peft examples (SFTConfig(learning_rate=
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("path", help="checkpoint folder to fine-tune, or a config.json (or folder with one) to train from scratch")
+    parser.add_argument(
+        "path", help="checkpoint folder to fine-tune, or a config.json (or folder with one) to train from scratch"
+    )
     parser.add_argument("--data", required=True, help=".txt, .jsonl, or a folder of them")
     parser.add_argument("--eval-data", default=None, help="evaluation data, same formats")
     parser.add_argument("--output-dir", default="outputs", help="where checkpoints, metrics and the final model go")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: PATH)")
-    parser.add_argument("--txt-documents", choices=("paragraph", "line", "file"), default="paragraph",
-                        help="how .txt files split into documents (default: blank-line separated paragraphs)")
-    parser.add_argument("--max-length", type=int, default=None,
-                        help="tokens per row, every batch being [batch size, max length] (default: 512, or the "
-                             "model's positions when fewer); more than the model's positions is refused")
+    parser.add_argument(
+        "--txt-documents",
+        choices=("paragraph", "line", "file"),
+        default="paragraph",
+        help="how .txt files split into documents (default: blank-line separated paragraphs)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="tokens per row, every batch being [batch size, max length] (default: 512, or the "
+        "model's positions when fewer); more than the model's positions is refused",
+    )
     parser.add_argument("--packing", action="store_true", help="pack documents into full rows (default: pad each)")
-    parser.add_argument("--assistant-only-loss", action="store_true",
-                        help="loss only on the assistant's tokens of `messages` conversations (the chat template's "
-                             "{%% generation %%} blocks)")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="a .jinja chat template (or a tokenizer folder) replacing the tokenizer's (chat_template_path)")
+    parser.add_argument(
+        "--assistant-only-loss",
+        action="store_true",
+        help="loss only on the assistant's tokens of `messages` conversations (the chat template's "
+        "{%% generation %%} blocks)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a .jinja chat template (or a tokenizer folder) replacing the tokenizer's (chat_template_path)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="per_device_train_batch_size")
     parser.add_argument("--eval-batch-size", type=int, default=8, help="per_device_eval_batch_size")
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--learning-rate", type=float, default=None,
-                        help="AdamW's peak learning rate (default: 5e-5, transformers'; 2e-4 with --lora-r, the rate "
-                             "of TRL's and peft's LoRA examples, about 10x the full fine-tuning one)")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="AdamW's peak learning rate (default: 5e-5, transformers'; 2e-4 with --lora-r, the rate "
+        "of TRL's and peft's LoRA examples, about 10x the full fine-tuning one)",
+    )
     parser.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (none on norms and biases)")
-    parser.add_argument("--lr-scheduler-type", default="linear", help="linear, cosine, constant or constant_with_warmup")
-    parser.add_argument("--warmup-steps", type=float, default=0, help="linear warmup steps (below 1: a fraction of the run)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (0: no clipping)")
+    parser.add_argument(
+        "--lr-scheduler-type", default="linear", help="linear, cosine, constant or constant_with_warmup"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=float, default=0, help="linear warmup steps (below 1: a fraction of the run)"
+    )
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip gradients to this global norm (0: no clipping)"
+    )
     parser.add_argument("--epochs", type=float, default=3.0, help="num_train_epochs")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (overrides --epochs when positive)")
-    parser.add_argument("--logging-steps", type=float, default=10, help="log every N steps (below 1: a fraction of the run)")
-    parser.add_argument("--eval-steps", type=float, default=None, help="evaluate every N steps (default: --logging-steps)")
+    parser.add_argument(
+        "--logging-steps", type=float, default=10, help="log every N steps (below 1: a fraction of the run)"
+    )
+    parser.add_argument(
+        "--eval-steps", type=float, default=None, help="evaluate every N steps (default: --logging-steps)"
+    )
     parser.add_argument("--save-steps", type=float, default=500, help="write a checkpoint every N steps")
     parser.add_argument("--save-total-limit", type=int, default=None, help="keep only the last N checkpoints")
-    parser.add_argument("--no-save", action="store_true", help="save_strategy=\"no\" (only the final model is written)")
-    parser.add_argument("--bf16", action="store_true",
-                        help="bf16 weights and activations with fp32 master weights (refused where the device lacks bf16)")
+    parser.add_argument("--no-save", action="store_true", help='save_strategy="no" (only the final model is written)')
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 weights and activations with fp32 master weights (refused where the device lacks bf16)",
+    )
     parser.add_argument("--compile", action="store_true", help="torch_compile=True (backend: the device's)")
     parser.add_argument("--backend", default=None, help="torch_compile_backend (implies --compile)")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
+    )
     parser.add_argument("--use-cpu", action="store_true", help="train on the CPU even when an accelerator is here")
     add_threads(parser)
-    parser.add_argument("--report-to", default="none",
-                        help="none, tensorboard or all (metrics.jsonl and loss_curve.png are always written)")
-    parser.add_argument("--seed", type=int, default=42, help="seed for the initial weights (from scratch) and the data order")
-    parser.add_argument("--resume", nargs="?", const=True, default=None,
-                        help="resume from the last checkpoint in --output-dir, or from the given one")
+    parser.add_argument(
+        "--report-to",
+        default="none",
+        help="none, tensorboard or all (metrics.jsonl and loss_curve.png are always written)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="seed for the initial weights (from scratch) and the data order"
+    )
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume from the last checkpoint in --output-dir, or from the given one",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--lora-r", type=int, default=None,
-                        help="train a LoRA adapter of this rank instead of the whole model (the base stays frozen)")
+    parser.add_argument(
+        "--lora-r",
+        type=int,
+        default=None,
+        help="train a LoRA adapter of this rank instead of the whole model (the base stays frozen)",
+    )
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA's alpha (scale alpha / r; default 2 x r)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input (default 0)")
-    parser.add_argument("--lora-target", default=None,
-                        help="comma-separated modules to adapt, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                             "down_proj, or all-linear (default: q_proj,v_proj, PEFT's)")
+    parser.add_argument(
+        "--lora-target",
+        default=None,
+        help="comma-separated modules to adapt, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj, or all-linear (default: q_proj,v_proj, PEFT's)",
+    )
     parser.add_argument("--use-rslora", action="store_true", help="rank-stabilised LoRA: scale alpha / sqrt(r)")
 
 
@@ -91,9 +144,16 @@ def lora_config(args):
     from ..adapters.lora_config import ALL_LINEAR, LoraConfig
 
     if args.lora_r is None:
-        given = [f for f, v in (("--lora-alpha", args.lora_alpha), ("--lora-target", args.lora_target),
-                                ("--use-rslora", args.use_rslora), ("--lora-dropout", args.lora_dropout or None))
-                 if v is not None and v is not False]
+        given = [
+            f
+            for f, v in (
+                ("--lora-alpha", args.lora_alpha),
+                ("--lora-target", args.lora_target),
+                ("--use-rslora", args.use_rslora),
+                ("--lora-dropout", args.lora_dropout or None),
+            )
+            if v is not None and v is not False
+        ]
         if given:
             raise ValueError(f"{given[0]} sets up a LoRA adapter, which needs its rank: add --lora-r (e.g. 16).")
         return None
@@ -101,11 +161,18 @@ def lora_config(args):
     if args.lora_target is not None:
         names = [t.strip() for t in args.lora_target.split(",") if t.strip()]
         if not names:
-            raise ValueError(f"--lora-target {args.lora_target!r} names no module: pass e.g. q_proj,v_proj or all-linear.")
+            raise ValueError(
+                f"--lora-target {args.lora_target!r} names no module: pass e.g. q_proj,v_proj or all-linear."
+            )
         target = ALL_LINEAR if names == [ALL_LINEAR] else names
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
-    return LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=target,
-                      use_rslora=args.use_rslora)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=target,
+        use_rslora=args.use_rslora,
+    )
 
 
 class Rows(list):
@@ -124,8 +191,10 @@ def read_documents(path: str, txt_documents: str = "paragraph") -> list:
             try:
                 import datasets
             except ImportError:
-                raise ValueError(f"{path} is a `datasets` folder but the datasets package is not installed: "
-                                 f"pip install datasets, or pass .txt/.jsonl files.") from None
+                raise ValueError(
+                    f"{path} is a `datasets` folder but the datasets package is not installed: "
+                    f"pip install datasets, or pass .txt/.jsonl files."
+                ) from None
             return datasets.load_from_disk(path)
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith((".txt", ".jsonl")))
         if not files:
@@ -174,9 +243,13 @@ def load_model(path: str, seed: int):
 
     config_file = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{path} has no config.json: pass a checkpoint folder or a config.json to train from scratch.")
+        raise FileNotFoundError(
+            f"{path} has no config.json: pass a checkpoint folder or a config.json to train from scratch."
+        )
     folder = os.path.dirname(config_file)
-    has_weights = any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in os.listdir(folder or "."))
+    has_weights = any(
+        n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in os.listdir(folder or ".")
+    )
     if has_weights and not path.endswith(".json"):
         return AutoModelForCausalLM.from_pretrained(folder), folder
     return AutoModelForCausalLM.from_config(ModelConfig.from_json_file(config_file), seed=seed), folder
@@ -201,7 +274,7 @@ def where(err, datasets: dict) -> str:
             message = str(err)
             lead = f"Example {err.index} "
             if message.startswith(lead):
-                message = "this example " + message[len(lead):]
+                message = "this example " + message[len(lead) :]
             return f"{flag} {rows.origins[err.index]}: {message}"
     return str(err)
 
@@ -212,8 +285,11 @@ def run(args) -> int:
     from ..training.trainer import Trainer
 
     lora = lora_config(args)  # refused before anything loads
-    learning_rate = args.learning_rate if args.learning_rate is not None else \
-        (LORA_LEARNING_RATE if lora is not None else FULL_LEARNING_RATE)
+    learning_rate = (
+        args.learning_rate
+        if args.learning_rate is not None
+        else (LORA_LEARNING_RATE if lora is not None else FULL_LEARNING_RATE)
+    )
     model, folder = load_model(args.path, args.seed)
     if lora is not None:
         model.add_adapter(lora)
@@ -225,20 +301,41 @@ def run(args) -> int:
             raise ValueError(f"--tokenizer {args.tokenizer} has no tokenizer.json: pass a tokenizer folder.")
         for name, docs in (("--data", train), ("--eval-data", evaluation or [])):
             if has_text(docs):
-                raise ValueError(f"{name} {getattr(args, name[2:].replace('-', '_'))} holds text but {folder or args.path} "
-                                 f"has no tokenizer.json: pass --tokenizer FOLDER (a folder with tokenizer.json).")
+                raise ValueError(
+                    f"{name} {getattr(args, name[2:].replace('-', '_'))} holds text but {folder or args.path} "
+                    f"has no tokenizer.json: pass --tokenizer FOLDER (a folder with tokenizer.json)."
+                )
     targs = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=args.eval_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=learning_rate,
-        weight_decay=args.weight_decay, lr_scheduler_type=args.lr_scheduler_type, warmup_steps=args.warmup_steps,
-        max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, max_steps=args.max_steps,
-        logging_steps=args.logging_steps, eval_strategy="steps" if evaluation is not None else "no", eval_steps=args.eval_steps,
-        save_strategy="no" if args.no_save else "steps", save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        bf16=args.bf16, torch_compile=args.compile or args.backend is not None, torch_compile_backend=args.backend,
-        gradient_checkpointing=args.gradient_checkpointing, use_cpu=args.use_cpu, report_to=args.report_to, seed=args.seed,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.eval_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=learning_rate,
+        weight_decay=args.weight_decay,
+        lr_scheduler_type=args.lr_scheduler_type,
+        warmup_steps=args.warmup_steps,
+        max_grad_norm=args.max_grad_norm,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        logging_steps=args.logging_steps,
+        eval_strategy="steps" if evaluation is not None else "no",
+        eval_steps=args.eval_steps,
+        save_strategy="no" if args.no_save else "steps",
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+        bf16=args.bf16,
+        torch_compile=args.compile or args.backend is not None,
+        torch_compile_backend=args.backend,
+        gradient_checkpointing=args.gradient_checkpointing,
+        use_cpu=args.use_cpu,
+        report_to=args.report_to,
+        seed=args.seed,
         max_length=args.max_length or min(DEFAULT_MAX_LENGTH, model.config.max_position_embeddings),
-        packing=args.packing, disable_tqdm=args.quiet,
-        assistant_only_loss=args.assistant_only_loss, chat_template_path=args.chat_template)
+        packing=args.packing,
+        disable_tqdm=args.quiet,
+        assistant_only_loss=args.assistant_only_loss,
+        chat_template_path=args.chat_template,
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
     try:  # every row of both sets is read before the first step (the Trainer keeps the rows it built)
         trainer.get_train_rows()
@@ -248,14 +345,27 @@ def run(args) -> int:
         raise ValueError(where(err, {"--data": train, "--eval-data": evaluation})) from None
     out = trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(args.output_dir)
-    summary = {"output_dir": args.output_dir, "global_step": out.global_step, "train_loss": round(out.training_loss, 6),
-               "learning_rate": learning_rate,
-               **({"adapter": {"r": lora.r, "lora_alpha": lora.lora_alpha,
-                               "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}}
-                  if lora is not None else {}),
-               "device": str(targs.device), **trainer.compile_stats(),
-               "padding_waste": round(out.metrics["train_padding_waste"], 4),
-               "loss_token_share": round(out.metrics["train_loss_token_share"], 4)}
+    summary = {
+        "output_dir": args.output_dir,
+        "global_step": out.global_step,
+        "train_loss": round(out.training_loss, 6),
+        "learning_rate": learning_rate,
+        **(
+            {
+                "adapter": {
+                    "r": lora.r,
+                    "lora_alpha": lora.lora_alpha,
+                    "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                }
+            }
+            if lora is not None
+            else {}
+        ),
+        "device": str(targs.device),
+        **trainer.compile_stats(),
+        "padding_waste": round(out.metrics["train_padding_waste"], 4),
+        "loss_token_share": round(out.metrics["train_loss_token_share"], 4),
+    }
     if evaluation is not None:
         summary.update({k: v for k, v in trainer.evaluate().items() if k in ("eval_loss", "eval_perplexity")})
     print(json.dumps(summary))

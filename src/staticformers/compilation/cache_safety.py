@@ -35,15 +35,21 @@ def problem(path: str, is_folder: bool) -> Optional[str]:
         return None
     kind = "cache folder" if is_folder else "cache file"
     if not is_folder and stat.S_ISLNK(st.st_mode):
-        return (f"The {kind} {path} is a symbolic link, so it may hold another user's code: it is not unpickled; "
-                f"delete it (it is rebuilt).")
+        return (
+            f"The {kind} {path} is a symbolic link, so it may hold another user's code: it is not unpickled; "
+            f"delete it (it is rebuilt)."
+        )
     if st.st_uid != os.getuid():
-        return (f"The {kind} {path} belongs to another user (uid {st.st_uid}), so it may hold their code: its "
-                f"compiled artifacts are not unpickled; set {CACHE_ENV} to a folder of your own.")
+        return (
+            f"The {kind} {path} belongs to another user (uid {st.st_uid}), so it may hold their code: its "
+            f"compiled artifacts are not unpickled; set {CACHE_ENV} to a folder of your own."
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         fix = f"run `chmod go-w {path}`" + ("" if is_folder else " or delete it")
-        return (f"The {kind} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), so it may hold "
-                f"their code: its compiled artifacts are not unpickled; {fix}, or set {CACHE_ENV} to a private folder.")
+        return (
+            f"The {kind} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), so it may hold "
+            f"their code: its compiled artifacts are not unpickled; {fix}, or set {CACHE_ENV} to a private folder."
+        )
     return None
 
 

@@ -162,8 +162,15 @@ class GraphCounter:
     """A `torch.compile` backend that records every graph it is handed (seconds, shapes) and delegates to
     the real one. With `limit`, a graph beyond it is a violation of the plan (strict: raises; else warns)."""
 
-    def __init__(self, name: str, backend, mode: Optional[str] = None, options: Optional[dict] = None,
-                 limit: Optional[int] = 1, shape: tuple = ()):
+    def __init__(
+        self,
+        name: str,
+        backend,
+        mode: Optional[str] = None,
+        options: Optional[dict] = None,
+        limit: Optional[int] = 1,
+        shape: tuple = (),
+    ):
         self.name, self.limit, self.shape = name, limit, tuple(shape)
         self.backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "custom")
         self.real = real_backend(backend, mode, options)
@@ -179,8 +186,9 @@ class GraphCounter:
         start = time.perf_counter()
         out = self.real(gm, example_inputs)
         self.records.append(GraphRecord(self.name, shapes, time.perf_counter() - start))
-        logger.info("compiled %s %s with %s in %.2f s", self.name, self.shape, self.backend_name,
-                    self.records[-1].seconds)
+        logger.info(
+            "compiled %s %s with %s in %.2f s", self.name, self.shape, self.backend_name, self.records[-1].seconds
+        )
         return out
 
     @property
@@ -256,8 +264,11 @@ class CompiledFunction:
 def fresh_code(fn: Callable, name: str) -> Callable:
     """A copy of `fn` with its own code object, so Dynamo keeps a separate cache (and limit) for it."""
     safe = "".join(c if c.isalnum() else "_" for c in name)
-    code = fn.__code__.replace(co_name=safe, co_qualname=safe) if hasattr(fn.__code__, "co_qualname") else \
-        fn.__code__.replace(co_name=safe)
+    code = (
+        fn.__code__.replace(co_name=safe, co_qualname=safe)
+        if hasattr(fn.__code__, "co_qualname")
+        else fn.__code__.replace(co_name=safe)
+    )
     out = types.FunctionType(code, fn.__globals__, safe, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
@@ -289,8 +300,16 @@ def compile_function(
     counter = GraphCounter(name, backend, mode, options, limit=1, shape=shape)
     code = fresh_code(fn, name)
     compiled = torch.compile(code, backend=counter, fullgraph=fullgraph, dynamic=dynamic)
-    return function_class(name=name, shape=tuple(shape), backend=counter.backend_name, fn=fn, compiled=compiled,
-                          counter=counter, code=code, **extra)
+    return function_class(
+        name=name,
+        shape=tuple(shape),
+        backend=counter.backend_name,
+        fn=fn,
+        compiled=compiled,
+        counter=counter,
+        code=code,
+        **extra,
+    )
 
 
 def _module_call(module, *args, **kwargs):

@@ -54,9 +54,13 @@ def usable() -> str:
         why = problem(folder)
         if why is not None:
             replacement = tempfile.mkdtemp(prefix="staticformers-inductor-")
-            warnings.warn(f"staticformers: inductor's cache folder {folder!r} ({ENV}) cannot be used ({why}); this "
-                          f"process compiles without a persistent cache, in {replacement}. Set {ENV} to a writable "
-                          f"folder to keep compiled graphs between runs.", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"staticformers: inductor's cache folder {folder!r} ({ENV}) cannot be used ({why}); this "
+                f"process compiles without a persistent cache, in {replacement}. Set {ENV} to a writable "
+                f"folder to keep compiled graphs between runs.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             os.environ[ENV] = replacement
             _CHECKED.add(replacement)
             folder = replacement

@@ -19,7 +19,7 @@ from ..utils.durations import duration
 # backend -> what one shape costs before this run has timed one (a stated figure, said as such)
 FIRST_GUESS = {
     "inductor": "an inductor compile takes about 10-20 s a shape on a small CPU, less on a large one, "
-                "about a second when the on-disk cache has it",
+    "about a second when the on-disk cache has it",
     "eager": "the eager backend only traces (no compiler): seconds a shape",
     "aot_eager": "aot_eager only traces (no compiler): seconds a shape",
 }
@@ -30,8 +30,13 @@ class CompileProgress:
     `progress(row)` after each (the row `Engine.precompile` passes: kind, shape, seconds, cache_hit, graphs).
     `write` prints one line (default: stderr, flushed); `describe(row)` adds the finished shape's own line."""
 
-    def __init__(self, total: int, backend: str, write: Optional[Callable[[str], None]] = None,
-                 describe: Optional[Callable[[dict], str]] = None):
+    def __init__(
+        self,
+        total: int,
+        backend: str,
+        write: Optional[Callable[[str], None]] = None,
+        describe: Optional[Callable[[dict], str]] = None,
+    ):
         self.total, self.backend = int(total), backend
         self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self.describe = describe
@@ -48,8 +53,10 @@ class CompileProgress:
 
     def begin(self) -> None:
         if self.total:
-            self.write(f"compiling {self.total} shape{'s' if self.total != 1 else ''} "
-                       f"(each one step's graphs; {self.estimate()})")
+            self.write(
+                f"compiling {self.total} shape{'s' if self.total != 1 else ''} "
+                f"(each one step's graphs; {self.estimate()})"
+            )
             self.write(f"compiling shape 1/{self.total}")
 
     def __call__(self, row: dict) -> None:

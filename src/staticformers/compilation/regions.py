@@ -119,8 +119,11 @@ def has_decoder_layout(model) -> bool:
     """Whether `model` is laid out as ours (`model.model.prepare`, `.run_layers`, `.layers`, `.norm`,
     `model.head`, `lm_head`): what the regions call."""
     decoder = getattr(model, "model", None)
-    return all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm")) and \
-        hasattr(model, "head") and hasattr(model, "lm_head")
+    return (
+        all(hasattr(decoder, a) for a in ("prepare", "run_layers", "layers", "norm"))
+        and hasattr(model, "head")
+        and hasattr(model, "lm_head")
+    )
 
 
 def routes_logits(model) -> bool:
@@ -133,8 +136,12 @@ def region_name(base: str, kind: tuple) -> str:
     """A layer region's name: `base`, and what tells its layer kind apart ("", "_window4096", "_moe", the RoPE
     a layer reads where sliding layers have their own: "_rope_local", "_norope" and "_sinks")."""
     window, mlp, *rest = kind
-    return (base + ("" if window is None else f"_window{window}") + ("_moe" if mlp == "moe" else "")
-            + "".join(f"_rope_{r}" if r in ("local", "global") else f"_{r}" for r in rest))
+    return (
+        base
+        + ("" if window is None else f"_window{window}")
+        + ("_moe" if mlp == "moe" else "")
+        + "".join(f"_rope_{r}" if r in ("local", "global") else f"_{r}" for r in rest)
+    )
 
 
 def layer_regions(kinds, fn: Callable, base: str, compile_one: Callable) -> dict:
@@ -145,8 +152,16 @@ def layer_regions(kinds, fn: Callable, base: str, compile_one: Callable) -> dict
 # ---------------------------------------------------------------------------------------------
 # training
 # ---------------------------------------------------------------------------------------------
-def regional_loss(model, input_ids, labels, position_ids, num_items_in_batch, layer_for: Optional[Callable] = None,
-                  head: Callable = loss_head_region, ops: Ops = PLAIN):
+def regional_loss(
+    model,
+    input_ids,
+    labels,
+    position_ids,
+    num_items_in_batch,
+    layer_for: Optional[Callable] = None,
+    head: Callable = loss_head_region,
+    ops: Ops = PLAIN,
+):
     """`CausalLM.forward`'s loss with labels, as regions: each layer run by `layer_for(layer)` (its
     compiled region; by default the plain region function, `routed_layer_region` when the loss has the
     load-balancing loss, `routes_logits`), the final norm, head and loss by `head` (`loss_head_region`,
@@ -223,8 +238,9 @@ class DecodeRegions(GenerationRegions):
     bucket's `head` (shared with its other steps). Every layer runs over its own view of the cache
     (`KVCache.layer_views`), whose `update` ignores the layer's index."""
 
-    def __init__(self, model, cache: KVCache, name: str, compile_one: Callable, head: CompiledFunction,
-                 head_ops: Ops, ops: Ops):
+    def __init__(
+        self, model, cache: KVCache, name: str, compile_one: Callable, head: CompiledFunction, head_ops: Ops, ops: Ops
+    ):
         super().__init__(model, head, head_ops)
         self.cache, self.ops = cache, ops
         self.prepare = compile_one(prepare_region, f"{name}_prepare")
@@ -285,8 +301,15 @@ class PrefillRegions(GenerationRegions):
     """A prefill step `[b, L]` as regions, finished through the decode step of the cache it fills
     (`decode_for(cache)`; see the module docstring)."""
 
-    def __init__(self, model, length: int, name: str, compile_one: Callable, ops: Ops,
-                 decode_for: Callable[[KVCache], DecodeRegions]):
+    def __init__(
+        self,
+        model,
+        length: int,
+        name: str,
+        compile_one: Callable,
+        ops: Ops,
+        decode_for: Callable[[KVCache], DecodeRegions],
+    ):
         super().__init__(model)
         self.ops, self.decode_for = ops, decode_for
         # every layer but the last runs a layer region: a kind only the last layer has gets none (Qwen3.5's one
@@ -359,7 +382,24 @@ class ScoreRegions(GenerationRegions):
         return argmax, logits, tuple(scores)
 
 
-__all__ = ["prepare_region", "layer_region", "routed_layer_region", "prefill_layer_region", "head_region",
-           "score_head_region", "kept_head_region", "ScoreRegions", "ExtendRegions",
-           "loss_head_region", "has_decoder_layout", "routes_logits", "region_name", "layer_regions", "regional_loss",
-           "compile_blocks", "GenerationRegions", "DecodeRegions", "PrefillRegions"]
+__all__ = [
+    "prepare_region",
+    "layer_region",
+    "routed_layer_region",
+    "prefill_layer_region",
+    "head_region",
+    "score_head_region",
+    "kept_head_region",
+    "ScoreRegions",
+    "ExtendRegions",
+    "loss_head_region",
+    "has_decoder_layout",
+    "routes_logits",
+    "region_name",
+    "layer_regions",
+    "regional_loss",
+    "compile_blocks",
+    "GenerationRegions",
+    "DecodeRegions",
+    "PrefillRegions",
+]

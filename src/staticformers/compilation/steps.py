@@ -40,8 +40,9 @@ def whole_prefill(model, length: int, ops: Ops = PLAIN) -> Callable:
 
     def prefill(input_ids, last_index):
         kv = PrefillKV(length, layers, last_index)
-        logits = model(input_ids=input_ids, kv_cache=kv, keep_index=last_index.view(-1, 1), ops=ops,
-                       output_router_logits=False).logits[:, -1]  # a mixture's routing statistics: not wanted here
+        logits = model(
+            input_ids=input_ids, kv_cache=kv, keep_index=last_index.view(-1, 1), ops=ops, output_router_logits=False
+        ).logits[:, -1]  # a mixture's routing statistics: not wanted here
         return logits.argmax(-1), logits, tuple(kv.keys), tuple(kv.values)
 
     return prefill
@@ -65,8 +66,9 @@ def whole_decode(model, cache: KVCache, ops: Ops = PLAIN) -> Callable:
     """`decode(input_ids [b, 1], position_ids [b, 1]) -> (argmax, logits)` over `cache`."""
 
     def decode(input_ids, position_ids):
-        logits = model(input_ids=input_ids, position_ids=position_ids, kv_cache=cache, ops=ops,
-                       output_router_logits=False).logits[:, -1]
+        logits = model(
+            input_ids=input_ids, position_ids=position_ids, kv_cache=cache, ops=ops, output_router_logits=False
+        ).logits[:, -1]
         return logits.argmax(-1), logits
 
     return decode
@@ -77,8 +79,14 @@ def whole_extend(model, cache: KVCache, ops: Ops = PLAIN) -> Callable:
     over `cache`."""
 
     def extend(input_ids, position_ids, keep_index):
-        logits = model(input_ids=input_ids, position_ids=position_ids, kv_cache=cache, keep_index=keep_index,
-                       ops=ops, output_router_logits=False).logits
+        logits = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            kv_cache=cache,
+            keep_index=keep_index,
+            ops=ops,
+            output_router_logits=False,
+        ).logits
         return logits.argmax(-1), logits
 
     return extend

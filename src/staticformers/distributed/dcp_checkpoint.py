@@ -40,8 +40,12 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                    extra: Optional[dict] = None) -> None:
+def save_checkpoint(
+    checkpoint_dir: str,
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    extra: Optional[dict] = None,
+) -> None:
     """Every rank calls this: model (and optimizer) shards to `checkpoint_dir`, `extra` as JSON by rank 0."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -95,8 +99,9 @@ def load_checkpoint(checkpoint_dir: str, model: nn.Module, optimizer: Optional[t
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_sd, "optim": optim_sd}
         read(state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_options(model))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(model)
+        )
     else:
         state = {"model": get_model_state_dict(model, options=_options(model))}
         read(state)
@@ -117,8 +122,11 @@ def save_pretrained_distributed(model: nn.Module, save_directory: str, **kwargs)
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _is_main():
-        tensors = {k: v.contiguous() for k, v in full.items()
-                   if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        tensors = {
+            k: v.contiguous()
+            for k, v in full.items()
+            if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+        }
         save_pretrained(model, save_directory, state_dict=tensors, **kwargs)
     del full
     if dist.is_initialized():

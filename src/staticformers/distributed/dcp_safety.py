@@ -37,8 +37,14 @@ METADATA_FILE = ".metadata"
 
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch": {"Size"},
@@ -70,13 +76,24 @@ def read_metadata_file(path: str) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError, KeyError,
-            ImportError) as err:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        ImportError,
+    ) as err:
         raise UnsafeCheckpointError(
             f"{path} is not plain torch.distributed.checkpoint metadata ({err}): it was refused without running "
-            f"anything; restore the checkpoint from a source you trust.") from None
+            f"anything; restore the checkpoint from a source you trust."
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata: restore the checkpoint.")
+        raise UnsafeCheckpointError(
+            f"{path} holds a {type(metadata).__name__}, not DCP metadata: restore the checkpoint."
+        )
     return metadata
 
 
@@ -93,11 +110,14 @@ def check_storage(metadata: Metadata, folder: str, path: str) -> None:
         except OutsideFolderError as err:
             raise UnsafeCheckpointError(str(err)) from None
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
-            raise UnsafeCheckpointError(f"{path} gives {getattr(index, 'fqn', index)!r} an invalid offset or length: "
-                                        f"restore the checkpoint.")
+            raise UnsafeCheckpointError(
+                f"{path} gives {getattr(index, 'fqn', index)!r} an invalid offset or length: restore the checkpoint."
+            )
         if getattr(info, "transform_descriptors", None):
-            raise UnsafeCheckpointError(f"{path} stores {getattr(index, 'fqn', index)!r} through transforms "
-                                        f"({info.transform_descriptors}) that staticformers does not read.")
+            raise UnsafeCheckpointError(
+                f"{path} stores {getattr(index, 'fqn', index)!r} through transforms "
+                f"({info.transform_descriptors}) that staticformers does not read."
+            )
 
 
 def _inside(folder, name: str) -> str:
@@ -141,13 +161,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as err:
             raise UnsafeCheckpointError(
                 f"The value {read_item.dest_index.fqn!r} in the DCP checkpoint is not plain data "
-                f"({type(err).__name__}): it was refused without running anything; restore the checkpoint.") from None
+                f"({type(err).__name__}): it was refused without running anything; restore the checkpoint."
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "MetadataUnpickler", "read_metadata_file", "check_storage",
-           "check_checkpoint_folder",
-           "UnsafeCheckpointError"]
+__all__ = [
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "MetadataUnpickler",
+    "read_metadata_file",
+    "check_storage",
+    "check_checkpoint_folder",
+    "UnsafeCheckpointError",
+]

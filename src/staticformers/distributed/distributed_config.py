@@ -25,8 +25,18 @@ from typing import Optional, Union
 import torch
 
 # the values a tp_plan rule may take (see parallelize.py for what each does)
-TP_STYLES = ("colwise", "rowwise", "vocab", "heads", "sinks", "latent", "value_heads", "channels", "gated_norm",
-             "replicate")
+TP_STYLES = (
+    "colwise",
+    "rowwise",
+    "vocab",
+    "heads",
+    "sinks",
+    "latent",
+    "value_heads",
+    "channels",
+    "gated_norm",
+    "replicate",
+)
 # how tokens reach the experts of other ranks (distributed/expert_parallel.py)
 EP_IMPLEMENTATIONS = ("auto", "all_reduce")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -52,7 +62,9 @@ def started_by_torchrun() -> bool:
 
 def _positive(name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise DistributedConfigError(f"DistributedConfig({name}={value!r}) must be a whole number of ranks, at least 1.")
+        raise DistributedConfigError(
+            f"DistributedConfig({name}={value!r}) must be a whole number of ranks, at least 1."
+        )
 
 
 @dataclass
@@ -103,8 +115,8 @@ class DistributedConfig:
             self.tp_plan = "auto"
         if not (self.tp_plan == "auto" or isinstance(self.tp_plan, dict)):
             raise DistributedConfigError(
-                f"tp_plan={self.tp_plan!r} is neither \"auto\" nor a dict of {{module pattern: style}}: "
-                f"pass \"auto\" for the family's plan."
+                f'tp_plan={self.tp_plan!r} is neither "auto" nor a dict of {{module pattern: style}}: '
+                f'pass "auto" for the family\'s plan.'
             )
         if isinstance(self.tp_plan, dict):
             for pattern, style in self.tp_plan.items():
@@ -119,28 +131,34 @@ class DistributedConfig:
         if self.ep_plan is not None:
             raise DistributedConfigError(
                 f"ep_plan={self.ep_plan!r}: staticformers splits every sparse layer's experts by the family's plan; "
-                f"leave ep_plan=None.")
+                f"leave ep_plan=None."
+            )
         if self.ep_implementation == "all_to_all":
             raise DistributedConfigError(
-                "ep_implementation=\"all_to_all\" exchanges token counts that depend on the routing (a new shape "
-                "every step, which a compile-per-shape device cannot afford): use \"auto\", which exchanges "
-                "fixed-size buffers.")
+                'ep_implementation="all_to_all" exchanges token counts that depend on the routing (a new shape '
+                'every step, which a compile-per-shape device cannot afford): use "auto", which exchanges '
+                "fixed-size buffers."
+            )
         if self.ep_implementation not in EP_IMPLEMENTATIONS:
             raise DistributedConfigError(
-                f"ep_implementation={self.ep_implementation!r} is not one of {', '.join(map(repr, EP_IMPLEMENTATIONS))}.")
+                f"ep_implementation={self.ep_implementation!r} is not one of {', '.join(map(repr, EP_IMPLEMENTATIONS))}."
+            )
         if self.ep_size > 1:
             if self.ep_size % self.tp_size:
                 raise DistributedConfigError(
                     f"ep_size={self.ep_size} is not a multiple of tp_size={self.tp_size}: an expert group holds whole "
-                    f"tensor-parallel groups (transformers' rule).")
+                    f"tensor-parallel groups (transformers' rule)."
+                )
             if self.fsdp_size is not None and (self.fsdp_size * self.tp_size) % self.ep_size:
                 raise DistributedConfigError(
                     f"ep_size={self.ep_size} does not divide fsdp_size * tp_size = {self.fsdp_size * self.tp_size}: "
-                    f"the experts are split over ranks of one replica (transformers' rule).")
+                    f"the experts are split over ranks of one replica (transformers' rule)."
+                )
         if self.ep_implementation == "all_reduce" and self.ep_size != self.tp_size:
             raise DistributedConfigError(
-                f"ep_implementation=\"all_reduce\" needs ep_size == tp_size (the ranks of a tensor-parallel group "
-                f"share their tokens), not ep_size={self.ep_size} with tp_size={self.tp_size}: use \"auto\".")
+                f'ep_implementation="all_reduce" needs ep_size == tp_size (the ranks of a tensor-parallel group '
+                f'share their tokens), not ep_size={self.ep_size} with tp_size={self.tp_size}: use "auto".'
+            )
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -188,9 +206,18 @@ class DistributedConfig:
                 f"dp_replicate_size * fsdp_size * tp_size = {self.dp_replicate_size} * {fsdp} * {self.tp_size} = "
                 f"{product} ranks, but torchrun started WORLD_SIZE={world}: make the product equal the number of processes."
             )
-        return DistributedConfig(self.tp_size, fsdp, self.dp_replicate_size, self.tp_plan, self.fsdp_cpu_offload,
-                                 self.fsdp_mixed_precision, self.reshard_after_forward, self.ep_size, self.ep_plan,
-                                 self.ep_implementation)
+        return DistributedConfig(
+            self.tp_size,
+            fsdp,
+            self.dp_replicate_size,
+            self.tp_plan,
+            self.fsdp_cpu_offload,
+            self.fsdp_mixed_precision,
+            self.reshard_after_forward,
+            self.ep_size,
+            self.ep_plan,
+            self.ep_implementation,
+        )
 
     @property
     def dp_size(self) -> int:
@@ -207,11 +234,13 @@ class DistributedConfig:
         if self.ep_size > 1:
             if not getattr(config, "is_moe", False):
                 raise DistributedConfigError(
-                    f"ep_size={self.ep_size} splits experts, but {config.architecture} has none: drop ep_size.")
+                    f"ep_size={self.ep_size} splits experts, but {config.architecture} has none: drop ep_size."
+                )
             if config.num_experts % self.ep_size:
                 raise DistributedConfigError(
                     f"{config.architecture} has {config.num_experts} experts per sparse layer, which ep_size="
-                    f"{self.ep_size} does not divide: choose an ep_size that divides {config.num_experts}.")
+                    f"{self.ep_size} does not divide: choose an ep_size that divides {config.num_experts}."
+                )
         tp = self.tp_size
         if tp == 1:
             return
@@ -219,9 +248,14 @@ class DistributedConfig:
         if getattr(family, "qk_norm_over", "head") == "projection":
             raise DistributedConfigError(
                 f"{config.architecture} normalises q and k over the whole projection, which tp_size={tp} would "
-                f"split across ranks (each rank's norm would see only its heads): use tp_size=1 with fsdp_size.")
+                f"split across ranks (each rank's norm would see only its heads): use tp_size=1 with fsdp_size."
+            )
         problems = []
-        widths = ("intermediate_size",) if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)) else ()
+        widths = (
+            ("intermediate_size",)
+            if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers))
+            else ()
+        )
         # a Gated DeltaNet layer splits over its key heads, each with the value heads it serves (parallelize.py)
         linear = ("linear_num_key_heads",) if getattr(config, "has_linear_attention", False) else ()
         for name in ("num_attention_heads", "num_key_value_heads", *linear, *widths):
@@ -230,15 +264,16 @@ class DistributedConfig:
                 problems.append(f"{name}={value} is not divisible by tp_size={tp}")
         if problems:
             raise DistributedConfigError(
-                f"{config.architecture} cannot be split {tp} ways: " + "; ".join(problems) +
-                "; choose a tp_size that divides them (and use fsdp_size for the remaining ranks)."
+                f"{config.architecture} cannot be split {tp} ways: "
+                + "; ".join(problems)
+                + "; choose a tp_size that divides them (and use fsdp_size for the remaining ranks)."
             )
         if isinstance(self.tp_plan, dict) and config.vocab_size % tp:
             for pattern, style in self.tp_plan.items():
                 if style == "vocab":
                     raise DistributedConfigError(
                         f"tp_plan rule {pattern!r} splits the vocabulary, but vocab_size={config.vocab_size} is not "
-                        f"divisible by tp_size={tp}: make that rule \"replicate\" or pad the vocabulary."
+                        f'divisible by tp_size={tp}: make that rule "replicate" or pad the vocabulary.'
                     )
 
     def _describe(self) -> str:
@@ -253,11 +288,25 @@ class DistributedConfig:
 
     def to_dict(self) -> dict:
         mp = self.fsdp_mixed_precision
-        return {"tp_size": self.tp_size, "fsdp_size": self.fsdp_size, "dp_replicate_size": self.dp_replicate_size,
-                "tp_plan": self.tp_plan, "fsdp_cpu_offload": self.fsdp_cpu_offload,
-                "fsdp_mixed_precision": str(mp).removeprefix("torch.") if isinstance(mp, torch.dtype) else mp,
-                "reshard_after_forward": self.reshard_after_forward, "ep_size": self.ep_size, "ep_plan": self.ep_plan,
-                "ep_implementation": self.ep_implementation}
+        return {
+            "tp_size": self.tp_size,
+            "fsdp_size": self.fsdp_size,
+            "dp_replicate_size": self.dp_replicate_size,
+            "tp_plan": self.tp_plan,
+            "fsdp_cpu_offload": self.fsdp_cpu_offload,
+            "fsdp_mixed_precision": str(mp).removeprefix("torch.") if isinstance(mp, torch.dtype) else mp,
+            "reshard_after_forward": self.reshard_after_forward,
+            "ep_size": self.ep_size,
+            "ep_plan": self.ep_plan,
+            "ep_implementation": self.ep_implementation,
+        }
 
 
-__all__ = ["DistributedConfig", "DistributedConfigError", "TP_STYLES", "EP_IMPLEMENTATIONS", "world_size_from_env", "started_by_torchrun"]
+__all__ = [
+    "DistributedConfig",
+    "DistributedConfigError",
+    "TP_STYLES",
+    "EP_IMPLEMENTATIONS",
+    "world_size_from_env",
+    "started_by_torchrun",
+]

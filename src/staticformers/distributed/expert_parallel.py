@@ -168,8 +168,11 @@ class GatherExchange:
 
     def _tp_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a batch its TP group shares (the backward all-gathers the rows' gradients)."""
-        return DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False).redistribute(
-            self.tp_mesh, [Shard(0)]).to_local()
+        return (
+            DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
+            .redistribute(self.tp_mesh, [Shard(0)])
+            .to_local()
+        )
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
         gate_up, down = local_experts(experts, self.grad_factor)
@@ -183,17 +186,33 @@ class GatherExchange:
                 idx = torch.cat([idx, idx.new_zeros(pad, idx.shape[1])])
             x, weights = self._tp_slice(x), self._tp_slice(weights)
             rows = x.shape[0]
-            idx = idx[self.tp_mesh.get_local_rank() * rows:(self.tp_mesh.get_local_rank() + 1) * rows]
+            idx = idx[self.tp_mesh.get_local_rank() * rows : (self.tp_mesh.get_local_rank() + 1) * rows]
         xg, wg = (_GatherRows.apply(t, self.ep_mesh, self.by_all_to_all) for t in (x, weights))
         ig = all_gather_rows(idx, self.ep_mesh)
         local = gate_up.shape[0]
-        partial = expert_mlp(xg, wg, ig, gate_up, down, ops, first=self.ep_rank * local, total=self.num_experts,
-                             biases=local_biases(experts, self.grad_factor), act=experts.act)
+        partial = expert_mlp(
+            xg,
+            wg,
+            ig,
+            gate_up,
+            down,
+            ops,
+            first=self.ep_rank * local,
+            total=self.num_experts,
+            biases=local_biases(experts, self.grad_factor),
+            act=experts.act,
+        )
         out = _SumScatterRows.apply(partial, self.ep_mesh, self.by_all_to_all)
         if tp > 1:
             hidden = out.shape[1]
-            out = DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)], run_check=False,
-                                     shape=(out.shape[0] * tp, hidden), stride=(hidden, 1)).full_tensor()[:tokens]
+            out = DTensor.from_local(
+                out.contiguous(),
+                self.tp_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=(out.shape[0] * tp, hidden),
+                stride=(hidden, 1),
+            ).full_tensor()[:tokens]
         return out
 
 
@@ -210,8 +229,18 @@ class AllReduceExchange:
     def __call__(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ops):
         gate_up, down = local_experts(experts, self.grad_factor)
         x, weights = _SumBackward.apply(x, self.group), _SumBackward.apply(weights, self.group)
-        partial = expert_mlp(x, weights, idx, gate_up, down, ops, first=self.ep_rank * gate_up.shape[0],
-                             total=self.num_experts, biases=local_biases(experts, self.grad_factor), act=experts.act)
+        partial = expert_mlp(
+            x,
+            weights,
+            idx,
+            gate_up,
+            down,
+            ops,
+            first=self.ep_rank * gate_up.shape[0],
+            total=self.num_experts,
+            biases=local_biases(experts, self.grad_factor),
+            act=experts.act,
+        )
         return _SumForward.apply(partial, self.group)
 
 
@@ -230,8 +259,9 @@ def apply_ep(model: nn.Module, dims: ParallelDims) -> None:
         names = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if experts.biases() else ())
         for name in names:
             p = experts._parameters[name]
-            experts._parameters[name] = nn.Parameter(distribute_tensor(p, dims.ep_mesh, [Shard(0)], src_data_rank=None),
-                                                     requires_grad=p.requires_grad)
+            experts._parameters[name] = nn.Parameter(
+                distribute_tensor(p, dims.ep_mesh, [Shard(0)], src_data_rank=None), requires_grad=p.requires_grad
+            )
         experts.exchange = exchange(dims, experts.num_experts)
 
 
@@ -263,5 +293,16 @@ class DataParallelSum:
         return out
 
 
-__all__ = ["apply_ep", "shard_experts", "all_gather_rows", "sum_scatter_rows", "GatherExchange", "AllReduceExchange", "DataParallelSum", "sparse_layers",
-           "expert_gradient_factor", "local_experts", "local_biases"]
+__all__ = [
+    "apply_ep",
+    "shard_experts",
+    "all_gather_rows",
+    "sum_scatter_rows",
+    "GatherExchange",
+    "AllReduceExchange",
+    "DataParallelSum",
+    "sparse_layers",
+    "expert_gradient_factor",
+    "local_experts",
+    "local_biases",
+]

@@ -45,9 +45,15 @@ def partition_adapters(model: nn.Module, layers: dict[str, LoraLinear]) -> None:
                 for p in list(layer.lora_A.parameters()) + list(layer.lora_B.parameters()):
                     if not hasattr(p, "device_mesh"):  # a new (full, local) weight
                         dist.broadcast(p.data, src=0)
-    new = {name: [(part, n) for part in ("lora_A", "lora_B") for n in getattr(layer, part)
-                  if not hasattr(getattr(layer, part)[n].weight, "device_mesh")]
-           for name, layer in layers.items()}
+    new = {
+        name: [
+            (part, n)
+            for part in ("lora_A", "lora_B")
+            for n in getattr(layer, part)
+            if not hasattr(getattr(layer, part)[n].weight, "device_mesh")
+        ]
+        for name, layer in layers.items()
+    }
     if dims.tp > 1:
         chosen = _matches(resolve_tp_plan(model.config, dims.config), model)
         for name, layer in layers.items():

@@ -127,8 +127,10 @@ def build_mesh(config: DistributedConfig, device: torch.device) -> ParallelDims:
         world = mesh._flatten("world")
         names = ("edp_replicate", "efsdp", "ep")
         sparse = world._unflatten(0, (config.dp_replicate_size, config.efsdp_size, config.ep_size), names)
-        expert = {"ep": sparse["ep"],
-                  "efsdp": sparse["edp_replicate", "efsdp"] if config.dp_replicate_size > 1 else sparse["efsdp"]}
+        expert = {
+            "ep": sparse["ep"],
+            "efsdp": sparse["edp_replicate", "efsdp"] if config.dp_replicate_size > 1 else sparse["efsdp"],
+        }
     return ParallelDims(config, mesh, flattened, expert)
 
 
@@ -159,5 +161,13 @@ def _destroy_at_exit() -> None:
             pass
 
 
-__all__ = ["MESH_DIMS", "ParallelDims", "init_distributed", "build_mesh", "local_device", "shutdown", "barrier",
-           "is_main_process"]
+__all__ = [
+    "MESH_DIMS",
+    "ParallelDims",
+    "init_distributed",
+    "build_mesh",
+    "local_device",
+    "shutdown",
+    "barrier",
+    "is_main_process",
+]

@@ -69,15 +69,31 @@ def default_tp_plan(config) -> dict[str, str]:
     the dense MLP's rules where some layer has a dense MLP."""
     if config.latent_attention:  # DeepSeek: each rank its heads' queries and kv_b_proj rows, the latent whole
         query = "q_proj" if config.q_lora_rank is None else "q_b_proj"
-        attention = {f"model.layers.*.self_attn.{query}": "colwise", "model.layers.*.self_attn.kv_b_proj": "colwise",
-                     "model.layers.*.self_attn.shared_latent": "latent"}
+        attention = {
+            f"model.layers.*.self_attn.{query}": "colwise",
+            "model.layers.*.self_attn.kv_b_proj": "colwise",
+            "model.layers.*.self_attn.shared_latent": "latent",
+        }
     else:
-        attention = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-                     "model.layers.*.self_attn.v_proj": "colwise"}
-    plan = {"model.embed_tokens": "vocab", **attention, "model.layers.*.self_attn.o_proj": "rowwise", "lm_head": "vocab"}
+        attention = {
+            "model.layers.*.self_attn.q_proj": "colwise",
+            "model.layers.*.self_attn.k_proj": "colwise",
+            "model.layers.*.self_attn.v_proj": "colwise",
+        }
+    plan = {
+        "model.embed_tokens": "vocab",
+        **attention,
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "lm_head": "vocab",
+    }
     if any(not config.layer_is_sparse(i) for i in range(config.num_hidden_layers)):
-        plan.update({"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-                     "model.layers.*.mlp.down_proj": "rowwise"})
+        plan.update(
+            {
+                "model.layers.*.mlp.gate_proj": "colwise",
+                "model.layers.*.mlp.up_proj": "colwise",
+                "model.layers.*.mlp.down_proj": "rowwise",
+            }
+        )
     if config.qk_norm:
         plan["model.layers.*.self_attn.q_norm"] = "heads"
         plan["model.layers.*.self_attn.k_norm"] = "heads"
@@ -95,16 +111,24 @@ def linear_attention_plan(config) -> dict[str, str]:
         inputs = {f"{layer}.in_proj_qkvz": "colwise", f"{layer}.in_proj_ba": "colwise"}
     else:
         inputs = {f"{layer}.in_proj_qkv.[qkv]": "colwise", **{f"{layer}.in_proj_{p}": "colwise" for p in "zba"}}
-    return {**inputs, f"{layer}.conv1d.[qkv]": "channels", layer: "value_heads", f"{layer}.norm": "gated_norm",
-            f"{layer}.out_proj": "rowwise"}
+    return {
+        **inputs,
+        f"{layer}.conv1d.[qkv]": "channels",
+        layer: "value_heads",
+        f"{layer}.norm": "gated_norm",
+        f"{layer}.out_proj": "rowwise",
+    }
 
 
 def resolve_tp_plan(config, dist_config: DistributedConfig) -> dict[str, str]:
     """The auto plan with the user's rules laid over it; the vocabulary kept whole when tp does not divide it."""
     plan = default_tp_plan(config)
     if dist_config.tp_size > 1 and config.vocab_size % dist_config.tp_size:
-        logger.info("vocab_size=%d is not divisible by tp_size=%d: embed_tokens and lm_head stay replicated",
-                    config.vocab_size, dist_config.tp_size)
+        logger.info(
+            "vocab_size=%d is not divisible by tp_size=%d: embed_tokens and lm_head stay replicated",
+            config.vocab_size,
+            dist_config.tp_size,
+        )
         plan["model.embed_tokens"] = plan["lm_head"] = "replicate"
     if isinstance(dist_config.tp_plan, dict):
         plan.update(dist_config.tp_plan)
@@ -118,9 +142,11 @@ class HeadsParameter(ParallelStyle):
     `[value heads]`; "channels": a part of its depthwise convolution, `weight` `[channels, 1, K]` (each read through
     `models/linear_attention.py: local_part`)."""
 
-    HINTS = {"sinks": 'attention modules with sinks ("model.layers.*.self_attn")',
-             "value_heads": 'Gated DeltaNet layers ("model.layers.*.linear_attn")',
-             "channels": 'the parts of a Gated DeltaNet convolution ("model.layers.*.linear_attn.conv1d.[qkv]")'}
+    HINTS = {
+        "sinks": 'attention modules with sinks ("model.layers.*.self_attn")',
+        "value_heads": 'Gated DeltaNet layers ("model.layers.*.linear_attn")',
+        "channels": 'the parts of a Gated DeltaNet convolution ("model.layers.*.linear_attn.conv1d.[qkv]")',
+    }
 
     def __init__(self, style: str = "sinks", names: tuple = ("sinks",)):
         super().__init__()
@@ -132,9 +158,11 @@ class HeadsParameter(ParallelStyle):
             if p is None:
                 raise DistributedConfigError(
                     f"tp_plan style {self.style!r} shards a module's per-head `{name}`, but the {type(module).__name__} "
-                    f"it was given has none: give it to {self.HINTS.get(self.style, 'modules that have it')}.")
-            module._parameters[name] = nn.Parameter(distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None),
-                                                    requires_grad=p.requires_grad)
+                    f"it was given has none: give it to {self.HINTS.get(self.style, 'modules that have it')}."
+                )
+            module._parameters[name] = nn.Parameter(
+                distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None), requires_grad=p.requires_grad
+            )
         return module
 
 
@@ -149,8 +177,10 @@ class HeadsNorm(SequenceParallel):
 
     @staticmethod
     def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
-        return tuple(t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
-                     for t in inputs)
+        return tuple(
+            t if isinstance(t, DTensor) else DTensor.from_local(t, device_mesh, sequence_sharding, run_check=False)
+            for t in inputs
+        )
 
 
 class SharedLatent(ParallelStyle):
@@ -161,7 +191,8 @@ class SharedLatent(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(_module, _inputs, out):
             return DTensor.from_local(out, device_mesh, [Replicate()], run_check=False).to_local(
-                grad_placements=[Partial()])
+                grad_placements=[Partial()]
+            )
 
         module.register_forward_hook(hook)
         return module
@@ -200,7 +231,7 @@ def _matches(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
         if not hits:
             raise DistributedConfigError(
                 f"tp_plan rule {pattern!r} matches no module of this model: use names like "
-                f"\"model.layers.*.mlp.down_proj\" (see model.named_modules())."
+                f'"model.layers.*.mlp.down_proj" (see model.named_modules()).'
             )
         for name in hits:
             chosen[name] = style
@@ -290,4 +321,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, backend: str) -> nn.Module
     return model
 
 
-__all__ = ["HeadsParameter", "HeadsNorm", "SharedLatent", "default_tp_plan", "linear_attention_plan", "resolve_tp_plan", "apply_tp", "apply_fsdp", "fsdp_kwargs", "parallelize", "tp_styles"]
+__all__ = [
+    "HeadsParameter",
+    "HeadsNorm",
+    "SharedLatent",
+    "default_tp_plan",
+    "linear_attention_plan",
+    "resolve_tp_plan",
+    "apply_tp",
+    "apply_fsdp",
+    "fsdp_kwargs",
+    "parallelize",
+    "tp_styles",
+]

@@ -109,8 +109,11 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
         self.layout = layout or {}
         # (parameter, chunk offsets) -> (the file's name, one expert's tensor): on every rank (DCP may read
         # the metadata on one rank only)
-        self._file_name = {(p.target, tuple(p.offsets)): (p.hub, not p.whole, (p.source_rows or (0,))[0], p.transposed)
-                           for p in self.layout.values() if p.target != p.hub or not p.whole or p.transposed}
+        self._file_name = {
+            (p.target, tuple(p.offsets)): (p.hub, not p.whole, (p.source_rows or (0,))[0], p.transposed)
+            for p in self.layout.values()
+            if p.target != p.hub or not p.whole or p.transposed
+        }
 
     def read_metadata(self) -> Metadata:
         metadata = super().read_metadata()
@@ -129,11 +132,13 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                 sizes = [1, *piece.shape] if stacked else list(piece.target_shape)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
                 if piece.target not in tensors:
-                    tensors[piece.target] = TensorStorageMetadata(properties=entry.properties,
-                                                                  size=torch.Size(shapes[piece.target]), chunks=[])
+                    tensors[piece.target] = TensorStorageMetadata(
+                        properties=entry.properties, size=torch.Size(shapes[piece.target]), chunks=[]
+                    )
                 tensors[piece.target].chunks.append(chunk)
                 storage[MetadataIndex(fqn=piece.target, offset=offsets)] = _HFStorageInfo(
-                    relative_path=info.relative_path, shape=torch.Size(sizes), dtype=info.dtype)
+                    relative_path=info.relative_path, shape=torch.Size(sizes), dtype=info.dtype
+                )
         return metadata
 
     def read_data(self, plan, planner) -> Future:
@@ -145,11 +150,14 @@ class SlicedSafetensorsReader(HuggingFaceStorageReader):
                 for req in requests:
                     target = planner.resolve_tensor(req).detach()
                     if list(target.size()) != list(req.lengths):
-                        raise AssertionError(f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
-                                             f"the shard {list(target.size())}")
+                        raise AssertionError(
+                            f"{req.storage_index.fqn}: slice {list(req.lengths)} does not fit "
+                            f"the shard {list(target.size())}"
+                        )
                     index = req.storage_index
-                    name, stacked, first_row, transposed = self._file_name.get((index.fqn, tuple(index.offset)),
-                                                                               (index.fqn, False, 0, False))
+                    name, stacked, first_row, transposed = self._file_name.get(
+                        (index.fqn, tuple(index.offset)), (index.fqn, False, 0, False)
+                    )
                     offsets, lengths, into = list(req.storage_offsets), list(req.lengths), target
                     if stacked:  # one expert's tensor: the chunk's leading dim of 1 is not in the file
                         offsets, lengths, into = offsets[1:], lengths[1:], target[0]

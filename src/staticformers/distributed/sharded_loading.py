@@ -45,8 +45,9 @@ def read_sharded(model: CausalLM, files: list[str], layout=None) -> None:
 
     from .reader import SlicedSafetensorsReader
 
-    state = {k: v for k, v in model.state_dict().items()
-             if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+    state = {
+        k: v for k, v in model.state_dict().items() if not (model.config.tie_word_embeddings and k == "lm_head.weight")
+    }
     folders = {os.path.dirname(os.path.abspath(f)) for f in files}
     if len(folders) != 1:
         raise CheckpointError(f"The checkpoint's shards lie in {len(folders)} folders: put them in one folder.")
@@ -55,14 +56,22 @@ def read_sharded(model: CausalLM, files: list[str], layout=None) -> None:
     dcp.load(state, storage_reader=SlicedSafetensorsReader(folders.pop(), files, layout))
 
 
-def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
-                     distributed_config: DistributedConfig, device_map=None, model_class: type = CausalLM,
-                     quantization=None) -> CausalLM:
+def load_distributed(
+    config: ModelConfig,
+    files: list[str],
+    dtype: torch.dtype,
+    distributed_config: DistributedConfig,
+    device_map=None,
+    model_class: type = CausalLM,
+    quantization=None,
+) -> CausalLM:
     """The model of `config` (a `model_class`), partitioned by `distributed_config` over this torchrun job,
     weights loaded. Its `parallel_dims` says how; saving and training read it from there. A quantized
     checkpoint, or `quantization` (a `QuantizationConfig`) asked for, goes through `load_quantized`."""
     if not isinstance(distributed_config, DistributedConfig):
-        raise TypeError(f"distributed_config must be a staticformers DistributedConfig, not {type(distributed_config).__name__}.")
+        raise TypeError(
+            f"distributed_config must be a staticformers DistributedConfig, not {type(distributed_config).__name__}."
+        )
     layout = distributed_config.resolved()
     layout.check_model(config)
     device = local_device(device_map)
@@ -80,8 +89,10 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
         model = model_class(config).to(dtype)
     layout, where = checkpoint_layout(model, files)  # every header checked before anything is read
     if any(name.endswith("_scales") for name in where if name not in layout):
-        raise CheckpointError("This checkpoint stores its experts in MXFP4, which a partitioned load does not read: "
-                              "load it in one process and save_pretrained() it (dequantised), then load that copy.")
+        raise CheckpointError(
+            "This checkpoint stores its experts in MXFP4, which a partitioned load does not read: "
+            "load it in one process and save_pretrained() it (dequantised), then load that copy."
+        )
     parallelize(model, dims, dist_backend_for(device))
     model.to_empty(device=device)
     if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
@@ -91,14 +102,23 @@ def load_distributed(config: ModelConfig, files: list[str], dtype: torch.dtype,
     return model
 
 
-def load_quantized(config: ModelConfig, files: list[str], dtype: torch.dtype, layout: DistributedConfig,
-                   device: torch.device, model_class: type, quantization=None) -> CausalLM:
+def load_quantized(
+    config: ModelConfig,
+    files: list[str],
+    dtype: torch.dtype,
+    layout: DistributedConfig,
+    device: torch.device,
+    model_class: type,
+    quantization=None,
+) -> CausalLM:
     """A quantized model read whole on this rank (as stored, or quantised as `quantization` asks), then
     sharded by tensor parallel only (see the module docstring): int8 weights and their scales together."""
     if layout.dp_size > 1 or layout.ep_size > 1:
-        raise ValueError(f"A quantized model composes with tensor parallelism only (here dp_size={layout.dp_size}, "
-                         f"ep_size={layout.ep_size}): use DistributedConfig(tp_size=N) alone, or load the "
-                         f"unquantized checkpoint to train with FSDP or expert parallelism.")
+        raise ValueError(
+            f"A quantized model composes with tensor parallelism only (here dp_size={layout.dp_size}, "
+            f"ep_size={layout.ep_size}): use DistributedConfig(tp_size=N) alone, or load the "
+            f"unquantized checkpoint to train with FSDP or expert parallelism."
+        )
     with torch.device("meta"):
         model = model_class(config)
     scheme = scheme_of(config.extra)

@@ -115,5 +115,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     return total
 
 
-__all__ = ["parallel_dims", "is_distributed", "data_parallel_info", "distributed_sampler", "reduce_mean", "reduce_sum",
-           "grad_norm", "clip_grad_norm_"]
+__all__ = [
+    "parallel_dims",
+    "is_distributed",
+    "data_parallel_info",
+    "distributed_sampler",
+    "reduce_mean",
+    "reduce_sum",
+    "grad_norm",
+    "clip_grad_norm_",
+]

@@ -48,18 +48,24 @@ def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
     declared = [t for t, n in getattr(plan, "extend_widths", ()) if n == 1]
     if width is None:
         if not declared:
-            raise PlanError("Chunked prefill and prefix caching run the rest of a prompt through the extend step, "
-                            "and this plan declares no extend width with one kept position: pass "
-                            "ShapePlan(extend_widths=((C, 1),)) with a chunk width C.")
+            raise PlanError(
+                "Chunked prefill and prefix caching run the rest of a prompt through the extend step, "
+                "and this plan declares no extend width with one kept position: pass "
+                "ShapePlan(extend_widths=((C, 1),)) with a chunk width C."
+            )
         return max(declared)
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise PlanError(f"chunked_prefill={width!r} must be a positive chunk width in tokens.")
     if width not in declared:
-        raise PlanError(f"chunked_prefill={width}: the plan declares no extend width ({width}, 1) (it declares "
-                        f"{list(getattr(plan, 'extend_widths', ()))}): add it to ShapePlan(extend_widths=...).")
+        raise PlanError(
+            f"chunked_prefill={width}: the plan declares no extend width ({width}, 1) (it declares "
+            f"{list(getattr(plan, 'extend_widths', ()))}): add it to ShapePlan(extend_widths=...)."
+        )
     if width > plan.prompt_lengths[-1]:
-        raise PlanError(f"chunked_prefill={width} is wider than the largest prompt bucket "
-                        f"({plan.prompt_lengths[-1]}), which prefills a prompt's first chunk: lower it.")
+        raise PlanError(
+            f"chunked_prefill={width} is wider than the largest prompt bucket "
+            f"({plan.prompt_lengths[-1]}), which prefills a prompt's first chunk: lower it."
+        )
     return width
 
 
@@ -73,8 +79,10 @@ def serving_chunk(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int
     budget = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else int(max_num_batched_tokens)
     largest = plan.batch_sizes[-1]
     if budget < largest:
-        raise PlanError(f"--max-num-batched-tokens {budget} is less than the largest batch bucket ({largest}): a chunk "
-                        f"step computes a chunk for every row, so give at least one token per row.")
+        raise PlanError(
+            f"--max-num-batched-tokens {budget} is less than the largest batch bucket ({largest}): a chunk "
+            f"step computes a chunk for every row, so give at least one token per row."
+        )
     return min(budget // largest, plan.prompt_lengths[-1])
 
 
@@ -88,13 +96,15 @@ def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chun
         raise PlanError(
             f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens}: {total} positions exceed "
             f"max_model_len={plan.max_model_len}; lower max_new_tokens to at most "
-            f"{max(plan.max_model_len - prompt_len, 0)} or raise max_model_len.")
+            f"{max(plan.max_model_len - prompt_len, 0)} or raise max_model_len."
+        )
     need = prompt_len + max_new_tokens - 1
     if need > plan.kv_lengths[-1]:
         raise PlanError(
             f"The prompt has {prompt_len} token{'s' if prompt_len != 1 else ''} and max_new_tokens={max_new_tokens} needs {need} cache "
             f"positions, more than the largest KV length ({plan.kv_lengths[-1]}): lower max_new_tokens to at "
-            f"most {plan.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan.")
+            f"most {plan.kv_lengths[-1] - prompt_len + 1} or add a larger KV length to the plan."
+        )
     return need
 
 
@@ -118,8 +128,8 @@ def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Ten
     for slot, row in rows.items():
         starts[slot, 0] = row.length  # decoding rows: their next position, written before it is read
         if row.length < len(row.prompt):
-            piece = row.prompt[row.length:row.length + width]
-            tokens[slot, :len(piece)] = torch.as_tensor(piece, dtype=torch.long)
+            piece = row.prompt[row.length : row.length + width]
+            tokens[slot, : len(piece)] = torch.as_tensor(piece, dtype=torch.long)
             keep[slot, 0] = len(piece) - 1
             taken[slot] = len(piece)
     positions = (starts + torch.arange(width).view(1, -1)).clamp_(max=kv - 1)
@@ -140,9 +150,21 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     choosing = sorted(done + decoding_rows)
     counts = {s: n - 1 for s, n in taken.items()}  # a linear-attention state counts its chunk only
     counts.update({s: 0 for s in decoding_rows})  # and a decoding row its one token
-    return StepPlan("chunk", sorted(chunking + decoding_rows), choosing, choosing,
-                    [rows[s].generated for s in choosing], tokens, positions, keep, adapters, counts=counts,
-                    advance={**taken, **{s: 1 for s in decoding_rows}}, fails=sorted(rows), completes=done)
+    return StepPlan(
+        "chunk",
+        sorted(chunking + decoding_rows),
+        choosing,
+        choosing,
+        [rows[s].generated for s in choosing],
+        tokens,
+        positions,
+        keep,
+        adapters,
+        counts=counts,
+        advance={**taken, **{s: 1 for s in decoding_rows}},
+        fails=sorted(rows),
+        completes=done,
+    )
 
 
 __all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "chunk_plan"]

@@ -69,8 +69,10 @@ class StructuredOutputs:
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
-                             f"(it sets {', '.join(given) or 'none'}).")
+            raise ValueError(
+                f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                f"(it sets {', '.join(given) or 'none'})."
+            )
         return given[0]
 
 
@@ -97,8 +99,9 @@ def _llguidance():
         import llguidance.gbnf_to_lark
         import llguidance.torch
     except ImportError:
-        raise ValueError(f"Constrained decoding needs the llguidance package, which is not installed: {INSTALL}.") \
-            from None
+        raise ValueError(
+            f"Constrained decoding needs the llguidance package, which is not installed: {INSTALL}."
+        ) from None
     return llguidance
 
 
@@ -138,10 +141,12 @@ class GrammarCompiler:
         if spec.kind() != "lark":  # a forced tool call's grammar names added tokens on purpose, by their ids
             held = [t for t in self.added_texts if t in key]
             if held:
-                raise ValueError(f"{param or 'structured_outputs.' + spec.kind()} holds {held[0]!r}, the text of one "
-                                 f"of the model's added tokens, which a constrained answer cannot write (the mask "
-                                 f"offers only the added token, which the grammar then refuses): leave it out of the "
-                                 f"constraint.")
+                raise ValueError(
+                    f"{param or 'structured_outputs.' + spec.kind()} holds {held[0]!r}, the text of one "
+                    f"of the model's added tokens, which a constrained answer cannot write (the mask "
+                    f"offers only the added token, which the grammar then refuses): leave it out of the "
+                    f"constraint."
+                )
         with self._compiled_lock:
             grammar = self._compiled.get(key)
             if grammar is not None:
@@ -174,8 +179,11 @@ class GrammarCompiler:
                     raise ValueError("the regex must be a non-empty string")
                 text = ll.grammar_from_regex(spec.regex)
             elif kind == "choice":
-                if not isinstance(spec.choice, list) or not spec.choice or \
-                        not all(isinstance(c, str) and c for c in spec.choice):
+                if (
+                    not isinstance(spec.choice, list)
+                    or not spec.choice
+                    or not all(isinstance(c, str) and c for c in spec.choice)
+                ):
                     raise ValueError("choice must be a non-empty list of non-empty strings")
                 text = ll.grammar_from_lark(choice_lark(spec.choice))
             elif kind == "grammar":
@@ -247,8 +255,9 @@ class RowConstraints:
 
     # ---- rows joining, leaving, moving -----------------------------------------------------------
     def set_row(self, slot: int, grammar: Optional[Grammar], eos: Sequence[int]) -> None:
-        self.rows[slot] = None if grammar is None else _Row(grammar, grammar.matcher(), tuple(eos),
-                                                            grammar.after is not None)
+        self.rows[slot] = (
+            None if grammar is None else _Row(grammar, grammar.matcher(), tuple(eos), grammar.after is not None)
+        )
 
     def clear_row(self, slot: int) -> None:
         self.rows[slot] = None

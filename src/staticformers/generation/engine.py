@@ -115,8 +115,12 @@ class _Fingerprint:
             children = tuple(id(c) for m in self.modules for c in m._modules.values())
             self.children = children
         params = list({id(p): p for m in self.modules for p in m._parameters.values() if p is not None}.values())
-        ident = (children, tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params),
-                 forward_hook_state(self.modules), adapter_state(self.modules))
+        ident = (
+            children,
+            tuple((id(p), p.data_ptr(), p.dtype, p.device) for p in params),
+            forward_hook_state(self.modules),
+            adapter_state(self.modules),
+        )
         return ident, tuple(p._version for p in params)
 
 
@@ -170,9 +174,13 @@ class Engine:
         """Drop whatever could run with stale weights (see the module docstring)."""
         ident, versions = self._fingerprint()
         if ident != self._ident:
-            what = ("model weights or modules were replaced (new tensors, dtype, device or layers)"
-                    if ident[:2] != self._ident[:2] else "forward hooks were registered or removed"
-                    if ident[2] != self._ident[2] else "adapters were switched, enabled, disabled or batched")
+            what = (
+                "model weights or modules were replaced (new tensors, dtype, device or layers)"
+                if ident[:2] != self._ident[:2]
+                else "forward hooks were registered or removed"
+                if ident[2] != self._ident[2]
+                else "adapters were switched, enabled, disabled or batched"
+            )
             logger.info("%s: dropping graphs and caches", what)
             self.reset()
             self.backend = for_device(self.model.device)
@@ -226,9 +234,12 @@ class Engine:
         cache."""
         wanted = None if blocks is None else (int(blocks), int(block_size))
         if wanted is not None and wanted not in self.pools and wanted != self.block_spec:
-            check_fits(KVBlocks.bytes_for(self.model, *wanted, self.tp), self.model.device,
-                       f"The KV block pool ({wanted[0]} blocks x {wanted[1]} positions)",
-                       "lower the number of KV blocks or the memory budget")
+            check_fits(
+                KVBlocks.bytes_for(self.model, *wanted, self.tp),
+                self.model.device,
+                f"The KV block pool ({wanted[0]} blocks x {wanted[1]} positions)",
+                "lower the number of KV blocks or the memory budget",
+            )
         self.block_spec = wanted
 
     @property
@@ -245,8 +256,12 @@ class Engine:
             cache = self.caches[(batch, kv, self.block_spec)] = BlockKVCache(pool, batch, kv)
             self.backend.flush(self.model.device)
         if cache is None:
-            check_fits(KVCache.bytes_for(self.model, batch, kv, self.tp, self.rollback), self.model.device,
-                       f"The KV cache ({batch} sequences x {kv} positions)", "lower max_model_len or the batch buckets")
+            check_fits(
+                KVCache.bytes_for(self.model, batch, kv, self.tp, self.rollback),
+                self.model.device,
+                f"The KV cache ({batch} sequences x {kv} positions)",
+                "lower max_model_len or the batch buckets",
+            )
             cache = self.caches[(batch, kv, None)] = KVCache.for_model(self.model, batch, kv, self.tp, self.rollback)
             self.backend.flush(self.model.device)  # allocated now on a lazily traced device, not inside a step
         return cache
@@ -258,15 +273,27 @@ class Engine:
         g = self.graphs.get(key)
         if g is None:
             step = self.steps.build(kind, batch, dim, settings, self._context)
-            shape = (batch, 1, dim) if kind == "decode" else (batch, dim[1], dim[0], dim[2]) if kind == "extend" \
+            shape = (
+                (batch, 1, dim)
+                if kind == "decode"
+                else (batch, dim[1], dim[0], dim[2])
+                if kind == "extend"
                 else (batch, dim)
+            )
             g = self.graphs[key] = Graph(kind, shape, settings, step)
         return g
 
     # ---- running -------------------------------------------------------------------------------------
-    def prefill(self, settings: CompileSettings, prompts: Sequence[Sequence[int]], cache: KVCache,
-                slots: Sequence[int], plan: Optional[ShapePlan] = None,
-                adapters: Optional[Sequence[int]] = None, scores: bool = False) -> tuple:
+    def prefill(
+        self,
+        settings: CompileSettings,
+        prompts: Sequence[Sequence[int]],
+        cache: KVCache,
+        slots: Sequence[int],
+        plan: Optional[ShapePlan] = None,
+        adapters: Optional[Sequence[int]] = None,
+        scores: bool = False,
+    ) -> tuple:
         """Prefill `prompts` (host token lists) into the rows `slots` of `cache`; the other rows keep their
         state. Returns the argmax and the logits at each prompt's last token, `[n]` and `[n, vocab]`, on the
         device. The buckets are `plan`'s (default: the engine's). `adapters`: each prompt's slot in the
@@ -282,23 +309,34 @@ class Engine:
         ids = torch.zeros(b, length, dtype=torch.long)
         last = torch.zeros(b, dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, :len(p)] = torch.as_tensor(p, dtype=torch.long)
+            ids[i, : len(p)] = torch.as_tensor(p, dtype=torch.long)
             last[i] = len(p) - 1
         g = self.step("score" if scores else "prefill", b, length, settings)
         checked = self._check(g, (b, length), ids)
         device = self.model.device
         g.calls += 1
         with routed(self.model, adapters, b, refresh=True):
-            out = g.step(ids.to(device), last.to(device), cache,
-                         torch.tensor(list(slots), dtype=torch.long).to(device), checked=checked)
+            out = g.step(
+                ids.to(device),
+                last.to(device),
+                cache,
+                torch.tensor(list(slots), dtype=torch.long).to(device),
+                checked=checked,
+            )
         if scores:
             argmax, logits, scored = out
             return argmax[:n], logits[:n], tuple(t[:n] for t in scored)
         argmax, logits = out
         return argmax[:n], logits[:n]
 
-    def decode(self, settings: CompileSettings, cache: KVCache, tokens: torch.Tensor,
-               positions: torch.Tensor, adapters: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self,
+        settings: CompileSettings,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        adapters: Optional[Sequence[int]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step over every row of `cache`: `tokens` and `positions` `[B, 1]` on the device;
         `adapters`: each row's adapter slot (as `prefill`'s)."""
         g = self.step("decode", cache.batch, cache.max_length, settings)
@@ -307,9 +345,16 @@ class Engine:
         with routed(self.model, adapters, cache.batch):
             return g.step(tokens, positions, checked=checked)
 
-    def extend(self, settings: CompileSettings, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-               keep: torch.Tensor, adapters: Optional[Sequence[int]] = None,
-               plan: Optional[ShapePlan] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(
+        self,
+        settings: CompileSettings,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        adapters: Optional[Sequence[int]] = None,
+        plan: Optional[ShapePlan] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`T` tokens per row over every row of `cache`: `tokens` and `positions` `[B, T]`, `keep` `[B, n]`
         (indices into `0..T-1`), on the device; `adapters` as `prefill`'s. Every row's keys and values
         are written at its positions: a row with nothing to add is given positions at or after its
@@ -319,8 +364,10 @@ class Engine:
         plan = plan or self.plan
         t, n = tokens.shape[-1], keep.shape[-1]
         if (t, n) not in plan.extend_widths:
-            shape_violation(f"An extend step of {t} tokens keeping {n} is not among the plan's extend widths "
-                            f"{list(plan.extend_widths)}: declare it (ShapePlan(extend_widths=...)).")
+            shape_violation(
+                f"An extend step of {t} tokens keeping {n} is not among the plan's extend widths "
+                f"{list(plan.extend_widths)}: declare it (ShapePlan(extend_widths=...))."
+            )
         g = self.step("extend", cache.batch, (cache.max_length, t, n), settings)
         checked = self._check(g, (cache.batch, t), tokens)
         g.calls += 1
@@ -336,8 +383,9 @@ class Engine:
         return True
 
     # ---- ahead of time ------------------------------------------------------------------------------
-    def precompile(self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None,
-                   scores: bool = False) -> list[dict]:
+    def precompile(
+        self, settings: CompileSettings, plan: Optional[ShapePlan] = None, progress=None, scores: bool = False
+    ) -> list[dict]:
         """Compile (or load from the on-disk cache) every graph of the plan; one row per shape.
 
         Each row: kind, shape, seconds (first call: trace + compile or cache load), cache hit (inductor's
@@ -348,7 +396,9 @@ class Engine:
         plan = plan or self.plan
         device = self.model.device
         rows = []
-        jobs = [("decode", b, k) for b, k in plan.decode_shapes()] + [("prefill", b, n) for b, n in plan.prefill_shapes()]
+        jobs = [("decode", b, k) for b, k in plan.decode_shapes()] + [
+            ("prefill", b, n) for b, n in plan.prefill_shapes()
+        ]
         if scores:
             jobs += [("score", b, n) for b, n in plan.prefill_shapes()]
         jobs += [("extend", b, (k, t, n)) for b, k, t, n in plan.extend_shapes()]
@@ -360,23 +410,38 @@ class Engine:
                 with routed(self.model, None, b):
                     if kind == "extend":
                         k, t, kept = n
-                        g.step(torch.zeros(b, t, dtype=torch.long).to(device),
-                               torch.arange(t).repeat(b, 1).to(device),
-                               torch.arange(t - kept, t).repeat(b, 1).to(device), checked=True)
+                        g.step(
+                            torch.zeros(b, t, dtype=torch.long).to(device),
+                            torch.arange(t).repeat(b, 1).to(device),
+                            torch.arange(t - kept, t).repeat(b, 1).to(device),
+                            checked=True,
+                        )
                     elif kind != "decode":
                         cache = self.cache(b, plan.kv_bucket(min(n, plan.kv_lengths[-1])))
                         # inputs made on the host and sent, as a real call's are (made on a lazily traced
                         # device, they would be a graph of their own)
-                        g.step(torch.zeros(b, n, dtype=torch.long).to(device),
-                               torch.full((b,), n - 1, dtype=torch.long).to(device), cache,
-                               torch.arange(b).to(device), checked=True)
+                        g.step(
+                            torch.zeros(b, n, dtype=torch.long).to(device),
+                            torch.full((b,), n - 1, dtype=torch.long).to(device),
+                            cache,
+                            torch.arange(b).to(device),
+                            checked=True,
+                        )
                     else:
                         # two tensors, never one passed twice: Dynamo would guard on the aliasing
-                        g.step(torch.zeros(b, 1, dtype=torch.long).to(device),
-                               torch.zeros(b, 1, dtype=torch.long).to(device), checked=True)
+                        g.step(
+                            torch.zeros(b, 1, dtype=torch.long).to(device),
+                            torch.zeros(b, 1, dtype=torch.long).to(device),
+                            checked=True,
+                        )
                 self.backend.flush(device)  # a lazily traced device runs what the step queued (a prefill's insert)
-                row = {"kind": kind, "shape": list(g.shape), "seconds": round(time.perf_counter() - start, 2),
-                       "cache_hit": cache_answers() > hits, "graphs": self.graph_count() - before}
+                row = {
+                    "kind": kind,
+                    "shape": list(g.shape),
+                    "seconds": round(time.perf_counter() - start, 2),
+                    "cache_hit": cache_answers() > hits,
+                    "graphs": self.graph_count() - before,
+                }
                 rows.append(row)
                 if progress is not None:
                     progress(row)
@@ -385,13 +450,17 @@ class Engine:
     def warm(self, kind: str, batch: int, dim, settings: CompileSettings) -> bool:
         """Whether the step of this shape exists and has run (its graphs are built)."""
         g = self.graphs.get((kind, batch, dim, settings, self.block_spec))
-        return g is not None and g.step is not None and (not settings.enabled or g.step.first_call_seconds > 0
-                                                         or g.calls > 0)
+        return (
+            g is not None
+            and g.step is not None
+            and (not settings.enabled or g.step.first_call_seconds > 0 or g.calls > 0)
+        )
 
     # ---- reporting ---------------------------------------------------------------------------------
     def graph_count(self) -> int:
-        return sum(g.step.graphs for g in self.graphs.values() if g.step is not None) + \
-            sum(f.graphs for f in self.steps.shared.values())
+        return sum(g.step.graphs for g in self.graphs.values() if g.step is not None) + sum(
+            f.graphs for f in self.steps.shared.values()
+        )
 
     def _retire(self, g: Graph) -> None:
         """Keep the step's stats row; free its compiled code, which may hold a KV cache and weights."""
@@ -402,14 +471,25 @@ class Engine:
 
     def stats(self) -> list[dict]:
         """One row per step (its own graphs), one per shared function, and the retired ones."""
-        return ([self._row(g) for g in self.graphs.values()]
-                + [self._shared_row(k, f) for k, f in self.steps.shared.items()] + list(self.retired))
+        return (
+            [self._row(g) for g in self.graphs.values()]
+            + [self._shared_row(k, f) for k, f in self.steps.shared.items()]
+            + list(self.retired)
+        )
 
     def _shared_row(self, key: tuple, f: CompiledFunction, retired: bool = False) -> dict:
         calls = sum(g.calls for g in self.graphs.values() if g.step is not None and any(u is f for u in g.step.uses))
-        return {"kind": key[0], "shape": list(f.shape), "backend": f.backend, "graphs": f.graphs, "functions": 1,
-                "compile_seconds": round(f.compile_seconds, 3), "first_call_seconds": round(f.first_call_seconds, 3),
-                "calls": calls, "retired": retired}
+        return {
+            "kind": key[0],
+            "shape": list(f.shape),
+            "backend": f.backend,
+            "graphs": f.graphs,
+            "functions": 1,
+            "compile_seconds": round(f.compile_seconds, 3),
+            "first_call_seconds": round(f.first_call_seconds, 3),
+            "calls": calls,
+            "retired": retired,
+        }
 
     @staticmethod
     def _row(g: Graph, retired: bool = False) -> dict:

@@ -46,7 +46,9 @@ def compile_stats(model) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------
-def compile_settings(model, config: GenerationConfig, compile_config: Optional[CompileConfig] = None) -> CompileSettings:
+def compile_settings(
+    model, config: GenerationConfig, compile_config: Optional[CompileConfig] = None
+) -> CompileSettings:
     """The engine's compile settings for a call: the config's, the device's backend and its defaults."""
     cc = compile_config if compile_config is not None else CompileConfig()
     if not isinstance(cc, CompileConfig):

@@ -108,9 +108,11 @@ def refuse_on_linear_attention(config, prefix_caching: bool) -> None:
     """A hybrid model's linear-attention layers keep one recurrent state per request, not one per position: a
     cached prefix of positions holds nothing they could start from. One sentence."""
     if prefix_caching and getattr(config, "has_linear_attention", False):
-        raise ValueError(f"prefix caching is not supported for {config.architecture}: its linear-attention layers "
-                         f"keep one recurrent state per request, not per position, so a cached prefix holds nothing "
-                         f"they could resume from: turn prefix caching off.")
+        raise ValueError(
+            f"prefix caching is not supported for {config.architecture}: its linear-attention layers "
+            f"keep one recurrent state per request, not per position, so a cached prefix holds nothing "
+            f"they could resume from: turn prefix caching off."
+        )
 
 
 class GenerationLoop:
@@ -124,10 +126,20 @@ class GenerationLoop:
     when the pool runs out, the newest row is preempted and later resumed by recomputation (None: static caches,
     a row holding its whole need from its prefill)."""
 
-    def __init__(self, engine: Engine, settings: CompileSettings, plan: Optional[ShapePlan] = None,
-                 max_batch_size: Optional[int] = None, speculator=None, chunked_prefill=None,
-                 prefix_caching: bool = False, prefix_cache_blocks: int = 256, prefix_block_size: int = 32,
-                 kv_blocks: Optional[int] = None, kv_block_size: int = 32):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: CompileSettings,
+        plan: Optional[ShapePlan] = None,
+        max_batch_size: Optional[int] = None,
+        speculator=None,
+        chunked_prefill=None,
+        prefix_caching: bool = False,
+        prefix_cache_blocks: int = 256,
+        prefix_block_size: int = 32,
+        kv_blocks: Optional[int] = None,
+        kv_block_size: int = 32,
+    ):
         self.engine, self.settings = engine, settings
         refuse_on_linear_attention(engine.model.config, prefix_caching)
         self.plan = plan.bind(engine.model.config.max_position_embeddings) if plan is not None else engine.plan
@@ -148,20 +160,35 @@ class GenerationLoop:
         self._holding = False
         self._ids = itertools.count()
         self.chunked = chunked_prefill is not None and chunked_prefill is not False
-        self.chunk = chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill) \
-            if self.chunked or prefix_caching else None
+        self.chunk = (
+            chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill)
+            if self.chunked or prefix_caching
+            else None
+        )
         # prefix caching: on static caches a pool its blocks are copied from; on block caches the blocks are shared
-        self.prefix = PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp) \
-            if prefix_caching and kv_blocks is None else None
+        self.prefix = (
+            PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp)
+            if prefix_caching and kv_blocks is None
+            else None
+        )
         self.share = bool(prefix_caching and kv_blocks is not None)
         self._owner: Any = None  # the weights' fingerprint the shared blocks' keys were computed under
         self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
         self.chunks = 0  # extend steps run for chunks (reported)
         self.blocks = self._block_allocator(kv_blocks, kv_block_size)
         self.block_size = int(kv_block_size)
-        self.scheduler = Scheduler(self.plan, self.max_slots, self.chunk, self.chunked, self.blocks, self.block_size,
-                                   self.share, speculator.width if speculator is not None else 1, engine.model,
-                                   lambda: self.cache.max_length if self.cache is not None else None)
+        self.scheduler = Scheduler(
+            self.plan,
+            self.max_slots,
+            self.chunk,
+            self.chunked,
+            self.blocks,
+            self.block_size,
+            self.share,
+            speculator.width if speculator is not None else 1,
+            engine.model,
+            lambda: self.cache.max_length if self.cache is not None else None,
+        )
         engine.use_blocks(kv_blocks, kv_block_size)
 
     def _block_allocator(self, blocks, size) -> Optional[BlockAllocator]:
@@ -173,19 +200,27 @@ class GenerationLoop:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"kv_block_size={size!r} must be a positive number of positions.")
         if getattr(config, "has_linear_attention", False):
-            raise ValueError(f"kv_blocks is not supported for {config.architecture}: its linear-attention layers keep "
-                             f"one state per request, not blocks of positions; leave kv_blocks unset.")
+            raise ValueError(
+                f"kv_blocks is not supported for {config.architecture}: its linear-attention layers keep "
+                f"one state per request, not blocks of positions; leave kv_blocks unset."
+            )
         if self.speculator is not None and getattr(self.speculator.proposer, "own_cache", False):
-            raise ValueError("a draft model keeps its own static cache rows, which a preempted request would lose: "
-                             "use prompt-lookup (ngram) speculation with kv_blocks, or leave kv_blocks unset.")
+            raise ValueError(
+                "a draft model keeps its own static cache rows, which a preempted request would lose: "
+                "use prompt-lookup (ngram) speculation with kv_blocks, or leave kv_blocks unset."
+            )
         odd = [k for k in self.plan.kv_lengths if k % size]
         if odd:
-            raise ValueError(f"The KV block size {size} (kv_block_size, the server's --block-size) does not divide "
-                             f"the plan's KV lengths {odd}: choose a block size that divides every KV length of the "
-                             f"plan.")
+            raise ValueError(
+                f"The KV block size {size} (kv_block_size, the server's --block-size) does not divide "
+                f"the plan's KV lengths {odd}: choose a block size that divides every KV length of the "
+                f"plan."
+            )
         if not self.chunked and self.plan.prompt_lengths[-1] < self.plan.kv_lengths[-1]:
-            raise ValueError("a preempted request resumes by prefilling its prompt and what it generated, which can "
-                             "outgrow the largest prompt bucket: turn chunked prefill on with kv_blocks.")
+            raise ValueError(
+                "a preempted request resumes by prefilling its prompt and what it generated, which can "
+                "outgrow the largest prompt bucket: turn chunked prefill on with kv_blocks."
+            )
         return BlockAllocator(blocks)
 
     # ---- requests --------------------------------------------------------------------------------
@@ -212,20 +247,26 @@ class GenerationLoop:
             raise TypeError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}.")
         grammar = request.structured_outputs
         if grammar is not None and not isinstance(grammar, Grammar):
-            raise TypeError(f"structured_outputs must be a compiled Grammar (GrammarCompiler.compile), not "
-                            f"{type(grammar).__name__}.")
+            raise TypeError(
+                f"structured_outputs must be a compiled Grammar (GrammarCompiler.compile), not "
+                f"{type(grammar).__name__}."
+            )
         if grammar is not None and grammar.compiler.vocab_size != self.vocab:
-            raise ValueError(f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} ids, "
-                             f"the model has {self.vocab}: compile it with vocab_size={self.vocab}.")
+            raise ValueError(
+                f"structured_outputs was compiled for a vocabulary of {grammar.compiler.vocab_size} ids, "
+                f"the model has {self.vocab}: compile it with vocab_size={self.vocab}."
+            )
         if self.chunked and request.sampling.prompt_logprobs is not None:
             self.plan.prompt_bucket(len(prompt))  # scored prompts run in one prefill
         need = positions_needed(self.plan, len(prompt), n, self.chunked)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
         if self.blocks is not None and blocks_for(need, self.block_size) > self.blocks.blocks:
-            raise ValueError(f"The request needs {need} cache positions, {blocks_for(need, self.block_size)} blocks of "
-                             f"{self.block_size}, and the KV pool has {self.blocks.blocks}: lower max_new_tokens or "
-                             f"give the pool more blocks.")
+            raise ValueError(
+                f"The request needs {need} cache positions, {blocks_for(need, self.block_size)} blocks of "
+                f"{self.block_size}, and the KV pool has {self.blocks.blocks}: lower max_new_tokens or "
+                f"give the pool more blocks."
+            )
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)
         return need, slot
@@ -237,8 +278,10 @@ class GenerationLoop:
         bank = bank_of(self.engine.model)
         if bank is None:
             if request.adapter is not None and request.adapter != BASE:
-                raise ValueError(f"The request asks for adapter {request.adapter!r} but the model batches no adapters: "
-                                 f"load them and call model.enable_adapter_batching() first.")
+                raise ValueError(
+                    f"The request asks for adapter {request.adapter!r} but the model batches no adapters: "
+                    f"load them and call model.enable_adapter_batching() first."
+                )
             return 0
         return bank.slot_of(request.adapter)
 
@@ -388,9 +431,10 @@ class GenerationLoop:
         if not joining:  # its cached prefix's blocks were free ones: what is left does not cover the rest
             return False
         try:
-            self._fit(len(self.rows) + len(joining),
-                      max(self.scheduler.reach(r) for r in joining + list(self.rows.values())))
-            slots = [s for s in range(self.cache.batch) if s not in self.rows][:len(joining)]
+            self._fit(
+                len(self.rows) + len(joining), max(self.scheduler.reach(r) for r in joining + list(self.rows.values()))
+            )
+            slots = [s for s in range(self.cache.batch) if s not in self.rows][: len(joining)]
             for slot, row in zip(slots, joining):
                 self.sampler.set_row(slot, row.request.sampling, row.prompt)
                 self.constraints.set_row(slot, row.request.structured_outputs, row.request.sampling.eos_token_ids)
@@ -398,8 +442,9 @@ class GenerationLoop:
                     self.sampler.generators[slot] = row.generator or self.sampler.generators[slot]
                     self.constraints.rows[slot] = row.grammar
             if self.blocks is not None:
-                self._write_table({**{s: r.blocks for s, r in self.rows.items()},
-                                   **{s: r.blocks for s, r in zip(slots, joining)}})
+                self._write_table(
+                    {**{s: r.blocks for s, r in self.rows.items()}, **{s: r.blocks for s, r in zip(slots, joining)}}
+                )
             whole, given = [], []  # the rows this prefill runs, and the tokens each one gets
             for slot, row in zip(slots, joining):
                 if row.length:  # it holds its prefix's shared blocks: the rest runs as chunks
@@ -495,7 +540,9 @@ class GenerationLoop:
         request scores its prompt, which needs every position's logits)."""
         if self.prefix is None or row.request.sampling.prompt_logprobs is not None:
             return []
-        return self.prefix.match(row.request.prompt, adapter_key(row.request.adapter, *self.scheduler.adapter_load(row)))
+        return self.prefix.match(
+            row.request.prompt, adapter_key(row.request.adapter, *self.scheduler.adapter_load(row))
+        )
 
     def _store_prefix(self, slot: int, row: Row) -> None:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on): copied into the
@@ -506,8 +553,13 @@ class GenerationLoop:
             self.blocks.register(row.blocks, keys, tag=load if row.adapter else None)
         if self.prefix is not None:
             load = self.scheduler.adapter_load(row)
-            if self.prefix.store(self.cache, slot, row.request.prompt, adapter_key(row.request.adapter, *load),
-                                 tag=load if row.adapter else None):
+            if self.prefix.store(
+                self.cache,
+                slot,
+                row.request.prompt,
+                adapter_key(row.request.adapter, *load),
+                tag=load if row.adapter else None,
+            ):
                 self.engine.backend.flush(self.engine.model.device)
 
     def _fail_rows(self, slots: list, exc: BaseException) -> None:
@@ -604,7 +656,10 @@ class GenerationLoop:
         if choice.logprobs is not None and params.logprobs is not None:
             event.logprob = float(choice.logprobs[i])
             if params.logprobs > 0 and choice.top_ids is not None:
-                ids, lps = choice.top_ids[i, :params.logprobs].tolist(), choice.top_logprobs[i, :params.logprobs].tolist()
+                ids, lps = (
+                    choice.top_ids[i, : params.logprobs].tolist(),
+                    choice.top_logprobs[i, : params.logprobs].tolist(),
+                )
                 event.top_logprobs = list(zip(ids, lps))
         self._events.append(event)
         if reason is not None:
@@ -635,8 +690,11 @@ class GenerationLoop:
             return
         batch = self.cache.batch if self.waiting else self.plan.batch_bucket(len(self.rows))
         kv = self.plan.kv_bucket(max(self.scheduler.reach(r) for r in self.rows.values()))
-        if (batch, kv) == (self.cache.batch, self.cache.max_length) or batch > self.cache.batch or \
-                kv > self.cache.max_length:
+        if (
+            (batch, kv) == (self.cache.batch, self.cache.max_length)
+            or batch > self.cache.batch
+            or kv > self.cache.max_length
+        ):
             return
         if not self.engine.warm("decode", batch, kv, self.settings):
             return

@@ -106,20 +106,32 @@ class ShapePlan:
         linear_chunk: int = DEFAULT_LINEAR_CHUNK,
     ):
         if isinstance(linear_chunk, bool) or not isinstance(linear_chunk, int) or linear_chunk < 1:
-            raise PlanError(f"linear_chunk={linear_chunk!r} must be a positive number of tokens (the chunked form's "
-                            f"chunk of a linear-attention layer; {DEFAULT_LINEAR_CHUNK} by default).")
+            raise PlanError(
+                f"linear_chunk={linear_chunk!r} must be a positive number of tokens (the chunked form's "
+                f"chunk of a linear-attention layer; {DEFAULT_LINEAR_CHUNK} by default)."
+            )
         self.linear_chunk = linear_chunk
         if max_model_len is not None and int(max_model_len) < 2:
             raise PlanError(f"max_model_len must be at least 2, got {max_model_len}.")
         if int(max_batch_size) < 1:
             raise PlanError(f"max_batch_size must be at least 1, got {max_batch_size}.")
-        self._requested = dict(batch_sizes=batch_sizes, prompt_lengths=prompt_lengths, kv_lengths=kv_lengths,
-                               max_model_len=max_model_len, max_batch_size=int(max_batch_size),
-                               min_prompt_length=int(min_prompt_length), min_kv_length=int(min_kv_length),
-                               extend_widths=_check_widths(extend_widths, None), linear_chunk=linear_chunk)
+        self._requested = dict(
+            batch_sizes=batch_sizes,
+            prompt_lengths=prompt_lengths,
+            kv_lengths=kv_lengths,
+            max_model_len=max_model_len,
+            max_batch_size=int(max_batch_size),
+            min_prompt_length=int(min_prompt_length),
+            min_kv_length=int(min_kv_length),
+            extend_widths=_check_widths(extend_widths, None),
+            linear_chunk=linear_chunk,
+        )
         self.max_model_len = int(max_model_len) if max_model_len is not None else None
-        self.batch_sizes = _check_buckets("batch_sizes", batch_sizes) if batch_sizes is not None else \
-            _powers_of_two(1, int(max_batch_size))
+        self.batch_sizes = (
+            _check_buckets("batch_sizes", batch_sizes)
+            if batch_sizes is not None
+            else _powers_of_two(1, int(max_batch_size))
+        )
         self.prompt_lengths: tuple[int, ...] = ()
         self.kv_lengths: tuple[int, ...] = ()
         self.extend_widths = _check_widths(extend_widths, self.max_model_len)
@@ -134,10 +146,14 @@ class ShapePlan:
         if self.max_model_len is None:
             self.max_model_len = max(max(prompt), max(kv))
         m = self.max_model_len
-        self.prompt_lengths = _check_buckets("prompt_lengths", prompt) if prompt is not None else \
-            _powers_of_two(min(r["min_prompt_length"], m), m)
-        self.kv_lengths = _check_buckets("kv_lengths", kv) if kv is not None else \
-            _powers_of_two(min(r["min_kv_length"], m), m)
+        self.prompt_lengths = (
+            _check_buckets("prompt_lengths", prompt)
+            if prompt is not None
+            else _powers_of_two(min(r["min_prompt_length"], m), m)
+        )
+        self.kv_lengths = (
+            _check_buckets("kv_lengths", kv) if kv is not None else _powers_of_two(min(r["min_kv_length"], m), m)
+        )
         if self.kv_lengths[-1] > m or self.prompt_lengths[-1] > m:
             raise PlanError(
                 f"The plan's buckets go beyond max_model_len={m} (prompt up to {self.prompt_lengths[-1]}, "
@@ -250,8 +266,14 @@ class ShapePlan:
         return len(self.prefill_shapes()) + len(self.decode_shapes()) + len(self.extend_shapes())
 
     def key(self) -> tuple:
-        return (self.batch_sizes, self.prompt_lengths, self.kv_lengths, self.max_model_len, self.extend_widths,
-                self.linear_chunk)
+        return (
+            self.batch_sizes,
+            self.prompt_lengths,
+            self.kv_lengths,
+            self.max_model_len,
+            self.extend_widths,
+            self.linear_chunk,
+        )
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShapePlan) and self.key() == other.key()
@@ -262,8 +284,10 @@ class ShapePlan:
     def __repr__(self) -> str:
         widths = f", extend_widths={[list(w) for w in self.extend_widths]}" if self.extend_widths else ""
         chunk = f", linear_chunk={self.linear_chunk}" if self.linear_chunk != DEFAULT_LINEAR_CHUNK else ""
-        return (f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
-                f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths}{chunk})")
+        return (
+            f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
+            f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths}{chunk})"
+        )
 
     def __str__(self) -> str:
         if not self.bound:

@@ -59,14 +59,21 @@ class PrefixCache:
             raise ValueError(f"prefix cache block_size={block_size} must be a positive number of tokens.")
         c = model.config
         self.blocks, self.block_size = int(blocks), int(block_size)
-        check_fits(self.bytes_for(model, self.blocks, self.block_size, tp), model.device,
-                   f"The prefix cache ({self.blocks} blocks of {self.block_size} tokens)", "give it fewer blocks")
+        check_fits(
+            self.bytes_for(model, self.blocks, self.block_size, tp),
+            model.device,
+            f"The prefix cache ({self.blocks} blocks of {self.block_size} tokens)",
+            "give it fewer blocks",
+        )
         # one row more than `blocks`: the scratch row, where the fixed-size copies send the blocks they skip
         heads, dim, latent = layout(c, tp)  # a latent cache's pool holds its keys alone, as the cache does
         shape = (self.blocks + 1, heads, self.block_size, dim)
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
-        self.values = [] if latent else [torch.zeros(shape, dtype=model.dtype, device=model.device)
-                                         for _ in range(c.num_hidden_layers)]
+        self.values = (
+            []
+            if latent
+            else [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        )
         self.device = model.device
         self.index: OrderedDict[bytes, int] = OrderedDict()  # block key -> pool row, least recently used first
         self.free = list(range(self.blocks))
@@ -112,7 +119,7 @@ class PrefixCache:
         token to compute), counted in `queries` and `hits`."""
         usable = (len(prompt) - 1) // self.block_size
         rows = []
-        for key in self.block_keys(prompt[:usable * self.block_size], adapter):
+        for key in self.block_keys(prompt[: usable * self.block_size], adapter):
             row = self.index.get(key)
             if row is None:
                 break
@@ -130,7 +137,7 @@ class PrefixCache:
         hit taken from the pool's scratch row. What lands after the hit is never read: the row writes those
         positions (its chunks, its decode steps) before it attends to them."""
         index = torch.full((cache.max_length // self.block_size,), self.blocks, dtype=torch.long)
-        index[:len(rows)] = torch.as_tensor(list(rows), dtype=torch.long)
+        index[: len(rows)] = torch.as_tensor(list(rows), dtype=torch.long)
         index, slot_index, positions = self._indices(index, slot)
         for dst, src in zip(cache.position_tensors, self.keys + self.values):
             b, h, bs, d = src[index].shape
@@ -181,7 +188,7 @@ class PrefixCache:
         positions = torch.arange(index.shape[0] * self.block_size)
         packed = torch.cat([index, torch.tensor([slot]), positions]).to(self.device)
         n = index.shape[0]
-        return packed[:n], packed[n:n + 1].view(1, 1), packed[n + 1:].view(1, -1)
+        return packed[:n], packed[n : n + 1].view(1, 1), packed[n + 1 :].view(1, -1)
 
     @property
     def used(self) -> int:
@@ -195,7 +202,7 @@ def block_keys(prompt: Sequence[int], adapter: str, block_size: int) -> list[byt
     keys, parent = [], hashlib.sha256(("adapter:" + adapter).encode()).digest()
     for j in range(len(prompt) // block_size):
         h = hashlib.sha256(parent)
-        h.update(torch.tensor(prompt[j * block_size:(j + 1) * block_size], dtype=torch.int64).numpy().tobytes())
+        h.update(torch.tensor(prompt[j * block_size : (j + 1) * block_size], dtype=torch.int64).numpy().tobytes())
         parent = h.digest()
         keys.append(parent)
     return keys

@@ -46,7 +46,9 @@ class TokenEvent:
     # the first event of a request that asked: one entry per prompt token, None for the first, else
     # (log-probability, [(token id, log-probability)] most likely first)
     prompt_logprobs: Optional[list] = None
-    logits: Optional[torch.Tensor] = None  # [vocab] on the device, unprocessed, when the request asked (`output_logits`)
+    logits: Optional[torch.Tensor] = (
+        None  # [vocab] on the device, unprocessed, when the request asked (`output_logits`)
+    )
     error: Optional[BaseException] = None
 
 

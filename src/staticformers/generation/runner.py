@@ -55,16 +55,18 @@ class StepRunner:
         scores = None
         with torch.no_grad():
             if step.kind == "prefill":
-                out = self.engine.prefill(self.settings, step.tokens, cache, step.slots, self.plan, step.adapters,
-                                          scores=step.scores)
+                out = self.engine.prefill(
+                    self.settings, step.tokens, cache, step.slots, self.plan, step.adapters, scores=step.scores
+                )
                 argmax, logits = out[:2]
                 scores = out[2] if step.scores else None
             elif step.kind == "decode":
                 tokens, positions, _ = self._inputs(step)
                 argmax, logits = self.engine.decode(self.settings, cache, tokens, positions, step.adapters)
             else:  # a chunk: one kept position per row
-                argmax, logits = self.engine.extend(self.settings, cache, *self._inputs(step), step.adapters,
-                                                    plan=self.plan)
+                argmax, logits = self.engine.extend(
+                    self.settings, cache, *self._inputs(step), step.adapters, plan=self.plan
+                )
                 argmax, logits = argmax[:, 0], logits[:, 0]
             if not step.choosing:
                 self.engine.backend.flush(self.device)
@@ -87,22 +89,25 @@ class StepRunner:
         prompt_scores = _prompt_scores(step, scores) if scores is not None else [None] * len(step.choosing)
         return StepResult([[t] for t in choice.ids.tolist()], choice, 1, rows, prompt_scores)
 
-    def _verify(self, step: StepPlan, cache: KVCache, sampler: RowSampler,
-                constraints: RowConstraints) -> StepResult:
+    def _verify(self, step: StepPlan, cache: KVCache, sampler: RowSampler, constraints: RowConstraints) -> StepResult:
         """The verify step: the target's logits at every position of every decoding row, each row's accepted run."""
         slots, width = step.choosing, step.width
         held = [s for s in slots if constraints.rows[s] is not None]
         pending = constraints.start(slots) if held else None  # filled while the step runs
         device = self.device
         with torch.no_grad():
-            argmax, logits = self.engine.extend(self.settings, cache, *self._inputs(step), step.adapters,
-                                                plan=self.plan)
+            argmax, logits = self.engine.extend(
+                self.settings, cache, *self._inputs(step), step.adapters, plan=self.plan
+            )
             if len(slots) != cache.batch:
                 index = torch.tensor(slots, dtype=torch.long).to(device)
                 argmax, logits = argmax.index_select(0, index), logits.index_select(0, index)
             self.engine.backend.flush(device)
-            allowed = _position_zero_mask(constraints.mask(pending), len(slots), width, logits.shape[-1], device) \
-                if pending is not None else None
+            allowed = (
+                _position_zero_mask(constraints.mask(pending), len(slots), width, logits.shape[-1], device)
+                if pending is not None
+                else None
+            )
             verdict = verify(sampler, logits, argmax, slots, step.steps, step.proposals, step.draft_probs, allowed)
             if cache.rollback is not None:  # each row's linear-attention states after its last accepted token
                 index = torch.full((cache.batch,), -1, dtype=torch.long)
@@ -119,7 +124,9 @@ class StepRunner:
         """A decode, chunk or verify plan's tokens, positions and kept positions on the device (a decode step keeps
         its one position: its `keep` is unused)."""
         if step.positions is None or (step.keep is None and step.kind != "decode"):
-            raise ValueError(f"a {step.kind} StepPlan needs its positions{'' if step.kind == 'decode' else ' and keep'}.")
+            raise ValueError(
+                f"a {step.kind} StepPlan needs its positions{'' if step.kind == 'decode' else ' and keep'}."
+            )
         keep = step.keep if step.keep is not None else step.positions
         return step.tokens.to(self.device), step.positions.to(self.device), keep.to(self.device)
 
@@ -156,8 +163,9 @@ class _Picked:
         return self.logits[int(self.index[i])]
 
 
-def _position_zero_mask(packed: Optional[torch.Tensor], n: int, width: int, vocab: int,
-                        device) -> Optional[torch.Tensor]:
+def _position_zero_mask(
+    packed: Optional[torch.Tensor], n: int, width: int, vocab: int, device
+) -> Optional[torch.Tensor]:
     """The rows' grammar masks at position 0 (`packed`: `[n, words]`, all ones for a free row), as the
     `[n, k+1, vocab]` bool mask `verify` takes; later positions are free (a row with a grammar proposes
     nothing, so it emits position 0 only)."""
@@ -184,8 +192,9 @@ def _prompt_scores(step: StepPlan, scored: tuple) -> list:
         if asked is None:
             out.append(None)
             continue
-        out.append([None] + [(token_lp[j][p], list(zip(top_ids[j][p][:asked], top_lp[j][p][:asked])))
-                             for p in range(1, n)])
+        out.append(
+            [None] + [(token_lp[j][p], list(zip(top_ids[j][p][:asked], top_lp[j][p][:asked]))) for p in range(1, n)]
+        )
     return out
 
 

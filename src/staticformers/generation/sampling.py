@@ -70,7 +70,9 @@ def top_k(logits: torch.Tensor, k, min_tokens_to_keep: int = 1, largest: Optiona
     return logits.masked_fill(logits < threshold, NEG_INF)
 
 
-def top_p(logits: torch.Tensor, p, min_tokens_to_keep: int = 1, threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
+def top_p(
+    logits: torch.Tensor, p, min_tokens_to_keep: int = 1, threshold: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Nucleus filtering: `p` a float, or per-row `threshold` `[rows, 1]` (1 - p) with rows whose p is 1 left
     alone (`p` then a `[rows, 1]` bool tensor: which rows filter)."""
     sorted_logits, sorted_indices = torch.sort(logits, descending=False)
@@ -99,20 +101,38 @@ def _number(value, name: str, integer: bool = False) -> None:
         raise ValueError(f"{name}={value!r} must be {kind}.")
 
 
-def check_options(do_sample: bool, temperature_: Optional[float], top_k_: Optional[int], top_p_: Optional[float],
-                  min_p_: Optional[float], repetition_penalty_: Optional[float], presence_penalty_: Optional[float] = None,
-                  frequency_penalty_: Optional[float] = None) -> None:
+def check_options(
+    do_sample: bool,
+    temperature_: Optional[float],
+    top_k_: Optional[int],
+    top_p_: Optional[float],
+    min_p_: Optional[float],
+    repetition_penalty_: Optional[float],
+    presence_penalty_: Optional[float] = None,
+    frequency_penalty_: Optional[float] = None,
+) -> None:
     """Refuse values that cannot mean anything, with one sentence each (a string, a bool or NaN first)."""
     if not isinstance(do_sample, bool):
         raise ValueError(f"do_sample={do_sample!r} must be True or False.")
-    for name, value in (("temperature", temperature_), ("top_p", top_p_), ("min_p", min_p_),
-                        ("repetition_penalty", repetition_penalty_), ("presence_penalty", presence_penalty_),
-                        ("frequency_penalty", frequency_penalty_)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
-            raise ValueError(f"{name}={value!r} must be a finite number{' (not a string)' if isinstance(value, str) else ''}.")
+    for name, value in (
+        ("temperature", temperature_),
+        ("top_p", top_p_),
+        ("min_p", min_p_),
+        ("repetition_penalty", repetition_penalty_),
+        ("presence_penalty", presence_penalty_),
+        ("frequency_penalty", frequency_penalty_),
+    ):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise ValueError(
+                f"{name}={value!r} must be a finite number{' (not a string)' if isinstance(value, str) else ''}."
+            )
     _number(top_k_, "top_k", integer=True)
     if do_sample and temperature_ is not None and not temperature_ > 0:
-        raise ValueError(f"temperature={temperature_} must be greater than 0 when sampling (use do_sample=False for greedy).")
+        raise ValueError(
+            f"temperature={temperature_} must be greater than 0 when sampling (use do_sample=False for greedy)."
+        )
     if top_p_ is not None and not 0 < top_p_ <= 1:
         raise ValueError(f"top_p={top_p_} must be in (0, 1].")
     if min_p_ is not None and not 0 <= min_p_ <= 1:
@@ -170,8 +190,16 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
-        check_options(self.do_sample, self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty,
-                      self.presence_penalty, self.frequency_penalty)
+        check_options(
+            self.do_sample,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+            self.presence_penalty,
+            self.frequency_penalty,
+        )
         _number(self.min_new_tokens, "min_new_tokens", integer=True)
         if self.min_new_tokens is None:
             self.min_new_tokens = 0
@@ -198,14 +226,17 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return (self.repetition_penalty not in (None, 1.0) or bool(self.presence_penalty)
-                or bool(self.frequency_penalty))
+        return self.repetition_penalty not in (None, 1.0) or bool(self.presence_penalty) or bool(self.frequency_penalty)
 
     @property
     def needs_logits(self) -> bool:
         """False when the graph's own argmax is the answer (plain greedy, nothing to report)."""
-        return (self.sampling or self.penalised or (self.min_new_tokens > 0 and bool(self.eos_token_ids))
-                or self.logprobs is not None)
+        return (
+            self.sampling
+            or self.penalised
+            or (self.min_new_tokens > 0 and bool(self.eos_token_ids))
+            or self.logprobs is not None
+        )
 
 
 @dataclass
@@ -282,8 +313,14 @@ class RowSampler:
     def needs_logits(self, rows: Sequence[int]) -> bool:
         return any(self.params[r] is not None and self.params[r].needs_logits for r in rows)
 
-    def choose(self, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int], steps: Sequence[int],
-               allowed: Optional[torch.Tensor] = None) -> Choice:
+    def choose(
+        self,
+        logits: torch.Tensor,
+        argmax: torch.Tensor,
+        rows: Sequence[int],
+        steps: Sequence[int],
+        allowed: Optional[torch.Tensor] = None,
+    ) -> Choice:
         """Next ids for `rows` (slots) from their `[n, vocab]` logits and the graph's argmax; `steps[i]` is
         how many tokens row `rows[i]` has generated (0 = its first). `allowed`: the rows' packed token
         bitmask `[n, ceil(vocab/32)]` int32 (`constraints.py`; all ones for a free row), applied to every
@@ -300,8 +337,11 @@ class RowSampler:
             x = repetition_penalty(x, seen & t["rep_on"], t["rep"])
             counts = self.counts.index_select(0, idx).float()
             x = x - t["frequency"] * counts - t["presence"] * (counts > 0).float()
-        banned = [i for i, (r, s) in enumerate(zip(rows, steps)) if s < self.params[r].min_new_tokens
-                  and self.params[r].eos_token_ids]
+        banned = [
+            i
+            for i, (r, s) in enumerate(zip(rows, steps))
+            if s < self.params[r].min_new_tokens and self.params[r].eos_token_ids
+        ]
         if banned:  # a mask made on the host: indexing with Python ints would be a new graph per row on XLA
             mask = torch.zeros(len(rows), self.vocab, dtype=torch.bool)
             for i in banned:
@@ -332,8 +372,11 @@ class RowSampler:
         if self.counts is None or not any(self.params[r] is not None and self.params[r].penalised for r in rows):
             return
         idx = torch.tensor(list(rows), device=self.device)
-        self.counts.index_put_((idx, ids.to(self.device).long()), torch.ones(len(rows), dtype=torch.int32,
-                                                                              device=self.device), accumulate=True)
+        self.counts.index_put_(
+            (idx, ids.to(self.device).long()),
+            torch.ones(len(rows), dtype=torch.int32, device=self.device),
+            accumulate=True,
+        )
 
     # ---- per-row tables ------------------------------------------------------------------------------
     def _table(self, rows: tuple) -> dict:
@@ -350,10 +393,13 @@ class RowSampler:
             return torch.tensor(values, dtype=dtype).view(-1, 1).to(dev)
 
         sampling = [p.sampling for p in ps]
-        t: dict = {"index": torch.tensor(list(rows), dtype=torch.long).to(dev), "sampling": any(sampling),
-                   "do_sample": torch.tensor(sampling, dtype=torch.bool).to(dev),
-                   "sample_rows": [i for i, s in enumerate(sampling) if s],
-                   "penalised": any(p.penalised for p in ps)}
+        t: dict = {
+            "index": torch.tensor(list(rows), dtype=torch.long).to(dev),
+            "sampling": any(sampling),
+            "do_sample": torch.tensor(sampling, dtype=torch.bool).to(dev),
+            "sample_rows": [i for i, s in enumerate(sampling) if s],
+            "penalised": any(p.penalised for p in ps),
+        }
         rep = [p.repetition_penalty if p.repetition_penalty not in (None, 1.0) else 1.0 for p in ps]
         t["rep"], t["rep_on"] = col(rep), col([r != 1.0 for r in rep], torch.bool)
         t["presence"] = col([float(p.presence_penalty or 0.0) for p in ps])

@@ -52,9 +52,19 @@ class Scheduler:
     writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
     (None: no batch)."""
 
-    def __init__(self, plan: ShapePlan, max_slots: int, chunk: Optional[int], chunked: bool,
-                 blocks: Optional[BlockAllocator], block_size: int, share: bool, ahead: int, model,
-                 kv_length: Callable[[], Optional[int]]):
+    def __init__(
+        self,
+        plan: ShapePlan,
+        max_slots: int,
+        chunk: Optional[int],
+        chunked: bool,
+        blocks: Optional[BlockAllocator],
+        block_size: int,
+        share: bool,
+        ahead: int,
+        model,
+        kv_length: Callable[[], Optional[int]],
+    ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
         self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
@@ -151,7 +161,7 @@ class Scheduler:
 
     def first_tokens(self, row) -> list:
         """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
-        return row.prompt[:self.chunk] if self.chunked and not self.scored(row) else row.prompt
+        return row.prompt[: self.chunk] if self.chunked and not self.scored(row) else row.prompt
 
     def _first_blocks(self, row, shared: int = 0) -> int:
         """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
@@ -278,10 +288,19 @@ class Scheduler:
         first chunk (such a row chooses nothing yet)."""
         done = [i for i, (_, row) in enumerate(whole) if len(given[i]) == len(row.prompt)]
         choosing = [whole[i][0] for i in done]
-        return StepPlan("prefill", [s for s, _ in whole], choosing, done, [whole[i][1].generated for i in done], given,
-                        adapters=self.adapters(batch, whole), scores=any(self.scored(r) for _, r in whole),
-                        scored=[r.request.sampling.prompt_logprobs if self.scored(r) else None for _, r in whole],
-                        advance={slot: len(g) for (slot, _), g in zip(whole, given)}, completes=choosing)
+        return StepPlan(
+            "prefill",
+            [s for s, _ in whole],
+            choosing,
+            done,
+            [whole[i][1].generated for i in done],
+            given,
+            adapters=self.adapters(batch, whole),
+            scores=any(self.scored(r) for _, r in whole),
+            scored=[r.request.sampling.prompt_logprobs if self.scored(r) else None for _, r in whole],
+            advance={slot: len(g) for (slot, _), g in zip(whole, given)},
+            completes=choosing,
+        )
 
     def chunk_plan(self, batch: int, kv: int) -> StepPlan:
         """The next chunk of every prefilling row (`chunking.py`)."""
@@ -296,10 +315,19 @@ class Scheduler:
         for slot, row in self.rows.items():
             tokens[slot, 0] = row.last
             positions[slot, 0] = row.length
-        return StepPlan("decode", slots, slots, slots, [self.rows[s].generated for s in slots], tokens, positions,
-                        adapters=self.adapters(batch),
-                        counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
-                        advance={s: 1 for s in slots}, fails=sorted(self.rows))  # the prefilling rows too: their positions were in the step
+        return StepPlan(
+            "decode",
+            slots,
+            slots,
+            slots,
+            [self.rows[s].generated for s in slots],
+            tokens,
+            positions,
+            adapters=self.adapters(batch),
+            counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
+            advance={s: 1 for s in slots},
+            fails=sorted(self.rows),
+        )  # the prefilling rows too: their positions were in the step
 
 
 __all__ = ["Scheduler"]

@@ -35,8 +35,10 @@ def _ids_of(value: Any) -> list[int]:
     shape = getattr(value, "shape", None)
     if shape is not None and len(shape) > 1:
         if shape[0] > 1:
-            raise ValueError(f"Streamers handle batch size 1 only, but got ids of shape {tuple(shape)}; "
-                             "stream one sequence at a time.")
+            raise ValueError(
+                f"Streamers handle batch size 1 only, but got ids of shape {tuple(shape)}; "
+                "stream one sequence at a time."
+            )
         value = value[0]
     if hasattr(value, "tolist"):
         value = value.tolist()
@@ -44,8 +46,9 @@ def _ids_of(value: Any) -> list[int]:
         return [value]
     if value and isinstance(value[0], list):
         if len(value) > 1:
-            raise ValueError(f"Streamers handle batch size 1 only, but got {len(value)} sequences; "
-                             "stream one sequence at a time.")
+            raise ValueError(
+                f"Streamers handle batch size 1 only, but got {len(value)} sequences; stream one sequence at a time."
+            )
         value = value[0]
     return [int(i) for i in value]
 
@@ -88,14 +91,17 @@ class IncrementalDecoder:
             while stable.endswith(_REPLACEMENT):
                 stable = stable[:-1]
             if len(stable) > self.emitted and stable.startswith(self.text):
-                return self._emit(stable[self.emitted:])
+                return self._emit(stable[self.emitted :])
             return ""
-        text = self._decode(self.ids[self._prefix:])
-        if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT) \
-                and text.startswith(self._prefix_text):
-            new = text[len(self._prefix_text):]
+        text = self._decode(self.ids[self._prefix :])
+        if (
+            len(text) > len(self._prefix_text)
+            and not text.endswith(_REPLACEMENT)
+            and text.startswith(self._prefix_text)
+        ):
+            new = text[len(self._prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
-            self._prefix_text = self._decode(self.ids[self._prefix:self._read])
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
             return self._emit(new)
         return ""
 
@@ -108,7 +114,7 @@ class IncrementalDecoder:
             while common < min(len(full), len(done)) and full[common] == done[common]:
                 common += 1
             return self._emit(full[common:])
-        return self._emit(full[len(done):])
+        return self._emit(full[len(done) :])
 
     @property
     def text(self) -> str:
@@ -170,8 +176,9 @@ class TextIteratorStreamer(TextStreamer):
     stuck forever if generation fails in its thread.
     """
 
-    def __init__(self, tokenizer: Any, skip_prompt: bool = False, timeout: float | None = None,
-                 **decode_kwargs: Any) -> None:
+    def __init__(
+        self, tokenizer: Any, skip_prompt: bool = False, timeout: float | None = None, **decode_kwargs: Any
+    ) -> None:
         super().__init__(tokenizer, skip_prompt, **decode_kwargs)
         self.text_queue: Queue = Queue()
         self.stop_signal = None

@@ -37,8 +37,9 @@ def local_sinks(sinks: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else sinks
 
 
-def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                         scale: float, sinks: torch.Tensor) -> torch.Tensor:
+def attention_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
     """q `[b, heads, s, d]`, k/v `[b, kv_heads, L, d]`, mask boolean `[b, 1, s, L]` (None: causal over the last
     `s` of the `L` keys), sinks `[heads]` -> `[b, heads, s, d]`."""
     b, h, s, _ = q.shape

@@ -41,8 +41,17 @@ NULL_BLOCK = 0  # the pool block behind every table entry that no block backs
 class KVBlocks:
     """The pool (see the module docstring): `blocks` usable blocks of `block_size` positions, block 0 besides."""
 
-    def __init__(self, num_layers: int, blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, latent: Optional[int] = None):
+    def __init__(
+        self,
+        num_layers: int,
+        blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        latent: Optional[int] = None,
+    ):
         self.blocks, self.block_size, self.latent = int(blocks), int(block_size), latent
         shape = (self.blocks + 1, self.block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -85,13 +94,16 @@ class BlockKVCache:
 
     def __init__(self, pool: KVBlocks, batch: int, max_length: int):
         if max_length % pool.block_size:
-            raise ValueError(f"A KV length of {max_length} is not a whole number of {pool.block_size}-position "
-                             f"blocks: make the plan's KV lengths multiples of the block size.")
+            raise ValueError(
+                f"A KV length of {max_length} is not a whole number of {pool.block_size}-position "
+                f"blocks: make the plan's KV lengths multiples of the block size."
+            )
         self.pool, self.batch, self.max_length = pool, int(batch), int(max_length)
         self.block_size, self.latent = pool.block_size, pool.latent
         device = pool.keys[0].device
-        self.table = torch.full((self.batch, self.max_length // self.block_size), NULL_BLOCK, dtype=torch.long,
-                                device=device)
+        self.table = torch.full(
+            (self.batch, self.max_length // self.block_size), NULL_BLOCK, dtype=torch.long, device=device
+        )
         self._views = [BlockLayerKV(self, i) for i in range(len(pool.keys))]
 
     @property
@@ -125,9 +137,9 @@ class BlockKVCache:
         One host-to-device copy."""
         host = torch.full((self.batch, self.width), NULL_BLOCK, dtype=torch.long)
         for row, blocks in rows.items():
-            blocks = list(blocks)[:self.width]
+            blocks = list(blocks)[: self.width]
             if blocks:
-                host[row, :len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+                host[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
         self.table.copy_(host.to(self.table.device))
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
@@ -160,8 +172,15 @@ class BlockKVCache:
         self.table[:, :width].index_copy_(0, dst, source.table[:, :width].index_select(0, src))
 
 
-def write_and_gather(key: torch.Tensor, value: Optional[torch.Tensor], table: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, position_ids: torch.Tensor, latent: Optional[int] = None):
+def write_and_gather(
+    key: torch.Tensor,
+    value: Optional[torch.Tensor],
+    table: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_ids: torch.Tensor,
+    latent: Optional[int] = None,
+):
     """Write `k`/`v` (`[b, kv_heads, s, head_dim]`) at each row's positions (`position_ids` `[b, s]`) into the pool
     blocks `table` maps them to, then gather every row's blocks: keys and values `[b, kv_heads, K, head_dim]`
     (a latent cache: the keys and their first `latent` columns)."""

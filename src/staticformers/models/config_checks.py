@@ -83,8 +83,9 @@ def token_ids(value: Any, key: str, source: str, vocab_size: int, allow_list: bo
     items = value if allow_list and isinstance(value, list) else [value]
     if not items or not all(_is_int(v) and 0 <= v < vocab_size for v in items):
         what = "a token id or a list of token ids" if allow_list else "a token id"
-        raise ConfigError(f"{source}: {key}={_shown(value)} must be {what} from 0 to {vocab_size - 1} "
-                          f"(the vocabulary), or null.")
+        raise ConfigError(
+            f"{source}: {key}={_shown(value)} must be {what} from 0 to {vocab_size - 1} (the vocabulary), or null."
+        )
     return value
 
 
@@ -104,14 +105,24 @@ def string_list(value: Any, key: str, source: str, allowed: tuple[str, ...], len
         raise ConfigError(f"{source}: {key} has {len(value)} entries for {length} layers.")
     bad = sorted({v for v in value if v not in allowed})
     if bad:
-        raise ConfigError(f"{source}: {key} holds {', '.join(map(repr, bad))}: each entry must be one of "
-                          f"{', '.join(map(repr, allowed))}.")
+        raise ConfigError(
+            f"{source}: {key} holds {', '.join(map(repr, bad))}: each entry must be one of "
+            f"{', '.join(map(repr, allowed))}."
+        )
     return value
 
 
 # RoPE scaling parameters the decoder reads, and what each must be
-_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
-                 "mscale", "mscale_all_dim")
+_ROPE_NUMBERS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+)
 
 
 def rope_parameters(params: dict, rope_type: str, source: str) -> None:
@@ -120,13 +131,29 @@ def rope_parameters(params: dict, rope_type: str, source: str) -> None:
         if params.get(key) is not None:
             positive_number(params[key], f"rope scaling {key}", source)
     if params.get("original_max_position_embeddings") is not None:
-        positive_int(params["original_max_position_embeddings"], "rope scaling original_max_position_embeddings", source)
+        positive_int(
+            params["original_max_position_embeddings"], "rope scaling original_max_position_embeddings", source
+        )
     if "truncate" in params:
         boolean(params["truncate"], "rope scaling truncate", source, default=True)
     if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
-        raise ConfigError(f"{source}: rope scaling 'llama3' needs high_freq_factor > low_freq_factor "
-                          f"(got {params['high_freq_factor']} and {params['low_freq_factor']}).")
+        raise ConfigError(
+            f"{source}: rope scaling 'llama3' needs high_freq_factor > low_freq_factor "
+            f"(got {params['high_freq_factor']} and {params['low_freq_factor']})."
+        )
 
 
-__all__ = ["ConfigError", "positive_int", "optional_positive_int", "non_negative_int", "positive_number", "boolean",
-           "optional_boolean", "string", "token_ids", "mapping", "string_list", "rope_parameters"]
+__all__ = [
+    "ConfigError",
+    "positive_int",
+    "optional_positive_int",
+    "non_negative_int",
+    "positive_number",
+    "boolean",
+    "optional_boolean",
+    "string",
+    "token_ids",
+    "mapping",
+    "string_list",
+    "rope_parameters",
+]

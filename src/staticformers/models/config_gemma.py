@@ -21,8 +21,15 @@ from .config_checks import ConfigError
 
 # `fam` below is a `model_config.Family`, `config` a `model_config.ModelConfig` (not imported: it imports this)
 
-HANDLED = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "hidden_activation",
-           "rope_local_base_freq", "sliding_window_pattern", "use_bidirectional_attention")
+HANDLED = (
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "hidden_activation",
+    "rope_local_base_freq",
+    "sliding_window_pattern",
+    "use_bidirectional_attention",
+)
 
 
 def _cap(value, key: str, source: str) -> Optional[float]:
@@ -45,8 +52,10 @@ def read(d: dict, fam, source: str, rope: Callable) -> dict:
     if not fam.gemma_keys:
         return {}
     if checks.boolean(d.get("use_bidirectional_attention"), "use_bidirectional_attention", source):
-        raise ConfigError(f"{source}: use_bidirectional_attention=true makes a {fam.architecture} an encoder "
-                          f"(embedding models), which this causal decoder does not run: set it to false.")
+        raise ConfigError(
+            f"{source}: use_bidirectional_attention=true makes a {fam.architecture} an encoder "
+            f"(embedding models), which this causal decoder does not run: set it to false."
+        )
     scalar = d.get("query_pre_attn_scalar")
     checks.positive_number(scalar, "query_pre_attn_scalar", source)  # kept as written: transformers wants an int
     out = {
@@ -79,4 +88,7 @@ def write(config, out: dict) -> None:
     out["sliding_window"] = config.sliding_window
     out["layer_types"] = config.layer_types or ["full_attention"] * config.num_hidden_layers
     if fam.per_type_rope:
-        out["rope_parameters"] = {"full_attention": out["rope_parameters"], "sliding_attention": dict(config.rope_local)}
+        out["rope_parameters"] = {
+            "full_attention": out["rope_parameters"],
+            "sliding_attention": dict(config.rope_local),
+        }

@@ -22,8 +22,13 @@ from .config_checks import ConfigError
 
 # `fam` below is a `config.Family`, `config` a `config.ModelConfig` (not imported: config imports this module)
 
-KEYS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
-        "linear_conv_kernel_dim")
+KEYS = (
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -40,8 +45,10 @@ def layer_types(d: dict, layers: int, source: str) -> list:
         types = [LINEAR if (i + 1) % interval else FULL for i in range(layers)]
     checks.string_list(types, "layer_types", source, (LINEAR, FULL), layers)
     if types[-1] != FULL:
-        raise ConfigError(f"{source}: layer_types ends with a {types[-1]!r} layer: staticformers runs hybrid models "
-                          f"whose last layer is full attention (as Qwen3.5's and Qwen3-Next's are).")
+        raise ConfigError(
+            f"{source}: layer_types ends with a {types[-1]!r} layer: staticformers runs hybrid models "
+            f"whose last layer is full attention (as Qwen3.5's and Qwen3-Next's are)."
+        )
     return list(types)
 
 
@@ -51,9 +58,11 @@ def read(d: dict, fam, source: str) -> dict:
         return {}
     out = {key: checks.positive_int(d.get(key), key, source) for key in KEYS}
     if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
-        raise ConfigError(f"{source}: linear_num_value_heads={out['linear_num_value_heads']} is not a multiple of "
-                          f"linear_num_key_heads={out['linear_num_key_heads']}: each key head serves as many value "
-                          f"heads.")
+        raise ConfigError(
+            f"{source}: linear_num_value_heads={out['linear_num_value_heads']} is not a multiple of "
+            f"linear_num_key_heads={out['linear_num_key_heads']}: each key head serves as many value "
+            f"heads."
+        )
     return out
 
 
@@ -66,12 +75,21 @@ def linear_parameters(config) -> int:
     """Parameters of one Gated DeltaNet layer: the four input projections (Qwen3-Next's two fused ones hold the
     same rows), the convolution, dt_bias and A_log, the gated norm and the output projection."""
     h = config.hidden_size
-    key, value = config.linear_num_key_heads * config.linear_key_head_dim, \
-        config.linear_num_value_heads * config.linear_value_head_dim
+    key, value = (
+        config.linear_num_key_heads * config.linear_key_head_dim,
+        config.linear_num_value_heads * config.linear_value_head_dim,
+    )
     conv = 2 * key + value
     heads = config.linear_num_value_heads
-    return h * conv + h * value + 2 * h * heads + conv * config.linear_conv_kernel_dim + 2 * heads + \
-        config.linear_value_head_dim + value * h
+    return (
+        h * conv
+        + h * value
+        + 2 * h * heads
+        + conv * config.linear_conv_kernel_dim
+        + 2 * heads
+        + config.linear_value_head_dim
+        + value * h
+    )
 
 
 def state_shapes(config, tp: int = 1) -> tuple[tuple, tuple]:
@@ -80,8 +98,10 @@ def state_shapes(config, tp: int = 1) -> tuple[tuple, tuple]:
     value heads they serve, `distributed/parallelize.py`; `tp` divides the key heads, `DistributedConfig` checks)."""
     key_heads, value_heads = config.linear_num_key_heads // tp, config.linear_num_value_heads // tp
     key, value = key_heads * config.linear_key_head_dim, value_heads * config.linear_value_head_dim
-    return ((2 * key + value, config.linear_conv_kernel_dim - 1),
-            (value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+    return (
+        (2 * key + value, config.linear_conv_kernel_dim - 1),
+        (value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+    )
 
 
 __all__ = ["KEYS", "LINEAR", "FULL", "handled", "layer_types", "read", "write", "linear_parameters", "state_shapes"]

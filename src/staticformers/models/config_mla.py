@@ -46,8 +46,10 @@ def read(d: dict, fam, layers: int, source: str) -> dict:
         "rope_interleave": checks.boolean(d.get("rope_interleave", True), "rope_interleave", source, default=True),
     }
     if out["qk_rope_head_dim"] % 2:
-        raise ConfigError(f"{source}: qk_rope_head_dim={out['qk_rope_head_dim']} is odd: rotary embeddings need an "
-                          f"even number of dims.")
+        raise ConfigError(
+            f"{source}: qk_rope_head_dim={out['qk_rope_head_dim']} is odd: rotary embeddings need an "
+            f"even number of dims."
+        )
     if fam.router == "grouped_sigmoid":
         out.update(_routing(d, layers, source))
     return out
@@ -59,24 +61,31 @@ def _routing(d: dict, layers: int, source: str) -> dict:
     experts = checks.positive_int(d.get("n_routed_experts", d.get("num_local_experts")), "n_routed_experts", source)
     top_k = checks.positive_int(d.get("num_experts_per_tok"), "num_experts_per_tok", source)
     if experts % groups:
-        raise ConfigError(f"{source}: n_routed_experts={experts} is not a multiple of n_group={groups}: each group "
-                          f"holds the same number of experts.")
+        raise ConfigError(
+            f"{source}: n_routed_experts={experts} is not a multiple of n_group={groups}: each group "
+            f"holds the same number of experts."
+        )
     if top_groups > groups:
         raise ConfigError(f"{source}: topk_group={top_groups} is more than n_group={groups}.")
     if experts // groups < 2:
-        raise ConfigError(f"{source}: n_group={groups} leaves fewer than 2 experts per group: a group is scored by "
-                          f"its best two experts.")
+        raise ConfigError(
+            f"{source}: n_group={groups} leaves fewer than 2 experts per group: a group is scored by "
+            f"its best two experts."
+        )
     if top_k > top_groups * (experts // groups):
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} is more than the {top_groups * (experts // groups)} "
-                          f"experts of the topk_group={top_groups} groups a token may use.")
+        raise ConfigError(
+            f"{source}: num_experts_per_tok={top_k} is more than the {top_groups * (experts // groups)} "
+            f"experts of the topk_group={top_groups} groups a token may use."
+        )
     first_dense = checks.non_negative_int(d.get("first_k_dense_replace", 0), "first_k_dense_replace", source)
     if first_dense > layers:
         raise ConfigError(f"{source}: first_k_dense_replace={first_dense} is more than the {layers} layers.")
     return {
         "n_group": groups,
         "topk_group": top_groups,
-        "routed_scaling_factor": checks.positive_number(d.get("routed_scaling_factor", 1.0), "routed_scaling_factor",
-                                                        source),
+        "routed_scaling_factor": checks.positive_number(
+            d.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
+        ),
         "n_shared_experts": checks.non_negative_int(d.get("n_shared_experts", 0) or 0, "n_shared_experts", source),
         "first_k_dense_replace": first_dense,
     }

@@ -17,9 +17,21 @@ from .config_checks import ConfigError
 # `fam` below is a `config.Family`, `config` a `config.ModelConfig` (not imported: config imports this module)
 
 # the keys this module turns into ModelConfig fields (for a MoE family)
-HANDLED = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-           "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef",
-           "router_jitter_noise", "swiglu_alpha", "swiglu_limit", "shared_expert_intermediate_size")
+HANDLED = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "shared_expert_intermediate_size",
+)
 
 
 def _count(d: dict, raw: dict, fam, source: str) -> int:
@@ -47,30 +59,42 @@ def read(d: dict, raw: dict, fam, layers: int, source: str) -> dict:
     experts = _count(d, raw, fam, source)
     top_k = checks.positive_int(d.get("num_experts_per_tok"), "num_experts_per_tok", source)
     if top_k > experts:
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} is more than the {experts} experts: each token "
-                          f"picks at most every expert once.")
+        raise ConfigError(
+            f"{source}: num_experts_per_tok={top_k} is more than the {experts} experts: each token "
+            f"picks at most every expert once."
+        )
     width = checks.positive_int(d.get(fam.expert_width_key), fam.expert_width_key, source)
     step = checks.positive_int(d.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
     dense_layers = d.get("mlp_only_layers")
     dense_layers = [] if dense_layers is None else dense_layers
-    if not isinstance(dense_layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
-                                                      for i in dense_layers):
-        raise ConfigError(f"{source}: mlp_only_layers={dense_layers!r} must be a list of layer indices from 0 to "
-                          f"{layers - 1}.")
+    if not isinstance(dense_layers, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in dense_layers
+    ):
+        raise ConfigError(
+            f"{source}: mlp_only_layers={dense_layers!r} must be a list of layer indices from 0 to {layers - 1}."
+        )
     return {
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": width,
-        "norm_topk_prob": True if fam.always_norm_topk else checks.boolean(d.get("norm_topk_prob"), "norm_topk_prob", source),
+        "norm_topk_prob": True
+        if fam.always_norm_topk
+        else checks.boolean(d.get("norm_topk_prob"), "norm_topk_prob", source),
         "decoder_sparse_step": step,
         "mlp_only_layers": list(dense_layers),
         "output_router_logits": checks.boolean(d.get("output_router_logits"), "output_router_logits", source),
         "router_aux_loss_coef": _fraction(d.get("router_aux_loss_coef", 0.001), "router_aux_loss_coef", source),
         "router_jitter_noise": _fraction(d.get("router_jitter_noise", 0.0), "router_jitter_noise", source),
         **_clamped_swiglu(d, fam, source),
-        **({"shared_expert_intermediate_size": checks.positive_int(d.get("shared_expert_intermediate_size"),
-                                                                   "shared_expert_intermediate_size", source)}
-           if fam.gated_shared_expert else {}),
+        **(
+            {
+                "shared_expert_intermediate_size": checks.positive_int(
+                    d.get("shared_expert_intermediate_size"), "shared_expert_intermediate_size", source
+                )
+            }
+            if fam.gated_shared_expert
+            else {}
+        ),
     }
 
 
@@ -78,8 +102,10 @@ def _clamped_swiglu(d: dict, fam, source: str) -> dict:
     """gpt-oss's clamped SwiGLU constants (transformers' defaults 1.702 and 7.0), {} for other activations."""
     if fam.expert_activation != "clamped_swiglu":
         return {}
-    return {"swiglu_alpha": checks.positive_number(d.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
-            "swiglu_limit": checks.positive_number(d.get("swiglu_limit", 7.0), "swiglu_limit", source)}
+    return {
+        "swiglu_alpha": checks.positive_number(d.get("swiglu_alpha", 1.702), "swiglu_alpha", source),
+        "swiglu_limit": checks.positive_number(d.get("swiglu_limit", 7.0), "swiglu_limit", source),
+    }
 
 
 def write(config) -> dict:
@@ -87,8 +113,12 @@ def write(config) -> dict:
     fam = config.family
     if fam.mlp != "moe":
         return {}
-    out = {fam.experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
-           "output_router_logits": config.output_router_logits, "router_aux_loss_coef": config.router_aux_loss_coef}
+    out = {
+        fam.experts_key: config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "output_router_logits": config.output_router_logits,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+    }
     if fam.expert_width_key != "intermediate_size":
         out[fam.expert_width_key] = config.moe_intermediate_size
     if fam.expert_activation == "clamped_swiglu":
@@ -98,13 +128,19 @@ def write(config) -> dict:
     elif fam.gated_shared_expert:  # Qwen3.5-MoE: every layer sparse, the top-k always renormalised
         out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
         if not fam.always_norm_topk:  # Qwen3-Next: Qwen3-MoE's dense layers and renormalisation switch
-            out.update(norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
-                       mlp_only_layers=list(config.mlp_only_layers))
+            out.update(
+                norm_topk_prob=config.norm_topk_prob,
+                decoder_sparse_step=config.decoder_sparse_step,
+                mlp_only_layers=list(config.mlp_only_layers),
+            )
     elif fam.always_norm_topk:
         out["router_jitter_noise"] = config.router_jitter_noise
     else:
-        out.update(norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
-                   mlp_only_layers=list(config.mlp_only_layers))
+        out.update(
+            norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=config.decoder_sparse_step,
+            mlp_only_layers=list(config.mlp_only_layers),
+        )
     return out
 
 

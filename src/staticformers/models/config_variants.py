@@ -51,16 +51,19 @@ def partial_rotary_factor(d: dict, fam, source: str) -> float:
         value = d.get("partial_rotary_factor", fam.defaults.get("partial_rotary_factor", 1.0))
     value = checks.positive_number(value, "partial_rotary_factor", source)
     if value > 1:
-        raise ConfigError(f"{source}: partial_rotary_factor={value} must be at most 1 (the fraction of each head "
-                          f"that rotates).")
+        raise ConfigError(
+            f"{source}: partial_rotary_factor={value} must be at most 1 (the fraction of each head that rotates)."
+        )
     return float(value)
 
 
 def rotary_dim(head_dim: int, factor: float, source: str) -> int:
     dim = int(head_dim * factor)
     if dim < 2 or dim % 2:
-        raise ConfigError(f"{source}: partial_rotary_factor={factor} of head_dim={head_dim} rotates {dim} dims: it "
-                          f"must give an even number of at least 2.")
+        raise ConfigError(
+            f"{source}: partial_rotary_factor={factor} of head_dim={head_dim} rotates {dim} dims: it "
+            f"must give an even number of at least 2."
+        )
     return dim
 
 
@@ -70,16 +73,23 @@ def longrope(scaling: dict, d: dict, dim: int, source: str) -> dict:
     scaling = dict(scaling)
     original = d.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
     if original is None:
-        raise ConfigError(f"{source}: rope scaling 'longrope' needs 'original_max_position_embeddings' (the "
-                          f"pretraining context).")
-    scaling["original_max_position_embeddings"] = checks.positive_int(original, "original_max_position_embeddings",
-                                                                      source)
+        raise ConfigError(
+            f"{source}: rope scaling 'longrope' needs 'original_max_position_embeddings' (the pretraining context)."
+        )
+    scaling["original_max_position_embeddings"] = checks.positive_int(
+        original, "original_max_position_embeddings", source
+    )
     for key in ("short_factor", "long_factor"):
         value = scaling.get(key)
-        if not (isinstance(value, list) and len(value) == dim // 2
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
-            raise ConfigError(f"{source}: rope scaling 'longrope' needs {key!r} as a list of {dim // 2} positive "
-                              f"numbers (one per rotated pair of dims), not {str(value)[:60]}.")
+        if not (
+            isinstance(value, list)
+            and len(value) == dim // 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)
+        ):
+            raise ConfigError(
+                f"{source}: rope scaling 'longrope' needs {key!r} as a list of {dim // 2} positive "
+                f"numbers (one per rotated pair of dims), not {str(value)[:60]}."
+            )
     return scaling
 
 
@@ -99,10 +109,15 @@ def no_rope_layers(d: dict, layers: int, source: str) -> list:
     if value is None:
         interval = checks.positive_int(d.get("no_rope_layer_interval", 4), "no_rope_layer_interval", source)
         return [int((i + 1) % interval != 0) for i in range(layers)]
-    if not (isinstance(value, list) and len(value) == layers and all(v in (0, 1) and not isinstance(v, float)
-                                                                       for v in value)):
-        raise ConfigError(f"{source}: no_rope_layers must list 0 or 1 for each of the {layers} layers (1: the layer "
-                          f"applies RoPE), not {str(value)[:60]}.")
+    if not (
+        isinstance(value, list)
+        and len(value) == layers
+        and all(v in (0, 1) and not isinstance(v, float) for v in value)
+    ):
+        raise ConfigError(
+            f"{source}: no_rope_layers must list 0 or 1 for each of the {layers} layers (1: the layer "
+            f"applies RoPE), not {str(value)[:60]}."
+        )
     return [int(v) for v in value]
 
 

@@ -195,8 +195,9 @@ class RotaryEmbedding(nn.Module):
         # computed on the CPU even under a meta-device context: pow on meta pages in kernels a load never needs
         self.register_buffer("inv_freq", rope_inv_freq(config, device=torch.device("cpu")), persistent=False)
         if config.rope_type == "longrope":
-            self.register_buffer("long_inv_freq", rope_inv_freq(config, torch.device("cpu"), long=True),
-                                 persistent=False)
+            self.register_buffer(
+                "long_inv_freq", rope_inv_freq(config, torch.device("cpu"), long=True), persistent=False
+            )
         self.attention_factor = rope_attention_factor(config)
 
     def reset_parameters(self, device: Optional[torch.device] = None) -> None:
@@ -206,8 +207,9 @@ class RotaryEmbedding(nn.Module):
         if self.config.rope_type == "longrope":
             self.long_inv_freq = rope_inv_freq(self.config, device=device, long=True)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
-                long: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, long: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`long`: LongRoPE's long factors (`rope_variants.uses_long_factors`)."""
         inv_freq = self.long_inv_freq if long else self.inv_freq
         freqs = position_ids[..., None].float() * inv_freq.float()
@@ -254,8 +256,9 @@ class Attention(nn.Module):
         # q/k norm per head (Qwen3, Gemma 3), or over the whole projection before the heads split (OLMo 2)
         self.qk_norm_whole = config.family.qk_norm_over == "projection"
         if config.qk_norm:
-            q_dim, k_dim = ((config.num_attention_heads * hd, config.num_key_value_heads * hd) if self.qk_norm_whole
-                            else (hd, hd))
+            q_dim, k_dim = (
+                (config.num_attention_heads * hd, config.num_key_value_heads * hd) if self.qk_norm_whole else (hd, hd)
+            )
             self.q_norm = make_norm(config.family.norm, q_dim, config.rms_norm_eps, RMSNorm)
             self.k_norm = make_norm(config.family.norm, k_dim, config.rms_norm_eps, RMSNorm)
         else:
@@ -281,8 +284,9 @@ class Attention(nn.Module):
         k = k.transpose(1, 2)
         return (apply_rope(k, cos, sin, self.interleaved) if self.rope else k), v.transpose(1, 2)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None):
+    def forward(
+        self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN, keep: Optional[Keep] = None
+    ):
         """Self-attention of `x` (the layer's normalised input); `keep`: the output at the kept positions
         only, the keys and values (and the cache) at every position. Without `keep`, q, k and v are one
         `ops.linear_group` call (a backend may compute them in one pass over their input)."""
@@ -294,7 +298,12 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
         if keep is not None:
-            x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
+            x, cos, sin, mask = (
+                take(x, keep),
+                take(cos, keep),
+                take(sin, keep),
+                kept_rows(mask, keep, k.shape[2], k.device),
+            )
             q = ops.linear(self.q_proj, x)
         b, s, _ = q.shape
         gate = None
@@ -344,9 +353,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(fam.norm, h, eps, RMSNorm) if self.placement != "post" else None
         self.linear = config.layer_is_linear(layer_idx)  # Qwen3.5's Gated DeltaNet layers
         if self.linear:
-            self.linear_attn = (FusedGatedDeltaNet if fam.fused_linear_projections else GatedDeltaNet)(config, layer_idx)
+            self.linear_attn = (FusedGatedDeltaNet if fam.fused_linear_projections else GatedDeltaNet)(
+                config, layer_idx
+            )
         else:
-            self.self_attn = LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
+            self.self_attn = (
+                LatentAttention(config, layer_idx) if config.latent_attention else Attention(config, layer_idx)
+            )
         self.post_attention_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
@@ -354,7 +367,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = make_norm(fam.norm, h, eps, RMSNorm)
         self.sparse = config.layer_is_sparse(layer_idx)
         if self.sparse:
-            shared = MLP(config, config.n_shared_experts * config.moe_intermediate_size) if config.n_shared_experts else None
+            shared = (
+                MLP(config, config.n_shared_experts * config.moe_intermediate_size) if config.n_shared_experts else None
+            )
             gated = MLP(config, config.shared_expert_intermediate_size) if config.family.gated_shared_expert else None
             self.mlp = SparseMoeBlock(config, shared, gated)
         else:
@@ -398,13 +413,25 @@ class DecoderLayer(nn.Module):
         """The keys and values this layer's attention computes from the layer's input `x` (what `forward`
         writes into a cache), without the rest of the layer."""
         if self.linear:
-            raise ValueError(f"Layer {self.linear_attn.layer_idx} is linear attention: it keeps a recurrent state, "
-                             f"not keys and values.")
+            raise ValueError(
+                f"Layer {self.linear_attn.layer_idx} is linear attention: it keeps a recurrent state, "
+                f"not keys and values."
+            )
         cos, sin = rope_tables(cos, sin, self.rope)
         return self.self_attn.keys_values(self.attention_input(x), cos, sin, ops)
 
-    def forward(self, x, cos, sin, masks, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None, routed: bool = False):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        masks,
+        kv_cache=None,
+        position_ids=None,
+        ops: Ops = PLAIN,
+        keep: Optional[Keep] = None,
+        routed: bool = False,
+    ):
         """`keep`: the output at the kept positions only (see `Attention.forward`). `routed`: return `(x,
         router logits)`, the logits None for a dense layer (through the module's call, so that hooks,
         FSDP's among them, run as for any other call)."""
@@ -454,8 +481,9 @@ def rope_tables(cos, sin, key: Optional[str]):
 VALID = "valid"  # the masks' key of the positions linear-attention layers count ([batch, seq] bool, or None: all)
 
 
-def valid_positions(seq: int, device, attention_mask: Optional[torch.Tensor] = None,
-                    kv_cache=None) -> Optional[torch.Tensor]:
+def valid_positions(
+    seq: int, device, attention_mask: Optional[torch.Tensor] = None, kv_cache=None
+) -> Optional[torch.Tensor]:
     """The tokens the linear-attention layers count: a 2-D `attention_mask`'s ones; over a cache that says each row's
     last counted token (`last_index`: a prompt-only cache's last prompt token, a running hybrid cache's
     `KVCache.count`), each row's tokens up to it; None (all of them) otherwise."""
@@ -527,8 +555,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         # built without nn.Embedding's own init (init_weights does it): on the meta device, normal_
         # pages in kernels that a load never needs
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config.family.norm, config.hidden_size, config.rms_norm_eps, RMSNorm)
         self.rotary_emb = RotaryEmbedding(config)
@@ -536,9 +565,12 @@ class DecoderModel(nn.Module):
         self.rotary_local = RotaryEmbedding(local_rope_config(config)) if config.rope_local is not None else None
         # sqrt(hidden) rounded per dtype here, eagerly: inside a traced graph the rounding (a tensor read back as
         # a float) would break the graph on runtimes that cannot fold it (torch_xla's dynamo)
-        scale = config.hidden_size ** 0.5
-        self.embed_scales = ({dtype: embedding_scale(scale, dtype) for dtype in ROUNDED_DTYPES}
-                             if config.family.scaled_embedding else None)
+        scale = config.hidden_size**0.5
+        self.embed_scales = (
+            {dtype: embedding_scale(scale, dtype) for dtype in ROUNDED_DTYPES}
+            if config.family.scaled_embedding
+            else None
+        )
         self.windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
         self.linear = config.has_linear_attention
         self.embedding_multiplier = config.embedding_multiplier
@@ -573,13 +605,23 @@ class DecoderModel(nn.Module):
             cos, sin = {"global": cos, "local": local_cos}, {"global": sin, "local": local_sin}
         return x, cos, sin, masks
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, kv_cache=None, inputs_embeds=None,
-                keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        kv_cache=None,
+        inputs_embeds=None,
+        keep: Optional[Keep] = None,
+        ops: Ops = PLAIN,
+        router_logits: Optional[list] = None,
+    ):
         """The final hidden states; `keep`: at the kept positions only (`run_layers`); `router_logits`: a
         list that collects each sparse layer's router logits."""
         x, cos, sin, masks = self.prepare(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds)
-        return self.norm(self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops,
-                                         router_logits=router_logits))
+        return self.norm(
+            self.run_layers(x, cos, sin, masks, kv_cache, position_ids, keep=keep, ops=ops, router_logits=router_logits)
+        )
 
     def reset_rope(self, device: Optional[torch.device] = None) -> None:
         """Recompute every RoPE's frequencies (on `device`, else where they are): a meta-built model's last step."""
@@ -595,8 +637,19 @@ class DecoderModel(nn.Module):
             return None
         return keep
 
-    def run_layers(self, x, cos, sin, masks, kv_cache=None, position_ids=None, call=None,
-                   keep: Optional[Keep] = None, ops: Ops = PLAIN, router_logits: Optional[list] = None):
+    def run_layers(
+        self,
+        x,
+        cos,
+        sin,
+        masks,
+        kv_cache=None,
+        position_ids=None,
+        call=None,
+        keep: Optional[Keep] = None,
+        ops: Ops = PLAIN,
+        router_logits: Optional[list] = None,
+    ):
         """Every layer in turn (checkpointed when gradient checkpointing is on and training). A layer
         runs through its module call (`DecoderLayer.forward`), or through `call(layer, x, cos, sin, masks,
         kv_cache, position_ids, ops)` when given (a compiled region of that forward: the Trainer's).
@@ -628,8 +681,9 @@ class DecoderModel(nn.Module):
         return x
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None,
-                   ignore_index: int = -100) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None, ignore_index: int = -100
+) -> torch.Tensor:
     """Next-token cross-entropy in float32; labels are shifted here (as transformers does).
 
     With `num_items_in_batch` the summed loss is divided by it, so gradient accumulation over
@@ -637,7 +691,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
     """
     labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
     loss = F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index,
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=ignore_index,
         reduction="sum" if num_items_in_batch is not None else "mean",
     )
     if num_items_in_batch is not None:
@@ -714,8 +770,12 @@ class CausalLM(nn.Module):
         an XLA device) gives each module a new parameter, and tied weights would train as two."""
         out = super()._apply(fn, recurse)
         head, embed = self.lm_head.weight, self.model.embed_tokens.weight
-        if (self.config.tie_word_embeddings and head is not embed and head.shape == embed.shape
-                and head.device == embed.device):
+        if (
+            self.config.tie_word_embeddings
+            and head is not embed
+            and head.shape == embed.shape
+            and head.device == embed.device
+        ):
             self.tie_weights()
         return out
 
@@ -782,17 +842,30 @@ class CausalLM(nn.Module):
         router = [] if output_router_logits and config.is_moe else None
         # what the last layer computes (all of it when its router logits are wanted); the rest is taken here
         trimmed = self.model.effective_keep(keep, seq) if router is None else None
-        hidden = self.model(input_ids, attention_mask, position_ids, kv_cache, inputs_embeds, keep=trimmed, ops=ops,
-                            router_logits=router)
+        hidden = self.model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            kv_cache,
+            inputs_embeds,
+            keep=trimmed,
+            ops=ops,
+            router_logits=router,
+        )
         wanted = _kept(keep, seq)
         if wanted is not None and trimmed is None:
             hidden = take(hidden, wanted)
         return self.head(hidden, labels, num_items_in_batch, ops, router, attention_mask)
 
-    def head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
-             num_items_in_batch: Optional[Union[int, torch.Tensor]] = None, ops: Ops = PLAIN,
-             router_logits: Optional[Union[list, tuple]] = None,
-             attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
+    def head(
+        self,
+        hidden: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        num_items_in_batch: Optional[Union[int, torch.Tensor]] = None,
+        ops: Ops = PLAIN,
+        router_logits: Optional[Union[list, tuple]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> CausalLMOutput:
         """What `forward` computes from the decoder's output `hidden` (the final norm applied): the
         logits (`lm_head`, through `ops.head`); with `labels`, the loss (`causal_lm_loss`); with
         `router_logits` (the sparse layers' own, in layer order), the load-balancing loss, added to the
@@ -809,9 +882,19 @@ class CausalLM(nn.Module):
         if router_logits and self.config.family.router != "grouped_sigmoid":  # DeepSeek: no auxiliary loss
             config = self.config
             mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-            aux = load_balancing_loss(router_logits, config.num_experts, config.num_experts_per_tok, mask,
-                                      self.data_parallel, share=num_items_in_batch is not None)
+            aux = load_balancing_loss(
+                router_logits,
+                config.num_experts,
+                config.num_experts_per_tok,
+                mask,
+                self.data_parallel,
+                share=num_items_in_batch is not None,
+            )
             if loss is not None:
                 loss = loss + config.router_aux_loss_coef * aux.to(loss.device)
-        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux,
-                              router_logits=tuple(router_logits) if router_logits is not None else None)
+        return CausalLMOutput(
+            logits=logits,
+            loss=loss,
+            aux_loss=aux,
+            router_logits=tuple(router_logits) if router_logits is not None else None,
+        )

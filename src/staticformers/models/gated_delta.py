@@ -66,17 +66,23 @@ def _prepare(q, k, v, g, beta, valid):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          state: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-                          each: bool = False) -> tuple[torch.Tensor, ...]:
+def recurrent_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None,
+    each: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """q, k `[b, s, key_heads, dk]`, v `[b, s, heads, dv]`, g (log decay, <= 0) and beta `[b, s, heads]`, state
     `[b, heads, dk, dv]` (None: zeros) -> (output `[b, s, heads, dv]` in v's dtype, the float32 state after); with
     `each`, also the state after every token, `[b, s, heads, dk, dv]`."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, valid)
     b, h, s, dk = k.shape
-    state = (torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None
-             else state.float())
+    state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=v.device) if state is None else state.float()
     outs, states = [], []
     for t in range(s):
         state = state * g[:, :, t].exp()[..., None, None]
@@ -90,9 +96,16 @@ def recurrent_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return (out, state, torch.stack(states, dim=1)) if each else (out, state)
 
 
-def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: Optional[torch.Tensor] = None, valid: Optional[torch.Tensor] = None,
-                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`recurrent_gated_delta`'s result, `chunk_size` tokens at a time (the sequence padded to a multiple of it
     with positions that change nothing)."""
     dtype = v.dtype
@@ -118,7 +131,7 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     q_decayed = q * decay.exp().unsqueeze(-1)
     k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = (torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float())
+    state = torch.zeros(b, h, dk, dv, dtype=torch.float32, device=v.device) if state is None else state.float()
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
@@ -144,8 +157,13 @@ def unit_lower_inverse(lower: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: Optional[torch.Tensor] = None,
-                valid: Optional[torch.Tensor] = None, each: bool = False) -> tuple[torch.Tensor, ...]:
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None,
+    each: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """x `[b, channels, s]` (zeroed where not `valid`), weight `[channels, K]` or `nn.Conv1d`'s `[channels, 1, K]`,
     state `[b, channels, K - 1]` (None: zeros) -> (SiLU of the depthwise causal convolution `[b, channels, s]`, the
     next state: the `K - 1` inputs up to each row's last valid position); with `each`, also the state after every
@@ -168,7 +186,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: Optional[torch.Ten
         idx = end.view(b, 1, 1) + torch.arange(width, device=x.device).view(1, 1, width)
         new_state = full.gather(-1, idx.expand(b, c, width))
     if each:  # after position j: the inputs j + 1 - (K - 1) .. j, `full` indices j + 1 .. j + K - 1
-        windows = torch.stack([full[..., j + 1:j + 1 + width] for j in range(s)], dim=1)
+        windows = torch.stack([full[..., j + 1 : j + 1 + width] for j in range(s)], dim=1)
         return F.silu(out).to(x.dtype), new_state, windows
     return F.silu(out).to(x.dtype), new_state
 

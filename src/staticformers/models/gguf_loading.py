@@ -69,21 +69,27 @@ def _layout(model: CausalLM, f: GGUFFile) -> dict[str, list[tuple[str, int, int]
         implied = (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
         if f.shape(name) != implied or any(s[1:] != shapes[0][1:] for s in shapes):
             what = targets[0] if len(targets) == 1 else " + ".join(targets)
-            raise GGUFError(f"Tensor {name} in {base} has shape {list(f.shape(name))} but the file's metadata implies "
-                            f"{list(implied)} for {what}: the file is inconsistent; re-download it.")
+            raise GGUFError(
+                f"Tensor {name} in {base} has shape {list(f.shape(name))} but the file's metadata implies "
+                f"{list(implied)} for {what}: the file is inconsistent; re-download it."
+            )
         parts, start = [], 0
         for target, shape in zip(targets, shapes):
             parts.append((target, start, start + shape[0]))
             start += shape[0]
         layout[name] = parts
     if unknown:
-        raise GGUFError(f"{base} holds {len(unknown)} tensor(s) this {model.config.architecture} does not use "
-                        f"({', '.join(unknown[:6])}): staticformers cannot load this GGUF variant; use the model's "
-                        f"safetensors checkpoint instead.")
+        raise GGUFError(
+            f"{base} holds {len(unknown)} tensor(s) this {model.config.architecture} does not use "
+            f"({', '.join(unknown[:6])}): staticformers cannot load this GGUF variant; use the model's "
+            f"safetensors checkpoint instead."
+        )
     missing = sorted(set(expected) - {t for parts in layout.values() for t, _, _ in parts})
     if missing:
-        raise GGUFError(f"{base} lacks {len(missing)} tensor(s) that {model.config.architecture} needs "
-                        f"({', '.join(missing[:6])}): the file is incomplete; re-download it.")
+        raise GGUFError(
+            f"{base} lacks {len(missing)} tensor(s) that {model.config.architecture} needs "
+            f"({', '.join(missing[:6])}): the file is incomplete; re-download it."
+        )
     return layout
 
 
@@ -93,16 +99,21 @@ def load_gguf_weights(model: CausalLM, f: GGUFFile, device: torch.device, dtype:
     f.check_types()
     layout = _layout(model, f)
     if "rope_freqs.weight" in f.tensor_names:
-        logger.warning("%s carries rope_freqs.weight (Llama 3.1+'s RoPE scaling), which its metadata does not "
-                       "describe: the model runs plain RoPE, as transformers' GGUF loader does; for the scaled RoPE, "
-                       "load the model's safetensors checkpoint.", os.path.basename(f.path))
+        logger.warning(
+            "%s carries rope_freqs.weight (Llama 3.1+'s RoPE scaling), which its metadata does not "
+            "describe: the model runs plain RoPE, as transformers' GGUF loader does; for the scaled RoPE, "
+            "load the model's safetensors checkpoint.",
+            os.path.basename(f.path),
+        )
     cfg = model.config
     arch = f.architecture
     for name, parts in layout.items():
         value = restore(arch, name, f.read(name, torch.float32), cfg.num_attention_heads, cfg.num_key_value_heads)
         if not torch.isfinite(value).all():
-            raise GGUFError(f"Tensor {name} in {os.path.basename(f.path)} holds non-finite values: the file is "
-                            f"corrupt; re-download it.")
+            raise GGUFError(
+                f"Tensor {name} in {os.path.basename(f.path)} holds non-finite values: the file is "
+                f"corrupt; re-download it."
+            )
         for target, start, end in parts:
             part = value if len(parts) == 1 else value[start:end]
             module_name, _, leaf = target.rpartition(".")
@@ -112,8 +123,9 @@ def load_gguf_weights(model: CausalLM, f: GGUFFile, device: torch.device, dtype:
     model.model.reset_rope(device)
 
 
-def load_gguf_model(f: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    model_class: type = CausalLM) -> CausalLM:
+def load_gguf_model(
+    f: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype, model_class: type = CausalLM
+) -> CausalLM:
     with torch.device("meta"):
         model = model_class(config)
     load_gguf_weights(model, f, device, dtype)

@@ -40,6 +40,9 @@ def any_hooked(model: nn.Module, backward: bool = False) -> bool:
 
 def forward_hook_state(modules: list) -> tuple:
     """The forward hooks set on `modules` (by position) and globally: equal tuples mean the same hooks."""
-    own = tuple((i, tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
-                for i, m in enumerate(modules) if m._forward_hooks or m._forward_pre_hooks)
+    own = tuple(
+        (i, tuple(m._forward_hooks), tuple(m._forward_pre_hooks))
+        for i, m in enumerate(modules)
+        if m._forward_hooks or m._forward_pre_hooks
+    )
     return own, global_hook_ids()

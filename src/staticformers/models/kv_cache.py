@@ -50,7 +50,6 @@ from .config_linear import state_shapes
 from .state_rollback import RollbackStates, record_states
 
 
-
 def layout(config, tp: int = 1) -> tuple[int, int, Optional[int]]:
     """(heads, dims per head, latent) of one layer's cache: `num_key_value_heads / tp` heads of `head_dim` keys
     and as many values; for latent attention one head of `kv_lora_rank + qk_rope_head_dim` keys whose first
@@ -78,8 +77,10 @@ def bytes_per_position(config, dtype: torch.dtype, tp: int = 1) -> int:
 
 def state_bytes_per_row(config, dtype: torch.dtype) -> int:
     """What one row's fixed-size states cost over the linear-attention layers, in bytes (its length does not count)."""
-    return sum(math.prod(conv) * dtype.itemsize + math.prod(recurrent) * 4  # the recurrent state is float32
-               for conv, recurrent in linear_states(config).values())
+    return sum(
+        math.prod(conv) * dtype.itemsize + math.prod(recurrent) * 4  # the recurrent state is float32
+        for conv, recurrent in linear_states(config).values()
+    )
 
 
 class KVCache:
@@ -88,9 +89,19 @@ class KVCache:
 
     last_index = None  # a running cache counts every position it is given (`PrefillKV.last_index`)
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, latent: Optional[int] = None,
-                 linear: Optional[dict] = None, rollback: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        latent: Optional[int] = None,
+        linear: Optional[dict] = None,
+        rollback: int = 0,
+    ):
         self.batch, self.max_length, self.latent = int(batch), int(max_length), latent
         self.linear = dict(linear or {})  # {layer: (conv state shape, recurrent state shape)}
         self.rollback = RollbackStates(self.batch, self.linear, rollback, dtype, device) if self.linear else None
@@ -99,8 +110,9 @@ class KVCache:
         shape = (self.batch, kv_heads, self.max_length, head_dim)
 
         def keys(i):
-            return torch.zeros((self.batch, *self.linear[i][0]) if i in self.linear else shape, dtype=dtype,
-                               device=device)
+            return torch.zeros(
+                (self.batch, *self.linear[i][0]) if i in self.linear else shape, dtype=dtype, device=device
+            )
 
         def values(i):
             if i in self.linear:
@@ -119,16 +131,29 @@ class KVCache:
         per position (a hybrid model's speculative verification)."""
         c = model.config
         heads, dim, latent = layout(c, tp)
-        return cls(c.num_hidden_layers, batch, heads, max_length, dim, model.dtype, model.device, latent,
-                   linear_states(c, tp), rollback)
+        return cls(
+            c.num_hidden_layers,
+            batch,
+            heads,
+            max_length,
+            dim,
+            model.dtype,
+            model.device,
+            latent,
+            linear_states(c, tp),
+            rollback,
+        )
 
     @staticmethod
     def bytes_for(model, batch: int, max_length: int, tp: int = 1, rollback: int = 0) -> int:
         """What `for_model` allocates, in bytes (checked against the device's memory before allocating)."""
         c = model.config
         states = state_bytes_per_row(c, model.dtype) // tp  # every state splits over the heads, which tp divides
-        return batch * (max_length * bytes_per_position(c, model.dtype, tp) + states +
-                        RollbackStates.bytes_for(linear_states(c, tp), rollback, model.dtype))
+        return batch * (
+            max_length * bytes_per_position(c, model.dtype, tp)
+            + states
+            + RollbackStates.bytes_for(linear_states(c, tp), rollback, model.dtype)
+        )
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -217,8 +242,9 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def write_rows(
+    key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write `k`/`v` (`[b, kv_heads, s, head_dim]`) into `key`/`value` at each row's positions
     (`position_ids` `[b, s]`) in place; returns the buffers.
 
@@ -230,16 +256,18 @@ def write_rows(key: torch.Tensor, value: torch.Tensor, k: torch.Tensor, v: torch
     return key, value
 
 
-def write_states(conv: torch.Tensor, recurrent: torch.Tensor, new_conv: torch.Tensor,
-                 new_recurrent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def write_states(
+    conv: torch.Tensor, recurrent: torch.Tensor, new_conv: torch.Tensor, new_recurrent: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear-attention layer's states of every row, replaced in place; returns the buffers."""
     conv.copy_(new_conv)
     recurrent.copy_(new_recurrent)
     return conv, recurrent
 
 
-def write_latent(key: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor,
-                 latent: int) -> tuple[torch.Tensor, torch.Tensor]:
+def write_latent(
+    key: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, latent: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`write_rows` for a latent cache: the keys alone; returns the buffer and its first `latent` columns
     (the values)."""
     rows = torch.arange(k.shape[0], device=key.device).view(-1, 1)

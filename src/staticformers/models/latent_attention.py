@@ -103,7 +103,7 @@ class LatentAttention(nn.Module):
         c = self.kv_a_layernorm(c).view(b, 1, s, self.rank)
         k_pe = apply_rope(k_pe.view(b, 1, s, self.rope_dim), cos, sin, self.interleaved)
         keys = self.shared_latent(torch.cat([c, k_pe], dim=-1))
-        return keys, keys[..., :self.rank]
+        return keys, keys[..., : self.rank]
 
     def queries(self, x, cos, sin, ops: Ops) -> torch.Tensor:
         """Each head's query `[b, heads, s, qk_nope + qk_rope]`, its RoPE part rotated."""
@@ -116,21 +116,27 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         return torch.cat([q_nope, apply_rope(q_pe, cos, sin, self.interleaved)], dim=-1)
 
-    def forward(self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None):
+    def forward(
+        self, x, cos, sin, mask, kv_cache=None, position_ids=None, ops: Ops = PLAIN, keep: Optional[Keep] = None
+    ):
         """Attention of `x` (the layer's normalised input) over the latent cache; `keep` as the decoder's
         attention takes it (the output at the kept positions, the cache written at every position)."""
         k, v = self.keys_values(x, cos, sin, ops)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, position_ids)
         if keep is not None:
-            x, cos, sin, mask = take(x, keep), take(cos, keep), take(sin, keep), kept_rows(mask, keep, k.shape[2], k.device)
+            x, cos, sin, mask = (
+                take(x, keep),
+                take(cos, keep),
+                take(sin, keep),
+                kept_rows(mask, keep, k.shape[2], k.device),
+            )
         q = self.queries(x, cos, sin, ops)
         b, heads, s, _ = q.shape
         w = dense_weight(self.kv_b_proj).view(heads, self.nope + self.v_dim, self.rank).to(q.dtype)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
-        q_latent = torch.matmul(q[..., :self.nope], w_uk)  # [b, heads, s, rank]
-        out = ops.attention(torch.cat([q_latent, q[..., self.nope:]], dim=-1), k, v, mask, self.scale)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_latent = torch.matmul(q[..., : self.nope], w_uk)  # [b, heads, s, rank]
+        out = ops.attention(torch.cat([q_latent, q[..., self.nope :]], dim=-1), k, v, mask, self.scale)
         out = torch.matmul(out, w_uv.transpose(1, 2))  # [b, heads, s, v_head_dim]
         return ops.linear(self.o_proj, out.transpose(1, 2).reshape(b, s, heads * self.v_dim))
 

@@ -119,16 +119,23 @@ class GatedDeltaNet(nn.Module):
         """(the convolution's input `[b, s, channels]`: queries, keys and values of every head in that order, the
         output gate `z` `[b, s, values]`, the write-strength and decay inputs `b`, `a` `[b, s, value heads]`); the
         heads are this rank's under tensor parallel."""
-        q, k, v, z, b, a = ops.linear_group((*self.in_proj_qkv.values(), self.in_proj_z, self.in_proj_b,
-                                             self.in_proj_a), x)
+        q, k, v, z, b, a = ops.linear_group(
+            (*self.in_proj_qkv.values(), self.in_proj_z, self.in_proj_b, self.in_proj_a), x
+        )
         return torch.cat([q, k, v], dim=-1), z, b, a
 
     def conv_weight(self) -> torch.Tensor:
         """The convolution's weight `[channels, 1, K]` over the queries, keys and values this rank computes."""
         return torch.cat([local_part(part.weight) for part in self.conv1d.values()])
 
-    def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, kv_cache=None, ops: Ops = PLAIN,
-                keep: Optional[Keep] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        valid: Optional[torch.Tensor] = None,
+        kv_cache=None,
+        ops: Ops = PLAIN,
+        keep: Optional[Keep] = None,
+    ) -> torch.Tensor:
         """The layer's output for `x` (the normalised input `[b, s, hidden]`); with `keep`, at the kept positions
         only (the state still runs over every position)."""
         b, s, _ = x.shape
@@ -139,8 +146,7 @@ class GatedDeltaNet(nn.Module):
         # a step a speculative verification may roll back keeps the states after each of its tokens (`state_rollback.py`)
         each = state is not None and 1 < s <= kv_cache.rollback_width
         mixed, z, b_proj, a_proj = self.projections(x, ops)
-        mixed, conv_state, *conv_each = causal_conv(mixed.transpose(1, 2), self.conv_weight(), conv_state, valid,
-                                                    each)
+        mixed, conv_state, *conv_each = causal_conv(mixed.transpose(1, 2), self.conv_weight(), conv_state, valid, each)
         values = z.shape[-1]  # the value heads' channels this rank computes (the gate has one per value channel)
         keys = (mixed.shape[1] - values) // 2
         q, k, v = mixed.transpose(1, 2).split([keys, keys, values], dim=-1)

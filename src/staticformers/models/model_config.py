@@ -32,8 +32,17 @@ import torch
 from . import config_checks as checks
 from . import config_gemma, config_linear, config_mla, config_moe
 from . import config_variants
-from ..checkpoints.names import (GLM4_FUSED, GPT_OSS_NAMES, MIXTRAL_NAMES, PHI3_FUSED, QWEN3_5_FUSED, QWEN3_NEXT_FUSED,
-                                 QWEN_MOE_NAMES, ExpertNames, FusedNames)
+from ..checkpoints.names import (
+    GLM4_FUSED,
+    GPT_OSS_NAMES,
+    MIXTRAL_NAMES,
+    PHI3_FUSED,
+    QWEN3_5_FUSED,
+    QWEN3_NEXT_FUSED,
+    QWEN_MOE_NAMES,
+    ExpertNames,
+    FusedNames,
+)
 from .config_checks import ConfigError
 
 CONFIG_NAME = "config.json"
@@ -97,155 +106,405 @@ class Family:
     linear_attention: bool = False  # layer_types may name "linear_attention" (`linear_attention.py`)
     gated_attention: bool = False  # q_proj yields each head's query and a gate; the output times sigmoid(gate)
     gated_shared_expert: bool = False  # a `shared_expert` MLP beside the routed ones, times sigmoid(shared_expert_gate)
-    fused_linear_projections: bool = False  # Gated DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next, `fused_delta_net.py`)
+    fused_linear_projections: bool = (
+        False  # Gated DeltaNet's in_proj_qkvz / in_proj_ba (Qwen3-Next, `fused_delta_net.py`)
+    )
     ignored_weights: tuple = ()  # name prefixes of file tensors skipped at load, as transformers skips them (`mtp.`)
 
 
 FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(
-        "Qwen3ForCausalLM", "qwen3", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=128, sliding_all_layers=False,
+        "Qwen3ForCausalLM",
+        "qwen3",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=128,
+        sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
         sliding_needs_flag=True,
     ),
     "LlamaForCausalLM": Family(
-        "LlamaForCausalLM", "llama", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=False,
+        "LlamaForCausalLM",
+        "llama",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=False,
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2},
     ),
     "Qwen2ForCausalLM": Family(
-        "Qwen2ForCausalLM", "qwen2", qk_norm=False, qkv_bias_always=True, o_bias_follows_attention_bias=False,
-        default_head_dim=None, sliding_all_layers=False,
+        "Qwen2ForCausalLM",
+        "qwen2",
+        qk_norm=False,
+        qkv_bias_always=True,
+        o_bias_follows_attention_bias=False,
+        default_head_dim=None,
+        sliding_all_layers=False,
         defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "max_window_layers": 28},
         sliding_needs_flag=True,
     ),
     "MistralForCausalLM": Family(
-        "MistralForCausalLM", "mistral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
-        default_head_dim=None, sliding_all_layers=True,
-        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
-                  "sliding_window": 4096},
+        "MistralForCausalLM",
+        "mistral",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=False,
+        default_head_dim=None,
+        sliding_all_layers=True,
+        defaults={
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "sliding_window": 4096,
+        },
     ),
     "Qwen3MoeForCausalLM": Family(
-        "Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=True,
-        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "intermediate_size": 6144,
-                  "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
-        mlp="moe", expert_names=QWEN_MOE_NAMES, sliding_needs_flag=True,
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=True,
+        defaults={
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "intermediate_size": 6144,
+            "sliding_window": 4096,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+        },
+        mlp="moe",
+        expert_names=QWEN_MOE_NAMES,
+        sliding_needs_flag=True,
     ),
     "MixtralForCausalLM": Family(
-        "MixtralForCausalLM", "mixtral", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
-        default_head_dim=None, sliding_all_layers=True,
-        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "bos_token_id": 1,
-                  "eos_token_id": 2, "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
-        mlp="moe", expert_names=MIXTRAL_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
-        always_norm_topk=True, routing_weights_fp32=True, biases=False,
+        "MixtralForCausalLM",
+        "mixtral",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=False,
+        default_head_dim=None,
+        sliding_all_layers=True,
+        defaults={
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "sliding_window": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        mlp="moe",
+        expert_names=MIXTRAL_NAMES,
+        experts_key="num_local_experts",
+        expert_width_key="intermediate_size",
+        always_norm_topk=True,
+        routing_weights_fp32=True,
+        biases=False,
     ),
     "Gemma2ForCausalLM": Family(
-        "Gemma2ForCausalLM", "gemma2", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=256, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
-                  "pad_token_id": 0, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
-                  "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
-                  "attn_logit_softcapping": 50.0},
-        norm="offset", norm_placement="sandwich", scaled_embedding=True, act_key="hidden_activation",
-        gemma_keys=True, attn_softcap=True, sliding_pattern=2,
+        "Gemma2ForCausalLM",
+        "gemma2",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=256,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
+        norm="offset",
+        norm_placement="sandwich",
+        scaled_embedding=True,
+        act_key="hidden_activation",
+        gemma_keys=True,
+        attn_softcap=True,
+        sliding_pattern=2,
     ),
     "Gemma3ForCausalLM": Family(
-        "Gemma3ForCausalLM", "gemma3_text", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=256, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
-                  "pad_token_id": 0, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
-                  "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1000000.0,
-                  "rope_local_base_freq": 10000.0},
-        norm="offset", norm_placement="sandwich", scaled_embedding=True, act_key="hidden_activation",
-        gemma_keys=True, per_type_rope=True, sliding_pattern=6, sliding_pattern_key="sliding_window_pattern",
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=256,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 2,
+            "eos_token_id": 1,
+            "pad_token_id": 0,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+        },
+        norm="offset",
+        norm_placement="sandwich",
+        scaled_embedding=True,
+        act_key="hidden_activation",
+        gemma_keys=True,
+        per_type_rope=True,
+        sliding_pattern=6,
+        sliding_pattern_key="sliding_window_pattern",
     ),
     "Olmo2ForCausalLM": Family(
-        "Olmo2ForCausalLM", "olmo2", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=False,
+        "Olmo2ForCausalLM",
+        "olmo2",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=False,
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "pad_token_id": 1, "eos_token_id": 50279},
-        norm="float_weight", norm_placement="post", qk_norm_over="projection",
+        norm="float_weight",
+        norm_placement="post",
+        qk_norm_over="projection",
     ),
     "Phi3ForCausalLM": Family(
-        "Phi3ForCausalLM", "phi3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
-        default_head_dim=None, sliding_all_layers=True,
+        "Phi3ForCausalLM",
+        "phi3",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=False,
+        default_head_dim=None,
+        sliding_all_layers=True,
         defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096},
-        biases=False, fused_names=PHI3_FUSED,
+        biases=False,
+        fused_names=PHI3_FUSED,
     ),
     "Glm4ForCausalLM": Family(
-        "Glm4ForCausalLM", "glm4", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=False,
-        default_head_dim=128, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-07, "attention_bias": True,
-                  "partial_rotary_factor": 0.5},
-        fused_names=GLM4_FUSED, rope_interleaved=True, post_sublayer_norms=True,
+        "Glm4ForCausalLM",
+        "glm4",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=False,
+        default_head_dim=128,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1.5625e-07,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+        },
+        fused_names=GLM4_FUSED,
+        rope_interleaved=True,
+        post_sublayer_norms=True,
     ),
     "GraniteForCausalLM": Family(
-        "GraniteForCausalLM", "granite", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=False,
+        "GraniteForCausalLM",
+        "granite",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=False,
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
         multipliers=True,
     ),
     "SmolLM3ForCausalLM": Family(
-        "SmolLM3ForCausalLM", "smollm3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 4,
-                  "tie_word_embeddings": True},
-        sliding_needs_flag=True, rope_per_layer=True,
+        "SmolLM3ForCausalLM",
+        "smollm3",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": True,
+        },
+        sliding_needs_flag=True,
+        rope_per_layer=True,
     ),
     "GptOssForCausalLM": Family(
-        "GptOssForCausalLM", "gpt_oss", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=64, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
-                  "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                   "truncate": False, "original_max_position_embeddings": 4096},
-                  "sliding_window": 128, "attention_bias": True, "num_local_experts": 128, "num_experts_per_tok": 4,
-                  "intermediate_size": 2880},
-        mlp="moe", expert_names=GPT_OSS_NAMES, experts_key="num_local_experts", expert_width_key="intermediate_size",
-        always_norm_topk=True, attention_sinks=True, alternating_sliding=True, router_bias=True,
-        topk_before_softmax=True, expert_bias=True, expert_activation="clamped_swiglu", norm="float_weight",
+        "GptOssForCausalLM",
+        "gpt_oss",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=64,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 150000.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+            "sliding_window": 128,
+            "attention_bias": True,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "intermediate_size": 2880,
+        },
+        mlp="moe",
+        expert_names=GPT_OSS_NAMES,
+        experts_key="num_local_experts",
+        expert_width_key="intermediate_size",
+        always_norm_topk=True,
+        attention_sinks=True,
+        alternating_sliding=True,
+        router_bias=True,
+        topk_before_softmax=True,
+        expert_bias=True,
+        expert_activation="clamped_swiglu",
+        norm="float_weight",
     ),
     "DeepseekV3ForCausalLM": Family(
-        "DeepseekV3ForCausalLM", "deepseek_v3", qk_norm=False, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=None, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
-                  "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                  "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-                  "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-                  "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True},
-        mlp="moe", expert_names=QWEN_MOE_NAMES, experts_key="n_routed_experts", routing_weights_fp32=True,
-        attention="mla", router="grouped_sigmoid",
+        "DeepseekV3ForCausalLM",
+        "deepseek_v3",
+        qk_norm=False,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=None,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048,
+            "n_shared_experts": 1,
+            "n_group": 8,
+            "topk_group": 4,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 3,
+            "norm_topk_prob": True,
+            "rope_interleave": True,
+        },
+        mlp="moe",
+        expert_names=QWEN_MOE_NAMES,
+        experts_key="n_routed_experts",
+        routing_weights_fp32=True,
+        attention="mla",
+        router="grouped_sigmoid",
     ),
     "Qwen3_5ForCausalLM": Family(
-        "Qwen3_5ForCausalLM", "qwen3_5_text", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=256, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
-                  "num_key_value_heads": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32},
-        norm="offset", linear_attention=True, gated_attention=True, ignored_weights=("mtp.",),
+        "Qwen3_5ForCausalLM",
+        "qwen3_5_text",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=256,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "partial_rotary_factor": 0.25,
+            "num_key_value_heads": 4,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        },
+        norm="offset",
+        linear_attention=True,
+        gated_attention=True,
+        ignored_weights=("mtp.",),
         fused_names=QWEN3_5_FUSED,
     ),
     "Qwen3_5MoeForCausalLM": Family(
-        "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qk_norm=True, qkv_bias_always=False,
-        o_bias_follows_attention_bias=True, default_head_dim=256, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
-                  "num_key_value_heads": 2, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                  "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-                  "shared_expert_intermediate_size": 512,
-                  "intermediate_size": 512},  # (no dense layer: intermediate_size is never used)
-        mlp="moe", expert_names=QWEN_MOE_NAMES, always_norm_topk=True, norm="offset", linear_attention=True,
-        gated_attention=True, gated_shared_expert=True, ignored_weights=("mtp.",), fused_names=QWEN3_5_FUSED,
+        "Qwen3_5MoeForCausalLM",
+        "qwen3_5_moe_text",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=256,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "partial_rotary_factor": 0.25,
+            "num_key_value_heads": 2,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "intermediate_size": 512,
+        },  # (no dense layer: intermediate_size is never used)
+        mlp="moe",
+        expert_names=QWEN_MOE_NAMES,
+        always_norm_topk=True,
+        norm="offset",
+        linear_attention=True,
+        gated_attention=True,
+        gated_shared_expert=True,
+        ignored_weights=("mtp.",),
+        fused_names=QWEN3_5_FUSED,
     ),
     "Qwen3NextForCausalLM": Family(  # Qwen3.5-MoE's layers with fused DeltaNet projections, Qwen3-MoE's dense layers
-        "Qwen3NextForCausalLM", "qwen3_next", qk_norm=True, qkv_bias_always=False, o_bias_follows_attention_bias=True,
-        default_head_dim=256, sliding_all_layers=False,
-        defaults={"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 2,
-                  "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-                  "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-                  "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-                  "shared_expert_intermediate_size": 512, "intermediate_size": 5632, "norm_topk_prob": True},
-        mlp="moe", expert_names=QWEN_MOE_NAMES, norm="offset", linear_attention=True, gated_attention=True,
-        gated_shared_expert=True, fused_linear_projections=True, ignored_weights=("mtp.",),
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        qk_norm=True,
+        qkv_bias_always=False,
+        o_bias_follows_attention_bias=True,
+        default_head_dim=256,
+        sliding_all_layers=False,
+        defaults={
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "num_key_value_heads": 2,
+            "partial_rotary_factor": 0.25,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "num_experts": 512,
+            "num_experts_per_tok": 10,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "intermediate_size": 5632,
+            "norm_topk_prob": True,
+        },
+        mlp="moe",
+        expert_names=QWEN_MOE_NAMES,
+        norm="offset",
+        linear_attention=True,
+        gated_attention=True,
+        gated_shared_expert=True,
+        fused_linear_projections=True,
+        ignored_weights=("mtp.",),
         fused_names=QWEN3_NEXT_FUSED,
     ),
 }
@@ -255,28 +514,59 @@ ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 # keys this module turns into fields; everything else is kept in `extra` and written back unchanged
 _HANDLED = {
-    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
-    "hidden_act", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "torch_dtype",
-    "dtype", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", *config_moe.HANDLED,
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "transformers_version",
+    *config_moe.HANDLED,
     *config_gemma.HANDLED,
 }
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-           "float": torch.float32, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "float": torch.float32,
+    "half": torch.float16,
+}
 
 
 def parse_dtype(value: Any, what: str = "dtype") -> Optional[torch.dtype]:
-    """"bfloat16" / "torch.bfloat16" / torch.bfloat16 -> torch.bfloat16; None -> None."""
+    """ "bfloat16" / "torch.bfloat16" / torch.bfloat16 -> torch.bfloat16; None -> None."""
     if value is None or isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
         key = value.removeprefix("torch.").lower()
         if key in _DTYPES:
             return _DTYPES[key]
-    raise ConfigError(f"{what}={value!r} is not a dtype we load: use \"auto\", \"float32\", \"bfloat16\" or \"float16\".")
+    raise ConfigError(f'{what}={value!r} is not a dtype we load: use "auto", "float32", "bfloat16" or "float16".')
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -443,13 +733,17 @@ class ModelConfig:
             attn += h * q + q * self.qkv_bias
         if self.latent_attention:
             attn = config_mla.attention_parameters(self)
-        norms = ({"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms) * h
+        norms = (
+            {"pre": 2, "sandwich": 4, "post": 2}[self.family.norm_placement] + 2 * self.family.post_sublayer_norms
+        ) * h
         attn += self.num_attention_heads * self.family.attention_sinks
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         sparse = config_moe.moe_parameters(self)
         mlps = sum(sparse if self.layer_is_sparse(n) else dense for n in range(self.num_hidden_layers))
-        mixers = sum(config_linear.linear_parameters(self) if self.layer_is_linear(n) else attn
-                     for n in range(self.num_hidden_layers))
+        mixers = sum(
+            config_linear.linear_parameters(self) if self.layer_is_linear(n) else attn
+            for n in range(self.num_hidden_layers)
+        )
         return v * h * (1 if self.tie_word_embeddings else 2) + mixers + self.num_hidden_layers * norms + mlps + h
 
     # ---- reading ---------------------------------------------------------------------------------
@@ -515,7 +809,7 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise ConfigError(f"{source}: {fam.act_key}={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}.")
         if fam.mlp == "moe" and act not in ("silu", "swish"):
-            raise ConfigError(f"{source}: {fam.act_key}={act!r}: {arch}'s experts compute SiLU only: use \"silu\".")
+            raise ConfigError(f'{source}: {fam.act_key}={act!r}: {arch}\'s experts compute SiLU only: use "silu".')
         dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             architecture=arch,
@@ -547,9 +841,14 @@ class ModelConfig:
             **variants,
             **latent,
             **config_linear.read(d, fam, source),
-            extra={k: copy.deepcopy(v) for k, v in raw.items()
-                   if k not in _HANDLED and k not in config_variants.handled(fam) and k not in config_mla.handled(fam)
-                   and k not in config_linear.handled(fam)},
+            extra={
+                k: copy.deepcopy(v)
+                for k, v in raw.items()
+                if k not in _HANDLED
+                and k not in config_variants.handled(fam)
+                and k not in config_mla.handled(fam)
+                and k not in config_linear.handled(fam)
+            },
         )
 
     @classmethod
@@ -632,7 +931,9 @@ class ModelConfig:
         from ..utils.atomic_files import write_text_atomic
 
         os.makedirs(directory, exist_ok=True)
-        write_text_atomic(os.path.join(directory, CONFIG_NAME), json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+        write_text_atomic(
+            os.path.join(directory, CONFIG_NAME), json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+        )
 
 
 def _architecture(d: dict, source: str) -> str:
@@ -640,7 +941,9 @@ def _architecture(d: dict, source: str) -> str:
     if isinstance(archs, str):
         archs = [archs]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ConfigError(f"{source}: architectures={archs!r} must be a list of class names such as [\"Qwen3ForCausalLM\"].")
+        raise ConfigError(
+            f'{source}: architectures={archs!r} must be a list of class names such as ["Qwen3ForCausalLM"].'
+        )
     if d.get("model_type") is not None:
         checks.string(d["model_type"], "model_type", source)
     supported = ", ".join(FAMILIES)
@@ -695,4 +998,6 @@ class AutoConfig:
     def for_model(model_type: str, **kwargs) -> ModelConfig:
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not supported: supported are {', '.join(MODEL_TYPES)}.")
-        return ModelConfig.from_dict({"model_type": model_type, **kwargs}, source=f"AutoConfig.for_model({model_type!r})")
+        return ModelConfig.from_dict(
+            {"model_type": model_type, **kwargs}, source=f"AutoConfig.for_model({model_type!r})"
+        )

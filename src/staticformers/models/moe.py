@@ -81,8 +81,9 @@ def formulation(tokens: int, top_k: int, experts: int, block: int = BLOCK) -> st
 # ---------------------------------------------------------------------------------------------
 # routing
 # ---------------------------------------------------------------------------------------------
-def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool,
-          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool, topk_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) `[T, top_k]` from router logits `[T, E]`, as transformers computes them: softmax
     in float32, top-k, renormalised if asked, the weights cast back to the logits' dtype unless `weights_fp32`;
     `topk_first` (gpt-oss): top-k over the logits, then the softmax of the chosen k in the logits' dtype."""
@@ -96,8 +97,15 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, weights_fp32: bool,
     return (weights if weights_fp32 else weights.to(logits.dtype)), experts
 
 
-def route_grouped(logits: torch.Tensor, correction: torch.Tensor, top_k: int, groups: int, top_groups: int,
-                  normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_grouped(
+    logits: torch.Tensor,
+    correction: torch.Tensor,
+    top_k: int,
+    groups: int,
+    top_groups: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's choice, as transformers computes it, from float32 router logits `[T, E]`: sigmoid scores;
     the experts are chosen by the scores plus the `correction` bias `[E]`, among the `top_groups` of `groups`
     groups whose best two corrected scores sum highest; their weights are the uncorrected scores,
@@ -140,10 +148,20 @@ class GroupedRouter(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # the experts' MLP in three formulations
 # ---------------------------------------------------------------------------------------------
-def expert_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor, ops: Ops = PLAIN, first: int = 0, total: Optional[int] = None,
-               how: Optional[str] = None, scales: Optional[tuple] = None, biases: Optional[tuple] = None,
-               act: Callable = swiglu) -> torch.Tensor:
+def expert_mlp(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ops: Ops = PLAIN,
+    first: int = 0,
+    total: Optional[int] = None,
+    how: Optional[str] = None,
+    scales: Optional[tuple] = None,
+    biases: Optional[tuple] = None,
+    act: Callable = swiglu,
+) -> torch.Tensor:
     """Sum over each token's chosen experts of weight * down(act(gate_up(x))) (`act`: `expert_activations.py`,
     default silu(gate) * up).
 
@@ -229,8 +247,12 @@ def _blocks(x, weights, idx, valid, gate_up, down, ops: Ops, biases, act, block:
     sorted_expert = pair_expert[order]
     rank = torch.arange(order.shape[0], device=device) - first_pair[sorted_expert]
     slot = torch.where(live[order], first_block[sorted_expert] * block + rank, slots)  # dead routes: a trash slot
-    slot_token = torch.full((slots + 1,), t, dtype=torch.long, device=device).scatter(0, slot, pair_token[order])[:slots]
-    slot_weight = torch.zeros(slots + 1, dtype=weights.dtype, device=device).scatter(0, slot, pair_weight[order])[:slots]
+    slot_token = torch.full((slots + 1,), t, dtype=torch.long, device=device).scatter(0, slot, pair_token[order])[
+        :slots
+    ]
+    slot_weight = torch.zeros(slots + 1, dtype=weights.dtype, device=device).scatter(0, slot, pair_weight[order])[
+        :slots
+    ]
     # block b belongs to the expert whose block range holds b (unused blocks at the end: the last expert, no tokens)
     ends = torch.cumsum(blocks, 0)
     block_expert = (torch.arange(n, device=device).unsqueeze(1) >= ends.unsqueeze(0)).sum(1).clamp(max=local - 1)
@@ -298,11 +320,22 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops: Ops = PLAIN) -> torch.Tensor:
         if self.exchange is not None:
             if self.quantized:
-                raise ValueError("Expert parallelism over quantized experts is not supported: load the model "
-                                 "unquantized for expert parallelism.")
+                raise ValueError(
+                    "Expert parallelism over quantized experts is not supported: load the model "
+                    "unquantized for expert parallelism."
+                )
             return self.exchange(self, x, weights, experts, ops)
-        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, ops, scales=self.scales(),
-                          biases=self.biases(), act=self.act)
+        return expert_mlp(
+            x,
+            weights,
+            experts,
+            self.gate_up_proj,
+            self.down_proj,
+            ops,
+            scales=self.scales(),
+            biases=self.biases(),
+            act=self.act,
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -323,8 +356,13 @@ class SparseMoeBlock(nn.Module):
             self.scaling = config.routed_scaling_factor
         else:
             self.gate = nn.Linear(h, config.num_experts, bias=config.family.router_bias)
-        self.experts = Experts(config.num_experts, h, config.moe_intermediate_size, bias=config.family.expert_bias,
-                               act=activation_for(config))
+        self.experts = Experts(
+            config.num_experts,
+            h,
+            config.moe_intermediate_size,
+            bias=config.family.expert_bias,
+            act=activation_for(config),
+        )
         self.shared_experts = shared_experts  # DeepSeek's MLP on every token, beside the routed experts
         self.shared_expert = shared_expert  # Qwen3.5-MoE's, scaled per token by sigmoid(shared_expert_gate(x))
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared_expert is not None else None
@@ -337,8 +375,15 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
         if self.grouped:
-            weights, experts = route_grouped(logits, self.gate.e_score_correction_bias, self.top_k, self.groups,
-                                             self.top_groups, self.normalize, self.scaling)
+            weights, experts = route_grouped(
+                logits,
+                self.gate.e_score_correction_bias,
+                self.top_k,
+                self.groups,
+                self.top_groups,
+                self.normalize,
+                self.scaling,
+            )
         else:
             weights, experts = route(logits, self.top_k, self.normalize, self.weights_fp32, self.topk_first)
         out = self.experts(flat, weights, experts, ops).view(b, s, h)
@@ -363,12 +408,20 @@ def routing_sums(logits: torch.Tensor, top_k: int, mask: Optional[torch.Tensor] 
         counts = torch.zeros(experts, dtype=torch.float32, device=logits.device).scatter_add(0, chosen, ones)
         return counts, probs.float().sum(dim=0), float(logits.shape[0])
     m = mask.reshape(-1).to(device=logits.device, dtype=torch.float32)
-    counts = torch.zeros(experts, dtype=torch.float32, device=logits.device).scatter_add(0, chosen, m.repeat_interleave(top_k))
+    counts = torch.zeros(experts, dtype=torch.float32, device=logits.device).scatter_add(
+        0, chosen, m.repeat_interleave(top_k)
+    )
     return counts, (probs.float() * m.unsqueeze(-1)).sum(dim=0), m.sum()
 
 
-def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask: Optional[torch.Tensor] = None,
-                        data_parallel=None, share: bool = False) -> torch.Tensor:
+def load_balancing_loss(
+    router_logits,
+    num_experts: int,
+    top_k: int,
+    attention_mask: Optional[torch.Tensor] = None,
+    data_parallel=None,
+    share: bool = False,
+) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` over every sparse layer's logits (`[T, E]` each).
 
     `data_parallel` (None in one process; see `CausalLM.data_parallel`) has `size` and `sum(t)` (the
@@ -390,5 +443,17 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
     return (counts / rows * (probs / rows)).sum() * num_experts
 
 
-__all__ = ["BLOCK", "FORMULATIONS", "num_blocks", "formulation", "route", "route_grouped", "GroupedRouter", "expert_mlp", "Experts", "SparseMoeBlock",
-           "routing_sums", "load_balancing_loss"]
+__all__ = [
+    "BLOCK",
+    "FORMULATIONS",
+    "num_blocks",
+    "formulation",
+    "route",
+    "route_grouped",
+    "GroupedRouter",
+    "expert_mlp",
+    "Experts",
+    "SparseMoeBlock",
+    "routing_sums",
+    "load_balancing_loss",
+]

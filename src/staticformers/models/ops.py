@@ -43,8 +43,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                     softcap: float) -> torch.Tensor:
+def capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, softcap: float
+) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager attention computes it (SDPA has no cap): the
     scores in q's dtype, `tanh(s / softcap) * softcap`, the mask, softmax in float32 cast back to q's dtype,
     then the values. `mask` as `sdpa`'s (None: causal self-attention)."""
@@ -59,8 +60,9 @@ def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     return torch.matmul(probs.view(b, kvh, -1, kv_len), v).view(b, h, s, v.shape[-1])
 
 
-def expert_product(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                   index: Optional[torch.Tensor] = None) -> torch.Tensor:
+def expert_product(
+    x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, index: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """`Ops.expert_matmul`'s plain form: the gathered matrices (if `index`), then one batched matmul; a
     quantized stack's values widened to `x`'s dtype, and its per-row `scale` applied to the product."""
     w = weight if index is None else weight.index_select(0, index)
@@ -90,8 +92,16 @@ class Ops:
     def head(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  scale: float, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        scale: float,
+        softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """SDPA; with `softcap`, the manual `capped_attention`; with `sinks`, `attention_with_sinks` (no family
         has both)."""
         if sinks is not None:  # SDPA has no sink column
@@ -100,8 +110,13 @@ class Ops:
             return capped_attention(q, k, v, mask, scale, softcap)
         return sdpa(q, k, v, mask, scale)
 
-    def expert_matmul(self, x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None,
-                      index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def expert_matmul(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale: Optional[torch.Tensor] = None,
+        index: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """`x` `[G, R, in]` (or `[1, R, in]`, shared by every group) times the transposed stacked weights
         `weight` `[E, out, in]`, one matrix per group: `weight[index]` (`index` `[G]`), or all E in order;
         `scale` `[E, out, 1]` for a quantized stack (None otherwise)."""

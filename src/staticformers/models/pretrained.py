@@ -78,7 +78,9 @@ def weight_files(name_or_path: str, **hub) -> list[str]:
                 f"{name_or_path} holds only a pickle checkpoint ({pickle_name}), which staticformers never unpickles: "
                 f"convert it to safetensors first (for instance with transformers: load it and save_pretrained(dir, safe_serialization=True))."
             )
-    raise CheckpointNotFoundError(f"{name_or_path} has no {SAFE_WEIGHTS} and no {SAFE_INDEX}: it holds no weights we can load.")
+    raise CheckpointNotFoundError(
+        f"{name_or_path} has no {SAFE_WEIGHTS} and no {SAFE_INDEX}: it holds no weights we can load."
+    )
 
 
 def open_weights(path: str) -> SafetensorsFile:
@@ -96,11 +98,15 @@ def _index_shards(index: str) -> list[str]:
     data = read_json_object(index, "restore it from the checkpoint's source", CheckpointError)
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index} has no \"weight_map\" object naming each weight's shard: restore it from the source.")
+        raise CheckpointError(
+            f'{index} has no "weight_map" object naming each weight\'s shard: restore it from the source.'
+        )
     bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
     if bad:
-        raise CheckpointError(f"{index} maps weight {bad[0]!r} to {weight_map[bad[0]]!r}, not to a shard file name: "
-                              f"restore it from the source.")
+        raise CheckpointError(
+            f"{index} maps weight {bad[0]!r} to {weight_map[bad[0]]!r}, not to a shard file name: "
+            f"restore it from the source."
+        )
     return list(dict.fromkeys(weight_map.values()))
 
 
@@ -132,9 +138,12 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers a checkpoint stores (`state_dict`'s, not the RoPE tables): DeepSeek's correction bias."""
-    return {f"{prefix}.{name}" if prefix else name: b for prefix, module in model.named_modules()
-            for name, b in module._buffers.items()
-            if b is not None and name not in module._non_persistent_buffers_set}
+    return {
+        f"{prefix}.{name}" if prefix else name: b
+        for prefix, module in model.named_modules()
+        for name, b in module._buffers.items()
+        if b is not None and name not in module._non_persistent_buffers_set
+    }
 
 
 def expected_weights(model: CausalLM) -> dict[str, tuple]:
@@ -202,7 +211,9 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
     pieces = by_file(layout)
     quantized = quantized_targets(model)
     tied = model.config.tie_word_embeddings
-    skipped = model.config.family.ignored_weights  # what transformers skips too (the `mtp.` head of Qwen3.5, Qwen3-Next)
+    skipped = (
+        model.config.family.ignored_weights
+    )  # what transformers skips too (the `mtp.` head of Qwen3.5, Qwen3-Next)
     where: dict[str, str] = {}
     unexpected: list[str] = []
     for path in files:
@@ -212,8 +223,9 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
                 if not name:
                     continue
                 if name not in expected:
-                    if not (_IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight")
-                            or name.startswith(skipped)):
+                    if not (
+                        _IGNORED_KEYS.match(name) or (tied and name == "lm_head.weight") or name.startswith(skipped)
+                    ):
                         unexpected.append(name)
                     continue
                 if name in where:
@@ -229,17 +241,20 @@ def checkpoint_layout(model: CausalLM, files: list[str]) -> tuple[dict[str, Piec
                     raise CheckpointError(
                         f"Weight {stored} in {os.path.basename(path)} is stored as {dtype_name(have)}, but config.json's "
                         f"quantization_config says {dtype_name(want)}: the config and the weights come from different "
-                        f"exports.")
+                        f"exports."
+                    )
                 if want is None and (not have.is_floating_point or have == FP8):
                     raise CheckpointError(
                         f"Weight {name} in {os.path.basename(path)} is stored as {dtype_name(have)}, but this "
                         f"model's weights are floating point: the file holds another kind of checkpoint (quantized?); "
-                        f"export it in float32, bfloat16 or float16.")
+                        f"export it in float32, bfloat16 or float16."
+                    )
                 if want is not None or name.endswith("weight_scale"):
                     if not _stored_shape_fits(name, f.shape(stored), expected[name], packed):
                         raise CheckpointError(
                             f"Weight {stored} in {os.path.basename(path)} has shape {list(f.shape(stored))}, which does "
-                            f"not fit {list(expected[name])}: the config and the weights come from different models.")
+                            f"not fit {list(expected[name])}: the config and the weights come from different models."
+                        )
                     where[name] = path
                     continue
                 if f.shape(name) != expected[name]:
@@ -273,8 +288,15 @@ def _check_mxfp4(f: SafetensorsFile, stored: str, name: str, piece: Piece, files
                 break
     hub = piece.shape  # the dequantised matrix, transposed as the Hub holds it
     try:
-        mxfp4.check(name, tuple(f.shape(stored)), f.dtype(stored), shape, dtype, (*hub[:-2], hub[-1], hub[-2]),
-                    os.path.basename(path))
+        mxfp4.check(
+            name,
+            tuple(f.shape(stored)),
+            f.dtype(stored),
+            shape,
+            dtype,
+            (*hub[:-2], hub[-1], hub[-2]),
+            os.path.basename(path),
+        )
     except mxfp4.Mxfp4FormatError as err:
         raise CheckpointError(str(err)) from None
     return scales_path
@@ -296,9 +318,11 @@ def untie_stored_head(config: ModelConfig, files: list[str]) -> None:
     with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as embed:
         if head.same_values("lm_head.weight", embed, "model.embed_tokens.weight"):
             return
-    logger.warning("config.json ties lm_head.weight to model.embed_tokens.weight, but the checkpoint stores both with "
-                   "different values, so they are NOT tied (as transformers does): set tie_word_embeddings=false in "
-                   "config.json to silence this warning.")
+    logger.warning(
+        "config.json ties lm_head.weight to model.embed_tokens.weight, but the checkpoint stores both with "
+        "different values, so they are NOT tied (as transformers does): set tie_word_embeddings=false in "
+        "config.json to silence this warning."
+    )
     config.tie_word_embeddings = False
 
 
@@ -327,8 +351,9 @@ def load_weights(model: CausalLM, files: list[str], device: torch.device, dtype:
                     if stored != name:
                         value = unpack_int8(value, first.file_shape)
                 else:
-                    value = f.read(stored, dtype=dtype if f.dtype(stored).is_floating_point else None, device=device,
-                                   finite=True)
+                    value = f.read(
+                        stored, dtype=dtype if f.dtype(stored).is_floating_point else None, device=device, finite=True
+                    )
                     if tuple(value.shape) != first.file_shape:  # a per-tensor scale, one per row here
                         value = value.reshape(1, 1).expand(first.file_shape).contiguous()
                 for piece in pieces[name]:  # several for a fused tensor (each part's rows)
@@ -430,8 +455,9 @@ def load_model(resolved: Resolved, device: torch.device, model_class: type = Cau
     scheme = scheme_of(resolved.config.extra, os.path.join(resolved.path, "config.json"))
     if scheme is not None:
         if resolved.quantization is not None:
-            raise ValueError(f"{resolved.path} is quantized already ({scheme.format}); load it without "
-                             f"quantization_config.")
+            raise ValueError(
+                f"{resolved.path} is quantized already ({scheme.format}); load it without quantization_config."
+            )
         with torch.device("meta"):
             prepare_for_checkpoint(model, scheme)
     load_weights(model, resolved.files, device, resolved.dtype)
@@ -460,10 +486,21 @@ def parse_size(size: Union[int, str]) -> int:
         return size
     m = _SIZE.match(str(size))
     if not m:
-        raise ValueError(f"max_shard_size={size!r} is not a size: use an int of bytes or a string like \"5GB\" or \"500MB\".")
+        raise ValueError(
+            f'max_shard_size={size!r} is not a size: use an int of bytes or a string like "5GB" or "500MB".'
+        )
     number, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    scale = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(number * scale)
 
 
@@ -492,8 +529,14 @@ def _packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "5GB",
-                    state_dict: Optional[dict] = None, safe_serialization: bool = True, **kwargs) -> None:
+def save_pretrained(
+    model: CausalLM,
+    save_directory: Union[str, os.PathLike],
+    max_shard_size: Union[int, str] = "5GB",
+    state_dict: Optional[dict] = None,
+    safe_serialization: bool = True,
+    **kwargs,
+) -> None:
     """Write the safetensors weights (sharded above `max_shard_size`), config.json and generation_config.json.
 
     Into a folder that holds a model already, a kill at any moment leaves one that loads, the old model or
@@ -528,6 +571,16 @@ def save_pretrained(model: CausalLM, save_directory: Union[str, os.PathLike], ma
         model.generation_config.save_pretrained(directory)
 
 
-__all__ = ["resolve", "load_model", "finish_loading", "save_pretrained", "load_weights", "check_checkpoint",
-           "checkpoint_layout", "weight_files",
-           "export_state_dict", "dtype_name", "is_local"]
+__all__ = [
+    "resolve",
+    "load_model",
+    "finish_loading",
+    "save_pretrained",
+    "load_weights",
+    "check_checkpoint",
+    "checkpoint_layout",
+    "weight_files",
+    "export_state_dict",
+    "dtype_name",
+    "is_local",
+]

@@ -47,12 +47,15 @@ class QuantizationConfig:
 
     def __post_init__(self):
         if self.quant_type not in KINDS:
-            raise ValueError(f"quant_type={self.quant_type!r} is not a weight-only type staticformers runs: use "
-                             f"{' or '.join(map(repr, KINDS))}.")
+            raise ValueError(
+                f"quant_type={self.quant_type!r} is not a weight-only type staticformers runs: use "
+                f"{' or '.join(map(repr, KINDS))}."
+            )
         if self.modules_to_not_convert is not None and (
-                isinstance(self.modules_to_not_convert, str)
-                or not all(isinstance(m, str) for m in self.modules_to_not_convert)):
-            raise ValueError("modules_to_not_convert must be a list of module names, e.g. [\"lm_head\"].")
+            isinstance(self.modules_to_not_convert, str)
+            or not all(isinstance(m, str) for m in self.modules_to_not_convert)
+        ):
+            raise ValueError('modules_to_not_convert must be a list of module names, e.g. ["lm_head"].')
 
     @property
     def kind(self) -> str:
@@ -71,8 +74,13 @@ class QuantizationConfig:
 class TorchAoConfig(QuantizationConfig):
     """transformers' name: `TorchAoConfig("int8_weight_only")`, `TorchAoConfig(Int8WeightOnlyConfig())`."""
 
-    def __init__(self, quant_type="int8_weight_only", modules_to_not_convert=None,
-                 include_input_output_embeddings: bool = False, **kwargs):
+    def __init__(
+        self,
+        quant_type="int8_weight_only",
+        modules_to_not_convert=None,
+        include_input_output_embeddings: bool = False,
+        **kwargs,
+    ):
         super().__init__(_quant_type_name(quant_type), modules_to_not_convert, include_input_output_embeddings)
 
 
@@ -83,11 +91,15 @@ def _quant_type_name(quant_type) -> str:
     name = type(quant_type).__name__
     if name in _TORCHAO_CLASSES:
         if getattr(quant_type, "group_size", None) not in (None, 0):
-            raise ValueError(f"{name}(group_size={quant_type.group_size}) asks for group scales; staticformers "
-                             f"quantizes per output channel: leave group_size unset.")
+            raise ValueError(
+                f"{name}(group_size={quant_type.group_size}) asks for group scales; staticformers "
+                f"quantizes per output channel: leave group_size unset."
+            )
         return _TORCHAO_CLASSES[name]
-    raise ValueError(f"quant_type {name} is not a weight-only type staticformers runs: use \"int8_weight_only\" "
-                     f"(or torchao's Int8WeightOnlyConfig()).")
+    raise ValueError(
+        f'quant_type {name} is not a weight-only type staticformers runs: use "int8_weight_only" '
+        f"(or torchao's Int8WeightOnlyConfig())."
+    )
 
 
 def as_quantization_config(value) -> QuantizationConfig:
@@ -96,16 +108,24 @@ def as_quantization_config(value) -> QuantizationConfig:
     if isinstance(value, QuantizationConfig):
         return value
     if isinstance(value, dict):
-        fields = {k: value[k] for k in ("quant_type", "modules_to_not_convert", "include_input_output_embeddings")
-                  if k in value}
+        fields = {
+            k: value[k]
+            for k in ("quant_type", "modules_to_not_convert", "include_input_output_embeddings")
+            if k in value
+        }
         if "quant_type" not in fields:
-            raise ValueError("A quantization_config dict needs \"quant_type\" (\"int8_weight_only\").")
+            raise ValueError('A quantization_config dict needs "quant_type" ("int8_weight_only").')
         return TorchAoConfig(**fields)
     if hasattr(value, "quant_type"):
-        return TorchAoConfig(value.quant_type, getattr(value, "modules_to_not_convert", None),
-                             bool(getattr(value, "include_input_output_embeddings", False)))
-    raise ValueError(f"quantization_config={value!r} is not a quantization config: pass "
-                     f"QuantizationConfig(\"int8_weight_only\") or TorchAoConfig(\"int8_weight_only\").")
+        return TorchAoConfig(
+            value.quant_type,
+            getattr(value, "modules_to_not_convert", None),
+            bool(getattr(value, "include_input_output_embeddings", False)),
+        )
+    raise ValueError(
+        f"quantization_config={value!r} is not a quantization config: pass "
+        f'QuantizationConfig("int8_weight_only") or TorchAoConfig("int8_weight_only").'
+    )
 
 
 class QuantLinear(nn.Linear):
@@ -117,11 +137,13 @@ class QuantLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features, self.kind = in_features, out_features, kind
         qdtype = torch.int8 if kind == "int8" else FP8
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=qdtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=qdtype, device=device), requires_grad=False
+        )
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=dtype, device=device), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> "QuantLinear":
@@ -158,8 +180,9 @@ def compute_dtype(layer: nn.Module) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The model's plain linears: every projection, the router and the head (not a LoRA's own)."""
-    return {n: m for n, m in model.named_modules()
-            if type(m) is nn.Linear and ".lora_" not in n and not n.endswith(".gate")}
+    return {
+        n: m for n, m in model.named_modules() if type(m) is nn.Linear and ".lora_" not in n and not n.endswith(".gate")
+    }
 
 
 def quantize_model(model: nn.Module, config: QuantizationConfig) -> list[str]:
@@ -169,8 +192,10 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> list[str]:
     from ..checkpoints.compressed_tensors import write_config
 
     if getattr(model, "parallel_dims", None) is not None:
-        raise ValueError("This model is partitioned already: quantize it as it loads, from_pretrained(..., "
-                         "quantization_config=..., distributed_config=DistributedConfig(tp_size=N)).")
+        raise ValueError(
+            "This model is partitioned already: quantize it as it loads, from_pretrained(..., "
+            "quantization_config=..., distributed_config=DistributedConfig(tp_size=N))."
+        )
     if any(".lora_" in n for n, _ in model.named_modules()):
         raise ValueError("This model has LoRA adapters: quantize the base first, then add or load the adapters.")
     if is_quantized(model):
@@ -183,8 +208,13 @@ def quantize_model(model: nn.Module, config: QuantizationConfig) -> list[str]:
                 continue
             if name == "lm_head" and model.config.tie_word_embeddings:
                 model.config.tie_word_embeddings = False
-                linear = nn.Linear(linear.in_features, linear.out_features, bias=False, device=linear.weight.device,
-                                   dtype=linear.weight.dtype)
+                linear = nn.Linear(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=False,
+                    device=linear.weight.device,
+                    dtype=linear.weight.dtype,
+                )
                 linear.weight.data = model.model.embed_tokens.weight.detach()
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, QuantLinear.from_linear(linear, kind))
@@ -213,9 +243,18 @@ def prepare_for_checkpoint(model: nn.Module, scheme) -> None:
         if name == "lm_head" and model.config.tie_word_embeddings:
             model.config.tie_word_embeddings = False
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf,
-                QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme.kind, dtype,
-                            linear.weight.device))
+        setattr(
+            model.get_submodule(parent) if parent else model,
+            leaf,
+            QuantLinear(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                scheme.kind,
+                dtype,
+                linear.weight.device,
+            ),
+        )
     for name, experts in _experts(model).items():
         if not scheme.skips(name):
             experts.quantize(scheme.kind, empty=True)
@@ -233,6 +272,19 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-__all__ = ["QuantizationConfig", "TorchAoConfig", "as_quantization_config", "quantize_rows", "dequantize", "widen",
-           "QuantLinear", "compute_dtype", "quantize_model", "prepare_for_checkpoint", "is_quantized", "weight_bytes",
-           "KINDS", "FP8"]
+__all__ = [
+    "QuantizationConfig",
+    "TorchAoConfig",
+    "as_quantization_config",
+    "quantize_rows",
+    "dequantize",
+    "widen",
+    "QuantLinear",
+    "compute_dtype",
+    "quantize_model",
+    "prepare_for_checkpoint",
+    "is_quantized",
+    "weight_bytes",
+    "KINDS",
+    "FP8",
+]

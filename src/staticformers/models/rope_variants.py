@@ -35,7 +35,7 @@ def longrope_inv_freq(config, long: bool, device: Optional[torch.device] = None)
     scaling, dim = config.rope_scaling, config.rotary_dim
     factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
     shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    return 1.0 / (factors * config.rope_theta ** shape)
+    return 1.0 / (factors * config.rope_theta**shape)
 
 
 def longrope_attention_factor(config) -> float:
@@ -90,5 +90,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + rotate_half(x) * sin
 
 
-__all__ = ["rotate_half", "apply_rope", "longrope_inv_freq", "longrope_attention_factor", "uses_long_factors", "interleave", "rotate_pairs",
-           "rotate_part"]
+__all__ = [
+    "rotate_half",
+    "apply_rope",
+    "longrope_inv_freq",
+    "longrope_attention_factor",
+    "uses_long_factors",
+    "interleave",
+    "rotate_pairs",
+    "rotate_part",
+]

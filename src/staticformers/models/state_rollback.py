@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-ALL = 2 ** 30  # `count`'s "every token of the step counts"
+ALL = 2**30  # `count`'s "every token of the step counts"
 
 
 class RollbackStates:
@@ -36,10 +36,19 @@ class RollbackStates:
         self.width = int(width)
         self.last_index = torch.full((batch,), ALL, dtype=torch.long, device=device)
         self._counted: list = [ALL] * batch  # what `last_index` holds, on the host
-        self.conv = {i: torch.zeros((batch, self.width, *conv), dtype=dtype, device=device)
-                     for i, (conv, _) in linear.items()} if self.width else {}
-        self.recurrent = {i: torch.zeros((batch, self.width, *rec), dtype=torch.float32, device=device)
-                          for i, (_, rec) in linear.items()} if self.width else {}
+        self.conv = (
+            {i: torch.zeros((batch, self.width, *conv), dtype=dtype, device=device) for i, (conv, _) in linear.items()}
+            if self.width
+            else {}
+        )
+        self.recurrent = (
+            {
+                i: torch.zeros((batch, self.width, *rec), dtype=torch.float32, device=device)
+                for i, (_, rec) in linear.items()
+            }
+            if self.width
+            else {}
+        )
 
     @staticmethod
     def bytes_for(linear: dict, width: int, dtype: torch.dtype) -> int:
@@ -76,8 +85,9 @@ class RollbackStates:
                 state.copy_(torch.where(keep, each[rows, at], state))
 
 
-def record_states(conv_each: torch.Tensor, recurrent_each: torch.Tensor, conv: torch.Tensor,
-                  recurrent: torch.Tensor) -> None:
+def record_states(
+    conv_each: torch.Tensor, recurrent_each: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor
+) -> None:
     """A layer's states after each of a step's `s` tokens (`[slots, s, ...]`, s <= width) into its buffers."""
     s = conv.shape[1]
     conv_each[:, :s].copy_(conv)

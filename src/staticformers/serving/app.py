@@ -68,8 +68,9 @@ class Guard:
             logger.error("%s %s failed", scope.get("method"), scope.get("path"), exc_info=err)
             if started:
                 return
-            await error_response(500, f"The server failed this request ({type(err).__name__}): report it.",
-                                 kind="server_error")(scope, receive, send)
+            await error_response(
+                500, f"The server failed this request ({type(err).__name__}): report it.", kind="server_error"
+            )(scope, receive, send)
 
     def refusal(self, scope) -> Optional[Response]:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
@@ -77,12 +78,14 @@ class Guard:
             header = headers.get(b"authorization", b"")
             if not hmac.compare_digest(header, f"Bearer {self.state.api_key}".encode()):  # in constant time
                 what = "is missing" if not header else "is wrong"
-                return error_response(401, f"The API key {what}: send it as 'Authorization: Bearer <key>'.",
-                                      kind="authentication_error")
+                return error_response(
+                    401, f"The API key {what}: send it as 'Authorization: Bearer <key>'.", kind="authentication_error"
+                )
         length = headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > self.state.max_body_bytes:
-            return error_response(413, f"The request body has {length} bytes, more than the limit of "
-                                       f"{self.state.max_body_bytes}.")
+            return error_response(
+                413, f"The request body has {length} bytes, more than the limit of {self.state.max_body_bytes}."
+            )
         return None
 
 
@@ -97,10 +100,16 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):  # 404 no such route, 405 method
-        what = {404: f"There is no endpoint {request.url.path}.",
-                405: f"{request.url.path} does not take {request.method}."}.get(err.status_code, str(err.detail))
-        return error_response(err.status_code, what, kind="invalid_request_error" if err.status_code < 500
-                              else "server_error", headers=getattr(err, "headers", None))
+        what = {
+            404: f"There is no endpoint {request.url.path}.",
+            405: f"{request.url.path} does not take {request.method}.",
+        }.get(err.status_code, str(err.detail))
+        return error_response(
+            err.status_code,
+            what,
+            kind="invalid_request_error" if err.status_code < 500 else "server_error",
+            headers=getattr(err, "headers", None),
+        )
 
     for group in (models, tokens, completions, chat, responses, adapters):
         group.register(app, state)

@@ -234,8 +234,10 @@ class EngineThread:
             self._graphs = graphs
             spec = getattr(self.loop, "speculator", None)  # a loop without speculative decoding has none
             if spec is not None:  # counters since start: add what the loop counted since the last events
-                for counter, total, key in ((m.spec_draft_tokens, spec.num_draft_tokens, "draft"),
-                                            (m.spec_accepted_tokens, spec.num_accepted_tokens, "accepted")):
+                for counter, total, key in (
+                    (m.spec_draft_tokens, spec.num_draft_tokens, "draft"),
+                    (m.spec_accepted_tokens, spec.num_accepted_tokens, "accepted"),
+                ):
                     counter.inc(total - self._spec.get(key, 0))
                     self._spec[key] = total
 

@@ -15,15 +15,30 @@ from __future__ import annotations
 from typing import Optional
 
 # the fields that only describe the client or the request's bookkeeping: accepted and unused
-DESCRIPTIVE = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                         "request_id"})
+DESCRIPTIVE = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+)
 
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "min_tokens", "stop", "stop_token_ids", "ignore_eos", "seed", "n", "best_of", "logit_bias",
-             "skip_special_tokens")
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+    "n",
+    "best_of",
+    "logit_bias",
+    "skip_special_tokens",
+)
 _GENERATION = ("model", "stream", "stream_options", "response_format", "structured_outputs", "max_tokens") + _SAMPLING
-_TEMPLATE = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-             "add_generation_prompt")
+_TEMPLATE = ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt")
 
 # endpoint -> the fields it reads (a field whose unsupported values it refuses itself counts as read)
 HONOURED = {
@@ -33,17 +48,32 @@ HONOURED = {
     "detokenize": frozenset(("model", "tokens")),
     # /v1/responses (`responses_input.py`); `include` and `truncation` ask for nothing this server would
     # add or cut, `parallel_tool_calls` is chat's
-    "responses": frozenset(("model", "input", "instructions", "previous_response_id", "max_output_tokens",
-                            "temperature", "top_p", "tools", "tool_choice", "stream", "text", "parallel_tool_calls",
-                            "include", "truncation")),
+    "responses": frozenset(
+        (
+            "model",
+            "input",
+            "instructions",
+            "previous_response_id",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "tools",
+            "tool_choice",
+            "stream",
+            "text",
+            "parallel_tool_calls",
+            "include",
+            "truncation",
+        )
+    ),
 }
 
 # what to send instead of a refused field, where there is something
 HINTS = {
-    "functions": "send \"tools\" instead",
-    "function_call": "send \"tool_choice\" instead",
-    "max_new_tokens": "send \"max_tokens\" instead",
-    "do_sample": "send \"temperature\" (0 for greedy) instead",
+    "functions": 'send "tools" instead',
+    "function_call": 'send "tool_choice" instead',
+    "max_new_tokens": 'send "max_tokens" instead',
+    "do_sample": 'send "temperature" (0 for greedy) instead',
 }
 
 
@@ -57,9 +87,11 @@ def refusal(body: dict, endpoint: str) -> Optional[tuple[str, str]]:
     names = ", ".join(repr(k) for k in unknown)
     hints = "; ".join(f"for {k!r}, {HINTS[k]}" for k in unknown if k in HINTS)
     several = len(unknown) > 1
-    return (f"The field{'s' if several else ''} {names} {'are' if several else 'is'} not supported by this server "
-            f"and would change the answer: leave {'them' if several else 'it'} out{f' ({hints})' if hints else ''}.",
-            unknown[0])
+    return (
+        f"The field{'s' if several else ''} {names} {'are' if several else 'is'} not supported by this server "
+        f"and would change the answer: leave {'them' if several else 'it'} out{f' ({hints})' if hints else ''}.",
+        unknown[0],
+    )
 
 
 __all__ = ["DESCRIPTIVE", "HINTS", "HONOURED", "refusal"]

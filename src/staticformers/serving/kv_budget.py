@@ -17,8 +17,18 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -33,8 +43,14 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def kv_blocks(model, blocks: Optional[int], memory_bytes: Optional[int], utilization: Optional[float],
-              block_size: int, tp: int = 1) -> Optional[int]:
+def kv_blocks(
+    model,
+    blocks: Optional[int],
+    memory_bytes: Optional[int],
+    utilization: Optional[float],
+    block_size: int,
+    tp: int = 1,
+) -> Optional[int]:
     """The pool's blocks from the three flags (see the module docstring), or None for static caches. A budget
     that holds no block is refused in one sentence."""
     from ..backends.memory_check import available_bytes
@@ -49,13 +65,17 @@ def kv_blocks(model, blocks: Optional[int], memory_bytes: Optional[int], utiliza
             raise ValueError(f"--gpu-memory-utilization {utilization} must be a fraction in (0, 1].")
         free = available_bytes(model.device)
         if free is None:
-            raise ValueError(f"{model.device} does not report its available memory, so --gpu-memory-utilization "
-                             f"cannot size the KV pool: pass --kv-cache-memory-bytes or --num-gpu-blocks-override.")
+            raise ValueError(
+                f"{model.device} does not report its available memory, so --gpu-memory-utilization "
+                f"cannot size the KV pool: pass --kv-cache-memory-bytes or --num-gpu-blocks-override."
+            )
         memory_bytes = int(free * utilization)
     count = KVBlocks.blocks_in(model, memory_bytes, block_size, tp)
     if count < 1:
-        raise ValueError(f"A KV budget of {memory_bytes} bytes holds no block of {block_size} positions (plus the "
-                         f"pool's null block): give it more memory or a smaller --block-size.")
+        raise ValueError(
+            f"A KV budget of {memory_bytes} bytes holds no block of {block_size} positions (plus the "
+            f"pool's null block): give it more memory or a smaller --block-size."
+        )
     return count
 
 

@@ -16,8 +16,29 @@ from ..generation.constraints import MASK_TIME
 
 PREFIX = "staticformers:"
 # latencies from a millisecond to a few minutes
-_SECONDS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-            40.0, 80.0, 160.0, 640.0)
+_SECONDS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 
 
 class RequestMetrics:
@@ -69,18 +90,21 @@ class ServerMetrics:
         self.padding = gauge("num_slots_padding", "Slots of the current decode batch that carry no request.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Share of the KV pool's blocks that requests hold (block caches).")
         self.preemptions = counter("num_preemptions_total", "Requests preempted for want of KV blocks (resumed later).")
-        gauge("structured_mask_seconds", "Host seconds spent filling grammar masks (structured outputs) since start."
-              ).set_function(lambda: MASK_TIME["seconds"])
-        gauge("structured_mask_steps", "Steps (prefills and decodes) that filled a grammar mask since start."
-              ).set_function(lambda: MASK_TIME["steps"])
+        gauge(
+            "structured_mask_seconds", "Host seconds spent filling grammar masks (structured outputs) since start."
+        ).set_function(lambda: MASK_TIME["seconds"])
+        gauge(
+            "structured_mask_steps", "Steps (prefills and decodes) that filled a grammar mask since start."
+        ).set_function(lambda: MASK_TIME["steps"])
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-        self.graphs = counter("graphs_compiled_total", "Graphs compiled (or loaded from the on-disk cache) since start, "
-                                                       "precompiling included.")
+        self.graphs = counter(
+            "graphs_compiled_total",
+            "Graphs compiled (or loaded from the on-disk cache) since start, precompiling included.",
+        )
         # speculative decoding (--speculative-config): tokens proposed, and those the target accepted
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.")
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                            "Proposed tokens the target accepted.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.")
         self._families = {
             "ttft": histogram("time_to_first_token_seconds", "Arrival to the first token, per request."),
             "itl": histogram("inter_token_latency_seconds", "Time between two tokens of one request."),
@@ -88,8 +112,12 @@ class ServerMetrics:
             "prompt_tokens": requests("prompt_tokens_total", "Prompt tokens prefilled."),
             "generation_tokens": requests("generation_tokens_total", "Tokens generated."),
             "disconnects": requests("client_disconnects_total", "Requests whose client went away before the end."),
-            "success": Counter(PREFIX + "request_success_total", "Finished requests, by reason.",
-                               labels + ["finished_reason"], registry=r),
+            "success": Counter(
+                PREFIX + "request_success_total",
+                "Finished requests, by reason.",
+                labels + ["finished_reason"],
+                registry=r,
+            ),
             "errors": requests("request_errors_total", "Requests that failed inside the engine (HTTP 500)."),
         }
         self._requests: dict[str, RequestMetrics] = {}

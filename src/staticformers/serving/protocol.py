@@ -29,8 +29,15 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; longer lists only co
 class ApiError(Exception):
     """An error answered in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error",
-                 code: Optional[str] = None, headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        kind: str = "invalid_request_error",
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers or {}
@@ -117,7 +124,9 @@ def _integer(body: dict, name: str, low: int, high: Optional[int] = None, defaul
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, value, "must be an integer")
     if value < low or (high is not None and value > high):
-        raise invalid(name, value, f"must be between {low} and {high}" if high is not None else f"must be at least {low}")
+        raise invalid(
+            name, value, f"must be between {low} and {high}" if high is not None else f"must be at least {low}"
+        )
     if high is None and value > INT64_MAX:
         raise invalid(name, value, f"must be an integer that fits in 64 bits (at most {INT64_MAX})")
     return value
@@ -148,7 +157,11 @@ def _stop(body: dict) -> list[str]:
 
 
 def _token_ids(value: Any, name: str, vocab: int) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         raise invalid(name, value, "must be a non-empty list of integer token ids")
     bad = [t for t in value if not 0 <= t < vocab]
     if bad:
@@ -177,10 +190,18 @@ def _sampling(body: dict, defaults: dict, eos: list[int], vocab: int, logprobs: 
     stop_ids = _token_ids(stop_ids, "stop_token_ids", vocab) if stop_ids not in (None, []) else []
     ignore_eos = _boolean(body, "ignore_eos", False)
     greedy = temperature == 0.0
-    settings = dict(do_sample=not greedy, temperature=None if greedy else temperature,
-                    top_k=top_k if top_k and top_k > 0 else None, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency,
-                    min_new_tokens=min_tokens, logprobs=logprobs)
+    settings = dict(
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_k=top_k if top_k and top_k > 0 else None,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        min_new_tokens=min_tokens,
+        logprobs=logprobs,
+    )
     stops = list(dict.fromkeys(([] if ignore_eos else list(eos)) + list(stop_ids)))
     return settings, stops
 
@@ -191,14 +212,21 @@ def _choices(body: dict, prompts: int, settings: dict, stop_ids: list, max_n: in
     if best_of is not None and best_of != n:
         raise invalid("best_of", best_of, f"is not supported beyond n (pass best_of={n} or leave it out)")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64):
         raise invalid("seed", seed, "must be an integer that fits in 64 bits")
     out = []
     for p in range(prompts):
         for i in range(n):
             index = p * n + i
-            out.append(Choice(index, p, SamplingParams(**settings, eos_token_ids=stop_ids,
-                                                       seed=(seed + index) % 2**64 if seed is not None else None)))
+            out.append(
+                Choice(
+                    index,
+                    p,
+                    SamplingParams(
+                        **settings, eos_token_ids=stop_ids, seed=(seed + index) % 2**64 if seed is not None else None
+                    ),
+                )
+            )
     return out
 
 
@@ -216,11 +244,19 @@ def _fit(prompts: list, asked: Optional[int], max_model_len: int, name: str) -> 
     for ids in prompts:
         room = max_model_len - len(ids)
         if room < 1:
-            raise ApiError(400, f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''}, which leaves no room for an answer within "
-                                f"--max-model-len={max_model_len}: shorten it.", param="messages" if name == "chat" else "prompt")
+            raise ApiError(
+                400,
+                f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''}, which leaves no room for an answer within "
+                f"--max-model-len={max_model_len}: shorten it.",
+                param="messages" if name == "chat" else "prompt",
+            )
         if asked is not None and len(ids) + asked > max_model_len:
-            raise ApiError(400, f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens={asked}: {len(ids) + asked} exceed "
-                                f"--max-model-len={max_model_len}; ask for at most {room} tokens.", param="max_tokens")
+            raise ApiError(
+                400,
+                f"The prompt has {len(ids)} token{'s' if len(ids) != 1 else ''} and max_tokens={asked}: {len(ids) + asked} exceed "
+                f"--max-model-len={max_model_len}; ask for at most {room} tokens.",
+                param="max_tokens",
+            )
         out.append(asked if asked is not None else room)
     return out
 
@@ -229,7 +265,7 @@ def _common(body: dict) -> tuple[bool, bool]:
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options", options, "must be an object such as {\"include_usage\": true}")
+        raise invalid("stream_options", options, 'must be an object such as {"include_usage": true}')
     if options and set(options) - {"include_usage"}:
         extra = sorted(set(options) - {"include_usage"})[0]
         raise invalid(f"stream_options.{extra}", options[extra], "is not supported: only include_usage is")
@@ -260,11 +296,12 @@ def structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
         elif kind == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise invalid("response_format.json_schema", spec,
-                              "must be {\"name\": ..., \"schema\": {...}, \"strict\": true}")
+                raise invalid(
+                    "response_format.json_schema", spec, 'must be {"name": ..., "schema": {...}, "strict": true}'
+                )
             return StructuredOutputs(json=spec.get("schema", {})), "response_format.json_schema.schema"
         else:
-            raise invalid("response_format", fmt, "must have type \"text\", \"json_object\" or \"json_schema\"")
+            raise invalid("response_format", fmt, 'must have type "text", "json_object" or "json_schema"')
     if extra is None:
         return None, None
     if not isinstance(extra, dict):
@@ -272,8 +309,11 @@ def structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
     given = {k: v for k, v in extra.items() if v is not None and v is not False}
     unknown = sorted(set(given) - set(STRUCTURED_KEYS))
     if unknown:
-        raise invalid(f"structured_outputs.{unknown[0]}", extra[unknown[0]],
-                      f"is not supported: use one of {', '.join(STRUCTURED_KEYS)}")
+        raise invalid(
+            f"structured_outputs.{unknown[0]}",
+            extra[unknown[0]],
+            f"is not supported: use one of {', '.join(STRUCTURED_KEYS)}",
+        )
     if len(given) != 1:
         raise invalid("structured_outputs", extra, f"must set exactly one of {', '.join(STRUCTURED_KEYS)}")
     key, value = next(iter(given.items()))
@@ -291,8 +331,7 @@ def structured(body: dict) -> tuple[Optional[StructuredOutputs], Optional[str]]:
 # ---------------------------------------------------------------------------------------------
 # the two endpoints
 # ---------------------------------------------------------------------------------------------
-def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int,
-                     max_n: int) -> Job:
+def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int, max_n: int) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     check_fields(body, "completion")
@@ -334,21 +373,32 @@ def parse_completion(body: Any, tokenizer, defaults: dict, eos: list[int], max_m
     asked = _max_tokens(body, ("max_tokens",), 16, low=0 if echo else 1)
     _check_min_tokens(settings, asked, "max_tokens")
     spec, param = structured(body)
-    return Job("completion", model, ids, texts, _choices(body, len(ids), settings, stop_ids, max_n),
-               _fit(ids, asked, max_model_len, "completion"), stop=_stop(body), stream=stream,
-               include_usage=include_usage, logprobs=logprobs, echo=echo,
-               skip_special_tokens=_boolean(body, "skip_special_tokens", True), structured=spec,
-               structured_param=param)
+    return Job(
+        "completion",
+        model,
+        ids,
+        texts,
+        _choices(body, len(ids), settings, stop_ids, max_n),
+        _fit(ids, asked, max_model_len, "completion"),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        echo=echo,
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        structured=spec,
+        structured_param=param,
+    )
 
 
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages", messages, "must be a non-empty list of {\"role\", \"content\"} objects")
+        raise invalid("messages", messages, 'must be a non-empty list of {"role", "content"} objects')
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise invalid(f"messages[{i}]", m, "must be an object with a \"role\"")
+            raise invalid(f"messages[{i}]", m, 'must be an object with a "role"')
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -382,7 +432,7 @@ def _tools(tools: Any) -> Optional[list]:
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise invalid(where, tool, "must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+            raise invalid(where, tool, 'must be {"type": "function", "function": {"name": ..., "parameters": {...}}}')
         function = tool["function"]
         name = function.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
@@ -390,11 +440,17 @@ def _tools(tools: Any) -> Optional[list]:
         if not isinstance(function.get("description", ""), str):
             raise invalid(f"{where}.function.description", function["description"], "must be a string")
         parameters = function.get("parameters")
-        if parameters is not None and not (isinstance(parameters, dict) and parameters.get("type", "object") == "object"
-                                           and isinstance(parameters.get("properties", {}), dict)
-                                           and isinstance(parameters.get("required", []), list)):
-            raise invalid(f"{where}.function.parameters", parameters,
-                          "must be a JSON Schema object ({\"type\": \"object\", \"properties\": {...}})")
+        if parameters is not None and not (
+            isinstance(parameters, dict)
+            and parameters.get("type", "object") == "object"
+            and isinstance(parameters.get("properties", {}), dict)
+            and isinstance(parameters.get("required", []), list)
+        ):
+            raise invalid(
+                f"{where}.function.parameters",
+                parameters,
+                'must be a JSON Schema object ({"type": "object", "properties": {...}})',
+            )
     return tools
 
 
@@ -405,15 +461,19 @@ def _check_min_tokens(settings: dict, asked: Optional[int], name: str, fitted: O
     if asked is not None and low > asked:
         raise invalid("min_tokens", low, f"is more than {name}={asked}: ask for at most {asked}")
     if asked is None and fitted and low > min(fitted):
-        raise invalid("min_tokens", low, f"is more than the {min(fitted)} tokens the prompt leaves within "
-                                         f"--max-model-len: ask for at most {min(fitted)}")
+        raise invalid(
+            "min_tokens",
+            low,
+            f"is more than the {min(fitted)} tokens the prompt leaves within "
+            f"--max-model-len: ask for at most {min(fitted)}",
+        )
 
 
 def _template_call(call: Any, i: int) -> dict:
     import json
 
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise invalid(f"messages[{i}].tool_calls", call, "must be OpenAI tool calls ({\"function\": {...}})")
+        raise invalid(f"messages[{i}].tool_calls", call, 'must be OpenAI tool calls ({"function": {...}})')
     function = dict(call["function"])
     arguments = function.get("arguments")
     if isinstance(arguments, str):
@@ -424,8 +484,16 @@ def _template_call(call: Any, i: int) -> dict:
     return {**{k: v for k, v in call.items() if k != "function"}, "function": function}
 
 
-def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_len: int, max_n: int,
-               chat_template: Optional[str] = None, endpoint: str = "chat") -> Job:
+def parse_chat(
+    body: Any,
+    tokenizer,
+    defaults: dict,
+    eos: list[int],
+    max_model_len: int,
+    max_n: int,
+    chat_template: Optional[str] = None,
+    endpoint: str = "chat",
+) -> Job:
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     check_fields(body, endpoint)
@@ -440,10 +508,14 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         raise invalid("chat_template_kwargs", kwargs, "must be an object")
     add_generation_prompt = _boolean(body, "add_generation_prompt", True)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=[t.get("function", t) if t.get("type") == "function"
-                                                              else t for t in tools] if tools else None,
-                                             chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=[t.get("function", t) if t.get("type") == "function" else t for t in tools] if tools else None,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
     except (ValueError, TypeError) as err:
         raise ApiError(400, f"The chat template could not render these messages: {err}", param="messages") from None
     except Exception as err:  # a template's own error (raise_exception, undefined variables)
@@ -460,21 +532,38 @@ def parse_chat(body: Any, tokenizer, defaults: dict, eos: list[int], max_model_l
         logprobs = None
     settings, stop_ids = _sampling(body, defaults, eos, tokenizer_vocab(tokenizer), logprobs)
     asked = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    _check_min_tokens(settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None
-                      else "max_tokens")
+    _check_min_tokens(
+        settings, asked, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     fitted = _fit([ids], asked, max_model_len, "chat")
     _check_min_tokens(settings, asked, "max_tokens", fitted)
     spec, param = structured(body)
     forced = tool_choice not in (None, "none", "auto") and bool(tools)
     if forced and spec is not None:
         assert param is not None  # structured() names the field whenever it returns a constraint
-        raise invalid(param.split(".")[0], body.get(param.split(".")[0]),
-                      "cannot be combined with a forced tool call (tool_choice): send one of them")
-    return Job("chat", body.get("model"), [ids], [text], _choices(body, 1, settings, stop_ids, max_n),
-               fitted, stop=_stop(body), stream=stream,
-               include_usage=include_usage, logprobs=logprobs, tools=tools or None,
-               skip_special_tokens=_boolean(body, "skip_special_tokens", True), structured=spec,
-               structured_param=param, tool_choice=tool_choice if forced else None, parallel_tool_calls=parallel)
+        raise invalid(
+            param.split(".")[0],
+            body.get(param.split(".")[0]),
+            "cannot be combined with a forced tool call (tool_choice): send one of them",
+        )
+    return Job(
+        "chat",
+        body.get("model"),
+        [ids],
+        [text],
+        _choices(body, 1, settings, stop_ids, max_n),
+        fitted,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        tools=tools or None,
+        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
+        structured=spec,
+        structured_param=param,
+        tool_choice=tool_choice if forced else None,
+        parallel_tool_calls=parallel,
+    )
 
 
 def _tool_choice(choice: Any, tools: Optional[list]) -> Any:
@@ -490,10 +579,13 @@ def _tool_choice(choice: Any, tools: Optional[list]) -> Any:
         name = choice["function"].get("name")
         names = [t["function"]["name"] for t in tools or []]
         if name not in names:
-            raise invalid("tool_choice.function.name", name, f"must name one of the tools ({', '.join(names) or 'none given'})")
+            raise invalid(
+                "tool_choice.function.name", name, f"must name one of the tools ({', '.join(names) or 'none given'})"
+            )
         return choice
-    raise invalid("tool_choice", choice, "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                                         "\"function\": {\"name\": ...}}")
+    raise invalid(
+        "tool_choice", choice, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
 
 
 _LONGEST_TOKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -519,8 +611,12 @@ def check_length(text: str, tokenizer, max_model_len: int, param: str) -> None:
     least `len(text) / longest_token` tokens (halved again for normalizers that join characters)."""
     bound = 2 * longest_token(tokenizer) * max_model_len
     if len(text) > bound:
-        raise ApiError(400, f"The {'prompt' if param == 'prompt' else 'rendered chat'} has {len(text)} characters, "
-                            f"far more tokens than --max-model-len={max_model_len} holds: shorten it.", param=param)
+        raise ApiError(
+            400,
+            f"The {'prompt' if param == 'prompt' else 'rendered chat'} has {len(text)} characters, "
+            f"far more tokens than --max-model-len={max_model_len} holds: shorten it.",
+            param=param,
+        )
 
 
 def tokenizer_vocab(tokenizer) -> int:

@@ -31,7 +31,7 @@ def check_parser(name: Optional[str]) -> Optional[str]:
 
 
 def prompt_state(name: str, prompt: str) -> str:
-    """"content" (the prompt closed the thinking), "reasoning" (it opened it) or "open" (the answer decides)."""
+    """ "content" (the prompt closed the thinking), "reasoning" (it opened it) or "open" (the answer decides)."""
     start, end = PARSERS[name]
     if prompt.rstrip().endswith(end):
         return "content"
@@ -54,7 +54,7 @@ class ReasoningSplitter:
         if self.state == "open":
             head = self._buffer.lstrip()
             if head.startswith(self.start):
-                self._buffer = head[len(self.start):]
+                self._buffer = head[len(self.start) :]
                 self.state = "reasoning"
             elif final or (head and not self.start.startswith(head)):
                 self.state = "content"
@@ -63,11 +63,14 @@ class ReasoningSplitter:
         if self.state == "reasoning":
             end = self._buffer.find(self.end)
             if end >= 0:
-                reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(self.end):]
+                reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(self.end) :]
                 self.state = "content"
             else:
                 keep = 0 if final else _held(self._buffer, [self.end])
-                reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                reasoning, self._buffer = (
+                    self._buffer[: len(self._buffer) - keep],
+                    self._buffer[len(self._buffer) - keep :],
+                )
             if reasoning or self.reasoning is None:
                 self.reasoning = (self.reasoning or "") + reasoning
         if self.state == "content":

@@ -51,7 +51,9 @@ class Follower:
                 if command.step:
                     for event in self.loop.step():
                         if event.error is not None:
-                            logger.error("rank %d: request %s failed: %s", dist.get_rank(), event.request_id, event.error)
+                            logger.error(
+                                "rank %d: request %s failed: %s", dist.get_rank(), event.request_id, event.error
+                            )
         finally:
             self.loop.close()
 

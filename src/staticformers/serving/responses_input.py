@@ -45,10 +45,14 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         out = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise invalid(where, part, "must be text parts ({\"type\": \"input_text\", \"text\": ...}); "
-                                           "this model reads text only")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in ("input_text", "output_text", "text")
+                or not isinstance(part.get("text"), str)
+            ):
+                raise invalid(
+                    where, part, 'must be text parts ({"type": "input_text", "text": ...}); this model reads text only'
+                )
             out.append(part["text"])
         return "".join(out)
     raise invalid(where, content, "must be a string or a list of text parts")
@@ -86,8 +90,9 @@ def _items(value: Any) -> list:
                 raise invalid(where, item, "must carry a call_id and an output as strings")
             out.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
-            raise invalid(f"{where}.type", kind, "is not supported: send messages, function_call and "
-                                                 "function_call_output items")
+            raise invalid(
+                f"{where}.type", kind, "is not supported: send messages, function_call and function_call_output items"
+            )
     return out
 
 
@@ -100,7 +105,7 @@ def _tools(value: Any) -> Optional[list]:
     out = []
     for i, tool in enumerate(value):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise invalid(f"tools[{i}]", tool, "is not supported: only {\"type\": \"function\", \"name\": ...} tools")
+            raise invalid(f"tools[{i}]", tool, 'is not supported: only {"type": "function", "name": ...} tools')
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         out.append({"type": "function", "function": function})
     return out
@@ -118,9 +123,13 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
     if previous is not None:
         entry = store.get(previous) if isinstance(previous, str) else None
         if entry is None:
-            raise ApiError(404, f"previous_response_id={previous!r} is not stored here (unknown, not stored, or "
-                                f"evicted: this server keeps the last {store.size} responses); send the whole "
-                                f"conversation as input instead.", param="previous_response_id")
+            raise ApiError(
+                404,
+                f"previous_response_id={previous!r} is not stored here (unknown, not stored, or "
+                f"evicted: this server keeps the last {store.size} responses); send the whole "
+                f"conversation as input instead.",
+                param="previous_response_id",
+            )
         earlier = list(entry.messages)
     if "input" not in body:
         raise ApiError(400, "input is required: pass a string or a list of input items.", param="input")
@@ -132,18 +141,23 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "function" not in tool_choice:
         chat_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}  # chat's spelling
     elif tool_choice not in (None, "auto", "none", "required"):
-        raise invalid("tool_choice", tool_choice, "must be \"auto\", \"none\", \"required\" or "
-                                                  "{\"type\": \"function\", \"name\": ...}")
+        raise invalid(
+            "tool_choice", tool_choice, 'must be "auto", "none", "required" or {"type": "function", "name": ...}'
+        )
     store_it = body.get("store", True)
     if not isinstance(store_it, bool):
         raise invalid("store", store_it, "must be true or false")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream", stream, "must be true or false")
-    chat = {"model": body.get("model"),
-            "messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
-            "tools": tools, "tool_choice": chat_choice, "temperature": body.get("temperature"),
-            "top_p": body.get("top_p")}
+    chat = {
+        "model": body.get("model"),
+        "messages": ([{"role": "system", "content": instructions}] if instructions else []) + messages,
+        "tools": tools,
+        "tool_choice": chat_choice,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+    }
     if response_format is not None:
         chat["response_format"] = response_format
     if body.get("parallel_tool_calls") is not None:
@@ -153,11 +167,19 @@ def parse_response_request(body: Any, store: ResponseStore) -> ResponseRequest:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise invalid("max_output_tokens", limit, "must be a positive integer")
         chat["max_completion_tokens"] = limit
-    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": body.get("tools") or [],
-            "tool_choice": tool_choice or "auto", "previous_response_id": previous, "store": store_it,
-            "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "text": text_echo}
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "tools": body.get("tools") or [],
+        "tool_choice": tool_choice or "auto",
+        "previous_response_id": previous,
+        "store": store_it,
+        "metadata": body.get("metadata") or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "text": text_echo,
+    }
     return ResponseRequest(chat, messages, stream, store_it, echo)
 
 
@@ -175,7 +197,7 @@ def _text_format(text) -> tuple:
     if kind == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}, {"format": fmt}
-    raise invalid("text", text, "must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}}")
+    raise invalid("text", text, 'must be {"format": {"type": "text" | "json_object" | "json_schema", ...}}')
 
 
 __all__ = ["ResponseRequest", "parse_response_request"]

@@ -53,8 +53,9 @@ class Delta:
 class ChoiceRun:
     """Follows one generation request: turns its events into deltas (text after stop strings, tool calls)."""
 
-    def __init__(self, state: ServerState, job: Job, index: int, request_id: str, sink: Sink, arrival: float,
-                 metrics=None):
+    def __init__(
+        self, state: ServerState, job: Job, index: int, request_id: str, sink: Sink, arrival: float, metrics=None
+    ):
         self.state, self.job, self.index, self.request_id, self.sink = state, job, index, request_id, sink
         self.metrics = metrics or state.metrics  # counted under the name the request asked for
         self.text = ChoiceText(state.tokenizer, job.stop, job.skip_special_tokens)
@@ -169,9 +170,9 @@ def completion_logprobs(tokenizer, tokens: list, offset: int, out: Optional[dict
 
 def chat_logprobs(tokenizer, tokens: list) -> list:
     """A chat choice's `logprobs.content`: one entry per token, with its own bytes and the top logprobs."""
+
     def entry(token, logprob):
-        return {"token": shown_text(tokenizer, token), "logprob": logprob,
-                "bytes": list(token_bytes(tokenizer, token))}
+        return {"token": shown_text(tokenizer, token), "logprob": logprob, "bytes": list(token_bytes(tokenizer, token))}
 
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in (top or [])]} for t, lp, top in tokens]
 
@@ -193,9 +194,17 @@ async def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str
     rid = f"{prefix}-{uuid.uuid4().hex}"
     aloop = asyncio.get_running_loop()
     grammar = await asyncio.to_thread(constraint, state, job)
-    requests = [GenerationRequest(job.prompts[c.prompt_index], max(1, job.max_tokens[c.prompt_index]), c.sampling,
-                                  request_id=f"{rid}-{c.index}", adapter=adapter, structured_outputs=grammar)
-                for c in job.choices]
+    requests = [
+        GenerationRequest(
+            job.prompts[c.prompt_index],
+            max(1, job.max_tokens[c.prompt_index]),
+            c.sampling,
+            request_id=f"{rid}-{c.index}",
+            adapter=adapter,
+            structured_outputs=grammar,
+        )
+        for c in job.choices
+    ]
     try:
         for r in requests:
             state.engine.loop.validate(r)
@@ -204,25 +213,35 @@ async def start(state: ServerState, job: Job, prefix: str, adapter: Optional[str
     except ValueError as err:
         raise ApiError(400, str(err)) from None
     if len(requests) > state.engine.max_queued:  # it would never fit, however long the client waits
-        raise ApiError(400, f"This request asks for {len(requests)} sequences (prompts x n), more than the "
-                            f"{state.engine.max_queued} the server's queue holds (--max-queued-requests): ask for at "
-                            f"most {state.engine.max_queued}.", param="n")
+        raise ApiError(
+            400,
+            f"This request asks for {len(requests)} sequences (prompts x n), more than the "
+            f"{state.engine.max_queued} the server's queue holds (--max-queued-requests): ask for at "
+            f"most {state.engine.max_queued}.",
+            param="n",
+        )
     sinks = [Sink(aloop) for _ in requests]
     arrival = time.monotonic()
     try:
         state.engine.submit(list(zip(requests, sinks)))
     except QueueFull:
-        raise ApiError(429, f"The queue is full ({state.engine.max_queued} requests waiting): retry later.",
-                       kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+        raise ApiError(
+            429,
+            f"The queue is full ({state.engine.max_queued} requests waiting): retry later.",
+            kind="rate_limit_error",
+            headers={"Retry-After": "1"},
+        ) from None
     except Draining:
         raise ApiError(503, "The server is shutting down: send the request elsewhere.", kind="server_error") from None
     except EngineFailed as err:
-        raise ApiError(503, f"The engine failed ({err}): the server cannot generate any more.",
-                       kind="server_error") from None
+        raise ApiError(
+            503, f"The engine failed ({err}): the server cannot generate any more.", kind="server_error"
+        ) from None
     m = state.metrics.requests(adapter or state.model_name)
     m.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
-    runs = [ChoiceRun(state, job, c.index, r.request_id, s, arrival, m)
-            for c, r, s in zip(job.choices, requests, sinks)]
+    runs = [
+        ChoiceRun(state, job, c.index, r.request_id, s, arrival, m) for c, r, s in zip(job.choices, requests, sinks)
+    ]
     return rid, runs
 
 
@@ -234,16 +253,21 @@ def constraint(state: ServerState, job: Job):
         name = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
         vocab = state.tokenizer.get_vocab()
         # a named function is exactly one call of it; "required" is one call, or several with parallel calls
-        spec = tool_call_grammar(job.tools, name, job.parallel_tool_calls and name is None, vocab.get(OPEN),
-                                 vocab.get(CLOSE))
+        spec = tool_call_grammar(
+            job.tools, name, job.parallel_tool_calls and name is None, vocab.get(OPEN), vocab.get(CLOSE)
+        )
         param = "tool_choice"
     if spec is None:
         return None
     size = len(spec.text().encode("utf-8", "surrogatepass"))
     if size > state.max_grammar_bytes:
-        raise ApiError(400, f"{param} is {size} bytes, more than this server compiles (--max-grammar-bytes="
-                            f"{state.max_grammar_bytes}): a grammar's compile time grows faster than its size; send a "
-                            f"smaller one, or restart the server with a larger --max-grammar-bytes.", param=param)
+        raise ApiError(
+            400,
+            f"{param} is {size} bytes, more than this server compiles (--max-grammar-bytes="
+            f"{state.max_grammar_bytes}): a grammar's compile time grows faster than its size; send a "
+            f"smaller one, or restart the server with a larger --max-grammar-bytes.",
+            param=param,
+        )
     try:
         compiler = compiler_for(state.tokenizer, state.engine.loop.vocab, state.eos_token_ids)
         grammar = compiler.compile(spec, param)
@@ -323,10 +347,12 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def streamed(state: ServerState, job: Job, rid: str, runs: list, chunk: Callable[[Delta], Optional[dict]], kind: str,
-             served: str) -> StreamingResponse:
+def streamed(
+    state: ServerState, job: Job, rid: str, runs: list, chunk: Callable[[Delta], Optional[dict]], kind: str, served: str
+) -> StreamingResponse:
     """The answer as server-sent events: `chunk(delta)` per delta (None: nothing to send), the usage chunk
     when asked, then `[DONE]`. A stream that does not reach its end cancels what is left of its runs."""
+
     async def events():
         finished = False
         try:
@@ -338,8 +364,16 @@ def streamed(state: ServerState, job: Job, rid: str, runs: list, chunk: Callable
                 if payload is not None:
                     yield sse(payload)
             if job.include_usage:
-                yield sse({"id": rid, "object": kind, "created": int(time.time()), "model": served,
-                           "choices": [], "usage": usage(job, runs)})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": int(time.time()),
+                        "model": served,
+                        "choices": [],
+                        "usage": usage(job, runs),
+                    }
+                )
             yield "data: [DONE]\n\n"
             finished = True
         finally:
@@ -349,20 +383,42 @@ def streamed(state: ServerState, job: Job, rid: str, runs: list, chunk: Callable
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def reply(state: ServerState, request: Request, job: Job, prefix: str, adapter: Optional[str], served: str,
-                chunks: Callable, answer: Callable, kind: str):
+async def reply(
+    state: ServerState,
+    request: Request,
+    job: Job,
+    prefix: str,
+    adapter: Optional[str],
+    served: str,
+    chunks: Callable,
+    answer: Callable,
+    kind: str,
+):
     """A parsed job's whole life: queued, then streamed (`chunks(tokenizer, job, rid, created, served, n)`
     makes each delta's chunk) or answered whole (`answer(tokenizer, job, rid, created, served, runs,
     collected)`); `kind` is the streamed chunks' `object`."""
     rid, runs = await start(state, job, prefix, adapter)
     created = int(time.time())
     if job.stream:
-        return streamed(state, job, rid, runs, chunks(state.tokenizer, job, rid, created, served, len(runs)), kind,
-                        served)
+        return streamed(
+            state, job, rid, runs, chunks(state.tokenizer, job, rid, created, served, len(runs)), kind, served
+        )
     collected = await whole(state, request, runs)
     return answer(state.tokenizer, job, rid, created, served, runs, collected)
 
 
-__all__ = ["ChoiceRun", "Delta", "cancel", "chat_logprobs", "completion_logprobs", "merged", "prompt_tokens", "reply",
-           "sse", "start",
-           "streamed", "usage", "whole"]
+__all__ = [
+    "ChoiceRun",
+    "Delta",
+    "cancel",
+    "chat_logprobs",
+    "completion_logprobs",
+    "merged",
+    "prompt_tokens",
+    "reply",
+    "sse",
+    "start",
+    "streamed",
+    "usage",
+    "whole",
+]

@@ -73,8 +73,10 @@ class ServeOptions:
     @property
     def block_caches(self) -> bool:
         """Whether the KV cache is a pool of blocks (one of its three sizes given)."""
-        return any(v is not None for v in (self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
-                                           self.gpu_memory_utilization))
+        return any(
+            v is not None
+            for v in (self.num_gpu_blocks_override, self.kv_cache_memory_bytes, self.gpu_memory_utilization)
+        )
 
 
 def sampling_defaults(model) -> dict:
@@ -92,8 +94,11 @@ def sampling_defaults(model) -> dict:
 def stop_ids(model, tokenizer) -> list[int]:
     """Every id that ends an answer: the generation config's, the model config's and the tokenizer's EOS."""
     ids: list[int] = []
-    for source in (getattr(model.generation_config, "eos_token_id", None), model.config.eos_token_id,
-                   tokenizer.eos_token_id):
+    for source in (
+        getattr(model.generation_config, "eos_token_id", None),
+        model.config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
         if source is None:
             continue
         ids += [int(source)] if isinstance(source, int) else [int(v) for v in source]
@@ -108,8 +113,9 @@ def load(options: ServeOptions):
 
     for name in options.lora_modules:
         if name in RESERVED:
-            raise ValueError(f"The adapter name {name!r} in --lora-modules is reserved: {RESERVED[name]}. Pick another "
-                             f"name.")
+            raise ValueError(
+                f"The adapter name {name!r} in --lora-modules is reserved: {RESERVED[name]}. Pick another name."
+            )
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     kwargs = {}
     if options.tensor_parallel_size > 1:
@@ -123,10 +129,13 @@ def load(options: ServeOptions):
         from ..adapters.bank import bank_for_files
 
         runtime = options.enable_lora_runtime_updates
-        bank_for_files(model, options.lora_modules,
-                       options.max_loras or (max(len(options.lora_modules), 1) if runtime else None),
-                       options.max_lora_rank or (RUNTIME_LORA_RANK if runtime else None),
-                       target_modules="all-linear" if runtime else None)
+        bank_for_files(
+            model,
+            options.lora_modules,
+            options.max_loras or (max(len(options.lora_modules), 1) if runtime else None),
+            options.max_lora_rank or (RUNTIME_LORA_RANK if runtime else None),
+            target_modules="all-linear" if runtime else None,
+        )
     return model, tokenizer
 
 
@@ -195,19 +204,33 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         plan = speculator.plan_for(plan)  # its verify step is a shape of the plan, precompiled with the rest
     engine = engine_for(model, plan)
     settings = compile_settings(model, config, compile_config)
-    blocks = kv_blocks(model, options.num_gpu_blocks_override, options.kv_cache_memory_bytes,
-                       options.gpu_memory_utilization, options.block_size, engine.tp)
+    blocks = kv_blocks(
+        model,
+        options.num_gpu_blocks_override,
+        options.kv_cache_memory_bytes,
+        options.gpu_memory_utilization,
+        options.block_size,
+        engine.tp,
+    )
     engine.use_blocks(blocks, options.block_size)  # before the warm-up: its steps hold their caches
     if precompiles(engine.backend, options) and settings.enabled:
         engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
         draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
         if draft is not None:
             draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
-    return GenerationLoop(engine, settings, max_batch_size=options.max_batch_size, speculator=speculator,
-                          # the plan's width; block caches resume a preempted request in chunks
-                          chunked_prefill=True if options.enable_chunked_prefill or blocks else None,
-                          prefix_caching=options.enable_prefix_caching, prefix_cache_blocks=options.prefix_cache_blocks,
-                          prefix_block_size=options.block_size, kv_blocks=blocks, kv_block_size=options.block_size)
+    return GenerationLoop(
+        engine,
+        settings,
+        max_batch_size=options.max_batch_size,
+        speculator=speculator,
+        # the plan's width; block caches resume a preempted request in chunks
+        chunked_prefill=True if options.enable_chunked_prefill or blocks else None,
+        prefix_caching=options.enable_prefix_caching,
+        prefix_cache_blocks=options.prefix_cache_blocks,
+        prefix_block_size=options.block_size,
+        kv_blocks=blocks,
+        kv_block_size=options.block_size,
+    )
 
 
 def speculative(model, options: ServeOptions, config, compile_config):
@@ -222,8 +245,9 @@ def speculative(model, options: ServeOptions, config, compile_config):
     draft = None
     if parsed["model"] is not None:
         draft = from_pretrained(parsed["model"], dtype=options.dtype, device_map=str(model.device))
-    return speculator_from_config(model, parsed, lambda d: (engine_for(d), compile_settings(d, config, compile_config)),
-                                  draft)
+    return speculator_from_config(
+        model, parsed, lambda d: (engine_for(d), compile_settings(d, config, compile_config)), draft
+    )
 
 
 def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
@@ -236,11 +260,15 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
 
     name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
     if name in options.lora_modules:
-        raise ValueError(f"The adapter name {name!r} is the base model's served name: give the adapter another name "
-                         f"in --lora-modules (or the base another --served-model-name).")
+        raise ValueError(
+            f"The adapter name {name!r} is the base model's served name: give the adapter another name "
+            f"in --lora-modules (or the base another --served-model-name)."
+        )
     if options.api_key is not None and not options.api_key.strip():
-        raise ValueError("The API key is empty, which would leave the server open to anyone: pass a key, or None to "
-                         "serve without one.")
+        raise ValueError(
+            "The API key is empty, which would leave the server open to anyone: pass a key, or None to "
+            "serve without one."
+        )
     chat_template = None
     if options.chat_template:
         with open(options.chat_template, encoding="utf-8") as f:
@@ -248,27 +276,43 @@ def build_state(model, tokenizer, loop, options: ServeOptions, replicator=None):
         check_chat_template(tokenizer, chat_template, options.chat_template)
     metrics = ServerMetrics(name)
     engine = EngineThread(loop, metrics, options.max_queued_requests, replicator).start()
-    return ServerState(model_name=name, tokenizer=tokenizer, engine=engine, metrics=metrics,
-                       max_model_len=loop.plan.max_model_len, max_n=loop.max_slots,
-                       defaults=sampling_defaults(model), eos_token_ids=stop_ids(model, tokenizer),
-                       api_key=options.api_key, chat_template=chat_template, max_body_bytes=options.max_body_bytes,
-                       max_grammar_bytes=options.max_grammar_bytes,
-                       reasoning_parser=check_parser(options.reasoning_parser),
-                       adapters=dict(options.lora_modules), responses=ResponseStore(options.responses_store_size),
-                       runtime_lora=options.enable_lora_runtime_updates,
-                       lora_root=os.path.realpath(options.lora_root) if options.lora_root else None)
+    return ServerState(
+        model_name=name,
+        tokenizer=tokenizer,
+        engine=engine,
+        metrics=metrics,
+        max_model_len=loop.plan.max_model_len,
+        max_n=loop.max_slots,
+        defaults=sampling_defaults(model),
+        eos_token_ids=stop_ids(model, tokenizer),
+        api_key=options.api_key,
+        chat_template=chat_template,
+        max_body_bytes=options.max_body_bytes,
+        max_grammar_bytes=options.max_grammar_bytes,
+        reasoning_parser=check_parser(options.reasoning_parser),
+        adapters=dict(options.lora_modules),
+        responses=ResponseStore(options.responses_store_size),
+        runtime_lora=options.enable_lora_runtime_updates,
+        lora_root=os.path.realpath(options.lora_root) if options.lora_root else None,
+    )
 
 
 def check_chat_template(tokenizer, template: str, path: str) -> None:
     """Refuse at start-up a `--chat-template` that cannot render a one-message chat, rather than answer every
     chat request with a 400 that blames the client's messages."""
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
-                                      add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template=template, add_generation_prompt=True, tokenize=False
+        )
     except Exception as err:  # a syntax error, an undefined name, a raise_exception: the template's fault
-        raise ValueError(f"--chat-template {path} cannot render a chat of one user message: {err}" +
-                         ("" if "fix the template" in str(err) else " (fix the template, or leave the flag out to use "
-                                                                    "the tokenizer's).")) from None
+        raise ValueError(
+            f"--chat-template {path} cannot render a chat of one user message: {err}"
+            + (
+                ""
+                if "fix the template" in str(err)
+                else " (fix the template, or leave the flag out to use the tokenizer's)."
+            )
+        ) from None
 
 
 DRAIN_MARGIN = 5  # seconds uvicorn waits past --grace for the aborted answers to send their last chunk
@@ -290,14 +334,23 @@ def _uvicorn_server(app, grace: float, engine):
             self.exits += 1
             running = engine() if callable(engine) else engine
             if self.exits <= 2 and running is not None:
-                threading.Thread(target=running.shutdown, args=(grace if self.exits == 1 else 0.0,), daemon=True,
-                                 name="staticformers-drain").start()
+                threading.Thread(
+                    target=running.shutdown,
+                    args=(grace if self.exits == 1 else 0.0,),
+                    daemon=True,
+                    name="staticformers-drain",
+                ).start()
             elif self.exits > 2:
                 self.force_exit = True
             self.should_exit = True
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=int(math.ceil(grace)) + DRAIN_MARGIN,
-                            lifespan="off", access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=int(math.ceil(grace)) + DRAIN_MARGIN,
+        lifespan="off",
+        access_log=False,
+    )
     return _Server(config)
 
 
@@ -328,8 +381,9 @@ class Server:
         self.sock = bind(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = _uvicorn_server(create_app(state), grace, state.engine)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="staticformers-http")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="staticformers-http"
+        )
 
     def start(self, timeout: float = 30.0) -> str:
         self.thread.start()
@@ -363,8 +417,10 @@ def _precompile_bar(model, plan, options: ServeOptions) -> Optional[PrecompileBa
         return None
     from ..backends.devices import default_backend
 
-    return PrecompileBar(plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0),
-                         backend=options.backend or default_backend(model.device))
+    return PrecompileBar(
+        plan.num_shapes + (len(plan.prefill_shapes()) if options.precompile_prompt_logprobs else 0),
+        backend=options.backend or default_backend(model.device),
+    )
 
 
 def serve(options: ServeOptions) -> int:
@@ -390,8 +446,11 @@ def serve(options: ServeOptions) -> int:
                 bar.close()
             state = box["state"] = build_state(model, tokenizer, loop, options)
             starting.ready(create_app(state))
-            print(f"staticformers: serving {state.model_name} on http://{host}:{port} ({loop.max_slots} slots, "
-                  f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+            print(
+                f"staticformers: serving {state.model_name} on http://{host}:{port} ({loop.max_slots} slots, "
+                f"max_model_len {loop.plan.max_model_len}, {model.device})",
+                flush=True,
+            )
             _say_compile_note(options, loop)
         except BaseException as err:  # told by the main thread, after the server stops
             box["error"] = err
@@ -442,9 +501,12 @@ def _serve_distributed(options: ServeOptions) -> int:
     sock = bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
     server = _uvicorn_server(create_app(state), options.grace, state.engine)
-    print(f"staticformers: serving {state.model_name} on http://{host}:{port} "
-          f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
-          f"max_model_len {loop.plan.max_model_len}, {model.device})", flush=True)
+    print(
+        f"staticformers: serving {state.model_name} on http://{host}:{port} "
+        f"({loop.plan.batch_sizes[-1] if loop.max_slots is None else loop.max_slots} slots, "
+        f"max_model_len {loop.plan.max_model_len}, {model.device})",
+        flush=True,
+    )
     _say_compile_note(options, loop)
     try:
         server.run(sockets=[sock])
@@ -461,8 +523,10 @@ def compile_note(options: ServeOptions, loop) -> Optional[str]:
     plan = loop.plan
     if options.no_compile or precompiles(loop.engine.backend, options):
         return None
-    return (f"the shape plan ({plan.num_shapes} shapes at most) was not compiled ahead: a request whose shape is "
-            f"new waits while it compiles (tens of seconds on a CPU); --precompile compiles them all before serving")
+    return (
+        f"the shape plan ({plan.num_shapes} shapes at most) was not compiled ahead: a request whose shape is "
+        f"new waits while it compiles (tens of seconds on a CPU); --precompile compiles them all before serving"
+    )
 
 
 def _say_compile_note(options: ServeOptions, loop) -> None:

@@ -28,8 +28,12 @@ class Starting:
             return
         if scope["type"] != "http":  # lifespan and the like: nothing to start
             return
-        await error_response(503, f"The server is starting ({self.doing}): retry in a moment.", kind="server_error",
-                             headers={"Retry-After": "5"})(scope, receive, send)
+        await error_response(
+            503,
+            f"The server is starting ({self.doing}): retry in a moment.",
+            kind="server_error",
+            headers={"Retry-After": "5"},
+        )(scope, receive, send)
 
 
 __all__ = ["Starting"]

@@ -51,8 +51,9 @@ class ServerState:
     lora_root: Optional[str] = None  # the real path run-time loads must resolve inside (None: refuse all)
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None,
-                   headers=None) -> JSONResponse:
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None
+) -> JSONResponse:
     """OpenAI's error JSON with its status, for the places that answer rather than raise `ApiError`."""
     return JSONResponse(ApiError(status, message, param, kind).body(), status_code=status, headers=headers)
 
@@ -87,8 +88,11 @@ def _parsed(raw: bytes) -> Any:
     try:
         body = json.loads(raw or b"null", parse_constant=_constant, parse_float=_finite_float)
     except _NotFinite as err:
-        raise ApiError(400, f"The request body holds the number {err}, which JSON does not allow and no answer "
-                            f"could repeat: send finite numbers.") from None
+        raise ApiError(
+            400,
+            f"The request body holds the number {err}, which JSON does not allow and no answer "
+            f"could repeat: send finite numbers.",
+        ) from None
     except RecursionError:
         raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep: flatten it.") from None
     except ValueError:
@@ -105,14 +109,18 @@ def check_text(body: Any) -> None:
     while stack:
         value, where, depth = stack.pop()
         if depth >= MAX_DEPTH and isinstance(value, (dict, list)):  # the 65th container, counting the body
-            raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep (at {where}): "
-                                f"flatten it.")
+            raise ApiError(
+                400, f"The request body nests JSON more than {MAX_DEPTH} levels deep (at {where}): flatten it."
+            )
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as err:
-                raise ApiError(400, f"{where} holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
-                                    f"{err.start}), which is not text: send valid Unicode.") from None
+                raise ApiError(
+                    400,
+                    f"{where} holds a lone UTF-16 surrogate ({value[err.start]!r} at character "
+                    f"{err.start}), which is not text: send valid Unicode.",
+                ) from None
         elif isinstance(value, dict):
             for k, v in value.items():
                 stack.append((k, f"a key of {where}", depth + 1))
@@ -128,9 +136,22 @@ def check_model(state: ServerState, name: Any) -> tuple[Optional[str], str]:
     if isinstance(name, str) and name in state.adapters:
         return name, name
     served = ", ".join(map(repr, [state.model_name, *state.adapters]))
-    raise ApiError(404, f"The model {name!r} does not exist here: this server serves {served}.",
-                   param="model", kind="invalid_request_error", code="model_not_found")
+    raise ApiError(
+        404,
+        f"The model {name!r} does not exist here: this server serves {served}.",
+        param="model",
+        kind="invalid_request_error",
+        code="model_not_found",
+    )
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_GRAMMAR_BYTES", "MAX_DEPTH", "ServerState", "check_model", "check_text", "error_response",
-           "read_body"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_GRAMMAR_BYTES",
+    "MAX_DEPTH",
+    "ServerState",
+    "check_model",
+    "check_text",
+    "error_response",
+    "read_body",
+]

@@ -63,11 +63,11 @@ class ChoiceText:
             start = max(0, self.emitted - max(len(s) for s in self.stop))
             hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                self.text = self.text[: min(hits)]
                 self.stopped = True
-        keep = 0 if (final or self.stopped or not self.stop) else _held(self.text[self.emitted:], self.stop)
+        keep = 0 if (final or self.stopped or not self.stop) else _held(self.text[self.emitted :], self.stop)
         end = len(self.text) - keep
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out
 
@@ -146,7 +146,7 @@ class ToolCallParser:
                 end = self._buffer.find(CLOSE)
                 if end < 0:
                     break
-                block, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE):]
+                block, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
                 self._inside = False
                 call = self._close(block)
                 if call is None:
@@ -157,12 +157,12 @@ class ToolCallParser:
             start = self._buffer.find(OPEN)
             if start >= 0:
                 out += self._content(self._buffer[:start])
-                self._buffer = self._buffer[start + len(OPEN):]
+                self._buffer = self._buffer[start + len(OPEN) :]
                 self._inside = True
                 continue
             keep = _held(self._buffer, [OPEN])
-            out += self._content(self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            out += self._content(self._buffer[: len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep :]
             break
         self.content += out
         return out, new

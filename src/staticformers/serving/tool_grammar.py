@@ -25,8 +25,9 @@ def _tag(text: str, token: Optional[int]) -> str:
     return text if token is not None else json.dumps(text)
 
 
-def tool_call_grammar(tools: list, name: Optional[str], parallel: bool, open_id: Optional[int],
-                      close_id: Optional[int]) -> StructuredOutputs:
+def tool_call_grammar(
+    tools: list, name: Optional[str], parallel: bool, open_id: Optional[int], close_id: Optional[int]
+) -> StructuredOutputs:
     """A constraint forcing a call of tool `name` (None: any of `tools`), one call or (`parallel`) one or more
     separated by newlines; `open_id` / `close_id`: the ids of `<tool_call>` / `</tool_call>` when the
     vocabulary holds them as tokens."""
@@ -34,11 +35,16 @@ def tool_call_grammar(tools: list, name: Optional[str], parallel: bool, open_id:
     rules = []
     for i, f in enumerate(functions):
         parameters = f.get("parameters") or {"type": "object"}
-        schema = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_STYLE}
+        schema = {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            "x-guidance": _JSON_STYLE,
+        }
         rules.append(f"call_{i}: %json {json.dumps(schema)}")
     block = f'{_tag(OPEN, open_id)} "\\n" call "\\n" {_tag(CLOSE, close_id)}'
-    start = "start: block (\"\\n\" block)*" if parallel else "start: block"
+    start = 'start: block ("\\n" block)*' if parallel else "start: block"
     lark = "\n".join([start, f"block: {block}", "call: " + " | ".join(f"call_{i}" for i in range(len(rules)))] + rules)
     return StructuredOutputs(lark=lark)
 

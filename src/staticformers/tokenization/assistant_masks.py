@@ -27,9 +27,11 @@ def has_generation_blocks(template: str) -> bool:
 
 
 def no_generation_blocks_message() -> str:
-    return ("return_assistant_tokens_mask=True needs a chat template that wraps the assistant's text in "
-            "{% generation %} ... {% endgeneration %}, and this one has no such blocks: pass chat_template= a "
-            "training template that marks them (for training, TrainingArguments(chat_template_path=...)).")
+    return (
+        "return_assistant_tokens_mask=True needs a chat template that wraps the assistant's text in "
+        "{% generation %} ... {% endgeneration %}, and this one has no such blocks: pass chat_template= a "
+        "training template that marks them (for training, TrainingArguments(chat_template_path=...))."
+    )
 
 
 def token_masks(encodings: Sequence[Any], spans: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:

@@ -72,8 +72,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's built-in `tojson` escapes HTML characters; templates expect plain JSON.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -122,9 +123,7 @@ def compile_template(source: str) -> jinja2.Template:
             f"Chat templates need jinja2>=3.1.6 (older versions have sandbox escapes) but {jinja2.__version__} "
             "is installed: run `pip install -U jinja2`."
         )
-    env = BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -240,12 +239,19 @@ def render(
                         block["text"] = block["text"] + _CONTINUE_TAG
                         break
                 else:
-                    raise ValueError("continue_final_message is set but the final message has no text block to continue.")
+                    raise ValueError(
+                        "continue_final_message is set but the final message has no text block to continue."
+                    )
             else:
                 for f in fields:
                     chat[-1][f] = chat[-1][f] + _CONTINUE_TAG
-        variables = dict(messages=chat, tools=tool_schemas, documents=documents,
-                         add_generation_prompt=add_generation_prompt, **kwargs)
+        variables = dict(
+            messages=chat,
+            tools=tool_schemas,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
         if return_spans:
             text, spans = _render_recording_spans(compiled, variables)
             all_spans.append(spans)

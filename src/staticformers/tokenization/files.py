@@ -28,8 +28,17 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "chat_templates"
-_HUB_PATTERNS = [TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE,
-                 f"{CHAT_TEMPLATE_DIR}/*.jinja", "tokenizer.model", "*.tiktoken", "vocab.json", "merges.txt"]
+_HUB_PATTERNS = [
+    TOKENIZER_FILE,
+    CONFIG_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
+    CHAT_TEMPLATE_FILE,
+    f"{CHAT_TEMPLATE_DIR}/*.jinja",
+    "tokenizer.model",
+    "*.tiktoken",
+    "vocab.json",
+    "merges.txt",
+]
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
@@ -58,8 +67,15 @@ class TokenizerFiles:
     chat_template: str | dict[str, str] | None = None
 
 
-def resolve_folder(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir: str | None = None,
-                   local_files_only: bool = False, token: str | bool | None = None, subfolder: str = "") -> Path:
+def resolve_folder(
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    subfolder: str = "",
+) -> Path:
     """A local folder as it is, else a Hub repo id downloaded (or found in the cache) with `huggingface_hub`."""
     path = Path(name_or_path)
     if path.is_file() and path.name == TOKENIZER_FILE:
@@ -74,31 +90,58 @@ def resolve_folder(name_or_path: str | os.PathLike, *, revision: str | None = No
     name = str(name_or_path)
     if not _REPO_ID.fullmatch(name) or ".." in name:
         raise not_a_folder(name)
-    return _download(name, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token,
-                     subfolder=subfolder)
+    return _download(
+        name,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        token=token,
+        subfolder=subfolder,
+    )
 
 
-def _download(repo_id: str, *, revision: str | None, cache_dir: str | None, local_files_only: bool,
-              token: str | bool | None, subfolder: str) -> Path:
+def _download(
+    repo_id: str,
+    *,
+    revision: str | None,
+    cache_dir: str | None,
+    local_files_only: bool,
+    token: str | bool | None,
+    subfolder: str,
+) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     patterns = [f"{subfolder}/{p}" if subfolder else p for p in _HUB_PATTERNS]
     try:
-        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
-                                     local_files_only=local_files_only, token=token)
+        snapshot = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache_dir,
+            allow_patterns=patterns,
+            local_files_only=local_files_only,
+            token=token,
+        )
     except HFValidationError as err:
         raise bad_id(repo_id, err) from None
     except LocalEntryNotFoundError:
         raise not_cached(repo_id, "The tokenizer") from None
     except GatedRepoError:
-        raise CheckpointNotFoundError(f"{repo_id!r} is a gated repo: accept its licence on the Hub and log in "
-                                      f"(`hf auth login`) or pass token=.") from None
+        raise CheckpointNotFoundError(
+            f"{repo_id!r} is a gated repo: accept its licence on the Hub and log in (`hf auth login`) or pass token=."
+        ) from None
     except RepositoryNotFoundError:
         raise no_repo(repo_id) from None
     except RevisionNotFoundError:
-        raise missing_file(f"The Hub repo {repo_id!r}", f"revision {revision!r}", "check the `revision` argument") from None
+        raise missing_file(
+            f"The Hub repo {repo_id!r}", f"revision {revision!r}", "check the `revision` argument"
+        ) from None
     folder = Path(snapshot) / subfolder if subfolder else Path(snapshot)
     return folder
 
@@ -128,22 +171,32 @@ def _missing_tokenizer_json(folder: Path) -> CheckpointNotFoundError:
         what = "only a tiktoken file"
     else:
         what = f"no tokenizer files (it holds: {', '.join(present[:8]) or 'nothing'})"
-    return missing_file(folder, f"tokenizer.json ({what})",
-                        "staticformers reads tokenizer.json only, so convert it once with transformers "
-                        "(`AutoTokenizer.from_pretrained(path).save_pretrained(path)`) or point to a folder that has it")
+    return missing_file(
+        folder,
+        f"tokenizer.json ({what})",
+        "staticformers reads tokenizer.json only, so convert it once with transformers "
+        "(`AutoTokenizer.from_pretrained(path).save_pretrained(path)`) or point to a folder that has it",
+    )
 
 
-_BOOLEAN_KEYS = ("clean_up_tokenization_spaces", "split_special_tokens",
-                 "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+_BOOLEAN_KEYS = (
+    "clean_up_tokenization_spaces",
+    "split_special_tokens",
+    "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+)
 
 
 def check_config_values(config: dict[str, Any], source: str) -> None:
     """The values of tokenizer_config.json (or overrides) the tokenizer uses: one sentence per bad one."""
     length = config.get("model_max_length", config.get("max_len"))
-    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))
-                               or not length >= 1 or length != length or length == float("inf")):
-        raise ValueError(f"{source}: model_max_length={length!r} must be a positive integer "
-                         f"(omit it for no limit).")
+    if length is not None and (
+        isinstance(length, bool)
+        or not isinstance(length, (int, float))
+        or not length >= 1
+        or length != length
+        or length == float("inf")
+    ):
+        raise ValueError(f"{source}: model_max_length={length!r} must be a positive integer (omit it for no limit).")
     for key in ("padding_side", "truncation_side"):
         if key in config and config[key] not in ("left", "right"):
             raise ValueError(f"{source}: {key} must be 'left' or 'right', not {config[key]!r}.")
@@ -188,8 +241,11 @@ def read_folder(folder: Path) -> TokenizerFiles:
         extra_map = special_map.get("extra_special_tokens") or special_map.get("additional_special_tokens") or []
         if isinstance(extra_map, list):
             seen = {(_as_token(t, "extra_special_tokens") or SpecialToken("")).content for t in extra}
-            added = [t for t in extra_map
-                     if (_as_token(t, "additional_special_tokens") or SpecialToken("")).content not in seen]
+            added = [
+                t
+                for t in extra_map
+                if (_as_token(t, "additional_special_tokens") or SpecialToken("")).content not in seen
+            ]
             extra = list(extra) + added
     for key, value in merged.items():
         token = _as_token(value, f"{key} in {folder.name}")
@@ -208,10 +264,14 @@ def read_folder(folder: Path) -> TokenizerFiles:
     # Chat templates: separate .jinja files win over the config's entry.
     template: Any = config.get("chat_template")
     if isinstance(template, list):
-        if not all(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
-                   for e in template):
-            raise ValueError(f"{config_path}: chat_template, as a list, must hold {{\"name\": ..., \"template\": ...}} "
-                             f"objects of strings.")
+        if not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+            for e in template
+        ):
+            raise ValueError(
+                f'{config_path}: chat_template, as a list, must hold {{"name": ..., "template": ...}} '
+                f"objects of strings."
+            )
         template = {entry["name"]: entry["template"] for entry in template}
     elif template is not None and not isinstance(template, str):
         raise ValueError(f"{config_path}: chat_template must be a string (or a list of named templates).")
@@ -229,7 +289,9 @@ def read_folder(folder: Path) -> TokenizerFiles:
     return files
 
 
-def write_folder(folder: Path, tokenizer_json: str, config: dict[str, Any], chat_template: str | dict | None) -> list[str]:
+def write_folder(
+    folder: Path, tokenizer_json: str, config: dict[str, Any], chat_template: str | dict | None
+) -> list[str]:
     """Write tokenizer.json, tokenizer_config.json and the chat template(s) into `folder`; return the paths."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []

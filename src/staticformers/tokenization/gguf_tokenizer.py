@@ -38,13 +38,25 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # `tokenizer.ggml.pre` -> the split regex its merges were learned with (others: GPT-2's ByteLevel regex)
-SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-          "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 MODELS = ("gpt2", "llama")
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 SPACE = "\u2581"  # SentencePiece's space
-_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-                "pad_token": "padding_token_id"}
+_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -78,14 +90,26 @@ def _byte_level(meta: dict) -> Tokenizer:
     for index, token in enumerate(meta["tokenizer.ggml.tokens"]):
         spelled = token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))
         vocab.setdefault(spelled, index)
-    tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, vocab, False), dropout=None, continuing_subword_prefix="",
-                        end_of_word_suffix="", fuse_unk=False))
+    tok = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges(meta, vocab, False),
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
     split = SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -94,11 +118,13 @@ def _sentencepiece(meta: dict) -> Tokenizer:
     vocab: dict[str, int] = {}
     for index, token in enumerate(meta["tokenizer.ggml.tokens"]):
         vocab.setdefault(token, index)
-    tok = Tokenizer(BPE(vocab=vocab, merges=_merges(meta, vocab, True), fuse_unk=True, byte_fallback=True,
-                        dropout=None))
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=_merges(meta, vocab, True), fuse_unk=True, byte_fallback=True, dropout=None)
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+    )
     return tok
 
 
@@ -107,8 +133,9 @@ def _merges_in_order(vocab: dict[str, int], scored) -> list[tuple[str, str]]:
     (token, score) pairs, in the file's order."""
     pieces = []
     for token, score in scored:
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
+        local = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
         pieces.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
     pieces.sort(key=lambda x: (x[2], len(x[0]), len(x[1])), reverse=True)
     return [(a, b) for a, b, _ in pieces]
@@ -119,10 +146,12 @@ def _gemma(meta: dict) -> Tokenizer:
     tokens = [SPACE * len(t) if " " in t and not t.strip() else t for t in meta["tokenizer.ggml.tokens"]]
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = meta.get("tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else \
-        _merges_in_order(vocab, {token: -index for index, token in enumerate(tokens)}.items())
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
-                        byte_fallback=True))
+    merges = (
+        [tuple(m.split(" ", 1)) for m in merges]
+        if merges is not None
+        else _merges_in_order(vocab, {token: -index for index, token in enumerate(tokens)}.items())
+    )
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None, byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -158,12 +187,16 @@ def read_gguf_tokenizer(f: GGUFFile) -> dict[str, Any]:
     meta = f.metadata
     model = meta.get("tokenizer.ggml.model")
     if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
-        raise GGUFError(f"{os.path.basename(f.path)} has no tokenizer.ggml.tokens: it carries no tokenizer; load the "
-                        f"tokenizer from the model's Hub repo instead.")
+        raise GGUFError(
+            f"{os.path.basename(f.path)} has no tokenizer.ggml.tokens: it carries no tokenizer; load the "
+            f"tokenizer from the model's Hub repo instead."
+        )
     if model not in MODELS:
-        raise GGUFError(f"{os.path.basename(f.path)} states tokenizer model {model!r} (tokenizer.ggml.model), which "
-                        f"staticformers does not build from GGUF ({' and '.join(MODELS)} it does): load the tokenizer "
-                        f"from the model's Hub repo instead.")
+        raise GGUFError(
+            f"{os.path.basename(f.path)} states tokenizer model {model!r} (tokenizer.ggml.model), which "
+            f"staticformers does not build from GGUF ({' and '.join(MODELS)} it does): load the tokenizer "
+            f"from the model's Hub repo instead."
+        )
     arch = meta.get("general.architecture")
     if model == "gpt2":
         backend = _byte_level(meta)
@@ -174,18 +207,33 @@ def read_gguf_tokenizer(f: GGUFFile) -> dict[str, Any]:
     control = _added_tokens(backend, meta, model == "gpt2")
     tokens = meta["tokenizer.ggml.tokens"]
     special: dict[str, Any] = {
-        name: tokens[meta[f"tokenizer.ggml.{key}"]] if isinstance(meta.get(f"tokenizer.ggml.{key}"), int)
-        and 0 <= meta[f"tokenizer.ggml.{key}"] < len(tokens) else None
-        for name, key in _SPECIAL_IDS.items()}
+        name: tokens[meta[f"tokenizer.ggml.{key}"]]
+        if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= meta[f"tokenizer.ggml.{key}"] < len(tokens)
+        else None
+        for name, key in _SPECIAL_IDS.items()
+    }
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     add_bos, add_eos = add_bos and special["bos_token"] is not None, add_eos and special["eos_token"] is not None
-    single = " ".join(([f"{special['bos_token']}:0"] if add_bos else []) + ["$A:0"]
-                      + ([f"{special['eos_token']}:0"] if add_eos else []))
-    pair = " ".join([single] + ([f"{special['bos_token']}:1"] if add_bos else []) + ["$B:1"]
-                    + ([f"{special['eos_token']}:1"] if add_eos else []))
-    ids = [(special[n], backend.token_to_id(special[n])) for n, on in (("bos_token", add_bos), ("eos_token", add_eos)) if on]
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(dict.fromkeys(ids)))
+    single = " ".join(
+        ([f"{special['bos_token']}:0"] if add_bos else [])
+        + ["$A:0"]
+        + ([f"{special['eos_token']}:0"] if add_eos else [])
+    )
+    pair = " ".join(
+        [single]
+        + ([f"{special['bos_token']}:1"] if add_bos else [])
+        + ["$B:1"]
+        + ([f"{special['eos_token']}:1"] if add_eos else [])
+    )
+    ids = [
+        (special[n], backend.token_to_id(special[n]))
+        for n, on in (("bos_token", add_bos), ("eos_token", add_eos))
+        if on
+    ]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(dict.fromkeys(ids))
+    )
     named = {v for v in special.values() if v is not None}
     return {
         "backend": backend,

@@ -35,8 +35,10 @@ class TemplateLimitError(ValueError):
 
 def _check_time() -> None:
     if time.monotonic() > _DEADLINE.get():
-        raise TemplateLimitError(f"The chat template ran for more than {MAX_SECONDS:g} s and was stopped: fix the "
-                                 f"template (a loop too long?).")
+        raise TemplateLimitError(
+            f"The chat template ran for more than {MAX_SECONDS:g} s and was stopped: fix the "
+            f"template (a loop too long?)."
+        )
 
 
 class _Range:
@@ -77,12 +79,16 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             count = right if _size(left) else left
             size = _size(left) or _size(right)
             if isinstance(count, int) and size and size * count > MAX_CHARS:
-                raise TemplateLimitError(f"The chat template repeats a value of length {size} {count} times, more "
-                                         f"than the {MAX_CHARS} it may make: fix the template.")
+                raise TemplateLimitError(
+                    f"The chat template repeats a value of length {size} {count} times, more "
+                    f"than the {MAX_CHARS} it may make: fix the template."
+                )
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
             if right * math.log2(abs(left)) > MAX_POWER_BITS:
-                raise TemplateLimitError(f"The chat template computes {left} ** {right}, an integer of more than "
-                                         f"{MAX_POWER_BITS} bits: fix the template.")
+                raise TemplateLimitError(
+                    f"The chat template computes {left} ** {right}, an integer of more than "
+                    f"{MAX_POWER_BITS} bits: fix the template."
+                )
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja2's own signature)
@@ -98,8 +104,9 @@ def bounded(chunks: Iterable[str]) -> Iterator[str]:
         for chunk in chunks:
             made += len(chunk)
             if made > MAX_CHARS:
-                raise TemplateLimitError(f"The chat template made more than {MAX_CHARS} characters and was stopped: "
-                                         f"fix the template.")
+                raise TemplateLimitError(
+                    f"The chat template made more than {MAX_CHARS} characters and was stopped: fix the template."
+                )
             _check_time()
             yield chunk
     finally:

@@ -30,20 +30,54 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from staticformers.tokenization import assistant_masks as _masks
 from staticformers.tokenization import chat_template as _chat
-from staticformers.tokenization.files import (SPECIAL_TOKEN_NAMES, check_config_values, read_folder, resolve_folder, write_folder)
+from staticformers.tokenization.files import (
+    SPECIAL_TOKEN_NAMES,
+    check_config_values,
+    read_folder,
+    resolve_folder,
+    write_folder,
+)
 
 VERY_LARGE_INTEGER = int(1e30)  # transformers' "no limit" model_max_length
 LARGE_INTEGER = int(1e20)
-_PADDING = {True: "longest", "longest": "longest", "max_length": "max_length", False: None, "do_not_pad": None, None: None}
-_TRUNCATION = {True: "longest_first", "longest_first": "longest_first", "only_first": "only_first",
-               "only_second": "only_second", False: None, "do_not_truncate": None, None: None}
+_PADDING = {
+    True: "longest",
+    "longest": "longest",
+    "max_length": "max_length",
+    False: None,
+    "do_not_pad": None,
+    None: None,
+}
+_TRUNCATION = {
+    True: "longest_first",
+    "longest_first": "longest_first",
+    "only_first": "only_first",
+    "only_second": "only_second",
+    False: None,
+    "do_not_truncate": None,
+    None: None,
+}
 _FROM_PRETRAINED_OVERRIDES = {
-    "padding_side", "truncation_side", "model_max_length", "clean_up_tokenization_spaces", "chat_template",
-    "split_special_tokens", "model_input_names", "extra_special_tokens", "additional_special_tokens",
+    "padding_side",
+    "truncation_side",
+    "model_max_length",
+    "clean_up_tokenization_spaces",
+    "chat_template",
+    "split_special_tokens",
+    "model_input_names",
+    "extra_special_tokens",
+    "additional_special_tokens",
     *SPECIAL_TOKEN_NAMES,
 }
-_IGNORED_FROM_PRETRAINED = {"use_fast", "trust_remote_code", "_from_auto", "force_download", "proxies",
-                            "resume_download", "legacy"}
+_IGNORED_FROM_PRETRAINED = {
+    "use_fast",
+    "trust_remote_code",
+    "_from_auto",
+    "force_download",
+    "proxies",
+    "resume_download",
+    "legacy",
+}
 
 
 class BatchEncoding(dict):
@@ -123,7 +157,6 @@ def _check_ids(ids: list[int]) -> None:
             )
 
 
-
 def _apply_overrides(overrides: dict[str, Any], special: dict, extra: list, template: Any, config: dict) -> tuple:
     """`from_pretrained`'s keyword overrides, as transformers applies them: special tokens into `special`, other
     settings into `config` (both in place); returns the extra special tokens and the chat template."""
@@ -140,15 +173,22 @@ def _apply_overrides(overrides: dict[str, Any], special: dict, extra: list, temp
             config[key] = value
     return extra, template
 
+
 class FastTokenizer:
     """A Hugging Face tokenizer (tokenizer.json + tokenizer_config.json) with transformers' call API."""
 
     is_fast = True
 
-    def __init__(self, backend: RustTokenizer, config: dict[str, Any] | None = None, *,
-                 special_tokens: Mapping[str, str | None] | None = None,
-                 extra_special_tokens: Sequence[str] = (), chat_template: str | dict | None = None,
-                 name_or_path: str = "") -> None:
+    def __init__(
+        self,
+        backend: RustTokenizer,
+        config: dict[str, Any] | None = None,
+        *,
+        special_tokens: Mapping[str, str | None] | None = None,
+        extra_special_tokens: Sequence[str] = (),
+        chat_template: str | dict | None = None,
+        name_or_path: str = "",
+    ) -> None:
         config = dict(config or {})
         check_config_values(config, f"{name_or_path or 'the tokenizer'}: tokenizer_config.json")
         self._backend = backend
@@ -165,7 +205,9 @@ class FastTokenizer:
         self.padding_side = config.get("padding_side", "right")
         self.truncation_side = config.get("truncation_side", "right")
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._cleanup_for_bpe = bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        self._cleanup_for_bpe = bool(
+            config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+        )
         self.split_special_tokens = bool(config.get("split_special_tokens", False))
         self.model_input_names = list(config.get("model_input_names") or ["input_ids", "attention_mask"])
         self.chat_template = chat_template
@@ -175,9 +217,17 @@ class FastTokenizer:
     # ----- loading and saving -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None, cache_dir: str | None = None,
-                        local_files_only: bool = False, token: str | bool | None = None, subfolder: str = "",
-                        **overrides: Any) -> "FastTokenizer":
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        subfolder: str = "",
+        **overrides: Any,
+    ) -> "FastTokenizer":
         """Load from a local folder or a Hub repo id (downloaded, or read from the cache when offline); with
         `gguf_file`, from that GGUF file's metadata (a file in the folder or repo, or a path)."""
         gguf_file = overrides.pop("gguf_file", None)
@@ -188,10 +238,23 @@ class FastTokenizer:
                 f"{sorted(_FROM_PRETRAINED_OVERRIDES)} as overrides of tokenizer_config.json."
             )
         if gguf_file is not None:
-            return cls._from_gguf(name_or_path, gguf_file, overrides, revision=revision, cache_dir=cache_dir,
-                                  local_files_only=local_files_only, token=token)
-        folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir,
-                                local_files_only=local_files_only, token=token, subfolder=subfolder)
+            return cls._from_gguf(
+                name_or_path,
+                gguf_file,
+                overrides,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                token=token,
+            )
+        folder = resolve_folder(
+            name_or_path,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            subfolder=subfolder,
+        )
         files = read_folder(folder)
         try:
             backend = RustTokenizer.from_file(str(files.tokenizer_json))
@@ -233,14 +296,21 @@ class FastTokenizer:
         if missing_extra:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing_extra])
 
-        tok = cls(backend, config, special_tokens=special, extra_special_tokens=extra, chat_template=template,
-                  name_or_path=str(name_or_path))
+        tok = cls(
+            backend,
+            config,
+            special_tokens=special,
+            extra_special_tokens=extra,
+            chat_template=template,
+            name_or_path=str(name_or_path),
+        )
         tok._check_sides()
         return tok
 
     @classmethod
-    def _from_gguf(cls, name_or_path: str | Path, gguf_file: str | os.PathLike, overrides: dict[str, Any],
-                   **hub: Any) -> "FastTokenizer":
+    def _from_gguf(
+        cls, name_or_path: str | Path, gguf_file: str | os.PathLike, overrides: dict[str, Any], **hub: Any
+    ) -> "FastTokenizer":
         """`from_pretrained(path, gguf_file=...)`: the tokenizer a GGUF file's metadata describes
         (`gguf_tokenizer.py`), with the call's overrides applied as for a folder."""
         from ..checkpoints.gguf_file import open_gguf
@@ -251,28 +321,47 @@ class FastTokenizer:
         if not os.path.isfile(path):
             path = resolve_file(os.fspath(name_or_path), path, **hub)
         parts = read_gguf_tokenizer(open_gguf(path))
-        special, extra, template, config = parts["special_tokens"], parts["extra_special_tokens"], \
-            parts["chat_template"], parts["config"]
+        special, extra, template, config = (
+            parts["special_tokens"],
+            parts["extra_special_tokens"],
+            parts["chat_template"],
+            parts["config"],
+        )
         extra, template = _apply_overrides(overrides, special, extra, template, config)
         backend = parts["backend"]
         known = {t.content for t in backend.get_added_tokens_decoder().values()} | set(backend.get_vocab())
         missing = [t for t in [*special.values(), *extra] if t is not None and t not in known]
         if missing:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
-        tok = cls(backend, config, special_tokens=special, extra_special_tokens=extra, chat_template=template,
-                  name_or_path=str(name_or_path))
+        tok = cls(
+            backend,
+            config,
+            special_tokens=special,
+            extra_special_tokens=extra,
+            chat_template=template,
+            name_or_path=str(name_or_path),
+        )
         tok._check_sides()
         return tok
 
     def save_pretrained(self, save_directory: str | Path, **_: Any) -> tuple[str, ...]:
         """Write tokenizer.json, tokenizer_config.json and chat_template.jinja, loadable by us and by transformers."""
         config = copy.deepcopy(self._config)
-        for key in ("add_bos_token", "add_eos_token", "tokenizer_file", "name_or_path", "auto_map",
-                    "special_tokens_map_file", "additional_special_tokens"):
+        for key in (
+            "add_bos_token",
+            "add_eos_token",
+            "tokenizer_file",
+            "name_or_path",
+            "auto_map",
+            "special_tokens_map_file",
+            "additional_special_tokens",
+        ):
             config.pop(key, None)
         config.update(
-            model_max_length=self.model_max_length, padding_side=self.padding_side,
-            truncation_side=self.truncation_side, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces,
+            model_max_length=self.model_max_length,
+            padding_side=self.padding_side,
+            truncation_side=self.truncation_side,
+            clean_up_tokenization_spaces=self.clean_up_tokenization_spaces,
             split_special_tokens=self.split_special_tokens,
         )
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -297,7 +386,9 @@ class FastTokenizer:
 
     def _set_token(self, name: str, value: Any) -> None:
         if value is not None and not isinstance(value, (str, AddedToken)):
-            raise TypeError(f"{name} must be a token string (e.g. tok.{name} = tok.eos_token), not {type(value).__name__}.")
+            raise TypeError(
+                f"{name} must be a token string (e.g. tok.{name} = tok.eos_token), not {type(value).__name__}."
+            )
         self._special[name] = None if value is None else str(value)
         self._state = None
 
@@ -318,13 +409,27 @@ class FastTokenizer:
     pad_token = property(lambda self: self._special["pad_token"], lambda self, v: self._set_token("pad_token", v))
     cls_token = property(lambda self: self._special["cls_token"], lambda self, v: self._set_token("cls_token", v))
     mask_token = property(lambda self: self._special["mask_token"], lambda self, v: self._set_token("mask_token", v))
-    bos_token_id = property(lambda self: self._token_id("bos_token"), lambda self, v: self._set_token_id("bos_token", v))
-    eos_token_id = property(lambda self: self._token_id("eos_token"), lambda self, v: self._set_token_id("eos_token", v))
-    unk_token_id = property(lambda self: self._token_id("unk_token"), lambda self, v: self._set_token_id("unk_token", v))
-    sep_token_id = property(lambda self: self._token_id("sep_token"), lambda self, v: self._set_token_id("sep_token", v))
-    pad_token_id = property(lambda self: self._token_id("pad_token"), lambda self, v: self._set_token_id("pad_token", v))
-    cls_token_id = property(lambda self: self._token_id("cls_token"), lambda self, v: self._set_token_id("cls_token", v))
-    mask_token_id = property(lambda self: self._token_id("mask_token"), lambda self, v: self._set_token_id("mask_token", v))
+    bos_token_id = property(
+        lambda self: self._token_id("bos_token"), lambda self, v: self._set_token_id("bos_token", v)
+    )
+    eos_token_id = property(
+        lambda self: self._token_id("eos_token"), lambda self, v: self._set_token_id("eos_token", v)
+    )
+    unk_token_id = property(
+        lambda self: self._token_id("unk_token"), lambda self, v: self._set_token_id("unk_token", v)
+    )
+    sep_token_id = property(
+        lambda self: self._token_id("sep_token"), lambda self, v: self._set_token_id("sep_token", v)
+    )
+    pad_token_id = property(
+        lambda self: self._token_id("pad_token"), lambda self, v: self._set_token_id("pad_token", v)
+    )
+    cls_token_id = property(
+        lambda self: self._token_id("cls_token"), lambda self, v: self._set_token_id("cls_token", v)
+    )
+    mask_token_id = property(
+        lambda self: self._token_id("mask_token"), lambda self, v: self._set_token_id("mask_token", v)
+    )
 
     @property
     def extra_special_tokens(self) -> list[str]:
@@ -349,7 +454,9 @@ class FastTokenizer:
     def all_special_ids(self) -> list[int]:
         return self.convert_tokens_to_ids(self.all_special_tokens)
 
-    def add_special_tokens(self, special_tokens_dict: Mapping[str, Any], replace_extra_special_tokens: bool = True) -> int:
+    def add_special_tokens(
+        self, special_tokens_dict: Mapping[str, Any], replace_extra_special_tokens: bool = True
+    ) -> int:
         """Add named (and `additional_special_tokens`) tokens to the vocabulary; returns how many were new.
 
         As in transformers, the extra special tokens given replace the earlier list unless
@@ -359,19 +466,25 @@ class FastTokenizer:
         for key, value in special_tokens_dict.items():
             if key in ("additional_special_tokens", "extra_special_tokens"):
                 values = [str(v) for v in value]
-                added += self._backend.add_special_tokens([AddedToken(v, special=True, normalized=False) for v in values])
+                added += self._backend.add_special_tokens(
+                    [AddedToken(v, special=True, normalized=False) for v in values]
+                )
                 kept = [] if replace_extra_special_tokens else self._extra_special
                 self._extra_special = list(dict.fromkeys([*kept, *values]))
             elif key in SPECIAL_TOKEN_NAMES:
                 added += self._backend.add_special_tokens([AddedToken(str(value), special=True, normalized=False)])
                 self._special[key] = str(value)
             else:
-                raise ValueError(f"{key!r} is not a special token name; use one of {list(SPECIAL_TOKEN_NAMES)} "
-                                 "or 'additional_special_tokens'.")
+                raise ValueError(
+                    f"{key!r} is not a special token name; use one of {list(SPECIAL_TOKEN_NAMES)} "
+                    "or 'additional_special_tokens'."
+                )
         self._state = None
         return added
 
-    def add_tokens(self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False) -> int:
+    def add_tokens(
+        self, new_tokens: str | AddedToken | Sequence[str | AddedToken], special_tokens: bool = False
+    ) -> int:
         """Add plain (or special) tokens to the vocabulary; returns how many were new."""
         if isinstance(new_tokens, (str, AddedToken)):
             new_tokens = [new_tokens]
@@ -439,11 +552,29 @@ class FastTokenizer:
             if getattr(self, name) not in ("left", "right"):
                 raise ValueError(f"{name} must be 'left' or 'right', not {getattr(self, name)!r}.")
 
-    def _configure(self, padding: str | None, length: int | None, multiple: int | None, truncation: str | None,
-                   side: str, split_special: bool, trunc_len: int | None = None) -> None:
+    def _configure(
+        self,
+        padding: str | None,
+        length: int | None,
+        multiple: int | None,
+        truncation: str | None,
+        side: str,
+        split_special: bool,
+        trunc_len: int | None = None,
+    ) -> None:
         """Set padding/truncation on the backend if they differ from what is set (caller holds the lock)."""
-        state = (padding, length, multiple, truncation, trunc_len, side, self.truncation_side, split_special,
-                 self._special["pad_token"], self.pad_token_id)  # the id too: add_tokens can change it
+        state = (
+            padding,
+            length,
+            multiple,
+            truncation,
+            trunc_len,
+            side,
+            self.truncation_side,
+            split_special,
+            self._special["pad_token"],
+            self.pad_token_id,
+        )  # the id too: add_tokens can change it
         if state == self._state:
             return
         backend = self._backend
@@ -454,13 +585,20 @@ class FastTokenizer:
         if padding is None:
             backend.no_padding()
         else:
-            backend.enable_padding(direction=side, pad_id=self.pad_token_id, pad_type_id=0, pad_token=self.pad_token,
-                                   length=length if padding == "max_length" else None, pad_to_multiple_of=multiple)
+            backend.enable_padding(
+                direction=side,
+                pad_id=self.pad_token_id,
+                pad_type_id=0,
+                pad_token=self.pad_token,
+                length=length if padding == "max_length" else None,
+                pad_to_multiple_of=multiple,
+            )
         backend.encode_special_tokens = split_special
         self._state = state
 
-    def _strategies(self, padding: Any, truncation: Any, max_length: int | None,
-                    pad_to_multiple_of: int | None) -> tuple[str | None, str | None, int | None]:
+    def _strategies(
+        self, padding: Any, truncation: Any, max_length: int | None, pad_to_multiple_of: int | None
+    ) -> tuple[str | None, str | None, int | None]:
         """Resolve padding/truncation exactly as transformers' `_get_padding_truncation_strategies`."""
         if max_length is not None and padding is False and truncation is None:
             truncation = True  # transformers: max_length alone turns truncation on
@@ -471,13 +609,19 @@ class FastTokenizer:
         else:
             raise ValueError(f"padding={padding!r} is not valid; use False, True, 'longest' or 'max_length'.")
         if not isinstance(truncation, (str, bool)) and truncation is not None:
-            raise ValueError(f"truncation={truncation!r} is not valid; use True, False, 'longest_first', "
-                             "'only_first' or 'only_second'.")
+            raise ValueError(
+                f"truncation={truncation!r} is not valid; use True, False, 'longest_first', "
+                "'only_first' or 'only_second'."
+            )
         if truncation not in _TRUNCATION:
-            raise ValueError(f"truncation={truncation!r} is not valid; use True, False, 'longest_first', "
-                             "'only_first' or 'only_second'.")
+            raise ValueError(
+                f"truncation={truncation!r} is not valid; use True, False, 'longest_first', "
+                "'only_first' or 'only_second'."
+            )
         trunc = _TRUNCATION[truncation]
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        if max_length is not None and (
+            not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1
+        ):
             raise ValueError(f"max_length must be a positive int, not {max_length!r}.")
         if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be a positive int, not {pad_to_multiple_of!r}.")
@@ -497,36 +641,81 @@ class FastTokenizer:
                 "This tokenizer has no pad token, so it cannot pad; set one first, e.g. "
                 "`tok.pad_token = tok.eos_token`."
             )
-        if trunc is not None and pad is not None and pad_to_multiple_of is not None and max_length is not None \
-                and max_length % pad_to_multiple_of != 0:
-            raise ValueError(f"Truncating to max_length={max_length} and padding to a multiple of "
-                             f"{pad_to_multiple_of} disagree; make max_length a multiple of pad_to_multiple_of.")
+        if (
+            trunc is not None
+            and pad is not None
+            and pad_to_multiple_of is not None
+            and max_length is not None
+            and max_length % pad_to_multiple_of != 0
+        ):
+            raise ValueError(
+                f"Truncating to max_length={max_length} and padding to a multiple of "
+                f"{pad_to_multiple_of} disagree; make max_length a multiple of pad_to_multiple_of."
+            )
         return pad, trunc, max_length
 
-    def __call__(self, text: str | Sequence[str] | Sequence[tuple[str, str]] | None = None,
-                 text_pair: str | Sequence[str] | None = None, *, add_special_tokens: bool = True,
-                 padding: bool | str = False, truncation: bool | str | None = None, max_length: int | None = None,
-                 pad_to_multiple_of: int | None = None, padding_side: str | None = None,
-                 return_tensors: str | None = None, return_attention_mask: bool | None = None,
-                 return_token_type_ids: bool | None = None, split_special_tokens: bool | None = None,
-                 verbose: bool = True, stride: int = 0, **unsupported: Any) -> BatchEncoding:
+    def __call__(
+        self,
+        text: str | Sequence[str] | Sequence[tuple[str, str]] | None = None,
+        text_pair: str | Sequence[str] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        padding: bool | str = False,
+        truncation: bool | str | None = None,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        padding_side: str | None = None,
+        return_tensors: str | None = None,
+        return_attention_mask: bool | None = None,
+        return_token_type_ids: bool | None = None,
+        split_special_tokens: bool | None = None,
+        verbose: bool = True,
+        stride: int = 0,
+        **unsupported: Any,
+    ) -> BatchEncoding:
         """Encode one text, a batch, or pairs; pad and truncate like transformers; lists or tensors."""
-        return self._encode(text, text_pair, add_special_tokens=add_special_tokens, padding=padding,
-                            truncation=truncation, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
-                            padding_side=padding_side, return_tensors=return_tensors,
-                            return_attention_mask=return_attention_mask, return_token_type_ids=return_token_type_ids,
-                            split_special_tokens=split_special_tokens, stride=stride, **unsupported)[0]
+        return self._encode(
+            text,
+            text_pair,
+            add_special_tokens=add_special_tokens,
+            padding=padding,
+            truncation=truncation,
+            max_length=max_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            padding_side=padding_side,
+            return_tensors=return_tensors,
+            return_attention_mask=return_attention_mask,
+            return_token_type_ids=return_token_type_ids,
+            split_special_tokens=split_special_tokens,
+            stride=stride,
+            **unsupported,
+        )[0]
 
-    def _encode(self, text: Any, text_pair: Any = None, *, add_special_tokens: bool = True, padding: bool | str = False,
-                truncation: bool | str | None = None, max_length: int | None = None,
-                pad_to_multiple_of: int | None = None, padding_side: str | None = None,
-                return_tensors: str | None = None, return_attention_mask: bool | None = None,
-                return_token_type_ids: bool | None = None, split_special_tokens: bool | None = None, stride: int = 0,
-                with_offsets: bool = False, **unsupported: Any) -> tuple[BatchEncoding, list]:
+    def _encode(
+        self,
+        text: Any,
+        text_pair: Any = None,
+        *,
+        add_special_tokens: bool = True,
+        padding: bool | str = False,
+        truncation: bool | str | None = None,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        padding_side: str | None = None,
+        return_tensors: str | None = None,
+        return_attention_mask: bool | None = None,
+        return_token_type_ids: bool | None = None,
+        split_special_tokens: bool | None = None,
+        stride: int = 0,
+        with_offsets: bool = False,
+        **unsupported: Any,
+    ) -> tuple[BatchEncoding, list]:
         """`__call__`'s work; also returns the backend's encodings (with character offsets if asked)."""
         if unsupported:
-            raise TypeError(f"The tokenizer call got unsupported argument(s) {sorted(unsupported)}; "
-                            "see the docstring of staticformers' tokenizer __call__ for what it accepts.")
+            raise TypeError(
+                f"The tokenizer call got unsupported argument(s) {sorted(unsupported)}; "
+                "see the docstring of staticformers' tokenizer __call__ for what it accepts."
+            )
         if stride:
             raise ValueError("stride (overflowing windows) is not supported; split long texts before tokenizing.")
         if return_tensors not in (None, "pt", "np"):
@@ -601,7 +790,9 @@ class FastTokenizer:
     # ----- decoding -----------------------------------------------------------------------------
 
     def _cleanup_active(self, clean_up_tokenization_spaces: bool | None) -> bool:
-        cleanup = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        cleanup = (
+            self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        )
         if not cleanup:
             return False
         # transformers skips the (WordPiece-era) clean-up for BPE models: it would eat real spaces.
@@ -625,12 +816,26 @@ class FastTokenizer:
 
     @staticmethod
     def clean_up_tokenization(text: str) -> str:
-        return (text.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
-                .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
-                .replace(" 've", "'ve").replace(" 're", "'re"))
+        return (
+            text.replace(" .", ".")
+            .replace(" ?", "?")
+            .replace(" !", "!")
+            .replace(" ,", ",")
+            .replace(" ' ", "'")
+            .replace(" n't", "n't")
+            .replace(" 'm", "'m")
+            .replace(" 's", "'s")
+            .replace(" 've", "'ve")
+            .replace(" 're", "'re")
+        )
 
-    def decode(self, token_ids: Any, skip_special_tokens: bool = False,
-               clean_up_tokenization_spaces: bool | None = None, **_: Any) -> str | list[str]:
+    def decode(
+        self,
+        token_ids: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        **_: Any,
+    ) -> str | list[str]:
         """Text of a sequence of ids; a batch (list of lists, 2-D tensor) gives a list of texts."""
         ids = _as_id_list(token_ids)
         if ids and isinstance(ids[0], list):
@@ -641,8 +846,13 @@ class FastTokenizer:
             text = self.clean_up_tokenization(text)
         return text
 
-    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False,
-                     clean_up_tokenization_spaces: bool | None = None, **_: Any) -> list[str]:
+    def batch_decode(
+        self,
+        sequences: Any,
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
+        **_: Any,
+    ) -> list[str]:
         rows = _as_id_list(sequences)
         if rows and not isinstance(rows[0], list):
             rows = [rows]
@@ -666,8 +876,10 @@ class FastTokenizer:
                     return templates["tool_use"]
                 if "default" in templates:
                     return templates["default"]
-                raise ValueError(f"This tokenizer has several chat templates and none is 'default'; pass "
-                                 f"chat_template= one of {sorted(templates)}.")
+                raise ValueError(
+                    f"This tokenizer has several chat templates and none is 'default'; pass "
+                    f"chat_template= one of {sorted(templates)}."
+                )
             return chat_template
         if chat_template is not None:
             return chat_template
@@ -675,27 +887,44 @@ class FastTokenizer:
             raise ValueError("This tokenizer has no chat template; set tok.chat_template or pass chat_template=.")
         return templates
 
-    def apply_chat_template(self, conversation: Sequence[Mapping] | Sequence[Sequence[Mapping]], tools: list | None = None,
-                            documents: list | None = None, chat_template: str | None = None,
-                            add_generation_prompt: bool = False, continue_final_message: bool | str = False,
-                            tokenize: bool = True, padding: bool | str = False, truncation: bool = False,
-                            max_length: int | None = None, return_tensors: str | None = None,
-                            return_dict: bool = False, tokenizer_kwargs: dict | None = None,
-                            return_assistant_tokens_mask: bool = False, **template_kwargs: Any) -> Any:
+    def apply_chat_template(
+        self,
+        conversation: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        tools: list | None = None,
+        documents: list | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = True,
+        padding: bool | str = False,
+        truncation: bool = False,
+        max_length: int | None = None,
+        return_tensors: str | None = None,
+        return_dict: bool = False,
+        tokenizer_kwargs: dict | None = None,
+        return_assistant_tokens_mask: bool = False,
+        **template_kwargs: Any,
+    ) -> Any:
         """Render messages with the chat template (and tokenize them), with transformers' output.
 
         `return_assistant_tokens_mask=True` (with `return_dict=True`) adds `assistant_masks`: 1 on the
         tokens the template's `{% generation %}` blocks mark as the assistant's (see assistant_masks.py).
         """
         if return_assistant_tokens_mask and not (return_dict and tokenize):
-            raise ValueError("return_assistant_tokens_mask=True needs return_dict=True and tokenize=True: the masks "
-                             "come back next to input_ids in the returned dict.")
+            raise ValueError(
+                "return_assistant_tokens_mask=True needs return_dict=True and tokenize=True: the masks "
+                "come back next to input_ids in the returned dict."
+            )
         if return_assistant_tokens_mask and continue_final_message:
-            raise ValueError("continue_final_message cannot be combined with return_assistant_tokens_mask=True: the "
-                             "last message is left open, so its assistant span has no end; drop one of them.")
+            raise ValueError(
+                "continue_final_message cannot be combined with return_assistant_tokens_mask=True: the "
+                "last message is left open, so its assistant span has no end; drop one of them."
+            )
         if template_kwargs.pop("sanitize_control_tokens", False):
-            raise ValueError("sanitize_control_tokens=True is not supported by staticformers' tokenizer; strip "
-                             "control tokens from user text before rendering.")
+            raise ValueError(
+                "sanitize_control_tokens=True is not supported by staticformers' tokenizer; strip "
+                "control tokens from user text before rendering."
+            )
         template = self.get_chat_template(chat_template, tools)
         if return_assistant_tokens_mask and not _masks.has_generation_blocks(template):
             raise ValueError(_masks.no_generation_blocks_message())
@@ -713,32 +942,52 @@ class FastTokenizer:
                     raise TypeError(f"Chat messages must be dicts with 'role' and 'content' keys, but got {message!r}.")
             cleaned.append([{k: v for k, v in m.items() if v is not None} for m in chat])
         if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: continue the last "
-                             "message, or start a new assistant turn, not both.")
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be set: continue the last "
+                "message, or start a new assistant turn, not both."
+            )
         kwargs = {**self.special_tokens_map, **template_kwargs}
-        rendered = _chat.render(template, cleaned, tools=tools, documents=documents,
-                                add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message, template_kwargs=kwargs,
-                                return_spans=return_assistant_tokens_mask)
+        rendered = _chat.render(
+            template,
+            cleaned,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=kwargs,
+            return_spans=return_assistant_tokens_mask,
+        )
         if return_assistant_tokens_mask:
             rendered, spans = rendered
         if not tokenize:
             return rendered if batched else rendered[0]
-        out, encodings = self._encode(rendered if batched else rendered[0], add_special_tokens=False, padding=padding,
-                                      truncation=truncation, max_length=max_length, return_tensors=return_tensors,
-                                      with_offsets=return_assistant_tokens_mask, **(tokenizer_kwargs or {}))
+        out, encodings = self._encode(
+            rendered if batched else rendered[0],
+            add_special_tokens=False,
+            padding=padding,
+            truncation=truncation,
+            max_length=max_length,
+            return_tensors=return_tensors,
+            with_offsets=return_assistant_tokens_mask,
+            **(tokenizer_kwargs or {}),
+        )
         if return_assistant_tokens_mask:
             masks = _masks.token_masks(encodings, spans)
-            out["assistant_masks"] = _to_tensor(masks, return_tensors, "assistant_masks") if return_tensors else (
-                masks if batched else masks[0])
+            out["assistant_masks"] = (
+                _to_tensor(masks, return_tensors, "assistant_masks")
+                if return_tensors
+                else (masks if batched else masks[0])
+            )
         return out if return_dict else out["input_ids"]
 
     # ----- misc ---------------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name_or_path={self.name_or_path!r}, vocab_size={self.vocab_size}, "
-                f"len={len(self)}, model_max_length={self.model_max_length}, padding_side={self.padding_side!r}, "
-                f"special_tokens={self.special_tokens_map})")
+        return (
+            f"{type(self).__name__}(name_or_path={self.name_or_path!r}, vocab_size={self.vocab_size}, "
+            f"len={len(self)}, model_max_length={self.model_max_length}, padding_side={self.padding_side!r}, "
+            f"special_tokens={self.special_tokens_map})"
+        )
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -762,8 +1011,10 @@ class AutoTokenizer:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | Path, *args: Any, **kwargs: Any) -> FastTokenizer:
         if args:
-            raise TypeError("AutoTokenizer.from_pretrained takes one positional argument (a folder or a Hub id); "
-                            "pass the others by name.")
+            raise TypeError(
+                "AutoTokenizer.from_pretrained takes one positional argument (a folder or a Hub id); "
+                "pass the others by name."
+            )
         return FastTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
 
 

@@ -22,21 +22,28 @@ def check_trainable(model: nn.Module) -> None:
     """Refuse a model with no trainable parameter, or with several adapters training, in one sentence."""
     if not any(p.requires_grad for p in model.parameters()):
         if has_adapters(model):
-            raise ValueError("The model's adapters are frozen (load_adapter loads them for inference): load the adapter "
-                             "with load_adapter(path, is_trainable=True), or add a new one with add_adapter(LoraConfig(...)).")
+            raise ValueError(
+                "The model's adapters are frozen (load_adapter loads them for inference): load the adapter "
+                "with load_adapter(path, is_trainable=True), or add a new one with add_adapter(LoraConfig(...))."
+            )
         raise ValueError("The model has no trainable parameters (every requires_grad is False): nothing would train.")
     if has_adapters(model):
         name = trainable_adapter(model)
         active = getattr(model, "active_adapter_names", None) or []
         if name is not None and name not in active:
-            raise ValueError(f"Adapter {name!r} is trainable but not active, so it would take no gradient: "
-                             f"model.set_adapter({name!r}) first.")
+            raise ValueError(
+                f"Adapter {name!r} is trainable but not active, so it would take no gradient: "
+                f"model.set_adapter({name!r}) first."
+            )
 
 
 def frozen_originals(model: nn.Module, originals: dict) -> dict:
     """{id(parameter): original tensor} of the frozen parameters the run cast to another dtype."""
-    return {id(p): originals[id(p)] for p in model.parameters()
-            if not p.requires_grad and id(p) in originals and originals[id(p)].dtype != p.dtype}
+    return {
+        id(p): originals[id(p)]
+        for p in model.parameters()
+        if not p.requires_grad and id(p) in originals and originals[id(p)].dtype != p.dtype
+    }
 
 
 @torch.no_grad()

@@ -43,11 +43,27 @@ LONG_DOCUMENTS = ("split", "truncate")
 
 
 MAX_LEARNING_RATE = 1.0  # above this no AdamW run trains; 1e30 was accepted and wrote NaN checkpoints
-_BOOLEANS = ("logging_first_step", "bf16", "torch_compile", "dataloader_drop_last", "use_cpu", "gradient_checkpointing",
-             "packing")
+_BOOLEANS = (
+    "logging_first_step",
+    "bf16",
+    "torch_compile",
+    "dataloader_drop_last",
+    "use_cpu",
+    "gradient_checkpointing",
+    "packing",
+)
 _OPTIONAL_BOOLEANS = ("disable_tqdm",)  # None: transformers' default behaviour
-_NUMBERS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "num_train_epochs",
-            "warmup_ratio", "logging_steps", "save_steps")
+_NUMBERS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "num_train_epochs",
+    "warmup_ratio",
+    "logging_steps",
+    "save_steps",
+)
 
 
 def _integer(name: str, value, minimum: int, what: str = "a positive integer") -> None:
@@ -145,7 +161,9 @@ class TrainingArguments:
     packing_strategy: str = "bfd"  # best-fit decreasing (documents kept whole) or "wrapped" (split at row ends)
     assistant_only_loss: bool = False  # loss only on the tokens the chat template's {% generation %} blocks mark
     completion_only_loss: Optional[bool] = None  # None: loss on the completion only for prompt-completion data
-    chat_template_path: Optional[str] = None  # a .jinja file or a tokenizer folder whose chat template replaces the tokenizer's
+    chat_template_path: Optional[str] = (
+        None  # a .jinja file or a tokenizer folder whose chat template replaces the tokenizer's
+    )
     # staticformers: what padding mode does with a document longer than max_length
     long_documents: str = "split"  # "split" into max_length pieces, or "truncate" (keep the start)
 
@@ -156,12 +174,16 @@ class TrainingArguments:
         if self.torch_compile_backend is None:
             from ..backends.devices import default_backend
 
-            self.torch_compile_backend = default_backend(self.device)  # $STATICFORMERS_COMPILE_BACKEND, else the device's
+            self.torch_compile_backend = default_backend(
+                self.device
+            )  # $STATICFORMERS_COMPILE_BACKEND, else the device's
         if self.bf16:
             from ..backends.devices import supports_bf16
 
             if not supports_bf16(self.device):
-                raise ValueError(f"bf16=True but {self.device} does not support bfloat16: pass bf16=False (or use_cpu=True).")
+                raise ValueError(
+                    f"bf16=True but {self.device} does not support bfloat16: pass bf16=False (or use_cpu=True)."
+                )
         if self.logging_dir is None:
             self.logging_dir = os.path.join(self.output_dir, "runs")
 
@@ -170,17 +192,28 @@ class TrainingArguments:
         """transformers' names first, then types (a string, a bool or NaN where a number belongs), then ranges
         and combinations."""
         check_transformers_names(self)
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "max_length"):
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "max_length",
+        ):
             _integer(name, getattr(self, name), minimum=1)
         _integer("max_steps", self.max_steps, minimum=-1)
         _finite("warmup_steps", self.warmup_steps)
         if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
-            raise ValueError(f"warmup_steps={self.warmup_steps!r} must be a whole number of steps, or below 1 for a "
-                             f"fraction of the run (transformers 5).")
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps!r} must be a whole number of steps, or below 1 for a "
+                f"fraction of the run (transformers 5)."
+            )
         check_seed(self.seed)
         if self.save_total_limit is not None:
-            _integer("save_total_limit", self.save_total_limit, minimum=1,
-                     what="an integer of at least 1, or None to keep every checkpoint")
+            _integer(
+                "save_total_limit",
+                self.save_total_limit,
+                minimum=1,
+                what="an integer of at least 1, or None to keep every checkpoint",
+            )
         for name in _BOOLEANS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
@@ -199,33 +232,47 @@ class TrainingArguments:
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate={self.learning_rate!r} must be a finite number >= 0.")
         if self.learning_rate > MAX_LEARNING_RATE:
-            raise ValueError(f"learning_rate={self.learning_rate!r} is far above any AdamW learning rate (typically "
-                             f"1e-5 to 1e-3): use at most {MAX_LEARNING_RATE:g}.")
+            raise ValueError(
+                f"learning_rate={self.learning_rate!r} is far above any AdamW learning rate (typically "
+                f"1e-5 to 1e-3): use at most {MAX_LEARNING_RATE:g}."
+            )
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} is negative: use 0 or more.")
         if self.learning_rate * self.weight_decay >= 1:
-            raise ValueError(f"learning_rate x weight_decay = {self.learning_rate * self.weight_decay:g}: AdamW multiplies "
-                             f"the weights by 1 - that each step, which zeroes or flips them; use a weight_decay below "
-                             f"{1 / self.learning_rate:g} (typically 0 to 0.1).")
+            raise ValueError(
+                f"learning_rate x weight_decay = {self.learning_rate * self.weight_decay:g}: AdamW multiplies "
+                f"the weights by 1 - that each step, which zeroes or flips them; use a weight_decay below "
+                f"{1 / self.learning_rate:g} (typically 0 to 0.1)."
+            )
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1).")
         if self.adam_epsilon <= 0:
             raise ValueError(f"adam_epsilon={self.adam_epsilon} must be positive.")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm={self.max_grad_norm} is negative: use a positive norm, or 0/None for no clipping.")
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm} is negative: use a positive norm, or 0/None for no clipping."
+            )
         if self.max_steps == 0 or (self.max_steps < 0 and self.max_steps != -1):
-            raise ValueError(f"max_steps={self.max_steps}: use a positive number of optimizer steps, or -1 to train num_train_epochs.")
+            raise ValueError(
+                f"max_steps={self.max_steps}: use a positive number of optimizer steps, or -1 to train num_train_epochs."
+            )
         if self.max_steps < 0 and not self.num_train_epochs > 0:
-            raise ValueError(f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing: set one of them.")
+            raise ValueError(
+                f"num_train_epochs={self.num_train_epochs} with max_steps=-1 trains nothing: set one of them."
+            )
         if self.lr_scheduler_type not in SCHEDULERS:
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported: use one of {', '.join(SCHEDULERS)}.")
+            raise ValueError(
+                f"lr_scheduler_type={self.lr_scheduler_type!r} is not supported: use one of {', '.join(SCHEDULERS)}."
+            )
         if not 0.0 <= self.warmup_ratio <= 1.0:
             raise ValueError(f"warmup_ratio={self.warmup_ratio} must be in [0, 1].")
         if self.warmup_steps > 0 and self.warmup_ratio > 0:
             raise ValueError("Pass warmup_steps or warmup_ratio, not both.")
         if self.lr_scheduler_type == "constant" and (self.warmup_steps or self.warmup_ratio):
-            raise ValueError("lr_scheduler_type=\"constant\" has no warmup: use \"constant_with_warmup\" or drop the warmup.")
+            raise ValueError(
+                'lr_scheduler_type="constant" has no warmup: use "constant_with_warmup" or drop the warmup.'
+            )
         for name in ("eval_strategy", "save_strategy"):
             value = getattr(self, name)
             if value not in STRATEGIES:
@@ -233,23 +280,29 @@ class TrainingArguments:
         if self.logging_steps <= 0:
             raise ValueError(f"logging_steps={self.logging_steps} must be positive.")
         if self.save_strategy == "steps" and not self.save_steps > 0:
-            raise ValueError(f"save_strategy=\"steps\" needs save_steps > 0 (got {self.save_steps}).")
+            raise ValueError(f'save_strategy="steps" needs save_steps > 0 (got {self.save_steps}).')
         if self.eval_steps is not None and not self.eval_steps > 0:
             raise ValueError(f"eval_steps={self.eval_steps} must be positive.")
         if self.packing_strategy not in PACKING_STRATEGIES:
-            raise ValueError(f"packing_strategy={self.packing_strategy!r} is not supported: use one of {', '.join(PACKING_STRATEGIES)}.")
+            raise ValueError(
+                f"packing_strategy={self.packing_strategy!r} is not supported: use one of {', '.join(PACKING_STRATEGIES)}."
+            )
         if not isinstance(self.assistant_only_loss, bool):
             raise ValueError(f"assistant_only_loss={self.assistant_only_loss!r} must be True or False.")
         if self.completion_only_loss is not None and not isinstance(self.completion_only_loss, bool):
-            raise ValueError(f"completion_only_loss={self.completion_only_loss!r} must be True, False or None "
-                             "(None: the completion only, for prompt-completion data).")
+            raise ValueError(
+                f"completion_only_loss={self.completion_only_loss!r} must be True, False or None "
+                "(None: the completion only, for prompt-completion data)."
+            )
         if self.chat_template_path is not None and not os.path.exists(self.chat_template_path):
-            raise ValueError(f"chat_template_path={self.chat_template_path!r} does not exist: give a .jinja file or a "
-                             "local tokenizer folder with a chat template.")
+            raise ValueError(
+                f"chat_template_path={self.chat_template_path!r} does not exist: give a .jinja file or a "
+                "local tokenizer folder with a chat template."
+            )
         if self.long_documents not in LONG_DOCUMENTS:
-            raise ValueError(f"long_documents={self.long_documents!r} is not supported: use \"split\" or \"truncate\".")
+            raise ValueError(f'long_documents={self.long_documents!r} is not supported: use "split" or "truncate".')
         if self.torch_compile_backend is not None and not isinstance(self.torch_compile_backend, str):
-            raise ValueError("torch_compile_backend must be a backend name such as \"inductor\" or \"neuron\".")
+            raise ValueError('torch_compile_backend must be a backend name such as "inductor" or "neuron".')
         if self.torch_compile_backend is not None and not self.torch_compile:
             # transformers turns compile on when a backend is given; so do we, and say so
             logger.info("torch_compile_backend=%r given: torch_compile turned on.", self.torch_compile_backend)

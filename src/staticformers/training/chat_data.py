@@ -46,8 +46,11 @@ def is_chat_example(example: Any) -> bool:
 
 
 def _is_message_list(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(
-        isinstance(m, Mapping) and "role" in m for m in value)
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m for m in value)
+    )
 
 
 def _common_prefix_length(a: list, b: list) -> int:
@@ -79,19 +82,25 @@ class ChatEncoder:
             raise ExampleError(
                 index,
                 f"assistant_only_loss=True needs conversational examples ('messages', or 'prompt'/'completion' as "
-                f"message lists), but example {index} is {kind}: convert it, or set assistant_only_loss=False.")
+                f"message lists), but example {index} is {kind}: convert it, or set assistant_only_loss=False.",
+            )
 
     def finish(self) -> None:
         """After the last example: completion_only_loss=True must have had prompt-completion examples."""
         if self.completion_only_loss is True and self.prompt_completion_examples == 0:
-            raise ValueError("completion_only_loss=True needs 'prompt'/'completion' examples and this dataset has none: "
-                             "give such examples, or leave completion_only_loss unset.")
+            raise ValueError(
+                "completion_only_loss=True needs 'prompt'/'completion' examples and this dataset has none: "
+                "give such examples, or leave completion_only_loss unset."
+            )
 
     def _chat_tokenizer(self, index: int) -> Any:
         tok = self.tokenizer
         if tok is None or not callable(getattr(tok, "apply_chat_template", None)):
-            raise ExampleError(index, f"Example {index} is a conversation, which needs a tokenizer with a chat template: pass "
-                             f"processing_class=AutoTokenizer.from_pretrained(...) to Trainer.")
+            raise ExampleError(
+                index,
+                f"Example {index} is a conversation, which needs a tokenizer with a chat template: pass "
+                f"processing_class=AutoTokenizer.from_pretrained(...) to Trainer.",
+            )
         return tok
 
     # ---- encoding ----------------------------------------------------------------------------
@@ -99,13 +108,19 @@ class ChatEncoder:
         if "messages" in example:
             messages = example["messages"]
             if not _is_message_list(messages):
-                raise ExampleError(index, f"Example {index} has 'messages' that are not a non-empty list of "
-                                 f"{{'role': ..., 'content': ...}} dicts: fix that example.")
+                raise ExampleError(
+                    index,
+                    f"Example {index} has 'messages' that are not a non-empty list of "
+                    f"{{'role': ..., 'content': ...}} dicts: fix that example.",
+                )
             ids, assistant = self._render(messages, example, index)
             return self._document(ids, assistant, None, index)
         if "completion" not in example:
-            raise ExampleError(index, f"Example {index} has a 'prompt' but no 'completion': give both (prompt-completion), "
-                             f"or put the conversation under 'messages'.")
+            raise ExampleError(
+                index,
+                f"Example {index} has a 'prompt' but no 'completion': give both (prompt-completion), "
+                f"or put the conversation under 'messages'.",
+            )
         prompt, completion = example["prompt"], example["completion"]
         self.prompt_completion_examples += 1
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -113,9 +128,12 @@ class ChatEncoder:
             return self._encode_text_pair(prompt, completion, index)
         if _is_message_list(prompt) and _is_message_list(completion):
             return self._encode_chat_pair(list(prompt), list(completion), example, index)
-        raise ExampleError(index, f"Example {index} has a 'prompt' and a 'completion' of different kinds "
-                         f"({type(prompt).__name__}, {type(completion).__name__}): make both strings or both "
-                         f"message lists.")
+        raise ExampleError(
+            index,
+            f"Example {index} has a 'prompt' and a 'completion' of different kinds "
+            f"({type(prompt).__name__}, {type(completion).__name__}): make both strings or both "
+            f"message lists.",
+        )
 
     def _template_kwargs(self, example: Mapping, index: int) -> dict:
         tools = example.get("tools")
@@ -123,11 +141,14 @@ class ChatEncoder:
             try:
                 tools = json.loads(tools)
             except json.JSONDecodeError as err:
-                raise ExampleError(index, f"Example {index} has 'tools' that are not valid JSON ({err.msg}): fix that "
-                                 f"example.") from None
+                raise ExampleError(
+                    index, f"Example {index} has 'tools' that are not valid JSON ({err.msg}): fix that example."
+                ) from None
         extra = example.get("chat_template_kwargs") or {}
         if not isinstance(extra, Mapping):
-            raise ExampleError(index, f"Example {index} has 'chat_template_kwargs' that are not a dict: fix that example.")
+            raise ExampleError(
+                index, f"Example {index} has 'chat_template_kwargs' that are not a dict: fix that example."
+            )
         return {"tools": tools, **extra}
 
     def _apply(self, messages: list, kwargs: dict, index: int, **flags: Any) -> Any:
@@ -142,17 +163,23 @@ class ChatEncoder:
             raise ExampleError(index, f"Example {index} could not be rendered with the chat template: {err}") from err
 
     def _render(self, messages: list, example: Mapping, index: int) -> tuple[list, Optional[list]]:
-        out = self._apply(messages, self._template_kwargs(example, index), index,
-                          return_assistant_tokens_mask=self.assistant_only_loss)
+        out = self._apply(
+            messages,
+            self._template_kwargs(example, index),
+            index,
+            return_assistant_tokens_mask=self.assistant_only_loss,
+        )
         ids = [int(t) for t in out["input_ids"]]
         if not self.assistant_only_loss:
             return ids, None
         assistant = [int(m) for m in out["assistant_masks"]]
         if 1 not in assistant:
             raise ExampleError(
-                index, f"Example {index} has no assistant tokens under assistant_only_loss=True: it has no assistant turn, "
+                index,
+                f"Example {index} has no assistant tokens under assistant_only_loss=True: it has no assistant turn, "
                 f"or the chat template marks none (it needs {{% generation %}} blocks; pass "
-                f"TrainingArguments(chat_template_path=...) a training template).")
+                f"TrainingArguments(chat_template_path=...) a training template).",
+            )
         if not self._checked_stop:
             self._checked_stop = True
             self._warn_if_stop_token_untrained(ids, assistant)
@@ -165,9 +192,12 @@ class ChatEncoder:
         for t in reversed([t for t, m in zip(ids, assistant) if m]):
             if tok.decode([t]).strip():
                 if t not in added:
-                    logger.warning("The chat template's {%% generation %%} blocks end on %r, not on an end-of-turn "
-                                   "token, so under assistant_only_loss the model never learns to stop: put the "
-                                   "end-of-turn token inside the block.", tok.decode([t]))
+                    logger.warning(
+                        "The chat template's {%% generation %%} blocks end on %r, not on an end-of-turn "
+                        "token, so under assistant_only_loss the model never learns to stop: put the "
+                        "end-of-turn token inside the block.",
+                        tok.decode([t]),
+                    )
                 return
 
     def _encode_chat_pair(self, prompt: list, completion: list, example: Mapping, index: int) -> Document:
@@ -188,14 +218,19 @@ class ChatEncoder:
         start = _common_prefix_length(prompt_ids, ids)
         if start < len(prompt_ids) and not self._warned_prefix:
             self._warned_prefix = True
-            logger.warning("The tokenised prompt is not a prefix of the tokenised prompt + completion (the template "
-                           "renders the prompt alone differently, or tokens merge across the boundary): the "
-                           "completion's loss starts where they differ, at token %d of %d. Shown once.", start,
-                           len(ids))
+            logger.warning(
+                "The tokenised prompt is not a prefix of the tokenised prompt + completion (the template "
+                "renders the prompt alone differently, or tokens merge across the boundary): the "
+                "completion's loss starts where they differ, at token %d of %d. Shown once.",
+                start,
+                len(ids),
+            )
         return [0] * start + [1] * (len(ids) - start)
 
     def _document(self, ids: list, assistant: Optional[list], completion: Optional[list], index: int) -> Document:
-        masks = [m for m in (assistant, completion if self.completion_only_loss is not False else None) if m is not None]
+        masks = [
+            m for m in (assistant, completion if self.completion_only_loss is not False else None) if m is not None
+        ]
         if not masks:
             return Document(ids)
         labels = [t if all(m[i] for m in masks) else IGNORE_INDEX for i, t in enumerate(ids)]
@@ -215,19 +250,26 @@ def use_chat_template_file(tokenizer: Any, path: str) -> None:
         source = AutoTokenizer.from_pretrained(path)
         template = source.chat_template
         if template is None:
-            raise ValueError(f"chat_template_path={path!r} is a tokenizer folder without a chat template: give a "
-                             f"folder that has one, or a .jinja file.")
+            raise ValueError(
+                f"chat_template_path={path!r} is a tokenizer folder without a chat template: give a "
+                f"folder that has one, or a .jinja file."
+            )
         text = template if isinstance(template, str) else "\n".join(template.values())
         vocab = tokenizer.get_vocab()
-        missing = sorted({t.content for t in source.added_tokens_decoder.values()
-                          if t.content in text and t.content not in vocab})
+        missing = sorted(
+            {t.content for t in source.added_tokens_decoder.values() if t.content in text and t.content not in vocab}
+        )
         if missing:
-            raise ValueError(f"The chat template in {path} writes token(s) {', '.join(missing)} that this tokenizer "
-                             f"does not have: add them (tok.add_tokens, then resize the model's embeddings), or use a "
-                             f"template made for this tokenizer.")
+            raise ValueError(
+                f"The chat template in {path} writes token(s) {', '.join(missing)} that this tokenizer "
+                f"does not have: add them (tok.add_tokens, then resize the model's embeddings), or use a "
+                f"template made for this tokenizer."
+            )
     else:
-        raise FileNotFoundError(f"chat_template_path={path!r} does not exist: give a .jinja file or a tokenizer "
-                                f"folder with a chat template.")
+        raise FileNotFoundError(
+            f"chat_template_path={path!r} does not exist: give a .jinja file or a tokenizer "
+            f"folder with a chat template."
+        )
     tokenizer.chat_template = template
 
 

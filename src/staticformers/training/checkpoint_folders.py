@@ -111,9 +111,15 @@ def recover_leftovers(output_dir: str) -> list[str]:
             logger.warning("Checkpoint %s", line)
         else:
             shutil.rmtree(path, ignore_errors=True)
-            line = f"removed {name} (" + {TMP_PREFIX: f"an unfinished save of step {step}, never a checkpoint",
-                                          OLD_PREFIX: f"the previous copy of {os.path.basename(final)}, which is complete",
-                                          DELETING_PREFIX: "a rotated-out checkpoint"}[kind] + ")"
+            line = (
+                f"removed {name} ("
+                + {
+                    TMP_PREFIX: f"an unfinished save of step {step}, never a checkpoint",
+                    OLD_PREFIX: f"the previous copy of {os.path.basename(final)}, which is complete",
+                    DELETING_PREFIX: "a rotated-out checkpoint",
+                }[kind]
+                + ")"
+            )
             logger.info("Checkpoint folder: %s", line)
         done.append(line)
     return done
@@ -212,9 +218,11 @@ def capture_rng_state(device: Optional[torch.device] = None) -> dict:
     """Python, NumPy, torch (and CUDA) generator states as plain lists and tensors (loadable with weights_only)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(internal), gauss],
-             "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
-             "cpu": torch.random.get_rng_state()}
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
+        "cpu": torch.random.get_rng_state(),
+    }
     if device is not None:
         own = for_device(device).rng_state(torch.device(device))
         if own is not None:
@@ -270,23 +278,33 @@ def resolve_resume_path(resume_from_checkpoint, output_dir: str) -> Optional[str
         _recover_on_rank_zero(output_dir)
         found = [path for _, path in list_checkpoints(output_dir)]
         if not found:
-            raise ValueError(f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint: "
-                             f"pass a checkpoint path, or start without resuming.")
+            raise ValueError(
+                f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint: "
+                f"pass a checkpoint path, or start without resuming."
+            )
         problems = []
         for path in reversed(found):
             why = verify_checkpoint(path)
             if why is None:
                 if problems:
-                    logger.warning("The newest checkpoint %s cannot be resumed from (%s); resuming from %s, the newest "
-                                   "good one, instead.", problems[0][0], problems[0][1], path)
+                    logger.warning(
+                        "The newest checkpoint %s cannot be resumed from (%s); resuming from %s, the newest "
+                        "good one, instead.",
+                        problems[0][0],
+                        problems[0][1],
+                        path,
+                    )
                 return path
             problems.append((path, why))
         raise CorruptCheckpointError(
             f"No checkpoint in {output_dir} can be resumed from: the newest, {problems[0][0]}, fails with: "
-            f"{problems[0][1]}")
+            f"{problems[0][1]}"
+        )
     path = os.fspath(resume_from_checkpoint)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Checkpoint {path} does not exist: pass a checkpoint-N folder or resume_from_checkpoint=True.")
+        raise FileNotFoundError(
+            f"Checkpoint {path} does not exist: pass a checkpoint-N folder or resume_from_checkpoint=True."
+        )
     if not is_complete(path):
         raise ValueError(f"{path} is not a complete checkpoint (no {TRAINER_STATE}): pass another checkpoint-N folder.")
     return path
@@ -294,8 +312,11 @@ def resolve_resume_path(resume_from_checkpoint, output_dir: str) -> Optional[str
 
 def previous_good_checkpoint(output_dir: str, than: str) -> Optional[str]:
     """The newest checkpoint older than `than` that `verify_checkpoint` accepts."""
-    older = [path for step, path in list_checkpoints(output_dir)
-             if os.path.abspath(path) != os.path.abspath(than) and step < _step_of(than)]
+    older = [
+        path
+        for step, path in list_checkpoints(output_dir)
+        if os.path.abspath(path) != os.path.abspath(than) and step < _step_of(than)
+    ]
     for path in reversed(older):
         if verify_checkpoint(path) is None:
             return path
@@ -315,7 +336,23 @@ def last_good_checkpoint(output_dir: str) -> Optional[str]:
     return None
 
 
-__all__ = ["atomic_checkpoint", "list_checkpoints", "last_checkpoint", "rotate_checkpoints", "checkpoint_path",
-           "capture_rng_state", "restore_rng_state", "resolve_resume_path", "remove_stale_temporaries",
-           "recover_leftovers", "verify_checkpoint", "last_good_checkpoint", "previous_good_checkpoint",
-           "TRAINER_STATE", "OPTIMIZER", "SCHEDULER", "RNG_STATE", "TRAINING_ARGS"]
+__all__ = [
+    "atomic_checkpoint",
+    "list_checkpoints",
+    "last_checkpoint",
+    "rotate_checkpoints",
+    "checkpoint_path",
+    "capture_rng_state",
+    "restore_rng_state",
+    "resolve_resume_path",
+    "remove_stale_temporaries",
+    "recover_leftovers",
+    "verify_checkpoint",
+    "last_good_checkpoint",
+    "previous_good_checkpoint",
+    "TRAINER_STATE",
+    "OPTIMIZER",
+    "SCHEDULER",
+    "RNG_STATE",
+    "TRAINING_ARGS",
+]

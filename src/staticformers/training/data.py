@@ -46,8 +46,13 @@ EMPTY_ROW = -1  # sampler index of a filler row (labels all -100)
 # ---------------------------------------------------------------------------------------------
 # documents
 # ---------------------------------------------------------------------------------------------
-def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 1000, assistant_only_loss: bool = False,
-                     completion_only_loss: Optional[bool] = None) -> list[Document]:
+def tokenize_dataset(
+    dataset: Any,
+    processing_class: Any = None,
+    chunk: int = 1000,
+    assistant_only_loss: bool = False,
+    completion_only_loss: Optional[bool] = None,
+) -> list[Document]:
     """Every example as a Document (`_tokenize_dataset`); a bad example's ExampleError names this dataset."""
     try:
         return _tokenize_dataset(dataset, processing_class, chunk, assistant_only_loss, completion_only_loss)
@@ -56,8 +61,9 @@ def tokenize_dataset(dataset: Any, processing_class: Any = None, chunk: int = 10
         raise
 
 
-def _tokenize_dataset(dataset: Any, processing_class: Any, chunk: int, assistant_only_loss: bool,
-                      completion_only_loss: Optional[bool]) -> list[Document]:
+def _tokenize_dataset(
+    dataset: Any, processing_class: Any, chunk: int, assistant_only_loss: bool, completion_only_loss: Optional[bool]
+) -> list[Document]:
     """Every example as a Document; text is tokenised in chunks of `chunk` examples.
 
     Conversational (`messages`) and prompt-completion (`prompt`/`completion`) examples go through
@@ -86,7 +92,10 @@ def _tokenize_dataset(dataset: Any, processing_class: Any, chunk: int, assistant
                 ids = as_list(example["input_ids"])
                 labels = as_list(example["labels"]) if example.get("labels") is not None else None
                 if labels is not None and len(labels) != len(ids):
-                    raise ExampleError(i, f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.")
+                    raise ExampleError(
+                        i,
+                        f"Example {i} has {len(ids)} input_ids but {len(labels)} labels: they must be the same length.",
+                    )
                 docs.append(Document(ids, labels))
             elif is_chat_example(example):
                 flush()
@@ -95,19 +104,28 @@ def _tokenize_dataset(dataset: Any, processing_class: Any, chunk: int, assistant
                 chat.check_plain(i, "text")
                 if not isinstance(example["text"], str):
                     kind = type(example["text"]).__name__
-                    raise ExampleError(i, f"Example {i} has a 'text' that is {'an' if kind[0] in 'aeiou' else 'a'} "
-                                          f"{kind}, not a str: fix that example (or give token ids as 'input_ids').")
+                    raise ExampleError(
+                        i,
+                        f"Example {i} has a 'text' that is {'an' if kind[0] in 'aeiou' else 'a'} "
+                        f"{kind}, not a str: fix that example (or give token ids as 'input_ids').",
+                    )
                 pending.append(example["text"])
             else:
-                raise ExampleError(i, f"Example {i} has none of 'input_ids', 'text', 'messages' or 'prompt'/'completion' "
-                                 f"(keys: {', '.join(map(str, example.keys()))}): give each example one of them.")
+                raise ExampleError(
+                    i,
+                    f"Example {i} has none of 'input_ids', 'text', 'messages' or 'prompt'/'completion' "
+                    f"(keys: {', '.join(map(str, example.keys()))}): give each example one of them.",
+                )
         elif isinstance(example, (list, tuple, torch.Tensor)):
             chat.check_plain(i, "token ids")
             flush()
             docs.append(Document(as_list(example)))
         else:
-            raise ExampleError(i, f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids', 'text', "
-                             f"'messages' or 'prompt'/'completion', or strings.")
+            raise ExampleError(
+                i,
+                f"Example {i} is a {type(example).__name__}: give dicts with 'input_ids', 'text', "
+                f"'messages' or 'prompt'/'completion', or strings.",
+            )
         if len(pending) >= chunk:
             flush()
     flush()
@@ -161,10 +179,16 @@ class RowTable:
         return 0.0 if total == 0 else self.loss_tokens / total
 
     def stats(self) -> dict:
-        return {"rows": self.num_rows, "documents": self.documents, "max_length": self.max_length,
-                "real_tokens": self.real_tokens, "padding_waste": round(self.padding_waste, 6),
-                "loss_tokens": self.loss_tokens, "loss_token_share": round(self.loss_token_share, 6),
-                "mode": "packing" if self.packed else "padding"}
+        return {
+            "rows": self.num_rows,
+            "documents": self.documents,
+            "max_length": self.max_length,
+            "real_tokens": self.real_tokens,
+            "padding_waste": round(self.padding_waste, 6),
+            "loss_tokens": self.loss_tokens,
+            "loss_token_share": round(self.loss_token_share, 6),
+            "mode": "packing" if self.packed else "padding",
+        }
 
     def batch(self, indices: Sequence[int]) -> dict:
         """Rows `indices` as a batch dict; EMPTY_ROW (-1) gives an empty row (padding, labels -100)."""
@@ -191,16 +215,24 @@ def _pieces(doc: Document, max_length: int, truncate: bool) -> list[Document]:
         return [doc]
     if truncate:
         return [Document(doc.input_ids[:max_length], doc.labels[:max_length] if doc.labels is not None else None)]
-    return [Document(doc.input_ids[s:s + max_length], doc.labels[s:s + max_length] if doc.labels is not None else None)
-            for s in range(0, n, max_length)]
+    return [
+        Document(doc.input_ids[s : s + max_length], doc.labels[s : s + max_length] if doc.labels is not None else None)
+        for s in range(0, n, max_length)
+    ]
 
 
-def pad_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, long_documents: str = "split") -> RowTable:
+def pad_rows(
+    docs: Sequence[Document], max_length: int, pad_token_id: int = 0, long_documents: str = "split"
+) -> RowTable:
     """One document (or piece) per row, right-padded with labels -100."""
     pieces = [p for d in docs for p in _pieces(d, max_length, long_documents == "truncate")]
     n = len(pieces)
-    check_fits(2 * n * max_length * 8, "cpu", f"The padded training rows ({n} x max_length={max_length})",
-               "lower max_length, or use packing=True")
+    check_fits(
+        2 * n * max_length * 8,
+        "cpu",
+        f"The padded training rows ({n} x max_length={max_length})",
+        "lower max_length, or use packing=True",
+    )
     input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
     labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
     real = 0
@@ -252,10 +284,11 @@ def pack_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, 
         if current:
             rows.append(current)
     else:
-        raise ValueError(f"packing_strategy={strategy!r} is not supported: use \"bfd\" or \"wrapped\".")
+        raise ValueError(f'packing_strategy={strategy!r} is not supported: use "bfd" or "wrapped".')
     n = len(rows)
-    check_fits(3 * n * max_length * 8, "cpu", f"The packed training rows ({n} x max_length={max_length})",
-               "lower max_length")
+    check_fits(
+        3 * n * max_length * 8, "cpu", f"The packed training rows ({n} x max_length={max_length})", "lower max_length"
+    )
     input_ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
     labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.empty((n, max_length), dtype=torch.long)
@@ -264,25 +297,33 @@ def pack_rows(docs: Sequence[Document], max_length: int, pad_token_id: int = 0, 
         at = 0
         for piece in row:
             k = len(piece.input_ids)
-            input_ids[r, at:at + k] = torch.tensor(piece.input_ids, dtype=torch.long)
+            input_ids[r, at : at + k] = torch.tensor(piece.input_ids, dtype=torch.long)
             lab = _labels_of(piece)
             lab[0] = IGNORE_INDEX  # the previous document's last token must not predict this one
-            labels[r, at:at + k] = torch.tensor(lab, dtype=torch.long)
-            position_ids[r, at:at + k] = torch.arange(k)
+            labels[r, at : at + k] = torch.tensor(lab, dtype=torch.long)
+            position_ids[r, at : at + k] = torch.arange(k)
             at += k
         position_ids[r, at:] = torch.arange(max_length - at)  # the padding tail is a document of its own
         real += at
     return RowTable(input_ids, labels, position_ids, real, len(docs), pad_token_id, packed=True)
 
 
-def build_rows(dataset: Any, processing_class: Any, max_length: int, packing: bool,
-               packing_strategy: str = "bfd", long_documents: str = "split", assistant_only_loss: bool = False,
-               completion_only_loss: Optional[bool] = None) -> RowTable:
+def build_rows(
+    dataset: Any,
+    processing_class: Any,
+    max_length: int,
+    packing: bool,
+    packing_strategy: str = "bfd",
+    long_documents: str = "split",
+    assistant_only_loss: bool = False,
+    completion_only_loss: Optional[bool] = None,
+) -> RowTable:
     """A dataset as a RowTable (see the module docstring)."""
     if isinstance(dataset, RowTable):
         return dataset
-    docs = tokenize_dataset(dataset, processing_class, assistant_only_loss=assistant_only_loss,
-                            completion_only_loss=completion_only_loss)
+    docs = tokenize_dataset(
+        dataset, processing_class, assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss
+    )
     if not docs:
         raise ValueError("The dataset holds no tokens: give it at least one non-empty example.")
     long = sum(len(d.input_ids) > max_length for d in docs)
@@ -293,8 +334,13 @@ def build_rows(dataset: Any, processing_class: Any, max_length: int, packing: bo
             rule = "cut to their first max_length tokens"
         else:
             rule = "split into max_length pieces"
-        logger.info("%d of %d documents are longer than max_length=%d: %s (a piece never sees the one before it).",
-                    long, len(docs), max_length, rule)
+        logger.info(
+            "%d of %d documents are longer than max_length=%d: %s (a piece never sees the one before it).",
+            long,
+            len(docs),
+            max_length,
+            rule,
+        )
     pad = pad_token_id_of(processing_class)
     if packing:
         return pack_rows(docs, max_length, pad, packing_strategy)
@@ -313,8 +359,16 @@ class StaticBatchSampler:
     the batches that every rank can fill.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        num_rows: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is outside world_size={world_size}.")
         self.num_rows, self.batch_size, self.shuffle, self.seed = num_rows, batch_size, shuffle, seed
@@ -340,8 +394,8 @@ class StaticBatchSampler:
         order = self.order()
         per_step = self.batch_size * self.world_size
         for b in range(len(self)):
-            chunk = order[b * per_step:(b + 1) * per_step]
-            mine = chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+            chunk = order[b * per_step : (b + 1) * per_step]
+            mine = chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
             yield mine + [EMPTY_ROW] * (self.batch_size - len(mine))
 
 
@@ -350,5 +404,17 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
-__all__ = ["Document", "RowTable", "StaticBatchSampler", "TextEncoder", "build_rows", "pad_rows", "pack_rows",
-           "tokenize_dataset", "iter_examples", "count_label_tokens", "IGNORE_INDEX", "EMPTY_ROW"]
+__all__ = [
+    "Document",
+    "RowTable",
+    "StaticBatchSampler",
+    "TextEncoder",
+    "build_rows",
+    "pad_rows",
+    "pack_rows",
+    "tokenize_dataset",
+    "iter_examples",
+    "count_label_tokens",
+    "IGNORE_INDEX",
+    "EMPTY_ROW",
+]

@@ -67,7 +67,9 @@ class TextEncoder:
 
     def __init__(self, tokenizer: Any, add_eos: bool = True):
         if tokenizer is None:
-            raise ValueError("The dataset has text but no tokenizer was given: pass processing_class=tokenizer to Trainer.")
+            raise ValueError(
+                "The dataset has text but no tokenizer was given: pass processing_class=tokenizer to Trainer."
+            )
         self.tokenizer = tokenizer
         self.eos_token_id = _token_id(tokenizer, "eos") if add_eos else None
 

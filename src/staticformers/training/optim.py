@@ -49,8 +49,10 @@ class MasterWeights:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.master = [p if (p.dtype == torch.float32 or not copies) else p.detach().float().clone().requires_grad_(True)
-                       for p in self.params]
+        self.master = [
+            p if (p.dtype == torch.float32 or not copies) else p.detach().float().clone().requires_grad_(True)
+            for p in self.params
+        ]
         self._low = [i for i, (p, m) in enumerate(zip(self.params, self.master)) if m is not p]
 
     @property
@@ -137,14 +139,18 @@ def schedule_lambda(name: str, warmup: int, total: int, num_cycles: float = 0.5)
     if name == "linear":
         return lambda step: warm(step) if warm(step) is not None else max(0.0, (total - step) / max(1, total - warmup))
     if name == "cosine":
+
         def cosine(step: int) -> float:
             w = warm(step)
             if w is not None:
                 return w
             progress = (step - warmup) / max(1, total - warmup)
             return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
         return cosine
-    raise ValueError(f"lr_scheduler_type={name!r} is not supported: use linear, cosine, constant or constant_with_warmup.")
+    raise ValueError(
+        f"lr_scheduler_type={name!r} is not supported: use linear, cosine, constant or constant_with_warmup."
+    )
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, name: str, warmup: int, total: int, **kwargs):
@@ -167,5 +173,12 @@ def clip_grad_norm(grads: Iterable[torch.Tensor], max_norm: Optional[float]) -> 
     return norm
 
 
-__all__ = ["MasterWeights", "parameter_groups", "create_adamw", "create_scheduler", "schedule_lambda",
-           "clip_grad_norm", "no_decay_parameter_names"]
+__all__ = [
+    "MasterWeights",
+    "parameter_groups",
+    "create_adamw",
+    "create_scheduler",
+    "schedule_lambda",
+    "clip_grad_norm",
+    "no_decay_parameter_names",
+]

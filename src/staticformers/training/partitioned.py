@@ -60,7 +60,9 @@ class DistributedTraining:
     def __init__(self, trainer):
         model = trainer.model
         if model.parallel_dims is None:
-            raise ValueError("DistributedTraining needs a model loaded with from_pretrained(..., distributed_config=...).")
+            raise ValueError(
+                "DistributedTraining needs a model loaded with from_pretrained(..., distributed_config=...)."
+            )
         self.trainer, self.model, self.dims = trainer, model, model.parallel_dims
         self.block_counters: list = []  # the compiled blocks' graph counters (compile_blocks)
 
@@ -86,17 +88,22 @@ class DistributedTraining:
         model = self.model
         a = self.args
         if a.bf16 and self.compute_dtype() == torch.float32 and self.dims.config.param_dtype is None:
-            logger.warning("bf16=True with a float32 distributed model: it trains in float32. Load it with "
-                           "DistributedConfig(fsdp_mixed_precision=True) for bf16 compute over fp32 shards.")
+            logger.warning(
+                "bf16=True with a float32 distributed model: it trains in float32. Load it with "
+                "DistributedConfig(fsdp_mixed_precision=True) for bf16 compute over fp32 shards."
+            )
         if a.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if a.torch_compile and not self.block_counters:
             if self.dims.tp > 1:
                 # measured on torch 2.13: AOTAutograd over blocks holding TP hooks gives wrong gradients
                 # (tp2 x fsdp2) or fails in DTensor's backward (tp4); FSDP-only layouts compile exactly
-                logger.warning("torch_compile=True with tp_size=%d: the decoder blocks run eagerly (compiling "
-                               "tensor-parallel blocks for training is not reliable in this PyTorch); "
-                               "FSDP/HSDP layouts compile per block.", self.dims.tp)
+                logger.warning(
+                    "torch_compile=True with tp_size=%d: the decoder blocks run eagerly (compiling "
+                    "tensor-parallel blocks for training is not reliable in this PyTorch); "
+                    "FSDP/HSDP layouts compile per block.",
+                    self.dims.tp,
+                )
             else:
                 backend = a.torch_compile_backend
                 if backend is None:
@@ -140,8 +147,10 @@ class DistributedTraining:
     def load_checkpoint_files(self, directory: str) -> None:
         dcp_dir = os.path.join(directory, DCP_FOLDER)
         if not os.path.isdir(dcp_dir):
-            raise ValueError(f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
-                             f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead.")
+            raise ValueError(
+                f"{directory} holds no {DCP_FOLDER}/ shards: it was written by a single-process run; "
+                f"load its weights with from_pretrained(checkpoint, distributed_config=...) instead."
+            )
         t = self.trainer
         state = TrainerState.load_from_json(os.path.join(directory, ckpt.TRAINER_STATE))
         scheduler_file = os.path.join(directory, ckpt.SCHEDULER)
@@ -151,8 +160,11 @@ class DistributedTraining:
         load_checkpoint(dcp_dir, self.model, t.optimizer)
         check_optimizer_state(t.optimizer, os.path.join(dcp_dir, ".metadata"))
         apply_state(scheduler_file, "learning-rate scheduler", t.lr_scheduler.load_state_dict, scheduler)
-        apply_file(os.path.join(directory, ckpt.RNG_STATE), "random number generators",
-                   lambda rng: ckpt.restore_rng_state(rng, t.device))
+        apply_file(
+            os.path.join(directory, ckpt.RNG_STATE),
+            "random number generators",
+            lambda rng: ckpt.restore_rng_state(rng, t.device),
+        )
         t.state = state
 
     def save_checkpoint(self) -> str:

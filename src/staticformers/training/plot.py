@@ -20,8 +20,11 @@ _warned_missing = False
 
 
 def _series(log_history: Sequence[dict], key: str) -> list[tuple[float, float]]:
-    return [(e["step"], float(e[key])) for e in log_history
-            if key in e and "step" in e and e[key] is not None and math.isfinite(float(e[key]))]
+    return [
+        (e["step"], float(e[key]))
+        for e in log_history
+        if key in e and "step" in e and e[key] is not None and math.isfinite(float(e[key]))
+    ]
 
 
 def loss_curve_figure(log_history: Sequence[dict], title: str = "Training"):
@@ -37,11 +40,13 @@ def loss_curve_figure(log_history: Sequence[dict], title: str = "Training"):
     ax = fig.add_subplot()
     handles = []
     if train:
-        handles += ax.plot(*zip(*train), color="tab:blue", linewidth=2, marker="o" if len(train) < 3 else None,
-                           label="training loss")
+        handles += ax.plot(
+            *zip(*train), color="tab:blue", linewidth=2, marker="o" if len(train) < 3 else None, label="training loss"
+        )
     if evals:
-        handles += ax.plot(*zip(*evals), color="tab:red", linestyle="none", marker="s", markersize=7,
-                           label="evaluation loss")
+        handles += ax.plot(
+            *zip(*evals), color="tab:red", linestyle="none", marker="s", markersize=7, label="evaluation loss"
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean cross-entropy per token)")
     ax.grid(True, alpha=0.3)
@@ -54,8 +59,14 @@ def loss_curve_figure(log_history: Sequence[dict], title: str = "Training"):
     if not handles:
         ax.text(0.5, 0.5, "nothing logged yet", ha="center", va="center", transform=ax.transAxes)
     else:  # below the axes, where it hides no point
-        ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="upper center",
-                  bbox_to_anchor=(0.5, -0.12), ncol=len(handles), frameon=False)
+        ax.legend(
+            handles=handles,
+            labels=[h.get_label() for h in handles],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.12),
+            ncol=len(handles),
+            frameon=False,
+        )
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=11)
     fig.tight_layout()
     return fig
@@ -70,8 +81,10 @@ def write_loss_curve(path: str, log_history: Sequence[dict], title: str = "Train
     except ImportError:
         if not _warned_missing:
             _warned_missing = True
-            logger.warning("loss_curve.png is not drawn because matplotlib is not installed: "
-                           "pip install -e '.[plot]' in the staticformers checkout (the numbers are in metrics.jsonl).")
+            logger.warning(
+                "loss_curve.png is not drawn because matplotlib is not installed: "
+                "pip install -e '.[plot]' in the staticformers checkout (the numbers are in metrics.jsonl)."
+            )
         return None
     fig.savefig(path, format="png")
     return path

@@ -26,8 +26,10 @@ def _tensorboard_writer(logging_dir: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except Exception:  # ImportError, or tensorboard missing underneath
-        logger.warning("report_to asks for TensorBoard but the tensorboard package is not installed: "
-                       "pip install tensorboard (metrics still go to metrics.jsonl).")
+        logger.warning(
+            "report_to asks for TensorBoard but the tensorboard package is not installed: "
+            "pip install tensorboard (metrics still go to metrics.jsonl)."
+        )
         return None
     return SummaryWriter(log_dir=logging_dir)
 
@@ -49,8 +51,12 @@ class MetricsReporter:
         if not self.is_main:
             return
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in record.items()}) + "\n")
+            f.write(
+                json.dumps(
+                    {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+                )
+                + "\n"
+            )
         if self.tensorboard is not None:
             step = record.get("step", 0)
             for key, value in record.items():

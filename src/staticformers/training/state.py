@@ -61,8 +61,16 @@ class TrainerState:
         return cls(**values)
 
 
-_COUNTS = ("global_step", "max_steps", "num_train_epochs", "train_batch_size", "epoch_index", "batches_in_epoch",
-           "train_rows", "seen_tokens")
+_COUNTS = (
+    "global_step",
+    "max_steps",
+    "num_train_epochs",
+    "train_batch_size",
+    "epoch_index",
+    "batches_in_epoch",
+    "train_rows",
+    "seen_tokens",
+)
 _PERIODS = ("logging_steps", "eval_steps", "save_steps", "gradient_accumulation_steps")
 
 
@@ -73,8 +81,9 @@ def _invalid(key: str, value) -> Optional[str]:
         return "must be an integer of 0 or more"
     if key in _PERIODS and not (is_int and value >= 1):
         return "must be a positive integer"
-    if key == "epoch" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                               and math.isfinite(value) and value >= 0):
+    if key == "epoch" and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    ):
         return "must be a finite number of 0 or more"
     if key == "log_history" and not (isinstance(value, list) and all(isinstance(r, dict) for r in value)):
         return "must be a list of objects"

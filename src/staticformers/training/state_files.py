@@ -58,7 +58,8 @@ def load_torch_file(path: str, map_location: Any = None) -> Any:
         reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise CorruptCheckpointError(
             f"{path} cannot be read ({reason}): it is damaged or holds more than tensors and plain values "
-            f"(nothing in it was run); {RESUME_ADVICE}.") from None
+            f"(nothing in it was run); {RESUME_ADVICE}."
+        ) from None
 
 
 def apply_state(path: str, what: str, apply: Callable[[Any], None], state: Any) -> None:
@@ -68,7 +69,8 @@ def apply_state(path: str, what: str, apply: Callable[[Any], None], state: Any) 
     except (KeyError, ValueError, TypeError, IndexError, RuntimeError, AttributeError) as err:
         raise CorruptCheckpointError(
             f"{path} does not fit this run's {what} ({type(err).__name__}: {str(err)[:160]}): it belongs to another "
-            f"run or is damaged; {RESUME_ADVICE}.") from None
+            f"run or is damaged; {RESUME_ADVICE}."
+        ) from None
 
 
 def apply_file(path: str, what: str, apply: Callable[[Any], None], map_location: Any = None) -> None:
@@ -85,17 +87,23 @@ def _number(value: Any) -> bool:
 def check_optimizer_state(optimizer: torch.optim.Optimizer, path: str) -> None:
     """After `load_state_dict`: the hyper-parameters the file brought are finite and in range, and every
     per-parameter state tensor has its parameter's shape and finite values (torch checks only counts)."""
+
     def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path} does not fit this run's optimizer ({why}): it belongs to another run or "
-                                      f"is damaged; {RESUME_ADVICE}.")
+        return CorruptCheckpointError(
+            f"{path} does not fit this run's optimizer ({why}): it belongs to another run or "
+            f"is damaged; {RESUME_ADVICE}."
+        )
 
     for i, group in enumerate(optimizer.param_groups):
         for key in ("lr", "initial_lr", "eps", "weight_decay"):
             if key in group and not (_number(group[key]) and float(group[key]) >= 0):
                 raise bad(f"group {i} has {key}={group[key]!r}")
         betas = group.get("betas")
-        if betas is not None and not (isinstance(betas, (tuple, list)) and len(betas) == 2
-                                      and all(_number(b) and 0 <= float(b) < 1 for b in betas)):
+        if betas is not None and not (
+            isinstance(betas, (tuple, list))
+            and len(betas) == 2
+            and all(_number(b) and 0 <= float(b) < 1 for b in betas)
+        ):
             raise bad(f"group {i} has betas={betas!r}")
         for p in group["params"]:
             for name, value in optimizer.state.get(p, {}).items():
@@ -109,15 +117,21 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, path: str) -> None:
 
 def check_scheduler_state(state: Any, path: str, groups: int) -> None:
     """The values a learning-rate scheduler's state holds, checked before `load_state_dict` applies them."""
+
     def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path} does not fit this run's learning-rate scheduler ({why}): it belongs to "
-                                      f"another run or is damaged; {RESUME_ADVICE}.")
+        return CorruptCheckpointError(
+            f"{path} does not fit this run's learning-rate scheduler ({why}): it belongs to "
+            f"another run or is damaged; {RESUME_ADVICE}."
+        )
 
     if not isinstance(state, dict):
         raise bad(f"it holds a {type(state).__name__}, not a state dict")
     for key in ("base_lrs", "_last_lr"):
-        if key in state and not (isinstance(state[key], list) and len(state[key]) == groups
-                                 and all(_number(v) and float(v) >= 0 for v in state[key])):
+        if key in state and not (
+            isinstance(state[key], list)
+            and len(state[key]) == groups
+            and all(_number(v) and float(v) >= 0 for v in state[key])
+        ):
             raise bad(f"{key}={state[key]!r}")
     for key, low in (("last_epoch", -1), ("_step_count", 0)):
         value = state.get(key, low)
@@ -155,8 +169,10 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
     if adapter is not None:
         bad = nonfinite(adapter.items())
         if bad:
-            raise CorruptCheckpointError(f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
-                                         f"it is not a good checkpoint; {RESUME_ADVICE}.")
+            raise CorruptCheckpointError(
+                f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
+                f"it is not a good checkpoint; {RESUME_ADVICE}."
+            )
         return adapter
     try:
         files = weight_files(directory)
@@ -182,18 +198,23 @@ def read_weights(directory: str, expected: dict[str, tuple], names=None) -> dict
                     if tuple(f.shape(name)) != tuple(expected[name]):
                         raise CorruptCheckpointError(
                             f"Weight {name} in {path} has shape {list(f.shape(name))}, not {list(expected[name])}: "
-                            f"the checkpoint belongs to another model; {RESUME_ADVICE}.")
+                            f"the checkpoint belongs to another model; {RESUME_ADVICE}."
+                        )
                     tensors[name] = f.read(name)
         except CheckpointError as err:
             raise CorruptCheckpointError(f"{err} ({RESUME_ADVICE})") from None
     missing = [n for n in expected if n not in tensors]
     if missing:
-        raise CorruptCheckpointError(f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to "
-                                     f"another model; {RESUME_ADVICE}.")
+        raise CorruptCheckpointError(
+            f"Checkpoint {directory} lacks weights {', '.join(missing[:5])}: it belongs to "
+            f"another model; {RESUME_ADVICE}."
+        )
     bad = nonfinite(tensors.items())
     if bad:
-        raise CorruptCheckpointError(f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
-                                     f"it is not a good checkpoint; {RESUME_ADVICE}.")
+        raise CorruptCheckpointError(
+            f"Checkpoint {directory} holds NaN or infinite weights ({', '.join(bad[:3])}): "
+            f"it is not a good checkpoint; {RESUME_ADVICE}."
+        )
     assembled = names.assemble(layout, tensors)
     return {name: assembled[name] for name in target_names}
 
@@ -222,6 +243,16 @@ def verify_weights(directory: str) -> Optional[str]:
     return None
 
 
-__all__ = ["CorruptCheckpointError", "zip_damage", "load_torch_file", "apply_state", "apply_file",
-           "check_optimizer_state", "check_scheduler_state", "read_weights", "verify_weights", "nonfinite",
-           "RESUME_ADVICE"]
+__all__ = [
+    "CorruptCheckpointError",
+    "zip_damage",
+    "load_torch_file",
+    "apply_state",
+    "apply_file",
+    "check_optimizer_state",
+    "check_scheduler_state",
+    "read_weights",
+    "verify_weights",
+    "nonfinite",
+    "RESUME_ADVICE",
+]

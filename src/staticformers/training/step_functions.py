@@ -27,16 +27,24 @@ from typing import Callable, Optional
 import torch
 
 from ..compilation.compiler import CompiledFunction, compile_function, enable_persistent_cache
-from ..compilation.regions import (has_decoder_layout, layer_region, loss_head_region, region_name, regional_loss,
-                                   routed_layer_region, routes_logits)
+from ..compilation.regions import (
+    has_decoder_layout,
+    layer_region,
+    loss_head_region,
+    region_name,
+    regional_loss,
+    routed_layer_region,
+    routes_logits,
+)
 from ..models.ops import PLAIN, Ops
 
 
 def forward_loss(model, input_ids, labels, position_ids, num_items_in_batch, ops=PLAIN):
     """Loss of one batch: summed token losses divided by `num_items_in_batch` (a 0-d tensor)."""
     kwargs = {"ops": ops} if has_decoder_layout(model) else {}
-    return model(input_ids=input_ids, labels=labels, position_ids=position_ids,
-                 num_items_in_batch=num_items_in_batch, **kwargs).loss
+    return model(
+        input_ids=input_ids, labels=labels, position_ids=position_ids, num_items_in_batch=num_items_in_batch, **kwargs
+    ).loss
 
 
 class StepFunction:

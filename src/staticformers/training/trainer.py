@@ -62,13 +62,29 @@ from .arguments import TrainingArguments
 from .step_functions import StepFunction
 from .chat_data import use_chat_template_file
 from .data import RowTable, StaticBatchSampler, build_rows, count_label_tokens
-from .guards import (TrainingDivergedError, check_batch_has_loss, check_finite_weights, check_labels, check_loss_tokens,
-                     check_max_length, check_step_memory, check_token_ids, rows_without_loss)
+from .guards import (
+    TrainingDivergedError,
+    check_batch_has_loss,
+    check_finite_weights,
+    check_labels,
+    check_loss_tokens,
+    check_max_length,
+    check_step_memory,
+    check_token_ids,
+    rows_without_loss,
+)
 from .optim import MasterWeights, clip_grad_norm, create_adamw, create_scheduler, parameter_groups
 from .plot import write_loss_curve
 from .reporting import MetricsReporter, StepMeter, format_postfix, progress_bar
 from .state import TrainerState, TrainOutput
-from .state_files import (CorruptCheckpointError, apply_state, check_optimizer_state, check_scheduler_state, load_torch_file, read_weights)
+from .state_files import (
+    CorruptCheckpointError,
+    apply_state,
+    check_optimizer_state,
+    check_scheduler_state,
+    load_torch_file,
+    read_weights,
+)
 
 logger = logging.getLogger("staticformers")
 
@@ -125,16 +141,22 @@ class Trainer:
         tokenizer: Any = None,
     ):
         if model is None:
-            raise ValueError("Trainer needs a model: pass model=AutoModelForCausalLM.from_pretrained(...) or from_config(...).")
+            raise ValueError(
+                "Trainer needs a model: pass model=AutoModelForCausalLM.from_pretrained(...) or from_config(...)."
+            )
         if processing_class is not None and tokenizer is not None:
             raise ValueError("Pass processing_class or its old name tokenizer, not both.")
         if data_collator is not None:
-            logger.warning("data_collator is not used: staticformers builds fixed-shape batches itself "
-                           "(TrainingArguments.max_length, packing).")
+            logger.warning(
+                "data_collator is not used: staticformers builds fixed-shape batches itself "
+                "(TrainingArguments.max_length, packing)."
+            )
         self.args = args if args is not None else TrainingArguments()
         check_max_length(self.args.max_length, getattr(model, "config", None))
         if self.args.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy=\"no\".")
+            raise ValueError(
+                f'eval_strategy={self.args.eval_strategy!r} needs an eval_dataset: pass one, or eval_strategy="no".'
+            )
         self.model = model
         self.processing_class = processing_class if processing_class is not None else tokenizer
         if self.args.chat_template_path is not None:  # as TRL: the tokenizer (and what save_model writes) gets it
@@ -206,7 +228,9 @@ class Trainer:
             model.to(dtype)
         if self.args.gradient_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ValueError(f"gradient_checkpointing=True but {type(model).__name__} has no gradient_checkpointing_enable().")
+                raise ValueError(
+                    f"gradient_checkpointing=True but {type(model).__name__} has no gradient_checkpointing_enable()."
+                )
             model.gradient_checkpointing_enable()
         model.train()
         return model
@@ -225,16 +249,22 @@ class Trainer:
             return self.optimizer
         a = self.args
         groups = parameter_groups(model, self.master, a.weight_decay)
-        return create_adamw(groups, a.learning_rate, (a.adam_beta1, a.adam_beta2), a.adam_epsilon,
-                            fused=a.optim == "adamw_torch_fused")
+        return create_adamw(
+            groups, a.learning_rate, (a.adam_beta1, a.adam_beta2), a.adam_epsilon, fused=a.optim == "adamw_torch_fused"
+        )
 
     def create_scheduler(self, num_training_steps: int):
         """The learning-rate schedule (transformers' formulas), unless one was passed in."""
         if self._user_optimizer and self.lr_scheduler is not None:
             return self.lr_scheduler
         a = self.args
-        return create_scheduler(self.optimizer, a.lr_scheduler_type, a.get_warmup_steps(num_training_steps), num_training_steps,
-                                **(a.lr_scheduler_kwargs or {}))
+        return create_scheduler(
+            self.optimizer,
+            a.lr_scheduler_type,
+            a.get_warmup_steps(num_training_steps),
+            num_training_steps,
+            **(a.lr_scheduler_kwargs or {}),
+        )
 
     def get_train_rows(self) -> RowTable:
         """The training set as fixed `[max_length]` rows (built once per Trainer)."""
@@ -242,15 +272,26 @@ class Trainer:
             if self.train_dataset is None:
                 raise ValueError("Trainer.train() needs a train_dataset.")
             a = self.args
-            rows = build_rows(self.train_dataset, self.processing_class, a.max_length, a.packing,
-                              a.packing_strategy, a.long_documents, a.assistant_only_loss, a.completion_only_loss)
+            rows = build_rows(
+                self.train_dataset,
+                self.processing_class,
+                a.max_length,
+                a.packing,
+                a.packing_strategy,
+                a.long_documents,
+                a.assistant_only_loss,
+                a.completion_only_loss,
+            )
             self._check_rows(rows, "training data")
             check_loss_tokens(rows, "training data")
             self._rows_without_loss = rows_without_loss(rows.labels)
             if self._rows_without_loss:
-                logger.warning("%d of the %d training rows have no token that carries loss (labels all -100 or a "
-                               "single token): they only add padding to their batches.", self._rows_without_loss,
-                               rows.num_rows)
+                logger.warning(
+                    "%d of the %d training rows have no token that carries loss (labels all -100 or a "
+                    "single token): they only add padding to their batches.",
+                    self._rows_without_loss,
+                    rows.num_rows,
+                )
             self._train_rows = rows
         return self._train_rows
 
@@ -268,21 +309,42 @@ class Trainer:
             if cached is dataset:
                 return rows
         a = self.args
-        rows = build_rows(dataset, self.processing_class, a.max_length, a.packing, a.packing_strategy,
-                          a.long_documents, a.assistant_only_loss, a.completion_only_loss)
+        rows = build_rows(
+            dataset,
+            self.processing_class,
+            a.max_length,
+            a.packing,
+            a.packing_strategy,
+            a.long_documents,
+            a.assistant_only_loss,
+            a.completion_only_loss,
+        )
         self._check_rows(rows, "evaluation data")
         self._eval_rows = self._eval_rows[-3:] + [(dataset, rows)]
         return rows
 
     def get_train_sampler(self, rows: RowTable) -> StaticBatchSampler:
         rank, world = self.data_parallel_info()
-        return StaticBatchSampler(rows.num_rows, self.args.per_device_train_batch_size, shuffle=True,
-                                  seed=self.args.seed, drop_last=self.args.dataloader_drop_last, rank=rank, world_size=world)
+        return StaticBatchSampler(
+            rows.num_rows,
+            self.args.per_device_train_batch_size,
+            shuffle=True,
+            seed=self.args.seed,
+            drop_last=self.args.dataloader_drop_last,
+            rank=rank,
+            world_size=world,
+        )
 
     def get_eval_sampler(self, rows: RowTable) -> StaticBatchSampler:
         rank, world = self.data_parallel_info()
-        return StaticBatchSampler(rows.num_rows, self.args.per_device_eval_batch_size, shuffle=False,
-                                  drop_last=False, rank=rank, world_size=world)
+        return StaticBatchSampler(
+            rows.num_rows,
+            self.args.per_device_eval_batch_size,
+            shuffle=False,
+            drop_last=False,
+            rank=rank,
+            world_size=world,
+        )
 
     def move_batch(self, batch: dict) -> dict:
         """The batch on the device; pinned first for a CUDA copy when `dataloader_pin_memory` (transformers' default)."""
@@ -327,8 +389,9 @@ class Trainer:
 
             save_pretrained(self.model, directory, state_dict=self.model_state_for_saving())
         # on the host: a device's own storage tag (an XLA device's) is one torch.load cannot map back
-        host = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
-                                            self.optimizer.state_dict())
+        host = torch.utils._pytree.tree_map(
+            lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, self.optimizer.state_dict()
+        )
         torch.save(host, os.path.join(directory, ckpt.OPTIMIZER))
         torch.save(self.lr_scheduler.state_dict(), os.path.join(directory, ckpt.SCHEDULER))
         torch.save(ckpt.capture_rng_state(self.device), os.path.join(directory, ckpt.RNG_STATE))
@@ -347,14 +410,21 @@ class Trainer:
         weights = read_weights(directory, expected, names_for(getattr(self.model, "config", None)))
         files = {name: os.path.join(directory, name) for name in (ckpt.OPTIMIZER, ckpt.SCHEDULER, ckpt.RNG_STATE)}
         target = self.device if self.backend.torch_load_maps else None  # else on the host; load_state_dict moves it
-        loaded = {name: load_torch_file(path, target if name == ckpt.OPTIMIZER else None) for name, path in files.items()}
+        loaded = {
+            name: load_torch_file(path, target if name == ckpt.OPTIMIZER else None) for name, path in files.items()
+        }
         check_scheduler_state(loaded[ckpt.SCHEDULER], files[ckpt.SCHEDULER], len(self.optimizer.param_groups))
         apply_state(files[ckpt.OPTIMIZER], "optimizer", self.optimizer.load_state_dict, loaded[ckpt.OPTIMIZER])
         check_optimizer_state(self.optimizer, files[ckpt.OPTIMIZER])
-        apply_state(files[ckpt.SCHEDULER], "learning-rate scheduler", self.lr_scheduler.load_state_dict,
-                    loaded[ckpt.SCHEDULER])
-        apply_state(files[ckpt.RNG_STATE], "random number generators", lambda rng: ckpt.restore_rng_state(rng, self.device),
-                    loaded[ckpt.RNG_STATE])
+        apply_state(
+            files[ckpt.SCHEDULER], "learning-rate scheduler", self.lr_scheduler.load_state_dict, loaded[ckpt.SCHEDULER]
+        )
+        apply_state(
+            files[ckpt.RNG_STATE],
+            "random number generators",
+            lambda rng: ckpt.restore_rng_state(rng, self.device),
+            loaded[ckpt.RNG_STATE],
+        )
         self.master.load(weights)
         self.state = state
 
@@ -364,10 +434,13 @@ class Trainer:
     def compile_stats(self) -> dict:
         """Graphs compiled (and seconds spent) by the training and evaluation functions (for a partitioned
         model, by its compiled blocks, training and evaluation together)."""
-        stats = {"backend": self.args.torch_compile_backend if self.args.torch_compile else None,
-                 "train_graphs": self.train_step.graphs, "eval_graphs": self.eval_step.graphs,
-                 "train_compile_seconds": round(self.train_step.compile_seconds, 3),
-                 "eval_compile_seconds": round(self.eval_step.compile_seconds, 3)}
+        stats = {
+            "backend": self.args.torch_compile_backend if self.args.torch_compile else None,
+            "train_graphs": self.train_step.graphs,
+            "eval_graphs": self.eval_step.graphs,
+            "train_compile_seconds": round(self.train_step.compile_seconds, 3),
+            "eval_compile_seconds": round(self.eval_step.compile_seconds, 3),
+        }
         if self.distributed is not None and self.distributed.block_counters:
             counters = self.distributed.block_counters
             stats["block_graphs"] = sum(c.graphs for c in counters)
@@ -383,7 +456,8 @@ class Trainer:
             raise ValueError(
                 f"The training data gives {rows} rows, {batches_per_epoch} batch(es) of {a.per_device_train_batch_size}"
                 f"{' (dataloader_drop_last=True drops a short last one)' if a.dataloader_drop_last else ''}, fewer than "
-                f"gradient_accumulation_steps={a.gradient_accumulation_steps}: add data or lower the batch size or accumulation.")
+                f"gradient_accumulation_steps={a.gradient_accumulation_steps}: add data or lower the batch size or accumulation."
+            )
         if a.max_steps > 0:
             return steps_per_epoch, a.max_steps
         return steps_per_epoch, max(1, math.ceil(a.num_train_epochs * steps_per_epoch))
@@ -420,8 +494,14 @@ class Trainer:
         steps_per_epoch, max_steps = self._plan(batches_per_epoch)
         if resume_path is not None:
             self._check_resume_rows(resume_path, rows)
-        check_step_memory(getattr(self.model, "config", None), a.per_device_train_batch_size, a.max_length, self.compute_dtype(),
-                          a.gradient_checkpointing, self.device)
+        check_step_memory(
+            getattr(self.model, "config", None),
+            a.per_device_train_batch_size,
+            a.max_length,
+            self.compute_dtype(),
+            a.gradient_checkpointing,
+            self.device,
+        )
         check_trainable(self.model)
         # the caller's tensors, kept until set-up succeeds: a refusal below gives the model back as it was
         originals = {id(p): p.detach() for p in self.model.parameters()}
@@ -430,29 +510,45 @@ class Trainer:
         model = self.prepare_model()
         frozen = frozen_originals(self.model, originals)  # given back at the end (a frozen base cast to bf16)
         self.backend.before_training()
-        resume_path = self._start_state(model, originals, rows, steps_per_epoch, max_steps, resume_path,
-                                        auto=resume_from_checkpoint is True)
+        resume_path = self._start_state(
+            model, originals, rows, steps_per_epoch, max_steps, resume_path, auto=resume_from_checkpoint is True
+        )
         del originals
         if resume_path is not None:
             self.state.max_steps = max_steps
             self.state.last_checkpoint = resume_path
-            logger.info("Resuming from %s at step %d (epoch %d, batch %d).", resume_path, self.state.global_step,
-                        self.state.epoch_index, self.state.batches_in_epoch)
+            logger.info(
+                "Resuming from %s at step %d (epoch %d, batch %d).",
+                resume_path,
+                self.state.global_step,
+                self.state.epoch_index,
+                self.state.batches_in_epoch,
+            )
         main = self.is_world_process_zero()
         self._reporter = MetricsReporter(a.output_dir, a.report_to, a.logging_dir, is_main=main)
         stats = rows.stats()
         self._log_start(stats, max_steps)
         bar = progress_bar(max_steps, self.state.global_step, disable=a.disable_tqdm or not main)
-        return _Run(model, rows, sampler, batches_per_epoch, max_steps, stats, main, original_dtypes, frozen, bar,
-                    StepMeter())
+        return _Run(
+            model, rows, sampler, batches_per_epoch, max_steps, stats, main, original_dtypes, frozen, bar, StepMeter()
+        )
 
     def _log_start(self, stats: dict, max_steps: int) -> None:
         a = self.args
-        logger.info("Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, tokens with loss %.2f%%, "
-                    "%d steps of %d x %d x %d accumulation.",
-                    self.device, stats["rows"], stats["max_length"], stats["mode"], 100 * stats["padding_waste"],
-                    100 * stats["loss_token_share"], max_steps, a.per_device_train_batch_size, a.max_length,
-                    a.gradient_accumulation_steps)
+        logger.info(
+            "Training on %s: %d rows of %d tokens (%s), padding waste %.2f%%, tokens with loss %.2f%%, "
+            "%d steps of %d x %d x %d accumulation.",
+            self.device,
+            stats["rows"],
+            stats["max_length"],
+            stats["mode"],
+            100 * stats["padding_waste"],
+            100 * stats["loss_token_share"],
+            max_steps,
+            a.per_device_train_batch_size,
+            a.max_length,
+            a.gradient_accumulation_steps,
+        )
 
     def _check_resume_rows(self, resume_path: str, rows: RowTable) -> None:
         """Refuse a checkpoint trained on another number of rows (its data position would mean other data)."""
@@ -460,10 +556,19 @@ class Trainer:
         if saved.train_rows != rows.num_rows:
             raise ValueError(
                 f"{resume_path} was trained on {saved.train_rows} rows of data but this dataset gives {rows.num_rows}: "
-                f"resume with the same dataset, max_length and packing, or start a new run.")
+                f"resume with the same dataset, max_length and packing, or start a new run."
+            )
 
-    def _start_state(self, model: nn.Module, originals: dict, rows: RowTable, steps_per_epoch: int, max_steps: int,
-                     resume_path: Optional[str], auto: bool) -> Optional[str]:
+    def _start_state(
+        self,
+        model: nn.Module,
+        originals: dict,
+        rows: RowTable,
+        steps_per_epoch: int,
+        max_steps: int,
+        resume_path: Optional[str],
+        auto: bool,
+    ) -> Optional[str]:
         """Master weights, optimizer, schedule and a new `TrainerState`, then the checkpoint's when resuming;
         returns the checkpoint loaded. If any of it fails, the caller's parameters get their own tensors back."""
         a = self.args
@@ -473,11 +578,15 @@ class Trainer:
             self.optimizer = self.create_optimizer(model)
             self.lr_scheduler = self.create_scheduler(max_steps)
             self.state = TrainerState(
-                max_steps=max_steps, num_train_epochs=math.ceil(max_steps / steps_per_epoch),
+                max_steps=max_steps,
+                num_train_epochs=math.ceil(max_steps / steps_per_epoch),
                 logging_steps=a.resolved_steps(a.logging_steps, max_steps),
                 eval_steps=a.resolved_steps(a.eval_steps if a.eval_steps is not None else a.logging_steps, max_steps),
-                save_steps=a.resolved_steps(a.save_steps, max_steps), train_batch_size=a.per_device_train_batch_size,
-                gradient_accumulation_steps=a.gradient_accumulation_steps, train_rows=rows.num_rows)
+                save_steps=a.resolved_steps(a.save_steps, max_steps),
+                train_batch_size=a.per_device_train_batch_size,
+                gradient_accumulation_steps=a.gradient_accumulation_steps,
+                train_rows=rows.num_rows,
+            )
             if resume_path is not None:
                 resume_path = self._load_resume(resume_path, auto=auto)
         except BaseException:
@@ -498,7 +607,7 @@ class Trainer:
         pos = state.batches_in_epoch
         while pos + ga <= run.batches_per_epoch and state.global_step < run.max_steps:
             step_start = time.perf_counter()
-            step = self._optimizer_step(run.model, [run.rows.batch(ix) for ix in order[pos:pos + ga]])
+            step = self._optimizer_step(run.model, [run.rows.batch(ix) for ix in order[pos : pos + ga]])
             pos += ga
             self._after_step(run, pos, step, step_start)
         if pos + ga > run.batches_per_epoch and state.batches_in_epoch != 0:  # defensive: leftover micro-batches
@@ -512,8 +621,12 @@ class Trainer:
         items = sum(count_label_tokens(b["labels"]) for b in host)
         tokens = sum(int((b["labels"] != -100).sum()) for b in host)
         total = int(self.reduce_sum(torch.tensor(items, dtype=torch.long, device=self.device)))
-        check_batch_has_loss(total, self.state.global_step + 1, self._rows_without_loss, self._train_rows.num_rows
-                             if self._train_rows is not None else 0)
+        check_batch_has_loss(
+            total,
+            self.state.global_step + 1,
+            self._rows_without_loss,
+            self._train_rows.num_rows if self._train_rows is not None else 0,
+        )
         num_items = torch.tensor(total, dtype=torch.long, device=self.device)
         step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in host:
@@ -543,7 +656,9 @@ class Trainer:
         rotation) when their strategies say so."""
         a, state = self.args, self.state
         state.global_step += 1
-        if pos + a.gradient_accumulation_steps > run.batches_per_epoch:  # this epoch is done: a resume starts the next one
+        if (
+            pos + a.gradient_accumulation_steps > run.batches_per_epoch
+        ):  # this epoch is done: a resume starts the next one
             state.epoch_index, state.batches_in_epoch = state.epoch_index + 1, 0
             state.epoch = float(state.epoch_index)
         else:
@@ -560,11 +675,17 @@ class Trainer:
         epoch_end = state.batches_in_epoch == 0
         if self._log_now(done, run.max_steps, epoch_end):
             loss, tokens_per_second = run.meter.take_window(now)
-            self.log({"loss": round(loss, 6), "grad_norm": round(step.grad_norm, 6),
-                      "learning_rate": step.learning_rate, "tokens_per_second": round(tokens_per_second, 2)})
+            self.log(
+                {
+                    "loss": round(loss, 6),
+                    "grad_norm": round(step.grad_norm, 6),
+                    "learning_rate": step.learning_rate,
+                    "tokens_per_second": round(tokens_per_second, 2),
+                }
+            )
         if self.eval_dataset is not None and (
-                (a.eval_strategy == "steps" and done % state.eval_steps == 0)
-                or (a.eval_strategy == "epoch" and epoch_end)):
+            (a.eval_strategy == "steps" and done % state.eval_steps == 0) or (a.eval_strategy == "epoch" and epoch_end)
+        ):
             self.evaluate()
         if (a.save_strategy == "steps" and done % state.save_steps == 0) or (a.save_strategy == "epoch" and epoch_end):
             self._save_checkpoint()
@@ -642,12 +763,17 @@ class Trainer:
         raise TrainingDivergedError(
             f"Training stopped at step {step}: {what}; that step was not applied and no checkpoint was written after it "
             f"(the last good checkpoint is {last or 'none'}). Lower learning_rate, check the data, or use bf16=False, "
-            f"then resume_from_checkpoint.")
+            f"then resume_from_checkpoint."
+        )
 
     def check_weights_finite(self) -> None:
         """Before a checkpoint: every master weight finite (on every rank), else stop; never a NaN checkpoint."""
-        check_finite_weights(self.master.by_name().items(), self.state.global_step,
-                             lambda: ckpt.last_good_checkpoint(self.args.output_dir), self.device)
+        check_finite_weights(
+            self.master.by_name().items(),
+            self.state.global_step,
+            lambda: ckpt.last_good_checkpoint(self.args.output_dir),
+            self.device,
+        )
 
     def _save_checkpoint(self) -> str:
         if self.distributed is not None:
@@ -689,10 +815,12 @@ class Trainer:
         if was_training:
             model.train()
         loss = float(total) / max(count, 1)
-        metrics = {f"{metric_key_prefix}_loss": loss,
-                   f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("inf"),
-                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4),
-                   f"{metric_key_prefix}_tokens": count}
+        metrics = {
+            f"{metric_key_prefix}_loss": loss,
+            f"{metric_key_prefix}_perplexity": math.exp(min(loss, 700.0)) if math.isfinite(loss) else float("inf"),
+            f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 4),
+            f"{metric_key_prefix}_tokens": count,
+        }
         self.log(metrics)
         return metrics
 
@@ -702,8 +830,9 @@ class Trainer:
         record["epoch"] = round(self.state.epoch, 4)
         record["step"] = self.state.global_step
         if self._reporter is None:
-            self._reporter = MetricsReporter(self.args.output_dir, self.args.report_to, self.args.logging_dir,
-                                             is_main=self.is_world_process_zero())
+            self._reporter = MetricsReporter(
+                self.args.output_dir, self.args.report_to, self.args.logging_dir, is_main=self.is_world_process_zero()
+            )
         self._reporter.log(self.state.log_history, record)
 
     def write_loss_curve(self, path: Optional[str] = None) -> Optional[str]:
@@ -736,7 +865,9 @@ class Trainer:
             elif hasattr(self.model, "save_pretrained"):
                 save_pretrained(self.model, output_dir)
             else:
-                raise ValueError(f"{type(self.model).__name__} has no save_pretrained: save_model needs a staticformers CausalLM.")
+                raise ValueError(
+                    f"{type(self.model).__name__} has no save_pretrained: save_model needs a staticformers CausalLM."
+                )
             self.save_tokenizer(output_dir)
         return output_dir
 

@@ -28,8 +28,10 @@ def check_name(name: object, what: str) -> str:
         raise OutsideFolderError(f"{what} names {name!r}, which is not a file name: restore the file from its source.")
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or name.startswith(("/", "\\")) or os.path.splitdrive(name)[0] or ".." in parts:
-        raise OutsideFolderError(f"{what} names {name!r}, a path outside its folder: files must be named relative "
-                                 f"to the folder, without '..' (restore the file from its source).")
+        raise OutsideFolderError(
+            f"{what} names {name!r}, a path outside its folder: files must be named relative "
+            f"to the folder, without '..' (restore the file from its source)."
+        )
     return name
 
 
@@ -61,7 +63,8 @@ def file_in_folder(folder: Union[str, os.PathLike], name: object, what: str) -> 
     if not is_inside(path, boundary(folder)):
         raise OutsideFolderError(
             f"{what} names {name!r}, which {'is a symbolic link that ' if os.path.islink(path) else ''}resolves "
-            f"outside {os.fspath(folder)}: it was not opened; put the file itself inside the folder.")
+            f"outside {os.fspath(folder)}: it was not opened; put the file itself inside the folder."
+        )
     return path
 
 

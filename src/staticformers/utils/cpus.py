@@ -72,8 +72,14 @@ def cgroup_dirs(proc_self_cgroup: str, root: str = CGROUP_ROOT) -> list[tuple[st
             version, mount = "v2", root
         elif "cpu" in controllers.split(","):
             version = "v1"
-            mount = next((os.path.join(root, name) for name in (controllers, "cpu", "cpu,cpuacct")
-                          if os.path.isdir(os.path.join(root, name))), os.path.join(root, "cpu"))
+            mount = next(
+                (
+                    os.path.join(root, name)
+                    for name in (controllers, "cpu", "cpu,cpuacct")
+                    if os.path.isdir(os.path.join(root, name))
+                ),
+                os.path.join(root, "cpu"),
+            )
         else:
             continue
         parts = [p for p in path.strip().split("/") if p and p not in (".", "..")]
@@ -90,8 +96,9 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def cgroup_quota(root: str = CGROUP_ROOT, proc_self_cgroup: Optional[str] = None,
-                 read: Callable[[str], Optional[str]] = _read) -> Optional[float]:
+def cgroup_quota(
+    root: str = CGROUP_ROOT, proc_self_cgroup: Optional[str] = None, read: Callable[[str], Optional[str]] = _read
+) -> Optional[float]:
     """The tightest CPU quota over this process's cgroup and its parents, in CPUs (1.5 = one and a half), or
     None where none is set or nothing can be read (files missing or malformed are skipped, never fatal)."""
     text = proc_self_cgroup if proc_self_cgroup is not None else read("/proc/self/cgroup")
@@ -100,8 +107,9 @@ def cgroup_quota(root: str = CGROUP_ROOT, proc_self_cgroup: Optional[str] = None
         if version == "v2":
             quota = parse_cpu_max(read(os.path.join(folder, "cpu.max")))
         else:
-            quota = parse_cfs(read(os.path.join(folder, "cpu.cfs_quota_us")),
-                              read(os.path.join(folder, "cpu.cfs_period_us")))
+            quota = parse_cfs(
+                read(os.path.join(folder, "cpu.cfs_quota_us")), read(os.path.join(folder, "cpu.cfs_period_us"))
+            )
         if quota is not None:
             quotas.append(quota)
     return min(quotas) if quotas else None
@@ -155,14 +163,20 @@ def positive_count(text: Union[str, int], what: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{what}={text!r} is not a thread count: give a whole number of at least 1, or unset it "
-                         f"to use the CPUs this process may use.")
+        raise ValueError(
+            f"{what}={text!r} is not a thread count: give a whole number of at least 1, or unset it "
+            f"to use the CPUs this process may use."
+        )
     return value
 
 
-def choose_threads(requested: Optional[int] = None, environ: Optional[Mapping[str, str]] = None,
-                   affinity: Optional[int] = -1, quota: Optional[float] = -1.0,
-                   cpu_count: Optional[int] = -1) -> ThreadChoice:
+def choose_threads(
+    requested: Optional[int] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    affinity: Optional[int] = -1,
+    quota: Optional[float] = -1.0,
+    cpu_count: Optional[int] = -1,
+) -> ThreadChoice:
     """The thread count: `requested` (the command line's `--threads`), else `STATICFORMERS_NUM_THREADS`, else
     `OMP_NUM_THREADS` (its first level), else the usable CPUs. `affinity`, `quota` and `cpu_count` default to
     this process's (-1: read them); tests pass their own."""
@@ -190,10 +204,14 @@ def wait_policy(environ: Optional[Mapping[str, str]] = None) -> str:
     environ = os.environ if environ is None else environ
     set_ = [f"{name}={environ[name]}" for name in WAIT_ENV if environ.get(name, "").strip()]
     if not set_:
-        return ("OpenMP's default: idle workers spin 300,000 times before sleeping (set GOMP_SPINCOUNT="
-                f"{BOUNDED_SPINCOUNT} or OMP_WAIT_POLICY=PASSIVE before torch is imported to make them sleep sooner)")
+        return (
+            "OpenMP's default: idle workers spin 300,000 times before sleeping (set GOMP_SPINCOUNT="
+            f"{BOUNDED_SPINCOUNT} or OMP_WAIT_POLICY=PASSIVE before torch is imported to make them sleep sooner)"
+        )
     here = environ is os.environ and _SET_HERE and all(name in _SET_HERE for name in WAIT_ENV if environ.get(name))
-    return ", ".join(set_) + (" (set by the command line; a program importing torch itself sets it first)" if here else "")
+    return ", ".join(set_) + (
+        " (set by the command line; a program importing torch itself sets it first)" if here else ""
+    )
 
 
 def prefer_bounded_spin(environ=None, modules: Optional[Mapping] = None) -> bool:
@@ -209,6 +227,19 @@ def prefer_bounded_spin(environ=None, modules: Optional[Mapping] = None) -> bool
     return True
 
 
-__all__ = ["BOUNDED_SPINCOUNT", "THREADS_ENV", "WAIT_ENV", "ThreadChoice", "affinity_size", "cgroup_dirs", "cgroup_quota",
-           "choose_threads", "parse_cfs", "parse_cpu_max", "positive_count", "prefer_bounded_spin",
-           "usable_cpus", "wait_policy"]
+__all__ = [
+    "BOUNDED_SPINCOUNT",
+    "THREADS_ENV",
+    "WAIT_ENV",
+    "ThreadChoice",
+    "affinity_size",
+    "cgroup_dirs",
+    "cgroup_quota",
+    "choose_threads",
+    "parse_cfs",
+    "parse_cpu_max",
+    "positive_count",
+    "prefer_bounded_spin",
+    "usable_cpus",
+    "wait_policy",
+]

@@ -39,8 +39,10 @@ def plain_projections(model) -> bool:
     which the formulations compute, the layer adding its adapters (`ops.project`)."""
     if global_hooks():
         return False
-    return not any(isinstance(m, torch.nn.Linear) and (type(m) not in (torch.nn.Linear, QuantLinear) or hooked(m))
-                   for m in model.modules())
+    return not any(
+        isinstance(m, torch.nn.Linear) and (type(m) not in (torch.nn.Linear, QuantLinear) or hooked(m))
+        for m in model.modules()
+    )
 
 
 class CPUStepBuilder(StepBuilder):
@@ -82,8 +84,15 @@ class CPUStepBuilder(StepBuilder):
         slots, not the prompts: one rows index cannot route both). Hooks registered or removed later, and
         a bank made later, rebuild the steps (the engine's fingerprint)."""
         model = self.model
-        return (settings.enabled and settings.regional and not self.backend.freezes_weights(settings)
-                and has_decoder_layout(model) and self.tp == 1 and not any_hooked(model) and bank_of(model) is None)
+        return (
+            settings.enabled
+            and settings.regional
+            and not self.backend.freezes_weights(settings)
+            and has_decoder_layout(model)
+            and self.tp == 1
+            and not any_hooked(model)
+            and bank_of(model) is None
+        )
 
     def build(self, kind: str, batch: int, dim: int, settings, context):
         if not self.regional(settings):
@@ -99,6 +108,7 @@ class CPUStepBuilder(StepBuilder):
             return backend.compile_one(fn, label, (batch, 1 if kind == "decode" else dim), settings, precompile=True)
 
         if kind == "prefill":
+
             def decode_for(cache):  # the decode step of the cache a prefill fills finishes its last tokens
                 return context.decode_step(cache.batch, cache.max_length, settings)
 
@@ -109,9 +119,15 @@ class CPUStepBuilder(StepBuilder):
         if head_key not in self.shared:  # one per batch bucket and head formulation: every KV length shares it
             label = f"head_b{batch}{'_' + ops.head_linear if ops.head_linear else ''}_{settings.backend}"
             self.shared[head_key] = backend.compile_one(head_region, label, (batch, 1), settings, precompile=True)
-        return RegionalDecode(self.model, context.cache(batch, dim), name, compile_one, self.shared[head_key],
-                              CPUOps(None, None, ops.head_linear), ops)
-
+        return RegionalDecode(
+            self.model,
+            context.cache(batch, dim),
+            name,
+            compile_one,
+            self.shared[head_key],
+            CPUOps(None, None, ops.head_linear),
+            ops,
+        )
 
     def _extend(self, batch: int, dim: tuple, settings, context, ops: CPUOps, name: str) -> RegionalExtend:
         """An extend step `[batch, T]` over the `[batch, K]` cache keeping `n` positions (`dim` = `(K, T, n)`) as
@@ -129,8 +145,15 @@ class CPUStepBuilder(StepBuilder):
         if head_key not in self.shared:
             label = f"extend_head_b{batch}_t{tokens}_n{kept}{'_' + head if head else ''}_{settings.backend}"
             self.shared[head_key] = compile_one(kept_head_region, label)
-        return RegionalExtend(self.model, context.cache(batch, kv), name, compile_one, self.shared[head_key],
-                              CPUOps(None, None, head), ops)
+        return RegionalExtend(
+            self.model,
+            context.cache(batch, kv),
+            name,
+            compile_one,
+            self.shared[head_key],
+            CPUOps(None, None, head),
+            ops,
+        )
 
 
 class CPUBackend(Backend):
@@ -140,11 +163,13 @@ class CPUBackend(Backend):
     regional_by_default = True
     per_rank_device = False
     hosts_memory = fused_optimizer = True
-    int8_linear = ("one decode row (`int8_gemv_max_rows`): a streaming C++ kernel built with inductor's toolchain "
-                   "(`int8_gemv.py`), several projections of one input in one call; a few rows (up to "
-                   "`int8_kernel_max_rows`): ATen's weight-only int8 kernel (`_weight_int8pack_mm`), in bf16 for "
-                   "float32 activations (`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an "
-                   "adapter training over it), through the int8 weight widened in the graph, then the GEMM")
+    int8_linear = (
+        "one decode row (`int8_gemv_max_rows`): a streaming C++ kernel built with inductor's toolchain "
+        "(`int8_gemv.py`), several projections of one input in one call; a few rows (up to "
+        "`int8_kernel_max_rows`): ATen's weight-only int8 kernel (`_weight_int8pack_mm`), in bf16 for "
+        "float32 activations (`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an "
+        "adapter training over it), through the int8 weight widened in the graph, then the GEMM"
+    )
 
     def __init__(self):
         super().__init__()
@@ -156,7 +181,10 @@ class CPUBackend(Backend):
         # realize a pointwise result read by two or more consumers (inductor's default: more than four):
         # otherwise the RMSNorm before q/k/v and before gate/up is recomputed inside each weight-streaming
         # reduction, for every weight row (BENCHMARKS.md)
-        return {**super().compile_defaults(compile_backend), "realize_reads_threshold": threshold("realize_reads_threshold")}
+        return {
+            **super().compile_defaults(compile_backend),
+            "realize_reads_threshold": threshold("realize_reads_threshold"),
+        }
 
     def steps_for(self, model, tp: int = 1) -> CPUStepBuilder:
         return CPUStepBuilder(self, model, tp)
@@ -174,8 +202,17 @@ class CPUBackend(Backend):
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CPUCompiledFunction:
         self.before_compile(settings)
-        return compile_region(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
-                              settings.fullgraph, settings.dynamic, precompile)
+        return compile_region(
+            fn,
+            name,
+            shape,
+            settings.backend,
+            settings.mode,
+            dict(settings.options),
+            settings.fullgraph,
+            settings.dynamic,
+            precompile,
+        )
 
     # ---- the host ----------------------------------------------------------------------------------
     def synchronize(self, device: torch.device) -> None:
@@ -183,9 +220,6 @@ class CPUBackend(Backend):
 
     def available_memory(self, device: torch.device):
         return host_available_memory()
-
-
-
 
 
 __all__ = ["CPUBackend", "CPUStepBuilder", "plain_projections"]

@@ -99,8 +99,9 @@ class CPUCompiledFunction(CompiledFunction):
                 return out
         if self.aot is None:
             try:
-                self.aot = torch.compile(self.code, backend="inductor", options=dict(self.precompile),
-                                         fullgraph=True, dynamic=False).aot_compile((args, {}))
+                self.aot = torch.compile(
+                    self.code, backend="inductor", options=dict(self.precompile), fullgraph=True, dynamic=False
+                ).aot_compile((args, {}))
             except Exception as exc:  # a graph Dynamo's precompile does not support: compile the usual way
                 logger.info("%s cannot be precompiled (%s); compiling without an artifact", self.name, exc)
                 return self.compiled(*args)
@@ -110,12 +111,29 @@ class CPUCompiledFunction(CompiledFunction):
         return out
 
 
-def compile_region(fn: Callable, name: str, shape: tuple, backend: str = "inductor", mode: Optional[str] = None,
-                   options: Optional[dict] = None, fullgraph: bool = True, dynamic: bool = False,
-                   precompile: bool = True) -> CPUCompiledFunction:
+def compile_region(
+    fn: Callable,
+    name: str,
+    shape: tuple,
+    backend: str = "inductor",
+    mode: Optional[str] = None,
+    options: Optional[dict] = None,
+    fullgraph: bool = True,
+    dynamic: bool = False,
+    precompile: bool = True,
+) -> CPUCompiledFunction:
     """`compile.compile_function` with this module's additions; saved whole when `precompile` and the
     graph can be (inductor, full graph, static shapes)."""
     saved = precompile and backend == "inductor" and fullgraph and not dynamic
-    return compile_function(fn, name, shape, backend, mode, options, fullgraph, dynamic,
-                            function_class=CPUCompiledFunction,
-                            precompile=inductor_patches(mode, options) if saved else None)
+    return compile_function(
+        fn,
+        name,
+        shape,
+        backend,
+        mode,
+        options,
+        fullgraph,
+        dynamic,
+        function_class=CPUCompiledFunction,
+        precompile=inductor_patches(mode, options) if saved else None,
+    )

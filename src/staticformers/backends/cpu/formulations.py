@@ -89,14 +89,20 @@ def int8_kernel(layer: QuantLinear, x: torch.Tensor) -> bool:
     activations' dtype; the streaming kernel (`int8_gemv`) takes bf16 or float32 scales with either."""
     if not kernel_may_run(layer, x):
         return False
-    return streams(layer, x) or (x.dtype in (torch.bfloat16, torch.float32, torch.float16)
-                                 and layer.weight_scale.dtype == x.dtype)
+    return streams(layer, x) or (
+        x.dtype in (torch.bfloat16, torch.float32, torch.float16) and layer.weight_scale.dtype == x.dtype
+    )
 
 
 def kernel_may_run(layer: nn.Module, x: torch.Tensor) -> bool:
     """What every int8 kernel needs of the layer and the call (see `int8_kernel`), dtypes aside."""
-    return (isinstance(layer, QuantLinear) and layer.kind == "int8" and not hooked(layer)
-            and x.numel() <= INT8_KERNEL_MAX_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and x.requires_grad))
+    return (
+        isinstance(layer, QuantLinear)
+        and layer.kind == "int8"
+        and not hooked(layer)
+        and x.numel() <= INT8_KERNEL_MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
 
 
 def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
@@ -109,8 +115,11 @@ def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
 def streamed_together(layers: tuple, x: torch.Tensor) -> bool:
     """Whether `int8_linears` computes these projections of `x` in one call of the streaming kernel: each
     one an int8 layer it would stream alone, their scales of one dtype."""
-    return (x.numel() <= INT8_GEMV_MAX_ROWS * x.shape[-1] and all(kernel_may_run(layer, x) for layer in layers)
-            and int8_gemv_supports(x, *(layer.weight_scale for layer in layers)))
+    return (
+        x.numel() <= INT8_GEMV_MAX_ROWS * x.shape[-1]
+        and all(kernel_may_run(layer, x) for layer in layers)
+        and int8_gemv_supports(x, *(layer.weight_scale for layer in layers))
+    )
 
 
 def int8_linears(layers: tuple, x: torch.Tensor) -> tuple:
@@ -172,8 +181,15 @@ def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
 
-def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                  softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """One query per row: attention as multiply-and-sum reductions (float32) with the query heads
     grouped per KV head, which inductor fuses into loops reading each cached key and value once
     (no matmul calls, no KV copy). q `[b, h, 1, d]`, k/v `[b, kvh, L, d]`, mask `[b, 1, 1, L]`;
@@ -193,8 +209,15 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     return out.reshape(b, h, s, v.shape[-1]).to(v.dtype)
 
 
-def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                   softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+def attend_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Attention as matmul + softmax (float32) + matmul with the query heads grouped per KV head;
     `softcap`: `tanh(s / c) * c` on the scores (Gemma 2); `sinks` `[h]`: each head's sink logit joins its
     softmax (`models/attention_sinks.py`)."""
@@ -208,7 +231,9 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
     mask = mask.unsqueeze(2).expand(mask.shape[0], 1, g, s, kv_len).reshape(mask.shape[0], 1, g * s, kv_len)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:  # row (group r, query i) of KV head j is query head j * g + r
-        probs = softmax_with_sinks(scores, sinks.view(1, kvh, g, 1, 1).expand(1, kvh, g, s, 1).reshape(1, kvh, g * s, 1))
+        probs = softmax_with_sinks(
+            scores, sinks.view(1, kvh, g, 1, 1).expand(1, kvh, g, s, 1).reshape(1, kvh, g * s, 1)
+        )
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs.to(v.dtype), v).reshape(b, h, s, v.shape[-1])
@@ -217,8 +242,14 @@ def attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 CPU_BLOCK = threshold("attention_query_block")  # query block of `attend_blocks`
 
 
-def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                  block: int = CPU_BLOCK) -> torch.Tensor:
+def attend_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    block: int = CPU_BLOCK,
+) -> torch.Tensor:
     """Causal self-attention (queries = keys) in query blocks: block i attends to the keys up to its
     end only, each as matmul + float32 softmax + matmul (KV heads repeated per query head). It skips
     most of the masked upper triangle, which the CPU SDPA kernel computes (BENCHMARKS.md). `mask` (packed documents, padding, windows)
@@ -241,8 +272,9 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     return torch.cat(outs, 2)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-           blocks: bool = True) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float, blocks: bool = True
+) -> torch.Tensor:
     """SDPA, except causal self-attention of bf16/fp16 over at least two query blocks (`attend_blocks`)."""
     s = q.shape[2]
     if blocks and q.dtype in (torch.bfloat16, torch.float16) and s == k.shape[2] and s >= 2 * CPU_BLOCK:
@@ -257,8 +289,13 @@ class CPUOps(Ops):
 
     name = "cpu"
 
-    def __init__(self, attention: Optional[str] = None, linears: Optional[str] = None,
-                 head_linear: Optional[str] = None, blocks: bool = True):
+    def __init__(
+        self,
+        attention: Optional[str] = None,
+        linears: Optional[str] = None,
+        head_linear: Optional[str] = None,
+        blocks: bool = True,
+    ):
         self.attention_kind, self.linears, self.head_linear, self.blocks = attention, linears, head_linear, blocks
 
     @property

@@ -42,12 +42,16 @@ def keep_freed_host_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = all(mallopt(option, value) == 1 for option, value in (
-        (_M_MMAP_THRESHOLD, _LARGEST), (_M_TRIM_THRESHOLD, _LARGEST), (_M_TOP_PAD, _TOP_PAD)))
+    ok = all(
+        mallopt(option, value) == 1
+        for option, value in ((_M_MMAP_THRESHOLD, _LARGEST), (_M_TRIM_THRESHOLD, _LARGEST), (_M_TOP_PAD, _TOP_PAD))
+    )
     if ok:
         _done = True
-        logger.info("Training on the CPU: freed host memory stays in the process between steps (no page faults "
-                    "per step); STATICFORMERS_KEEP_HOST_MEMORY=0 turns this off.")
+        logger.info(
+            "Training on the CPU: freed host memory stays in the process between steps (no page faults "
+            "per step); STATICFORMERS_KEEP_HOST_MEMORY=0 turns this off."
+        )
     return ok
 
 

@@ -62,9 +62,11 @@ def loaded() -> bool:
                     _build()
                     ok = torch.ops.staticformers_native.int8_gemv_isa() > 0
                 except Exception as exc:  # no working C++ compiler here: ATen's kernel runs instead
-                    warnings.warn(f"staticformers: the CPU's int8 decode kernel could not be built ({exc!r}); "
-                                  "int8 projections run ATen's kernel instead, which reads int8 more slowly.",
-                                  stacklevel=2)
+                    warnings.warn(
+                        f"staticformers: the CPU's int8 decode kernel could not be built ({exc!r}); "
+                        "int8 projections run ATen's kernel instead, which reads int8 more slowly.",
+                        stacklevel=2,
+                    )
             _STATE["loaded"] = ok
     return _STATE["loaded"]
 
@@ -82,7 +84,7 @@ _runs._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def supports(x: torch.Tensor, *scales: torch.Tensor) -> bool:
     """Whether `int8_gemv` computes projections of these activations with these scales on this machine (one
     call takes scales of one dtype)."""
-    return (x.device.type == "cpu" and len({s.dtype for s in scales}) == 1 and _runs(x.dtype, scales[0].dtype))
+    return x.device.type == "cpu" and len({s.dtype for s in scales}) == 1 and _runs(x.dtype, scales[0].dtype)
 
 
 def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
@@ -91,14 +93,20 @@ def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
     gets one clear error."""
     devices = {t.device.type for t in (x, *weights, *scales)}
     if devices != {"cpu"}:
-        raise RuntimeError(f"staticformers::int8_gemv runs on the CPU only, and got tensors on {sorted(devices)}; "
-                           "int8 projections on other devices run their backend's own form.")
+        raise RuntimeError(
+            f"staticformers::int8_gemv runs on the CPU only, and got tensors on {sorted(devices)}; "
+            "int8 projections on other devices run their backend's own form."
+        )
     if not loaded():
-        raise RuntimeError("staticformers::int8_gemv was called on a machine where its kernel cannot be built "
-                           "(see the warning above); recompile the graph here, where ATen's kernel is chosen.")
+        raise RuntimeError(
+            "staticformers::int8_gemv was called on a machine where its kernel cannot be built "
+            "(see the warning above); recompile the graph here, where ATen's kernel is chosen."
+        )
     if getattr(_CALLING, "again", False):  # loaded, yet dispatch came back here: the kernel did not register
-        raise RuntimeError("staticformers::int8_gemv's CPU kernel was built but did not register; "
-                           "clear inductor's cache folder and run again.")
+        raise RuntimeError(
+            "staticformers::int8_gemv's CPU kernel was built but did not register; "
+            "clear inductor's cache folder and run again."
+        )
     _CALLING.again = True
     try:
         return torch.ops.staticformers.int8_gemv(x, weights, scales)
@@ -111,8 +119,13 @@ def _shape(x, weights, scales):
 
 
 # a kernel for every backend key without its own: the C++ CPU kernel, once registered, takes precedence
-define("int8_gemv", "(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]", _first_call,
-       "CompositeExplicitAutograd", _shape)
+define(
+    "int8_gemv",
+    "(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]",
+    _first_call,
+    "CompositeExplicitAutograd",
+    _shape,
+)
 
 
 def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:

@@ -19,8 +19,9 @@ OP = "staticformers::int8_linear_bf16"
 
 
 def _int8_linear_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    y = torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), weight.contiguous(),
-                                  scale.to(torch.bfloat16).contiguous())
+    y = torch._weight_int8pack_mm(
+        x.to(torch.bfloat16).contiguous(), weight.contiguous(), scale.to(torch.bfloat16).contiguous()
+    )
     return y.to(x.dtype)
 
 

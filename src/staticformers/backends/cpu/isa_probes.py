@@ -49,8 +49,10 @@ def probe_key(library: str) -> str | None:
         return None
     import torch
 
-    return (f"{os.path.abspath(library)}|{st.st_size}|{st.st_mtime_ns}|{cpu_fingerprint()}|{sys.executable}"
-            f"|{torch.__file__}")
+    return (
+        f"{os.path.abspath(library)}|{st.st_size}|{st.st_mtime_ns}|{cpu_fingerprint()}|{sys.executable}"
+        f"|{torch.__file__}"
+    )
 
 
 def read_record(path: str) -> set:

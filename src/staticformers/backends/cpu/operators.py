@@ -14,8 +14,9 @@ import torch
 _LIBRARIES: list = []  # the torch.library.Library objects: an operator lives as long as its library
 
 
-def define(name: str, schema: str, kernel: Callable, key: str, shape: Callable,
-           namespace: str = "staticformers") -> None:
+def define(
+    name: str, schema: str, kernel: Callable, key: str, shape: Callable, namespace: str = "staticformers"
+) -> None:
     """Define `namespace::name` with `schema` (the part after the name), `kernel` for dispatch key `key` and
     `shape` as its shape function, unless it is defined already (another copy of this package did it)."""
     if hasattr(getattr(torch.ops, namespace), name):

@@ -83,9 +83,12 @@ def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
             _declined[key] = weakref.ref(weight)
             STATS["declined"] += 1
             if STATS["declined"] == 1:
-                _log.warning("staticformers: bf16 weights are not packed for oneDNN: another copy would leave less "
-                             "than %d%% of this host's memory available. Steps run, unpacked and slower; free "
-                             "memory to pack them.", round(RESERVE_FRACTION * 100))
+                _log.warning(
+                    "staticformers: bf16 weights are not packed for oneDNN: another copy would leave less "
+                    "than %d%% of this host's memory available. Steps run, unpacked and slower; free "
+                    "memory to pack them.",
+                    round(RESERVE_FRACTION * 100),
+                )
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
         _packed[key] = (weakref.ref(weight, lambda _ref, k=key: _packed.pop(k, None)), weight._version, packed)
@@ -96,8 +99,9 @@ def packed_weight(weight: torch.Tensor) -> Optional[torch.Tensor]:
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     w = packed_weight(weight)
     bias = bias.contiguous() if bias is not None else None
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w if w is not None else weight.contiguous(), bias,
-                                              "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), w if w is not None else weight.contiguous(), bias, "none", [], ""
+    )
 
 
 def _shape(x, weight, bias):
@@ -107,9 +111,13 @@ def _shape(x, weight, bias):
 def _define() -> bool:
     """Define the operator when this PyTorch's oneDNN can pack bf16 weights on this CPU; whether it did."""
     mkldnn = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
-            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_is_mkldnn_bf16_supported")
-            and mkldnn._is_mkldnn_bf16_supported()):
+    if not (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_linear_pointwise")
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_is_mkldnn_bf16_supported")
+        and mkldnn._is_mkldnn_bf16_supported()
+    ):
         return False
     define("packed_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _packed_linear, "CPU", _shape)
     return True
@@ -126,8 +134,12 @@ def packed_available(dtype: torch.dtype) -> bool:
 def packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` over the layer's packed weight; `F.linear` where a gradient is wanted (no backward) or
     the operator is absent."""
-    if not PACKED or x.dtype != torch.bfloat16 or layer.weight.dtype != torch.bfloat16 or (
-            torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)):
+    if (
+        not PACKED
+        or x.dtype != torch.bfloat16
+        or layer.weight.dtype != torch.bfloat16
+        or (torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad))
+    ):
         return torch.nn.functional.linear(x, layer.weight, layer.bias)
     return torch.ops.staticformers.packed_linear(x, layer.weight, layer.bias)
 

@@ -91,16 +91,22 @@ def signature(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, torch.nn.Module):
         parts = []
         for name, m in obj.named_modules():
-            attrs = tuple((k, signature(v, 2)) for k, v in sorted(vars(m).items())
-                          if not k.startswith("_") and k not in _UNREAD
-                          and (isinstance(v, _PLAIN) or dataclasses.is_dataclass(v)))
-            tensors = tuple((k, signature(t)) for k, t in list(m._parameters.items()) + list(m._buffers.items())
-                            if t is not None)
+            attrs = tuple(
+                (k, signature(v, 2))
+                for k, v in sorted(vars(m).items())
+                if not k.startswith("_") and k not in _UNREAD and (isinstance(v, _PLAIN) or dataclasses.is_dataclass(v))
+            )
+            tensors = tuple(
+                (k, signature(t)) for k, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None
+            )
             parts.append((name, type(m).__qualname__, attrs, tensors))
         return ("M", tuple(parts))
     if depth < 2 and hasattr(obj, "__dict__"):
-        return ("O", type(obj).__qualname__,
-                tuple((k, signature(v, depth + 1)) for k, v in sorted(vars(obj).items()) if not k.startswith("_")))
+        return (
+            "O",
+            type(obj).__qualname__,
+            tuple((k, signature(v, depth + 1)) for k, v in sorted(vars(obj).items()) if not k.startswith("_")),
+        )
     return ("?", type(obj).__qualname__)
 
 
@@ -112,8 +118,7 @@ def usable(fn: Any, args: tuple) -> bool:
 
     if getattr(fn, "__closure__", None) or global_hooks(backward=True):
         return False
-    return not any(hooked(m, backward=True) for arg in args if isinstance(arg, torch.nn.Module)
-                   for m in arg.modules())
+    return not any(hooked(m, backward=True) for arg in args if isinstance(arg, torch.nn.Module) for m in arg.modules())
 
 
 def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
@@ -125,9 +130,18 @@ def artifact_path(root: str, name: str, settings: Any, args: tuple) -> str:
     from .isa_probes import cpu_fingerprint
 
     h = hashlib.sha256()
-    for part in (package_hash(), torch.__version__, sys.version, cpu_fingerprint(), str(torch.get_num_threads()),
-                 repr(sorted(inductor_config.save_config_portable().items())), name, repr(settings),
-                 repr(signature(args)), str(torch.is_grad_enabled())):
+    for part in (
+        package_hash(),
+        torch.__version__,
+        sys.version,
+        cpu_fingerprint(),
+        str(torch.get_num_threads()),
+        repr(sorted(inductor_config.save_config_portable().items())),
+        name,
+        repr(settings),
+        repr(signature(args)),
+        str(torch.is_grad_enabled()),
+    ):
         h.update(part.encode())
         h.update(b"\0")
     return os.path.join(root, FOLDER, f"{name}-{h.hexdigest()[:32]}{SUFFIX}")
@@ -177,8 +191,10 @@ def max_age_days() -> float:
             raise ValueError
         return days
     except ValueError:
-        cache_safety.warn_once(f"{MAX_AGE_ENV}={raw!r} is not a number of days >= 0; using "
-                               f"{DEFAULT_MAX_AGE_DAYS:g} (set it to a number of days, or 0 to keep artifacts forever).")
+        cache_safety.warn_once(
+            f"{MAX_AGE_ENV}={raw!r} is not a number of days >= 0; using "
+            f"{DEFAULT_MAX_AGE_DAYS:g} (set it to a number of days, or 0 to keep artifacts forever)."
+        )
         return DEFAULT_MAX_AGE_DAYS
 
 

@@ -42,6 +42,7 @@ class _Warm:
         if step is None:
             raw = raw()
             if all(getattr(p, "aot", None) is not None for p in self.parts):
+
                 def step(*args):
                     return body(raw, *args)
             else:
@@ -50,6 +51,7 @@ class _Warm:
                 def step(*args):
                     with unguarded():
                         return run_only(raw, *args)
+
             self._warm[key] = step
         return step
 

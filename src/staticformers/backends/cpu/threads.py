@@ -22,10 +22,12 @@ from ...utils.cpus import THREADS_ENV, WAIT_ENV, ThreadChoice, choose_threads
 log = logging.getLogger(__name__)
 
 # said once per process, where it can still be acted on (a next run): the command line sets a short spin itself
-SPIN_HINT = ("staticformers: the CPU kernels run on {n} threads whose idle OpenMP workers spin (OpenMP's default "
-             "wait): on a machine busy with other work that can make each step many times slower than one "
-             "thread. Set GOMP_SPINCOUNT=2000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported (or "
-             "STATICFORMERS_NUM_THREADS=1); `staticformers doctor` shows the choice.")
+SPIN_HINT = (
+    "staticformers: the CPU kernels run on {n} threads whose idle OpenMP workers spin (OpenMP's default "
+    "wait): on a machine busy with other work that can make each step many times slower than one "
+    "thread. Set GOMP_SPINCOUNT=2000 (or OMP_WAIT_POLICY=PASSIVE) in the environment before torch is imported (or "
+    "STATICFORMERS_NUM_THREADS=1); `staticformers doctor` shows the choice."
+)
 
 
 def apply_thread_choice(choice: ThreadChoice | None = None) -> ThreadChoice:

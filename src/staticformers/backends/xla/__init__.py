@@ -66,8 +66,10 @@ class XLAFunction(CompiledFunction):
         new = after.uncached_compiles - before.uncached_compiles
         if new:
             if self.xla_records and self.limit is not None and len(self.xla_records) + new > self.limit:
-                shape_violation(f"{self.name} compiled {new} more XLA graph(s) after its first call, although its plan "
-                                f"declares {self.limit} for shape {self.shape}: something outside the plan reached it.")
+                shape_violation(
+                    f"{self.name} compiled {new} more XLA graph(s) after its first call, although its plan "
+                    f"declares {self.limit} for shape {self.shape}: something outside the plan reached it."
+                )
             seconds = (after.compile_seconds - before.compile_seconds) or (time.perf_counter() - start)
             loaded = after.persistent_hits - before.persistent_hits >= new
             self.xla_records.extend(GraphRecord(self.name, [], seconds / new, loaded) for _ in range(new))
@@ -109,11 +111,31 @@ class XLABackend(Backend):
             raise ValueError("XLA compiles one graph per shape: drop CompileConfig(dynamic=True).")
         self.before_compile(settings)
         if settings.backend == LAZY:
-            return XLAFunction(name=name, shape=tuple(shape), backend=LAZY, fn=fn, compiled=_lazy(fn), code=None,
-                               xla_records=[], sync_after=True, limit=1)
-        compiled = compile_function(fn, name, shape, settings.backend, settings.mode, dict(settings.options),
-                                    fullgraph=True, dynamic=False, function_class=XLAFunction, xla_records=[],
-                                    sync_after=False, limit=1)
+            return XLAFunction(
+                name=name,
+                shape=tuple(shape),
+                backend=LAZY,
+                fn=fn,
+                compiled=_lazy(fn),
+                code=None,
+                xla_records=[],
+                sync_after=True,
+                limit=1,
+            )
+        compiled = compile_function(
+            fn,
+            name,
+            shape,
+            settings.backend,
+            settings.mode,
+            dict(settings.options),
+            fullgraph=True,
+            dynamic=False,
+            function_class=XLAFunction,
+            xla_records=[],
+            sync_after=False,
+            limit=1,
+        )
         return compiled
 
     def flush(self, device: torch.device) -> None:

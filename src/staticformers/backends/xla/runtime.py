@@ -111,9 +111,16 @@ class Counters:
         return Counters(*(a - b for a, b in zip(self.astuple(), other.astuple())))
 
     def astuple(self) -> tuple:
-        return (self.uncached_compiles, self.cached_compiles, self.persistent_hits, self.persistent_found_unloadable,
-                self.compile_seconds,
-                self.transfers_from_device, self.transfers_to_device, self.executions)
+        return (
+            self.uncached_compiles,
+            self.cached_compiles,
+            self.persistent_hits,
+            self.persistent_found_unloadable,
+            self.compile_seconds,
+            self.transfers_from_device,
+            self.transfers_to_device,
+            self.executions,
+        )
 
 
 def _metric(met, name: str) -> tuple[int, float]:
@@ -133,8 +140,16 @@ def counters() -> Counters:
     from_device, _ = _metric(met, "TransferFromDeviceTime")
     to_device, _ = _metric(met, "TransferToDeviceTime")
     executions, _ = _metric(met, "ExecuteTime")
-    return Counters(counter("UncachedCompile"), counter("CachedCompile"), counter("PersistentCacheHit"),
-                    counter("PersistentCacheDeserializeFailure"), compile_ns / 1e9, from_device, to_device, executions)
+    return Counters(
+        counter("UncachedCompile"),
+        counter("CachedCompile"),
+        counter("PersistentCacheHit"),
+        counter("PersistentCacheDeserializeFailure"),
+        compile_ns / 1e9,
+        from_device,
+        to_device,
+        executions,
+    )
 
 
 __all__ = ["Counters", "counters", "prepare", "sync", "pjrt_device", "device_count", "torch_xla_module", "cache_path"]

@@ -58,8 +58,14 @@ class Verdict:
     ids: torch.Tensor
 
 
-def scores(sampler: RowSampler, logits: torch.Tensor, rows: Sequence[int], steps: Sequence[int],
-           drafts: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def scores(
+    sampler: RowSampler,
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    steps: Sequence[int],
+    drafts: torch.Tensor,
+    allowed: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The rows' processed logits at every verified position, `[n * T, vocab]` (row-major), and, when a
     row samples, the sampling distributions there (the module docstring); `drafts` `[n, T-1]` on the
     device, `steps[i]` the tokens row i had generated before this step."""
@@ -69,14 +75,19 @@ def scores(sampler: RowSampler, logits: torch.Tensor, rows: Sequence[int], steps
     if t["penalised"]:
         idx = t["index"]
         before = torch.nn.functional.one_hot(drafts, vocab).to(torch.int32).cumsum(1)  # proposals 1..j
-        counts = sampler.counts.index_select(0, idx).unsqueeze(1) + \
-            torch.cat([torch.zeros(n, 1, vocab, dtype=torch.int32, device=x.device), before], 1)
+        counts = sampler.counts.index_select(0, idx).unsqueeze(1) + torch.cat(
+            [torch.zeros(n, 1, vocab, dtype=torch.int32, device=x.device), before], 1
+        )
         seen = sampler.prompt_seen.index_select(0, idx).unsqueeze(1) | (counts > 0)
         x = repetition_penalty(x, seen & t["rep_on"].unsqueeze(1), t["rep"].unsqueeze(1))
         c = counts.float()
         x = x - t["frequency"].unsqueeze(1) * c - t["presence"].unsqueeze(1) * (c > 0).float()
-    banned = [(i, j) for i, (r, s) in enumerate(zip(rows, steps)) for j in range(width)
-              if s + j < sampler.params[r].min_new_tokens and sampler.params[r].eos_token_ids]
+    banned = [
+        (i, j)
+        for i, (r, s) in enumerate(zip(rows, steps))
+        for j in range(width)
+        if s + j < sampler.params[r].min_new_tokens and sampler.params[r].eos_token_ids
+    ]
     if banned:  # made on the host, as RowSampler.choose makes its mask
         mask = torch.zeros(n, width, vocab, dtype=torch.bool)
         for i, j in banned:
@@ -138,9 +149,16 @@ def _race_noise(sampler: RowSampler, row: int, vocab: int) -> torch.Tensor:
     return _noise(sampler, row, (vocab,), "exp")
 
 
-def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows: Sequence[int],
-           steps: Sequence[int], proposals: Sequence[Sequence[int]], q: Optional[torch.Tensor] = None,
-           allowed: Optional[torch.Tensor] = None) -> Verdict:
+def verify(
+    sampler: RowSampler,
+    logits: torch.Tensor,
+    argmax: torch.Tensor,
+    rows: Sequence[int],
+    steps: Sequence[int],
+    proposals: Sequence[Sequence[int]],
+    q: Optional[torch.Tensor] = None,
+    allowed: Optional[torch.Tensor] = None,
+) -> Verdict:
     """Each row's accepted proposals and next token (the module docstring). `logits` `[n, T, vocab]` and
     `argmax` `[n, T]` from the verify step (the rows' own, in `rows` order); `proposals[i]`: at most T-1
     tokens; `q` `[n, T-1, vocab]`: the draft's distributions (None: a deterministic proposal)."""
@@ -148,7 +166,7 @@ def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows
     k = width - 1
     drafts = torch.zeros(n, k, dtype=torch.long)
     for i, p in enumerate(proposals):
-        drafts[i, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        drafts[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
     counts = [len(p) for p in proposals]
     device = logits.device
     sample_rows: list = []
@@ -205,8 +223,8 @@ def verify(sampler: RowSampler, logits: torch.Tensor, argmax: torch.Tensor, rows
         out = drafts[i, :a].tolist() + [int(chosen[i, a])]
         accepted.append(a)
         tokens.append(out)
-        ids[i, :len(out)] = torch.tensor(out)
-        ids[i, len(out):] = out[-1]
+        ids[i, : len(out)] = torch.tensor(out)
+        ids[i, len(out) :] = out[-1]
     return Verdict(accepted, tokens, ids)
 
 

@@ -59,18 +59,26 @@ class DraftModel:
         """Refuse a draft that cannot propose for this target (one sentence, before any work)."""
         config = self.engine.model.config
         if getattr(config, "has_linear_attention", False):
-            raise ValueError(f"The draft model ({config.architecture}) has linear-attention layers, whose recurrent "
-                             f"state the draft would have to roll back after each rejected proposal: use a draft "
-                             f"model without them, or prompt lookup (prompt_lookup_num_tokens).")
+            raise ValueError(
+                f"The draft model ({config.architecture}) has linear-attention layers, whose recurrent "
+                f"state the draft would have to roll back after each rejected proposal: use a draft "
+                f"model without them, or prompt lookup (prompt_lookup_num_tokens)."
+            )
         mine, theirs = self.engine.model.config.vocab_size, target_model.config.vocab_size
         if mine > theirs:
-            raise ValueError(f"The draft model's vocabulary ({mine} ids) is larger than the target's ({theirs}): "
-                             f"use a draft that shares the target's tokenizer.")
+            raise ValueError(
+                f"The draft model's vocabulary ({mine} ids) is larger than the target's ({theirs}): "
+                f"use a draft that shares the target's tokenizer."
+            )
 
     def plan_for(self, plan: ShapePlan) -> ShapePlan:
         """The draft's plan: the target's buckets, without its extend widths."""
-        mine = ShapePlan(batch_sizes=plan.batch_sizes, prompt_lengths=plan.prompt_lengths,
-                         kv_lengths=plan.kv_lengths, max_model_len=plan.max_model_len)
+        mine = ShapePlan(
+            batch_sizes=plan.batch_sizes,
+            prompt_lengths=plan.prompt_lengths,
+            kv_lengths=plan.kv_lengths,
+            max_model_len=plan.max_model_len,
+        )
         self.plan = mine.bind(self.engine.model.config.max_position_embeddings)
         return self.plan
 
@@ -85,14 +93,21 @@ class DraftModel:
         shape = loop.cache.shape
         if self.plan is None:
             self.plan_for(loop.plan)
-        if self.cache is not None and self.cache.shape == shape and all(st.slot == alive[key] for key, st in self.known.items()):
+        if (
+            self.cache is not None
+            and self.cache.shape == shape
+            and all(st.slot == alive[key] for key, st in self.known.items())
+        ):
             return
         target = self.engine.cache(*shape)
         moved = [(st.slot, alive[key]) for key, st in self.known.items()]
         if moved and target is not self.cache:
             device = target.keys[0].device
-            target.copy_rows(self.cache, torch.tensor([m[0] for m in moved], device=device),
-                             torch.tensor([m[1] for m in moved], device=device))
+            target.copy_rows(
+                self.cache,
+                torch.tensor([m[0] for m in moved], device=device),
+                torch.tensor([m[1] for m in moved], device=device),
+            )
         elif moved:  # same cache, rows elsewhere: cannot happen in the loop; start them again
             self.known.clear()
         for key, st in self.known.items():
@@ -106,8 +121,13 @@ class DraftModel:
         fresh = [i for i, row in enumerate(rows) if id(row) not in self.known]
         if fresh:  # the prompt into the same slot of the draft's cache (the tokens after it are fed below)
             with torch.no_grad():
-                self.engine.prefill(self.settings, [rows[i].request.prompt for i in fresh], self.cache,
-                                    [slots[i] for i in fresh], self.plan)
+                self.engine.prefill(
+                    self.settings,
+                    [rows[i].request.prompt for i in fresh],
+                    self.cache,
+                    [slots[i] for i in fresh],
+                    self.plan,
+                )
             for i in fresh:
                 self.known[id(rows[i])] = _State(rows[i], slots[i], len(rows[i].request.prompt))
         states = [self.known[id(r)] for r in rows]
@@ -123,8 +143,8 @@ class DraftModel:
         fed = torch.zeros(batch, span, dtype=torch.bool)
         positions = torch.arange(span).repeat(batch, 1)
         for slot, st, h in zip(slots, states, histories):
-            feed[slot, :st.fed] = torch.as_tensor(h[st.length:st.length + st.fed], dtype=torch.long)
-            fed[slot, :st.fed] = True
+            feed[slot, : st.fed] = torch.as_tensor(h[st.length : st.length + st.fed], dtype=torch.long)
+            fed[slot, : st.fed] = True
             positions[slot] += st.length
         # a row past its own proposals keeps running (its outputs unused): clamped into the cache, where its
         # real positions never reach (each is at most length + k - 1 < K - 1, the verify's own bound)
@@ -142,9 +162,9 @@ class DraftModel:
                 # each step's inputs made on the host, of standard strides, as the warm-up's (a lazily traced
                 # device would compile a graph per column index; a view's strides would miss the guards);
                 # a row past its catch-up takes the previous step's output, on the device
-                fed_j = fed[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
-                feed_j = feed[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
-                at = positions[:, j:j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                fed_j = fed[:, j : j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                feed_j = feed[:, j : j + 1].clone(memory_format=torch.contiguous_format).to(device)
+                at = positions[:, j : j + 1].clone(memory_format=torch.contiguous_format).to(device)
                 inputs = feed_j if previous is None else torch.where(fed_j, feed_j, previous.view(batch, 1))
                 argmax, logits = self.engine.decode(self.settings, self.cache, inputs, at)
                 chosen = argmax
@@ -156,7 +176,9 @@ class DraftModel:
                     noise = torch.ones(len(slots), vocab, device="cpu" if sampler.host_generators else sampler.device)
                     for i in t["sample_rows"]:
                         noise[i].exponential_(generator=sampler.generators[slots[i]])
-                    drawn = torch.where(t["do_sample"].view(-1), race(q, noise.to(device)), argmax.index_select(0, index))
+                    drawn = torch.where(
+                        t["do_sample"].view(-1), race(q, noise.to(device)), argmax.index_select(0, index)
+                    )
                     chosen = argmax.index_copy(0, index, drawn)
                     qs.append(q)
                 outs.append(chosen)
@@ -169,11 +191,11 @@ class DraftModel:
             q = torch.zeros(len(slots), self.k, vocab, device=q_all.device)
         for i, (slot, st, m) in enumerate(zip(slots, states, limits)):
             start = st.fed - 1
-            p = out[slot, start:start + m].tolist()
+            p = out[slot, start : start + m].tolist()
             proposals.append(p)
             st.props = max(0, span - st.fed)  # proposals it fed itself (their keys are in its cache)
             if q is not None and p:
-                q[i, :len(p)] = q_all[i, start:start + len(p)]
+                q[i, : len(p)] = q_all[i, start : start + len(p)]
         return proposals, q
 
     def accepted(self, rows: list, counts: list) -> None:

@@ -28,14 +28,14 @@ def lookup(history: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 
     seq = np.asarray(history, dtype=np.int64)
     size = len(seq)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        tail = seq[size - n:]
+        tail = seq[size - n :]
         # windows starting at 0..size-n-1: each earlier n-gram, the suffix itself excluded
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:size - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: size - 1], n)
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
             full = hits[hits + n + k <= size]  # occurrences followed by k tokens
             start = int(full[-1] if full.size else hits[0]) + n
-            return seq[start:start + k].tolist()
+            return seq[start : start + k].tolist()
     return []
 
 
@@ -51,8 +51,10 @@ class PromptLookup:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer.")
         if min_ngram > max_ngram:
-            raise ValueError(f"prompt_lookup_min={min_ngram} is more than prompt_lookup_max={max_ngram}: "
-                             f"lower the minimum or raise the maximum.")
+            raise ValueError(
+                f"prompt_lookup_min={min_ngram} is more than prompt_lookup_max={max_ngram}: "
+                f"lower the minimum or raise the maximum."
+            )
         self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
 
     def propose(self, histories: list, limits: list, **_) -> tuple[list[list[int]], None]:

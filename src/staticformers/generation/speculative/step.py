@@ -66,8 +66,7 @@ class Speculator:
     def warm(self, engine, batch: int, kv: int, settings) -> bool:
         """Whether a batch may move to `(batch, kv)` without compiling: its verify step is built, and the
         proposer's own steps."""
-        return engine.warm("extend", batch, (kv, self.width, self.width), settings) and \
-            self.proposer.warm(batch, kv)
+        return engine.warm("extend", batch, (kv, self.width, self.width), settings) and self.proposer.warm(batch, kv)
 
     # ---- the step --------------------------------------------------------------------------------
     def plan_verify(self, loop) -> Optional[StepPlan]:
@@ -87,8 +86,10 @@ class Speculator:
         grammars = loop.constraints
         held = {s for s in slots if grammars is not None and grammars.rows[s] is not None}
         histories = [list(r.request.prompt) + r.tokens for r in rows]
-        limits = [0 if s in held else max(0, min(self.k, r.request.max_new_tokens - r.generated - 1))
-                  for s, r in zip(slots, rows)]
+        limits = [
+            0 if s in held else max(0, min(self.k, r.request.max_new_tokens - r.generated - 1))
+            for s, r in zip(slots, rows)
+        ]
         proposals, q = self.proposer.propose(histories=histories, limits=limits, loop=loop, slots=slots)
         if not any(proposals):
             return None
@@ -99,16 +100,31 @@ class Speculator:
         positions = torch.arange(width).repeat(cache.batch, 1)
         for slot, row, p in zip(slots, rows, proposals):
             tokens[slot, 0] = row.last
-            tokens[slot, 1:1 + len(p)] = torch.as_tensor(p, dtype=torch.long)
+            tokens[slot, 1 : 1 + len(p)] = torch.as_tensor(p, dtype=torch.long)
             positions[slot] += row.length
         for slot in prefilling(loop.rows):  # at its length and after: its next chunk writes there again
             positions[slot] = (positions[slot] + loop.rows[slot].length).clamp_(max=cache.max_length - 1)
         keep = torch.arange(width).repeat(cache.batch, 1)
-        adapters = [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)] \
-            if bank_of(loop.engine.model) is not None else None
-        return StepPlan("verify", slots, slots, slots, [r.generated for r in rows], tokens, positions, keep, adapters,
-                        counts={s: len(p) for s, p in zip(slots, proposals)},  # a hybrid's states: to the last proposal
-                        fails=sorted(loop.rows), proposals=proposals, draft_probs=q)
+        adapters = (
+            [loop.rows[s].adapter if s in loop.rows else 0 for s in range(cache.batch)]
+            if bank_of(loop.engine.model) is not None
+            else None
+        )
+        return StepPlan(
+            "verify",
+            slots,
+            slots,
+            slots,
+            [r.generated for r in rows],
+            tokens,
+            positions,
+            keep,
+            adapters,
+            counts={s: len(p) for s, p in zip(slots, proposals)},  # a hybrid's states: to the last proposal
+            fails=sorted(loop.rows),
+            proposals=proposals,
+            draft_probs=q,
+        )
 
     def verified(self, rows: list, accepted: list) -> None:
         """Count what a verify step's `rows` (the plan's choosing rows) accepted, and tell the proposer."""

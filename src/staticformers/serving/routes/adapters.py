@@ -38,8 +38,11 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     def enabled():
         if not state.runtime_lora:
-            raise ApiError(400, "Adapters cannot be loaded or unloaded at run time here: start the server with "
-                                "--enable-lora-runtime-updates (and --lora-root).")
+            raise ApiError(
+                400,
+                "Adapters cannot be loaded or unloaded at run time here: start the server with "
+                "--enable-lora-runtime-updates (and --lora-root).",
+            )
         return bank_of(state.engine.loop.engine.model)
 
     def name_of(body) -> str:
@@ -49,8 +52,9 @@ def register(app: FastAPI, state: ServerState) -> None:
         if not isinstance(name, str) or not name.strip():
             raise ApiError(400, f"lora_name={name!r} must be a non-empty string.", param="lora_name")
         if name in RESERVED:
-            raise ApiError(400, f"lora_name={name!r} is reserved: {RESERVED[name]}. Pick another name.",
-                           param="lora_name")
+            raise ApiError(
+                400, f"lora_name={name!r} is reserved: {RESERVED[name]}. Pick another name.", param="lora_name"
+            )
         return name
 
     @app.post("/v1/load_lora_adapter")
@@ -64,21 +68,38 @@ def register(app: FastAPI, state: ServerState) -> None:
         root = state.lora_root
         real = os.path.realpath(path)
         if root is None:
-            raise ApiError(403, "Adapters may be loaded only from under --lora-root, and this server has none: "
-                                "restart it with --lora-root FOLDER.", param="lora_path")
+            raise ApiError(
+                403,
+                "Adapters may be loaded only from under --lora-root, and this server has none: "
+                "restart it with --lora-root FOLDER.",
+                param="lora_path",
+            )
         if not (real == root or real.startswith(root.rstrip(os.sep) + os.sep)):
-            raise ApiError(403, f"lora_path={path!r} is outside --lora-root ({root}): put the adapter inside it.",
-                           param="lora_path")
+            raise ApiError(
+                403,
+                f"lora_path={path!r} is outside --lora-root ({root}): put the adapter inside it.",
+                param="lora_path",
+            )
         if not os.path.isdir(real):
-            raise ApiError(400, f"lora_path={path!r} is not a folder: pass a PEFT adapter folder under --lora-root.",
-                           param="lora_path")
+            raise ApiError(
+                400,
+                f"lora_path={path!r} is not a folder: pass a PEFT adapter folder under --lora-root.",
+                param="lora_path",
+            )
         async with lock:
             if name == state.model_name or name in state.adapters:
-                raise ApiError(409, f"The adapter {name!r} is already loaded: unload it first, or pick another name.",
-                               param="lora_name")
+                raise ApiError(
+                    409,
+                    f"The adapter {name!r} is already loaded: unload it first, or pick another name.",
+                    param="lora_name",
+                )
             if len(bank.slots) >= bank.capacity:
-                raise ApiError(409, f"The adapter bank is full ({bank.capacity} adapters, --max-loras): unload one "
-                                    f"first, or restart with a larger --max-loras.", param="lora_name")
+                raise ApiError(
+                    409,
+                    f"The adapter bank is full ({bank.capacity} adapters, --max-loras): unload one "
+                    f"first, or restart with a larger --max-loras.",
+                    param="lora_name",
+                )
             model = state.engine.loop.engine.model
 
             def read_and_put():

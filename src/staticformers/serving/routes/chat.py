@@ -25,8 +25,16 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def chat(request: Request):
         body = await read_body(state, request)
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
-        job = await asyncio.to_thread(parse_chat, body, state.tokenizer, state.defaults, state.eos_token_ids,
-                                      state.max_model_len, state.max_n, state.chat_template)  # rendering, tokenizing:
+        job = await asyncio.to_thread(
+            parse_chat,
+            body,
+            state.tokenizer,
+            state.defaults,
+            state.eos_token_ids,
+            state.max_model_len,
+            state.max_n,
+            state.chat_template,
+        )  # rendering, tokenizing:
         # off the event loop, so one long prompt or slow template never stalls the other connections
         if state.reasoning_parser is not None:
             job.reasoning = prompt_state(state.reasoning_parser, job.prompt_texts[0])
@@ -52,9 +60,13 @@ def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) ->
         logprobs = {"content": chat_logprobs(tokenizer, d.tokens)} if job.logprobs is not None and d.tokens else None
         if not delta and logprobs is None and d.finish_reason is None:
             return None
-        return {"id": rid, "object": CHUNK, "created": created, "model": served,
-                "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs,
-                             "finish_reason": d.finish_reason}]}
+        return {
+            "id": rid,
+            "object": CHUNK,
+            "created": created,
+            "model": served,
+            "choices": [{"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}],
+        }
 
     return chunk
 
@@ -72,12 +84,22 @@ def _answer(tokenizer, job: Job, rid: str, created: int, served: str, runs: list
         if job.reasoning is not None:
             message["reasoning_content"] = run.reasoner.reasoning
         tokens = [t for d in deltas for t in d.tokens]
-        choices.append({"index": run.index, "message": message,
-                        "logprobs": {"content": chat_logprobs(tokenizer, tokens)}
-                        if job.logprobs is not None else None,
-                        "finish_reason": run.finish_reason})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": served,
-            "choices": choices, "usage": usage(job, runs)}
+        choices.append(
+            {
+                "index": run.index,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(tokenizer, tokens)} if job.logprobs is not None else None,
+                "finish_reason": run.finish_reason,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": served,
+        "choices": choices,
+        "usage": usage(job, runs),
+    }
 
 
 __all__ = ["register"]

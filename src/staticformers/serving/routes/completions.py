@@ -24,8 +24,15 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         body = await read_body(state, request)
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
-        job = await asyncio.to_thread(parse_completion, body, state.tokenizer, state.defaults, state.eos_token_ids,
-                                      state.max_model_len, state.max_n)  # tokenizing: off the event loop
+        job = await asyncio.to_thread(
+            parse_completion,
+            body,
+            state.tokenizer,
+            state.defaults,
+            state.eos_token_ids,
+            state.max_model_len,
+            state.max_n,
+        )  # tokenizing: off the event loop
         return await reply(state, request, job, "cmpl", adapter, served, _chunks, _answer, KIND)
 
 
@@ -50,9 +57,13 @@ def _chunks(tokenizer, job: Job, rid: str, created: int, served: str, n: int) ->
         offsets[d.index] += len(d.text)
         if not text and logprobs is None and d.finish_reason is None:
             return None
-        return {"id": rid, "object": KIND, "created": created, "model": served,
-                "choices": [{"index": d.index, "text": text, "logprobs": logprobs,
-                             "finish_reason": d.finish_reason}]}
+        return {
+            "id": rid,
+            "object": KIND,
+            "created": created,
+            "model": served,
+            "choices": [{"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}],
+        }
 
     return chunk
 
@@ -71,10 +82,17 @@ def _answer(tokenizer, job: Job, rid: str, created: int, served: str, runs: list
             scores = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
             logprobs = completion_logprobs(tokenizer, prompt_tokens(job.prompts[p], scores), 0) if job.echo else None
             logprobs = completion_logprobs(tokenizer, tokens, len(prefix), logprobs)
-        choices.append({"index": run.index, "text": prefix + text, "logprobs": logprobs,
-                        "finish_reason": run.finish_reason})
-    return {"id": rid, "object": KIND, "created": created, "model": served,
-            "choices": choices, "usage": usage(job, runs)}
+        choices.append(
+            {"index": run.index, "text": prefix + text, "logprobs": logprobs, "finish_reason": run.finish_reason}
+        )
+    return {
+        "id": rid,
+        "object": KIND,
+        "created": created,
+        "model": served,
+        "choices": choices,
+        "usage": usage(job, runs),
+    }
 
 
 __all__ = ["register"]

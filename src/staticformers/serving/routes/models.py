@@ -27,11 +27,26 @@ def register(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        base = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "staticformers",
-                "max_model_len": state.max_model_len, "parent": None}
-        loras = [{"id": name, "object": "model", "created": state.created, "owned_by": "staticformers",
-                  "max_model_len": state.max_model_len, "root": path, "parent": state.model_name}
-                 for name, path in state.adapters.items()]
+        base = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "staticformers",
+            "max_model_len": state.max_model_len,
+            "parent": None,
+        }
+        loras = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "staticformers",
+                "max_model_len": state.max_model_len,
+                "root": path,
+                "parent": state.model_name,
+            }
+            for name, path in state.adapters.items()
+        ]
         return {"object": "list", "data": [base, *loras]}
 
 

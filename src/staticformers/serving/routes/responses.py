@@ -37,14 +37,16 @@ def register(app: FastAPI, state: ServerState) -> None:
         body = await read_body(state, request)
         adapter, served = check_model(state, body.get("model")) if isinstance(body, dict) else (None, state.model_name)
         req = parse_response_request(body, state.responses)
-        job = parse_chat(req.chat, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, 1,
-                         state.chat_template)
+        job = parse_chat(
+            req.chat, state.tokenizer, state.defaults, state.eos_token_ids, state.max_model_len, 1, state.chat_template
+        )
         rid = f"resp_{uuid.uuid4().hex}"
         _, runs = await start(state, job, "resp", adapter)
         answer = Answer(state, req, rid, served, len(job.prompts[0]))
         if req.stream:
-            return StreamingResponse(answer.events(runs), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                answer.events(runs), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         (deltas,) = await whole(state, request, runs)
         for d in deltas:
             answer.add(d)
@@ -54,8 +56,11 @@ def register(app: FastAPI, state: ServerState) -> None:
     async def stored(response_id: str):
         entry = state.responses.get(response_id)
         if entry is None:
-            raise ApiError(404, f"No stored response has the id {response_id!r} (unknown, not stored, or evicted).",
-                           param="response_id")
+            raise ApiError(
+                404,
+                f"No stored response has the id {response_id!r} (unknown, not stored, or evicted).",
+                param="response_id",
+            )
         return entry.response
 
 
@@ -80,31 +85,64 @@ class Answer:
         return out
 
     def message_item(self, status: str, text: Optional[str] = None) -> dict:
-        content = [] if text is None and status != "completed" else \
-            [{"type": "output_text", "text": self.text if text is None else text, "annotations": [], "logprobs": []}]
+        content = (
+            []
+            if text is None and status != "completed"
+            else [
+                {"type": "output_text", "text": self.text if text is None else text, "annotations": [], "logprobs": []}
+            ]
+        )
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
     def call_item(call: dict, status: str, arguments: Optional[str] = None) -> dict:
         f = call["function"]
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": f["name"], "arguments": f["arguments"] if arguments is None else arguments, "status": status}
+        return {
+            "type": "function_call",
+            "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"],
+            "name": f["name"],
+            "arguments": f["arguments"] if arguments is None else arguments,
+            "status": status,
+        }
 
-    def response(self, status: str, output: list, completion_tokens: int = 0, reason: Optional[str] = None,
-                 error: Optional[dict] = None) -> dict:
-        usage = {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": 0},
-                 "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": self.input_tokens + completion_tokens}
-        return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
-                "model": self.served, "output": output, "error": error,
-                "incomplete_details": {"reason": reason} if reason else None,
-                "usage": usage if status != "in_progress" else None, **self.req.echo}
+    def response(
+        self,
+        status: str,
+        output: list,
+        completion_tokens: int = 0,
+        reason: Optional[str] = None,
+        error: Optional[dict] = None,
+    ) -> dict:
+        usage = {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.input_tokens + completion_tokens,
+        }
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.served,
+            "output": output,
+            "error": error,
+            "incomplete_details": {"reason": reason} if reason else None,
+            "usage": usage if status != "in_progress" else None,
+            **self.req.echo,
+        }
 
     def finish(self, run) -> dict:
         """The final response object (stored when `store`)."""
         incomplete = run.finish_reason == "length"
-        out = self.response("incomplete" if incomplete else "completed", self.items(), run.completion_tokens,
-                            "max_output_tokens" if incomplete else None)
+        out = self.response(
+            "incomplete" if incomplete else "completed",
+            self.items(),
+            run.completion_tokens,
+            "max_output_tokens" if incomplete else None,
+        )
         if self.req.store:
             turn: dict = {"role": "assistant", "content": self.text}
             if self.calls:
@@ -135,17 +173,39 @@ class Answer:
                 if d.text and not opened:
                     opened = True
                     yield event("response.output_item.added", output_index=0, item=self.message_item("in_progress"))
-                    yield event("response.content_part.added", item_id=self.message_id, output_index=0,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                    yield event(
+                        "response.content_part.added",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []},
+                    )
                 if d.text:
-                    yield event("response.output_text.delta", item_id=self.message_id, output_index=0,
-                                content_index=0, delta=d.text, logprobs=[])
+                    yield event(
+                        "response.output_text.delta",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=d.text,
+                        logprobs=[],
+                    )
                 self.text += d.text
                 if d.finish_reason is not None and opened:
-                    yield event("response.output_text.done", item_id=self.message_id, output_index=0,
-                                content_index=0, text=self.text, logprobs=[])
-                    yield event("response.content_part.done", item_id=self.message_id, output_index=0,
-                                content_index=0, part={"type": "output_text", "text": self.text, "annotations": []})
+                    yield event(
+                        "response.output_text.done",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        text=self.text,
+                        logprobs=[],
+                    )
+                    yield event(
+                        "response.content_part.done",
+                        item_id=self.message_id,
+                        output_index=0,
+                        content_index=0,
+                        part={"type": "output_text", "text": self.text, "annotations": []},
+                    )
                     yield event("response.output_item.done", output_index=0, item=self.message_item("completed"))
                 for call in d.tool_calls:
                     index = int(opened) + len(self.calls)
@@ -153,10 +213,16 @@ class Answer:
                     item = self.call_item(call, "in_progress", "")
                     args = call["function"]["arguments"]
                     yield event("response.output_item.added", output_index=index, item=item)
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=args)
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                arguments=args, name=call["function"]["name"])
+                    yield event(
+                        "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=args
+                    )
+                    yield event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        arguments=args,
+                        name=call["function"]["name"],
+                    )
                     yield event("response.output_item.done", output_index=index, item=self.call_item(call, "completed"))
             out = self.finish(runs[0])
             yield event("response.completed" if out["status"] == "completed" else "response.incomplete", response=out)

@@ -40,8 +40,16 @@ __all__ = ["register"]
 def _tokenize(state: ServerState, body: dict) -> list:
     """The ids of a /tokenize body: chat messages through the template, or a prompt."""
     if "messages" in body:
-        job = parse_chat(body, state.tokenizer, state.defaults, state.eos_token_ids, 10**9, 1, state.chat_template,
-                         endpoint="tokenize")
+        job = parse_chat(
+            body,
+            state.tokenizer,
+            state.defaults,
+            state.eos_token_ids,
+            10**9,
+            1,
+            state.chat_template,
+            endpoint="tokenize",
+        )
         return job.prompts[0]
     if isinstance(body.get("prompt"), str):
         check_fields(body, "tokenize")
@@ -50,7 +58,7 @@ def _tokenize(state: ServerState, body: dict) -> list:
             raise ApiError(400, f"add_special_tokens={add!r} must be true or false.", param="add_special_tokens")
         ids = state.tokenizer(body["prompt"], add_special_tokens=add)["input_ids"]
         return list(ids.tolist() if hasattr(ids, "tolist") else ids)
-    raise ApiError(400, "Pass \"prompt\" (a string) or \"messages\" to tokenize.", param="prompt")
+    raise ApiError(400, 'Pass "prompt" (a string) or "messages" to tokenize.', param="prompt")
 
 
 async def _object(state: ServerState, request: Request) -> dict:
