@@ -6,8 +6,10 @@ traffic with chunks and speculation, a pool so small that rows are preempted and
 (greedy and seeded sampling finish identically), latent attention, the pool never leaking a block (checked after
 every step), no graph compiled after warm-up, more rows running than static caches of the same bytes hold, and
 every refusal in one sentence. Prefix caching by sharing: hits, misses and partial hits give the tokens of no
-caching, a hit copies nothing and compiles nothing, blocks two rows share are counted once, an adapter's prefix
-serves neither the base nor another adapter, and an adapter reloaded under its name answers as the new one."""
+caching, a hit copies nothing and compiles nothing, blocks two rows share are counted once, a freed row's slot
+writes into no block it held, an adapter's prefix serves neither the base nor another adapter, and an adapter
+reloaded under its name answers as the new one. The scheduler's property test: random joins under two adapters and
+none, cancels, prefix hits, preemption and adapter reloads, against the static loop."""
 
 from __future__ import annotations
 
@@ -347,6 +349,40 @@ def test_prefix_hits_share_blocks_and_give_the_tokens_of_no_caching(qwen3):
     assert loop.blocks.cached > 0 and loop.blocks.used == 0
 
 
+def test_a_freed_rows_slot_writes_no_block_it_held(qwen3):
+    """A row ends while others keep decoding: every step writes every row of the batch, a free one at position 0,
+    so the freed slot's table must no longer name the blocks it held (its cached prefix's first block would be
+    overwritten). A later hit on that prefix gives the tokens of no caching, and the slot's table row is null."""
+    from staticformers.models.block_kv_cache import NULL_BLOCK
+
+    model, engine, settings = qwen3
+    system = tokens(40, 7)
+    short, later = system + tokens(3, 8), system + tokens(4, 10)
+    longs = {f"long{i}": tokens(11, 9 + 10 * i) for i in range(3)}  # four rows: the batch of 4 stays when one ends
+    loop = sharing(engine, settings)
+    loop.add(GenerationRequest(short, 2, request_id="short"))
+    for name, prompt in longs.items():
+        loop.add(GenerationRequest(prompt, 20, request_id=name))
+    got: dict = {}
+    freed = None
+    checked = 0
+    while not loop.idle:
+        slots, ended = {r.request.request_id: s for s, r in loop.rows.items()}, freed
+        for event in loop.step():
+            got.setdefault(event.request_id, []).append(event.token)
+            if event.request_id == "short" and event.finish_reason is not None:
+                freed = slots["short"]
+        if ended is not None and loop.running:  # a step has run since it ended
+            assert ended not in loop.rows and (loop.cache.table[ended] == NULL_BLOCK).all()
+            checked += 1
+    assert checked > 5
+    assert got["short"] == greedy(model, short, 2)
+    assert all(got[name] == greedy(model, prompt, 20) for name, prompt in longs.items())
+    hits = loop.prefix_counts()[1]
+    assert run(loop, {0: [GenerationRequest(later, 6, request_id="later")]})["later"] == greedy(model, later, 6)
+    assert loop.prefix_counts()[1] == hits + 40
+
+
 def test_rows_running_together_hold_one_copy_of_their_shared_prefix(qwen3):
     """Three requests with a 64-token system prompt, the second and third arriving once the first's prompt is in:
     while they run, the prefix's 8 blocks are held by all three (references counted per row, blocks once)."""
@@ -373,10 +409,9 @@ def test_rows_running_together_hold_one_copy_of_their_shared_prefix(qwen3):
     assert loop.prefix_counts()[1] == 2 * 64
 
 
-def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter(tiny_checkpoints, tmp_path):
-    """Adapters a and b (the same weights under two names), the base, then a reloaded under its name from other
-    files: an adapter's cached prefix serves neither the base nor the other adapter, and after the reload a's
-    answer is the new adapter's, not one computed from the old one's cached keys and values."""
+def adapter_model(tiny_checkpoints, tmp_path):
+    """A tiny Qwen3 batching adapters a and b (the same LoRA weights under two names, from folder "old"), and the
+    folders of two different adapters ("old", "new") to load."""
     from staticformers import LoraConfig
 
     path = tiny_checkpoints("qwen3")
@@ -397,6 +432,14 @@ def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter
     model.load_adapter(str(folders["old"]), adapter_name="a")
     model.load_adapter(str(folders["old"]), adapter_name="b")
     model.enable_adapter_batching(max_adapters=2)
+    return model, folders
+
+
+def test_a_reloaded_adapter_answers_as_the_new_one_and_prefixes_stay_per_adapter(tiny_checkpoints, tmp_path):
+    """Adapters a and b (the same weights under two names), the base, then a reloaded under its name from other
+    files: an adapter's cached prefix serves neither the base nor the other adapter, and after the reload a's
+    answer is the new adapter's, not one computed from the old one's cached keys and values."""
+    model, folders = adapter_model(tiny_checkpoints, tmp_path)
     engine = engine_for(model, plan())
     settings = compile_settings(model, GenerationConfig(), EAGER)
     system = tokens(40, 30)
@@ -461,3 +504,63 @@ def test_the_kv_length_follows_the_rows_contexts_not_their_needs(qwen3):
             lengths.append(loop.cache.max_length)
     assert lengths[0] == 64 and lengths[-1] == 128 and loop.moves == 1
     assert got == greedy(model, prompt, 100)
+
+
+def test_random_traffic_with_adapters_reloads_shared_prefixes_and_preemption(tiny_checkpoints, tmp_path):
+    """The scheduler's property test: random joins under adapters a, b and none, cancels, prefix hits on a shared
+    system prompt, a pool small enough to preempt, and adapter a reloaded from other files whenever no request names
+    it (as the server allows): every request that is not cancelled gets the tokens the loop on static caches without
+    prefix caching gives it under the adapter as it was when the request came; a cancelled one a prefix of them;
+    nothing leaks (checked after every step)."""
+    from staticformers.adapters.bank import bank_of
+
+    model, folders = adapter_model(tiny_checkpoints, tmp_path)
+    engine = engine_for(model, plan())
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    system = tokens(32, 41)
+    starts = prompts([5, 19, 37], seed=42) + [system + p for p in prompts([3, 11], seed=43)]
+    adapters = ["a", "b", "__base__"]
+
+    def expected(version):  # every (prompt, adapter)'s 24 tokens with a loaded from `version`
+        bank_of(model).load("a", str(folders[version]))
+        jobs = [
+            GenerationRequest(p, 24, request_id=(i, name), adapter=name)
+            for i, p in enumerate(starts)
+            for name in adapters
+        ]
+        return run(GenerationLoop(engine, settings, chunked_prefill=CHUNK), {0: jobs})
+
+    oracle = {"new": expected("new"), "old": expected("old")}  # a is "old" again when the traffic starts
+    assert oracle["new"][(0, "a")] != oracle["old"][(0, "a")]
+    rng = random.Random(5)
+    loop = sharing(engine, settings, blocks=14, max_batch_size=4)
+    version, reloads, wanted, got, cancelled, rid, step = "old", 0, {}, {}, set(), 0, 0
+    draining = False  # a reload of a is due: new requests name b or none until no request names a
+    while step < 300 or not loop.idle:
+        if step < 300 and rng.random() < 0.2:
+            i, name = rng.randrange(len(starts)), rng.choice(adapters[1:] if draining else adapters)
+            n = rng.randint(1, 24)
+            loop.add(GenerationRequest(starts[i], n, request_id=rid, adapter=name))
+            wanted[rid] = oracle[version][(i, name)][:n]
+            rid += 1
+        if rid and rng.random() < 0.02:
+            victim = rng.randrange(rid)
+            if loop.cancel(victim):
+                cancelled.add(victim)
+        draining = draining or rng.random() < 0.03
+        if draining and not loop.uses_adapter("a"):
+            version = "new" if version == "old" else "old"
+            bank_of(model).load("a", str(folders[version]))
+            reloads, draining = reloads + 1, False
+        for event in loop.step():
+            assert event.error is None, event.error
+            got.setdefault(event.request_id, []).append(event.token)
+        held = [b for r in loop.rows.values() for b in r.blocks]
+        assert len(held) == loop.blocks.references and len(set(held)) == loop.blocks_used, "a block leaked"
+        assert all(not r.blocks for r in loop.waiting)
+        step += 1
+        assert step < 5_000
+    assert loop.blocks_used == 0 and loop.preemptions > 0 and reloads >= 2 and loop.prefix_counts()[1] > 0
+    for r, answer in wanted.items():
+        have = got.get(r, [])
+        assert have == answer[: len(have)] if r in cancelled else have == answer, r

@@ -174,6 +174,10 @@ class GenerationLoop:
         self.share = bool(prefix_caching and kv_blocks is not None)
         self._owner: Any = None  # the weights' fingerprint the shared blocks' keys were computed under
         self._bank_changes = -1  # the adapter bank's `changes` when the prefix pool last retired blocks
+        # block caches: a row was freed since the table was written, so its slot's entries still name blocks that
+        # are free (or cached, or another row's); every step writes every row, a free one too, so the table is
+        # written again before the next step
+        self._table_stale = False
         self.chunks = 0  # extend steps run for chunks (reported)
         self.blocks = self._block_allocator(kv_blocks, kv_block_size)
         self.block_size = int(kv_block_size)
@@ -413,6 +417,7 @@ class GenerationLoop:
         rows that join in the same prefill still need it after an earlier one ends on its first token."""
         self.scheduler.release(self.rows.pop(slot))
         self._clear_slot(slot)
+        self._table_stale = self.blocks is not None
 
     def _clear_slot(self, slot: int) -> None:
         """Forget a freed slot's sampling and grammar state."""
@@ -493,13 +498,14 @@ class GenerationLoop:
             row.generator = self.sampler.generators[slot] if self.sampler is not None else None
             row.grammar = self.constraints.rows[slot] if self.constraints is not None else None
             self._clear_slot(slot)
-        if changed:
+        if changed or self._table_stale:  # a freed row's entries point at blocks it no longer holds
             self._write_table({s: r.blocks for s, r in self.rows.items()})
 
     def _write_table(self, rows: dict) -> None:
         """The block cache's table from `rows` {slot: blocks}; every other row's entries the null block. Its own graph
         on a lazily traced device (flushed), not part of the next step's."""
         self.cache.write_table(rows)
+        self._table_stale = False
         self.engine.backend.flush(self.engine.model.device)
 
     def prefix_counts(self) -> Optional[tuple[int, int]]:
