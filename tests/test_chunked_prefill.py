@@ -172,6 +172,39 @@ def test_running_rows_take_a_token_from_every_chunk_step(qwen3, monkeypatch):
     assert steps == 2 + chunks + max(30 - 1 - 1 - chunks, 1)
 
 
+@pytest.mark.parametrize("blocks", [None, 64], ids=["static", "blocks"])
+def test_a_row_at_the_last_kv_position_decodes_in_a_chunk_step_unharmed(qwen3, blocks):
+    """A decoding row feeds its last token at position K-1 in a chunk step of another row's prompt: the step's other
+    positions of its row repeat that token there instead of padding clamped onto it, so its logits are a full
+    forward's (padding used to overwrite its keys and values at K-1: the logits moved by about 1e-2)."""
+    model, engine, settings = qwen3
+    first, long = prompts([10, 40], seed=9)
+    kw = {"kv_blocks": blocks, "kv_block_size": 8} if blocks else {}
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, **kw)
+    at_edge, run = [], loop.runner.run
+
+    def watching(step, cache, *rest):
+        if step.kind == "chunk":
+            at_edge.extend(s for s in step.choosing if loop.rows[s].length == cache.max_length - 1)
+        return run(step, cache, *rest)
+
+    loop.runner.run = watching
+    loop.add(GenerationRequest(first, 55, request_id="a", output_logits=True))  # needs 64 positions: K = 64
+    step, tokens, last = 0, [], None
+    while not loop.idle:
+        if step == 52:  # its prompt's chunks run while "a" feeds position 63
+            loop.add(GenerationRequest(long, 4, request_id="b"))
+        for event in loop.step():
+            if event.request_id == "a":
+                tokens.append(event.token)
+                last = event.logits
+        step += 1
+    assert at_edge, "no chunk step ran with a row at position K-1"
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([first + tokens[:-1]])).logits[0, -1]
+    torch.testing.assert_close(last, full, rtol=1e-4, atol=1e-4)
+
+
 def test_a_scored_prompt_is_not_chunked(qwen3):
     """A 30-token prompt asking for its log-probabilities runs in one prefill even with chunks of 16: the same
     scores and tokens as without chunking."""

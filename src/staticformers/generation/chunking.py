@@ -17,10 +17,11 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
   chunk, so every row with prompt left takes its next chunk in it.
 - **Every decoding row decodes in it too.** A decoding row feeds its last token at position 0 of its row of the
   step, at its next cache position, with its logits kept there: the token it chooses is the one a decode step
-  would have given it, and a chunk step is a decode step for it. Its other positions, and a free slot's, are
-  padding at positions after its length, clamped to K-1: what they write there is harmless (a row writes a
-  position before it attends to it). The steps a long prompt takes are therefore not stalls: the rows already
-  decoding take a token from each of them, instead of waiting for a decode step between chunks.
+  would have given it, and a chunk step is a decode step for it. Its other positions, and those after a last
+  chunk's tokens, repeat its last token at its last position: the copies compute what that token computes (the
+  mask is by position) and write the same keys and values in the same place, so a step writes nothing past a
+  row's tokens, even when its last position is K-1. The steps a long prompt takes are therefore not stalls: the
+  rows already decoding take a token from each of them, instead of waiting for a decode step between chunks.
 - **Bounded inter-token latency.** A running row waits at most one chunk of prompt work per token: a chunk step
   gives it a token, and after an admission's prefill the next step is a decode step (`scheduler.py`'s step rule).
 - A row is *prefilling* while `row.length < len(prompt)`; the decode step leaves it out (it takes part at
@@ -119,20 +120,32 @@ def decoding(rows: dict) -> list[int]:
 
 
 def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """The extend step's host inputs for one chunk of every prefilling row: tokens, positions `[B, C]`,
-    keep `[B, 1]`, and each prefilling slot's chunk length."""
+    """The extend step's host inputs over a `[batch, kv]` cache: tokens, positions `[B, C]`, keep `[B, 1]`, and each
+    prefilling slot's chunk length. A prefilling row runs its next chunk, a decoding row its last token; every
+    position after a row's own repeats its last token at its last position. The copies compute what that token
+    computes (the mask is by position) and write the same keys and values in the same place, so the step writes
+    nothing past a row's tokens: padding clamped to the KV length used to land on a last position at K-1 and
+    overwrite it. A free row writes position 0 (its own row, or on block caches the null block)."""
     tokens = torch.zeros(batch, width, dtype=torch.long)
+    positions = torch.zeros(batch, width, dtype=torch.long)
     keep = torch.zeros(batch, 1, dtype=torch.long)
-    starts = torch.zeros(batch, 1, dtype=torch.long)
     taken = {}
     for slot, row in rows.items():
-        starts[slot, 0] = row.length  # decoding rows: their next position, written before it is read
-        if row.length < len(row.prompt):
-            piece = row.prompt[row.length : row.length + width]
-            tokens[slot, : len(piece)] = torch.as_tensor(piece, dtype=torch.long)
-            keep[slot, 0] = len(piece) - 1
-            taken[slot] = len(piece)
-    positions = (starts + torch.arange(width).view(1, -1)).clamp_(max=kv - 1)
+        chunk = row.length < len(row.prompt)
+        piece = row.prompt[row.length : row.length + width] if chunk else [row.last]
+        n = len(piece)
+        if row.length + n > kv:
+            raise ValueError(
+                f"a chunk step over a KV length of {kv} cannot hold row {slot}'s tokens at positions "
+                f"{row.length}..{row.length + n - 1}: the batch must move to a longer KV length first."
+            )
+        tokens[slot, :n] = torch.as_tensor(piece, dtype=torch.long)
+        tokens[slot, n:] = piece[-1]
+        positions[slot, :n] = torch.arange(row.length, row.length + n)
+        positions[slot, n:] = row.length + n - 1
+        keep[slot, 0] = n - 1
+        if chunk:
+            taken[slot] = n
     return tokens, positions, keep, taken
 
 
@@ -143,9 +156,7 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     every row fails: each one's tokens were in it."""
     tokens, positions, keep, taken = chunk_inputs(rows, batch, kv, width)
     chunking = sorted(taken)
-    decoding_rows = decoding(rows)
-    for slot in decoding_rows:
-        tokens[slot, 0] = rows[slot].last  # at its next position, kept at 0: a decode step's token
+    decoding_rows = decoding(rows)  # their last token at their next position, kept: a decode step's token
     done = [s for s in chunking if rows[s].length + taken[s] >= len(rows[s].prompt)]
     choosing = sorted(done + decoding_rows)
     counts = {s: n - 1 for s, n in taken.items()}  # a linear-attention state counts its chunk only

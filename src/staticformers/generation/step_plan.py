@@ -12,7 +12,7 @@ The kinds, each one shape of the plan:
 - `"prefill"`: the prompts (or first chunks) of joining rows, `tokens` one list per row of `slots`, in that order.
 - `"chunk"`: the next chunk of every prefilling row through the extend step `[B, C]`, one kept position per row; every
   decoding row feeds its last token at position 0 of its row of the step and takes its next token from it, as a
-  decode step would give it (the step's other positions of a decoding row are padding, written ahead and rewritten).
+  decode step would give it (a row's positions after its tokens repeat its last token at its last position).
 - `"decode"`: one token per row `[B, 1]`.
 - `"verify"`: every decoding row's last token and up to k proposals `[B, k+1]`, every position's logits kept.
 """
