@@ -151,6 +151,42 @@ def test_more_rows_run_than_static_caches_of_the_same_bytes_hold(qwen3):
         assert got[i] == greedy(model, p, 6)
 
 
+def test_a_prompt_chunks_apart_from_the_decoding_rows(qwen3, monkeypatch):
+    """Three rows decoding and a 70-token prompt joining: its chunks run in a batch of 1 over the KV length its own
+    context needs, each after a decode step of the batch (the decoding rows take a token every loop step, and no
+    chunk step computes a chunk's width for them); the tokens are full forwards'."""
+    model, engine, settings = qwen3
+    short, long = prompts([6, 7, 9], seed=21), prompts([70], seed=22)[0]
+    shapes = []
+    extend = engine.extend
+
+    def spying(settings_, cache, tokens, *rest, **kw):
+        shapes.append((cache.batch, cache.max_length, tokens.shape[1]))
+        return extend(settings_, cache, tokens, *rest, **kw)
+
+    monkeypatch.setattr(engine, "extend", spying)
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=64, kv_block_size=8)
+    for i, p in enumerate(short):
+        loop.add(GenerationRequest(p, 40, request_id=i))
+    got: dict = {}
+    for _ in range(3):  # their prefill and first decode steps
+        for event in loop.step():
+            got.setdefault(event.request_id, []).append(event.token)
+    loop.add(GenerationRequest(long, 5, request_id="long"))
+    tokens_per_step = []
+    while not loop.idle:
+        events = loop.step()
+        tokens_per_step.append(sum(e.request_id == 0 for e in events))
+        for event in events:
+            got.setdefault(event.request_id, []).append(event.token)
+    # after the admission's first 16 tokens, chunks at 16, 32, 48 and 64: K follows the long row's own context
+    assert shapes == [(1, 64, CHUNK)] * 3 + [(1, 128, CHUNK)]
+    assert tokens_per_step[0] == 0 and all(tokens_per_step[1 : 1 + len(shapes)])  # a token at every chunk's step
+    for i, p in enumerate(short):
+        assert got[i] == greedy(model, p, 40), i
+    assert got["long"] == greedy(model, long, 5)
+
+
 def test_speculation_runs_on_block_caches(qwen3):
     """Prompt-lookup speculation (k=3) on a small pool: the verify step's positions are reserved before it runs;
     tokens equal full forwards."""

@@ -22,6 +22,11 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
   mask is by position) and write the same keys and values in the same place, so a step writes nothing past a
   row's tokens, even when its last position is K-1. The steps a long prompt takes are therefore not stalls: the
   rows already decoding take a token from each of them, instead of waiting for a decode step between chunks.
+- **On block caches the chunks run apart** (`chunk_apart_plan`): a step of the whole batch computes a chunk's
+  width for every decoding row to keep one token, while a block cache can run any subset of rows as a view of
+  its pool. So the prefilling rows run alone, row i of a view of the smallest batch and KV buckets that hold them
+  (shapes the plan already has), after a decode step of the batch in the same loop step; the mixed step stays
+  where that view would be the batch's own shape.
 - **Bounded inter-token latency.** A running row waits at most one chunk of prompt work per token: a chunk step
   gives it a token, and after an admission's prefill the next step is a decode step (`scheduler.py`'s step rule).
 - A row is *prefilling* while `row.length < len(prompt)`; the decode step leaves it out (it takes part at
@@ -178,4 +183,43 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     )
 
 
-__all__ = ["serving_chunk", "chunk_width", "positions_needed", "prefilling", "decoding", "chunk_inputs", "chunk_plan"]
+def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict]) -> StepPlan:
+    """The next chunk of every prefilling row of `rows` {slot: row} in a step of their own (block caches): row i of
+    the step is the i-th prefilling slot, over a view of the pool of the smallest batch and KV buckets that hold
+    them (`StepPlan.view`), so the decoding rows decode in their own step and the chunk computes no padded row.
+    `adapters`: each slot's adapter bank slot (None: the model batches none). If the step fails, its rows fail."""
+    chunking = prefilling(rows)
+    apart = {i: rows[s] for i, s in enumerate(chunking)}
+    batch = plan.batch_bucket(len(chunking))
+    kv = plan.kv_bucket(max(min(len(r.prompt), r.length + width) for r in apart.values()))
+    tokens, positions, keep, taken = chunk_inputs(apart, batch, kv, width)
+    done = [i for i, n in taken.items() if apart[i].length + n >= len(apart[i].prompt)]
+    choosing = [chunking[i] for i in done]
+    return StepPlan(
+        "chunk",
+        chunking,
+        choosing,
+        done,
+        [rows[s].generated for s in choosing],
+        tokens,
+        positions,
+        keep,
+        None if adapters is None else [adapters[s] for s in chunking] + [0] * (batch - len(chunking)),
+        counts={i: n - 1 for i, n in taken.items()},
+        advance={chunking[i]: n for i, n in taken.items()},
+        fails=chunking,
+        completes=choosing,
+        view=(batch, kv),
+    )
+
+
+__all__ = [
+    "serving_chunk",
+    "chunk_width",
+    "positions_needed",
+    "prefilling",
+    "decoding",
+    "chunk_inputs",
+    "chunk_plan",
+    "chunk_apart_plan",
+]

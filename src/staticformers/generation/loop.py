@@ -56,7 +56,8 @@ Design choices:
   request of the batch that the step had not ended yet, and the batch is rebuilt from the queue.
 - **Chunked prefill and prefix caching** (`chunked_prefill=C`, `prefix_caching=True`): a prompt longer
   than C runs as chunks through the engine's extend step, one chunk of every prefilling row per
-  chunk step, in which every decoding row also takes its next token (`chunking.py`); a prompt whose first blocks were
+  chunk step, in which every decoding row also takes its next token (`chunking.py`; on block caches the chunks run
+  apart, in a view of the pool holding only the prefilling rows, after a decode step); a prompt whose first blocks were
   computed before has them copied from the device pool into its slot and prefills only the rest
   (`prefix_cache.py`).
 - **Block caches** (`kv_blocks=N`, the server's `--num-gpu-blocks-override` / `--kv-cache-memory-bytes`): the
@@ -595,12 +596,23 @@ class GenerationLoop:
 
     def _chunk_or_decode(self) -> None:
         """Every row's blocks for a chunk step, then the step: the prefilling rows' next chunks and the decoding rows'
-        next tokens; a decode step when every prefilling row was preempted for another's blocks."""
+        next tokens; a decode step when every prefilling row was preempted for another's blocks. On block caches the
+        chunks run apart, in the smallest batch that holds the prefilling rows, after a decode step of the decoding
+        rows: a chunk step of the whole batch computes a chunk's width for every decoding row, to keep one token
+        (the mixed step stays where the rows apart would fill the batch's own shape)."""
         self._make_room(sorted(self.rows))
-        if prefilling(self.rows):
+        if not prefilling(self.rows):
+            if decoding(self.rows):
+                self._decode()
+            return
+        apart = self.scheduler.chunk_apart_plan() if self.blocks is not None else None
+        if apart is None or apart.view == self.cache.shape:
             self._chunk()
-        elif decoding(self.rows):
+            return
+        if decoding(self.rows):
             self._decode()
+        if all(s in self.rows for s in apart.slots):  # a failed decode step fails every row of the batch
+            self._chunk_apart(apart)
 
     def _chunk(self) -> None:
         """The next chunk of every prefilling row, and the next token of every decoding row (`chunking.py`)."""
@@ -611,11 +623,24 @@ class GenerationLoop:
             self.chunks += 1
             self._apply(step, result)
 
-    def _run(self, step: StepPlan) -> Optional[StepResult]:
-        """Run a decode, chunk or verify step of the batch; if it fails, the rows it names end with the error
-        (None)."""
+    def _chunk_apart(self, step: StepPlan) -> None:
+        """The prefilling rows' next chunks on a view of the pool of the step's own shape: its table holds their
+        blocks, row i the i-th of `step.slots` (written before every such step: the view is shared by every step of
+        its shape)."""
+        self._own_prefixes()
+        view = self.engine.cache(*step.view)
+        view.write_table({i: self.rows[s].blocks for i, s in enumerate(step.slots)})
+        self.engine.backend.flush(self.engine.model.device)
+        result = self._run(step, view)
+        if result is not None:
+            self.chunks += 1
+            self._apply(step, result)
+
+    def _run(self, step: StepPlan, cache: Optional[KVCache] = None) -> Optional[StepResult]:
+        """Run a decode, chunk or verify step of the batch (or of `cache`, a view of its pool); if it fails, the rows
+        it names end with the error (None)."""
         try:
-            return self.runner.run(step, self.cache, self.sampler, self.constraints)
+            return self.runner.run(step, cache or self.cache, self.sampler, self.constraints)
         except Exception as exc:
             logger.exception("%s step failed for %d request(s)", step.kind, len(step.fails))
             self._fail_rows(step.fails, exc)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..adapters.bank import bank_of
-from .chunking import chunk_plan, decoding, prefilling
+from .chunking import chunk_apart_plan, chunk_plan, decoding, prefilling
 from .kv_blocks import BlockAllocator, blocks_for
 from .plan import ShapePlan
 from .prefix_cache import adapter_key, block_keys
@@ -305,6 +305,12 @@ class Scheduler:
     def chunk_plan(self, batch: int, kv: int) -> StepPlan:
         """The next chunk of every prefilling row (`chunking.py`)."""
         return chunk_plan(self.rows, batch, kv, self.chunk, self.adapters(batch))
+
+    def chunk_apart_plan(self) -> StepPlan:
+        """The prefilling rows' next chunks in a step of their own, over a view of the block pool
+        (`chunking.chunk_apart_plan`)."""
+        adapters = {s: r.adapter for s, r in self.rows.items()} if bank_of(self.model) is not None else None
+        return chunk_apart_plan(self.rows, self.plan, self.chunk, adapters)
 
     def decode_plan(self, batch: int) -> StepPlan:
         """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)

@@ -12,7 +12,9 @@ The kinds, each one shape of the plan:
 - `"prefill"`: the prompts (or first chunks) of joining rows, `tokens` one list per row of `slots`, in that order.
 - `"chunk"`: the next chunk of every prefilling row through the extend step `[B, C]`, one kept position per row; every
   decoding row feeds its last token at position 0 of its row of the step and takes its next token from it, as a
-  decode step would give it (a row's positions after its tokens repeat its last token at its last position).
+  decode step would give it (a row's positions after its tokens repeat its last token at its last position). On
+  block caches the prefilling rows may instead run apart, over a view of the pool of their own batch and KV
+  buckets (`view`), while the decoding rows take a decode step.
 - `"decode"`: one token per row `[B, 1]`.
 - `"verify"`: every decoding row's last token and up to k proposals `[B, k+1]`, every position's logits kept.
 """
@@ -35,11 +37,12 @@ class StepPlan:
 
     `slots`: the rows whose tokens the step computes (a prefill's in the order of `tokens`). `choosing`: the rows
     that choose tokens from its logits, in the order of the result; `picks` where each one's logits are among the
-    step's output rows (a prefill's: its index in `slots`; otherwise its slot); `steps`: the tokens each choosing
-    row has generated so far (sampling's step). `advance`: the cache positions the step writes per row, applied
-    before its tokens are emitted (a verify step's rows advance by each token they emit instead). `completes`: the
-    rows whose prompt the step finishes (their prompt's blocks may be kept for prefix caching). `fails`: the rows that end with an error if the
-    step raises. `counts`: what each row's linear-attention state counts (`KVCache.count`; None: not set)."""
+    step's output rows (a prefill's, or a step run apart on a `view`: its index in `slots`; otherwise its slot);
+    `steps`: the tokens each choosing row has generated so far (sampling's step). `advance`: the cache positions
+    the step writes per row, applied before its tokens are emitted (a verify step's rows advance by each token they
+    emit instead). `completes`: the rows whose prompt the step finishes (their prompt's blocks may be kept for
+    prefix caching). `fails`: the rows that end with an error if the step raises. `counts`: what each row of the
+    step's cache counts in its linear-attention state (`KVCache.count`; None: not set)."""
 
     kind: str
     slots: list
@@ -58,6 +61,7 @@ class StepPlan:
     scored: list = field(default_factory=list)  # per prefill row: whether its request wants its prompt's scores
     proposals: list = field(default_factory=list)  # verify: each choosing row's proposed tokens
     draft_probs: Optional[torch.Tensor] = None  # verify: the draft model's probabilities of them (None: lookup)
+    view: Optional[tuple] = None  # (batch, kv): the step runs on a view of the block pool whose row i is slots[i]
 
     def __post_init__(self):
         if self.kind not in KINDS:
