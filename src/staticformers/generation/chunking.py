@@ -183,15 +183,18 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     )
 
 
-def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict]) -> StepPlan:
+def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict], own: tuple) -> Optional[StepPlan]:
     """The next chunk of every prefilling row of `rows` {slot: row} in a step of their own (block caches): row i of
     the step is the i-th prefilling slot, over a view of the pool of the smallest batch and KV buckets that hold
     them (`StepPlan.view`), so the decoding rows decode in their own step and the chunk computes no padded row.
-    `adapters`: each slot's adapter bank slot (None: the model batches none). If the step fails, its rows fail."""
+    `adapters`: each slot's adapter bank slot (None: the model batches none). If the step fails, its rows fail.
+    None when the view would be `own`, the batch's own shape (the mixed step runs instead)."""
     chunking = prefilling(rows)
     apart = {i: rows[s] for i, s in enumerate(chunking)}
     batch = plan.batch_bucket(len(chunking))
     kv = plan.kv_bucket(max(min(len(r.prompt), r.length + width) for r in apart.values()))
+    if (batch, kv) == tuple(own):
+        return None
     tokens, positions, keep, taken = chunk_inputs(apart, batch, kv, width)
     done = [i for i, n in taken.items() if apart[i].length + n >= len(apart[i].prompt)]
     choosing = [chunking[i] for i in done]

@@ -605,8 +605,8 @@ class GenerationLoop:
             if decoding(self.rows):
                 self._decode()
             return
-        apart = self.scheduler.chunk_apart_plan() if self.blocks is not None else None
-        if apart is None or apart.view == self.cache.shape:
+        apart = self.scheduler.chunk_apart_plan(self.cache.shape) if self.blocks is not None else None
+        if apart is None:
             self._chunk()
             return
         if decoding(self.rows):

@@ -306,11 +306,11 @@ class Scheduler:
         """The next chunk of every prefilling row (`chunking.py`)."""
         return chunk_plan(self.rows, batch, kv, self.chunk, self.adapters(batch))
 
-    def chunk_apart_plan(self) -> StepPlan:
-        """The prefilling rows' next chunks in a step of their own, over a view of the block pool
-        (`chunking.chunk_apart_plan`)."""
+    def chunk_apart_plan(self, own: tuple) -> Optional[StepPlan]:
+        """The prefilling rows' next chunks in a step of their own, over a view of the block pool; None when that view
+        would be `own`, the batch's shape (`chunking.chunk_apart_plan`)."""
         adapters = {s: r.adapter for s, r in self.rows.items()} if bank_of(self.model) is not None else None
-        return chunk_apart_plan(self.rows, self.plan, self.chunk, adapters)
+        return chunk_apart_plan(self.rows, self.plan, self.chunk, adapters, own)
 
     def decode_plan(self, batch: int) -> StepPlan:
         """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
