@@ -187,6 +187,36 @@ def test_a_prompt_chunks_apart_from_the_decoding_rows(qwen3, monkeypatch):
     assert got["long"] == greedy(model, long, 5)
 
 
+def test_decoding_rows_split_by_context(tiny_checkpoints, monkeypatch):
+    """Three short rows and one with a 300-token prompt decoding together (K = 512): a gather of 512 positions per
+    row reads far more than the tiny model's weights, so the decode steps run the short rows over K = 64 in a batch
+    of 4 and the long one alone over K = 512 (`step_split.py`); the tokens are full forwards'."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    wide = ShapePlan(
+        batch_sizes=[1, 2, 4],
+        prompt_lengths=[16, 32],
+        kv_lengths=[64, 512],
+        max_model_len=512,
+        extend_widths=((CHUNK, 1),),
+    )
+    engine = engine_for(model, wide)
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    rows = prompts([6, 7, 9, 300], seed=23)
+    shapes = []
+    decode = engine.decode
+
+    def spying(settings_, cache, *rest, **kw):
+        shapes.append((cache.batch, cache.max_length))
+        return decode(settings_, cache, *rest, **kw)
+
+    monkeypatch.setattr(engine, "decode", spying)
+    loop = GenerationLoop(engine, settings, chunked_prefill=CHUNK, kv_blocks=96, kv_block_size=8)
+    got = run(loop, {0: [GenerationRequest(p, 20, request_id=i) for i, p in enumerate(rows)]})
+    assert (4, 64) in shapes and (1, 512) in shapes and (4, 512) not in shapes
+    for i, p in enumerate(rows):
+        assert got[i] == greedy(model, p, 20), i
+
+
 def test_speculation_runs_on_block_caches(qwen3):
     """Prompt-lookup speculation (k=3) on a small pool: the verify step's positions are reserved before it runs;
     tokens equal full forwards."""

@@ -57,7 +57,8 @@ Design choices:
 - **Chunked prefill and prefix caching** (`chunked_prefill=C`, `prefix_caching=True`): a prompt longer
   than C runs as chunks through the engine's extend step, one chunk of every prefilling row per
   chunk step, in which every decoding row also takes its next token (`chunking.py`; on block caches the chunks run
-  apart, in a view of the pool holding only the prefilling rows, after a decode step); a prompt whose first blocks were
+  apart, in a view of the pool holding only the prefilling rows, after a decode step, and that decode step may
+  itself split the rows by context: `step_split.py`); a prompt whose first blocks were
   computed before has them copied from the device pool into its slot and prefills only the rest
   (`prefix_cache.py`).
 - **Block caches** (`kv_blocks=N`, the server's `--num-gpu-blocks-override` / `--kv-cache-memory-bytes`): the
@@ -89,7 +90,7 @@ import torch
 
 from ..adapters.bank import bank_of
 from ..adapters.lora import BASE
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, bytes_per_position
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
 from .kv_blocks import BlockAllocator, blocks_for
@@ -193,8 +194,16 @@ class GenerationLoop:
             speculator.width if speculator is not None else 1,
             engine.model,
             lambda: self.cache.max_length if self.cache is not None else None,
+            self._read_costs() if self.blocks is not None else None,
         )
         engine.use_blocks(kv_blocks, kv_block_size)
+
+    def _read_costs(self) -> tuple:
+        """(the weights' bytes on this rank, one position's bytes over the layers): what a step reads, from which the
+        scheduler decides whether a decode step is split by context (`step_split.py`)."""
+        model, tp = self.engine.model, max(self.engine.tp, 1)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters()) // tp
+        return weights, bytes_per_position(model.config, model.dtype, tp)
 
     def _block_allocator(self, blocks, size) -> Optional[BlockAllocator]:
         """The pool's account for `kv_blocks=blocks` (None: static caches); what block caches cannot run yet is
@@ -587,6 +596,13 @@ class GenerationLoop:
                 logger.exception("speculative proposals failed for %d request(s)", len(self.rows))
                 self._fail_rows(sorted(self.rows), exc)
                 return
+        if step is None and self.blocks is not None:
+            apart = self.scheduler.decode_apart_plans(self.cache.batch, self.cache.max_length)
+            if apart is not None and all(p.view != self.cache.shape for p in apart):
+                for plan in apart:
+                    if all(s in self.rows for s in plan.slots):
+                        self._run_apart(plan)
+                return
         step = step or self.scheduler.decode_plan(self.cache.batch)
         result = self._run(step)
         if result is not None:
@@ -624,16 +640,20 @@ class GenerationLoop:
             self._apply(step, result)
 
     def _chunk_apart(self, step: StepPlan) -> None:
-        """The prefilling rows' next chunks on a view of the pool of the step's own shape: its table holds their
-        blocks, row i the i-th of `step.slots` (written before every such step: the view is shared by every step of
-        its shape)."""
+        """The prefilling rows' next chunks on a view of the pool of the step's own shape."""
         self._own_prefixes()
+        self._run_apart(step)
+
+    def _run_apart(self, step: StepPlan) -> None:
+        """Run a step of some rows on a view of the pool of the step's own shape (`step.view`): its table holds their
+        blocks, row i the i-th of `step.slots` (written before every such step: the view is shared by every step of
+        its shape), then apply its result."""
         view = self.engine.cache(*step.view)
         view.write_table({i: self.rows[s].blocks for i, s in enumerate(step.slots)})
         self.engine.backend.flush(self.engine.model.device)
         result = self._run(step, view)
         if result is not None:
-            self.chunks += 1
+            self.chunks += step.kind == "chunk"
             self._apply(step, result)
 
     def _run(self, step: StepPlan, cache: Optional[KVCache] = None) -> Optional[StepResult]:

@@ -39,6 +39,7 @@ from .kv_blocks import BlockAllocator, blocks_for
 from .plan import ShapePlan
 from .prefix_cache import adapter_key, block_keys
 from .step_plan import StepPlan
+from .step_split import split_by_context
 
 logger = logging.getLogger("staticformers")
 
@@ -50,7 +51,8 @@ class Scheduler:
     `chunked`: whether prompts are chunked; `blocks`: the pool's account on block caches (None: static caches), of
     `block_size` positions; `share`: prefix caching by shared blocks; `ahead`: positions a decoding row's step
     writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
-    (None: no batch)."""
+    (None: no batch); `costs`: on block caches, (the weights' bytes, one position's bytes over the layers), with
+    which decode steps are split by context (None: never split)."""
 
     def __init__(
         self,
@@ -64,11 +66,13 @@ class Scheduler:
         ahead: int,
         model,
         kv_length: Callable[[], Optional[int]],
+        costs: Optional[tuple] = None,
     ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
         self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
         self.model, self.kv_length = model, kv_length
+        self.costs = costs  # (the weights' bytes, one position's bytes): what a step reads (`step_split.py`)
         self.waiting: deque = deque()
         self.rows: dict = {}  # slot -> the row that holds it
         self.joining: list = []  # the rows the current step's prefill takes from the queue
@@ -311,6 +315,42 @@ class Scheduler:
         would be `own`, the batch's shape (`chunking.chunk_apart_plan`)."""
         adapters = {s: r.adapter for s, r in self.rows.items()} if bank_of(self.model) is not None else None
         return chunk_apart_plan(self.rows, self.plan, self.chunk, adapters, own)
+
+    def decode_apart_plans(self, batch: int, kv: int) -> Optional[list]:
+        """On block caches, the decoding rows' decode step as steps over views of the pool, each of its own batch
+        and KV buckets: the decoding rows alone, or the short contexts and the long ones apart, when they read less
+        than the one step of the batch's `[batch, kv]` shape (`step_split.split_by_context`); None: that step."""
+        if self.blocks is None or self.costs is None:
+            return None
+        reach = {s: self.reach(self.rows[s]) for s in decoding(self.rows)}
+        groups = split_by_context(reach, batch, kv, self.plan, *self.costs)
+        if groups is None:
+            return None
+        has_bank = bank_of(self.model) is not None
+        plans = []
+        for group in groups:
+            size = self.plan.batch_bucket(len(group))
+            tokens = torch.zeros(size, 1, dtype=torch.long)
+            positions = torch.zeros(size, 1, dtype=torch.long)
+            for i, slot in enumerate(group):
+                tokens[i, 0], positions[i, 0] = self.rows[slot].last, self.rows[slot].length
+            plans.append(
+                StepPlan(
+                    "decode",
+                    group,
+                    group,
+                    list(range(len(group))),
+                    [self.rows[s].generated for s in group],
+                    tokens,
+                    positions,
+                    adapters=[self.rows[s].adapter for s in group] + [0] * (size - len(group)) if has_bank else None,
+                    counts={i: 0 for i in range(len(group))},
+                    advance={s: 1 for s in group},
+                    fails=group,
+                    view=(size, self.plan.kv_bucket(max(reach[s] for s in group))),
+                )
+            )
+        return plans
 
     def decode_plan(self, batch: int) -> StepPlan:
         """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
