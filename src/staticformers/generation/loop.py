@@ -511,11 +511,12 @@ class GenerationLoop:
         if changed or self._table_stale:  # a freed row's entries point at blocks it no longer holds
             self._write_table({s: r.blocks for s, r in self.rows.items()})
 
-    def _write_table(self, rows: dict) -> None:
-        """The block cache's table from `rows` {slot: blocks}; every other row's entries the null block. Its own graph
-        on a lazily traced device (flushed), not part of the next step's."""
-        self.cache.write_table(rows)
-        self._table_stale = False
+    def _write_table(self, rows: dict, view: Optional[KVCache] = None) -> None:
+        """The block cache's table (or `view`'s, a view of its pool) from `rows` {row: blocks}; every other row's
+        entries the null block. Its own graph on a lazily traced device (flushed), not part of the next step's."""
+        (view or self.cache).write_table(rows)
+        if view is None:
+            self._table_stale = False
         self.engine.backend.flush(self.engine.model.device)
 
     def prefix_counts(self) -> Optional[tuple[int, int]]:
@@ -649,8 +650,7 @@ class GenerationLoop:
         blocks, row i the i-th of `step.slots` (written before every such step: the view is shared by every step of
         its shape), then apply its result."""
         view = self.engine.cache(*step.view)
-        view.write_table({i: self.rows[s].blocks for i, s in enumerate(step.slots)})
-        self.engine.backend.flush(self.engine.model.device)
+        self._write_table({i: self.rows[s].blocks for i, s in enumerate(step.slots)}, view)
         result = self._run(step, view)
         if result is not None:
             self.chunks += step.kind == "chunk"
