@@ -5,7 +5,8 @@ server twice on the same requests, with and without the feature, and reports the
   and a short user turn of its own; one request in ten starts with a system prompt of its own instead (a
   miss), so about 90% of prompt tokens can hit. A warm-up pass of requests of the same shapes first
   (compiles; the pool then holds the shared prompt: the steady state of a server that has seen it; the
-  measured pass's user turns and own system prompts are new). Reported: median
+  measured passes' user turns and own system prompts are new; `--rounds` passes, each with new ones). Reported,
+  the median over the rounds (each round's figures beside it):
   TTFT, output tokens/s, and the hit rate the server counted during the measured pass
   (`prefix_cache_hits / prefix_cache_queries` on `/metrics`), without prefix caching (`no_cache`), with the static
   caches' prefix pool, whose hits are copied into a request's row (`prefix_cache`), and with block caches, whose hits
@@ -97,6 +98,15 @@ def shared_prefix_jobs(requests: int, system: int, vocab: int, seed: int = 0) ->
     return jobs
 
 
+def _median_row(rounds: list) -> dict:
+    """The rounds' median of every figure, the rounds themselves under "rounds" (a graph compiled in a round, a shape
+    the passes before had not met, stalls every running request while it compiles: compare the rounds with none)."""
+    row = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0] if rounds[0][k] is not None}
+    row["graphs_after_warmup"] = sum(r["graphs_compiled"] for r in rounds)
+    row["rounds"] = rounds
+    return row
+
+
 async def _clients_run(url: str, prompts: list, clients: int, new: int) -> dict:
     """`clients` clients taking the prompts in order, one request at a time each."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -127,7 +137,8 @@ async def _clients_run(url: str, prompts: list, clients: int, new: int) -> dict:
 
 
 def shared_prefix(server_factory, args, vocab: int) -> dict:
-    warm, prompts = (shared_prefix_jobs(args.requests, args.system, vocab, seed) for seed in (0, 1))
+    warm = shared_prefix_jobs(args.requests, args.system, vocab, 0)
+    measured = [shared_prefix_jobs(args.requests, args.system, vocab, 1 + r) for r in range(args.rounds)]
     out = {
         "workload": "shared-prefix",
         "clients": args.clients[-1],
@@ -144,20 +155,23 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
         server = server_factory(extra)
         try:
             asyncio.run(_clients_run(server.url, warm, args.clients[-1], args.new))  # warm-up: other turns
-            q0, h0, g0 = (
-                counter(server.url, n)
-                for n in ("prefix_cache_queries_total", "prefix_cache_hits_total", "graphs_compiled_total")
-            )
-            row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))
-            q, h = (
-                counter(server.url, "prefix_cache_queries_total") - q0,
-                counter(server.url, "prefix_cache_hits_total") - h0,
-            )
-            row["prefix_hit_rate"] = round(h / q, 3) if q else None
-            row["graphs_after_warmup"] = counter(server.url, "graphs_compiled_total") - g0
+            rounds = []
+            for prompts in measured:  # each round new user turns and own system prompts
+                q0, h0, g0 = (
+                    counter(server.url, n)
+                    for n in ("prefix_cache_queries_total", "prefix_cache_hits_total", "graphs_compiled_total")
+                )
+                row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))
+                q, h = (
+                    counter(server.url, "prefix_cache_queries_total") - q0,
+                    counter(server.url, "prefix_cache_hits_total") - h0,
+                )
+                row["prefix_hit_rate"] = round(h / q, 3) if q else None
+                row["graphs_compiled"] = counter(server.url, "graphs_compiled_total") - g0
+                rounds.append(row)
         finally:
             server.stop()
-        out[label] = row
+        out[label] = _median_row(rounds)
     out["ratios"] = {
         "ttft_p50_no_cache_over_cache": round(out["no_cache"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
         "output_tokens_per_s_cache_over_no_cache": round(
