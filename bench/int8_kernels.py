@@ -16,7 +16,7 @@ same process, alternating, with medians. The ways timed (`--ways`):
   contiguous products over the int32 columns;
 - `reduce_i32_blocks`: the int8 weight stored interleaved (byte i of int32 column k is column i * in/4 + k),
   so each unpacked byte position multiplies a contiguous quarter of the activations, with no copy;
-- `stream`: the CPU backend's streaming kernel for a decode row (`backends/cpu/int8_gemv.py`).
+- `stream`: the CPU backend's streaming kernel for a decode row (`backends/cpu/gemv.py`).
 
 `--copies N` gives `aten`, `aten_bf16`, `stream`, `dense` and `reduce_bf16` N copies of the weight, each call
 the next one, so that with N large enough (N x the weight's bytes well past the last-level cache) they read
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import pressure  # noqa: E402
 from reference import report as write_report  # noqa: E402
 
-from staticformers.backends.cpu import int8_gemv  # noqa: E402
+from staticformers.backends.cpu import gemv as int8_gemv  # noqa: E402
 
 # the reference's projections (41m): q/o, k/v, gate/up, down, and the tied head
 SHAPES = {"q_o": (512, 512), "k_v": (256, 512), "gate_up": (1536, 512), "down": (512, 1536), "head": (32000, 512)}

@@ -88,16 +88,18 @@ def test_policy_per_shape():
         return ops.attention_kind, ops.linears, ops.head_linear
 
     assert form(decode_formulation(1, torch.float32, "onednn")) == ("reduce", "reduce", "reduce")
-    assert form(decode_formulation(1, torch.bfloat16)) == ("reduce", "reduce", "reduce")
+    # bf16 with 1-8 rows: the streaming kernel for every projection and the head (`gemv.py`)
+    assert form(decode_formulation(1, torch.bfloat16)) == ("reduce", "stream", "stream")
     # fp32 GEMMs with 2-8 rows are slow for the 32,000-row head: a reduction there
     assert form(decode_formulation(8, torch.float32, "onednn")) == (None, None, "reduce")  # MKL's sgemm at 2-8 rows
-    assert form(decode_formulation(2, torch.bfloat16)) == ("reduce", None, "reduce")
-    assert form(decode_formulation(4, torch.bfloat16)) == ("reduce", None, None)
+    assert form(decode_formulation(2, torch.bfloat16)) == ("reduce", "stream", "stream")
+    assert form(decode_formulation(8, torch.bfloat16)) == ("reduce", "stream", "stream")
     assert form(decode_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
     assert form(decode_formulation(16, torch.bfloat16)) == (None, None, None)
-    assert form(prefill_formulation(1, torch.bfloat16)) == ("matmul", None, "reduce")
+    assert form(prefill_formulation(1, torch.bfloat16)) == ("matmul", None, "stream")
     assert form(prefill_formulation(1, torch.float32, "onednn")) == (None, "onednn", "reduce")
-    assert form(prefill_formulation(8, torch.bfloat16)) == (None, None, None)
+    assert form(prefill_formulation(8, torch.bfloat16)) == (None, None, "stream")
+    assert form(prefill_formulation(16, torch.bfloat16)) == (None, None, None)
     assert form(prefill_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
     assert decode_formulation(1, torch.float32) == CPUOps("reduce", "reduce", "reduce")  # compared by key
 

@@ -1,7 +1,8 @@
-"""int8_gemv.py: the CPU's streaming int8 kernel for a decode row against the exact product, for every pairing of
+"""gemv.py: the CPU's streaming kernels for a decode step's rows against the exact product. int8: every pairing of
 activation and scale dtypes, grouped calls, the rows' tail past the vector width, the formulation that picks it
 (one row: the kernel; more: ATen's), q/k/v and gate/up as one call, a traced graph calling it whole, the
-fallback where it cannot be built, and bad input refused in one sentence."""
+fallback where it cannot be built, and bad input refused in one sentence. bf16: 1-8 rows and more (blocks of 8),
+grouped calls, the `"stream"` formulation (LoRA bases stream, hooked and float32 layers reduce), the fallback."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from staticformers.backends.cpu import formulations as f
-from staticformers.backends.cpu import int8_gemv as g
+from staticformers.backends.cpu import gemv as g
 from staticformers.models.quantization import QuantLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread", "kernel")
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "kernel")
 def kernel():
     """Built (or read from inductor's cache) when a test of this file runs, not when it is collected."""
     if not g.loaded():
-        pytest.skip("the int8 kernel cannot be built here (no C++ compiler, or no AVX2/AVX-512 for inductor)")
+        pytest.skip("the streaming kernels cannot be built here (no C++ compiler, or no AVX2/AVX-512 for inductor)")
 
 
 def exact(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +177,7 @@ def test_a_fresh_process_calling_the_operator_first_loads_its_kernel():
 
     code = (
         "import torch\n"
-        "from staticformers.backends.cpu import int8_gemv as g\n"
+        "from staticformers.backends.cpu import gemv as g\n"
         "assert 'loaded' not in g._STATE\n"
         "torch.manual_seed(0)\n"
         "w = torch.randint(-127, 128, (8, 64), dtype=torch.int8); x = torch.randn(1, 64); s = torch.rand(8)\n"
@@ -189,3 +190,108 @@ def test_a_fresh_process_calling_the_operator_first_loads_its_kernel():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ---- bfloat16 ------------------------------------------------------------------------------------------------
+
+
+def check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """float32 sums of K exact products of bf16 values (8-bit significands: each product fits float32), then one
+    rounding to bf16: within K * 2**-24 of the magnitudes plus half a bf16 unit (2**-8 relative)."""
+    xd, wd = x.double(), w.double()
+    want, mags = xd @ wd.t(), xd.abs() @ wd.abs().t()
+    err = (y.double() - want).abs()
+    bound = x.shape[-1] * 2**-24 * mags + 2**-8 * want.abs() + 1e-30
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("k", [576, 100, 40])  # whole vector iterations; a tail; shorter than one iteration
+def test_the_bf16_kernel_is_the_product_rounded_once_for_1_to_19_rows(k):
+    torch.manual_seed(3)
+    ws = [torch.randn(n, k).bfloat16() for n in (40, 24, 24)]
+    for rows in (1, 2, 3, 5, 8, 19):  # 19: two blocks of 8 and one of 3
+        x = torch.randn(rows, k).bfloat16()
+        assert g.bf16_supports(x)
+        ys = g.bf16_gemv(x, ws)
+        assert [y.shape for y in ys] == [(rows, w.shape[0]) for w in ws] and all(y.dtype == torch.bfloat16 for y in ys)
+        for y, w in zip(ys, ws):
+            check_bf16(y, x, w)
+
+
+def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone():
+    """A row's sums do not depend on the other rows of its call, nor on the threads' split: bit for bit."""
+    torch.manual_seed(4)
+    ws = [torch.randn(n, 256).bfloat16() for n in (300, 200)]
+    x = torch.randn(6, 256).bfloat16()
+    together = g.bf16_gemv(x, ws)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        split = g.bf16_gemv(x, ws)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(together, split):
+        assert torch.equal(a, b)
+    alone = g.bf16_gemv(x[4:5], ws)
+    for a, b in zip(together, alone):
+        assert torch.equal(a[4:5], b)
+
+
+def test_stream_projections_run_the_bf16_kernel_in_one_call_per_group(monkeypatch):
+    """With `"stream"` linears, q/k/v (with a bias) are one call and agree with the module within bf16's rounding;
+    a LoRA layer's base streams and its adapter is added; float32, int8 and hooked layers and a wanted gradient
+    reduce instead; more than `BF16_GEMV_MAX_ROWS` rows do too."""
+    from staticformers.adapters.lora import LoraLinear
+
+    torch.manual_seed(5)
+    layers = tuple(torch.nn.Linear(64, n, bias=b).bfloat16() for n, b in ((64, True), (32, False), (32, False)))
+    calls = []
+    real = f.bf16_gemv
+
+    def counting(x, weights):
+        calls.append(len(weights))
+        return real(x, weights)
+
+    monkeypatch.setattr(f, "bf16_gemv", counting)
+    ops = f.CPUOps("reduce", "stream", "stream")
+    x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        together = ops.linear_group(layers, x)
+        assert calls == [3]
+        for layer, y in zip(layers, together):
+            torch.testing.assert_close(y, layer(x), rtol=2**-7, atol=1e-2)
+        assert torch.equal(ops.linear(layers[1], x), together[1])
+        assert calls == [3, 1]
+        lora = LoraLinear(torch.nn.Linear(64, 32, bias=False).bfloat16())
+        lora.add("a", 4, 8, 2.0, 0.0, "gaussian", torch.bfloat16, torch.device("cpu"))
+        torch.nn.init.normal_(lora.lora_B["a"].weight)
+        lora.active = ("a",)
+        torch.testing.assert_close(ops.linear(lora, x), lora(x), rtol=2**-6, atol=5e-2)
+        assert calls == [3, 1, 1]
+        hooked = torch.nn.Linear(64, 16).bfloat16()
+        hooked.register_forward_hook(lambda m, i, o: o)
+        for layer, h in ((torch.nn.Linear(64, 16), x.float()), (hooked, x)):
+            ops.linear(layer, h)
+        too_many = torch.randn(f.BF16_GEMV_MAX_ROWS + 1, 1, 64, dtype=torch.bfloat16)
+        ops.linear(layers[0], too_many)
+    with torch.enable_grad():
+        ops.linear(layers[0], x.clone().requires_grad_())
+    assert calls == [3, 1, 1]
+
+
+def test_where_the_kernel_cannot_run_stream_projections_reduce(monkeypatch):
+    monkeypatch.setitem(g._STATE, "loaded", False)
+    torch.manual_seed(6)
+    layer = torch.nn.Linear(64, 48).bfloat16()
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert not f.bf16_streams((layer,), x)
+        torch.testing.assert_close(f.project(layer, x, "stream"), f.project(layer, x, "reduce"), rtol=0, atol=0)
+
+
+def test_bad_bf16_input_is_refused_in_one_sentence():
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"weight 0 must be bfloat16 \[out, 32\]"):
+        g.bf16_gemv(torch.randn(1, 32).bfloat16(), [w])
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        g.bf16_gemv(torch.randn(1, 64), [w])

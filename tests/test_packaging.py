@@ -61,11 +61,11 @@ def test_make_pins_torch_unless_told_or_a_neuron_sdk_is_there(tmp_path):
 
 
 def test_the_cpus_int8_kernel_source_ships_in_the_package():
-    """backends/cpu/int8_gemv.cpp is built from source where it runs, so a wheel must carry it."""
+    """backends/cpu/gemv.cpp is built from source where it runs, so a wheel must carry it."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
     assert "backends/cpu/*.cpp" in project["tool"]["setuptools"]["package-data"]["staticformers"]
-    assert os.path.exists(os.path.join(ROOT, "src", "staticformers", "backends", "cpu", "int8_gemv.cpp"))
+    assert os.path.exists(os.path.join(ROOT, "src", "staticformers", "backends", "cpu", "gemv.cpp"))
 
 
 def test_torch_spec_may_name_an_index_and_each_word_reaches_pip_alone(tmp_path):

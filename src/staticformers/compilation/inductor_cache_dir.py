@@ -5,7 +5,7 @@ Why this exists: importing `torch._dynamo` creates inductor's cache folder, and 
 read-only folder) would end a compiled run before its first graph. `usable()` is called before every
 compile: where the folder can neither be created nor written, it warns once, naming the folder and why,
 and points inductor at a fresh private temporary folder for this process, so compiled runs go on without
-a persistent cache. (Eager runs never import Dynamo: `backends/cpu/int8_gemv.py` marks its constant without
+a persistent cache. (Eager runs never import Dynamo: `backends/cpu/gemv.py` marks its constant without
 it.)
 """
 

@@ -165,7 +165,7 @@ class CPUBackend(Backend):
     hosts_memory = fused_optimizer = True
     int8_linear = (
         "one decode row (`int8_gemv_max_rows`): a streaming C++ kernel built with inductor's toolchain "
-        "(`int8_gemv.py`), several projections of one input in one call; a few rows (up to "
+        "(`gemv.py`), several projections of one input in one call; a few rows (up to "
         "`int8_kernel_max_rows`): ATen's weight-only int8 kernel (`_weight_int8pack_mm`), in bf16 for "
         "float32 activations (`formulations.int8_linear`); a prompt's rows, and a gradient wanted (an "
         "adapter training over it), through the int8 weight widened in the graph, then the GEMM"

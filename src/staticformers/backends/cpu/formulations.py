@@ -9,8 +9,11 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
 - `project(..., "packed")`: bfloat16 GEMMs through oneDNN over weights it packed once (`packed_linear.py`).
+- `project(..., "stream")`: the bfloat16 projections of a decode step's few rows through the streaming kernel of
+  `gemv.py`, which reads each weight row once for all the rows (q, k and v, or gate and up, in one call); a
+  projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does.
 - `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
-  decode) through the streaming kernel of `int8_gemv.py`, of a few rows through ATen's int8 kernel (in
+  decode) through the streaming kernel of `gemv.py`, of a few rows through ATen's int8 kernel (in
   bf16 for float32 activations); a prompt's through the widened weight's GEMM.
 - `attend_decode`: one query per row as fused reductions over the cache (no matmul calls, no KV copy);
   `attend_grouped`: matmul + float32 softmax + matmul with the query heads grouped per KV head;
@@ -36,7 +39,7 @@ from ...models.attention_sinks import softmax_with_sinks
 from ...models.norm_variants import softcap as cap_scores
 from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
-from .int8_gemv import int8_gemv, supports as int8_gemv_supports
+from .gemv import bf16_gemv, bf16_supports, int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .packed_linear import packed_available, packed_linear
@@ -59,6 +62,10 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     quantized = isinstance(layer, QuantLinear)
     if quantized and int8_kernel(layer, x):
         return int8_linear(layer, x)
+    if how == "stream" and not isinstance(layer, LoraLinear):  # a LoRA layer's base streams, below
+        if bf16_streams((layer,), x):
+            return bf16_linears((layer,), x)[0]
+        how = "reduce"
     if how is None:
         return widened_linear(layer, x) if quantized and not hooked(layer) else layer(x)
     if isinstance(layer, LoraLinear):
@@ -106,7 +113,7 @@ def kernel_may_run(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def streams(layer: QuantLinear, x: torch.Tensor) -> bool:
-    """Whether `int8_linear` runs the streaming kernel (`int8_gemv.py`): at most `INT8_GEMV_MAX_ROWS` rows
+    """Whether `int8_linear` runs the streaming kernel (`gemv.py`): at most `INT8_GEMV_MAX_ROWS` rows
     (past them it widens the weight again for each row, and ATen's kernel is faster), on a CPU it is built
     for."""
     return x.numel() <= INT8_GEMV_MAX_ROWS * x.shape[-1] and int8_gemv_supports(x, layer.weight_scale)
@@ -134,6 +141,34 @@ def int8_linears(layers: tuple, x: torch.Tensor) -> tuple:
             y = y + layer.bias.to(y.dtype)
         out.append(y.reshape(*lead, -1))
     return tuple(out)
+
+
+BF16_GEMV_MAX_ROWS = threshold("bf16_gemv_max_rows")
+
+
+def bf16_streams(layers: tuple, x: torch.Tensor) -> bool:
+    """Whether `bf16_linears` computes these projections of `x` in one call of the streaming bf16 kernel: plain
+    linears (a LoRA layer's base is one) with bfloat16 weights, no forward hook (tensor parallel's lay out the
+    input and output around `layer(x)`), at most `BF16_GEMV_MAX_ROWS` rows, no gradient wanted, on a CPU the
+    kernel is built for."""
+    return (
+        x.numel() <= BF16_GEMV_MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and all(
+            type(layer) is nn.Linear and layer.weight.dtype == torch.bfloat16 and not hooked(layer) for layer in layers
+        )
+        and bf16_supports(x)
+    )
+
+
+def bf16_linears(layers: tuple, x: torch.Tensor) -> tuple:
+    """`tuple(layer(x) for layer in layers)` in one call of the streaming bf16 kernel (check `bf16_streams`
+    first), each bias added after."""
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    ys = bf16_gemv(rows, [layer.weight for layer in layers])
+    return tuple(
+        (y if layer.bias is None else y + layer.bias.to(y.dtype)).reshape(*lead, -1) for layer, y in zip(layers, ys)
+    )
 
 
 def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -309,16 +344,19 @@ class CPUOps(Ops):
         return project(layer, x, self.head_linear)
 
     def linear_group(self, layers: tuple, x: torch.Tensor) -> tuple:
-        """Projections of one input: int8 ones that stream (one decode row) in one kernel call."""
+        """Projections of one input: int8 ones that stream (one decode row), or bf16 ones with `"stream"`
+        linears, in one kernel call."""
         if streamed_together(layers, x):
             return int8_linears(layers, x)
+        if self.linears == "stream" and bf16_streams(layers, x):
+            return bf16_linears(layers, x)
         return super().linear_group(layers, x)
 
     def expert_matmul(self, x, weight, scale=None, index=None):
         """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1
         decode), a float32 multiply-and-sum that reads each (gathered) weight row in place, as `project` does
         (a quantized stack's rows as stored, each sum times its row's scale)."""
-        if self.linears != "reduce":
+        if self.linears not in ("reduce", "stream"):
             return expert_product(x, weight, scale, index)
         w = weight if index is None else weight[index]
         y = (x.unsqueeze(-2).float() * widen(w, torch.float32).unsqueeze(-3)).sum(-1)
@@ -371,9 +409,13 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     SDPA kernel is slow at small batches in bf16); float32 keeps SDPA. The `lm_head` is a reduction in
     float32 at every batch up to 8 and in bf16 up to batch 2, where this PyTorch's GEMM reads that
     weight slowly; the regional head stores the normalised input once (`compilation.regions.head_region`), so
-    nothing is recomputed per weight row. Past batch 8 everything is a GEMM."""
+    nothing is recomputed per weight row. In bf16, up to `BF16_GEMV_MAX_ROWS` rows, every projection and the head
+    run the streaming kernel instead (`gemv.py`: each weight row read once for all the rows, BENCHMARKS.md, "A
+    streaming bf16 kernel"). Past batch 8 everything is a GEMM."""
     if batch > FAST_DECODE_MAX_BATCH:
         return CPUOps(None, gemm, gemm)
+    if dtype == torch.bfloat16 and batch <= BF16_GEMV_MAX_ROWS:  # the streaming kernel, head included
+        return CPUOps("reduce", "stream", "stream")
     head = "reduce" if dtype == torch.float32 or batch <= BF16_HEAD_REDUCTION_MAX_BATCH else gemm
     if batch == 1:
         return CPUOps("reduce", "reduce", head)

@@ -1,18 +1,23 @@
-// A weight-only int8 projection of a few rows, streaming the int8 weight once (backends/cpu/int8_gemv.py).
+// The projections of a decode step's few rows, streaming each weight once (backends/cpu/gemv.py): two kernels.
 //
-// y[m, n] = scale[n] * sum_k w[n, k] * x[m, k], accumulated in float32, for several weights of one input.
-// w: [N, K] int8, row-major; x: [M, K] and y: [M, N] in the activations' dtype (bfloat16 or float32);
-// scale: [N] (bfloat16 or float32). Registered as the CPU kernel of `staticformers::int8_gemv`, whose
-// schema and shape function int8_gemv.py defines.
+// int8_gemv: y[m, n] = scale[n] * sum_k w[n, k] * x[m, k], accumulated in float32, for several weights of one
+// input. w: [N, K] int8, row-major; x: [M, K] and y: [M, N] in the activations' dtype (bfloat16 or float32);
+// scale: [N] (bfloat16 or float32).
+// bf16_gemv: y[m, n] = sum_k w[n, k] * x[m, k], accumulated in float32 and rounded to bfloat16 once, for several
+// bfloat16 weights [N, K] of one bfloat16 input [M, K]; each weight row is read once for all M rows.
+// Registered as the CPU kernels of `staticformers::int8_gemv` and `staticformers::bf16_gemv`, whose schemas and
+// shape functions gemv.py defines.
 //
-// Why it is written this way: a decode step's projections are bound by the bytes of the weight, so the
+// Why they are written this way: a decode step's projections are bound by the bytes of the weight, so the
 // loop reads the weights as one forward stream (each row whole, rows in order, the rows of all the
-// weights of a call split between threads in contiguous ranges), one cache line an iteration into four
+// weights of a call split between threads in contiguous ranges), one cache line an iteration into
 // independent float32 accumulators, and prefetches SF_PREFETCH bytes ahead. Reading several rows side by
-// side instead, a few cache lines of each, is what ATen's kernel does, and it defeats the hardware's
-// stream prefetch once the weights no longer fit in cache (BENCHMARKS.md, weight-only int8). It is a C++
-// operator, not a Python one, because a decode step calls it about 33 times and the dispatch through
-// Python cost several times the call of the kernel itself.
+// side instead, a few cache lines of each, is what ATen's int8 kernel does, and it defeats the hardware's
+// stream prefetch once the weights no longer fit in cache (BENCHMARKS.md, weight-only int8). In bfloat16,
+// inductor's reduction over the weight rows and oneDNN's GEMM both read a decode step's weights at well under
+// the memory's rate (BENCHMARKS.md, "A streaming bf16 kernel"). These are C++ operators, not Python ones,
+// because a decode step calls them about 33 times and the dispatch through Python cost several times the call
+// of the kernel itself.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -146,8 +152,136 @@ static std::vector<at::Tensor> int8_gemv(const at::Tensor& x_in, at::TensorList 
   return outs;
 }
 
+// ---- bfloat16 weights -------------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+static inline __m512 widen_bf16(const uint16_t* p) {  // 16 bfloat16 -> float32: the bits moved up by 16
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#elif defined(__AVX2__)
+static inline __m256 widen_bf16(const uint16_t* p) {  // 8 bfloat16 -> float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#endif
+
+// The dot products of one bfloat16 weight row with MB float32 activation rows (x: MB rows of K), into out[0, MB).
+// One row keeps four accumulators (two cache lines an iteration); several rows keep two each, the weight's
+// vectors widened once for all of them.
+template <int MB>
+static inline void bf16_rows_dot(const uint16_t* wr, const float* x, const int64_t K, float* out) {
+  int64_t k = 0;
+  float tail[MB];
+  for (int m = 0; m < MB; ++m) tail[m] = 0.f;
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  using vec = __m512;
+  constexpr int W = 16;
+  auto zero = [] { return _mm512_setzero_ps(); };
+  auto load = [](const float* p) { return _mm512_loadu_ps(p); };
+  auto fma = [](vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); };
+  auto add = [](vec a, vec b) { return _mm512_add_ps(a, b); };
+  auto total = [](vec a) { return _mm512_reduce_add_ps(a); };
+#else
+  using vec = __m256;
+  constexpr int W = 8;
+  auto zero = [] { return _mm256_setzero_ps(); };
+  auto load = [](const float* p) { return _mm256_loadu_ps(p); };
+  auto fma = [](vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); };
+  auto add = [](vec a, vec b) { return _mm256_add_ps(a, b); };
+  auto total = [](vec a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    return _mm_cvtss_f32(h);
+  };
+#endif
+  vec a0[MB], a1[MB];
+  for (int m = 0; m < MB; ++m) a0[m] = a1[m] = zero();
+  if (MB == 1) {  // one row: four independent chains, or the FMA's latency bounds the loop
+    vec b0 = zero(), b1 = zero();
+    for (; k + 4 * W <= K; k += 4 * W) {
+      _mm_prefetch((const char*)(wr + k) + SF_PREFETCH, _MM_HINT_T0);
+      _mm_prefetch((const char*)(wr + k) + SF_PREFETCH + 64, _MM_HINT_T0);
+      a0[0] = fma(widen_bf16(wr + k), load(x + k), a0[0]);
+      a1[0] = fma(widen_bf16(wr + k + W), load(x + k + W), a1[0]);
+      b0 = fma(widen_bf16(wr + k + 2 * W), load(x + k + 2 * W), b0);
+      b1 = fma(widen_bf16(wr + k + 3 * W), load(x + k + 3 * W), b1);
+    }
+    a0[0] = add(a0[0], b0);
+    a1[0] = add(a1[0], b1);
+  }
+  for (; k + 2 * W <= K; k += 2 * W) {
+    _mm_prefetch((const char*)(wr + k) + SF_PREFETCH, _MM_HINT_T0);
+    const vec w0 = widen_bf16(wr + k), w1 = widen_bf16(wr + k + W);
+    for (int m = 0; m < MB; ++m) {
+      a0[m] = fma(w0, load(x + m * K + k), a0[m]);
+      a1[m] = fma(w1, load(x + m * K + k + W), a1[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) tail[m] = total(add(a0[m], a1[m]));
+#endif
+  for (int m = 0; m < MB; ++m) {
+    float sum = tail[m];
+    for (int64_t j = k; j < K; ++j) sum += bf16_to_float(wr[j]) * x[m * K + j];
+    out[m] = sum;
+  }
+}
+
+static void bf16_block(const uint16_t* wr, const float* x, const int64_t rows, const int64_t K, float* out) {
+  switch (rows) {
+    case 1: return bf16_rows_dot<1>(wr, x, K, out);
+    case 2: return bf16_rows_dot<2>(wr, x, K, out);
+    case 3: return bf16_rows_dot<3>(wr, x, K, out);
+    case 4: return bf16_rows_dot<4>(wr, x, K, out);
+    case 5: return bf16_rows_dot<5>(wr, x, K, out);
+    case 6: return bf16_rows_dot<6>(wr, x, K, out);
+    case 7: return bf16_rows_dot<7>(wr, x, K, out);
+    default: return bf16_rows_dot<8>(wr, x, K, out);
+  }
+}
+
+static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList weights_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "bf16_gemv: x must be bfloat16 [rows, in], got ",
+              x_in.scalar_type(), " ", x_in.sizes());
+  TORCH_CHECK(!weights_in.empty(), "bf16_gemv: at least one weight");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> weights, outs;
+  std::vector<int64_t> starts{0};
+  for (size_t i = 0; i < weights_in.size(); ++i) {
+    const auto& w = weights_in[i];
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == K, "bf16_gemv: weight ", i,
+                " must be bfloat16 [out, ", K, "], got ", w.scalar_type(), " ", w.sizes());
+    weights.push_back(w.contiguous());
+    outs.push_back(at::empty({M, w.size(0)}, x.options()));
+    starts.push_back(starts.back() + w.size(0));
+  }
+  const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xa[i]);
+  const float* xp = xf.data();
+  const int64_t total = starts.back();
+  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    size_t p = 0;
+    float acc[8];
+    for (int64_t row = begin; row < end; ++row) {
+      while (row >= starts[p + 1]) ++p;
+      const int64_t n = row - starts[p], N = weights[p].size(0);
+      const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
+      uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {  // eight rows at a time: their accumulators stay in registers
+        const int64_t rows = std::min<int64_t>(8, M - m0);
+        bf16_block(wr, xp + m0 * K, rows, K, acc);
+        for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = float_to_bf16(acc[m]);
+      }
+    }
+  });
+  return outs;
+}
+
 // The vector path this library was built with: 512 (AVX-512), 256 (AVX2), 0 (none: scalar loops).
-static int64_t int8_gemv_isa() {
+static int64_t gemv_isa() {
 #if defined(__AVX512F__)
   return 512;
 #elif defined(__AVX2__)
@@ -158,9 +292,10 @@ static int64_t int8_gemv_isa() {
 }
 
 TORCH_LIBRARY_FRAGMENT(staticformers_native, m) {
-  m.def("int8_gemv_isa() -> int", &int8_gemv_isa);
+  m.def("gemv_isa() -> int", &gemv_isa);
 }
 
 TORCH_LIBRARY_IMPL(staticformers, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("bf16_gemv", &bf16_gemv);
 }

@@ -1,21 +1,25 @@
-"""The CPU's weight-only int8 projections of a decode step's one row, as an operator compiled graphs call whole.
+"""The CPU's streaming projections of a decode step's few rows, as operators compiled graphs call whole.
 
-Why this exists: a batch-1 decode step is bound by the bytes of its weights, and weight-only int8 is
-meant to halve them. ATen's `_weight_int8pack_mm` reads a few cache lines of several weight rows side
-by side, which keeps the hardware's stream prefetch from running ahead once the weights no longer fit
-in cache: over a whole model it read int8 at about half the rate a bf16 reduction reads bf16, so int8
-decoded no faster than bf16. Inductor's own reduction over int8 is slower still (BENCHMARKS.md,
-weight-only int8). `int8_gemv.cpp` reads the weights as one forward stream per thread instead, and
-computes several projections of one input (q, k and v; gate and up) in one call.
+Why this exists: a batch-1 decode step is bound by the bytes of its weights.
+- **int8** (`int8_gemv`): weight-only int8 is meant to halve those bytes. ATen's `_weight_int8pack_mm` reads a
+  few cache lines of several weight rows side by side, which keeps the hardware's stream prefetch from running
+  ahead once the weights no longer fit in cache: over a whole model it read int8 at about half the rate a bf16
+  reduction reads bf16, so int8 decoded no faster than bf16. Inductor's own reduction over int8 is slower still
+  (BENCHMARKS.md, weight-only int8).
+- **bfloat16** (`bf16_gemv`): inductor's float32 reduction over bf16 weight rows, and oneDNN's GEMM over packed
+  weights at a few rows, read a decode step's bf16 weights at well under the memory's rate (BENCHMARKS.md, "A
+  streaming bf16 kernel").
+`gemv.cpp` reads the weights as one forward stream per thread instead, each weight row once for all the rows of
+the step, and computes several projections of one input (q, k and v; gate and up) in one call.
 
-How it is built: `staticformers::int8_gemv` (its schema and shape function) is defined here at import;
-its CPU kernel is `int8_gemv.cpp`, built by inductor's own C++ toolchain (`CppCodeCache`: the compiler,
-flags and vector ISA inductor uses for every compiled CPU graph, and its disk cache) the first time a
-graph asks whether it can use it (`supports`), and loaded into this process, where it registers itself.
-A compiled graph calls it as one opaque operator; it is for inference (no autograd formula). Until the
-library is loaded, a call (a graph saved by another process) loads it first. Where the build fails, or
-inductor picked no x86 vector ISA (AVX-512 or AVX2) for this CPU, `supports` says False and the caller
-keeps ATen's kernel; a failed build says why once.
+How it is built: `staticformers::int8_gemv` and `staticformers::bf16_gemv` (their schemas and shape functions)
+are defined here at import; their CPU kernels are `gemv.cpp`, built by inductor's own C++ toolchain
+(`CppCodeCache`: the compiler, flags and vector ISA inductor uses for every compiled CPU graph, and its disk
+cache) the first time a graph asks whether it can use them (`supports`, `bf16_supports`), and loaded into this
+process, where it registers them. A compiled graph calls each as one opaque operator; they are for inference (no
+autograd formula). Until the library is loaded, a call (a graph saved by another process) loads it first. Where
+the build fails, or inductor picked no x86 vector ISA (AVX-512 or AVX2) for this CPU, `supports` says False and
+the caller keeps ATen's kernel (or inductor's reduction); a failed build says why once.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from .operators import define
 
 OP = "staticformers::int8_gemv"
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int8_gemv.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
 
 _STATE: dict = {}  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
@@ -38,7 +42,7 @@ _CALLING = threading.local()  # `again`: this thread is inside `_first_call`'s r
 
 
 def _build() -> None:
-    """Build `int8_gemv.cpp` against this torch and load it (its static initialisers register the kernel)."""
+    """Build `gemv.cpp` against this torch and load it (its static initialisers register the kernels)."""
     from torch._inductor.codecache import CppCodeCache
 
     class TorchLibrary(CppCodeCache):  # a shared library that includes and links PyTorch
@@ -50,7 +54,7 @@ def _build() -> None:
 
 
 def loaded() -> bool:
-    """Whether the kernel runs in this process: built (once per machine and torch, then from inductor's disk
+    """Whether the kernels run in this process: built (once per machine and torch, then from inductor's disk
     cache) and loaded on first call, with a vector path for this CPU."""
     if "loaded" in _STATE:
         return _STATE["loaded"]
@@ -60,11 +64,12 @@ def loaded() -> bool:
             if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
                 try:
                     _build()
-                    ok = torch.ops.staticformers_native.int8_gemv_isa() > 0
+                    ok = torch.ops.staticformers_native.gemv_isa() > 0
                 except Exception as exc:  # no working C++ compiler here: ATen's kernel runs instead
                     warnings.warn(
-                        f"staticformers: the CPU's int8 decode kernel could not be built ({exc!r}); "
-                        "int8 projections run ATen's kernel instead, which reads int8 more slowly.",
+                        f"staticformers: the CPU's streaming decode kernels could not be built ({exc!r}); "
+                        "int8 projections run ATen's kernel instead, and bf16 ones inductor's reduction, "
+                        "which read their weights more slowly.",
                         stacklevel=2,
                     )
             _STATE["loaded"] = ok
@@ -87,34 +92,35 @@ def supports(x: torch.Tensor, *scales: torch.Tensor) -> bool:
     return x.device.type == "cpu" and len({s.dtype for s in scales}) == 1 and _runs(x.dtype, scales[0].dtype)
 
 
-def _first_call(x: torch.Tensor, weights: list, scales: list) -> list:
-    """The operator's kernel for every dispatch key without its own: on the CPU until the C++ kernel is
+def _first_call(name: str, *args) -> list:
+    """The kernel of operator `name` for every dispatch key without its own: on the CPU until the C++ kernel is
     loaded (a graph traced in another process calls it first), which this loads, then calls. Anything else
     gets one clear error."""
-    devices = {t.device.type for t in (x, *weights, *scales)}
+    tensors = [args[0], *(t for group in args[1:] for t in group)]
+    devices = {t.device.type for t in tensors}
     if devices != {"cpu"}:
         raise RuntimeError(
-            f"staticformers::int8_gemv runs on the CPU only, and got tensors on {sorted(devices)}; "
-            "int8 projections on other devices run their backend's own form."
+            f"staticformers::{name} runs on the CPU only, and got tensors on {sorted(devices)}; "
+            "projections on other devices run their backend's own form."
         )
     if not loaded():
         raise RuntimeError(
-            "staticformers::int8_gemv was called on a machine where its kernel cannot be built "
+            f"staticformers::{name} was called on a machine where its kernel cannot be built "
             "(see the warning above); recompile the graph here, where ATen's kernel is chosen."
         )
     if getattr(_CALLING, "again", False):  # loaded, yet dispatch came back here: the kernel did not register
         raise RuntimeError(
-            "staticformers::int8_gemv's CPU kernel was built but did not register; "
+            f"staticformers::{name}'s CPU kernel was built but did not register; "
             "clear inductor's cache folder and run again."
         )
     _CALLING.again = True
     try:
-        return torch.ops.staticformers.int8_gemv(x, weights, scales)
+        return getattr(torch.ops.staticformers, name)(*args)
     finally:
         _CALLING.again = False
 
 
-def _shape(x, weights, scales):
+def _shape(x, weights, scales=None):
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 
@@ -122,7 +128,14 @@ def _shape(x, weights, scales):
 define(
     "int8_gemv",
     "(Tensor x, Tensor[] weights, Tensor[] scales) -> Tensor[]",
-    _first_call,
+    lambda x, weights, scales: _first_call("int8_gemv", x, weights, scales),
+    "CompositeExplicitAutograd",
+    _shape,
+)
+define(
+    "bf16_gemv",
+    "(Tensor x, Tensor[] weights) -> Tensor[]",
+    lambda x, weights: _first_call("bf16_gemv", x, weights),
     "CompositeExplicitAutograd",
     _shape,
 )
@@ -136,4 +149,16 @@ def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:
     return torch.ops.staticformers.int8_gemv(x, list(weights), list(scales))
 
 
-__all__ = ["OP", "int8_gemv", "loaded", "supports"]
+def bf16_supports(x: torch.Tensor) -> bool:
+    """Whether `bf16_gemv` computes projections of these activations on this machine: bfloat16 on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _runs(x.dtype, x.dtype)
+
+
+def bf16_gemv(x: torch.Tensor, weights: list) -> list:
+    """`[x @ w.T for w in weights]` in one call, for `x` `[rows, in]` and weights `[out_i, in]`, all bfloat16:
+    each output summed in float32 and rounded to bfloat16 once, each weight row read once for all the rows.
+    Check `bf16_supports` first."""
+    return torch.ops.staticformers.bf16_gemv(x, list(weights))
+
+
+__all__ = ["OP", "bf16_gemv", "bf16_supports", "int8_gemv", "loaded", "supports"]

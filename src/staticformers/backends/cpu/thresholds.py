@@ -46,9 +46,15 @@ TABLE = {
     "int8_gemv_max_rows": Threshold(
         1,
         "bench/int8_kernels.py and bench/generate.py --quantization int8 (BENCHMARKS.md, Weight-only int8)",
-        "up to this many rows an int8 projection runs the streaming kernel (`int8_gemv.py`); past it, ATen's "
+        "up to this many rows an int8 projection runs the streaming kernel (`gemv.py`); past it, ATen's "
         "int8 kernel, which widens each weight value once for all the rows where the streaming kernel widens "
         "it again per row",
+    ),
+    "bf16_gemv_max_rows": Threshold(
+        8,
+        "bench/bf16_gemv.py and bench/ab.py --model smollm2 (BENCHMARKS.md, A streaming bf16 kernel)",
+        "up to this many rows a bf16 decode step's projections run the streaming kernel (`gemv.py`), which "
+        "reads each weight row once for all the rows; past it, oneDNN's GEMM over packed weights",
     ),
     "realize_reads_threshold": Threshold(
         2,
