@@ -22,6 +22,7 @@ from staticformers.backends.cpu.formulations import (
     gemm_kernel,
     prefill_formulation,
 )
+from staticformers.models.block_kv_cache import BlockKVCache, KVBlocks
 from staticformers.models.kv_cache import KVCache
 from staticformers.models.decoder import packed_segments
 
@@ -36,12 +37,13 @@ FORMS = [
 ]
 
 
-def run(model, ids, mask, kv_len, form):
-    """Each row's prompt (the tokens its mask keeps) written at positions 0..n-1 of its cache row, then
-    three decode steps at each row's own position; the logits of every step."""
+def run(model, ids, mask, kv_len, form, cache=None):
+    """Each row's prompt (the tokens its mask keeps) written at positions 0..n-1 of its cache row (a static cache
+    of `kv_len` positions unless `cache` is given), then three decode steps at each row's own position; the
+    logits of every step."""
     b = ids.shape[0]
     ops = form if isinstance(form, CPUOps) else CPUOps(*form) if form is not None else PLAIN_CPU
-    cache = KVCache.for_model(model, b, kv_len)
+    cache = cache if cache is not None else KVCache.for_model(model, b, kv_len)
     lengths = mask.sum(-1)
     prompt = torch.zeros_like(ids)
     for i in range(b):
@@ -73,6 +75,27 @@ def test_formulation_matches_plain_path(tiny_checkpoints, family, form):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_decode_reductions_read_a_block_cache_as_the_plain_path_does(tiny_checkpoints):
+    """Past batch 8 a decode step over a block cache attends by fused reductions (`decode_formulation(...,
+    blocks=True)`), which read each row's blocks through the table in place instead of gathering them for SDPA:
+    rows of different lengths, their blocks scattered over the pool, give the static cache's plain logits."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 128, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, :4] = False
+    mask[2, 2:] = False
+    cache = BlockKVCache(KVBlocks.for_model(model, 16, 4), 3, 16)
+    cache.write_table({0: [5, 2, 9, 1], 1: [3, 7, 4, 8], 2: [10, 12, 11, 6]})
+    ops = decode_formulation(16, torch.float32, None, blocks=True)
+    assert ops.attention_kind == "reduce"
+    with torch.no_grad():
+        want = run(model, ids, mask, 16, None)
+        got = run(model, ids, mask, 16, ops, cache)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_formulation_in_bf16_is_close(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("qwen3"), dtype=torch.bfloat16)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
@@ -95,6 +118,8 @@ def test_policy_per_shape():
     assert form(decode_formulation(2, torch.bfloat16)) == ("reduce", "stream", "stream")
     assert form(decode_formulation(8, torch.bfloat16)) == ("reduce", "stream", "stream")
     assert form(decode_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
+    # on block caches the reductions read the rows' blocks in place; SDPA would take a gathered copy
+    assert form(decode_formulation(16, torch.float32, "onednn", blocks=True)) == ("reduce", "onednn", "onednn")
     assert form(decode_formulation(16, torch.bfloat16)) == (None, None, None)
     assert form(prefill_formulation(1, torch.bfloat16)) == ("matmul", None, "stream")
     assert form(prefill_formulation(1, torch.float32, "onednn")) == (None, "onednn", "reduce")

@@ -24,6 +24,7 @@ from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
 from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
+from ...models.block_kv_cache import BlockKVCache
 from ...models.quantization import QuantLinear
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
 from .regions import RegionalDecode, RegionalExtend, RegionalPrefill
@@ -57,12 +58,12 @@ class CPUStepBuilder(StepBuilder):
         super().reset()
         self.memo.clear()
 
-    def ops(self, kind: str, batch: int, settings) -> CPUOps:
+    def ops(self, kind: str, batch: int, settings, blocks: bool = False) -> CPUOps:
         """The formulation measured fastest for this step under inductor; the modules' own path (with
         query-blocked attention) otherwise, and wherever the formulations would bypass something:
         tensor parallel's module hooks, wrappers or hooks on a projection (`plain_projections`). With
         freezing, GEMMs stay `F.linear`: inductor then packs the frozen weights for oneDNN itself."""
-        key = (kind, batch, settings)
+        key = (kind, batch, settings, blocks)
         ops = self.memo.get(key)
         if ops is None:
             model = self.model
@@ -70,9 +71,12 @@ class CPUStepBuilder(StepBuilder):
             if not fast or self.tp > 1 or not plain_projections(model):
                 ops = PLAIN_CPU
             else:
-                chooser = decode_formulation if kind == "decode" else prefill_formulation
                 frozen = self.backend.freezes_weights(settings)
-                ops = chooser(batch, model.dtype, None if frozen else gemm_kernel(model.dtype))
+                gemm = None if frozen else gemm_kernel(model.dtype)
+                if kind == "decode":
+                    ops = decode_formulation(batch, model.dtype, gemm, blocks)
+                else:
+                    ops = prefill_formulation(batch, model.dtype, gemm)
             self.memo[key] = ops  # once per shape: `plain_projections` walks the module tree
         return ops
 
@@ -97,7 +101,8 @@ class CPUStepBuilder(StepBuilder):
     def build(self, kind: str, batch: int, dim: int, settings, context):
         if not self.regional(settings):
             return super().build(kind, batch, dim, settings, context)
-        ops = self.ops(kind, batch, settings)
+        blocks = kind == "decode" and isinstance(context.cache(batch, dim), BlockKVCache)
+        ops = self.ops(kind, batch, settings, blocks)
         name = step_name(kind, batch, dim, settings)
         backend = self.backend
 

@@ -397,7 +397,7 @@ def gemm_kernel(dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> CPUOps:
+def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None, blocks: bool = False) -> CPUOps:
     """The formulation of an inductor decode step at this batch (`gemm` is `gemm_kernel(...)`).
 
     As measured on the 41.6M reference model (BENCHMARKS.md): at batch 1 every linear is a weight-
@@ -411,9 +411,12 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     weight slowly; the regional head stores the normalised input once (`compilation.regions.head_region`), so
     nothing is recomputed per weight row. In bf16, up to `BF16_GEMV_MAX_ROWS` rows, every projection and the head
     run the streaming kernel instead (`gemv.py`: each weight row read once for all the rows, BENCHMARKS.md, "A
-    streaming bf16 kernel"). Past batch 8 everything is a GEMM."""
+    streaming bf16 kernel"). Past batch 8 everything is a GEMM, and attention is SDPA over a static cache; over a
+    block cache (`blocks`) it stays fused reductions, which read each row's blocks through the table in place,
+    where SDPA would take a gathered copy of every row's context (BENCHMARKS.md, "Prefix caching by shared
+    blocks")."""
     if batch > FAST_DECODE_MAX_BATCH:
-        return CPUOps(None, gemm, gemm)
+        return CPUOps("reduce" if blocks else None, gemm, gemm)
     if dtype == torch.bfloat16 and batch <= BF16_GEMV_MAX_ROWS:  # the streaming kernel, head included
         return CPUOps("reduce", "stream", "stream")
     head = "reduce" if dtype == torch.float32 or batch <= BF16_HEAD_REDUCTION_MAX_BATCH else gemm
