@@ -23,6 +23,19 @@ def kernel():
         pytest.skip("the streaming kernels cannot be built here (no C++ compiler, or no AVX2/AVX-512 for inductor)")
 
 
+def count_calls(monkeypatch, name: str) -> list:
+    """The formulations' calls of kernel `name` from now on, each as its number of weights."""
+    calls: list = []
+    real = getattr(f, name)
+
+    def counting(x, weights, *rest):
+        calls.append(len(weights))
+        return real(x, weights, *rest)
+
+    monkeypatch.setattr(f, name, counting)
+    return calls
+
+
 def exact(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The product in float64 from the same inputs, and the sum of its terms' magnitudes (for the bound)."""
     xd, wd, sd = x.double(), w.double(), s.double()
@@ -108,14 +121,7 @@ def test_q_k_v_and_gate_up_are_one_call_and_mixed_groups_are_not(monkeypatch):
         QuantLinear.from_linear(torch.nn.Linear(64, n, bias=b).bfloat16(), "int8")
         for n, b in ((64, True), (32, False), (32, False))
     )
-    calls = []
-    real = f.int8_gemv
-
-    def counting(x, weights, scales):
-        calls.append(len(weights))
-        return real(x, weights, scales)
-
-    monkeypatch.setattr(f, "int8_gemv", counting)
+    calls = count_calls(monkeypatch, "int8_gemv")
     ops = f.CPUOps("reduce", "reduce", "reduce")
     x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -245,14 +251,7 @@ def test_stream_projections_run_the_bf16_kernel_in_one_call_per_group(monkeypatc
 
     torch.manual_seed(5)
     layers = tuple(torch.nn.Linear(64, n, bias=b).bfloat16() for n, b in ((64, True), (32, False), (32, False)))
-    calls = []
-    real = f.bf16_gemv
-
-    def counting(x, weights):
-        calls.append(len(weights))
-        return real(x, weights)
-
-    monkeypatch.setattr(f, "bf16_gemv", counting)
+    calls = count_calls(monkeypatch, "bf16_gemv")
     ops = f.CPUOps("reduce", "stream", "stream")
     x = torch.randn(2, 1, 64, dtype=torch.bfloat16)
     with torch.no_grad():
