@@ -11,7 +11,8 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
 - `project(..., "packed")`: bfloat16 GEMMs through oneDNN over weights it packed once (`packed_linear.py`).
 - `project(..., "stream")`: the bfloat16 projections of a decode step's few rows through the streaming kernel of
   `gemv.py`, which reads each weight row once for all the rows (q, k and v, or gate and up, in one call); a
-  projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does.
+  projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does, and
+  more rows than it takes (a prompt's scored head) run the GEMM (`gemm_kernel`).
 - `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
   decode) through the streaming kernel of `gemv.py`, of a few rows through ATen's int8 kernel (in
   bf16 for float32 activations); a prompt's through the widened weight's GEMM.
@@ -65,7 +66,8 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     if how == "stream" and not isinstance(layer, LoraLinear):  # a LoRA layer's base streams, below
         if bf16_streams((layer,), x):
             return bf16_linears((layer,), x)[0]
-        how = "reduce"
+        # a decode row the kernel cannot take reduces; many rows (a prompt's scored head) take the GEMM
+        how = "reduce" if x.numel() <= BF16_GEMV_MAX_ROWS * x.shape[-1] else gemm_kernel(x.dtype)
     if how is None:
         return widened_linear(layer, x) if quantized and not hooked(layer) else layer(x)
     if isinstance(layer, LoraLinear):
@@ -414,7 +416,7 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     streaming bf16 kernel"). Past batch 8 everything is a GEMM, and attention is SDPA over a static cache; over a
     block cache (`blocks`) it stays fused reductions, which read each row's blocks through the table in place,
     where SDPA would take a gathered copy of every row's context (BENCHMARKS.md, "Prefix caching by shared
-    blocks")."""
+    blocks"). At float32 2-8 rows the two measured alike on block caches, and SDPA stays."""
     if batch > FAST_DECODE_MAX_BATCH:
         return CPUOps("reduce" if blocks else None, gemm, gemm)
     if dtype == torch.bfloat16 and batch <= BF16_GEMV_MAX_ROWS:  # the streaming kernel, head included
