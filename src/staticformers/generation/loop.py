@@ -599,7 +599,7 @@ class GenerationLoop:
                 return
         if step is None and self.blocks is not None:
             apart = self.scheduler.decode_apart_plans(self.cache.batch, self.cache.max_length)
-            if apart is not None and all(p.view != self.cache.shape for p in apart):
+            if apart is not None:  # each view reads less than the batch's shape, so none is that shape
                 for plan in apart:
                     if all(s in self.rows for s in plan.slots):
                         self._run_apart(plan)

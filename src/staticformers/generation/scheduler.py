@@ -320,7 +320,7 @@ class Scheduler:
         """On block caches, the decoding rows' decode step as steps over views of the pool, each of its own batch
         and KV buckets: the decoding rows alone, or the short contexts and the long ones apart, when they read less
         than the one step of the batch's `[batch, kv]` shape (`step_split.split_by_context`); None: that step."""
-        if self.blocks is None or self.costs is None:
+        if self.costs is None:  # static caches
             return None
         reach = {s: self.reach(self.rows[s]) for s in decoding(self.rows)}
         groups = split_by_context(reach, batch, kv, self.plan, *self.costs)

@@ -101,8 +101,8 @@ class CPUStepBuilder(StepBuilder):
     def build(self, kind: str, batch: int, dim: int, settings, context):
         if not self.regional(settings):
             return super().build(kind, batch, dim, settings, context)
-        blocks = kind == "decode" and isinstance(context.cache(batch, dim), BlockKVCache)
-        ops = self.ops(kind, batch, settings, blocks)
+        cache = context.cache(batch, dim) if kind == "decode" else None
+        ops = self.ops(kind, batch, settings, isinstance(cache, BlockKVCache))
         name = step_name(kind, batch, dim, settings)
         backend = self.backend
 
@@ -126,7 +126,7 @@ class CPUStepBuilder(StepBuilder):
             self.shared[head_key] = backend.compile_one(head_region, label, (batch, 1), settings, precompile=True)
         return RegionalDecode(
             self.model,
-            context.cache(batch, dim),
+            cache,
             name,
             compile_one,
             self.shared[head_key],

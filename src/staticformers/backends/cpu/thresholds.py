@@ -52,7 +52,7 @@ TABLE = {
     ),
     "bf16_gemv_max_rows": Threshold(
         8,
-        "bench/bf16_gemv.py and bench/ab.py --model smollm2 (BENCHMARKS.md, A streaming bf16 kernel)",
+        "bench/ab.py --model smollm2 --dtypes bfloat16 (BENCHMARKS.md, A streaming bf16 kernel)",
         "up to this many rows a bf16 decode step's projections run the streaming kernel (`gemv.py`), which "
         "reads each weight row once for all the rows; past it, oneDNN's GEMM over packed weights",
     ),
