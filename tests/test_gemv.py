@@ -2,7 +2,7 @@
 activation and scale dtypes, grouped calls, the rows' tail past the vector width, the formulation that picks it
 (one row: the kernel; more: ATen's), q/k/v and gate/up as one call, a traced graph calling it whole, the
 fallback where it cannot be built, and bad input refused in one sentence. bf16: 1-8 rows and more (blocks of 8),
-grouped calls, the `"stream"` formulation (LoRA bases stream, hooked and float32 layers reduce), the fallback."""
+on AMX's tiles and on the vector loop (`STATICFORMERS_AMX=0`), grouped calls, the `"stream"` formulation (LoRA bases stream, hooked and float32 layers reduce), the fallback."""
 
 from __future__ import annotations
 
@@ -211,11 +211,26 @@ def check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert (err <= bound).all(), float((err / bound).max())
 
 
-@pytest.mark.parametrize("k", [576, 100, 40])  # whole vector iterations; a tail; shorter than one iteration
-def test_the_bf16_kernel_is_the_product_rounded_once_for_1_to_19_rows(k):
+@pytest.fixture(params=["amx", "vector"])
+def bf16_path(request, monkeypatch):
+    """The bf16 kernel's two paths: AMX's tiles (where this CPU and Linux have them), and the vector loop."""
+    if request.param == "amx":
+        monkeypatch.delenv("STATICFORMERS_AMX", raising=False)
+        if not g.amx():
+            pytest.skip("no AMX tiles on this CPU (or Linux did not grant them)")
+    else:
+        monkeypatch.setenv("STATICFORMERS_AMX", "0")
+        assert not g.amx()
+    return request.param
+
+
+@pytest.mark.parametrize("k", [576, 64, 100, 40])  # whole vector iterations and tiles; a tail; shorter than one
+def test_the_bf16_kernel_is_the_product_rounded_once_for_1_to_19_rows(k, bf16_path):
+    """Weights of 40 and 24 rows: AMX's last tiles of a weight overlap the rows before them; 17 and 19 rows: two
+    tiles of activations (AMX), or blocks of 8 and a rest (the vector loop)."""
     torch.manual_seed(3)
-    ws = [torch.randn(n, k).bfloat16() for n in (40, 24, 24)]
-    for rows in (1, 2, 3, 5, 8, 19):  # 19: two blocks of 8 and one of 3
+    ws = [torch.randn(n, k).bfloat16() for n in (40, 24, 24, 16)]
+    for rows in (1, 2, 3, 5, 8, 16, 17, 19):
         x = torch.randn(rows, k).bfloat16()
         assert g.bf16_supports(x)
         ys = g.bf16_gemv(x, ws)
@@ -224,11 +239,12 @@ def test_the_bf16_kernel_is_the_product_rounded_once_for_1_to_19_rows(k):
             check_bf16(y, x, w)
 
 
-def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone():
-    """A row's sums do not depend on the other rows of its call, nor on the threads' split: bit for bit."""
+def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone(bf16_path):
+    """A row's sums do not depend on the other rows of its call (past a tile of 16 rows too), nor on the threads'
+    split: bit for bit."""
     torch.manual_seed(4)
     ws = [torch.randn(n, 256).bfloat16() for n in (300, 200)]
-    x = torch.randn(6, 256).bfloat16()
+    x = torch.randn(20, 256).bfloat16()
     together = g.bf16_gemv(x, ws)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
@@ -238,9 +254,24 @@ def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone():
         torch.set_num_threads(threads)
     for a, b in zip(together, split):
         assert torch.equal(a, b)
-    alone = g.bf16_gemv(x[4:5], ws)
-    for a, b in zip(together, alone):
-        assert torch.equal(a[4:5], b)
+    for row in (4, 18):
+        alone = g.bf16_gemv(x[row : row + 1], ws)
+        for a, b in zip(together, alone):
+            assert torch.equal(a[row : row + 1], b)
+
+
+def test_the_amx_switch_is_read_at_each_call(monkeypatch):
+    """`STATICFORMERS_AMX=0` turns AMX off from the next call on, and both paths give the product rounded once."""
+    if not g.amx():
+        pytest.skip("no AMX tiles on this CPU (or Linux did not grant them)")
+    torch.manual_seed(7)
+    w, x = torch.randn(64, 128).bfloat16(), torch.randn(3, 128).bfloat16()
+    monkeypatch.setenv("STATICFORMERS_AMX", "0")
+    assert not g.amx()
+    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
+    monkeypatch.setenv("STATICFORMERS_AMX", "1")
+    assert g.amx()
+    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
 
 
 def test_stream_projections_run_the_bf16_kernel_in_one_call_per_group(monkeypatch):

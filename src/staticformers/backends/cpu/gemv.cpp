@@ -31,6 +31,15 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// AMX's tiles, where the compiler can target them per function (the library itself is built for inductor's ISA)
+#if defined(__x86_64__) && defined(__AVX512F__) && \
+    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define SF_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+#endif
 
 #ifndef SF_PREFETCH
 #define SF_PREFETCH 4096
@@ -240,6 +249,119 @@ static void bf16_block(const uint16_t* wr, const float* x, const int64_t rows, c
   }
 }
 
+
+// ---- bfloat16 weights on AMX ----------------------------------------------------------------------------------
+//
+// Where the CPU has AMX (bf16 tiles), the same products run as tile multiplies: the weight is the tiles' A operand
+// as it lies in memory (16 weight rows x 32 values, a row's stride apart), the activations the B operand, packed
+// once a call into pairs of k for 16 rows (zeros past the last row). The widening and the per-row FMAs that bound
+// the vector loop at several rows are gone: eight rows cost what one does, and one row streams its weights as
+// fast. Each output is still its K products summed in float32 (TDPBF16PS: pairs of exact bf16 products, denormal
+// inputs read as zero), rounded to bfloat16 once; a row's sums depend on nothing else in the call (its column of
+// the tile), and every call with K a multiple of 32 and weights of at least 16 rows takes this path, whatever its
+// row count. STATICFORMERS_AMX=0 turns it off (the vector loop runs instead).
+#if SF_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Whether this CPU has AMX's tiles and bf16 products, and Linux lets this process use them (asked once).
+static bool amx_available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+static bool amx_enabled() {
+  const char* v = std::getenv("STATICFORMERS_AMX");
+  return !(v != nullptr && std::strcmp(v, "0") == 0) && amx_available();
+}
+
+// Units [begin, end) of a call: a unit is 32 rows of one weight (two tiles; a weight's last unit overlaps the
+// rows before it rather than read past its end), against every 16-row chunk of the packed activations xv
+// ([chunks][K / 2][16][2]).
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_units(
+    const std::vector<const uint16_t*>& ws, const std::vector<uint16_t*>& ys, const std::vector<int64_t>& Ns,
+    const std::vector<int64_t>& starts, const int64_t K, const uint16_t* xv, const int64_t M, const int64_t begin,
+    const int64_t end) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 5; ++t) {  // 0, 1: sums (16 weight rows x 16 float32); 2, 3: weights; 4: activations
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c0[16 * 16], c1[16 * 16];
+  size_t p = 0;
+  for (int64_t u = begin; u < end; ++u) {
+    while (u >= starts[p + 1]) ++p;
+    const int64_t N = Ns[p], n0 = std::min<int64_t>((u - starts[p]) * 32, N - 16), n1 = std::min(n0 + 16, N - 16);
+    const uint16_t* a0 = ws[p] + n0 * K;
+    const uint16_t* a1 = ws[p] + n1 * K;
+    uint16_t* y = ys[p];
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const uint16_t* xc = xv + m0 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, xc + k * 16, 64);
+        _tile_loadd(2, a0 + k, K * 2);
+        _tile_loadd(3, a1 + k, K * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+      _tile_stored(0, c0, 64);
+      _tile_stored(1, c1, 64);
+      const int64_t rows = std::min<int64_t>(16, M - m0);
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t i = 0; i < 16; ++i) {
+          y[(m0 + m) * N + n0 + i] = float_to_bf16(c0[i * 16 + m]);
+          y[(m0 + m) * N + n1 + i] = float_to_bf16(c1[i * 16 + m]);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The call on AMX; false (nothing done) where it does not take that path.
+static bool bf16_gemv_amx(const uint16_t* xa, const int64_t M, const int64_t K, const std::vector<at::Tensor>& weights,
+                          std::vector<at::Tensor>& outs) {
+  if (K % 32 != 0 || !amx_enabled()) return false;
+  std::vector<const uint16_t*> ws;
+  std::vector<uint16_t*> ys;
+  std::vector<int64_t> Ns, starts{0};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t N = weights[i].size(0);
+    if (N < 16) return false;
+    ws.push_back(reinterpret_cast<const uint16_t*>(weights[i].const_data_ptr()));
+    ys.push_back(reinterpret_cast<uint16_t*>(outs[i].data_ptr()));
+    Ns.push_back(N);
+    starts.push_back(starts.back() + (N + 31) / 32);
+  }
+  const int64_t chunks = (M + 15) / 16;
+  std::vector<uint16_t> xv(chunks * K * 16, 0);  // [chunks][K / 2][16][2]: row m's pair (2r, 2r + 1) at [r][m]
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* xc = xv.data() + (m / 16) * K * 16;
+    for (int64_t r = 0; r < K / 2; ++r) {
+      xc[(r * 16 + m % 16) * 2] = xa[m * K + 2 * r];
+      xc[(r * 16 + m % 16) * 2 + 1] = xa[m * K + 2 * r + 1];
+    }
+  }
+  const int64_t units = starts.back();
+  const int64_t grain = units * 32 * K >= 65536 ? 1 : units;  // a small weight is not worth waking the other threads
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    amx_units(ws, ys, Ns, starts, K, xv.data(), M, begin, end);
+  });
+  return true;
+}
+#endif
+
 static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList weights_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "bf16_gemv: x must be bfloat16 [rows, in], got ",
               x_in.scalar_type(), " ", x_in.sizes());
@@ -257,6 +379,9 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
     starts.push_back(starts.back() + w.size(0));
   }
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+#if SF_AMX
+  if (bf16_gemv_amx(xa, M, K, weights, outs)) return outs;
+#endif
   std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xa[i]);
   const float* xp = xf.data();
@@ -291,8 +416,18 @@ static int64_t gemv_isa() {
 #endif
 }
 
+// Whether bf16_gemv runs its calls (K a multiple of 32, weights of 16 rows or more) on AMX here, now.
+static bool gemv_amx() {
+#if SF_AMX
+  return amx_enabled();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(staticformers_native, m) {
   m.def("gemv_isa() -> int", &gemv_isa);
+  m.def("gemv_amx() -> bool", &gemv_amx);
 }
 
 TORCH_LIBRARY_IMPL(staticformers, CPU, m) {

@@ -10,7 +10,10 @@ Why this exists: a batch-1 decode step is bound by the bytes of its weights.
   weights at a few rows, read a decode step's bf16 weights at well under the memory's rate (BENCHMARKS.md, "A
   streaming bf16 kernel").
 `gemv.cpp` reads the weights as one forward stream per thread instead, each weight row once for all the rows of
-the step, and computes several projections of one input (q, k and v; gate and up) in one call.
+the step, and computes several projections of one input (q, k and v; gate and up) in one call. Where the CPU has
+AMX (bf16 tiles) and Linux grants them, bf16 calls run as tile multiplies (`amx()`): at 8 rows the vector loop's
+widening and FMAs, not the memory, bounded the step (BENCHMARKS.md, "AMX tiles for the bf16 kernel");
+`STATICFORMERS_AMX=0` turns that off.
 
 How it is built: `staticformers::int8_gemv` and `staticformers::bf16_gemv` (their schemas and shape functions)
 are defined here at import; their CPU kernels are `gemv.cpp`, built by inductor's own C++ toolchain
@@ -154,6 +157,13 @@ def bf16_supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _runs(x.dtype, x.dtype)
 
 
+def amx() -> bool:
+    """Whether `bf16_gemv` runs on AMX's tiles here, now (the kernel loaded, the CPU has them, Linux granted them,
+    and `STATICFORMERS_AMX` is not `0`), for calls whose inputs have a multiple of 32 values and whose weights have
+    at least 16 rows each; other calls, and every call elsewhere, run the vector loop."""
+    return loaded() and bool(torch.ops.staticformers_native.gemv_amx())
+
+
 def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     """`[x @ w.T for w in weights]` in one call, for `x` `[rows, in]` and weights `[out_i, in]`, all bfloat16:
     each output summed in float32 and rounded to bfloat16 once, each weight row read once for all the rows.
@@ -161,4 +171,4 @@ def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     return torch.ops.staticformers.bf16_gemv(x, list(weights))
 
 
-__all__ = ["OP", "bf16_gemv", "bf16_supports", "int8_gemv", "loaded", "supports"]
+__all__ = ["OP", "amx", "bf16_gemv", "bf16_supports", "int8_gemv", "loaded", "supports"]
