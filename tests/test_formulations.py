@@ -110,13 +110,17 @@ def test_policy_per_shape():
     def form(ops):
         return ops.attention_kind, ops.linears, ops.head_linear
 
-    assert form(decode_formulation(1, torch.float32, "onednn")) == ("reduce", "reduce", "reduce")
+    # one query per row over a static cache: the decode attention kernel (`decode_attention.py`); over a block
+    # cache, fused reductions that read the blocks in place
+    assert form(decode_formulation(1, torch.float32, "onednn")) == ("kernel", "reduce", "reduce")
+    assert form(decode_formulation(1, torch.float32, "onednn", blocks=True)) == ("reduce", "reduce", "reduce")
     # bf16 with 1-8 rows: the streaming kernel for every projection and the head (`gemv.py`)
-    assert form(decode_formulation(1, torch.bfloat16)) == ("reduce", "stream", "stream")
+    assert form(decode_formulation(1, torch.bfloat16)) == ("kernel", "stream", "stream")
+    assert form(decode_formulation(8, torch.bfloat16, blocks=True)) == ("reduce", "stream", "stream")
     # fp32 GEMMs with 2-8 rows are slow for the 32,000-row head: a reduction there
     assert form(decode_formulation(8, torch.float32, "onednn")) == (None, None, "reduce")  # MKL's sgemm at 2-8 rows
-    assert form(decode_formulation(2, torch.bfloat16)) == ("reduce", "stream", "stream")
-    assert form(decode_formulation(8, torch.bfloat16)) == ("reduce", "stream", "stream")
+    assert form(decode_formulation(2, torch.bfloat16)) == ("kernel", "stream", "stream")
+    assert form(decode_formulation(8, torch.bfloat16)) == ("kernel", "stream", "stream")
     assert form(decode_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
     # on block caches the reductions read the rows' blocks in place; SDPA would take a gathered copy
     assert form(decode_formulation(16, torch.float32, "onednn", blocks=True)) == ("reduce", "onednn", "onednn")
@@ -126,7 +130,7 @@ def test_policy_per_shape():
     assert form(prefill_formulation(8, torch.bfloat16)) == (None, None, "stream")
     assert form(prefill_formulation(16, torch.bfloat16)) == (None, None, None)
     assert form(prefill_formulation(16, torch.float32, "onednn")) == (None, "onednn", "onednn")
-    assert decode_formulation(1, torch.float32) == CPUOps("reduce", "reduce", "reduce")  # compared by key
+    assert decode_formulation(1, torch.float32) == CPUOps("kernel", "reduce", "reduce")  # compared by key
 
 
 def test_onednn_gemm_for_float32_packed_for_bf16_on_the_cpu():

@@ -40,6 +40,7 @@ from ...models.attention_sinks import softmax_with_sinks
 from ...models.norm_variants import softcap as cap_scores
 from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
+from .decode_attention import decode_attention, runs as runs_decode_attention
 from .gemv import bf16_gemv, bf16_supports, int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
@@ -321,7 +322,8 @@ def attend(
 
 class CPUOps(Ops):
     """One formulation: `attention` ("reduce": fused reductions for one query per row, grouped matmuls
-    otherwise; "matmul": grouped matmuls; None: SDPA or query blocks), `linears` and `head_linear`
+    otherwise; "kernel": as "reduce", but one query per row over a static cache runs `decode_attention.py`'s
+    kernel where it can; "matmul": grouped matmuls; None: SDPA or query blocks), `linears` and `head_linear`
     ("reduce", "onednn", "packed" or None: the module itself, so hooks and wrappers run)."""
 
     name = "cpu"
@@ -372,7 +374,14 @@ class CPUOps(Ops):
         themselves: fused reductions for one query per row, grouped matmuls, or (None) the plain path's
         `capped_attention`; with `sinks` (gpt-oss) SDPA and the query blocks give way to grouped matmuls,
         which take the sink column."""
-        if self.attention_kind == "reduce" and q.shape[2] == 1:
+        if (
+            self.attention_kind == "kernel"
+            and softcap is None
+            and sinks is None
+            and runs_decode_attention(q, k, v, mask)
+        ):
+            return decode_attention(q, k, v, mask, scale)
+        if self.attention_kind in ("reduce", "kernel") and q.shape[2] == 1:
             return attend_decode(q, k, v, mask, scale, softcap, sinks)
         if self.attention_kind is not None or sinks is not None:
             return attend_grouped(q, k, v, mask, scale, softcap, sinks)
@@ -419,14 +428,15 @@ def decode_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = Non
     blocks"). At float32 2-8 rows the two measured alike on block caches, and SDPA stays."""
     if batch > FAST_DECODE_MAX_BATCH:
         return CPUOps("reduce" if blocks else None, gemm, gemm)
+    fused = "reduce" if blocks else "kernel"
     if dtype == torch.bfloat16 and batch <= BF16_GEMV_MAX_ROWS:  # the streaming kernel, head included
-        return CPUOps("reduce", "stream", "stream")
+        return CPUOps(fused, "stream", "stream")
     head = "reduce" if dtype == torch.float32 or batch <= BF16_HEAD_REDUCTION_MAX_BATCH else gemm
     if batch == 1:
-        return CPUOps("reduce", "reduce", head)
+        return CPUOps(fused, "reduce", head)
     if dtype == torch.float32:  # MKL's sgemm (the module's own call) beat oneDNN's at 2-8 rows
         return CPUOps(None, None, head)
-    return CPUOps("reduce", gemm, head)
+    return CPUOps(fused, gemm, head)
 
 
 def prefill_formulation(batch: int, dtype: torch.dtype, gemm: Optional[str] = None) -> CPUOps:

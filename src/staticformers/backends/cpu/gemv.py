@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from .operators import define
+from .operators import build_library, define
 
 OP = "staticformers::int8_gemv"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
@@ -46,14 +46,7 @@ _CALLING = threading.local()  # `again`: this thread is inside `_first_call`'s r
 
 def _build() -> None:
     """Build `gemv.cpp` against this torch and load it (its static initialisers register the kernels)."""
-    from torch._inductor.codecache import CppCodeCache
-
-    class TorchLibrary(CppCodeCache):  # a shared library that includes and links PyTorch
-        cache: dict = {}
-        cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
-
-    with open(SOURCE) as f:
-        TorchLibrary.load(f.read(), needs_vec_isa=True)
+    build_library(SOURCE)
 
 
 def loaded() -> bool:

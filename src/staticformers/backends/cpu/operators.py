@@ -1,8 +1,9 @@
 """Defining the CPU backend's own operators (`staticformers::...`), which compiled graphs call whole.
 
 Why this exists: each of the CPU's kernels that inductor cannot generate (oneDNN's float32 GEMM, ATen's int8
-kernel in bf16, the streaming int8 kernel) is one opaque operator with a shape function for tracing, defined
-once per process even when two copies of this package are imported. `define` is that step, written once.
+kernel in bf16, the streaming kernels of `gemv.py`, the decode attention of `decode_attention.py`) is one opaque
+operator with a shape function for tracing, defined once per process even when two copies of this package are
+imported. `define` is that step, written once; `build_library` builds and loads a C++ file of such kernels.
 """
 
 from __future__ import annotations
@@ -28,4 +29,18 @@ def define(
     _LIBRARIES.append(library)
 
 
-__all__ = ["define"]
+def build_library(source: str) -> None:
+    """Build the C++ file `source` against this torch with inductor's own toolchain (`CppCodeCache`: the compiler,
+    flags and vector ISA inductor uses for every compiled CPU graph, and its disk cache) and load it into this
+    process, where its static initialisers register its kernels."""
+    from torch._inductor.codecache import CppCodeCache
+
+    class TorchLibrary(CppCodeCache):  # a shared library that includes and links PyTorch
+        cache: dict = {}
+        cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
+
+    with open(source) as f:
+        TorchLibrary.load(f.read(), needs_vec_isa=True)
+
+
+__all__ = ["build_library", "define"]
