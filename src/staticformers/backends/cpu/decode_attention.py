@@ -18,43 +18,28 @@ block table inside those loops, where this operator would take a gathered copy.
 from __future__ import annotations
 
 import os
-import threading
-import warnings
 from typing import Optional
 
 import torch
 
 from . import gemv
-from .operators import build_library, define
+from .operators import NativeKernels, define
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 
-_STATE: dict = {}  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
-_LOCK = threading.Lock()
-_CALLING = threading.local()  # `again`: this thread is inside `_first_call`'s re-dispatch
+_KERNELS = NativeKernels(
+    SOURCE,
+    ready=gemv.loaded,
+    works=lambda: True,
+    fallback="a decode step's attention runs inductor's reductions instead, which are slower.",
+)
 
 
 def loaded() -> bool:
     """Whether the kernel runs in this process: built (once per machine and torch, then from inductor's disk
     cache) and loaded on first call, where `gemv.py`'s kernels run (the same toolchain and vector ISA)."""
-    if "loaded" in _STATE:
-        return _STATE["loaded"]
-    with _LOCK:
-        if "loaded" not in _STATE:
-            ok = False
-            if gemv.loaded():
-                try:
-                    build_library(SOURCE)
-                    ok = True
-                except Exception as exc:
-                    warnings.warn(
-                        f"staticformers: the CPU's decode attention kernel could not be built ({exc!r}); a decode "
-                        "step's attention runs inductor's reductions instead, which are slower.",
-                        stacklevel=2,
-                    )
-            _STATE["loaded"] = ok
-    return _STATE["loaded"]
+    return _KERNELS.loaded()
 
 
 def _loaded_constant() -> bool:
@@ -86,28 +71,8 @@ def runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
 
 
 def _first_call(q, k, v, mask, scale):
-    """The kernel for every dispatch key without its own: on the CPU until the C++ kernel is loaded (a graph
-    traced in another process calls it first), which this loads, then calls. Anything else gets one clear error."""
-    if q.device.type != "cpu":
-        raise RuntimeError(
-            f"staticformers::decode_attention runs on the CPU only, and got tensors on {q.device.type}; "
-            "attention on other devices runs their backend's own form."
-        )
-    if not loaded():
-        raise RuntimeError(
-            "staticformers::decode_attention was called on a machine where its kernel cannot be built "
-            "(see the warning above); recompile the graph here, where inductor's reductions are chosen."
-        )
-    if getattr(_CALLING, "again", False):
-        raise RuntimeError(
-            "staticformers::decode_attention's CPU kernel was built but did not register; "
-            "clear inductor's cache folder and run again."
-        )
-    _CALLING.again = True
-    try:
-        return torch.ops.staticformers.decode_attention(q, k, v, mask, scale)
-    finally:
-        _CALLING.again = False
+    """The kernel for every dispatch key without its own (`NativeKernels.first_call`)."""
+    return _KERNELS.first_call("decode_attention", "attention", q, k, v, mask, scale)
 
 
 def _shape(q, k, v, mask, scale):

@@ -28,48 +28,28 @@ the caller keeps ATen's kernel (or inductor's reduction); a failed build says wh
 from __future__ import annotations
 
 import os
-import threading
-import warnings
-
 import torch
 
-from .operators import build_library, define
+from .operators import NativeKernels, define
 
 OP = "staticformers::int8_gemv"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
 
-_STATE: dict = {}  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
-_LOCK = threading.Lock()
-_CALLING = threading.local()  # `again`: this thread is inside `_first_call`'s re-dispatch
-
-
-def _build() -> None:
-    """Build `gemv.cpp` against this torch and load it (its static initialisers register the kernels)."""
-    build_library(SOURCE)
+_KERNELS = NativeKernels(
+    SOURCE,
+    ready=lambda: torch.backends.cpu.get_cpu_capability() != "DEFAULT",
+    works=lambda: torch.ops.staticformers_native.gemv_isa() > 0,
+    fallback="int8 projections run ATen's kernel instead, and bf16 ones inductor's reduction, which read their "
+    "weights more slowly.",
+)
+_STATE = _KERNELS.state  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
 
 
 def loaded() -> bool:
     """Whether the kernels run in this process: built (once per machine and torch, then from inductor's disk
     cache) and loaded on first call, with a vector path for this CPU."""
-    if "loaded" in _STATE:
-        return _STATE["loaded"]
-    with _LOCK:
-        if "loaded" not in _STATE:
-            ok = False
-            if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
-                try:
-                    _build()
-                    ok = torch.ops.staticformers_native.gemv_isa() > 0
-                except Exception as exc:  # no working C++ compiler here: ATen's kernel runs instead
-                    warnings.warn(
-                        f"staticformers: the CPU's streaming decode kernels could not be built ({exc!r}); "
-                        "int8 projections run ATen's kernel instead, and bf16 ones inductor's reduction, "
-                        "which read their weights more slowly.",
-                        stacklevel=2,
-                    )
-            _STATE["loaded"] = ok
-    return _STATE["loaded"]
+    return _KERNELS.loaded()
 
 
 def _runs(act: torch.dtype, scale: torch.dtype) -> bool:
@@ -89,31 +69,8 @@ def supports(x: torch.Tensor, *scales: torch.Tensor) -> bool:
 
 
 def _first_call(name: str, *args) -> list:
-    """The kernel of operator `name` for every dispatch key without its own: on the CPU until the C++ kernel is
-    loaded (a graph traced in another process calls it first), which this loads, then calls. Anything else
-    gets one clear error."""
-    tensors = [args[0], *(t for group in args[1:] for t in group)]
-    devices = {t.device.type for t in tensors}
-    if devices != {"cpu"}:
-        raise RuntimeError(
-            f"staticformers::{name} runs on the CPU only, and got tensors on {sorted(devices)}; "
-            "projections on other devices run their backend's own form."
-        )
-    if not loaded():
-        raise RuntimeError(
-            f"staticformers::{name} was called on a machine where its kernel cannot be built "
-            "(see the warning above); recompile the graph here, where ATen's kernel is chosen."
-        )
-    if getattr(_CALLING, "again", False):  # loaded, yet dispatch came back here: the kernel did not register
-        raise RuntimeError(
-            f"staticformers::{name}'s CPU kernel was built but did not register; "
-            "clear inductor's cache folder and run again."
-        )
-    _CALLING.again = True
-    try:
-        return getattr(torch.ops.staticformers, name)(*args)
-    finally:
-        _CALLING.again = False
+    """The kernel of operator `name` for every dispatch key without its own (`NativeKernels.first_call`)."""
+    return _KERNELS.first_call(name, "projections", *args)
 
 
 def _shape(x, weights, scales=None):

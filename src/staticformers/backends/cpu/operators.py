@@ -3,14 +3,20 @@
 Why this exists: each of the CPU's kernels that inductor cannot generate (oneDNN's float32 GEMM, ATen's int8
 kernel in bf16, the streaming kernels of `gemv.py`, the decode attention of `decode_attention.py`) is one opaque
 operator with a shape function for tracing, defined once per process even when two copies of this package are
-imported. `define` is that step, written once; `build_library` builds and loads a C++ file of such kernels.
+imported. `define` is that step, written once; `build_library` builds and loads a C++ file of such kernels, and
+`NativeKernels` does that once per process on first use and gives their operators the kernel every other dispatch
+key runs (load, then call again; or one clear error).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import warnings
 from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 _LIBRARIES: list = []  # the torch.library.Library objects: an operator lives as long as its library
 
@@ -43,4 +49,64 @@ def build_library(source: str) -> None:
         TorchLibrary.load(f.read(), needs_vec_isa=True)
 
 
-__all__ = ["build_library", "define"]
+class NativeKernels:
+    """One C++ file of kernels (`source`), built and loaded the first time `loaded()` asks, at most once per process.
+
+    `ready()` says whether building is worth trying here (a vector ISA, another library loaded) and `works()`
+    whether the loaded kernels run; a failed build warns once with `fallback` (what runs instead). `state` holds
+    "loaded" once decided."""
+
+    def __init__(self, source: str, ready: Callable[[], bool], works: Callable[[], bool], fallback: str):
+        self.source, self.ready, self.works, self.fallback = source, ready, works, fallback
+        self.state: dict = {}
+        self.lock = threading.Lock()
+        self.calling = threading.local()  # `again`: this thread is inside `first_call`'s re-dispatch
+
+    def loaded(self) -> bool:
+        if "loaded" in self.state:
+            return self.state["loaded"]
+        with self.lock:
+            if "loaded" not in self.state:
+                ok = False
+                if self.ready():
+                    try:
+                        build_library(self.source)
+                        ok = self.works()
+                    except Exception as exc:  # no working C++ compiler here
+                        warnings.warn(
+                            f"staticformers: the CPU kernels of {os.path.basename(self.source)} could not be built "
+                            f"({exc!r}); {self.fallback}",
+                            stacklevel=3,
+                        )
+                self.state["loaded"] = ok
+        return self.state["loaded"]
+
+    def first_call(self, name: str, instead: str, *args):
+        """The kernel of operator `name` for every dispatch key without its own: on the CPU until the C++ kernel is
+        loaded (a graph traced in another process calls it first), which this loads, then calls. Anything else
+        gets one clear error; `instead` says what other devices, or a recompiled graph, run."""
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        if devices != {"cpu"}:
+            raise RuntimeError(
+                f"staticformers::{name} runs on the CPU only, and got tensors on {sorted(devices)}; "
+                f"{instead} on other devices run their backend's own form."
+            )
+        if not self.loaded():
+            raise RuntimeError(
+                f"staticformers::{name} was called on a machine where its kernel cannot be built "
+                f"(see the warning above); recompile the graph here, where {instead} run without it."
+            )
+        if getattr(self.calling, "again", False):  # loaded, yet dispatch came back here: the kernel did not register
+            raise RuntimeError(
+                f"staticformers::{name}'s CPU kernel was built but did not register; "
+                "clear inductor's cache folder and run again."
+            )
+        self.calling.again = True
+        try:
+            return getattr(torch.ops.staticformers, name)(*args)
+        finally:
+            self.calling.again = False
+
+
+__all__ = ["NativeKernels", "build_library", "define"]
