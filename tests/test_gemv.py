@@ -211,16 +211,23 @@ def check_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert (err <= bound).all(), float((err / bound).max())
 
 
-@pytest.fixture(params=["amx", "vector"])
+@pytest.fixture(params=["amx", "dot", "vector"])
 def bf16_path(request, monkeypatch):
-    """The bf16 kernel's two paths: AMX's tiles (where this CPU and Linux have them), and the vector loop."""
+    """The bf16 kernel's three paths: AMX's tiles (where this CPU and Linux have them), AVX512_BF16's dot products
+    (where the CPU has them), and the widening vector loop."""
+    monkeypatch.delenv("STATICFORMERS_BF16_DOT", raising=False)
     if request.param == "amx":
         monkeypatch.delenv("STATICFORMERS_AMX", raising=False)
         if not g.amx():
             pytest.skip("no AMX tiles on this CPU (or Linux did not grant them)")
+    elif request.param == "dot":
+        monkeypatch.setenv("STATICFORMERS_AMX", "0")
+        if not g.dot():
+            pytest.skip("no AVX512_BF16 on this CPU")
     else:
         monkeypatch.setenv("STATICFORMERS_AMX", "0")
-        assert not g.amx()
+        monkeypatch.setenv("STATICFORMERS_BF16_DOT", "0")
+        assert not g.amx() and not g.dot()
     return request.param
 
 
@@ -271,6 +278,23 @@ def test_the_amx_switch_is_read_at_each_call(monkeypatch):
     check_bf16(g.bf16_gemv(x, [w])[0], x, w)
     monkeypatch.setenv("STATICFORMERS_AMX", "1")
     assert g.amx()
+    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
+
+
+def test_the_bf16_dot_switch_is_read_at_each_call(monkeypatch):
+    """`STATICFORMERS_BF16_DOT=0` turns AVX512_BF16's dot products off from the next call on, and both loops give
+    the product rounded once."""
+    monkeypatch.setenv("STATICFORMERS_AMX", "0")
+    monkeypatch.delenv("STATICFORMERS_BF16_DOT", raising=False)
+    if not g.dot():
+        pytest.skip("no AVX512_BF16 on this CPU")
+    torch.manual_seed(8)
+    w, x = torch.randn(64, 160).bfloat16(), torch.randn(5, 160).bfloat16()
+    monkeypatch.setenv("STATICFORMERS_BF16_DOT", "0")
+    assert not g.dot()
+    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
+    monkeypatch.setenv("STATICFORMERS_BF16_DOT", "1")
+    assert g.dot()
     check_bf16(g.bf16_gemv(x, [w])[0], x, w)
 
 

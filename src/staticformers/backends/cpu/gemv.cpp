@@ -236,6 +236,72 @@ static inline void bf16_rows_dot(const uint16_t* wr, const float* x, const int64
   }
 }
 
+// ---- bfloat16 weights on AVX512_BF16's dot products ----------------------------------------------------------
+//
+// Where the CPU has AVX512_BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake), VDPBF16PS multiplies 32
+// bfloat16 pairs and adds each two neighbours' products into 16 float32 sums, the activations kept in bfloat16: one
+// instruction for what the loop above does in a widening and two FMAs per row. The products are exact (8-bit
+// significands), the sums float32, rounded to bfloat16 once; a row's sums depend on nothing else in the call. The
+// instruction treats bfloat16 subnormal inputs as zero (values below 1.2e-38, which change no float32 sum that
+// holds a normal product). STATICFORMERS_BF16_DOT=0 turns it off (the widening loop runs instead).
+#if SF_AMX
+static bool dot_available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1u);  // CPUID.(7,1):EAX[5] AVX512_BF16
+  }();
+  return ok;
+}
+
+static bool dot_enabled() {
+  const char* v = std::getenv("STATICFORMERS_BF16_DOT");
+  return !(v != nullptr && std::strcmp(v, "0") == 0) && dot_available();
+}
+
+// The dot products of one weight row with MB bfloat16 activation rows (x: MB rows of K), into out[0, MB).
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static inline void bf16_rows_dp(const uint16_t* wr,
+                                                                                         const uint16_t* x,
+                                                                                         const int64_t K,
+                                                                                         float* out) {
+  __m512 a0[MB], a1[MB];
+  for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {  // two cache lines of the weight row an iteration, two chains a row
+    _mm_prefetch((const char*)(wr + k) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch((const char*)(wr + k) + SF_PREFETCH + 64, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+    for (int m = 0; m < MB; ++m) {
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32));
+    }
+  }
+  if (k + 32 <= K) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    for (int m = 0; m < MB; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+    k += 32;
+  }
+  for (int m = 0; m < MB; ++m) {
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+    for (int64_t j = k; j < K; ++j) sum += bf16_to_float(wr[j]) * bf16_to_float(x[m * K + j]);
+    out[m] = sum;
+  }
+}
+
+static void bf16_block_dp(const uint16_t* wr, const uint16_t* x, const int64_t rows, const int64_t K, float* out) {
+  switch (rows) {
+    case 1: return bf16_rows_dp<1>(wr, x, K, out);
+    case 2: return bf16_rows_dp<2>(wr, x, K, out);
+    case 3: return bf16_rows_dp<3>(wr, x, K, out);
+    case 4: return bf16_rows_dp<4>(wr, x, K, out);
+    case 5: return bf16_rows_dp<5>(wr, x, K, out);
+    case 6: return bf16_rows_dp<6>(wr, x, K, out);
+    case 7: return bf16_rows_dp<7>(wr, x, K, out);
+    default: return bf16_rows_dp<8>(wr, x, K, out);
+  }
+}
+#endif
+
 static void bf16_block(const uint16_t* wr, const float* x, const int64_t rows, const int64_t K, float* out) {
   switch (rows) {
     case 1: return bf16_rows_dot<1>(wr, x, K, out);
@@ -382,11 +448,31 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
 #if SF_AMX
   if (bf16_gemv_amx(xa, M, K, weights, outs)) return outs;
 #endif
+  const int64_t total = starts.back();
+  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
+#if SF_AMX
+  if (dot_enabled()) {
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      size_t p = 0;
+      float acc[8];
+      for (int64_t row = begin; row < end; ++row) {
+        while (row >= starts[p + 1]) ++p;
+        const int64_t n = row - starts[p], N = weights[p].size(0);
+        const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
+        uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+          const int64_t rows = std::min<int64_t>(8, M - m0);
+          bf16_block_dp(wr, xa + m0 * K, rows, K, acc);
+          for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = float_to_bf16(acc[m]);
+        }
+      }
+    });
+    return outs;
+  }
+#endif
   std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xa[i]);
   const float* xp = xf.data();
-  const int64_t total = starts.back();
-  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     size_t p = 0;
     float acc[8];
@@ -425,9 +511,19 @@ static bool gemv_amx() {
 #endif
 }
 
+// Whether bf16_gemv's calls that AMX does not take run on AVX512_BF16's dot products here, now.
+static bool gemv_dot() {
+#if SF_AMX
+  return dot_enabled();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(staticformers_native, m) {
   m.def("gemv_isa() -> int", &gemv_isa);
   m.def("gemv_amx() -> bool", &gemv_amx);
+  m.def("gemv_dot() -> bool", &gemv_dot);
 }
 
 TORCH_LIBRARY_IMPL(staticformers, CPU, m) {

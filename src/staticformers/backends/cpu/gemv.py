@@ -13,7 +13,9 @@ Why this exists: a batch-1 decode step is bound by the bytes of its weights.
 the step, and computes several projections of one input (q, k and v; gate and up) in one call. Where the CPU has
 AMX (bf16 tiles) and Linux grants them, bf16 calls run as tile multiplies (`amx()`): at 8 rows the vector loop's
 widening and FMAs, not the memory, bounded the step (BENCHMARKS.md, "AMX tiles for the bf16 kernel");
-`STATICFORMERS_AMX=0` turns that off.
+`STATICFORMERS_AMX=0` turns that off. Where the CPU has AVX512_BF16 and no AMX (AMD Zen 4 and later), the loop
+runs on its dot products instead (`dot()`: the activations stay bfloat16, one instruction a pair of products a
+row); `STATICFORMERS_BF16_DOT=0` turns that off.
 
 How it is built: `staticformers::int8_gemv` and `staticformers::bf16_gemv` (their schemas and shape functions)
 are defined here at import; their CPU kernels are `gemv.cpp`, built by inductor's own C++ toolchain
@@ -114,6 +116,13 @@ def amx() -> bool:
     return loaded() and bool(torch.ops.staticformers_native.gemv_amx())
 
 
+def dot() -> bool:
+    """Whether `bf16_gemv`'s calls that AMX does not take run on AVX512_BF16's dot products here, now (the kernel
+    loaded, the CPU has them, and `STATICFORMERS_BF16_DOT` is not `0`): the activations stay bfloat16 and each pair
+    of products is one instruction's; elsewhere the loop widens the weights to float32 and multiplies them."""
+    return loaded() and bool(torch.ops.staticformers_native.gemv_dot())
+
+
 def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     """`[x @ w.T for w in weights]` in one call, for `x` `[rows, in]` and weights `[out_i, in]`, all bfloat16:
     each output summed in float32 and rounded to bfloat16 once, each weight row read once for all the rows.
@@ -121,4 +130,4 @@ def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     return torch.ops.staticformers.bf16_gemv(x, list(weights))
 
 
-__all__ = ["OP", "amx", "bf16_gemv", "bf16_supports", "int8_gemv", "loaded", "supports"]
+__all__ = ["OP", "amx", "bf16_gemv", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
