@@ -267,34 +267,25 @@ def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone(bf16_path):
             assert torch.equal(a[row : row + 1], b)
 
 
-def test_the_amx_switch_is_read_at_each_call(monkeypatch):
-    """`STATICFORMERS_AMX=0` turns AMX off from the next call on, and both paths give the product rounded once."""
-    if not g.amx():
-        pytest.skip("no AMX tiles on this CPU (or Linux did not grant them)")
-    torch.manual_seed(7)
-    w, x = torch.randn(64, 128).bfloat16(), torch.randn(3, 128).bfloat16()
-    monkeypatch.setenv("STATICFORMERS_AMX", "0")
-    assert not g.amx()
-    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
-    monkeypatch.setenv("STATICFORMERS_AMX", "1")
-    assert g.amx()
-    check_bf16(g.bf16_gemv(x, [w])[0], x, w)
-
-
-def test_the_bf16_dot_switch_is_read_at_each_call(monkeypatch):
-    """`STATICFORMERS_BF16_DOT=0` turns AVX512_BF16's dot products off from the next call on, and both loops give
-    the product rounded once."""
-    monkeypatch.setenv("STATICFORMERS_AMX", "0")
+@pytest.mark.parametrize("switch", ["STATICFORMERS_AMX", "STATICFORMERS_BF16_DOT"])
+def test_the_bf16_paths_switches_are_read_at_each_call(switch, monkeypatch):
+    """`STATICFORMERS_AMX=0` (AMX's tiles) and `STATICFORMERS_BF16_DOT=0` (AVX512_BF16's dot products, where AMX
+    does not run) turn their path off from the next call on, and each loop gives the product rounded once."""
+    on = {"STATICFORMERS_AMX": g.amx, "STATICFORMERS_BF16_DOT": g.dot}[switch]
     monkeypatch.delenv("STATICFORMERS_BF16_DOT", raising=False)
-    if not g.dot():
-        pytest.skip("no AVX512_BF16 on this CPU")
-    torch.manual_seed(8)
+    if switch == "STATICFORMERS_BF16_DOT":
+        monkeypatch.setenv("STATICFORMERS_AMX", "0")
+    else:
+        monkeypatch.delenv("STATICFORMERS_AMX", raising=False)
+    if not on():
+        pytest.skip(f"this CPU (or Linux) gives no path for {switch} to turn off")
+    torch.manual_seed(7)
     w, x = torch.randn(64, 160).bfloat16(), torch.randn(5, 160).bfloat16()
-    monkeypatch.setenv("STATICFORMERS_BF16_DOT", "0")
-    assert not g.dot()
+    monkeypatch.setenv(switch, "0")
+    assert not on()
     check_bf16(g.bf16_gemv(x, [w])[0], x, w)
-    monkeypatch.setenv("STATICFORMERS_BF16_DOT", "1")
-    assert g.dot()
+    monkeypatch.setenv(switch, "1")
+    assert on()
     check_bf16(g.bf16_gemv(x, [w])[0], x, w)
 
 

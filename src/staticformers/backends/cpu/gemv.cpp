@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -288,31 +289,47 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static inline void bf16_r
   }
 }
 
-static void bf16_block_dp(const uint16_t* wr, const uint16_t* x, const int64_t rows, const int64_t K, float* out) {
-  switch (rows) {
-    case 1: return bf16_rows_dp<1>(wr, x, K, out);
-    case 2: return bf16_rows_dp<2>(wr, x, K, out);
-    case 3: return bf16_rows_dp<3>(wr, x, K, out);
-    case 4: return bf16_rows_dp<4>(wr, x, K, out);
-    case 5: return bf16_rows_dp<5>(wr, x, K, out);
-    case 6: return bf16_rows_dp<6>(wr, x, K, out);
-    case 7: return bf16_rows_dp<7>(wr, x, K, out);
-    default: return bf16_rows_dp<8>(wr, x, K, out);
-  }
-}
 #endif
 
-static void bf16_block(const uint16_t* wr, const float* x, const int64_t rows, const int64_t K, float* out) {
+// f(std::integral_constant<int, MB>) for a block of `rows` activation rows (1 to 8): the row count a template
+// argument, so that each block's accumulators stay in registers.
+template <typename F>
+static inline void by_rows(const int64_t rows, F&& f) {
   switch (rows) {
-    case 1: return bf16_rows_dot<1>(wr, x, K, out);
-    case 2: return bf16_rows_dot<2>(wr, x, K, out);
-    case 3: return bf16_rows_dot<3>(wr, x, K, out);
-    case 4: return bf16_rows_dot<4>(wr, x, K, out);
-    case 5: return bf16_rows_dot<5>(wr, x, K, out);
-    case 6: return bf16_rows_dot<6>(wr, x, K, out);
-    case 7: return bf16_rows_dot<7>(wr, x, K, out);
-    default: return bf16_rows_dot<8>(wr, x, K, out);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
+}
+
+// The vector loops' call: the rows of all the weights (`starts`: each weight's first row in that count) split
+// between threads, each weight row streamed once for every block of 8 activation rows; `block(wr, x0, rows, out)`
+// computes one weight row's dot products with `rows` activation rows from x0 (xp's layout, K values a row).
+template <typename X, typename Block>
+static void stream_rows(const X* xp, const int64_t M, const int64_t K, const std::vector<at::Tensor>& weights,
+                        std::vector<at::Tensor>& outs, const std::vector<int64_t>& starts, Block&& block) {
+  const int64_t total = starts.back();
+  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    size_t p = 0;
+    float acc[8];
+    for (int64_t row = begin; row < end; ++row) {
+      while (row >= starts[p + 1]) ++p;
+      const int64_t n = row - starts[p], N = weights[p].size(0);
+      const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
+      uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {  // eight rows at a time: their accumulators stay in registers
+        const int64_t rows = std::min<int64_t>(8, M - m0);
+        block(wr, xp + m0 * K, rows, acc);
+        for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = float_to_bf16(acc[m]);
+      }
+    }
+  });
 }
 
 
@@ -447,46 +464,17 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
 #if SF_AMX
   if (bf16_gemv_amx(xa, M, K, weights, outs)) return outs;
-#endif
-  const int64_t total = starts.back();
-  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
-#if SF_AMX
   if (dot_enabled()) {
-    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-      size_t p = 0;
-      float acc[8];
-      for (int64_t row = begin; row < end; ++row) {
-        while (row >= starts[p + 1]) ++p;
-        const int64_t n = row - starts[p], N = weights[p].size(0);
-        const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
-        uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-          const int64_t rows = std::min<int64_t>(8, M - m0);
-          bf16_block_dp(wr, xa + m0 * K, rows, K, acc);
-          for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = float_to_bf16(acc[m]);
-        }
-      }
+    stream_rows(xa, M, K, weights, outs, starts, [K](const uint16_t* wr, const uint16_t* x0, int64_t rows, float* out) {
+      by_rows(rows, [&](auto mb) { bf16_rows_dp<decltype(mb)::value>(wr, x0, K, out); });
     });
     return outs;
   }
 #endif
   std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xa[i]);
-  const float* xp = xf.data();
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    size_t p = 0;
-    float acc[8];
-    for (int64_t row = begin; row < end; ++row) {
-      while (row >= starts[p + 1]) ++p;
-      const int64_t n = row - starts[p], N = weights[p].size(0);
-      const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
-      uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {  // eight rows at a time: their accumulators stay in registers
-        const int64_t rows = std::min<int64_t>(8, M - m0);
-        bf16_block(wr, xp + m0 * K, rows, K, acc);
-        for (int64_t m = 0; m < rows; ++m) y[(m0 + m) * N + n] = float_to_bf16(acc[m]);
-      }
-    }
+  stream_rows(xf.data(), M, K, weights, outs, starts, [K](const uint16_t* wr, const float* x0, int64_t rows, float* out) {
+    by_rows(rows, [&](auto mb) { bf16_rows_dot<decltype(mb)::value>(wr, x0, K, out); });
   });
   return outs;
 }
