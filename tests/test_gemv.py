@@ -267,16 +267,12 @@ def test_the_bf16_kernel_gives_each_row_the_sums_it_gets_alone(bf16_path):
             assert torch.equal(a[row : row + 1], b)
 
 
-@pytest.mark.parametrize("switch", ["STATICFORMERS_AMX", "STATICFORMERS_BF16_DOT"])
-def test_the_bf16_paths_switches_are_read_at_each_call(switch, monkeypatch):
+@pytest.mark.parametrize("switch, on", [("STATICFORMERS_AMX", g.amx), ("STATICFORMERS_BF16_DOT", g.dot)])
+def test_the_bf16_paths_switches_are_read_at_each_call(switch, on, monkeypatch):
     """`STATICFORMERS_AMX=0` (AMX's tiles) and `STATICFORMERS_BF16_DOT=0` (AVX512_BF16's dot products, where AMX
     does not run) turn their path off from the next call on, and each loop gives the product rounded once."""
-    on = {"STATICFORMERS_AMX": g.amx, "STATICFORMERS_BF16_DOT": g.dot}[switch]
     monkeypatch.delenv("STATICFORMERS_BF16_DOT", raising=False)
-    if switch == "STATICFORMERS_BF16_DOT":
-        monkeypatch.setenv("STATICFORMERS_AMX", "0")
-    else:
-        monkeypatch.delenv("STATICFORMERS_AMX", raising=False)
+    monkeypatch.setenv("STATICFORMERS_AMX", "1" if on is g.amx else "0")
     if not on():
         pytest.skip(f"this CPU (or Linux) gives no path for {switch} to turn off")
     torch.manual_seed(7)

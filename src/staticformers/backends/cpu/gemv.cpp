@@ -32,10 +32,11 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-// AMX's tiles, where the compiler can target them per function (the library itself is built for inductor's ISA)
+// AMX's tiles and AVX512_BF16's dot products, where the compiler can target them per function (the library itself is
+// built for inductor's ISA); each is picked at run time from CPUID
 #if defined(__x86_64__) && defined(__AVX512F__) && \
     ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define SF_AMX 1
+#define SF_X86_TARGETS 1
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -245,7 +246,7 @@ static inline void bf16_rows_dot(const uint16_t* wr, const float* x, const int64
 // significands), the sums float32, rounded to bfloat16 once; a row's sums depend on nothing else in the call. The
 // instruction treats bfloat16 subnormal inputs as zero (values below 1.2e-38, which change no float32 sum that
 // holds a normal product). STATICFORMERS_BF16_DOT=0 turns it off (the widening loop runs instead).
-#if SF_AMX
+#if SF_X86_TARGETS
 static bool dot_available() {
   static const bool ok = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
@@ -254,10 +255,13 @@ static bool dot_available() {
   return ok;
 }
 
-static bool dot_enabled() {
-  const char* v = std::getenv("STATICFORMERS_BF16_DOT");
-  return !(v != nullptr && std::strcmp(v, "0") == 0) && dot_available();
+// Whether the environment variable `name` is "0" now (a path's off switch, read at each call).
+static bool switched_off(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") == 0;
 }
+
+static bool dot_enabled() { return !switched_off("STATICFORMERS_BF16_DOT") && dot_available(); }
 
 // The dot products of one weight row with MB bfloat16 activation rows (x: MB rows of K), into out[0, MB).
 template <int MB>
@@ -343,7 +347,7 @@ static void stream_rows(const X* xp, const int64_t M, const int64_t K, const std
 // inputs read as zero), rounded to bfloat16 once; a row's sums depend on nothing else in the call (its column of
 // the tile), and every call with K a multiple of 32 and weights of at least 16 rows takes this path, whatever its
 // row count. STATICFORMERS_AMX=0 turns it off (the vector loop runs instead).
-#if SF_AMX
+#if SF_X86_TARGETS
 struct alignas(64) TileConfig {
   uint8_t palette_id, start_row, reserved[14];
   uint16_t colsb[16];
@@ -360,10 +364,7 @@ static bool amx_available() {
   return ok;
 }
 
-static bool amx_enabled() {
-  const char* v = std::getenv("STATICFORMERS_AMX");
-  return !(v != nullptr && std::strcmp(v, "0") == 0) && amx_available();
-}
+static bool amx_enabled() { return !switched_off("STATICFORMERS_AMX") && amx_available(); }
 
 // Units [begin, end) of a call: a unit is 32 rows of one weight (two tiles; a weight's last unit overlaps the
 // rows before it rather than read past its end), against every 16-row chunk of the packed activations xv
@@ -462,7 +463,7 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
     starts.push_back(starts.back() + w.size(0));
   }
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-#if SF_AMX
+#if SF_X86_TARGETS
   if (bf16_gemv_amx(xa, M, K, weights, outs)) return outs;
   if (dot_enabled()) {
     stream_rows(xa, M, K, weights, outs, starts, [K](const uint16_t* wr, const uint16_t* x0, int64_t rows, float* out) {
@@ -492,7 +493,7 @@ static int64_t gemv_isa() {
 
 // Whether bf16_gemv runs its calls (K a multiple of 32, weights of 16 rows or more) on AMX here, now.
 static bool gemv_amx() {
-#if SF_AMX
+#if SF_X86_TARGETS
   return amx_enabled();
 #else
   return false;
@@ -501,7 +502,7 @@ static bool gemv_amx() {
 
 // Whether bf16_gemv's calls that AMX does not take run on AVX512_BF16's dot products here, now.
 static bool gemv_dot() {
-#if SF_AMX
+#if SF_X86_TARGETS
   return dot_enabled();
 #else
   return false;
