@@ -172,6 +172,11 @@ class Backend:
         """This backend's per-model step builder (its own state; the engine holds it)."""
         return StepBuilder(self, model, tp)
 
+    def arrange_weights(self, model, tp: int = 1) -> bool:
+        """Lay the model's weights out for this device's steps, before the engine builds any (the CPU copies
+        them into one block of huge pages); True if they moved now, so the caller's view of them is stale."""
+        return False
+
     # ---- running ---------------------------------------------------------------------------------
     def flush(self, device: torch.device) -> None:
         """End of one loop step, before its ids are read: on a lazily traced device, run what is queued as

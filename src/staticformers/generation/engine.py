@@ -156,6 +156,7 @@ class Engine:
         self.model, self.tp = model, int(tp)
         self.plan = (plan or ShapePlan()).bind(model.config.max_position_embeddings)
         self.backend: DeviceBackend = for_device(model.device)
+        self.backend.arrange_weights(model, self.tp)  # before the fingerprint: it reads where the weights are
         self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
         self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
@@ -185,6 +186,8 @@ class Engine:
             self.reset()
             self.backend = for_device(self.model.device)
             self.steps = self.backend.steps_for(self.model, self.tp)
+            if self.backend.arrange_weights(self.model, self.tp):
+                ident, versions = self._fingerprint()
         elif versions != self._versions:
             frozen = [k for k, g in self.graphs.items() if self.backend.freezes_weights(g.settings)]
             if frozen:

@@ -6,8 +6,9 @@ float32 GEMM in `onednn.py`, grouped and blocked attention), the generation step
 (`compilation/regions.py`) run without Dynamo once warm (`regions.py`), compiled functions saved whole
 between processes and run without guard evaluation once warm (`compiled.py`, `precompiled.py`),
 inductor's instruction-set probes remembered across processes (`isa_probes.py`), the host-memory
-setting of a training process (`host_memory.py`) and the kernels' thread count (`threads.py`, applied
-when the backend is made). Every choice is measured in BENCHMARKS.md.
+setting of a training process (`host_memory.py`), the kernels' thread count (`threads.py`, applied
+when the backend is made) and the weights' one block of huge pages (`weight_arena.py`, made before a model's
+first step). Every choice is measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, pr
 from .regions import RegionalDecode, RegionalExtend, RegionalPrefill
 from .thresholds import threshold
 from .threads import apply_thread_choice
+from . import weight_arena
 
 
 def plain_projections(model) -> bool:
@@ -193,6 +195,11 @@ class CPUBackend(Backend):
 
     def steps_for(self, model, tp: int = 1) -> CPUStepBuilder:
         return CPUStepBuilder(self, model, tp)
+
+    def arrange_weights(self, model, tp: int = 1) -> bool:
+        if tp > 1:  # a rank's shards are DTensors, laid out by their own parallel plan
+            return False
+        return weight_arena.arrange_weights(model, host_available_memory())
 
     def training_ops(self, dtype: torch.dtype) -> CPUOps:
         return PLAIN_CPU  # causal bf16 attention in query blocks
