@@ -76,8 +76,10 @@ def gemv_ms(dtype_name: str, rows: int = 81_250, cols: int = 512, repeats: int =
     GEMV is far from the memory's speed); the ceiling is the faster of the two."""
     import torch
 
+    from ceilings import host_matrix
+
     dtype = getattr(torch, dtype_name)
-    w = torch.randn(rows, cols).to(dtype)
+    w = host_matrix(rows, cols, torch.randn(rows, cols).to(dtype))  # in huge pages, as the model's weights are
     x = torch.randn(cols).to(dtype)
     reduce = torch.compile(lambda w, x: (w.float() * x.float()).sum(-1), backend="inductor", dynamic=False)
 

@@ -5,7 +5,8 @@ same device, and the clock the benchmarks time with. Shared by every script in b
   - on a GPU, a device-to-device copy of a buffer the size of the weights, timed with CUDA events;
     bytes read plus bytes written per second (HBM's rate; ~4.3 TB/s measured on an H200 this way);
   - on the CPU, the best of several reads of the same bytes as the weights, a `[bytes / (cols x element
-    size), cols]` matrix in the weights' dtype (81,250 x 512 for the 41.6M reference model): `torch.mv`
+    size), cols]` matrix in the weights' dtype (81,250 x 512 for the 41.6M reference model), in huge pages as
+    the library lays out a model's weights (`host_matrix`): `torch.mv`
     (what a BLAS GEMV reaches), `sum` (a plain streaming read), and an inductor-compiled multiply-and-sum
     reduction `(x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32)` (one vectorised weight-streaming
     loop). No single probe is the fastest on every CPU and dtype (BLAS GEMVs can be far below the
@@ -120,6 +121,20 @@ def _multiply_and_sum_int8(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * w.to(torch.bfloat16)).sum(-1, dtype=torch.float32)
 
 
+def host_matrix(rows: int, cols: int, fill: torch.Tensor) -> torch.Tensor:
+    """A `[rows, cols]` CPU matrix holding `fill`, in one block of huge pages where the library can make one (as
+    the CPU lays out a model's weights, `backends/cpu/weight_arena.py`), so that the probes read memory as the
+    decode step does; a plain tensor otherwise."""
+    try:
+        from staticformers.backends.cpu.weight_arena import huge_page_block
+    except ImportError:  # a peer's environment without the library
+        return fill.clone()
+    _, block, _ = huge_page_block(rows * cols * fill.element_size())
+    out = block.view(fill.dtype).view(rows, cols)
+    out.copy_(fill)
+    return out
+
+
 class MemoryCeiling:
     """The memory bandwidth a decode step over `nbytes` of weights can reach on `device` (module docstring),
     sampled as often as the caller likes: `sample()` between the contenders' runs, `result()` the best rate
@@ -149,7 +164,7 @@ class MemoryCeiling:
             self.what = f"device-to-device copy of {nbytes / 1e9:.3f} GB (bytes read + written)"
         elif dtype == torch.int8:  # int8 weights (bench/generate.py --quantization): no int8 GEMV in torch
             rows = max(nbytes // cols, 1)
-            w = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+            w = host_matrix(rows, cols, torch.randint(-127, 128, (rows, cols), dtype=torch.int8))
             x = torch.randn(cols).to(torch.bfloat16)
             reduction = torch.compile(_multiply_and_sum_int8, backend=backend, fullgraph=True, dynamic=False)
             probes = {"sum": lambda: w.sum(dtype=torch.int32), "compiled multiply-and-sum": lambda: reduction(x, w)}
@@ -162,7 +177,7 @@ class MemoryCeiling:
         else:
             size = torch.tensor([], dtype=dtype).element_size()
             rows = max(nbytes // (cols * size), 1)
-            w = torch.randn(rows, cols).to(dtype)
+            w = host_matrix(rows, cols, torch.randn(rows, cols).to(dtype))
             x = torch.randn(cols).to(dtype)
             reduction = torch.compile(_multiply_and_sum, backend=backend, fullgraph=True, dynamic=False)
             probes = {

@@ -60,16 +60,17 @@ def _offset(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _huge_block(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def huge_page_block(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(allocation, its part starting on a 2 MiB boundary of `nbytes` bytes, whether Linux took the advice);
-    the pages are advised before they are first touched, so the copy faults them in as huge pages."""
-    whole = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    the pages are advised before they are first touched, so the copy faults them in as huge pages. The advice
+    covers whole huge pages, all inside the allocation."""
+    length = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    whole = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
     start = (-whole.data_ptr()) % HUGE_PAGE
     block = whole[start : start + nbytes]
     libc = _libc()
     advised = False
     if libc is not None and hasattr(libc, "madvise"):
-        length = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
         advised = libc.madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
     return whole, block, advised
 
@@ -121,7 +122,7 @@ def arrange_weights(model, available: Optional[int] = None) -> bool:
         logger.debug("weights left in place: %d bytes free, %d wanted to copy them", available, total * MARGIN)
         return False
     start = time.perf_counter()
-    whole, block, advised = _huge_block(total)
+    whole, block, advised = huge_page_block(total)
     views: dict[int, torch.Tensor] = {}
     for p in params:
         old = p.data_ptr()
@@ -144,4 +145,4 @@ def arrange_weights(model, available: Optional[int] = None) -> bool:
     return True
 
 
-__all__ = ["arrange_weights", "arranged"]
+__all__ = ["arrange_weights", "arranged", "huge_page_block"]
