@@ -1,6 +1,6 @@
 """decode_attention.py: the CPU's decode attention kernel against float64 SDPA (float32 and bf16, grouped KV heads,
 head sizes and lengths past the vector width, a strided cache slice, no mask), a row with nothing to attend, the
-threads' split, the formulation that routes to it (static caches only; soft caps and sinks keep the reductions),
+threads' split and the KV head's query heads run together (the same bits), the formulation that routes to it (static caches only; soft caps and sinks keep the reductions),
 and bad input refused in one sentence."""
 
 from __future__ import annotations
@@ -60,20 +60,21 @@ def test_a_row_with_nothing_to_attend_gets_zeros_and_the_others_their_own():
         check(out[row : row + 1], q[row : row + 1], k[row : row + 1], v[row : row + 1], mask[row : row + 1], 0.3)
 
 
-def test_the_threads_split_changes_nothing():
-    q, k, v, mask = inputs(torch.bfloat16, b=4, length=300)
+@pytest.mark.parametrize("d", [40, 64])
+def test_the_threads_split_and_the_grouped_heads_change_nothing(d):
+    """At d=64 (whole vectors) one thread runs a task per KV head with its 3 query heads together, and 5 threads a
+    task per query head (8 KV heads' tasks are too few for them): the same bits either way."""
+    q, k, v, mask = inputs(torch.bfloat16, b=4, h=6, kvh=2, length=300, d=d)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = da.decode_attention(q, k, v, mask, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    torch.set_num_threads(3)
-    try:
-        three = da.decode_attention(q, k, v, mask, 0.125)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, three)
+    outs = []
+    for n in (1, 3, 5):
+        torch.set_num_threads(n)
+        try:
+            outs.append(da.decode_attention(q, k, v, mask, 0.125))
+        finally:
+            torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    check(outs[0], q, k, v, mask, 0.125)
 
 
 def test_the_kernel_formulation_routes_one_query_per_row_to_it(monkeypatch):

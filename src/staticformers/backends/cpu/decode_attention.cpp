@@ -12,7 +12,10 @@
 // horizontal sum per position; at batch 8 they were about a fifth of a bf16 decode step of a 30-layer model
 // (BENCHMARKS.md, "A decode attention kernel"). Here each (row, head) is one task: its query once in float32, one
 // pass over the positions its mask lets it attend (masked positions are skipped, not read), a vectorised
-// softmax, one pass over the values. Built and loaded with gemv.cpp, by inductor's toolchain and vector ISA.
+// softmax, one pass over the values. Where a head's keys and values are whole vectors and there are enough tasks
+// for the threads, a task is a KV head and the query heads that read it (attend_group): each key row is widened
+// once for all of them and the values' weighted sums stay in registers, in the same order, so the same bits.
+// Built and loaded with gemv.cpp, by inductor's toolchain and vector ISA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -25,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 using fvec = at::vec::Vectorized<float>;
@@ -88,6 +92,83 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, con
   for (int64_t j = 0; j < Dv; ++j) out[j] = static_cast<T>(acc[j] * inv);
 }
 
+// `hg` query heads that read one KV head, together: each key row loaded and widened once for all of them, and each
+// head's weighted sum of the values kept in registers (NK, NV: the head's key and value vectors). The same sums in
+// the same order as attend_one, so the same bits. q: hg rows of D; scores: hg rows of L; out: hg rows of Dv.
+template <typename T, int NK, int NV>
+static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, const int64_t ks, const int64_t vs,
+                         const bool* mask, const int64_t L, const float scale, float* qf, float* scores, float* tops,
+                         T* out) {
+  constexpr int64_t W = fvec::size(), D = NK * W, Dv = NV * W;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < hg * D; ++j) qf[j] = static_cast<float>(q[j]);
+  for (int64_t i = 0; i < hg; ++i) tops[i] = ninf;
+  for (int64_t s = 0; s < L; ++s) {
+    if (mask != nullptr && !mask[s]) {
+      for (int64_t i = 0; i < hg; ++i) scores[i * L + s] = ninf;
+      continue;
+    }
+    const T* kr = k + s * ks;
+    fvec kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = load_float(kr + j * W);
+    for (int64_t i = 0; i < hg; ++i) {
+      const float* qi = qf + i * D;
+      fvec a(0.f);
+      for (int j = 0; j < NK; ++j) a = at::vec::fmadd(fvec::loadu(qi + j * W), kv[j], a);
+      const float score = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, a) * scale;
+      scores[i * L + s] = score;
+      tops[i] = std::max(tops[i], score);
+    }
+  }
+  const int64_t Lw = L - L % W;
+  for (int64_t i = 0; i < hg; ++i) {
+    T* o = out + i * Dv;
+    float* sc = scores + i * L;
+    const float top = tops[i];
+    if (top == ninf) {  // nothing to attend (a padding row): zeros
+      for (int64_t j = 0; j < Dv; ++j) o[j] = static_cast<T>(0.f);
+      continue;
+    }
+    fvec total(0.f);
+    for (int64_t s = 0; s < Lw; s += W) {  // exp(-inf) is 0: a masked position weighs nothing
+      const fvec p = (fvec::loadu(sc + s) - fvec(top)).exp();
+      p.store(sc + s);
+      total = total + p;
+    }
+    float sum = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, total);
+    for (int64_t s = Lw; s < L; ++s) {
+      sc[s] = std::exp(sc[s] - top);
+      sum += sc[s];
+    }
+    fvec acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = fvec(0.f);
+    for (int64_t s = 0; s < L; ++s) {
+      const float p = sc[s];
+      if (p == 0.f) continue;
+      const T* vr = v + s * vs;
+      const fvec pv(p);
+      for (int j = 0; j < NV; ++j) acc[j] = at::vec::fmadd(pv, load_float(vr + j * W), acc[j]);
+    }
+    const float inv = 1.f / sum;
+    alignas(64) float res[Dv];
+    for (int j = 0; j < NV; ++j) acc[j].store(res + j * W);
+    for (int64_t j = 0; j < Dv; ++j) o[j] = static_cast<T>(res[j] * inv);
+  }
+}
+
+// f(integral_constant<int, N>) for a head of N vectors (1, 2, 4, 8 or 16); false for any other size.
+template <typename F>
+static bool by_vectors(const int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    case 16: f(std::integral_constant<int, 16>{}); return true;
+    default: return false;
+  }
+}
+
 template <typename T>
 static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask,
                        const double scale, at::Tensor& out) {
@@ -98,7 +179,27 @@ static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const T* vp = v.const_data_ptr<T>();
   const bool* mp = mask != nullptr ? mask->const_data_ptr<bool>() : nullptr;
   T* op = out.data_ptr<T>();
-  const int64_t grain = B * H * L * (D + Dv) >= 32768 ? 1 : B * H;  // a tiny step is not worth waking threads
+  constexpr int64_t W = fvec::size();
+  const bool tiny = B * H * L * (D + Dv) < 32768;  // a tiny step is not worth waking threads
+  // a KV head's query heads together, where the key and value rows are whole vectors and there are tasks enough
+  // for every thread; else one task per query head
+  if (D == Dv && D % W == 0 && (tiny || B * KVH >= 2 * at::get_num_threads())) {
+    const bool done = by_vectors(D / W, [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      at::parallel_for(0, B * KVH, tiny ? B * KVH : 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(g * D), scores(g * L), tops(g);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t b = t / KVH, kh = t % KVH, h0 = b * H + kh * g;
+          attend_group<T, N, N>(qp + h0 * D, g, kp + b * k.stride(0) + kh * k.stride(1),
+                                vp + b * v.stride(0) + kh * v.stride(1), k.stride(2), v.stride(2),
+                                mp != nullptr ? mp + b * L : nullptr, L, static_cast<float>(scale), qf.data(),
+                                scores.data(), tops.data(), op + h0 * Dv);
+        }
+      });
+    });
+    if (done) return;
+  }
+  const int64_t grain = tiny ? B * H : 1;
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(D), scores(L), acc(Dv);
     for (int64_t t = begin; t < end; ++t) {
