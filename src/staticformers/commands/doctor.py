@@ -45,6 +45,7 @@ def run(args) -> int:
     info = {"staticformers": __version__, **info}
     info["neuron_hint"] = neuron_hint(info)
     info["cpu_threads"] = cpu_threads()
+    info["cpu_kernels"] = cpu_kernels()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -71,6 +72,8 @@ def run(args) -> int:
         f"bf16 {'yes' if info['auto_bf16'] else 'no'})"
     )
     print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
+    kernels = info["cpu_kernels"]
+    print(f"CPU bf16 decode projections: {kernels['bf16_decode_why']}; weights: {kernels['weights']}")
     if info["neuron_hint"]:
         print(
             textwrap.fill(
@@ -140,6 +143,23 @@ def cpu_threads() -> dict:
         "cpu_count": choice.cpu_count,
         "reason": choice.reason(),
         "wait": wait_policy(),
+    }
+
+
+def cpu_kernels() -> dict:
+    """The path the CPU's bf16 decode kernel takes here and where a model's weights go, told from the processor's
+    flags and the environment without building the kernel (`utils/cpu_features.py`)."""
+    from ..utils.cpu_features import bf16_decode_path, cpu_flags, huge_pages, thp_mode, vector_isa
+
+    flags = cpu_flags()
+    path, why = bf16_decode_path(flags)
+    mode = thp_mode()
+    return {
+        "vector_isa": vector_isa(flags),
+        "bf16_decode": path,
+        "bf16_decode_why": why,
+        "transparent_huge_pages": mode,
+        "weights": huge_pages(mode),
     }
 
 
