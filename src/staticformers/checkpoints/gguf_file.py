@@ -2,8 +2,8 @@
 
 Why this exists: a GGUF holds the config, the tokenizer, the chat template and the weights in one file, the
 weights often quantized in ggml's block formats. This module is the one place that opens such a file: it
-gives the metadata as plain Python values and each tensor dequantised into a torch tensor of the asked
-dtype (`gguf.quants.dequantize`, in numpy, one tensor at a time). It knows no model: the tensor names and
+gives the metadata as plain Python values (the header read by `gguf_header.py`) and each tensor dequantised into a
+torch tensor of the asked dtype (`gguf.quants.dequantize`, in numpy, one tensor at a time). It knows no model: the tensor names and
 the config keys are `gguf_names.py`'s and `gguf_config.py`'s.
 """
 
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from .gguf_header import NotParsed, read_header
 
 # ggml tensor types we dequantise (each tested against transformers' GGUF loader)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -35,7 +38,8 @@ def _gguf():
 class GGUFFile:
     """An opened GGUF file: `metadata` (key -> value), `tensor_names`, `tensor_type(name)`, `read(name, dtype)`.
 
-    The file is memory-mapped by the reader; `read` copies one tensor out at a time."""
+    The header is read in one pass (`gguf_header.py`; a file it leaves aside goes through the package's
+    `GGUFReader`); the tensor data is memory-mapped and `read` copies one tensor out at a time."""
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
@@ -43,17 +47,15 @@ class GGUFFile:
                 f"{path} is not a file: pass gguf_file= the name of a .gguf file in the folder (or its path)."
             )
         gguf = _gguf()
-        try:
-            self._reader = gguf.GGUFReader(path)
-        except Exception as err:  # the reader raises ValueError / struct errors on a bad header
-            raise GGUFError(f"{path} is not a GGUF file the gguf package can read ({err}): re-download it.") from None
         self.path = path
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        self.metadata: dict[str, Any] = {}
-        for key, field in self._reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            self.metadata[key] = _value(field, gguf)
+        try:
+            header = read_header(path)
+            self.metadata: dict[str, Any] = header.metadata
+            tensors = [(t.name, t.ggml_type, t.dims, header.data_start + t.offset) for t in header.tensors]
+        except NotParsed:
+            self.metadata, tensors = _through_reader(path, gguf)
+        self._data = np.memmap(path, mode="r") if tensors else None
+        self._tensors = {name: _Tensor(name, kind, tuple(int(d) for d in dims), at) for name, kind, dims, at in tensors}
 
     @property
     def architecture(self) -> str:
@@ -67,18 +69,19 @@ class GGUFFile:
         return list(self._tensors)
 
     def tensor_type(self, name: str) -> str:
-        return self._tensors[name].tensor_type.name
+        return _type_name(self._tensors[name].ggml_type)
 
     def shape(self, name: str) -> tuple:
         """The tensor's shape in torch's order (GGUF stores ggml's, innermost first)."""
-        return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))
+        return tuple(reversed(self._tensors[name].dims))
 
     def check_types(self) -> None:
         """Refuse, in one sentence, a file holding a tensor type we do not dequantise."""
         for name, tensor in self._tensors.items():
-            if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            kind = _type_name(tensor.ggml_type)
+            if kind not in SUPPORTED_TYPES:
                 raise GGUFError(
-                    f"{os.path.basename(self.path)} stores tensor {name} as {tensor.tensor_type.name}, a ggml type "
+                    f"{os.path.basename(self.path)} stores tensor {name} as {kind}, a ggml type "
                     f"staticformers does not dequantise ({', '.join(SUPPORTED_TYPES)} are): use a GGUF of one of "
                     f"those types, or the model's safetensors checkpoint."
                 )
@@ -87,17 +90,55 @@ class GGUFFile:
         """Tensor `name` dequantised to float32 in numpy, then in `dtype`, in torch's shape."""
         gguf = _gguf()
         tensor = self._tensors[name]
-        kind = tensor.tensor_type.name
+        kind = _type_name(tensor.ggml_type)
         if kind not in SUPPORTED_TYPES:
             self.check_types()
+        qtype = gguf.GGMLQuantizationType(tensor.ggml_type)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = self.shape(name)
+        count = int(np.prod(shape)) * size // block
+        assert self._data is not None  # a file with tensors has its data mapped
+        if tensor.offset + count > len(self._data):
+            raise GGUFError(f"{self.path} ends inside tensor {name}: the file is truncated; re-download it.")
+        raw = self._data[tensor.offset : tensor.offset + count]
         if kind == "F32":
-            values = np.asarray(tensor.data, dtype=np.float32)
+            values = raw.view(np.float32)
         elif kind == "F16":
-            values = np.asarray(tensor.data).view(np.float16).astype(np.float32)
+            values = raw.view(np.float16).astype(np.float32)
         else:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        out = torch.from_numpy(np.ascontiguousarray(values).reshape(self.shape(name)).copy())
+            values = gguf.quants.dequantize(raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype)
+        out = torch.from_numpy(np.ascontiguousarray(values).reshape(shape).copy())
         return out.to(dtype)
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    ggml_type: int
+    dims: tuple  # ggml's order, innermost first
+    offset: int  # in the file
+
+
+def _type_name(ggml_type: int) -> str:
+    """A ggml type's name ("Q4_K"), or "ggml type N" for a number the gguf package does not know."""
+    try:
+        return _gguf().GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"ggml type {ggml_type}"
+
+
+def _through_reader(path: str, gguf) -> tuple[dict, list]:
+    """(metadata, [(name, ggml type, dims, file offset)]) through the package's `GGUFReader`: the files
+    `gguf_header.py` leaves aside."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as err:  # the reader raises ValueError / struct errors on a bad header
+        raise GGUFError(f"{path} is not a GGUF file the gguf package can read ({err}): re-download it.") from None
+    if reader.byte_order != "I":
+        raise GGUFError(f"{path} is a big-endian GGUF file: convert it to little-endian (gguf's gguf_convert_endian).")
+    metadata = {key: _value(field, gguf) for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    tensors = [(t.name, int(t.tensor_type), tuple(t.shape.tolist()), int(t.data_offset)) for t in reader.tensors]
+    return metadata, tensors
 
 
 def _value(field, gguf) -> Any:
