@@ -40,6 +40,24 @@ static inline fvec load_float(const at::BFloat16* p) {
   return out;
 }
 
+// scores[0, L) -> exp(score - top) in place (a masked position's -inf becomes 0); their sum.
+static inline float exponentiate(float* scores, const int64_t L, const float top) {
+  constexpr int64_t W = fvec::size();
+  const int64_t Lw = L - L % W;
+  fvec total(0.f);
+  for (int64_t s = 0; s < Lw; s += W) {
+    const fvec p = (fvec::loadu(scores + s) - fvec(top)).exp();
+    p.store(scores + s);
+    total = total + p;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, total);
+  for (int64_t s = Lw; s < L; ++s) {
+    scores[s] = std::exp(scores[s] - top);
+    sum += scores[s];
+  }
+  return sum;
+}
+
 // One (row, query head): its keys k (positions `ks` apart), values v (`vs` apart), mask (or null), into out.
 template <typename T>
 static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, const int64_t vs, const bool* mask,
@@ -68,18 +86,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, con
     for (int64_t j = 0; j < Dv; ++j) out[j] = static_cast<T>(0.f);
     return;
   }
-  const int64_t Lw = L - L % W;
-  fvec total(0.f);
-  for (int64_t s = 0; s < Lw; s += W) {  // exp(-inf) is 0: a masked position weighs nothing
-    const fvec p = (fvec::loadu(scores + s) - fvec(top)).exp();
-    p.store(scores + s);
-    total = total + p;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, total);
-  for (int64_t s = Lw; s < L; ++s) {
-    scores[s] = std::exp(scores[s] - top);
-    sum += scores[s];
-  }
+  const float sum = exponentiate(scores, L, top);
   for (int64_t s = 0; s < L; ++s) {
     const float p = scores[s];
     if (p == 0.f) continue;
@@ -120,7 +127,6 @@ static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, c
       tops[i] = std::max(tops[i], score);
     }
   }
-  const int64_t Lw = L - L % W;
   for (int64_t i = 0; i < hg; ++i) {
     T* o = out + i * Dv;
     float* sc = scores + i * L;
@@ -129,17 +135,7 @@ static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, c
       for (int64_t j = 0; j < Dv; ++j) o[j] = static_cast<T>(0.f);
       continue;
     }
-    fvec total(0.f);
-    for (int64_t s = 0; s < Lw; s += W) {  // exp(-inf) is 0: a masked position weighs nothing
-      const fvec p = (fvec::loadu(sc + s) - fvec(top)).exp();
-      p.store(sc + s);
-      total = total + p;
-    }
-    float sum = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, total);
-    for (int64_t s = Lw; s < L; ++s) {
-      sc[s] = std::exp(sc[s] - top);
-      sum += sc[s];
-    }
+    const float sum = exponentiate(sc, L, top);
     fvec acc[NV];
     for (int j = 0; j < NV; ++j) acc[j] = fvec(0.f);
     for (int64_t s = 0; s < L; ++s) {
