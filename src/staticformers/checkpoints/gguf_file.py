@@ -54,7 +54,8 @@ class GGUFFile:
             tensors = [(t.name, t.ggml_type, t.dims, header.data_start + t.offset) for t in header.tensors]
         except NotParsed:
             self.metadata, tensors = _through_reader(path, gguf)
-        self._data = np.memmap(path, mode="r") if tensors else None
+        # a plain array over the map: numpy calls a memmap subclass hook on every array it derives from one
+        self._data = np.memmap(path, mode="r").view(np.ndarray) if tensors else None
         self._tensors = {name: _Tensor(name, kind, tuple(int(d) for d in dims), at) for name, kind, dims, at in tensors}
 
     @property
