@@ -34,7 +34,6 @@ import torch
 
 from .operators import NativeKernels, define
 
-OP = "staticformers::int8_gemv"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
 
@@ -130,4 +129,4 @@ def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     return torch.ops.staticformers.bf16_gemv(x, list(weights))
 
 
-__all__ = ["OP", "amx", "bf16_gemv", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
+__all__ = ["amx", "bf16_gemv", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
