@@ -63,7 +63,8 @@ def test_a_row_with_nothing_to_attend_gets_zeros_and_the_others_their_own():
 @pytest.mark.parametrize("d", [40, 64])
 def test_the_threads_split_and_the_grouped_heads_change_nothing(d):
     """At d=64 (whole vectors) one thread runs a task per KV head with its 3 query heads together, and 5 threads a
-    task per query head (8 KV heads' tasks are too few for them): the same bits either way."""
+    task per query head (8 KV heads' tasks are too few for them, and 3 heads split only into 1s); at d=40 every
+    thread count runs a task per query head: the same bits either way."""
     q, k, v, mask = inputs(torch.bfloat16, b=4, h=6, kvh=2, length=300, d=d)
     threads = torch.get_num_threads()
     outs = []

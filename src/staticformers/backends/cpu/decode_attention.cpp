@@ -12,9 +12,10 @@
 // horizontal sum per position; at batch 8 they were about a fifth of a bf16 decode step of a 30-layer model
 // (BENCHMARKS.md, "A decode attention kernel"). Here each (row, head) is one task: its query once in float32, one
 // pass over the positions its mask lets it attend (masked positions are skipped, not read), a vectorised
-// softmax, one pass over the values. Where a head's keys and values are whole vectors and there are enough tasks
-// for the threads, a task is a KV head and the query heads that read it (attend_group): each key row is widened
-// once for all of them and the values' weighted sums stay in registers, in the same order, so the same bits.
+// softmax, one pass over the values. Where a head's keys and values are whole vectors, a task is a KV head and the
+// query heads that read it (attend_group; split into fewer heads a task where the tasks would not keep every thread
+// busy): each key row is widened once for all of them and the values' weighted sums stay in registers, in the same
+// order as attend_one, so the same bits.
 // Built and loaded with gemv.cpp, by inductor's toolchain and vector ISA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -177,16 +178,21 @@ static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   T* op = out.data_ptr<T>();
   constexpr int64_t W = fvec::size();
   const bool tiny = B * H * L * (D + Dv) < 32768;  // a tiny step is not worth waking threads
-  // a KV head's query heads together, where the key and value rows are whole vectors and there are tasks enough
-  // for every thread; else one task per query head
-  if (D == Dv && D % W == 0 && (tiny || B * KVH >= 2 * at::get_num_threads())) {
+  // a KV head's query heads together where the key and value rows are whole vectors: all of them in one task where
+  // there are tasks enough for every thread twice, else split into `parts` (a divisor of g) until there are, or one
+  // head a task; the same sums whatever the split
+  if (D == Dv && D % W == 0) {
+    const int64_t threads = at::get_num_threads();
+    int64_t parts = 1;
+    while (!tiny && parts < g && (B * KVH * parts < 2 * threads || g % parts != 0)) ++parts;
+    const int64_t hg = g / parts, tasks = B * KVH * parts;
     const bool done = by_vectors(D / W, [&](auto n) {
       constexpr int N = decltype(n)::value;
-      at::parallel_for(0, B * KVH, tiny ? B * KVH : 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qf(g * D), scores(g * L), tops(g);
+      at::parallel_for(0, tasks, tiny ? tasks : 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> qf(hg * D), scores(hg * L), tops(hg);
         for (int64_t t = begin; t < end; ++t) {
-          const int64_t b = t / KVH, kh = t % KVH, h0 = b * H + kh * g;
-          attend_group<T, N, N>(qp + h0 * D, g, kp + b * k.stride(0) + kh * k.stride(1),
+          const int64_t b = t / (KVH * parts), kh = t / parts % KVH, h0 = b * H + kh * g + t % parts * hg;
+          attend_group<T, N, N>(qp + h0 * D, hg, kp + b * k.stride(0) + kh * k.stride(1),
                                 vp + b * v.stride(0) + kh * v.stride(1), k.stride(2), v.stride(2),
                                 mp != nullptr ? mp + b * L : nullptr, L, static_cast<float>(scale), qf.data(),
                                 scores.data(), tops.data(), op + h0 * Dv);
