@@ -83,9 +83,15 @@ def thp_mode(text: Optional[str] = None) -> Optional[str]:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+def weight_arena_off(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `STATICFORMERS_WEIGHT_ARENA=0` leaves a model's weights where they were loaded
+    (`backends/cpu/weight_arena.py`)."""
+    return environ.get("STATICFORMERS_WEIGHT_ARENA", "1").strip() == "0"
+
+
 def huge_pages(mode: Optional[str], environ: Mapping[str, str] = os.environ) -> str:
     """What a model's weights get on the CPU under transparent-huge-page mode `mode`, as a sentence."""
-    if environ.get("STATICFORMERS_WEIGHT_ARENA", "1").strip() == "0":
+    if weight_arena_off(environ):
         return "left where they were loaded: STATICFORMERS_WEIGHT_ARENA=0"
     if mode in ("always", "madvise"):
         return f"one block of huge pages (transparent huge pages: {mode})"
@@ -93,4 +99,4 @@ def huge_pages(mode: Optional[str], environ: Mapping[str, str] = os.environ) -> 
     return f"one block of 4 KiB pages (transparent huge pages: {why})"
 
 
-__all__ = ["bf16_decode_path", "cpu_flags", "huge_pages", "thp_mode", "vector_isa"]
+__all__ = ["bf16_decode_path", "cpu_flags", "huge_pages", "thp_mode", "vector_isa", "weight_arena_off"]

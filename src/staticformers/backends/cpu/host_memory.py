@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+from typing import Optional
 
 logger = logging.getLogger("staticformers")
 
@@ -29,6 +31,15 @@ _TOP_PAD = 256 * 2**20
 _done = False
 
 
+@functools.cache
+def libc() -> Optional[ctypes.CDLL]:
+    """The C library (loaded once), or None where it cannot be loaded; glibc-only calls are looked up on it."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - every Linux has a libc
+        return None
+
+
 def keep_freed_host_memory() -> bool:
     """Raise glibc's mmap and trim thresholds (once per process). True if they are now raised."""
     global _done
@@ -36,10 +47,8 @@ def keep_freed_host_memory() -> bool:
         return True
     if os.environ.get("STATICFORMERS_KEEP_HOST_MEMORY", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
+    mallopt = getattr(libc(), "mallopt", None)
+    if mallopt is None:  # not glibc (macOS, musl): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = all(
@@ -55,4 +64,4 @@ def keep_freed_host_memory() -> bool:
     return ok
 
 
-__all__ = ["keep_freed_host_memory"]
+__all__ = ["keep_freed_host_memory", "libc"]

@@ -21,13 +21,14 @@ Tied parameters (one storage for two names) stay tied: they get one view.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
-import os
 import time
 from typing import Optional
 
 import torch
+
+from ...utils.cpu_features import weight_arena_off
+from .host_memory import libc
 
 logger = logging.getLogger("staticformers")
 
@@ -36,13 +37,6 @@ ALIGN = 64  # each weight starts on a cache line
 MADV_HUGEPAGE = 14
 MARGIN = 1.25  # free host memory wanted, as a multiple of the weights' bytes
 ATTR = "_staticformers_weight_arena"  # on the model: the block its weights were copied into
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # pragma: no cover - every Linux has a libc
-        return None
 
 
 def _owning(p: torch.Tensor) -> bool:
@@ -68,18 +62,18 @@ def huge_page_block(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
     whole = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
     start = (-whole.data_ptr()) % HUGE_PAGE
     block = whole[start : start + nbytes]
-    libc = _libc()
-    advised = False
-    if libc is not None and hasattr(libc, "madvise"):
-        advised = libc.madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    madvise = getattr(libc(), "madvise", None)
+    advised = (
+        madvise is not None and madvise(ctypes.c_void_p(block.data_ptr()), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    )
     return whole, block, advised
 
 
 def _trim() -> None:
     """Give the freed copies' heap pages back to the system (glibc keeps them otherwise)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _weights(model) -> list:
@@ -106,7 +100,7 @@ def arrange_weights(model, available: Optional[int] = None) -> bool:
         if any(_inside(block, p) for p in _weights(model)):
             return False  # in place, or partly replaced (an adapter added): left as it is
         delattr(model, ATTR)
-    if os.environ.get("STATICFORMERS_WEIGHT_ARENA", "1").strip() == "0":
+    if weight_arena_off():
         return False
     params = _weights(model)
     if not params or not all(_owning(p) for p in params):
@@ -133,7 +127,6 @@ def arrange_weights(model, available: Optional[int] = None) -> bool:
             view.copy_(p.data)
             views[old] = view
         p.data = view
-    views.clear()
     _trim()
     object.__setattr__(model, ATTR, whole)
     logger.info(
