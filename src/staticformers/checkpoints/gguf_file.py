@@ -3,21 +3,21 @@
 Why this exists: a GGUF holds the config, the tokenizer, the chat template and the weights in one file, the
 weights often quantized in ggml's block formats. This module is the one place that opens such a file: it
 gives the metadata as plain Python values (the header read by `gguf_header.py`) and each tensor dequantised into a
-torch tensor of the asked dtype (`gguf.quants.dequantize`, in numpy, one tensor at a time). It knows no model: the tensor names and
-the config keys are `gguf_names.py`'s and `gguf_config.py`'s.
+torch tensor of the asked dtype (`gguf.quants.dequantize`, in numpy, one tensor at a time). It knows no model: the
+tensor names and the config keys are `gguf_names.py`'s and `gguf_config.py`'s.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from .gguf_header import NotParsed, read_header
+from .gguf_header import NotParsed, TensorInfo, read_header
 
 # ggml tensor types we dequantise (each tested against transformers' GGUF loader)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -51,12 +51,12 @@ class GGUFFile:
         try:
             header = read_header(path)
             self.metadata: dict[str, Any] = header.metadata
-            tensors = [(t.name, t.ggml_type, t.dims, header.data_start + t.offset) for t in header.tensors]
+            tensors = [replace(t, offset=header.data_start + t.offset) for t in header.tensors]
         except NotParsed:
             self.metadata, tensors = _through_reader(path, gguf)
         # a plain array over the map: numpy calls a memmap subclass hook on every array it derives from one
         self._data = np.memmap(path, mode="r").view(np.ndarray) if tensors else None
-        self._tensors = {name: _Tensor(name, kind, tuple(int(d) for d in dims), at) for name, kind, dims, at in tensors}
+        self._tensors = {t.name: t for t in tensors}  # offsets from the start of the file
 
     @property
     def architecture(self) -> str:
@@ -112,14 +112,6 @@ class GGUFFile:
         return out.to(dtype)
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    ggml_type: int
-    dims: tuple  # ggml's order, innermost first
-    offset: int  # in the file
-
-
 def _type_name(ggml_type: int) -> str:
     """A ggml type's name ("Q4_K"), or "ggml type N" for a number the gguf package does not know."""
     try:
@@ -128,9 +120,9 @@ def _type_name(ggml_type: int) -> str:
         return f"ggml type {ggml_type}"
 
 
-def _through_reader(path: str, gguf) -> tuple[dict, list]:
-    """(metadata, [(name, ggml type, dims, file offset)]) through the package's `GGUFReader`: the files
-    `gguf_header.py` leaves aside."""
+def _through_reader(path: str, gguf) -> tuple[dict, list[TensorInfo]]:
+    """(metadata, tensors with their offsets from the start of the file) through the package's `GGUFReader`: the
+    files `gguf_header.py` leaves aside."""
     try:
         reader = gguf.GGUFReader(path)
     except Exception as err:  # the reader raises ValueError / struct errors on a bad header
@@ -138,7 +130,10 @@ def _through_reader(path: str, gguf) -> tuple[dict, list]:
     if reader.byte_order != "I":
         raise GGUFError(f"{path} is a big-endian GGUF file: convert it to little-endian (gguf's gguf_convert_endian).")
     metadata = {key: _value(field, gguf) for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    tensors = [(t.name, int(t.tensor_type), tuple(t.shape.tolist()), int(t.data_offset)) for t in reader.tensors]
+    tensors = [
+        TensorInfo(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape.tolist()), int(t.data_offset))
+        for t in reader.tensors
+    ]
     return metadata, tensors
 
 

@@ -47,7 +47,8 @@ class NotParsed(Exception):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor: `dims` in ggml's order (innermost first), `offset` from the start of the tensor data."""
+    """One tensor: `dims` in ggml's order (innermost first), `offset` from the start of the tensor data (`Header`'s;
+    `gguf_file.py` keeps them from the start of the file)."""
 
     name: str
     ggml_type: int
