@@ -1,7 +1,8 @@
 """gemv.py: the CPU's streaming kernels for a decode step's rows against the exact product. int8: every pairing of
 activation and scale dtypes, grouped calls, the rows' tail past the vector width, the formulation that picks it
 (one row: the kernel; more: ATen's), q/k/v and gate/up as one call, a traced graph calling it whole, the
-fallback where it cannot be built, and bad input refused in one sentence. bf16: 1-8 rows and more (blocks of 8),
+fallback where it cannot be built, and bad input refused in one sentence; the threads' split (shares, tails
+taken by others) against one thread. bf16: 1-8 rows and more (blocks of 8),
 on AMX's tiles and on the vector loop (`STATICFORMERS_AMX=0`), grouped calls, the `"stream"` formulation (LoRA bases stream, hooked and float32 layers reduce), the fallback."""
 
 from __future__ import annotations
@@ -93,6 +94,30 @@ def test_the_threads_split_the_rows_of_a_group_and_sum_them_as_one_thread_does()
         torch.set_num_threads(threads)
     for a, b in zip(alone, split):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("rows", [(9,), (40, 7), (300, 200)])
+def test_every_row_is_computed_once_however_the_threads_share_and_take_the_tails(threads, rows):
+    """The threads own contiguous shares and take each other's tails once done (`split_rows`): shares smaller
+    than their tail, a weight of fewer rows than the threads, any thread count, give the one-thread sums, int8
+    and bf16, bit for bit (a row missed would be an uninitialised output, a row done twice the same value)."""
+    torch.manual_seed(5)
+    k = 8192  # enough values that even 9 rows wake the other threads
+    ws8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for n in rows]
+    ss = [torch.rand(n) * 0.01 for n in rows]
+    ws16 = [torch.randn(n, k).bfloat16() for n in rows]
+    x = torch.randn(3, k)
+    alone = (g.int8_gemv(x, ws8, ss), g.bf16_gemv(x.bfloat16(), ws16))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):  # which thread takes which tail changes from call to call
+            split = (g.int8_gemv(x, ws8, ss), g.bf16_gemv(x.bfloat16(), ws16))
+            for a, b in zip(alone[0] + alone[1], split[0] + split[1]):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_decode_row_runs_the_kernel_and_a_few_rows_atens():

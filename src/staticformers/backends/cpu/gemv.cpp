@@ -10,7 +10,8 @@
 //
 // Why they are written this way: a decode step's projections are bound by the bytes of the weight, so the
 // loop reads the weights as one forward stream (each row whole, rows in order, the rows of all the
-// weights of a call split between threads in contiguous ranges), one cache line an iteration into
+// weights of a call split between threads in contiguous ranges, whose tails a thread done early takes from their
+// end: `split_rows`), one cache line an iteration into
 // independent float32 accumulators, and prefetches SF_PREFETCH bytes ahead. Reading several rows side by
 // side instead, a few cache lines of each, is what ATen's int8 kernel does, and it defeats the hardware's
 // stream prefetch once the weights no longer fit in cache (BENCHMARKS.md, weight-only int8). In bfloat16,
@@ -26,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -109,6 +111,70 @@ static inline float row_dot(const int8_t* wr, const float* xm, const int64_t K) 
   return sum;
 }
 
+// f(begin, end) over the rows [0, total) of a call (K values a row), split between the threads. A small call runs
+// on this thread alone (not worth waking the others). Otherwise each thread owns a contiguous share of the rows and
+// streams it forward, and the last SF_TAIL_PARTS / (SF_TAIL_PARTS + SF_HEAD_PARTS) of each share is cut into
+// chunks that the other threads may take from its end once their own share is done: a thread whose memory is
+// slower in a call (the other one's stream ahead, or woken late) no longer keeps the others waiting at the call's
+// end, and where the threads keep pace every share is still one forward stream.
+#ifndef SF_TAIL_PARTS
+#define SF_TAIL_PARTS 8
+#endif
+#ifndef SF_HEAD_PARTS
+#define SF_HEAD_PARTS 24
+#endif
+template <typename F>
+static inline void split_rows(const int64_t total, const int64_t K, F&& f) {
+  const int64_t threads = at::get_num_threads();
+  if (total * K < 65536 || threads == 1) return f(0, total);
+  const int64_t share = (total + threads - 1) / threads, parts = SF_TAIL_PARTS;
+  const int64_t chunk = std::max<int64_t>(1, share / (SF_TAIL_PARTS + SF_HEAD_PARTS));
+  std::vector<std::atomic<bool>> taken(threads * parts);
+  for (auto& t : taken) t.store(false, std::memory_order_relaxed);
+  // thread t's chunk c: rows [tail(t) + c * chunk, ...), the last one up to the end of the share
+  auto tail = [&](int64_t t) { return std::min(total, (t + 1) * share) - parts * chunk; };
+  auto run_chunk = [&](int64_t t, int64_t c) {
+    const int64_t b = std::max(tail(t) + c * chunk, t * share);
+    const int64_t e = c == parts - 1 ? std::min(total, (t + 1) * share) : tail(t) + (c + 1) * chunk;
+    if (b < e) f(b, e);
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = t * share;
+      if (first >= total) continue;
+      if (tail(t) > first) f(first, tail(t));
+      for (int64_t c = 0; c < parts; ++c)  // its own chunks, forward, until one was taken from the end
+        if (taken[t * parts + c].exchange(true)) break;
+        else run_chunk(t, c);
+      for (int64_t o = 1; o < threads; ++o) {  // then the others' chunks, from their end, until their owner's
+        const int64_t v = (t + o) % threads;
+        if (v * share >= total) continue;
+        for (int64_t c = parts - 1; c >= 0; --c)
+          if (taken[v * parts + c].exchange(true)) break;
+          else run_chunk(v, c);
+      }
+    }
+  });
+}
+
+// The weights of one call and their outputs as raw pointers, read once before the threads start (a tensor's
+// accessors are calls into c10, too slow to repeat for every weight row); `starts`: each weight's first row in the
+// count of all the call's rows.
+template <typename W, typename Y>
+struct Parts {
+  std::vector<const W*> w;
+  std::vector<Y*> y;
+  std::vector<int64_t> N, starts{0};
+  Parts(const std::vector<at::Tensor>& weights, std::vector<at::Tensor>& outs) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      w.push_back(reinterpret_cast<const W*>(weights[i].const_data_ptr()));
+      y.push_back(reinterpret_cast<Y*>(outs[i].data_ptr()));
+      N.push_back(weights[i].size(0));
+      starts.push_back(starts.back() + weights[i].size(0));
+    }
+  }
+};
+
 // The rows of every weight of one call, as one range split between threads.
 template <typename act_t, typename scale_t>
 static void project(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
@@ -118,19 +184,17 @@ static void project(const at::Tensor& x, const std::vector<at::Tensor>& weights,
   std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
   for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(xa[i]);
   const float* xp = xf.data();
-  std::vector<int64_t> starts{0};
-  for (const auto& w : weights) starts.push_back(starts.back() + w.size(0));
-  const int64_t total = starts.back();
-  // a small weight is not worth waking the other threads
-  const int64_t grain = total * K >= 65536 ? 1 : total;
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+  const Parts<int8_t, act_t> parts(weights, outs);
+  std::vector<const scale_t*> ss;
+  for (const auto& s : scales) ss.push_back(reinterpret_cast<const scale_t*>(s.const_data_ptr()));
+  split_rows(parts.starts.back(), K, [&](int64_t begin, int64_t end) {
     size_t p = 0;
     for (int64_t row = begin; row < end; ++row) {
-      while (row >= starts[p + 1]) ++p;
-      const int64_t n = row - starts[p], N = weights[p].size(0);
-      const int8_t* wr = reinterpret_cast<const int8_t*>(weights[p].const_data_ptr()) + n * K;
-      const float s = to_float(reinterpret_cast<const scale_t*>(scales[p].const_data_ptr())[n]);
-      act_t* y = reinterpret_cast<act_t*>(outs[p].data_ptr());
+      while (row >= parts.starts[p + 1]) ++p;
+      const int64_t n = row - parts.starts[p], N = parts.N[p];
+      const int8_t* wr = parts.w[p] + n * K;
+      const float s = to_float(ss[p][n]);
+      act_t* y = parts.y[p];
       for (int64_t m = 0; m < M; ++m) store(y + m * N + n, row_dot(wr, xp + m * K, K) * s);
     }
   });
@@ -311,22 +375,20 @@ static inline void by_rows(const int64_t rows, F&& f) {
   }
 }
 
-// The vector loops' call: the rows of all the weights (`starts`: each weight's first row in that count) split
-// between threads, each weight row streamed once for every block of 8 activation rows; `block(wr, x0, rows, out)`
+// The vector loops' call: the rows of all the weights split between threads, each weight row streamed once for every block of 8 activation rows; `block(wr, x0, rows, out)`
 // computes one weight row's dot products with `rows` activation rows from x0 (xp's layout, K values a row).
 template <typename X, typename Block>
 static void stream_rows(const X* xp, const int64_t M, const int64_t K, const std::vector<at::Tensor>& weights,
-                        std::vector<at::Tensor>& outs, const std::vector<int64_t>& starts, Block&& block) {
-  const int64_t total = starts.back();
-  const int64_t grain = total * K >= 65536 ? 1 : total;  // a small weight is not worth waking the other threads
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+                        std::vector<at::Tensor>& outs, Block&& block) {
+  const Parts<uint16_t, uint16_t> parts(weights, outs);
+  split_rows(parts.starts.back(), K, [&](int64_t begin, int64_t end) {
     size_t p = 0;
     float acc[8];
     for (int64_t row = begin; row < end; ++row) {
-      while (row >= starts[p + 1]) ++p;
-      const int64_t n = row - starts[p], N = weights[p].size(0);
-      const uint16_t* wr = reinterpret_cast<const uint16_t*>(weights[p].const_data_ptr()) + n * K;
-      uint16_t* y = reinterpret_cast<uint16_t*>(outs[p].data_ptr());
+      while (row >= parts.starts[p + 1]) ++p;
+      const int64_t n = row - parts.starts[p], N = parts.N[p];
+      const uint16_t* wr = parts.w[p] + n * K;
+      uint16_t* y = parts.y[p];
       for (int64_t m0 = 0; m0 < M; m0 += 8) {  // eight rows at a time: their accumulators stay in registers
         const int64_t rows = std::min<int64_t>(8, M - m0);
         block(wr, xp + m0 * K, rows, acc);
@@ -453,20 +515,18 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<at::Tensor> weights, outs;
-  std::vector<int64_t> starts{0};
   for (size_t i = 0; i < weights_in.size(); ++i) {
     const auto& w = weights_in[i];
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == K, "bf16_gemv: weight ", i,
                 " must be bfloat16 [out, ", K, "], got ", w.scalar_type(), " ", w.sizes());
     weights.push_back(w.contiguous());
     outs.push_back(at::empty({M, w.size(0)}, x.options()));
-    starts.push_back(starts.back() + w.size(0));
   }
   const uint16_t* xa = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
 #if SF_X86_TARGETS
   if (bf16_gemv_amx(xa, M, K, weights, outs)) return outs;
   if (dot_enabled()) {
-    stream_rows(xa, M, K, weights, outs, starts, [K](const uint16_t* wr, const uint16_t* x0, int64_t rows, float* out) {
+    stream_rows(xa, M, K, weights, outs, [K](const uint16_t* wr, const uint16_t* x0, int64_t rows, float* out) {
       by_rows(rows, [&](auto mb) { bf16_rows_dp<decltype(mb)::value>(wr, x0, K, out); });
     });
     return outs;
@@ -474,7 +534,7 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
 #endif
   std::vector<float> xf(M * K);  // the activations in float32 once, not once per weight row
   for (int64_t i = 0; i < M * K; ++i) xf[i] = bf16_to_float(xa[i]);
-  stream_rows(xf.data(), M, K, weights, outs, starts, [K](const uint16_t* wr, const float* x0, int64_t rows, float* out) {
+  stream_rows(xf.data(), M, K, weights, outs, [K](const uint16_t* wr, const float* x0, int64_t rows, float* out) {
     by_rows(rows, [&](auto mb) { bf16_rows_dot<decltype(mb)::value>(wr, x0, K, out); });
   });
   return outs;
