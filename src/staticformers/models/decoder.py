@@ -381,6 +381,15 @@ class DecoderLayer(nn.Module):
         else:
             self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         self.residual_multiplier = config.residual_multiplier  # Granite's scale of each sub-layer's output
+        # the MLP half is `r + mlp(norm(r))` with `r = x + attn`, which a formulation may compute in one call
+        # (`Ops.mlp_block`)
+        self.plain_mlp_half = (
+            self.placement == "pre"
+            and not self.sparse
+            and self.post_self_attn_layernorm is None
+            and self.post_mlp_layernorm is None
+            and self.residual_multiplier == 1.0
+        )
 
     @property
     def kind(self) -> tuple:
@@ -443,7 +452,13 @@ class DecoderLayer(nn.Module):
             attn = self.self_attn(self.attention_input(x), cos, sin, mask, kv_cache, position_ids, ops, keep)
         if self.placement != "pre":
             attn = self.post_attention_layernorm(attn)
-        x = self._residual(take(x, keep) if keep is not None else x, attn, self.post_self_attn_layernorm)
+        if keep is not None:
+            x = take(x, keep)
+        if self.plain_mlp_half:
+            fused = ops.mlp_block(self.post_attention_layernorm, self.mlp, x, attn)
+            if fused is not None:
+                return (fused, None) if routed else fused
+        x = self._residual(x, attn, self.post_self_attn_layernorm)
         logits = None
         if self.placement == "pre":
             h = self.post_attention_layernorm(x)

@@ -122,6 +122,12 @@ class Ops:
         `scale` `[E, out, 1]` for a quantized stack (None otherwise)."""
         return expert_product(x, weight, scale, index)
 
+    def mlp_block(self, norm: nn.Module, mlp: nn.Module, x: torch.Tensor, attn: torch.Tensor) -> Optional[torch.Tensor]:
+        """A pre-norm decoder layer's MLP half as one call, where the formulation has one for these modules and
+        this input: `r + mlp(norm(r))` with `r = x + attn` (the attention's residual). None: the layer computes it
+        op by op (what the plain formulation always does)."""
+        return None
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Ops) and self.key == other.key
 

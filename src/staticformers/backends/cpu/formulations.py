@@ -13,6 +13,8 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   `gemv.py`, which reads each weight row once for all the rows (q, k and v, or gate and up, in one call); a
   projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does, and
   more rows than it takes (a prompt's scored head) run the GEMM (`gemm_kernel`).
+- `mlp_block`: with `"stream"` linears, a decoder layer's MLP half (the attention's residual, the norm, gate and up,
+  SiLU, down, the residual) as one call of `gemv.py`'s `bf16_mlp_block`, where the graph made five calls.
 - `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
   decode) through the streaming kernel of `gemv.py`, of a few rows through ATen's int8 kernel (in
   bf16 for float32 activations); a prompt's through the widened weight's GEMM.
@@ -37,11 +39,11 @@ from ...adapters.lora import LoraLinear
 from ...models.kept_positions import causal_rows
 from ...models.hooks import hooked
 from ...models.attention_sinks import softmax_with_sinks
-from ...models.norm_variants import softcap as cap_scores
+from ...models.norm_variants import RMSNorm, softcap as cap_scores
 from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
 from .decode_attention import decode_attention, runs as runs_decode_attention
-from .gemv import bf16_gemv, bf16_supports, int8_gemv, supports as int8_gemv_supports
+from .gemv import bf16_gemv, bf16_mlp_block, bf16_supports, int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .packed_linear import packed_available, packed_linear
@@ -171,6 +173,22 @@ def bf16_linears(layers: tuple, x: torch.Tensor) -> tuple:
     ys = bf16_gemv(rows, [layer.weight for layer in layers])
     return tuple(
         (y if layer.bias is None else y + layer.bias.to(y.dtype)).reshape(*lead, -1) for layer, y in zip(layers, ys)
+    )
+
+
+def mlp_block_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `bf16_mlp_block` computes this MLP half: `norm` a plain RMSNorm with a bfloat16 weight, `mlp` a
+    gated SiLU (`models.decoder.MLP`) whose three projections `bf16_linears` streams, without biases, no hook on
+    the norm or the MLP, `x` rows it streams."""
+    linears = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    return (
+        type(norm) is RMSNorm
+        and norm.weight.dtype == torch.bfloat16
+        and getattr(mlp, "tanh_gelu", True) is False
+        and not hooked(norm)
+        and not hooked(mlp)
+        and all(isinstance(layer, nn.Linear) and layer.bias is None for layer in linears)
+        and bf16_streams(linears, x)
     )
 
 
@@ -355,6 +373,24 @@ class CPUOps(Ops):
         if self.linears == "stream" and bf16_streams(layers, x):
             return bf16_linears(layers, x)
         return super().linear_group(layers, x)
+
+    def mlp_block(self, norm, mlp, x, attn):
+        """With `"stream"` linears, the MLP half of a layer whose norm is a plain RMSNorm and whose MLP is a gated
+        SiLU of plain bias-free bfloat16 linears, over rows the streaming kernel takes: one `bf16_mlp_block` call
+        (see `Ops.mlp_block`); None otherwise."""
+        if not (self.linears == "stream" and attn.dtype == x.dtype and mlp_block_runs(norm, mlp, x)):
+            return None
+        rows = x.reshape(-1, x.shape[-1])
+        out = bf16_mlp_block(
+            rows,
+            attn.reshape(rows.shape),
+            norm.weight,
+            norm.eps,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+        )
+        return out.view(x.shape)
 
     def expert_matmul(self, x, weight, scale=None, index=None):
         """Stacked experts' products (`ops.Ops.expert_matmul`); with reductions for the linears (batch-1

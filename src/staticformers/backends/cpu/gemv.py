@@ -10,7 +10,9 @@ Why this exists: a batch-1 decode step is bound by the bytes of its weights.
   weights at a few rows, read a decode step's bf16 weights at well under the memory's rate (BENCHMARKS.md, "A
   streaming bf16 kernel").
 `gemv.cpp` reads the weights as one forward stream per thread instead, each weight row once for all the rows of
-the step, and computes several projections of one input (q, k and v; gate and up) in one call. Where the CPU has
+the step, and computes several projections of one input (q, k and v; gate and up) in one call. `bf16_mlp_block` is a
+decoder layer's MLP half (residual, norm, gate and up, SiLU, down, residual) as one call: a compiled decode step made
+five calls of it, each with its own host cost, in every layer. Where the CPU has
 AMX (bf16 tiles) and Linux grants them, bf16 calls run as tile multiplies (`amx()`): at 8 rows the vector loop's
 widening and FMAs, not the memory, bounded the step (BENCHMARKS.md, "AMX tiles for the bf16 kernel");
 `STATICFORMERS_AMX=0` turns that off. Where the CPU has AVX512_BF16 and no AMX (AMD Zen 4 and later), the loop
@@ -93,6 +95,13 @@ define(
     "CompositeExplicitAutograd",
     _shape,
 )
+define(
+    "bf16_mlp_block",
+    "(Tensor x, Tensor attn, Tensor norm, float eps, Tensor gate, Tensor up, Tensor down) -> Tensor",
+    lambda *args: _first_call("bf16_mlp_block", *args),
+    "CompositeExplicitAutograd",
+    lambda x, attn, norm, eps, gate, up, down: x.new_empty(x.shape),
+)
 
 
 def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:
@@ -129,4 +138,20 @@ def bf16_gemv(x: torch.Tensor, weights: list) -> list:
     return torch.ops.staticformers.bf16_gemv(x, list(weights))
 
 
-__all__ = ["amx", "bf16_gemv", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
+def bf16_mlp_block(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """The MLP half of a decoder layer in one call, for `x` and `attn` `[rows, hidden]` and bfloat16 weights: `r =
+    x + attn`, then `r + down(silu(gate(h)) * up(h))` with `h = norm * rmsnorm(r)` (float32, cast to bfloat16
+    before the weight), each pointwise result rounded to bfloat16 where the model's ops round it and the gate, up
+    and down projections streamed as `bf16_gemv` streams them. Check `bf16_supports` first."""
+    return torch.ops.staticformers.bf16_mlp_block(x, attn, norm, float(eps), gate, up, down)
+
+
+__all__ = ["amx", "bf16_gemv", "bf16_mlp_block", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
