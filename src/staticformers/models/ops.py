@@ -122,6 +122,22 @@ class Ops:
         `scale` `[E, out, 1]` for a quantized stack (None otherwise)."""
         return expert_product(x, weight, scale, index)
 
+    def attention_projection(
+        self,
+        o_proj: nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        scale: float,
+        softcap: Optional[float] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
+        """`o_proj` of `attention(...)`'s heads side by side (`[b, s, heads * dv]`) in one call, where the
+        formulation has one for this module and these inputs. None: the caller runs `attention` and the projection
+        (what the plain formulation always does)."""
+        return None
+
     def mlp_block(self, norm: nn.Module, mlp: nn.Module, x: torch.Tensor, attn: torch.Tensor) -> Optional[torch.Tensor]:
         """A pre-norm decoder layer's MLP half as one call, where the formulation has one for these modules and
         this input: `r + mlp(norm(r))` with `r = x + attn` (the attention's residual). None: the layer computes it
