@@ -319,10 +319,6 @@ class Attention(nn.Module):
         if self.rope:
             q = apply_rope(q, cos, sin, self.interleaved)
         extra = {} if self.sinks is None else {"sinks": local_sinks(self.sinks)}
-        if gate is None:
-            projected = ops.attention_projection(self.o_proj, q, k, v, mask, self.scale, softcap=self.softcap, **extra)
-            if projected is not None:
-                return projected
         out = ops.attention(q, k, v, mask, self.scale, softcap=self.softcap, **extra).transpose(1, 2).reshape(b, s, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

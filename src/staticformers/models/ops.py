@@ -12,6 +12,8 @@ passes an `Ops` object to `model(..., ops=...)`; the model calls
   KV heads (`softcap`: Gemma 2's `tanh(s / c) * c` on the scores, which SDPA cannot apply: `capped_attention`;
   `sinks` `[heads]`: gpt-oss's per-head sink logits, `attention_sinks.py`; each given only by a family that has it),
 - `ops.expert_matmul(x, weight, scale, index)` for the products of stacked experts (`moe.py`),
+- `ops.mlp_block(norm, mlp, x, attn)`, which a backend may answer with one call for a pre-norm layer's MLP half (the
+  plain path answers None, and the model computes it op by op),
 
 and never asks which device it runs on. A quantized projection (`quantization.QuantLinear`: int8 or fp8
 weights, one scale per output channel) comes through `linear`/`head` like any other: the plain path runs
@@ -121,22 +123,6 @@ class Ops:
         `weight` `[E, out, in]`, one matrix per group: `weight[index]` (`index` `[G]`), or all E in order;
         `scale` `[E, out, 1]` for a quantized stack (None otherwise)."""
         return expert_product(x, weight, scale, index)
-
-    def attention_projection(
-        self,
-        o_proj: nn.Module,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        scale: float,
-        softcap: Optional[float] = None,
-        sinks: Optional[torch.Tensor] = None,
-    ) -> Optional[torch.Tensor]:
-        """`o_proj` of `attention(...)`'s heads side by side (`[b, s, heads * dv]`) in one call, where the
-        formulation has one for this module and these inputs. None: the caller runs `attention` and the projection
-        (what the plain formulation always does)."""
-        return None
 
     def mlp_block(self, norm: nn.Module, mlp: nn.Module, x: torch.Tensor, attn: torch.Tensor) -> Optional[torch.Tensor]:
         """A pre-norm decoder layer's MLP half as one call, where the formulation has one for these modules and

@@ -13,8 +13,6 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   `gemv.py`, which reads each weight row once for all the rows (q, k and v, or gate and up, in one call); a
   projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does, and
   more rows than it takes (a prompt's scored head) run the GEMM (`gemm_kernel`).
-- `attention_projection`: with the `"kernel"` attention and `"stream"` linears, a decode step's attention and its
-  output projection as one call of `gemv.py`'s `bf16_attend_project`.
 - `mlp_block`: with `"stream"` linears, a decoder layer's MLP half (the attention's residual, the norm, gate and up,
   SiLU, down, the residual) as one call of `gemv.py`'s `bf16_mlp_block`, where the graph made five calls.
 - `int8_linear`: a weight-only int8 projection (`models.quantization.QuantLinear`) of one row (batch-1
@@ -45,14 +43,7 @@ from ...models.norm_variants import RMSNorm, softcap as cap_scores
 from ...models.ops import Ops, capped_attention, expert_product, sdpa
 from ...models.quantization import QuantLinear, widen
 from .decode_attention import decode_attention, runs as runs_decode_attention
-from .gemv import (
-    bf16_attend_project,
-    bf16_gemv,
-    bf16_mlp_block,
-    bf16_supports,
-    int8_gemv,
-    supports as int8_gemv_supports,
-)
+from .gemv import bf16_gemv, bf16_mlp_block, bf16_supports, int8_gemv, supports as int8_gemv_supports
 from .int8_kernel import int8_linear_bf16
 from .onednn import onednn_available, onednn_linear
 from .packed_linear import packed_available, packed_linear
@@ -182,19 +173,6 @@ def bf16_linears(layers: tuple, x: torch.Tensor) -> tuple:
     ys = bf16_gemv(rows, [layer.weight for layer in layers])
     return tuple(
         (y if layer.bias is None else y + layer.bias.to(y.dtype)).reshape(*lead, -1) for layer, y in zip(layers, ys)
-    )
-
-
-def streams_alone(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the streaming bf16 kernel takes `layer` inside a fused call whose input derives from `x`: a plain
-    bias-free linear with a bfloat16 weight and no hook, no gradient wanted, on a CPU the kernel is built for."""
-    return (
-        type(layer) is nn.Linear
-        and layer.bias is None
-        and layer.weight.dtype == torch.bfloat16
-        and not hooked(layer)
-        and not (torch.is_grad_enabled() and x.requires_grad)
-        and bf16_supports(x)
     )
 
 
@@ -395,23 +373,6 @@ class CPUOps(Ops):
         if self.linears == "stream" and bf16_streams(layers, x):
             return bf16_linears(layers, x)
         return super().linear_group(layers, x)
-
-    def attention_projection(self, o_proj, q, k, v, mask, scale, softcap=None, sinks=None):
-        """With the `"kernel"` attention and `"stream"` linears, one query per row in bfloat16 that the attention
-        kernel takes and a plain bias-free bf16 `o_proj` the streaming kernel takes: one `bf16_attend_project`
-        call, `[b, 1, out]` (see `Ops.attention_projection`); None otherwise."""
-        if not (
-            self.attention_kind == "kernel"
-            and self.linears == "stream"
-            and softcap is None
-            and sinks is None
-            and q.dtype == torch.bfloat16
-            and q.shape[0] <= BF16_GEMV_MAX_ROWS
-            and streams_alone(o_proj, q)
-            and runs_decode_attention(q, k, v, mask)
-        ):
-            return None
-        return bf16_attend_project(q, k, v, mask, scale, o_proj.weight).view(q.shape[0], 1, -1)
 
     def mlp_block(self, norm, mlp, x, attn):
         """With `"stream"` linears, the MLP half of a layer whose norm is a plain RMSNorm and whose MLP is a gated

@@ -21,7 +21,6 @@
 // of the kernel itself.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
@@ -32,7 +31,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -636,26 +634,6 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
   return out;
 }
 
-// bf16_attend_project: a decode step's attention (staticformers::decode_attention's kernel, called through the
-// dispatcher) and the output projection of its heads, [rows, heads * dv] streamed against o [out, heads * dv]: one
-// call where the graph made two. The same kernels in the same order as the two calls, so the same bits.
-static at::Tensor bf16_attend_project(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const std::optional<at::Tensor>& mask, double scale, const at::Tensor& o) {
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kBFloat16,
-              "bf16_attend_project: q must be bfloat16 [rows, heads, 1, head size], got ", q.scalar_type(), " ",
-              q.sizes());
-  TORCH_CHECK(o.dim() == 2 && o.size(1) == q.size(1) * v.size(-1),
-              "bf16_attend_project: o must be [out, heads * value size] = [out, ", q.size(1) * v.size(-1), "], got ",
-              o.sizes());
-  static const auto attend =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("staticformers::decode_attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            double)>();
-  const at::Tensor heads = attend.call(q, k, v, mask, scale);  // [rows, heads, 1, dv], contiguous
-  return bf16_gemv(heads.reshape({q.size(0), -1}), std::vector<at::Tensor>{o})[0];
-}
-
 // The vector path this library was built with: 512 (AVX-512), 256 (AVX2), 0 (none: scalar loops).
 static int64_t gemv_isa() {
 #if defined(__AVX512F__)
@@ -695,5 +673,4 @@ TORCH_LIBRARY_IMPL(staticformers, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
   m.impl("bf16_gemv", &bf16_gemv);
   m.impl("bf16_mlp_block", &bf16_mlp_block);
-  m.impl("bf16_attend_project", &bf16_attend_project);
 }

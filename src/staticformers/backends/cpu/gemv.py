@@ -12,8 +12,7 @@ Why this exists: a batch-1 decode step is bound by the bytes of its weights.
 `gemv.cpp` reads the weights as one forward stream per thread instead, each weight row once for all the rows of
 the step, and computes several projections of one input (q, k and v; gate and up) in one call. `bf16_mlp_block` is a
 decoder layer's MLP half (residual, norm, gate and up, SiLU, down, residual) as one call: a compiled decode step made
-five calls of it, each with its own host cost, in every layer; `bf16_attend_project` is a decode step's attention
-(`decode_attention.py`'s kernel, reached through the dispatcher) and its output projection as one call. Where the CPU has
+five calls of it, each with its own host cost, in every layer. Where the CPU has
 AMX (bf16 tiles) and Linux grants them, bf16 calls run as tile multiplies (`amx()`): at 8 rows the vector loop's
 widening and FMAs, not the memory, bounded the step (BENCHMARKS.md, "AMX tiles for the bf16 kernel");
 `STATICFORMERS_AMX=0` turns that off. Where the CPU has AVX512_BF16 and no AMX (AMD Zen 4 and later), the loop
@@ -33,8 +32,6 @@ the caller keeps ATen's kernel (or inductor's reduction); a failed build says wh
 from __future__ import annotations
 
 import os
-from typing import Optional
-
 import torch
 
 from .operators import NativeKernels, define
@@ -105,13 +102,6 @@ define(
     "CompositeExplicitAutograd",
     lambda x, attn, norm, eps, gate, up, down: x.new_empty(x.shape),
 )
-define(
-    "bf16_attend_project",
-    "(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor o) -> Tensor",
-    lambda *args: _first_call("bf16_attend_project", *args),
-    "CompositeExplicitAutograd",
-    lambda q, k, v, mask, scale, o: q.new_empty((q.shape[0], o.shape[0])),
-)
 
 
 def int8_gemv(x: torch.Tensor, weights: list, scales: list) -> list:
@@ -164,29 +154,4 @@ def bf16_mlp_block(
     return torch.ops.staticformers.bf16_mlp_block(x, attn, norm, float(eps), gate, up, down)
 
 
-def bf16_attend_project(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    scale: float,
-    o: torch.Tensor,
-) -> torch.Tensor:
-    """A decode step's attention and its output projection in one call: `decode_attention.decode_attention(q, k, v,
-    mask, scale)` (q `[rows, heads, 1, d]`, bfloat16), its heads side by side `[rows, heads * dv]`, times `o.T`
-    (`o` `[out, heads * dv]`, bfloat16) as `bf16_gemv` computes it: `[rows, out]`, the same bits as the two calls.
-    Check `decode_attention.runs` and `bf16_supports` first."""
-    return torch.ops.staticformers.bf16_attend_project(q, k, v, mask, float(scale), o)
-
-
-__all__ = [
-    "amx",
-    "bf16_attend_project",
-    "bf16_gemv",
-    "bf16_mlp_block",
-    "bf16_supports",
-    "dot",
-    "int8_gemv",
-    "loaded",
-    "supports",
-]
+__all__ = ["amx", "bf16_gemv", "bf16_mlp_block", "bf16_supports", "dot", "int8_gemv", "loaded", "supports"]
