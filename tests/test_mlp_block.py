@@ -65,6 +65,29 @@ def test_the_kernel_is_the_mlp_half_rounded_where_the_graph_rounds(rows, hidden,
     assert (out.float() == want).float().mean() >= 0.9
 
 
+def test_the_threads_split_of_the_activation_changes_no_bit():
+    """Past a few rows' worth of values, SiLU(gate) * up is split between the threads: 1 and 3 threads agree, and
+    both are the reference's."""
+    torch.manual_seed(9)
+    x, attn = torch.randn(8, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    norm = torch.ones(64).bfloat16()
+    gate, up, down = (
+        torch.randn(1536, 64).bfloat16(),
+        torch.randn(1536, 64).bfloat16(),
+        torch.randn(64, 1536).bfloat16(),
+    )
+    alone = g.bf16_mlp_block(x, attn, norm, 1e-5, gate, up, down)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        split = g.bf16_mlp_block(x, attn, norm, 1e-5, gate, up, down)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, split)
+    want = reference(x, attn, norm, 1e-5, gate, up, down)
+    assert (split.float() == want).float().mean() >= 0.9
+
+
 def decode(model, ops, steps=3):
     """A 5-token prompt in one row's cache, then `steps` decode steps: every step's logits."""
     torch.manual_seed(0)

@@ -615,12 +615,16 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
   const uint16_t* upp = reinterpret_cast<const uint16_t*>(gu[1].const_data_ptr());
   uint16_t* act = reinterpret_cast<uint16_t*>(a.data_ptr());
   const fvec one(1.f);
-  for (int64_t i = 0; i < M * I; i += B) {  // a = silu(g) * u = g / (1 + exp(-g)) * u, rounded once
-    const int64_t n = std::min(B, M * I - i);
-    auto [g0, g1] = load_bf16(gp + i, n);
-    auto [u0, u1] = load_bf16(upp + i, n);
-    store_bf16(act + i, g0 * (one / (one + g0.neg().exp())) * u0, g1 * (one / (one + g1.neg().exp())) * u1, n);
-  }
+  // a = silu(g) * u = g / (1 + exp(-g)) * u, rounded once; split between the threads past a few rows' worth
+  const int64_t vectors = (M * I + B - 1) / B;
+  at::parallel_for(0, vectors, 8192 / B, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * B; i < std::min(end * B, M * I); i += B) {
+      const int64_t n = std::min(B, M * I - i);
+      auto [g0, g1] = load_bf16(gp + i, n);
+      auto [u0, u1] = load_bf16(upp + i, n);
+      store_bf16(act + i, g0 * (one / (one + g0.neg().exp())) * u0, g1 * (one / (one + g1.neg().exp())) * u1, n);
+    }
+  });
   const at::Tensor d = bf16_gemv(a, std::vector<at::Tensor>{down})[0];
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.const_data_ptr());
   at::Tensor out = at::empty({M, H}, x.options());
