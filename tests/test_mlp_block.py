@@ -1,5 +1,5 @@
 """gemv.py's `bf16_mlp_block`, a decoder layer's MLP half in one call, and the formulation that picks it
-(`CPUOps.mlp_block`): the kernel against the same math rounded where the compiled graph rounds (rows 1 to 8,
+(`CPUOps.mlp_block`): the kernel against the same math rounded where the kernel says it rounds (rows 1 to 8,
 widths off the vector size), a tiny model's logits with the block against the layer's own ops, one call a layer,
 the layers and inputs it leaves to the ops (Granite's residual multiplier, Gemma's sandwich norms, a mixture of
 experts, LoRA, hooks, float32, too many rows, a wanted gradient), a traced graph calling it whole, and bad input
@@ -44,7 +44,7 @@ def reference(x, attn, norm, eps, gate, up, down):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("hidden, inner", [(64, 128), (100, 72)])
-def test_the_kernel_is_the_mlp_half_rounded_where_the_graph_rounds(rows, hidden, inner):
+def test_the_kernel_is_the_mlp_half_rounded_where_it_says(rows, hidden, inner):
     """Against the same math with the same roundings: the only freedom is the order of float32 sums (the norm's
     squares, each projection's products), which can move a rounded intermediate by one bfloat16 step. So each
     output is within 2**-6 of the largest magnitude among its terms (the residual and the down projection),
@@ -158,6 +158,11 @@ def test_inputs_and_modules_the_kernel_does_not_take_run_the_ops(tiny_checkpoint
     with torch.enable_grad():
         wanted = x.clone().requires_grad_()
         assert STREAM.mlp_block(norm, mlp, wanted, wanted) is None
+        assert STREAM.mlp_block(norm, mlp, x, wanted) is None  # the attention's output alone wants one
+        assert mlp.gate_proj.weight.requires_grad and STREAM.mlp_block(norm, mlp, x, x) is None  # a weight wants one
+        for p in (*norm.parameters(), *mlp.parameters()):
+            p.requires_grad_(False)
+        assert STREAM.mlp_block(norm, mlp, x, x) is not None  # nothing wants one
     with torch.no_grad():
         handle = mlp.register_forward_hook(lambda m, i, o: o)
         assert STREAM.mlp_block(norm, mlp, x, x) is None

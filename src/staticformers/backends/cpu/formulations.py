@@ -176,11 +176,16 @@ def bf16_linears(layers: tuple, x: torch.Tensor) -> tuple:
     )
 
 
-def mlp_block_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> bool:
+def mlp_block_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor, attn: torch.Tensor) -> bool:
     """Whether `bf16_mlp_block` computes this MLP half: `norm` a plain RMSNorm with a bfloat16 weight, `mlp` a
     gated SiLU (`models.decoder.MLP`) whose three projections `bf16_linears` streams, without biases, no hook on
-    the norm or the MLP, `x` rows it streams."""
+    the norm or the MLP, `x` rows it streams, and no gradient wanted of anything it reads (the operator has no
+    backward)."""
     linears = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    if torch.is_grad_enabled() and (
+        x.requires_grad or attn.requires_grad or any(p.requires_grad for p in (*norm.parameters(), *mlp.parameters()))
+    ):
+        return False
     return (
         type(norm) is RMSNorm
         and norm.weight.dtype == torch.bfloat16
@@ -378,7 +383,7 @@ class CPUOps(Ops):
         """With `"stream"` linears, the MLP half of a layer whose norm is a plain RMSNorm and whose MLP is a gated
         SiLU of plain bias-free bfloat16 linears, over rows the streaming kernel takes: one `bf16_mlp_block` call
         (see `Ops.mlp_block`); None otherwise."""
-        if not (self.linears == "stream" and attn.dtype == x.dtype and mlp_block_runs(norm, mlp, x)):
+        if not (self.linears == "stream" and attn.dtype == x.dtype and mlp_block_runs(norm, mlp, x, attn)):
             return None
         rows = x.reshape(-1, x.shape[-1])
         out = bf16_mlp_block(

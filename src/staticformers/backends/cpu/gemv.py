@@ -149,8 +149,8 @@ def bf16_mlp_block(
 ) -> torch.Tensor:
     """The MLP half of a decoder layer in one call, for `x` and `attn` `[rows, hidden]` and bfloat16 weights: `r =
     x + attn`, then `r + down(silu(gate(h)) * up(h))` with `h = norm * rmsnorm(r)` (float32, cast to bfloat16
-    before the weight), each pointwise result rounded to bfloat16 where the model's ops round it and the gate, up
-    and down projections streamed as `bf16_gemv` streams them. Check `bf16_supports` first."""
+    before the weight), each of r, the normalised r, h, the activation and the output rounded to bfloat16 once, and
+    the gate, up and down projections streamed as `bf16_gemv` streams them. Check `bf16_supports` first."""
     return torch.ops.staticformers.bf16_mlp_block(x, attn, norm, float(eps), gate, up, down)
 
 
