@@ -154,6 +154,14 @@ def chunk_inputs(rows: dict, batch: int, kv: int, width: int) -> tuple[torch.Ten
     return tokens, positions, keep, taken
 
 
+def chunk_progress(rows: dict, taken: dict) -> tuple[list, dict]:
+    """Of a chunk step's prefilling rows (`rows` {row of the step: row}, `taken` {row of the step: tokens its chunk
+    takes}): the ones whose prompt the chunk finishes, in order, and what each one's linear-attention state counts
+    (its chunk only: `KVCache.count`)."""
+    done = [i for i in sorted(taken) if rows[i].length + taken[i] >= len(rows[i].prompt)]
+    return done, {i: n - 1 for i, n in taken.items()}
+
+
 def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[list]) -> StepPlan:
     """The extend step of the next chunk of every prefilling row of `rows` {slot: row} over a `[batch, kv]` cache, in
     which every decoding row takes its next token: its last token at position 0 of its row of the step, kept there
@@ -162,10 +170,9 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     tokens, positions, keep, taken = chunk_inputs(rows, batch, kv, width)
     chunking = sorted(taken)
     decoding_rows = decoding(rows)  # their last token at their next position, kept: a decode step's token
-    done = [s for s in chunking if rows[s].length + taken[s] >= len(rows[s].prompt)]
+    done, counts = chunk_progress(rows, taken)
     choosing = sorted(done + decoding_rows)
-    counts = {s: n - 1 for s, n in taken.items()}  # a linear-attention state counts its chunk only
-    counts.update({s: 0 for s in decoding_rows})  # and a decoding row its one token
+    counts.update({s: 0 for s in decoding_rows})  # a decoding row counts its one token
     return StepPlan(
         "chunk",
         sorted(chunking + decoding_rows),
@@ -196,7 +203,7 @@ def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict], own
     if (batch, kv) == tuple(own):
         return None
     tokens, positions, keep, taken = chunk_inputs(apart, batch, kv, width)
-    done = [i for i, n in taken.items() if apart[i].length + n >= len(apart[i].prompt)]
+    done, counts = chunk_progress(apart, taken)
     choosing = [chunking[i] for i in done]
     return StepPlan(
         "chunk",
@@ -208,7 +215,7 @@ def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict], own
         positions,
         keep,
         None if adapters is None else [adapters[s] for s in chunking] + [0] * (batch - len(chunking)),
-        counts={i: n - 1 for i, n in taken.items()},
+        counts=counts,
         advance={chunking[i]: n for i, n in taken.items()},
         fails=chunking,
         completes=choosing,
@@ -223,6 +230,7 @@ __all__ = [
     "prefilling",
     "decoding",
     "chunk_inputs",
+    "chunk_progress",
     "chunk_plan",
     "chunk_apart_plan",
 ]

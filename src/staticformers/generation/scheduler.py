@@ -330,22 +330,13 @@ class Scheduler:
         plans = []
         for group in groups:
             size = self.plan.batch_bucket(len(group))
-            tokens = torch.zeros(size, 1, dtype=torch.long)
-            positions = torch.zeros(size, 1, dtype=torch.long)
-            for i, slot in enumerate(group):
-                tokens[i, 0], positions[i, 0] = self.rows[slot].last, self.rows[slot].length
             plans.append(
-                StepPlan(
-                    "decode",
+                decode_step(
+                    self.rows,
                     group,
-                    group,
-                    list(range(len(group))),
-                    [self.rows[s].generated for s in group],
-                    tokens,
-                    positions,
+                    dict(enumerate(group)),
+                    size,
                     adapters=[self.rows[s].adapter for s in group] + [0] * (size - len(group)) if has_bank else None,
-                    counts={i: 0 for i in range(len(group))},
-                    advance={s: 1 for s in group},
                     fails=group,
                     view=(size, self.plan.kv_bucket(max(reach[s] for s in group))),
                 )
@@ -355,25 +346,50 @@ class Scheduler:
     def decode_plan(self, batch: int) -> StepPlan:
         """One token of every decoding row; a prefilling row takes part at its length (its next chunk rewrites it)
         and a free slot at 0, their outputs dropped."""
-        slots = decoding(self.rows)
-        tokens = torch.zeros(batch, 1, dtype=torch.long)
-        positions = torch.zeros(batch, 1, dtype=torch.long)
-        for slot, row in self.rows.items():
-            tokens[slot, 0] = row.last
-            positions[slot, 0] = row.length
-        return StepPlan(
-            "decode",
-            slots,
-            slots,
-            slots,
-            [self.rows[s].generated for s in slots],
-            tokens,
-            positions,
+        return decode_step(
+            self.rows,
+            decoding(self.rows),
+            {slot: slot for slot in self.rows},
+            batch,
             adapters=self.adapters(batch),
-            counts={s: 0 for s in slots},  # a prefilling row's linear-attention state waits for its chunks
-            advance={s: 1 for s in slots},
-            fails=sorted(self.rows),
-        )  # the prefilling rows too: their positions were in the step
+            fails=sorted(self.rows),  # the prefilling rows too: their positions were in the step
+        )
 
 
-__all__ = ["Scheduler"]
+def decode_step(
+    rows: dict,
+    slots: list,
+    placed: dict,
+    size: int,
+    adapters: Optional[list],
+    fails: list,
+    view: Optional[tuple] = None,
+) -> StepPlan:
+    """A decode step of `size` rows in which row i holds `rows[placed[i]]`'s last token at its length (other rows 0):
+    the rows `slots` choose their next token from their row of the step (a prefilling row placed in it takes part at
+    its length, its next chunk rewriting it, and its linear-attention state waits for its chunks); `view`: the pool's
+    view the step runs on (its rows are `slots` in order), None: the batch's own cache."""
+    tokens = torch.zeros(size, 1, dtype=torch.long)
+    positions = torch.zeros(size, 1, dtype=torch.long)
+    row_of = {}
+    for i, slot in placed.items():
+        tokens[i, 0], positions[i, 0] = rows[slot].last, rows[slot].length
+        row_of[slot] = i
+    picks = [row_of[s] for s in slots]  # where each choosing row's logits are among the step's
+    return StepPlan(
+        "decode",
+        slots,
+        slots,
+        picks,
+        [rows[s].generated for s in slots],
+        tokens,
+        positions,
+        adapters=adapters,
+        counts={p: 0 for p in picks},
+        advance={s: 1 for s in slots},
+        fails=fails,
+        view=view,
+    )
+
+
+__all__ = ["Scheduler", "decode_step"]
