@@ -369,12 +369,10 @@ def decode_step(
     the rows `slots` choose their next token from their row of the step (a prefilling row placed in it takes part at
     its length, its next chunk rewriting it, and its linear-attention state waits for its chunks); `view`: the pool's
     view the step runs on (its rows are `slots` in order), None: the batch's own cache."""
-    tokens = torch.zeros(size, 1, dtype=torch.long)
-    positions = torch.zeros(size, 1, dtype=torch.long)
-    row_of = {}
+    last, at = [0] * size, [0] * size
     for i, slot in placed.items():
-        tokens[i, 0], positions[i, 0] = rows[slot].last, rows[slot].length
-        row_of[slot] = i
+        last[i], at[i] = rows[slot].last, rows[slot].length
+    row_of = {slot: i for i, slot in placed.items()}
     picks = [row_of[s] for s in slots]  # where each choosing row's logits are among the step's
     return StepPlan(
         "decode",
@@ -382,8 +380,8 @@ def decode_step(
         slots,
         picks,
         [rows[s].generated for s in slots],
-        tokens,
-        positions,
+        torch.tensor(last, dtype=torch.long).view(size, 1),  # one tensor, not an element write a row
+        torch.tensor(at, dtype=torch.long).view(size, 1),
         adapters=adapters,
         counts={p: 0 for p in picks},
         advance={s: 1 for s in slots},

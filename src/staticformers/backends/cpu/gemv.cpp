@@ -11,8 +11,8 @@
 // Why they are written this way: a decode step's projections are bound by the bytes of the weight, so the
 // loop reads the weights as one forward stream (each row whole, rows in order, the rows of all the
 // weights of a call split between threads in contiguous ranges, whose tails a thread done early takes from their
-// end: `split_rows`), one cache line an iteration into
-// independent float32 accumulators, and prefetches SF_PREFETCH bytes ahead. Reading several rows side by
+// end: `split_rows`), one cache line an iteration into independent float32 accumulators, and prefetches
+// SF_PREFETCH bytes ahead. Reading several rows side by
 // side instead, a few cache lines of each, is what ATen's int8 kernel does, and it defeats the hardware's
 // stream prefetch once the weights no longer fit in cache (BENCHMARKS.md, weight-only int8). In bfloat16,
 // inductor's reduction over the weight rows and oneDNN's GEMM both read a decode step's weights at well under
@@ -378,8 +378,9 @@ static inline void by_rows(const int64_t rows, F&& f) {
   }
 }
 
-// The vector loops' call: the rows of all the weights split between threads, each weight row streamed once for every block of 8 activation rows; `block(wr, x0, rows, out)`
-// computes one weight row's dot products with `rows` activation rows from x0 (xp's layout, K values a row).
+// The vector loops' call: the rows of all the weights split between threads (`split_rows`), each weight row streamed
+// once for every block of 8 activation rows; `block(wr, x0, rows, out)` computes one weight row's dot products with
+// `rows` activation rows from x0 (xp's layout, K values a row).
 template <typename X, typename Block>
 static void stream_rows(const X* xp, const int64_t M, const int64_t K, const std::vector<at::Tensor>& weights,
                         std::vector<at::Tensor>& outs, Block&& block) {
@@ -629,15 +630,13 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
   });
   const at::Tensor d = bf16_gemv(a, std::vector<at::Tensor>{down})[0];
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.const_data_ptr());
-  at::Tensor out = at::empty({M, H}, x.options());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for (int64_t i = 0; i < M * H; i += B) {  // r + down(a), rounded once
+  for (int64_t i = 0; i < M * H; i += B) {  // r + down(a), rounded once, in r's place (each value read, then written)
     const int64_t n = std::min(B, M * H - i);
     auto [r0, r1] = load_bf16(rp + i, n);
     auto [d0, d1] = load_bf16(dp + i, n);
-    store_bf16(op + i, r0 + d0, r1 + d1, n);
+    store_bf16(rp + i, r0 + d0, r1 + d1, n);
   }
-  return out;
+  return r;
 }
 
 // The vector path this library was built with: 512 (AVX-512), 256 (AVX2), 0 (none: scalar loops).
