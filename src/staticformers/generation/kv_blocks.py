@@ -15,18 +15,55 @@ step have blocks for the positions it will write and read?") and a test can chec
   a chain's last blocks are evicted before its first. `retire` drops the keys of adapter loads the bank no
   longer holds, `forget` every key (new weights).
 - `blocks_for(positions, block_size)`: how many blocks hold `positions` positions.
+- **Sliding windows.** On a model whose every layer attends a sliding window (`sliding_window(config)`), a query at
+  position p reads no position before `p - window + 1`, so the blocks wholly before a row's next query are given
+  back as it moves on (`blocks_behind`), their table entries the null block (`NULL_BLOCK`). A row then holds at
+  most `window_blocks` blocks however long it runs, which is what admission checks (`peak_blocks`). A model with a
+  full-attention layer (Gemma's, gpt-oss's mix) keeps every block: its full layers read them.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+
+NULL_BLOCK = 0  # a row's entry for a block it gave back (the pool's null block, `models/block_kv_cache.py`)
 
 
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks that hold positions `0..positions-1`."""
     return -(-int(positions) // int(block_size))
+
+
+def sliding_window(config) -> Optional[int]:
+    """The window beyond which no layer of the model reads (the largest of its layers' windows), or None when a
+    layer attends to every position (or there are no layers)."""
+    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+    return None if not windows or None in windows else max(windows)
+
+
+def blocks_behind(length: int, window: int, block_size: int) -> int:
+    """How many of a row's first blocks no query at position `length` or later reads through a window of `window`
+    positions: those wholly before `length - window + 1`."""
+    return max(int(length) - int(window) + 1, 0) // int(block_size)
+
+
+def window_blocks(window: int, width: int, block_size: int) -> int:
+    """The most blocks a row holds in a step of `width` tokens (from position p) once the blocks behind it are given
+    back: positions `p - window + 1` to `p + width - 1`, which may start and end inside a block."""
+    return blocks_for(int(window) + int(width) - 1, block_size) + 1
+
+
+def peak_blocks(need: int, window: Optional[int], widest: Optional[int], block_size: int) -> int:
+    """The most blocks a request of `need` positions holds at once: all of them, or with a sliding `window` whose
+    blocks are given back (`widest`: the most tokens one of its steps runs, None when a step may run its whole
+    prompt, and on resuming what it generated too) those of its widest step's window."""
+    whole = blocks_for(need, block_size)
+    if window is None or widest is None:
+        return whole
+    return min(whole, window_blocks(window, widest, block_size))
 
 
 class BlockAllocator:
@@ -122,11 +159,12 @@ class BlockAllocator:
 
     def register(self, blocks: Sequence[int], keys: Sequence[bytes], tag: Any = None) -> int:
         """Cache held blocks under the keys of the full blocks they hold (`blocks[j]` under `keys[j]`); a key
-        another block is cached under already keeps that one. `tag`: what `retire` asks about (the adapter load).
-        Returns how many were registered."""
+        another block is cached under already keeps that one, and a `NULL_BLOCK` entry (given back behind a sliding
+        window, registered before) is skipped. `tag`: what `retire` asks about (the adapter load). Returns how many
+        were registered."""
         added = 0
         for block, key in zip(blocks, keys):
-            if key in self._index or block in self._keys:
+            if block == NULL_BLOCK or key in self._index or block in self._keys:  # given back, or cached already
                 continue
             if block not in self._refs:
                 raise ValueError(f"Block {block} is registered but not held.")
@@ -159,4 +197,12 @@ class BlockAllocator:
         del self._index[key]
 
 
-__all__ = ["BlockAllocator", "blocks_for"]
+__all__ = [
+    "NULL_BLOCK",
+    "BlockAllocator",
+    "blocks_behind",
+    "blocks_for",
+    "peak_blocks",
+    "sliding_window",
+    "window_blocks",
+]

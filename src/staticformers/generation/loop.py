@@ -93,7 +93,7 @@ from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache, bytes_per_position
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
-from .kv_blocks import BlockAllocator, blocks_for
+from .kv_blocks import BlockAllocator, sliding_window
 from .chunking import chunk_width, decoding, positions_needed, prefilling
 from .plan import ShapePlan
 from .prefix_cache import PrefixCache, adapter_key, block_keys
@@ -195,6 +195,7 @@ class GenerationLoop:
             engine.model,
             lambda: self.cache.max_length if self.cache is not None else None,
             self._read_costs() if self.blocks is not None else None,
+            sliding_window(engine.model.config) if self.blocks is not None else None,
         )
         engine.use_blocks(kv_blocks, kv_block_size)
 
@@ -275,11 +276,11 @@ class GenerationLoop:
         need = positions_needed(self.plan, len(prompt), n, self.chunked)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
-        if self.blocks is not None and blocks_for(need, self.block_size) > self.blocks.blocks:
+        peak = self.scheduler.peak_blocks(len(prompt), need, request.sampling.prompt_logprobs is not None)
+        if self.blocks is not None and peak > self.blocks.blocks:
             raise ValueError(
-                f"The request needs {need} cache positions, {blocks_for(need, self.block_size)} blocks of "
-                f"{self.block_size}, and the KV pool has {self.blocks.blocks}: lower max_new_tokens or "
-                f"give the pool more blocks."
+                f"The request needs {need} cache positions, {peak} blocks of {self.block_size} at once, and the KV "
+                f"pool has {self.blocks.blocks}: lower max_new_tokens or give the pool more blocks."
             )
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)

@@ -21,6 +21,10 @@ The rules, each decided here:
 - **Blocks before each step, oldest row first** (`make_room`): each row the step runs gets the blocks of the
   positions it writes and reads (`reach`); while the pool lacks them, the newest running row is preempted: its blocks
   freed, its prompt and what it generated queued first, to resume by prefilling them.
+- **Blocks behind a sliding window go back** (`slide`, block caches of a model whose every layer attends a window):
+  before each of a row's steps, the blocks no query of it can read return to the pool (with prefix caching, a
+  prompt's full blocks are registered first, so they stay cached). With prompts chunked, a request is then refused
+  only when its widest step's window does not fit the pool (`peak_blocks`), however long it runs.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 from ..adapters.bank import bank_of
 from .chunking import chunk_apart_plan, chunk_plan, decoding, prefilling
-from .kv_blocks import BlockAllocator, blocks_for
+from .kv_blocks import NULL_BLOCK, BlockAllocator, blocks_behind, blocks_for, peak_blocks
 from .plan import ShapePlan
 from .prefix_cache import adapter_key, block_keys
 from .step_plan import StepPlan
@@ -52,7 +56,8 @@ class Scheduler:
     `block_size` positions; `share`: prefix caching by shared blocks; `ahead`: positions a decoding row's step
     writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
     (None: no batch); `costs`: on block caches, (the weights' bytes, one position's bytes over the layers), with
-    which decode steps are split by context (None: never split)."""
+    which decode steps are split by context (None: never split); `window`: on block caches, the sliding window every
+    layer of the model attends (`kv_blocks.sliding_window`), behind which blocks go back (None: none do)."""
 
     def __init__(
         self,
@@ -67,12 +72,14 @@ class Scheduler:
         model,
         kv_length: Callable[[], Optional[int]],
         costs: Optional[tuple] = None,
+        window: Optional[int] = None,
     ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
         self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
         self.model, self.kv_length = model, kv_length
         self.costs = costs  # (the weights' bytes, one position's bytes): what a step reads (`step_split.py`)
+        self.window = window if blocks is not None else None
         self.waiting: deque = deque()
         self.rows: dict = {}  # slot -> the row that holds it
         self.joining: list = []  # the rows the current step's prefill takes from the queue
@@ -182,14 +189,16 @@ class Scheduler:
         what is spare does not cover the new ones."""
         assert self.blocks is not None, "blocks are held on block caches only"
         shared = self._share_prefix(row)
+        row.blocks, row.length = shared, len(shared) * self.block_size
+        self.slide(row)  # a cached prefix longer than the window: only its last blocks are read
         cost = self._first_blocks(row, len(shared))
         if cost > self.spare_blocks():
-            self.blocks.give_back(shared)
+            self.release(row)
+            row.length = 0
             return False
         if self.share and not self.scored(row):
             self.blocks.count_query(len(row.prompt), len(shared) * self.block_size)
-        row.blocks = shared + self.blocks.take(cost)
-        row.length = len(shared) * self.block_size
+        row.blocks = row.blocks + self.blocks.take(cost)
         return True
 
     def _share_prefix(self, row) -> list:
@@ -249,6 +258,7 @@ class Scheduler:
             if slot not in self.rows:  # preempted for an older row
                 continue
             row = self.rows[slot]
+            changed |= self.slide(row)
             more = self._blocks_short(row)
             while more > self.blocks.free and slot in self.rows:
                 newest = max(self.rows, key=lambda s: self.rows[s].order)
@@ -274,8 +284,35 @@ class Scheduler:
     def release(self, row) -> None:
         """Give the row's blocks back to the pool."""
         if self.blocks is not None and row.blocks:
-            self.blocks.give_back(row.blocks)
+            self.blocks.give_back([b for b in row.blocks if b != NULL_BLOCK])
         row.blocks = []
+
+    def slide(self, row) -> bool:
+        """With a sliding window: give back the row's blocks that no query of its next step (from `row.length` on)
+        reads, each entry now `NULL_BLOCK`. A prompt's full blocks are registered first when prefix caching is on
+        (as `loop.py` registers them once the prompt is in). Whether any went back (the table needs writing)."""
+        if self.window is None or self.blocks is None:
+            return False
+        behind = min(blocks_behind(row.length, self.window, self.block_size), len(row.blocks))
+        gone = [b for b in row.blocks[:behind] if b != NULL_BLOCK]
+        if not gone:
+            return False
+        if self.share and not self.scored(row):
+            load = self.adapter_load(row)
+            keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)
+            self.blocks.register(row.blocks[:behind], keys[:behind], tag=load if row.adapter else None)
+        self.blocks.give_back(gone)
+        row.blocks[:behind] = [NULL_BLOCK] * behind
+        return True
+
+    def peak_blocks(self, prompt: int, need: int, scored: bool) -> int:
+        """The most pool blocks a request of a `prompt`-token prompt and `need` positions holds at once: all of them,
+        or with a sliding window and prompts chunked those of its widest step's window (a chunk, or a verify step's
+        tokens), or of its prompt when it scores it (one prefill). Admission refuses a request this does not fit."""
+        if self.window is None or not self.chunked:  # unchunked, a resumed row prefills all it holds at once
+            return blocks_for(need, self.block_size)
+        most = peak_blocks(need, self.window, max(self.chunk, self.ahead), self.block_size)
+        return max(most, blocks_for(prompt, self.block_size)) if scored else most
 
     # ---- plans ----------------------------------------------------------------------------------------
     def adapters(self, batch: int, rows: Optional[list] = None) -> Optional[list]:
