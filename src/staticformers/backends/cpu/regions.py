@@ -24,6 +24,7 @@ import torch
 
 from ...compilation.regions import DecodeRegions, ExtendRegions, PrefillRegions
 from .compiled import SKIP_GUARDS, unguarded
+from .decode_layers import layers_stack
 
 
 class _Warm:
@@ -61,16 +62,37 @@ class _Warm:
 
 
 class RegionalDecode(_Warm, DecodeRegions):
-    """A decode step `[B, 1]` over its cache as regions, warmed (see the module docstring)."""
+    """A decode step `[B, 1]` over its cache as regions, warmed (see the module docstring). A warm bf16 step whose
+    layers are all the plain kind runs them as one operator call instead (`decode_layers.py`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._warm = {}
 
+    def layers(self, fns: tuple, input_ids, position_ids):
+        """`DecodeRegions.layers`; with a fourth part in `fns` (the warm path's stack of every layer, or None),
+        `prepare` then that one call where it takes the step."""
+        if len(fns) == 3:
+            return super().layers(fns, input_ids, position_ids)
+        prepare, layer, _, stack = fns
+        views = self.cache.layer_views()
+        x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
+        out = stack(x, cos, sin, masks, position_ids) if stack is not None else None
+        if out is not None:
+            return out
+        for (module, kind), kv in zip(self.runs, views):
+            x = layer[kind](module, x, cos, sin, masks, kv, position_ids, self.ops)
+        return x
+
     def __call__(self, input_ids, position_ids, checked: bool = False):
         start = time.perf_counter()
         if self.calls and self._ready(checked):
-            raw = lambda: (self.prepare.raw, {k: f.raw for k, f in self.layer.items()}, self.head.raw)  # noqa: E731
+
+            def raw():
+                layers = {k: f.raw for k, f in self.layer.items()}
+                x = torch.empty(input_ids.shape[0], 1, self.model.config.hidden_size, dtype=self.model.dtype)
+                return (self.prepare.raw, layers, self.head.raw, layers_stack(self.model, self.cache, self.ops, x))
+
             out = self._warm_step("decode", self.body, raw)(input_ids, position_ids)
         else:
             out = self.body(self.fns, input_ids, position_ids)  # guarded: each layer's first call checks

@@ -1,0 +1,178 @@
+// A bf16 decode step's decoder layers in one call (backends/cpu/decode_layers.py): the CPU kernel of
+// `staticformers::bf16_decode_layers`, whose schema decode_layers.py defines.
+//
+// For each layer, over a few rows of one token each, in order: h = RMSNorm(x); q, k, v = the streamed
+// projections of h (`bf16_gemv`); RoPE on q and k (float32, each result rounded to bfloat16 once, as inductor's
+// fused kernel of the layer region computes it); k and v written into the layer's static cache at each row's
+// position; the attention of q over the cache (`decode_attention`); o = the streamed projection of the attention;
+// then the MLP half (`bf16_mlp_block`: residual, norm, gate and up, SiLU, down, residual). x: [rows, hidden]; cos,
+// sin: [rows, head_dim] (each row's position's); positions: [rows] (int64); each mask [rows, 1, 1, L] bool;
+// caches [rows, kv_heads, L, head_dim], written in place.
+//
+// Why it is written by hand: a compiled layer region made six calls a layer (two of inductor's kernels, the
+// projections, the attention and the MLP block), each behind its host cost, thirty times a step on a 30-layer
+// model, and the worker threads waited through every gap between them (BENCHMARKS.md, "A decode step's layers in
+// one call"). Here the host calls each layer's operators from C++. The projections, the attention and the MLP
+// half are the operators the regions call (through the dispatcher), so their bits are the regions'.
+// Built and loaded after gemv.cpp and decode_attention.cpp, by inductor's toolchain and vector ISA.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+using fvec = at::vec::Vectorized<float>;
+using bvec = at::vec::Vectorized<at::BFloat16>;
+
+static inline std::tuple<fvec, fvec> load_bf16(const uint16_t* p, const int64_t n) {
+  return at::vec::convert_to_float<at::BFloat16>(bvec::loadu(p, n));
+}
+static inline void store_bf16(uint16_t* p, const fvec& a, const fvec& b, const int64_t n) {
+  at::vec::convert_from_float<at::BFloat16>(a, b).store(p, n);
+}
+static inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
+static inline uint16_t* bits_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+// h = norm * bf16(x * rsqrt(mean(x^2) + eps)), each row (RMSNorm in float32, cast, then the weight).
+static void rms_norm(const uint16_t* xp, const uint16_t* np, const int64_t M, const int64_t H, const double eps,
+                     uint16_t* hp) {
+  constexpr int64_t B = bvec::size();
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t o = m * H;
+    fvec squares(0.f);
+    for (int64_t j = 0; j < H; j += B) {
+      const int64_t n = std::min(B, H - j);
+      auto [v0, v1] = load_bf16(xp + o + j, n);
+      squares = at::vec::fmadd(v1, v1, at::vec::fmadd(v0, v0, squares));
+    }
+    const float sum = at::vec::vec_reduce_all<float>([](fvec& a, fvec& b) { return a + b; }, squares);
+    const fvec inv(1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
+    for (int64_t j = 0; j < H; j += B) {
+      const int64_t n = std::min(B, H - j);
+      uint16_t scaled[B];
+      auto [v0, v1] = load_bf16(xp + o + j, n);
+      store_bf16(scaled, v0 * inv, v1 * inv, n);
+      auto [s0, s1] = load_bf16(scaled, n);
+      auto [w0, w1] = load_bf16(np + j, n);
+      store_bf16(hp + o + j, w0 * s0, w1 * s1, n);
+    }
+  }
+}
+
+static inline float to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// `heads` heads of D values from src (row stride `stride`), rotated by each row's cos and sin (rotate_half: the
+// first half's partner is minus the second's), each value computed in float32 and rounded once, into dst: dst's
+// row m, head h at dst + m * dst_row + h * dst_head.
+static void rope(const uint16_t* src, const int64_t stride, const int64_t M, const int64_t heads, const int64_t D,
+                 const uint16_t* cosp, const uint16_t* sinp, uint16_t* dst, const int64_t dst_row,
+                 const int64_t dst_head) {
+  const int64_t half = D / 2;
+  constexpr int64_t B = bvec::size();
+  std::vector<uint16_t> partner(D);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* c = cosp + m * D;
+    const uint16_t* s = sinp + m * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* x = src + m * stride + h * D;
+      for (int64_t j = 0; j < half; ++j) {
+        partner[j] = x[j + half] ^ 0x8000u;  // -x2: the sign bit flipped, exact
+        partner[j + half] = x[j];
+      }
+      uint16_t* y = dst + m * dst_row + h * dst_head;
+      for (int64_t j = 0; j < D; j += B) {
+        const int64_t n = std::min(B, D - j);
+        auto [x0, x1] = load_bf16(x + j, n);
+        auto [p0, p1] = load_bf16(partner.data() + j, n);
+        auto [c0, c1] = load_bf16(c + j, n);
+        auto [s0, s1] = load_bf16(s + j, n);
+        store_bf16(y + j, x0 * c0 + p0 * s0, x1 * c1 + p1 * s1, n);
+      }
+    }
+  }
+}
+
+static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                     const at::Tensor& positions_in, at::TensorList masks,
+                                     at::TensorList input_norms, at::TensorList qw, at::TensorList kw,
+                                     at::TensorList vw, at::TensorList ow, at::TensorList post_norms,
+                                     at::TensorList gates, at::TensorList ups, at::TensorList downs,
+                                     at::TensorList key_caches, at::TensorList value_caches, double eps,
+                                     double scale) {
+  static const auto gemv =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("staticformers::bf16_gemv", "")
+          .typed<std::vector<at::Tensor>(const at::Tensor&, at::TensorList)>();
+  static const auto mlp_block =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("staticformers::bf16_mlp_block", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&)>();
+  static const auto attend =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("staticformers::decode_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            double)>();
+  const size_t L = input_norms.size();
+  TORCH_CHECK(L > 0 && masks.size() == L && qw.size() == L && kw.size() == L && vw.size() == L && ow.size() == L &&
+                  post_norms.size() == L && gates.size() == L && ups.size() == L && downs.size() == L &&
+                  key_caches.size() == L && value_caches.size() == L,
+              "bf16_decode_layers: every list must hold one tensor per layer (", L, " layers)");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
+              "bf16_decode_layers: x must be bfloat16 [rows, hidden], got ", x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t M = x_in.size(0), H = x_in.size(1);
+  const int64_t KVH = key_caches[0].size(1), D = key_caches[0].size(3);
+  TORCH_CHECK(cos_in.numel() == M * D && sin_in.numel() == M * D && cos_in.scalar_type() == at::kBFloat16 &&
+                  sin_in.scalar_type() == at::kBFloat16 && D % 2 == 0,
+              "bf16_decode_layers: cos and sin must be bfloat16, one row of ", D, " values per row");
+  TORCH_CHECK(positions_in.numel() == M && positions_in.scalar_type() == at::kLong,
+              "bf16_decode_layers: positions must be int64, one per row");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous(), positions = positions_in.contiguous();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  at::Tensor x = x_in.contiguous();
+  for (size_t l = 0; l < L; ++l) {
+    at::Tensor kc = key_caches[l], vc = value_caches[l];
+    const int64_t NH = qw[l].size(0) / D, Lc = kc.size(2);
+    TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kBFloat16 &&
+                    vc.sizes() == kc.sizes() && kc.size(0) == M && kc.size(1) == KVH && kc.size(3) == D &&
+                    kw[l].size(0) == KVH * D && vw[l].size(0) == KVH * D && qw[l].size(0) == NH * D,
+                "bf16_decode_layers: layer ", l, "'s caches must be contiguous bfloat16 [", M, ", ", KVH, ", L, ", D,
+                "] and its projections fit them");
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(pos[m] >= 0 && pos[m] < Lc, "bf16_decode_layers: position ", pos[m], " is outside the cache");
+    at::Tensor h = at::empty({M, H}, x.options());
+    rms_norm(bits(x), bits(input_norms[l].contiguous()), M, H, eps, bits_mut(h));
+    const std::vector<at::Tensor> qkv = gemv.call(h, {qw[l], kw[l], vw[l]});
+    at::Tensor q = at::empty({M, NH, 1, D}, x.options());
+    rope(bits(qkv[0]), NH * D, M, NH, D, bits(cos), bits(sin), bits_mut(q), NH * D, D);
+    // k (rotated) and v into each row's position: row m, head g at kc[m, g, pos[m], :]
+    uint16_t* kp = bits_mut(kc);
+    uint16_t* vp = bits_mut(vc);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t at_pos = m * KVH * Lc * D + pos[m] * D;
+      rope(bits(qkv[1]) + m * KVH * D, KVH * D, 1, KVH, D, bits(cos) + m * D, bits(sin) + m * D, kp + at_pos, 0,
+           Lc * D);
+      const uint16_t* v = bits(qkv[2]) + m * KVH * D;
+      for (int64_t g = 0; g < KVH; ++g) std::memcpy(vp + at_pos + g * Lc * D, v + g * D, D * sizeof(uint16_t));
+    }
+    const at::Tensor out = attend.call(q, kc, vc, masks[l], scale);
+    const at::Tensor o = gemv.call(out.view({M, NH * D}), {ow[l]})[0];
+    x = mlp_block.call(x, o, post_norms[l], eps, gates[l], ups[l], downs[l]);
+  }
+  return x;
+}
+
+TORCH_LIBRARY_IMPL(staticformers, CPU, m) { m.impl("bf16_decode_layers", &bf16_decode_layers); }

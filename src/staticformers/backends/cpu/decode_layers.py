@@ -1,0 +1,165 @@
+"""A warm bf16 decode step's decoder layers as one operator call, where every layer is the plain pre-norm kind.
+
+Why this exists: a compiled decode step runs each layer as a region whose graph makes six calls (two of inductor's
+small kernels, the q/k/v projections, the attention, o_proj and the MLP block), each behind Python and a dispatch,
+and on a deep, narrow model (SmolLM2-135M: 30 layers of width 576) those calls and the gaps between them, in which
+the OpenMP worker waits, are a measurable share of a batch-1 step. `decode_layers.cpp` calls the same operators
+(`gemv.py`'s `bf16_gemv` and `bf16_mlp_block`, `decode_attention.py`'s kernel) from C++ for every layer in turn,
+with the RMSNorm, RoPE and cache write that inductor's kernels did, so a warm step is `prepare`, one call, the head.
+
+`layers_stack(model, cache, ops, x)` says whether a step may take it, and builds the call: the model's layers are
+all the plain kind (a pre-norm attention layer with full RoPE, no q/k norm, no biases, no sinks, soft cap or
+output gate, a gated SiLU MLP of bfloat16 `nn.Linear`s, no hooks, no LoRA, no gradient), the formulation streams
+its linears (`"stream"`) and runs the decode attention kernel (`"kernel"`), and the cache is a static bfloat16
+one whose layers' keys and values are contiguous. The regions stay compiled as before (the first, guarded call
+runs them, and so does a prefill's last row); only the warm path (`regions.py`) calls this.
+
+How it is built: `staticformers::bf16_decode_layers` (its schema, which names the caches it writes, and its shape
+function) is defined here at import; its CPU kernel is `decode_layers.cpp`, built by inductor's toolchain the first
+time a step asks whether it can run (`loaded`), after the kernels it calls. Where any of them cannot be built, the
+warm step runs the regions. `STATICFORMERS_DECODE_LAYERS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ...models.hooks import global_hooks, hooked
+from ...models.kv_cache import KVCache
+from ...models.norm_variants import RMSNorm
+from . import decode_attention, gemv
+from .formulations import bf16_streams, mlp_block_runs
+from .operators import NativeKernels, define
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_layers.cpp")
+
+_KERNELS = NativeKernels(
+    SOURCE,
+    ready=lambda: gemv.loaded() and decode_attention.loaded(),
+    works=lambda: True,
+    fallback="a warm bf16 decode step runs its layers' compiled regions instead.",
+)
+
+
+def loaded() -> bool:
+    """Whether the operator runs in this process: built (once per machine and torch, then from inductor's disk
+    cache) and loaded, after the kernels it calls."""
+    return _KERNELS.loaded()
+
+
+def _first_call(*args):
+    return _KERNELS.first_call("bf16_decode_layers", "decode steps", *args)
+
+
+define(
+    "bf16_decode_layers",
+    "(Tensor x, Tensor cos, Tensor sin, Tensor positions, Tensor[] masks, Tensor[] input_norms, Tensor[] q, "
+    "Tensor[] k, Tensor[] v, Tensor[] o, Tensor[] post_norms, Tensor[] gate, Tensor[] up, Tensor[] down, "
+    "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, float scale) -> Tensor",
+    _first_call,
+    "CompositeExplicitAutograd",
+    lambda x, *args: x.new_empty(x.shape),
+)
+
+
+def _plain_linear(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and layer.bias is None and layer.weight.dtype == torch.bfloat16
+
+
+def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether one decoder layer is the kind the operator computes (see the module docstring), for rows `x`."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or type(attn).__name__ != "Attention" or getattr(layer, "linear", True) or layer.sparse:
+        return False
+    norm = layer.input_layernorm
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    return (
+        layer.plain_mlp_half
+        and layer.rope is None
+        and attn.rope
+        and not attn.interleaved
+        and attn.q_norm is None
+        and attn.sinks is None
+        and not attn.gated
+        and attn.softcap is None
+        and type(norm) is RMSNorm
+        and norm.weight.dtype == torch.bfloat16
+        and not hooked(layer)
+        and not hooked(attn)
+        and not hooked(norm)
+        and all(_plain_linear(p) for p in projections)
+        and bf16_streams(projections, x)
+        and mlp_block_runs(layer.post_attention_layernorm, layer.mlp, x, x)
+    )
+
+
+def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Callable]:
+    """The step's layers as one `bf16_decode_layers` call, `stack(x, cos, sin, masks, position_ids) -> x`, for
+    a decode step's rows `x` (`[B, 1, hidden]`) over `cache`; None where the step must run its regions."""
+    if os.environ.get("STATICFORMERS_DECODE_LAYERS") == "0" or global_hooks() or torch.is_grad_enabled():
+        return None
+    if getattr(ops, "linears", None) != "stream" or getattr(ops, "attention_kind", None) != "kernel":
+        return None
+    if type(cache) is not KVCache or cache.latent or cache.linear or cache.keys[0].dtype != torch.bfloat16:
+        return None
+    if getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:  # a part of each head rotates
+        return None
+    layers = list(model.model.layers)
+    rows = x.reshape(-1, x.shape[-1])
+    if not layers or not all(layer_runs(layer, rows) for layer in layers):
+        return None
+    keys, values = list(cache.keys), list(cache.values)
+    if not all(k.is_contiguous() and v.is_contiguous() for k, v in zip(keys, values)):
+        return None
+    if not loaded():
+        return None
+    attns = [layer.self_attn for layer in layers]
+    scales = {a.scale for a in attns}
+    eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+    if len(scales) != 1 or len(eps) != 1 or keys[0].shape[-1] != attns[0].head_dim:
+        return None
+    weights = (
+        [layer.input_layernorm.weight for layer in layers],
+        [a.q_proj.weight for a in attns],
+        [a.k_proj.weight for a in attns],
+        [a.v_proj.weight for a in attns],
+        [a.o_proj.weight for a in attns],
+        [layer.post_attention_layernorm.weight for layer in layers],
+        [layer.mlp.gate_proj.weight for layer in layers],
+        [layer.mlp.up_proj.weight for layer in layers],
+        [layer.mlp.down_proj.weight for layer in layers],
+    )
+    windows = [a.window for a in attns]
+    scale, epsilon = float(scales.pop()), float(eps.pop())
+    op = torch.ops.staticformers.bf16_decode_layers.default
+
+    def stack(x: torch.Tensor, cos, sin, masks: dict, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """The layers' output, or None where this step's tables or masks are not the operator's (the caller runs
+        the regions)."""
+        if not isinstance(cos, torch.Tensor) or cos.shape[-1] != keys[0].shape[-1] or cos.dtype != torch.bfloat16:
+            return None
+        if any(not isinstance(masks.get(w), torch.Tensor) or masks[w].dtype != torch.bool for w in set(windows)):
+            return None
+        b = x.shape[0]
+        out = op(
+            x.reshape(b, -1),
+            cos.reshape(b, -1),
+            sin.reshape(b, -1),
+            position_ids.reshape(-1),
+            [masks[w] for w in windows],
+            *weights,
+            keys,
+            values,
+            epsilon,
+            scale,
+        )
+        return out.view(x.shape)
+
+    return stack
+
+
+__all__ = ["layer_runs", "layers_stack", "loaded"]

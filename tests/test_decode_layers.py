@@ -1,0 +1,217 @@
+"""decode_layers.py's `bf16_decode_layers`: a warm bf16 decode step's layers in one operator call.
+
+Checked: a tiny model's warm decode steps run it once a step (and the regions otherwise: the first, guarded step
+and a prefill's last row), with the tokens and logits of the same loop with it turned off, for plain attention,
+grouped KV heads and a sliding window; the models, caches and settings it leaves to the regions (q/k norms,
+biases, Gemma's norms, a mixture of experts, partial rotary, float32, block caches, LoRA, hooks, a wanted
+gradient, other formulations, the switch); the keys and values it writes into the cache are the regions'; bad
+input refused in one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staticformers import AutoModelForCausalLM, CompileConfig
+from staticformers.backends.cpu import decode_layers as d
+from staticformers.backends.cpu import formulations as f
+from staticformers.backends.cpu import regions
+from staticformers.generation.engines import compile_settings, engine_for
+from staticformers.generation.generation_config import GenerationConfig
+from staticformers.generation.loop import GenerationLoop, GenerationRequest
+from staticformers.models.kv_cache import KVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread", "kernel")
+STREAM = f.CPUOps("kernel", "stream", "stream")
+EAGER = CompileConfig(backend="eager")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Built (or read from inductor's cache) when a test of this file runs, not when it is collected."""
+    if not d.loaded():
+        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/AVX-512 for inductor)")
+
+
+def count_stacks(monkeypatch) -> list:
+    """Patch the warm path's builder: each built stack's calls are appended (the batch's rows), a refused one
+    appends nothing."""
+    calls: list = []
+    real = regions.layers_stack
+
+    def counting(*args):
+        stack = real(*args)
+        if stack is None:
+            return None
+
+        def counted(x, *rest):
+            out = stack(x, *rest)
+            if out is not None:
+                calls.append(x.shape[0])
+            return out
+
+        return counted
+
+    monkeypatch.setattr(regions, "layers_stack", counting)
+    return calls
+
+
+def tokens(n: int, seed: int, vocab: int = 128) -> list:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture
+def streaming_decode(monkeypatch):
+    """Decode steps take the streaming formulation under the eager backend too (inductor picks it; compiling
+    with inductor here would cost a real compile per shape), prefills the modules' own path."""
+    from staticformers.backends import cpu
+
+    monkeypatch.setattr(
+        cpu.CPUStepBuilder,
+        "ops",
+        lambda self, kind, batch, settings, blocks=False: STREAM if kind == "decode" else f.PLAIN_CPU,
+    )
+
+
+def run(path: str, prompts: list, new: int) -> dict:
+    """Each prompt's (tokens, logits) from a bf16 model's loop, the prompts joining together."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    loop = GenerationLoop(engine_for(model), compile_settings(model, GenerationConfig(), EAGER))
+    for i, p in enumerate(prompts):
+        loop.add(GenerationRequest(p, new, request_id=i, output_logits=True))
+    out: dict = {i: ([], []) for i in range(len(prompts))}
+    with torch.no_grad():
+        while not loop.idle:
+            for event in loop.step():
+                assert event.error is None, event.error
+                out[event.request_id][0].append(event.token)
+                out[event.request_id][1].append(event.logits.float())
+    return {i: (t, torch.stack(logits)) for i, (t, logits) in out.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+@pytest.mark.usefixtures("streaming_decode")
+def test_warm_steps_run_every_layer_in_one_call_with_the_regions_tokens_and_logits(
+    tiny_checkpoints, family, monkeypatch
+):
+    """Three prompts (5, 11 and 20 tokens) decoding 12 tokens together: every warm step (all but the first
+    decode step of each batch) is one call; tokens and logits equal the loop's with the operator off, within
+    bf16's rounding of a 2-layer model (RoPE rounded once where eager rounds three times). A tiny random model's
+    logits barely move with its attention, so the keys and values are checked on their own below."""
+    prompts = [tokens(5, 1), tokens(11, 2), tokens(20, 3)]
+    path = tiny_checkpoints(family)
+    calls = count_stacks(monkeypatch)
+    fused = run(path, prompts, 12)
+    assert len(calls) >= 8 and set(calls) <= {1, 2, 4}
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    before = len(calls)
+    plain = run(path, prompts, 12)
+    assert len(calls) == before
+    for i in range(len(prompts)):
+        assert fused[i][0] == plain[i][0], i
+        torch.testing.assert_close(fused[i][1], plain[i][1], rtol=2**-6, atol=2**-7)
+
+
+def stack_for(model, cache=None, ops=STREAM, rows: int = 1):
+    cache = cache if cache is not None else KVCache.for_model(model, rows, 32)
+    return d.layers_stack(model, cache, ops, torch.zeros(rows, 1, model.config.hidden_size, dtype=model.dtype))
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        ("qwen3", {}),  # q/k norms
+        ("qwen2", {}),  # q/k/v biases
+        ("gemma2", {}),  # offset norms, soft caps, sandwich norms
+        ("mixtral", {}),  # a mixture of experts
+        ("llama", {"partial_rotary_factor": 0.5}),
+        ("granite", {}),  # residual and attention multipliers
+    ],
+)
+def test_models_whose_layers_are_not_the_operators_math_run_their_regions(tiny_checkpoints, family, overrides):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family, **overrides), dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert stack_for(model) is None
+
+
+def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(tiny_checkpoints, monkeypatch):
+    """float32 weights, a float32 cache, a block cache, linears or attention other than `"stream"` and `"kernel"`,
+    too many rows, a hook, a LoRA projection, a wanted gradient and `STATICFORMERS_DECODE_LAYERS=0`: None."""
+    from staticformers.adapters.lora import LoraLinear
+    from staticformers.models.block_kv_cache import BlockKVCache, KVBlocks
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    c = model.config
+    with torch.no_grad():
+        assert stack_for(model) is not None
+        full = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"))
+        assert stack_for(full) is None
+        fp32_cache = KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, 32, c.head_dim, torch.float32, "cpu")
+        assert stack_for(model, fp32_cache) is None
+        pool = KVBlocks(c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu")
+        assert stack_for(model, BlockKVCache(pool, 1, 32)) is None
+        assert stack_for(model, ops=f.CPUOps("kernel", "reduce", "reduce")) is None
+        assert stack_for(model, ops=f.CPUOps("reduce", "stream", "stream")) is None
+        assert stack_for(model, rows=f.BF16_GEMV_MAX_ROWS + 1) is None
+        attn = model.model.layers[1].self_attn
+        handle = attn.register_forward_hook(lambda m, i, o: o)
+        assert stack_for(model) is None
+        handle.remove()
+        real = attn.v_proj
+        attn.v_proj = LoraLinear(real)
+        assert stack_for(model) is None
+        attn.v_proj = real
+        monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+        assert stack_for(model) is None
+        monkeypatch.delenv("STATICFORMERS_DECODE_LAYERS")
+        assert stack_for(model) is not None
+    with torch.enable_grad():
+        assert stack_for(model) is None
+
+
+def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints):
+    """One decode step of two rows at positions 6 and 9 over caches filled alike: the operator writes each row's
+    keys and values at its position, as the model's layers (the regions' code) do, within bf16's rounding, and
+    nothing else in the cache changes; the hidden states agree the same way."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    caches = [KVCache.for_model(model, 2, 32) for _ in range(2)]
+    for i in range(model.config.num_hidden_layers):
+        for t in (caches[0].keys[i], caches[0].values[i]):
+            t.normal_()
+        caches[1].keys[i].copy_(caches[0].keys[i])
+        caches[1].values[i].copy_(caches[0].values[i])
+    before = [k.clone() for k in caches[0].keys]
+    ids, positions = torch.tensor([[7], [40]]), torch.tensor([[6], [9]])
+    with torch.no_grad():
+        decoder = model.model
+        x, cos, sin, masks = decoder.prepare(ids, None, positions, caches[0].layer_views()[0])
+        stacked = stack_for(model, caches[0], rows=2)(x, cos, sin, masks, positions)
+        h = x
+        for layer, kv in zip(decoder.layers, caches[1].layer_views()):
+            h = layer(h, cos, sin, masks, kv, positions, STREAM)
+    torch.testing.assert_close(stacked.float(), h.float(), rtol=2**-6, atol=2**-6)
+    for i in range(model.config.num_hidden_layers):
+        for ours, theirs in ((caches[0].keys[i], caches[1].keys[i]), (caches[0].values[i], caches[1].values[i])):
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=2**-7)
+        changed = (caches[0].keys[i] != before[i]).any(-1)  # [rows, heads, positions]
+        assert changed[0, :, 6].all() and changed[1, :, 9].all()
+        changed[0, :, 6] = changed[1, :, 9] = False
+        assert not changed.any()
+
+
+def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    cache = KVCache.for_model(model, 1, 32)
+    with torch.no_grad():
+        decoder = model.model
+        x, cos, sin, masks = decoder.prepare(torch.tensor([[7]]), None, torch.tensor([[3]]), cache.layer_views()[0])
+        stack = stack_for(model, cache)
+        with pytest.raises(RuntimeError, match="position 40 is outside the cache"):
+            stack(x, cos, sin, masks, torch.tensor([[40]]))
+        layer = decoder.layers[0]
+        with pytest.raises(RuntimeError, match="every list must hold one tensor per layer"):
+            torch.ops.staticformers.bf16_decode_layers(
+                x.view(1, -1), cos.view(1, -1), sin.view(1, -1), torch.tensor([3]), [masks[None]],
+                [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], 1e-5, 0.125,
+            )  # fmt: skip
