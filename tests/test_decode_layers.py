@@ -2,8 +2,8 @@
 
 Checked: a tiny model's warm decode steps run it once a step (and the regions otherwise: the first, guarded step
 and a prefill's last row), with the tokens and logits of the same loop with it turned off, for plain attention,
-grouped KV heads and a sliding window; the models, caches and settings it leaves to the regions (q/k norms,
-biases, Gemma's norms, a mixture of experts, partial rotary, float32, block caches, LoRA, hooks, a wanted
+grouped KV heads, a sliding window, q/k norms per head (Qwen3) and q/k/v biases (Qwen2); the models, caches and
+settings it leaves to the regions (norms over the whole projection or after the sub-layers, Gemma's norms, a mixture of experts, partial rotary, float32, block caches, LoRA, hooks, a wanted
 gradient, other formulations, the switch); the keys and values it writes into the cache are the regions'; bad
 input refused in one sentence."""
 
@@ -89,7 +89,7 @@ def run(path: str, prompts: list, new: int) -> dict:
     return {i: (t, torch.stack(logits)) for i, (t, logits) in out.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "qwen3", "qwen2"])
 @pytest.mark.usefixtures("streaming_decode")
 def test_warm_steps_run_every_layer_in_one_call_with_the_regions_tokens_and_logits(
     tiny_checkpoints, family, monkeypatch
@@ -120,8 +120,8 @@ def stack_for(model, cache=None, ops=STREAM, rows: int = 1):
 @pytest.mark.parametrize(
     "family, overrides",
     [
-        ("qwen3", {}),  # q/k norms
-        ("qwen2", {}),  # q/k/v biases
+        ("olmo2", {}),  # q/k norms over the whole projection, norms after the sub-layers
+        ("gemma3", {}),  # Gemma's offset norms and sandwich norms, local RoPE tables
         ("gemma2", {}),  # offset norms, soft caps, sandwich norms
         ("mixtral", {}),  # a mixture of experts
         ("llama", {"partial_rotary_factor": 0.5}),
@@ -169,11 +169,12 @@ def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(t
         assert stack_for(model) is None
 
 
-def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints, family):
     """One decode step of two rows at positions 6 and 9 over caches filled alike: the operator writes each row's
     keys and values at its position, as the model's layers (the regions' code) do, within bf16's rounding, and
     nothing else in the cache changes; the hidden states agree the same way."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family), dtype=torch.bfloat16)
     torch.manual_seed(0)
     caches = [KVCache.for_model(model, 2, 32) for _ in range(2)]
     for i in range(model.config.num_hidden_layers):
@@ -192,8 +193,20 @@ def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints)
             h = layer(h, cos, sin, masks, kv, positions, STREAM)
     torch.testing.assert_close(stacked.float(), h.float(), rtol=2**-6, atol=2**-6)
     for i in range(model.config.num_hidden_layers):
-        for ours, theirs in ((caches[0].keys[i], caches[1].keys[i]), (caches[0].values[i], caches[1].values[i])):
-            torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=2**-7)
+
+        def written(t):
+            return torch.stack([t[0, :, 6], t[1, :, 9]])
+
+        # the first layer's values are its projection's (and its bias's), bit for bit (a later layer's input already
+        # differs by rounding); keys: eager rounds RoPE's two products and their sum, the operator (as inductor)
+        # their sum once, so some differ by a bf16 unit or two of the terms
+        values = written(caches[0].values[i]), written(caches[1].values[i])
+        assert i > 0 or torch.equal(*values)
+        torch.testing.assert_close(values[0].float(), values[1].float(), rtol=2**-6, atol=2**-5)
+        assert torch.equal(caches[0].values[i][0, :, :6], caches[1].values[i][0, :, :6])  # nothing else written
+        ours, theirs = written(caches[0].keys[i]), written(caches[1].keys[i])
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-6, atol=2**-5)
+        assert i > 0 or (ours == theirs).float().mean() >= 0.5
         changed = (caches[0].keys[i] != before[i]).any(-1)  # [rows, heads, positions]
         assert changed[0, :, 6].all() and changed[1, :, 9].all()
         changed[0, :, 6] = changed[1, :, 9] = False
@@ -213,5 +226,6 @@ def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
         with pytest.raises(RuntimeError, match="every list must hold one tensor per layer"):
             torch.ops.staticformers.bf16_decode_layers(
                 x.view(1, -1), cos.view(1, -1), sin.view(1, -1), torch.tensor([3]), [masks[None]],
-                [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], 1e-5, 0.125,
+                [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], 1e-5,
+                0.125,
             )  # fmt: skip

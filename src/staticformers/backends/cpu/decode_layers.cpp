@@ -2,7 +2,8 @@
 // `staticformers::bf16_decode_layers`, whose schema decode_layers.py defines.
 //
 // For each layer, over a few rows of one token each, in order: h = RMSNorm(x); q, k, v = the streamed
-// projections of h (`bf16_gemv`); RoPE on q and k (float32, each result rounded to bfloat16 once, as inductor's
+// projections of h (`bf16_gemv`), plus their biases where the layer has them (Qwen2; each sum rounded once), and
+// q and k normalised per head where the layer norms them (Qwen3: RMSNorm over each head's values); RoPE on q and k (float32, each result rounded to bfloat16 once, as inductor's
 // fused kernel of the layer region computes it); k and v written into the layer's static cache at each row's
 // position; the attention of q over the cache (`decode_attention`); o = the streamed projection of the attention;
 // then the MLP half (`bf16_mlp_block`: residual, norm, gate and up, SiLU, down, residual). x: [rows, hidden]; cos,
@@ -67,11 +68,16 @@ static void rms_norm(const uint16_t* xp, const uint16_t* np, const int64_t M, co
   }
 }
 
-static inline float to_float(uint16_t v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// y + b for each row of y ([M, N], a projection's output), b [N], each sum rounded to bfloat16 once, in place.
+static void add_bias(uint16_t* y, const uint16_t* b, const int64_t M, const int64_t N) {
+  constexpr int64_t B = bvec::size();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < N; j += B) {
+      const int64_t n = std::min(B, N - j);
+      auto [y0, y1] = load_bf16(y + m * N + j, n);
+      auto [b0, b1] = load_bf16(b + j, n);
+      store_bf16(y + m * N + j, y0 + b0, y1 + b1, n);
+    }
 }
 
 // `heads` heads of D values from src (row stride `stride`), rotated by each row's cos and sin (rotate_half: the
@@ -110,8 +116,9 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::TensorList input_norms, at::TensorList qw, at::TensorList kw,
                                      at::TensorList vw, at::TensorList ow, at::TensorList post_norms,
                                      at::TensorList gates, at::TensorList ups, at::TensorList downs,
-                                     at::TensorList key_caches, at::TensorList value_caches, double eps,
-                                     double scale) {
+                                     at::TensorList key_caches, at::TensorList value_caches, at::TensorList q_norms,
+                                     at::TensorList k_norms, at::TensorList q_biases, at::TensorList k_biases,
+                                     at::TensorList v_biases, double eps, double scale) {
   static const auto gemv =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("staticformers::bf16_gemv", "")
@@ -131,6 +138,10 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                   post_norms.size() == L && gates.size() == L && ups.size() == L && downs.size() == L &&
                   key_caches.size() == L && value_caches.size() == L,
               "bf16_decode_layers: every list must hold one tensor per layer (", L, " layers)");
+  const bool normed = !q_norms.empty(), biased = !q_biases.empty();
+  TORCH_CHECK((!normed || (q_norms.size() == L && k_norms.size() == L)) &&
+                  (!biased || (q_biases.size() == L && k_biases.size() == L && v_biases.size() == L)),
+              "bf16_decode_layers: q/k norms and q/k/v biases must be one per layer (", L, " layers), or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "bf16_decode_layers: x must be bfloat16 [rows, hidden], got ", x_in.scalar_type(), " ", x_in.sizes());
   const int64_t M = x_in.size(0), H = x_in.size(1);
@@ -155,7 +166,19 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
       TORCH_CHECK(pos[m] >= 0 && pos[m] < Lc, "bf16_decode_layers: position ", pos[m], " is outside the cache");
     at::Tensor h = at::empty({M, H}, x.options());
     rms_norm(bits(x), bits(input_norms[l].contiguous()), M, H, eps, bits_mut(h));
-    const std::vector<at::Tensor> qkv = gemv.call(h, {qw[l], kw[l], vw[l]});
+    std::vector<at::Tensor> qkv = gemv.call(h, {qw[l], kw[l], vw[l]});
+    if (biased) {
+      add_bias(bits_mut(qkv[0]), bits(q_biases[l].contiguous()), M, NH * D);
+      add_bias(bits_mut(qkv[1]), bits(k_biases[l].contiguous()), M, KVH * D);
+      add_bias(bits_mut(qkv[2]), bits(v_biases[l].contiguous()), M, KVH * D);
+    }
+    if (normed) {  // each head's D values as a row of its own
+      at::Tensor qn = at::empty({M, NH * D}, x.options()), kn = at::empty({M, KVH * D}, x.options());
+      rms_norm(bits(qkv[0]), bits(q_norms[l].contiguous()), M * NH, D, eps, bits_mut(qn));
+      rms_norm(bits(qkv[1]), bits(k_norms[l].contiguous()), M * KVH, D, eps, bits_mut(kn));
+      qkv[0] = qn;
+      qkv[1] = kn;
+    }
     at::Tensor q = at::empty({M, NH, 1, D}, x.options());
     rope(bits(qkv[0]), NH * D, M, NH, D, bits(cos), bits(sin), bits_mut(q), NH * D, D);
     // k (rotated) and v into each row's position: row m, head g at kc[m, g, pos[m], :]

@@ -8,8 +8,9 @@ the OpenMP worker waits, are a measurable share of a batch-1 step. `decode_layer
 with the RMSNorm, RoPE and cache write that inductor's kernels did, so a warm step is `prepare`, one call, the head.
 
 `layers_stack(model, cache, ops, x)` says whether a step may take it, and builds the call: the model's layers are
-all the plain kind (a pre-norm attention layer with full RoPE, no q/k norm, no biases, no sinks, soft cap or
-output gate, a gated SiLU MLP of bfloat16 `nn.Linear`s, no hooks, no LoRA, no gradient), the formulation streams
+all the plain kind (a pre-norm attention layer with full RoPE, q/k/v biases or none (Qwen2) and q/k RMSNorms per
+head or none (Qwen3), alike in every layer, no sinks, soft cap or output gate, a gated SiLU MLP of bfloat16
+`nn.Linear`s, no hooks, no LoRA, no gradient), the formulation streams
 its linears (`"stream"`) and runs the decode attention kernel (`"kernel"`), and the cache is a static bfloat16
 one whose layers' keys and values are contiguous. The regions stay compiled as before (the first, guarded call
 runs them, and so does a prefill's last row); only the warm path (`regions.py`) calls this.
@@ -59,15 +60,26 @@ define(
     "bf16_decode_layers",
     "(Tensor x, Tensor cos, Tensor sin, Tensor positions, Tensor[] masks, Tensor[] input_norms, Tensor[] q, "
     "Tensor[] k, Tensor[] v, Tensor[] o, Tensor[] post_norms, Tensor[] gate, Tensor[] up, Tensor[] down, "
-    "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, float eps, float scale) -> Tensor",
+    "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] q_norms, Tensor[] k_norms, Tensor[] q_biases, "
+    "Tensor[] k_biases, Tensor[] v_biases, float eps, float scale) -> Tensor",
     _first_call,
     "CompositeExplicitAutograd",
     lambda x, *args: x.new_empty(x.shape),
 )
 
 
-def _plain_linear(layer: nn.Module) -> bool:
-    return type(layer) is nn.Linear and layer.bias is None and layer.weight.dtype == torch.bfloat16
+def _plain_linear(layer: nn.Module, bias: bool = False) -> bool:
+    """A bfloat16 `nn.Linear` with a bias (`bias`) or without."""
+    return (
+        type(layer) is nn.Linear
+        and layer.weight.dtype == torch.bfloat16
+        and (layer.bias is not None and layer.bias.dtype == torch.bfloat16 if bias else layer.bias is None)
+    )
+
+
+def _head_norm(norm: Optional[nn.Module]) -> bool:
+    """A q or k norm the operator computes: none, or a plain RMSNorm over each head, bfloat16, without hooks."""
+    return norm is None or (type(norm) is RMSNorm and norm.weight.dtype == torch.bfloat16 and not hooked(norm))
 
 
 def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -77,12 +89,15 @@ def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
         return False
     norm = layer.input_layernorm
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    biased = attn.q_proj.bias is not None
     return (
         layer.plain_mlp_half
         and layer.rope is None
         and attn.rope
         and not attn.interleaved
-        and attn.q_norm is None
+        and _head_norm(attn.q_norm)
+        and _head_norm(attn.k_norm)
+        and (attn.q_norm is None or not attn.qk_norm_whole)
         and attn.sinks is None
         and not attn.gated
         and attn.softcap is None
@@ -91,7 +106,8 @@ def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
         and not hooked(layer)
         and not hooked(attn)
         and not hooked(norm)
-        and all(_plain_linear(p) for p in projections)
+        and all(_plain_linear(p, biased) for p in projections[:3])
+        and _plain_linear(attn.o_proj)
         and bf16_streams(projections, x)
         and mlp_block_runs(layer.post_attention_layernorm, layer.mlp, x, x)
     )
@@ -119,7 +135,14 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
         return None
     attns = [layer.self_attn for layer in layers]
     scales = {a.scale for a in attns}
-    eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+    norms = [m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    normed = attns[0].q_norm is not None
+    if normed:
+        norms += [m for a in attns for m in (a.q_norm, a.k_norm)]
+    eps = {m.eps for m in norms}
+    biased = attns[0].q_proj.bias is not None
+    if any((a.q_norm is not None) != normed or (a.q_proj.bias is not None) != biased for a in attns):
+        return None  # one operator call takes norms and biases in every layer or in none
     if len(scales) != 1 or len(eps) != 1 or keys[0].shape[-1] != attns[0].head_dim:
         return None
     weights = (
@@ -132,6 +155,13 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
         [layer.mlp.gate_proj.weight for layer in layers],
         [layer.mlp.up_proj.weight for layer in layers],
         [layer.mlp.down_proj.weight for layer in layers],
+    )
+    extra = (
+        [a.q_norm.weight for a in attns] if normed else [],
+        [a.k_norm.weight for a in attns] if normed else [],
+        [a.q_proj.bias for a in attns] if biased else [],
+        [a.k_proj.bias for a in attns] if biased else [],
+        [a.v_proj.bias for a in attns] if biased else [],
     )
     windows = [a.window for a in attns]
     scale, epsilon = float(scales.pop()), float(eps.pop())
@@ -154,6 +184,7 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
             *weights,
             keys,
             values,
+            *extra,
             epsilon,
             scale,
         )
