@@ -9,7 +9,7 @@ the compiled code and the minute; the order flips each round (on off, off on, ..
 ((a `--new`-token generate - a 1-token one) / (new - 1)). The real model is the suite's SmolLM2-135M-Instruct GGUF
 (`tests/real_model_cache.py`), bf16. Prints one JSON object (`--out` also writes it).
 
-    python bench/decode_layers_ab.py --batches 1 8 --rounds 8 --out bench/results/decode-layers-ab.json
+    python bench/decode_layers_ab.py --batches 1 8 --rounds 8 --out bench/results/decode-layers-ab-2026-12-07.json
 """
 
 from __future__ import annotations
