@@ -257,9 +257,13 @@ class DecodeRegions(GenerationRegions):
     def layers(self, fns: tuple, input_ids, position_ids):
         """`prepare` and every layer over the cache (each written at the rows' positions): the last hidden
         states. `fns` = (prepare, {kind: layer}, head): `self.fns`, or their raw forms."""
-        prepare, layer, _ = fns
+        prepare, layer = fns[:2]
         views = self.cache.layer_views()
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
+        return self.walk(layer, x, cos, sin, masks, views, position_ids)
+
+    def walk(self, layer: dict, x, cos, sin, masks, views: list, position_ids):
+        """Every layer in turn over its view of the cache, `layer` {kind: region}: the last hidden states."""
         for (module, kind), kv in zip(self.runs, views):
             x = layer[kind](module, x, cos, sin, masks, kv, position_ids, self.ops)
         return x

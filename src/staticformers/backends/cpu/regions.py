@@ -78,11 +78,7 @@ class RegionalDecode(_Warm, DecodeRegions):
         views = self.cache.layer_views()
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
         out = stack(x, cos, sin, masks, position_ids) if stack is not None else None
-        if out is not None:
-            return out
-        for (module, kind), kv in zip(self.runs, views):
-            x = layer[kind](module, x, cos, sin, masks, kv, position_ids, self.ops)
-        return x
+        return out if out is not None else self.walk(layer, x, cos, sin, masks, views, position_ids)
 
     def __call__(self, input_ids, position_ids, checked: bool = False):
         start = time.perf_counter()
