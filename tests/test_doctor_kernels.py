@@ -9,7 +9,14 @@ import json
 import pytest
 
 from staticformers.commands.cli import main
-from staticformers.utils.cpu_features import bf16_decode_path, cpu_flags, huge_pages, thp_mode, vector_isa
+from staticformers.utils.cpu_features import (
+    bf16_decode_path,
+    cpu_flags,
+    decode_layers,
+    huge_pages,
+    thp_mode,
+    vector_isa,
+)
 
 AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 SAPPHIRE = AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
@@ -72,3 +79,15 @@ def test_doctor_reports_the_path_and_the_weights_pages(capsys):
     kernels = json.loads(capsys.readouterr().out)["cpu_kernels"]
     assert kernels["bf16_decode"] in ("amx", "dot", "widen", "none")
     assert kernels["bf16_decode_why"] in line and kernels["weights"] in line
+    assert main(["doctor"]) == 0
+    layers = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU bf16 decode layers: "))
+    assert kernels["decode_layers"] in layers
+
+
+def test_the_decode_layers_line_follows_the_switch_and_the_vector_isa():
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert decode_layers(avx512, {}).startswith("one call for all layers")
+    assert decode_layers({"avx2", "fma"}, {}).startswith("one call for all layers")
+    assert "STATICFORMERS_DECODE_LAYERS=0" in decode_layers(avx512, {"STATICFORMERS_DECODE_LAYERS": "0"})
+    assert "compiled regions" in decode_layers(avx512, {"STATICFORMERS_DECODE_LAYERS": "0"})
+    assert "no AVX2 or AVX-512" in decode_layers(set(), {})

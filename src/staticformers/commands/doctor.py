@@ -74,6 +74,7 @@ def run(args) -> int:
     print(f"CPU threads: {info['cpu_threads']['reason']}; OpenMP wait: {info['cpu_threads']['wait']}")
     kernels = info["cpu_kernels"]
     print(f"CPU bf16 decode projections: {kernels['bf16_decode_why']}; weights: {kernels['weights']}")
+    print(f"CPU bf16 decode layers: {kernels['decode_layers']}")
     if info["neuron_hint"]:
         print(
             textwrap.fill(
@@ -149,7 +150,7 @@ def cpu_threads() -> dict:
 def cpu_kernels() -> dict:
     """The path the CPU's bf16 decode kernel takes here and where a model's weights go, told from the processor's
     flags and the environment without building the kernel (`utils/cpu_features.py`)."""
-    from ..utils.cpu_features import bf16_decode_path, cpu_flags, huge_pages, thp_mode, vector_isa
+    from ..utils.cpu_features import bf16_decode_path, cpu_flags, decode_layers, huge_pages, thp_mode, vector_isa
 
     flags = cpu_flags()
     path, why = bf16_decode_path(flags)
@@ -160,6 +161,7 @@ def cpu_kernels() -> dict:
         "bf16_decode_why": why,
         "transparent_huge_pages": mode,
         "weights": huge_pages(mode),
+        "decode_layers": decode_layers(flags),
     }
 
 

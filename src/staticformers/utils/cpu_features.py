@@ -10,6 +10,8 @@ module reads as plain text; tests/test_doctor_kernels.py checks the prediction a
   products), "widen" (bfloat16 widened to float32 in AVX-512 or AVX2 FMAs), or "none" (no x86 vector ISA:
   inductor's reductions run instead), and a sentence saying why.
 - `huge_pages(mode)`: what the weights' block gets under the transparent-huge-page mode.
+- `decode_layers(flags, environ)`: whether a warm bf16 decode step of a plain pre-norm model runs its layers as one
+  call (`backends/cpu/decode_layers.py`), as a sentence.
 """
 
 from __future__ import annotations
@@ -68,6 +70,17 @@ def bf16_decode_path(flags: set[str], environ: Mapping[str, str] = os.environ) -
     else:
         dot = "no AVX512_BF16"
     return "widen", f"bf16 widened into AVX-{isa if isa == 256 else 512} FMAs ({amx}, {dot})"
+
+
+def decode_layers(flags: set[str], environ: Mapping[str, str] = os.environ) -> str:
+    """Whether a warm bf16 decode step whose layers are all the plain pre-norm kind (Llama, Mistral, Qwen2, Qwen3)
+    runs them as one C++ call here, as a sentence: it needs the kernels `bf16_decode_path` needs, and
+    `STATICFORMERS_DECODE_LAYERS=0` turns it off."""
+    if _off(environ, "STATICFORMERS_DECODE_LAYERS"):
+        return "each layer's compiled regions: STATICFORMERS_DECODE_LAYERS=0"
+    if vector_isa(flags) == 0:
+        return "each layer's compiled regions: no AVX2 or AVX-512 for the kernels"
+    return "one call for all layers, where they are the plain pre-norm kind (STATICFORMERS_DECODE_LAYERS=0: off)"
 
 
 def thp_mode(text: Optional[str] = None) -> Optional[str]:
