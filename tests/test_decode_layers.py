@@ -229,3 +229,21 @@ def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
                 [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], 1e-5,
                 0.125,
             )  # fmt: skip
+
+
+@pytest.mark.inductor
+def test_inductor_compiled_steps_take_the_one_call(tiny_checkpoints, monkeypatch):
+    """Under the default compile (inductor, which picks the streaming formulation itself), warm decode steps run
+    the one call, and the greedy tokens equal the regions'."""
+    path, ids = tiny_checkpoints("llama"), torch.tensor([tokens(7, 4)])
+    calls = count_stacks(monkeypatch)
+
+    def greedy():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        return model.generate(ids, max_new_tokens=8, do_sample=False)
+
+    fused = greedy()
+    assert len(calls) >= 5
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    before = len(calls)
+    assert torch.equal(fused, greedy()) and len(calls) == before
