@@ -294,9 +294,9 @@ class Scheduler:
         if self.window is None or self.blocks is None:
             return False
         behind = min(blocks_behind(row.length, self.window, self.block_size), len(row.blocks))
-        gone = [b for b in row.blocks[:behind] if b != NULL_BLOCK]
-        if not gone:
+        if behind == 0 or row.blocks[behind - 1] == NULL_BLOCK:  # given back from the front: all before it are too
             return False
+        gone = [b for b in row.blocks[:behind] if b != NULL_BLOCK]
         if self.share and not self.scored(row):
             load = self.adapter_load(row)
             keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)

@@ -80,6 +80,8 @@ static void add_bias(uint16_t* y, const uint16_t* b, const int64_t M, const int6
     }
 }
 
+constexpr int64_t kMaxHeadDim = 1024;  // a head's values, on the stack while it rotates
+
 // `heads` heads of D values from src (row stride `stride`), rotated by each row's cos and sin (rotate_half: the
 // first half's partner is minus the second's), each value computed in float32 and rounded once, into dst: dst's
 // row m, head h at dst + m * dst_row + h * dst_head.
@@ -88,7 +90,7 @@ static void rope(const uint16_t* src, const int64_t stride, const int64_t M, con
                  const int64_t dst_head) {
   const int64_t half = D / 2;
   constexpr int64_t B = bvec::size();
-  std::vector<uint16_t> partner(D);
+  uint16_t partner[kMaxHeadDim];
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* c = cosp + m * D;
     const uint16_t* s = sinp + m * D;
@@ -102,7 +104,7 @@ static void rope(const uint16_t* src, const int64_t stride, const int64_t M, con
       for (int64_t j = 0; j < D; j += B) {
         const int64_t n = std::min(B, D - j);
         auto [x0, x1] = load_bf16(x + j, n);
-        auto [p0, p1] = load_bf16(partner.data() + j, n);
+        auto [p0, p1] = load_bf16(partner + j, n);
         auto [c0, c1] = load_bf16(c + j, n);
         auto [s0, s1] = load_bf16(s + j, n);
         store_bf16(y + j, x0 * c0 + p0 * s0, x1 * c1 + p1 * s1, n);
@@ -149,21 +151,25 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
   TORCH_CHECK(cos_in.numel() == M * D && sin_in.numel() == M * D && cos_in.scalar_type() == at::kBFloat16 &&
                   sin_in.scalar_type() == at::kBFloat16 && D % 2 == 0,
               "bf16_decode_layers: cos and sin must be bfloat16, one row of ", D, " values per row");
+  TORCH_CHECK(D <= kMaxHeadDim, "bf16_decode_layers: heads of ", D, " values; at most ", kMaxHeadDim);
   TORCH_CHECK(positions_in.numel() == M && positions_in.scalar_type() == at::kLong,
               "bf16_decode_layers: positions must be int64, one per row");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous(), positions = positions_in.contiguous();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
+  TORCH_CHECK(key_caches[0].dim() == 4 && key_caches[0].size(0) == M,
+              "bf16_decode_layers: the caches must be [", M, ", kv_heads, L, head_dim], one row per row of x");
+  const int64_t Lc = key_caches[0].size(2);  // every layer's cache has the first's shape (checked below)
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < Lc, "bf16_decode_layers: position ", pos[m], " is outside the cache");
   at::Tensor x = x_in.contiguous();
   for (size_t l = 0; l < L; ++l) {
     at::Tensor kc = key_caches[l], vc = value_caches[l];
-    const int64_t NH = qw[l].size(0) / D, Lc = kc.size(2);
+    const int64_t NH = qw[l].size(0) / D;
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kBFloat16 &&
-                    vc.sizes() == kc.sizes() && kc.size(0) == M && kc.size(1) == KVH && kc.size(3) == D &&
+                    vc.sizes() == kc.sizes() && kc.sizes() == key_caches[0].sizes() &&
                     kw[l].size(0) == KVH * D && vw[l].size(0) == KVH * D && qw[l].size(0) == NH * D,
                 "bf16_decode_layers: layer ", l, "'s caches must be contiguous bfloat16 [", M, ", ", KVH, ", L, ", D,
                 "] and its projections fit them");
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(pos[m] >= 0 && pos[m] < Lc, "bf16_decode_layers: position ", pos[m], " is outside the cache");
     at::Tensor h = at::empty({M, H}, x.options());
     rms_norm(bits(x), bits(input_norms[l].contiguous()), M, H, eps, bits_mut(h));
     std::vector<at::Tensor> qkv = gemv.call(h, {qw[l], kw[l], vw[l]});

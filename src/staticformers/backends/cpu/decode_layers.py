@@ -164,6 +164,7 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
         [a.v_proj.bias for a in attns] if biased else [],
     )
     windows = [a.window for a in attns]
+    distinct = set(windows)
     scale, epsilon = float(scales.pop()), float(eps.pop())
     op = torch.ops.staticformers.bf16_decode_layers.default
 
@@ -172,7 +173,7 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
         the regions)."""
         if not isinstance(cos, torch.Tensor) or cos.shape[-1] != keys[0].shape[-1] or cos.dtype != torch.bfloat16:
             return None
-        if any(not isinstance(masks.get(w), torch.Tensor) or masks[w].dtype != torch.bool for w in set(windows)):
+        if any(not isinstance(masks.get(w), torch.Tensor) or masks[w].dtype != torch.bool for w in distinct):
             return None
         b = x.shape[0]
         out = op(
