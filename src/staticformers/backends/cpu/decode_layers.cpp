@@ -30,43 +30,10 @@
 #include <tuple>
 #include <vector>
 
-using fvec = at::vec::Vectorized<float>;
-using bvec = at::vec::Vectorized<at::BFloat16>;
-
-static inline std::tuple<fvec, fvec> load_bf16(const uint16_t* p, const int64_t n) {
-  return at::vec::convert_to_float<at::BFloat16>(bvec::loadu(p, n));
-}
-static inline void store_bf16(uint16_t* p, const fvec& a, const fvec& b, const int64_t n) {
-  at::vec::convert_from_float<at::BFloat16>(a, b).store(p, n);
-}
+// `fvec`, `bvec`, `load_bf16`, `store_bf16` and `rms_norm` are bf16_rows.h's, whose text operators.build_library puts
+// before this file's.
 static inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
 static inline uint16_t* bits_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
-
-// h = norm * bf16(x * rsqrt(mean(x^2) + eps)), each row (RMSNorm in float32, cast, then the weight).
-static void rms_norm(const uint16_t* xp, const uint16_t* np, const int64_t M, const int64_t H, const double eps,
-                     uint16_t* hp) {
-  constexpr int64_t B = bvec::size();
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t o = m * H;
-    fvec squares(0.f);
-    for (int64_t j = 0; j < H; j += B) {
-      const int64_t n = std::min(B, H - j);
-      auto [v0, v1] = load_bf16(xp + o + j, n);
-      squares = at::vec::fmadd(v1, v1, at::vec::fmadd(v0, v0, squares));
-    }
-    const float sum = at::vec::vec_reduce_all<float>([](fvec& a, fvec& b) { return a + b; }, squares);
-    const fvec inv(1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
-    for (int64_t j = 0; j < H; j += B) {
-      const int64_t n = std::min(B, H - j);
-      uint16_t scaled[B];
-      auto [v0, v1] = load_bf16(xp + o + j, n);
-      store_bf16(scaled, v0 * inv, v1 * inv, n);
-      auto [s0, s1] = load_bf16(scaled, n);
-      auto [w0, w1] = load_bf16(np + j, n);
-      store_bf16(hp + o + j, w0 * s0, w1 * s1, n);
-    }
-  }
-}
 
 // y + b for each row of y ([M, N], a projection's output), b [N], each sum rounded to bfloat16 once, in place.
 static void add_bias(uint16_t* y, const uint16_t* b, const int64_t M, const int64_t N) {

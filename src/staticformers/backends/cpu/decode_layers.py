@@ -43,6 +43,7 @@ _KERNELS = NativeKernels(
     ready=lambda: gemv.loaded() and decode_attention.loaded(),
     works=lambda: True,
     fallback="a warm bf16 decode step runs its layers' compiled regions instead.",
+    preludes=(gemv.BF16_ROWS,),
 )
 
 

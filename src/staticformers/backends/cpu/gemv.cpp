@@ -554,18 +554,8 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
 // 30-layer model; here it is one. Each named result is rounded to bfloat16 once: r, the normalised r before the
 // weight, h, the activation and the output. Eager rounds the activation twice (SiLU, then the product), and
 // inductor's fused kernels may keep some of these in float32, so the block matches neither bit for bit; the tests
-// bound the difference against this math.
-using fvec = at::vec::Vectorized<float>;
-using bvec = at::vec::Vectorized<at::BFloat16>;
-
-// n <= bvec::size() bfloat16 values from p as two float32 vectors (the lanes past n zeros), and back (rounded to
-// nearest even, as torch rounds); the pointwise loops go bvec::size() values at a time
-static inline std::tuple<fvec, fvec> load_bf16(const uint16_t* p, const int64_t n) {
-  return at::vec::convert_to_float<at::BFloat16>(bvec::loadu(p, n));
-}
-static inline void store_bf16(uint16_t* p, const fvec& a, const fvec& b, const int64_t n) {
-  at::vec::convert_from_float<at::BFloat16>(a, b).store(p, n);
-}
+// bound the difference against this math. `load_bf16`, `store_bf16` and `rms_norm` are bf16_rows.h's, whose text
+// operators.build_library puts before this file's.
 
 static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_in, const at::Tensor& norm_in,
                                  double eps, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
@@ -588,29 +578,13 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
   uint16_t* rp = reinterpret_cast<uint16_t*>(r.data_ptr());
   uint16_t* hp = reinterpret_cast<uint16_t*>(h.data_ptr());
   constexpr int64_t B = bvec::size();
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t o = m * H;
-    fvec squares(0.f);
-    for (int64_t j = 0; j < H; j += B) {  // r = x + attn, rounded; the rounded values' squares summed in float32
-      const int64_t n = std::min(B, H - j);
-      auto [x0, x1] = load_bf16(xp + o + j, n);
-      auto [a0, a1] = load_bf16(ap + o + j, n);
-      store_bf16(rp + o + j, x0 + a0, x1 + a1, n);
-      auto [v0, v1] = load_bf16(rp + o + j, n);
-      squares = at::vec::fmadd(v1, v1, at::vec::fmadd(v0, v0, squares));
-    }
-    const float sum = at::vec::vec_reduce_all<float>([](fvec& a, fvec& b) { return a + b; }, squares);
-    const fvec inv(1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps)));
-    for (int64_t j = 0; j < H; j += B) {  // h = norm * bf16(r * inv)
-      const int64_t n = std::min(B, H - j);
-      uint16_t scaled[B];
-      auto [v0, v1] = load_bf16(rp + o + j, n);
-      store_bf16(scaled, v0 * inv, v1 * inv, n);
-      auto [s0, s1] = load_bf16(scaled, n);
-      auto [w0, w1] = load_bf16(np + j, n);
-      store_bf16(hp + o + j, w0 * s0, w1 * s1, n);
-    }
+  for (int64_t i = 0; i < M * H; i += B) {  // r = x + attn, rounded
+    const int64_t n = std::min(B, M * H - i);
+    auto [x0, x1] = load_bf16(xp + i, n);
+    auto [a0, a1] = load_bf16(ap + i, n);
+    store_bf16(rp + i, x0 + a0, x1 + a1, n);
   }
+  rms_norm(rp, np, M, H, eps, hp);  // h = norm * bf16(r * rsqrt(mean(r^2) + eps)), from the rounded r
   const std::vector<at::Tensor> gu = bf16_gemv(h, std::vector<at::Tensor>{gate, up});
   const int64_t I = gate.size(0);
   at::Tensor a = at::empty({M, I}, x.options());

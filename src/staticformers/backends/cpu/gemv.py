@@ -37,6 +37,9 @@ import torch
 from .operators import NativeKernels, define
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
+BF16_ROWS = os.path.join(
+    os.path.dirname(SOURCE), "bf16_rows.h"
+)  # bf16 row helpers gemv.cpp and decode_layers.cpp share
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
 
 _KERNELS = NativeKernels(
@@ -45,6 +48,7 @@ _KERNELS = NativeKernels(
     works=lambda: torch.ops.staticformers_native.gemv_isa() > 0,
     fallback="int8 projections run ATen's kernel instead, and bf16 ones inductor's reduction, which read their "
     "weights more slowly.",
+    preludes=(BF16_ROWS,),
 )
 _STATE = _KERNELS.state  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
 

@@ -35,29 +35,35 @@ def define(
     _LIBRARIES.append(library)
 
 
-def build_library(source: str) -> None:
+def build_library(source: str, preludes: tuple = ()) -> None:
     """Build the C++ file `source` against this torch with inductor's own toolchain (`CppCodeCache`: the compiler,
     flags and vector ISA inductor uses for every compiled CPU graph, and its disk cache) and load it into this
-    process, where its static initialisers register its kernels."""
+    process, where its static initialisers register its kernels. `preludes`: files whose text goes before the
+    source's (helpers two libraries share: the toolchain builds one text, so an `#include` would not find them)."""
     from torch._inductor.codecache import CppCodeCache
 
     class TorchLibrary(CppCodeCache):  # a shared library that includes and links PyTorch
         cache: dict = {}
         cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
-    with open(source) as f:
-        TorchLibrary.load(f.read(), needs_vec_isa=True)
+    texts = []
+    for path in (*preludes, source):
+        with open(path) as f:
+            texts.append(f.read())
+    TorchLibrary.load("\n".join(texts), needs_vec_isa=True)
 
 
 class NativeKernels:
     """One C++ file of kernels (`source`), built and loaded the first time `loaded()` asks, at most once per process.
 
     `ready()` says whether building is worth trying here (a vector ISA, another library loaded) and `works()`
-    whether the loaded kernels run; a failed build warns once with `fallback` (what runs instead). `state` holds
-    "loaded" once decided."""
+    whether the loaded kernels run; a failed build warns once with `fallback` (what runs instead); `preludes` go
+    before the source (`build_library`). `state` holds "loaded" once decided."""
 
-    def __init__(self, source: str, ready: Callable[[], bool], works: Callable[[], bool], fallback: str):
-        self.source, self.ready, self.works, self.fallback = source, ready, works, fallback
+    def __init__(
+        self, source: str, ready: Callable[[], bool], works: Callable[[], bool], fallback: str, preludes: tuple = ()
+    ):
+        self.source, self.ready, self.works, self.fallback, self.preludes = source, ready, works, fallback, preludes
         self.state: dict = {}
         self.lock = threading.Lock()
         self.calling = threading.local()  # `again`: this thread is inside `first_call`'s re-dispatch
@@ -70,7 +76,7 @@ class NativeKernels:
                 ok = False
                 if self.ready():
                     try:
-                        build_library(self.source)
+                        build_library(self.source, self.preludes)
                         ok = self.works()
                     except Exception as exc:  # no working C++ compiler here
                         warnings.warn(
