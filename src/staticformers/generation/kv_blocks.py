@@ -18,8 +18,8 @@ step have blocks for the positions it will write and read?") and a test can chec
 - **Sliding windows.** On a model whose every layer attends a sliding window (`sliding_window(config)`), a query at
   position p reads no position before `p - window + 1`, so the blocks wholly before a row's next query are given
   back as it moves on (`blocks_behind`), their table entries the null block (`NULL_BLOCK`). A row then holds at
-  most `window_blocks` blocks however long it runs, which is what admission checks (`peak_blocks`). A model with a
-  full-attention layer (Gemma's, gpt-oss's mix) keeps every block: its full layers read them.
+  most `window_blocks` blocks however long it runs, which is what admission checks (`Scheduler.peak_blocks`). A
+  model with a full-attention layer (Gemma's, gpt-oss's mix) keeps every block: its full layers read them.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import heapq
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
-
-NULL_BLOCK = 0  # a row's entry for a block it gave back (the pool's null block, `models/block_kv_cache.py`)
+from ..models.block_kv_cache import NULL_BLOCK  # a row's entry for a block it gave back
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -54,16 +53,6 @@ def window_blocks(window: int, width: int, block_size: int) -> int:
     """The most blocks a row holds in a step of `width` tokens (from position p) once the blocks behind it are given
     back: positions `p - window + 1` to `p + width - 1`, which may start and end inside a block."""
     return blocks_for(int(window) + int(width) - 1, block_size) + 1
-
-
-def peak_blocks(need: int, window: Optional[int], widest: Optional[int], block_size: int) -> int:
-    """The most blocks a request of `need` positions holds at once: all of them, or with a sliding `window` whose
-    blocks are given back (`widest`: the most tokens one of its steps runs, None when a step may run its whole
-    prompt, and on resuming what it generated too) those of its widest step's window."""
-    whole = blocks_for(need, block_size)
-    if window is None or widest is None:
-        return whole
-    return min(whole, window_blocks(window, widest, block_size))
 
 
 class BlockAllocator:
@@ -202,7 +191,6 @@ __all__ = [
     "BlockAllocator",
     "blocks_behind",
     "blocks_for",
-    "peak_blocks",
     "sliding_window",
     "window_blocks",
 ]

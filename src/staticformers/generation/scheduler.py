@@ -39,7 +39,7 @@ import torch
 
 from ..adapters.bank import bank_of
 from .chunking import chunk_apart_plan, chunk_plan, decoding, prefilling
-from .kv_blocks import NULL_BLOCK, BlockAllocator, blocks_behind, blocks_for, peak_blocks
+from .kv_blocks import NULL_BLOCK, BlockAllocator, blocks_behind, blocks_for, window_blocks
 from .plan import ShapePlan
 from .prefix_cache import adapter_key, block_keys
 from .step_plan import StepPlan
@@ -311,7 +311,9 @@ class Scheduler:
         tokens), or of its prompt when it scores it (one prefill). Admission refuses a request this does not fit."""
         if self.window is None or not self.chunked:  # unchunked, a resumed row prefills all it holds at once
             return blocks_for(need, self.block_size)
-        most = peak_blocks(need, self.window, max(self.chunk, self.ahead), self.block_size)
+        most = min(
+            blocks_for(need, self.block_size), window_blocks(self.window, max(self.chunk, self.ahead), self.block_size)
+        )
         return max(most, blocks_for(prompt, self.block_size)) if scored else most
 
     # ---- plans ----------------------------------------------------------------------------------------
