@@ -277,15 +277,24 @@ class DecodeRegions(GenerationRegions):
         """The last layer and the head of this step over one position per row, whose keys and values of
         every earlier layer are in the cache (a prompt's last token; the layer rewrites its own): `x`
         `[B, 1, hidden]` is the last layer's input, `position_ids` `[B, 1]`. Returns `(argmax, logits)`.
-        It runs this step's compiled regions (the embedding `prepare` computes is not used), so it adds
-        no graph to the plan's."""
+        It runs this step's compiled regions (the embedding `prepare` computes is not used), or the last layer
+        as the backend's one call where it has one (`one_call`), so it adds no graph to the plan's."""
         module, kind = self.runs[-1]
         views = self.cache.layer_views()
         dummy = torch.zeros_like(position_ids)
         _, cos, sin, masks = self.prepare(self.model, dummy, position_ids, views[0], checked=checked)
-        x = self.layer[kind](module, x, cos, sin, masks, views[-1], position_ids, self.ops, checked=checked)
-        argmax, logits, _ = self.head(self.model, x, self.head_ops, checked=checked)
+        stack = self.one_call(x.shape[0], len(self.runs) - 1)
+        out = stack(x, cos, sin, masks, position_ids) if stack is not None else None
+        if out is None:
+            out = self.layer[kind](module, x, cos, sin, masks, views[-1], position_ids, self.ops, checked=checked)
+        argmax, logits, _ = self.head(self.model, out, self.head_ops, checked=checked)
         return argmax, logits
+
+    def one_call(self, rows: int, start: int = 0) -> Optional[Callable]:
+        """Where a backend runs this step's layers from `start` on as one call instead of their regions, for `rows`
+        rows: `stack(x, cos, sin, masks, position_ids) -> x` (None where it declines a call), else None. None
+        here: every layer runs its region."""
+        return None
 
 
 class ExtendRegions(DecodeRegions):

@@ -8,7 +8,8 @@ between processes and run without guard evaluation once warm (`compiled.py`, `pr
 inductor's instruction-set probes remembered across processes (`isa_probes.py`), the host-memory
 setting of a training process (`host_memory.py`), the kernels' thread count (`threads.py`, applied
 when the backend is made) and the weights' one block of huge pages (`weight_arena.py`, made before a model's
-first step). Every choice is measured in BENCHMARKS.md.
+first step); the C++ kernels' one library starts building in a thread before the first inductor compile
+(`kernel_library.py`). Every choice is measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..base import Backend, StepBuilder, host_available_memory, step_name
 from .compiled import CPUCompiledFunction, compile_region
 from .host_memory import keep_freed_host_memory
 from .isa_probes import RECORD, remember_isa_probes
+from .kernel_library import build_ahead
 from ...models.block_kv_cache import BlockKVCache
 from ...models.quantization import QuantLinear
 from .formulations import PLAIN_CPU, CPUOps, decode_formulation, gemm_kernel, prefill_formulation
@@ -211,6 +213,7 @@ class CPUBackend(Backend):
         super().before_compile(settings)
         if settings.backend == "inductor":
             remember_isa_probes(lambda: os.path.join(cache_root(), RECORD))
+            build_ahead()  # the kernels' C++ compiles while the first steps are traced
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CPUCompiledFunction:
         self.before_compile(settings)

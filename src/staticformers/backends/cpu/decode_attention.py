@@ -8,8 +8,8 @@ by hand: per (row, query head) the query once in float32, one pass over the posi
 (masked ones are not read), a vectorised softmax, one pass over the values, all summed in float32.
 
 How it is built: `staticformers::decode_attention` (its schema and shape function) is defined here at import; its
-CPU kernel is `decode_attention.cpp`, built by inductor's toolchain (`operators.build_library`) the first time a
-graph asks whether it can use it (`runs`), and loaded into this process. Where the build fails, or the streaming
+CPU kernel is `decode_attention.cpp`, part of the backend's one library (`kernel_library.py`), built by inductor's
+toolchain at the latest the first time a graph asks whether it can use it (`runs`), and loaded into this process. Where the build fails, or the streaming
 kernels of `gemv.py` cannot be built (no C++ compiler, no x86 vector ISA for inductor), `runs` says False and the
 formulation keeps inductor's reductions. Block caches keep them too: their keys and values are read through the
 block table inside those loops, where this operator would take a gathered copy.
@@ -17,19 +17,19 @@ block table inside those loops, where this operator would take a gathered copy.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from . import gemv
+from .kernel_library import DECODE_ATTENTION, LIBRARY
 from .operators import NativeKernels, define
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_attention.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 
 _KERNELS = NativeKernels(
-    SOURCE,
+    DECODE_ATTENTION,
+    LIBRARY,
     ready=gemv.loaded,
     works=lambda: True,
     fallback="a decode step's attention runs inductor's reductions instead, which are slower.",

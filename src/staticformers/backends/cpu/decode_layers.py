@@ -12,12 +12,13 @@ all the plain kind (a pre-norm attention layer with full RoPE, q/k/v biases or n
 head or none (Qwen3), alike in every layer, no sinks, soft cap or output gate, a gated SiLU MLP of bfloat16
 `nn.Linear`s, no hooks, no LoRA, no gradient), the formulation streams
 its linears (`"stream"`) and runs the decode attention kernel (`"kernel"`), and the cache is a static bfloat16
-one whose layers' keys and values are contiguous. The regions stay compiled as before (the first, guarded call
-runs them, and so does a prefill's last row); only the warm path (`regions.py`) calls this.
+one whose layers' keys and values are contiguous. Such a step (`regions.py`) runs it in every call, the
+first (guarded) one and a prefill's last row (the last layer alone, `start`) too, so its layer regions are never
+compiled; where it declines, the regions run, compiled on first use.
 
 How it is built: `staticformers::bf16_decode_layers` (its schema, which names the caches it writes, and its shape
-function) is defined here at import; its CPU kernel is `decode_layers.cpp`, built by inductor's toolchain the first
-time a step asks whether it can run (`loaded`), after the kernels it calls. Where any of them cannot be built, the
+function) is defined here at import; its CPU kernel is `decode_layers.cpp`, part of the backend's one library
+(`kernel_library.py`) with the kernels it calls, loaded the first time a step asks whether it can run (`loaded`). Where any of them cannot be built, the
 warm step runs the regions. `STATICFORMERS_DECODE_LAYERS=0` turns it off.
 """
 
@@ -34,16 +35,16 @@ from ...models.kv_cache import KVCache
 from ...models.norm_variants import RMSNorm
 from . import decode_attention, gemv
 from .formulations import bf16_streams, mlp_block_runs
+from .kernel_library import DECODE_LAYERS, LIBRARY
 from .operators import NativeKernels, define
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_layers.cpp")
 
 _KERNELS = NativeKernels(
-    SOURCE,
+    DECODE_LAYERS,
+    LIBRARY,
     ready=lambda: gemv.loaded() and decode_attention.loaded(),
     works=lambda: True,
     fallback="a warm bf16 decode step runs its layers' compiled regions instead.",
-    preludes=(gemv.BF16_ROWS,),
 )
 
 
@@ -114,10 +115,17 @@ def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Callable]:
-    """The step's layers as one `bf16_decode_layers` call, `stack(x, cos, sin, masks, position_ids) -> x`, for
-    a decode step's rows `x` (`[B, 1, hidden]`) over `cache`; None where the step must run its regions."""
-    if os.environ.get("STATICFORMERS_DECODE_LAYERS") == "0" or global_hooks() or torch.is_grad_enabled():
+def allowed() -> bool:
+    """What may change between two calls of one step: the switch (`STATICFORMERS_DECODE_LAYERS`), global module
+    hooks, a gradient wanted. `layers_stack` asks it; a caller that keeps a stack asks it before each use."""
+    return os.environ.get("STATICFORMERS_DECODE_LAYERS") != "0" and not global_hooks() and not torch.is_grad_enabled()
+
+
+def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) -> Optional[Callable]:
+    """The step's layers from `start` on as one `bf16_decode_layers` call, `stack(x, cos, sin, masks,
+    position_ids) -> x`, for a decode step's rows `x` (`[B, 1, hidden]`, the input of layer `start`) over `cache`;
+    None where the step must run its regions."""
+    if not allowed():
         return None
     if getattr(ops, "linears", None) != "stream" or getattr(ops, "attention_kind", None) != "kernel":
         return None
@@ -125,11 +133,11 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
         return None
     if getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:  # a part of each head rotates
         return None
-    layers = list(model.model.layers)
+    layers = list(model.model.layers)[start:]
     rows = x.reshape(-1, x.shape[-1])
     if not layers or not all(layer_runs(layer, rows) for layer in layers):
         return None
-    keys, values = list(cache.keys), list(cache.values)
+    keys, values = list(cache.keys)[start:], list(cache.values)[start:]
     if not all(k.is_contiguous() and v.is_contiguous() for k, v in zip(keys, values)):
         return None
     if not loaded():
@@ -195,4 +203,4 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor) -> Optional[Call
     return stack
 
 
-__all__ = ["layer_runs", "layers_stack", "loaded"]
+__all__ = ["allowed", "layer_runs", "layers_stack", "loaded"]

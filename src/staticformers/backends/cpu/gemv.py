@@ -20,10 +20,11 @@ runs on its dot products instead (`dot()`: the activations stay bfloat16, one in
 row); `STATICFORMERS_BF16_DOT=0` turns that off.
 
 How it is built: `staticformers::int8_gemv` and `staticformers::bf16_gemv` (their schemas and shape functions)
-are defined here at import; their CPU kernels are `gemv.cpp`, built by inductor's own C++ toolchain
-(`CppCodeCache`: the compiler, flags and vector ISA inductor uses for every compiled CPU graph, and its disk
-cache) the first time a graph asks whether it can use them (`supports`, `bf16_supports`), and loaded into this
-process, where it registers them. A compiled graph calls each as one opaque operator; they are for inference (no
+are defined here at import; their CPU kernels are `gemv.cpp`, part of the backend's one library
+(`kernel_library.py`), built by inductor's own C++ toolchain (`CppCodeCache`: the compiler, flags and vector ISA
+inductor uses for every compiled CPU graph, and its disk cache) ahead in a thread once a model's steps are made, or
+at the latest the first time a graph asks whether it can use them (`supports`, `bf16_supports`), and loaded into
+this process, where it registers them. A compiled graph calls each as one opaque operator; they are for inference (no
 autograd formula). Until the library is loaded, a call (a graph saved by another process) loads it first. Where
 the build fails, or inductor picked no x86 vector ISA (AVX-512 or AVX2) for this CPU, `supports` says False and
 the caller keeps ATen's kernel (or inductor's reduction); a failed build says why once.
@@ -31,24 +32,20 @@ the caller keeps ATen's kernel (or inductor's reduction); a failed build says wh
 
 from __future__ import annotations
 
-import os
 import torch
 
+from .kernel_library import GEMV, LIBRARY, has_vector_isa
 from .operators import NativeKernels, define
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemv.cpp")
-BF16_ROWS = os.path.join(
-    os.path.dirname(SOURCE), "bf16_rows.h"
-)  # bf16 row helpers gemv.cpp and decode_layers.cpp share
 DTYPES = (torch.bfloat16, torch.float32)  # of the activations and of the scales, in any pairing
 
 _KERNELS = NativeKernels(
-    SOURCE,
-    ready=lambda: torch.backends.cpu.get_cpu_capability() != "DEFAULT",
+    GEMV,
+    LIBRARY,
+    ready=has_vector_isa,
     works=lambda: torch.ops.staticformers_native.gemv_isa() > 0,
     fallback="int8 projections run ATen's kernel instead, and bf16 ones inductor's reduction, which read their "
     "weights more slowly.",
-    preludes=(BF16_ROWS,),
 )
 _STATE = _KERNELS.state  # "loaded": whether the kernel runs here (absent until the first build or load attempt)
 

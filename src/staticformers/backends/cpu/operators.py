@@ -3,9 +3,10 @@
 Why this exists: each of the CPU's kernels that inductor cannot generate (oneDNN's float32 GEMM, ATen's int8
 kernel in bf16, the streaming kernels of `gemv.py`, the decode attention of `decode_attention.py`) is one opaque
 operator with a shape function for tracing, defined once per process even when two copies of this package are
-imported. `define` is that step, written once; `build_library` builds and loads a C++ file of such kernels, and
-`NativeKernels` does that once per process on first use and gives their operators the kernel every other dispatch
-key runs (load, then call again; or one clear error).
+imported. `define` is that step, written once; `build_library` builds and loads C++ files of such kernels as one
+library, `NativeLibrary` does that once per process (ahead, in a thread, where `start` asks), and `NativeKernels`
+loads one file's kernels from it on first use and gives their operators the kernel every other dispatch key runs
+(load, then call again; or one clear error).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -35,11 +36,12 @@ def define(
     _LIBRARIES.append(library)
 
 
-def build_library(source: str, preludes: tuple = ()) -> None:
-    """Build the C++ file `source` against this torch with inductor's own toolchain (`CppCodeCache`: the compiler,
-    flags and vector ISA inductor uses for every compiled CPU graph, and its disk cache) and load it into this
-    process, where its static initialisers register its kernels. `preludes`: files whose text goes before the
-    source's (helpers two libraries share: the toolchain builds one text, so an `#include` would not find them)."""
+def build_library(sources: tuple) -> None:
+    """Build the C++ files `sources`, in order, as one text against this torch with inductor's own toolchain
+    (`CppCodeCache`: the compiler, flags and vector ISA inductor uses for every compiled CPU graph, and its disk
+    cache) and load the library into this process, where its static initialisers register its kernels. One text,
+    because the toolchain builds one (an `#include` of a file beside it would not be found), and because parsing
+    PyTorch's headers is most of a build: several files built as one parse them once."""
     from torch._inductor.codecache import CppCodeCache
 
     class TorchLibrary(CppCodeCache):  # a shared library that includes and links PyTorch
@@ -47,23 +49,64 @@ def build_library(source: str, preludes: tuple = ()) -> None:
         cpp_compile_command_flags = {"include_pytorch": True, "shared": True}
 
     texts = []
-    for path in (*preludes, source):
+    for path in sources:
         with open(path) as f:
             texts.append(f.read())
     TorchLibrary.load("\n".join(texts), needs_vec_isa=True)
 
 
-class NativeKernels:
-    """One C++ file of kernels (`source`), built and loaded the first time `loaded()` asks, at most once per process.
+class NativeLibrary:
+    """C++ files of kernels (`sources`) built and loaded as one library, at most once per process: by the first
+    `built()` that asks, or ahead of it in a thread (`start()`), so that the compiler runs while the caller traces
+    its graphs. `ready()` says whether building is worth trying here (a vector ISA for inductor)."""
 
-    `ready()` says whether building is worth trying here (a vector ISA, another library loaded) and `works()`
-    whether the loaded kernels run; a failed build warns once with `fallback` (what runs instead); `preludes` go
-    before the source (`build_library`). `state` holds "loaded" once decided."""
+    def __init__(self, sources: tuple, ready: Callable[[], bool]):
+        self.sources, self.ready = sources, ready
+        self.state: dict = {}  # "error": None once built and loaded, else why not
+        self.lock = threading.Lock()  # held while building
+        self.starting = threading.Lock()  # held while deciding whether to start the thread
+        self.thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Build in a daemon thread unless that has begun or ended; `built()` then waits for it."""
+        with self.starting:
+            if self.thread is not None or "error" in self.state:
+                return
+            self.thread = threading.Thread(target=self._build, name="staticformers-kernels", daemon=True)
+            self.thread.start()
+
+    def _build(self) -> None:
+        with self.lock:
+            if "error" in self.state:
+                return
+            error: Optional[BaseException] = None
+            if not self.ready():
+                error = RuntimeError("inductor picked no vector instruction set for this CPU")
+            else:
+                try:
+                    build_library(self.sources)
+                except Exception as exc:  # no working C++ compiler here
+                    error = exc
+            self.state["error"] = error
+
+    def built(self) -> Optional[BaseException]:
+        """Build (or wait for the thread building) the library: None once it is loaded, else why it is not."""
+        if "error" not in self.state:
+            self._build()
+        return self.state["error"]
+
+
+class NativeKernels:
+    """The kernels of one C++ file of `library`, loaded the first time `loaded()` asks.
+
+    `ready()` says whether they are worth trying here (the kernels they call loaded) and `works()` whether the
+    loaded kernels run; a failed build warns once with `fallback` (what runs instead). `state` holds "loaded" once
+    decided."""
 
     def __init__(
-        self, source: str, ready: Callable[[], bool], works: Callable[[], bool], fallback: str, preludes: tuple = ()
+        self, source: str, library: NativeLibrary, ready: Callable[[], bool], works: Callable[[], bool], fallback: str
     ):
-        self.source, self.ready, self.works, self.fallback, self.preludes = source, ready, works, fallback, preludes
+        self.source, self.library, self.ready, self.works, self.fallback = source, library, ready, works, fallback
         self.state: dict = {}
         self.lock = threading.Lock()
         self.calling = threading.local()  # `again`: this thread is inside `first_call`'s re-dispatch
@@ -75,13 +118,13 @@ class NativeKernels:
             if "loaded" not in self.state:
                 ok = False
                 if self.ready():
-                    try:
-                        build_library(self.source, self.preludes)
+                    error = self.library.built()
+                    if error is None:
                         ok = self.works()
-                    except Exception as exc:  # no working C++ compiler here
+                    else:
                         warnings.warn(
                             f"staticformers: the CPU kernels of {os.path.basename(self.source)} could not be built "
-                            f"({exc!r}); {self.fallback}",
+                            f"({error!r}); {self.fallback}",
                             stacklevel=3,
                         )
                 self.state["loaded"] = ok
@@ -115,4 +158,4 @@ class NativeKernels:
             self.calling.again = False
 
 
-__all__ = ["NativeKernels", "build_library", "define"]
+__all__ = ["NativeKernels", "NativeLibrary", "build_library", "define"]

@@ -18,13 +18,13 @@ wrapper per region.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from ...compilation.regions import DecodeRegions, ExtendRegions, PrefillRegions
 from .compiled import SKIP_GUARDS, unguarded
-from .decode_layers import layers_stack
+from . import decode_layers
 
 
 class _Warm:
@@ -62,36 +62,50 @@ class _Warm:
 
 
 class RegionalDecode(_Warm, DecodeRegions):
-    """A decode step `[B, 1]` over its cache as regions, warmed (see the module docstring). A warm bf16 step whose
-    layers are all the plain kind runs them as one operator call instead (`decode_layers.py`)."""
+    """A decode step `[B, 1]` over its cache as regions, warmed (see the module docstring). Where its layers are all
+    the plain kind of a bf16 model, every call runs them as one operator call instead (`decode_layers.py`),
+    the first (guarded) one and a prefill's last row (`last_row`) too, so their layer regions are never compiled."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._warm = {}
+        self._stacks: dict = {}  # (rows, first layer): `layers_stack`'s call, or None
+        self.stacked = False  # whether the last guarded call ran the layers as one call
+
+    def one_call(self, rows: int, start: int = 0) -> Optional[Callable]:
+        if not decode_layers.allowed():
+            return None
+        key = (rows, start)
+        if key not in self._stacks:
+            x = torch.empty(rows, 1, self.model.config.hidden_size, dtype=self.model.dtype)
+            self._stacks[key] = decode_layers.layers_stack(self.model, self.cache, self.ops, x, start)
+        return self._stacks[key]
 
     def layers(self, fns: tuple, input_ids, position_ids):
-        """`DecodeRegions.layers`; with a fourth part in `fns` (the warm path's stack of every layer, or None),
-        `prepare` then that one call where it takes the step."""
-        if len(fns) == 3:
-            return super().layers(fns, input_ids, position_ids)
+        """`DecodeRegions.layers`, with a fourth part in `fns`: this step's one call of every layer (or None),
+        which runs where it takes the step; the layer regions otherwise."""
         prepare, layer, _, stack = fns
         views = self.cache.layer_views()
         x, cos, sin, masks = prepare(self.model, input_ids, position_ids, views[0])
         out = stack(x, cos, sin, masks, position_ids) if stack is not None else None
+        self.stacked = out is not None
         return out if out is not None else self.walk(layer, x, cos, sin, masks, views, position_ids)
 
     def __call__(self, input_ids, position_ids, checked: bool = False):
         start = time.perf_counter()
+        rows = input_ids.shape[0]
         if self.calls and self._ready(checked):
 
             def raw():
-                layers = {k: f.raw for k, f in self.layer.items()}
-                x = torch.empty(input_ids.shape[0], 1, self.model.config.hidden_size, dtype=self.model.dtype)
-                return (self.prepare.raw, layers, self.head.raw, layers_stack(self.model, self.cache, self.ops, x))
+                # the layer regions' raw forms where the guarded calls ran them; where they ran the one call, the
+                # regions as they are (compiled on first use should a later call decline it)
+                layers = {k: f.raw for k, f in self.layer.items()} if not self.stacked else dict(self.layer)
+                return (self.prepare.raw, layers, self.head.raw, self.one_call(rows))
 
             out = self._warm_step("decode", self.body, raw)(input_ids, position_ids)
-        else:
-            out = self.body(self.fns, input_ids, position_ids)  # guarded: each layer's first call checks
+        else:  # guarded: each region's first call checks
+            out = self.body((*self.fns, self.one_call(rows)), input_ids, position_ids)
+            self.parts = [self.prepare, self.head] if self.stacked else [*self.own, self.head]
         self.timed(start)
         return out
 
