@@ -32,8 +32,14 @@ LIBRARY = NativeLibrary((BF16_ROWS, GEMV, DECODE_ATTENTION, DECODE_LAYERS), read
 
 
 def build_ahead() -> None:
-    """Start building the library in a thread, where it may be built here; a later first use waits for it."""
+    """Start building the library in a thread, where it may be built here; a later first use waits for it. The
+    vector instruction set is picked first, in this thread: inductor probes each set by building and loading a
+    small library, and two threads probing at once picked different sets, so that the next process, picking alone,
+    found neither the kernels nor the graphs under its build flags and compiled them all again."""
     if has_vector_isa():
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()  # remembered by inductor for the process
         LIBRARY.start()
 
 
