@@ -104,3 +104,17 @@ def test_the_first_inductor_compile_starts_the_kernels_build_and_an_eager_one_do
     assert not started
     backend.before_compile(SimpleNamespace(enabled=True, backend="inductor"))
     assert started
+
+
+def test_the_vector_instruction_set_is_picked_before_the_build_thread_starts(monkeypatch):
+    """Inductor probes each instruction set by building and loading a small library; the build thread and the
+    first compile probing at once picked different sets, and the next process compiled everything again."""
+    from torch._inductor import cpu_vec_isa
+
+    if not kernel_library.has_vector_isa():
+        pytest.skip("inductor builds for no x86 vector instruction set here")
+    order: list = []
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: order.append("pick"))
+    monkeypatch.setattr(kernel_library.LIBRARY, "start", lambda: order.append("start"))
+    kernel_library.build_ahead()
+    assert order == ["pick", "start"]
