@@ -14,7 +14,6 @@ tokens the report compares with side A's first. CPU pressure is logged around ev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -55,7 +54,7 @@ def agreeing(a: list, b: list) -> int:
 
 def main(argv: list | None = None) -> dict:
     from ab import run_child
-    from reference import build_reference, pressure, real_model, reference_dir
+    from reference import build_reference, emit, pressure, real_model, reference_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--a", required=True, help="the tree before (its src/ is imported)")
@@ -112,11 +111,7 @@ def main(argv: list | None = None) -> dict:
         for side, runs in report["runs"].items()
     }
     report["pressure_after"] = pressure()
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.out)
     return report
 
 

@@ -64,7 +64,7 @@ print(json.dumps({"ttft_ms": t1 * 1e3, "step_ms": (tn - t1) / (new - 1) * 1e3, "
 
 
 def main() -> None:
-    from reference import SIZES, build_reference, pressure, reference_dir
+    from reference import SIZES, build_reference, emit, pressure, reference_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="A B (A) processes per case")
@@ -118,11 +118,7 @@ def main() -> None:
             print(json.dumps(case), file=sys.stderr, flush=True)
     result["ceiling_gemv_ms_after"] = {d: gemv_ms(d, rows) for d in args.dtypes}
     result["pressure_after"] = pressure()
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,15 @@ def check_size(size: str) -> None:
         raise ValueError(f"Unknown reference size {size!r}: use one of {', '.join(SIZES)}.")
 
 
+def emit(report: dict, out: str | None) -> None:
+    """Print a benchmark's report as JSON, and write it to `out` too where one is given."""
+    text = json.dumps(report, indent=1)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
 def pressure() -> str:
     """The first line of /proc/pressure/cpu ("some avg10=..."): every benchmark records it."""
     try:
