@@ -1,5 +1,5 @@
 """The benchmarks' shared parts: the reference sizes (the 1.7B shape checked against transformers' own
-model on the meta device, never built here), the checkpoints they save, and the ceiling probes."""
+model on the meta device, never built here), the checkpoints they save, the ceiling probes, a report's JSON, and the cold-start A/B's token agreement."""
 
 from __future__ import annotations
 
@@ -187,3 +187,22 @@ def test_serve_bench_reads_the_graph_count_the_server_renders():
     assert serve.parse_graphs_compiled(metrics.render().decode()) == 3.0
     with pytest.raises(RuntimeError, match="has no staticformers:graphs_compiled_total line"):
         serve.parse_graphs_compiled("# nothing here\n")
+
+
+def test_a_report_is_printed_and_written_as_the_same_json(tmp_path, capsys):
+    report = {"a": {"cold": 42.68}, "runs": [1, 2]}
+    out = tmp_path / "report.json"
+    reference.emit(report, str(out))
+    printed = capsys.readouterr().out
+    assert json.loads(printed) == report and json.loads(out.read_text()) == report
+    reference.emit(report, None)  # printed only
+    assert json.loads(capsys.readouterr().out) == report
+
+
+def test_the_cold_start_ab_counts_the_leading_tokens_two_runs_share():
+    import cold_start
+
+    assert cold_start.agreeing([1, 2, 3], [1, 2, 3]) == 3
+    assert cold_start.agreeing([1, 2, 3], [1, 5, 3]) == 1
+    assert cold_start.agreeing([4], [1]) == 0
+    assert cold_start.agreeing([1, 2], [1, 2, 3]) == 2
