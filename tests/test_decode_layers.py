@@ -135,6 +135,37 @@ def same_greedy(got: tuple, want: tuple, rtol: float = 2**-6, atol: float = 2**-
         assert a - b <= 2 * (atol + rtol * a.abs()), (n, a, b)
 
 
+@pytest.mark.usefixtures("streaming_decode")
+def test_a_step_that_ran_the_one_call_runs_its_regions_while_the_switch_is_off(tiny_checkpoints, monkeypatch):
+    """The switch turned off between two calls of a warm step (what a global hook does too; the loop's steps run
+    without a gradient): the step compiles and runs its layer regions from then on, with the greedy tokens of a run
+    that never used the one call; turned on again, the one call runs again."""
+    path, prompt = tiny_checkpoints("llama"), tokens(9, 5)
+    calls = count_stacks(monkeypatch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    engine = engine_for(model)
+    loop = GenerationLoop(engine, compile_settings(model, GenerationConfig(), EAGER))
+    loop.add(GenerationRequest(prompt, 24, request_id=0))
+    got: list = []
+    with torch.no_grad():
+        while not loop.idle:
+            if len(got) in (3, 15):  # off after 3 tokens, on again after 15
+                monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0" if len(got) == 3 else "1")
+                seen = len(calls)
+            for event in loop.step():
+                assert event.error is None, event.error
+                got.append(event.token)
+            if 3 < len(got) <= 15:
+                assert len(calls) == seen, len(got)
+    (step,) = [g.step for k, g in engine.graphs.items() if k[0] == "decode" and g.settings.enabled]
+    assert step.stacked and all(p.graphs == 1 for p in step.layer.values())  # compiled when the switch went off
+    assert len(calls) > seen  # on again: the one call
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    want = plain.generate(torch.tensor([prompt]), max_new_tokens=24, compile_config=EAGER, do_sample=False)
+    assert got == want[0, len(prompt) :].tolist()
+
+
 def stack_for(model, cache=None, ops=STREAM, rows: int = 1):
     cache = cache if cache is not None else KVCache.for_model(model, rows, 32)
     return d.layers_stack(model, cache, ops, torch.zeros(rows, 1, model.config.hidden_size, dtype=model.dtype))

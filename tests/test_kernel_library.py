@@ -3,7 +3,7 @@
 Checked: a build started ahead in a thread and a first use that waits for it build once; a file that does not
 compile leaves every kernel set of the library unloaded, each with one warning naming its file and what runs
 instead, and loses nothing else; a library not worth building here is not built, without a warning; the CPU
-backend's first inductor compile starts the build, an eager one does not."""
+backend's first generation step under inductor starts the build, an eager one does not."""
 
 from __future__ import annotations
 
@@ -87,22 +87,28 @@ def test_a_real_file_that_does_not_compile_is_refused_by_the_compiler(tmp_path, 
     assert error is not None and "broken on purpose" in str(error)
 
 
-def test_the_first_inductor_compile_starts_the_kernels_build_and_an_eager_one_does_not(monkeypatch):
-    """Before inductor's first compile on the CPU the build starts; Dynamo's eager backends (and runs without a
-    compile, which never import Dynamo) leave it to the first use."""
-    from types import SimpleNamespace
-
-    from staticformers.backends import for_device
+def test_a_generation_step_under_inductor_starts_the_kernels_build_and_an_eager_one_does_not(
+    monkeypatch, tiny_checkpoints
+):
+    """Making a generation step that inductor will compile starts the build; Dynamo's eager backends (and runs
+    without a compile, which never import Dynamo) leave it to the first use, and so does training, whose steps do
+    not call the kernels."""
+    from staticformers import AutoModelForCausalLM, CompileConfig
+    from staticformers.generation.engines import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
 
     if not kernel_library.has_vector_isa():
         pytest.skip("inductor builds for no x86 vector instruction set here")
     started: list = []
     monkeypatch.setattr(kernel_library.LIBRARY, "start", lambda: started.append(True))
-    backend = for_device(torch.device("cpu"))
-    for name in ("eager", "aot_eager"):
-        backend.before_compile(SimpleNamespace(enabled=True, backend=name))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    engine = engine_for(model)
+    for backend in ("eager", "aot_eager"):
+        settings = compile_settings(model, GenerationConfig(), CompileConfig(backend=backend))
+        engine.steps.build("prefill", 1, 16, settings, None)
     assert not started
-    backend.before_compile(SimpleNamespace(enabled=True, backend="inductor"))
+    settings = compile_settings(model, GenerationConfig(), CompileConfig(backend="inductor"))
+    engine.steps.build("prefill", 1, 16, settings, None)  # made, not yet called: nothing is compiled
     assert started
 
 

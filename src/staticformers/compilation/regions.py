@@ -23,7 +23,8 @@ how; every region is counted, one graph per declared shape):
   layer's keys and values into the cache rows of its requests as soon as the layer has run, so they
   never exist twice), computes the last layer's keys and values eagerly, and sends each row's last
   token through the last layer and the head with the decode step's own regions for the cache's shape
-  (`DecodeRegions.last_row`): one layer of prompt work saved, no graph added to the plan. The other
+  (`DecodeRegions.last_row`; the last layer as the backend's one call where it runs the step's layers as one,
+  `one_call`): one layer of prompt work saved, no graph added to the plan. The other
   rows of the batch take part in that decode-shaped call at position K-1, which a running row has not
   attended yet and writes before it does (a row's need never exceeds K), so nothing of theirs is
   changed. A prefill's `prepare` runs eagerly: a handful of small ops once per prompt, where a compile

@@ -8,8 +8,8 @@ between processes and run without guard evaluation once warm (`compiled.py`, `pr
 inductor's instruction-set probes remembered across processes (`isa_probes.py`), the host-memory
 setting of a training process (`host_memory.py`), the kernels' thread count (`threads.py`, applied
 when the backend is made) and the weights' one block of huge pages (`weight_arena.py`, made before a model's
-first step); the C++ kernels' one library starts building in a thread before the first inductor compile
-(`kernel_library.py`). Every choice is measured in BENCHMARKS.md.
+first step); the C++ kernels' one library starts building in a thread when the first generation step under inductor is
+made (`kernel_library.py`). Every choice is measured in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class CPUStepBuilder(StepBuilder):
         )
 
     def build(self, kind: str, batch: int, dim: int, settings, context):
+        if settings.enabled and settings.backend == "inductor":  # a generation step: its kernels' C++ compiles
+            self.backend.before_compile(settings)  # while it is traced (training's steps do not call them)
+            build_ahead()
         if not self.regional(settings):
             return super().build(kind, batch, dim, settings, context)
         cache = context.cache(batch, dim) if kind == "decode" else None
@@ -213,7 +216,6 @@ class CPUBackend(Backend):
         super().before_compile(settings)
         if settings.backend == "inductor":
             remember_isa_probes(lambda: os.path.join(cache_root(), RECORD))
-            build_ahead()  # the kernels' C++ compiles while the first steps are traced
 
     def compile_one(self, fn, name: str, shape: tuple, settings, precompile: bool = False) -> CPUCompiledFunction:
         self.before_compile(settings)

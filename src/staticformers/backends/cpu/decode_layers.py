@@ -18,8 +18,8 @@ compiled; where it declines, the regions run, compiled on first use.
 
 How it is built: `staticformers::bf16_decode_layers` (its schema, which names the caches it writes, and its shape
 function) is defined here at import; its CPU kernel is `decode_layers.cpp`, part of the backend's one library
-(`kernel_library.py`) with the kernels it calls, loaded the first time a step asks whether it can run (`loaded`). Where any of them cannot be built, the
-warm step runs the regions. `STATICFORMERS_DECODE_LAYERS=0` turns it off.
+(`kernel_library.py`) with the kernels it calls, loaded the first time a step asks whether it can run (`loaded`).
+Where any of them cannot be built, the step runs the regions. `STATICFORMERS_DECODE_LAYERS=0` turns it off.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _KERNELS = NativeKernels(
     LIBRARY,
     ready=lambda: gemv.loaded() and decode_attention.loaded(),
     works=lambda: True,
-    fallback="a warm bf16 decode step runs its layers' compiled regions instead.",
+    fallback="a bf16 decode step runs its layers' compiled regions instead.",
 )
 
 
@@ -180,6 +180,8 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
     def stack(x: torch.Tensor, cos, sin, masks: dict, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """The layers' output, or None where this step's tables or masks are not the operator's (the caller runs
         the regions)."""
+        if x.dtype != torch.bfloat16 or x.shape[-1] != weights[1][0].shape[-1]:
+            return None
         if not isinstance(cos, torch.Tensor) or cos.shape[-1] != keys[0].shape[-1] or cos.dtype != torch.bfloat16:
             return None
         if any(not isinstance(masks.get(w), torch.Tensor) or masks[w].dtype != torch.bool for w in distinct):

@@ -4,8 +4,9 @@ the helpers they share (`bf16_rows.h`).
 Why this exists: most of a kernel file's build is the compiler parsing PyTorch's headers, and built one by one the
 three files took about three times as long as built as one text; an empty compile cache paid that on a model's first
 step, in the middle of tracing its graphs. `LIBRARY` builds them once per process (then from inductor's disk cache),
-and `build_ahead` starts that build in a thread before the backend's first inductor compile, so the compiler runs while
-the graphs are traced. `gemv.py`, `decode_attention.py` and `decode_layers.py` load their kernels from it.
+and `build_ahead` starts that build in a thread when the backend makes a generation step under inductor, so the
+compiler runs while its graphs are traced. `gemv.py`, `decode_attention.py` and `decode_layers.py` load their
+kernels from it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ DECODE_LAYERS = os.path.join(HERE, "decode_layers.cpp")
 
 
 def has_vector_isa() -> bool:
-    """Whether inductor builds for an x86 vector instruction set here (AVX-512 or AVX2), which the kernels need."""
+    """Whether ATen runs a vector instruction set here (AVX-512 or AVX2; not its scalar `DEFAULT`), which the kernels
+    need: inductor then builds for one too."""
     return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 

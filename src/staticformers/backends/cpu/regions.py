@@ -63,23 +63,28 @@ class _Warm:
 
 class RegionalDecode(_Warm, DecodeRegions):
     """A decode step `[B, 1]` over its cache as regions, warmed (see the module docstring). Where its layers are all
-    the plain kind of a bf16 model, every call runs them as one operator call instead (`decode_layers.py`),
-    the first (guarded) one and a prefill's last row (`last_row`) too, so their layer regions are never compiled."""
+    the plain kind of a bf16 model, a call runs them as one operator call instead (`decode_layers.py`), the first
+    (guarded) one and a prefill's last row (`last_row`) too, so the layer regions are compiled only if a later call
+    may not take it (a gradient wanted, a global hook, `STATICFORMERS_DECODE_LAYERS=0`), by that call."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._warm = {}
         self._stacks: dict = {}  # (rows, first layer): `layers_stack`'s call, or None
-        self.stacked = False  # whether the last guarded call ran the layers as one call
+        self.stacked = False  # whether the last call ran its layers as one call
 
     def one_call(self, rows: int, start: int = 0) -> Optional[Callable]:
-        if not decode_layers.allowed():
+        if not decode_layers.allowed():  # asked each call: what it checks may change between two
             return None
         key = (rows, start)
         if key not in self._stacks:
             x = torch.empty(rows, 1, self.model.config.hidden_size, dtype=self.model.dtype)
             self._stacks[key] = decode_layers.layers_stack(self.model, self.cache, self.ops, x, start)
         return self._stacks[key]
+
+    def release(self) -> None:
+        super().release()
+        self._stacks = {}  # their calls hold the cache's tensors and the weights
 
     def layers(self, fns: tuple, input_ids, position_ids):
         """`DecodeRegions.layers`, with a fourth part in `fns`: this step's one call of every layer (or None),
@@ -94,18 +99,22 @@ class RegionalDecode(_Warm, DecodeRegions):
     def __call__(self, input_ids, position_ids, checked: bool = False):
         start = time.perf_counter()
         rows = input_ids.shape[0]
+        stack = self.one_call(rows)
+        # what this call runs, and must have compiled to be warm: `prepare`, the one call and the head, or every region
+        self.parts = [self.prepare, self.head] if stack is not None else [*self.own, self.head]
         if self.calls and self._ready(checked):
 
             def raw():
-                # the layer regions' raw forms where the guarded calls ran them; where they ran the one call, the
-                # regions as they are (compiled on first use should a later call decline it)
-                layers = {k: f.raw for k, f in self.layer.items()} if not self.stacked else dict(self.layer)
-                return (self.prepare.raw, layers, self.head.raw, self.one_call(rows))
+                # with the one call, the layer regions as they are: they run only should it decline a call, which
+                # the guarded call below has ruled out for this step
+                layers = {k: f.raw for k, f in self.layer.items()} if stack is None else dict(self.layer)
+                return (self.prepare.raw, layers, self.head.raw, stack)
 
-            out = self._warm_step("decode", self.body, raw)(input_ids, position_ids)
+            out = self._warm_step(("decode", stack is not None), self.body, raw)(input_ids, position_ids)
         else:  # guarded: each region's first call checks
-            out = self.body((*self.fns, self.one_call(rows)), input_ids, position_ids)
-            self.parts = [self.prepare, self.head] if self.stacked else [*self.own, self.head]
+            out = self.body((*self.fns, stack), input_ids, position_ids)
+            if stack is not None and not self.stacked:  # it declined this step's tables or masks: so it always will
+                self._stacks[(rows, 0)] = None
         self.timed(start)
         return out
 
