@@ -8,7 +8,7 @@ then a second process over the same folders (the **warm** start). The child time
 `import torch`, to the end of a one-token `generate`, then a 17-token `generate` of the same prompt, whose greedy
 tokens the report compares with side A's first. CPU pressure is logged around every process. Prints one JSON object.
 
-    python bench/cold_start.py --a ../base --b . --model smollm2 --dtype bfloat16 --rounds 3 --out cold.json
+    python bench/cold_start.py --a ../base --b . --model smollm2 --dtype bfloat16 --rounds 3 --out <report>
 """
 
 from __future__ import annotations

@@ -120,7 +120,46 @@ def test_the_vector_instruction_set_is_picked_before_the_build_thread_starts(mon
     if not kernel_library.has_vector_isa():
         pytest.skip("inductor builds for no x86 vector instruction set here")
     order: list = []
+    monkeypatch.setattr(kernel_library, "probe_side_by_side", lambda: order.append("probe"))
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: order.append("pick"))
     monkeypatch.setattr(kernel_library.LIBRARY, "start", lambda: order.append("start"))
     kernel_library.build_ahead()
-    assert order == ["pick", "start"]
+    assert order == ["probe", "pick", "start"]
+
+
+def test_each_advertised_instruction_set_is_probed_once_in_a_thread_of_its_own(monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    probed: list = []
+
+    class Set:
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+
+        def __bool__(self):
+            probed.append((self.name, threading.current_thread().name))
+            return True
+
+    sets = [Set("avx512 avx512_vnni amx_tile"), Set("avx512 avx512_vnni"), Set("avx512"), Set("avx2"), Set("asimd")]
+    monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list", sets)
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512", "avx512_vnni"])
+    kernel_library.probe_side_by_side()
+    assert sorted(name for name, _ in probed) == ["avx2", "avx512", "avx512 avx512_vnni"]
+    threads = [thread for _, thread in probed]
+    assert len(set(threads)) == 3 and threading.current_thread().name not in threads
+
+
+def test_probes_answered_in_parallel_threads_all_reach_the_record(tmp_path):
+    from staticformers.backends.cpu import isa_probes
+
+    path = str(tmp_path / "isa-probes.json")
+    keys = [f"lib{i}.so|1|2|cpu|python|torch" for i in range(16)]
+    threads = [threading.Thread(target=isa_probes.add_to_record, args=(path, key)) for key in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert isa_probes.read_record(path) == set(keys)

@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 from typing import Callable
 
 RECORD = "isa-probes.json"
@@ -65,8 +66,16 @@ def read_record(path: str) -> set:
     return {k for k in loaded if isinstance(k, str)} if isinstance(loaded, list) else set()
 
 
+_WRITING = threading.Lock()  # probes answered in parallel threads of this process each add their key
+
+
 def add_to_record(path: str, key: str) -> None:
-    """Add `key` to the record atomically (a concurrent writer may win; the loser re-probes once)."""
+    """Add `key` to the record atomically (another process writing at once may win; the loser re-probes once)."""
+    with _WRITING:
+        _add(path, key)
+
+
+def _add(path: str, key: str) -> None:
     known = read_record(path)
     known.add(key)
     try:

@@ -12,6 +12,7 @@ kernels from it.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -33,16 +34,38 @@ def has_vector_isa() -> bool:
 LIBRARY = NativeLibrary((BF16_ROWS, GEMV, DECODE_ATTENTION, DECODE_LAYERS), ready=has_vector_isa)
 
 
+def probe_side_by_side() -> None:
+    """Answer inductor's probe of each x86 vector instruction set this CPU advertises at once, one thread a set.
+
+    Inductor probes each set by compiling a small library with its flags and loading it, one set after another
+    (three compiles here: AVX-512 with VNNI, AVX-512, AVX2), before it builds anything; each answer is then kept for
+    the process, so the pick that follows finds them ready. One thread a set: two threads probing one set at once
+    raced and picked another set. Where inductor probes otherwise, this leaves it to do so."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        flags = cpu_vec_isa.x86_isa_checker()
+        sets = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    except (ImportError, AttributeError):
+        return
+    threads = [threading.Thread(target=bool, args=(isa,), name=f"staticformers-probe-{isa}") for isa in sets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def build_ahead() -> None:
     """Start building the library in a thread, where it may be built here; a later first use waits for it. The
-    vector instruction set is picked first, in this thread: inductor probes each set by building and loading a
-    small library, and two threads probing at once picked different sets, so that the next process, picking alone,
-    found neither the kernels nor the graphs under its build flags and compiled them all again."""
+    vector instruction set is picked first, in this thread (its probes side by side): two threads probing at once
+    picked different sets, so that the next process, picking alone, found neither the kernels nor the graphs under
+    its build flags and compiled them all again."""
     if has_vector_isa():
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+        probe_side_by_side()
         pick_vec_isa()  # remembered by inductor for the process
         LIBRARY.start()
 
 
-__all__ = ["BF16_ROWS", "LIBRARY", "build_ahead", "has_vector_isa"]
+__all__ = ["BF16_ROWS", "LIBRARY", "build_ahead", "has_vector_isa", "probe_side_by_side"]
