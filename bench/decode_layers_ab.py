@@ -4,10 +4,12 @@ process, alternating step by step.
 Why in one process: `bench/ab.py --a-env STATICFORMERS_DECODE_LAYERS=0 --control` runs the two in fresh processes,
 and on a machine whose memory rate drifts by 20% within minutes its control spread (A2/A) was as large as the effect.
 Here one process loads the model once, compiles its steps once, and alternates the same warm step with the one call
-on and off (the off side runs the very regions the step falls back to), so both sides share the weights' placement,
-the compiled code and the minute; the order flips each round (on off, off on, ...). Each timed value is
+on and off (`STATICFORMERS_DECODE_LAYERS`, which a step asks on every call; off, it runs the very regions it falls
+back to), so both sides share the weights' placement, the compiled code and the minute; the order flips each round
+(on off, off on, ...). Each timed value is
 ((a `--new`-token generate - a 1-token one) / (new - 1)). The real model is the suite's SmolLM2-135M-Instruct GGUF
-(`tests/real_model_cache.py`), bf16. Prints one JSON object (`--out` also writes it).
+(`tests/real_model_cache.py`), bf16 activations over bf16 or weight-only int8 weights (`--weights`; int8's one
+call takes one row). Prints one JSON object (`--out` also writes it).
 
     python bench/decode_layers_ab.py --batches 1 8 --rounds 8 --out bench/results/decode-layers-ab-2026-12-07.json
 """
@@ -32,27 +34,46 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8, help="on/off pairs per batch")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=65)
+    p.add_argument(
+        "--weights",
+        choices=("bf16", "int8", "int8+head"),
+        default="bf16",
+        help="bf16 weights, or weight-only int8 (the head exact, or int8 too); activations bf16 either way",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
     import torch
 
-    from staticformers import AutoModelForCausalLM
-    from staticformers.backends.cpu import regions
+    from staticformers import AutoModelForCausalLM, QuantizationConfig
+    from staticformers.backends.cpu import decode_layers
 
-    on = [True]
     built: list = []
-    real = regions.layers_stack
+    real = decode_layers.layers_stack
 
-    def switched(*a):
+    def counted(*a):
         stack = real(*a)
         built.append(stack is not None)
-        return None if stack is None else (lambda *b: stack(*b) if on[0] else None)
+        return stack
 
-    regions.layers_stack = switched
+    decode_layers.layers_stack = counted  # the regions' module finds it here on each new step
+    switch = "STATICFORMERS_DECODE_LAYERS"  # asked on every call of a step (`decode_layers.allowed`)
     folder, gguf = real_model()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16)
-    result: dict = {"model": "smollm2", "dtype": "bfloat16", "pressure_before": pressure(), "cases": []}
+    quantization = (
+        None
+        if args.weights == "bf16"
+        else QuantizationConfig("int8_weight_only", include_input_output_embeddings=args.weights == "int8+head")
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf, dtype=torch.bfloat16, quantization_config=quantization
+    )
+    result: dict = {
+        "model": "smollm2",
+        "dtype": "bfloat16",
+        "weights": args.weights,
+        "pressure_before": pressure(),
+        "cases": [],
+    }
     for batch in args.batches:
         ids = torch.randint(1, 32000, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
 
@@ -61,13 +82,15 @@ def main() -> None:
             model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
             return time.perf_counter() - t
 
-        run(args.new), run(1), run(args.new)  # compile (or load) and warm every step this batch takes
+        for side in ("1", "0"):  # compile (or load) and warm every step this batch takes, both ways
+            os.environ[switch] = side
+            run(args.new), run(1), run(args.new)
         if not any(built):
             raise SystemExit("the one-call decode step did not run here (see decode_layers.py for when it does).")
         steps: dict = {"on": [], "off": []}
         for r in range(args.rounds):
             for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                on[0] = side == "on"
+                os.environ[switch] = "1" if side == "on" else "0"
                 first, total = run(1), run(args.new)
                 steps[side].append((total - first) / (args.new - 1) * 1e3)
         m_on, m_off = statistics.median(steps["on"]), statistics.median(steps["off"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staticformers import AutoModelForCausalLM, CompileConfig
+from staticformers import AutoModelForCausalLM, CompileConfig, QuantizationConfig
 from staticformers.backends.cpu import decode_layers as d
 from staticformers.backends.cpu import formulations as f
 from staticformers.generation.engines import compile_settings, engine_for
@@ -72,10 +72,13 @@ def streaming_decode(monkeypatch):
     )
 
 
-def run(path: str, prompts: list, new: int, steps: list | None = None) -> dict:
-    """Each prompt's (tokens, logits) from a bf16 model's loop, the prompts joining together; `steps` gets the
-    engine's decode steps."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+INT8 = QuantizationConfig("int8_weight_only")
+
+
+def run(path: str, prompts: list, new: int, steps: list | None = None, quantization=None) -> dict:
+    """Each prompt's (tokens, logits) from a bf16 model's loop (its weights quantized by `quantization`), the
+    prompts joining together; `steps` gets the engine's decode steps."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=quantization)
     engine = engine_for(model)
     loop = GenerationLoop(engine, compile_settings(model, GenerationConfig(), EAGER))
     for i, p in enumerate(prompts):
@@ -121,6 +124,32 @@ def test_every_decode_step_runs_every_layer_in_one_call_with_the_regions_tokens_
     assert all(not step.stacked and step.graphs == 1 + len(step.layer) for step in steps)
     for i in range(len(prompts)):
         same_greedy(fused[i], plain[i])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+@pytest.mark.usefixtures("streaming_decode")
+def test_an_int8_model_decodes_one_row_in_one_call_with_the_regions_tokens_and_logits(
+    tiny_checkpoints, family, monkeypatch
+):
+    """Weight-only int8 projections (Qwen2's biases kept in bf16): a lone prompt's decode steps (one row, what the
+    streaming int8 kernel takes) run every layer in one call, with the tokens and logits of the regions within
+    bf16's rounding; two prompts together decode two rows, which the regions run (ATen's int8 kernel)."""
+    path, prompt = tiny_checkpoints(family), [tokens(9, 6)]
+    calls = count_stacks(monkeypatch)
+    steps: list = []
+    fused = run(path, prompt, 12, steps, INT8)
+    assert [rows for rows, start in calls if start == 0] == [1] * 11 and (1, 1) in calls
+    assert steps and all(step.stacked and step.graphs == 1 for step in steps)
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    before = len(calls)
+    plain = run(path, prompt, 12, None, INT8)
+    assert len(calls) == before
+    same_greedy(fused[0], plain[0])
+    monkeypatch.delenv("STATICFORMERS_DECODE_LAYERS")
+    steps = []
+    run(path, [tokens(9, 6), tokens(4, 7)], 6, steps, INT8)
+    assert len(calls) == before  # nor their prefill's last rows (two)
+    assert steps and not any(step.stacked for step in steps)
 
 
 def same_greedy(got: tuple, want: tuple, rtol: float = 2**-6, atol: float = 2**-7) -> None:
@@ -223,6 +252,21 @@ def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(t
         assert stack_for(model) is None
 
 
+def test_int8_layers_the_operator_does_not_take_run_the_regions(tiny_checkpoints):
+    """Weight-only int8: one row runs it; two rows (past the streaming int8 kernel's one), a layer left in bf16 among
+    int8 ones (each layer one kind or the other, the operator takes one kind for all), and a layer half int8: None."""
+    path = tiny_checkpoints("llama")
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=INT8)
+        assert stack_for(model) is not None
+        assert stack_for(model, rows=2) is None
+        attention = [f"layers.1.self_attn.{p}_proj" for p in "qkvo"]
+        for kept in (attention + [f"layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")], attention):
+            config = QuantizationConfig("int8_weight_only", modules_to_not_convert=[*kept, "lm_head"])
+            mixed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config)
+            assert stack_for(mixed) is None
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints, family):
     """One decode step of two rows at positions 6 and 9 over caches filled alike: the operator writes each row's
@@ -267,6 +311,40 @@ def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints,
         assert not changed.any()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
+def test_an_int8_stack_computes_the_layers_int8_projections_and_mlp(tiny_checkpoints, family):
+    """One int8 row through the operator and through the model's own layers (their int8 projections through the same
+    streaming kernel): the outputs agree within bf16's rounding. A tiny model's layers barely move their input, and
+    a gated SiLU of small gates is nearly bilinear (a gate's scale traded for an up's went unseen), so o_proj's, the
+    gate's and down's scales are raised 16x and the input is random: the layers move it by more than its size."""
+    path = tiny_checkpoints(family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=INT8)
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
+            linear.weight_scale.data.mul_(16)
+    torch.manual_seed(0)
+    caches = [KVCache.for_model(model, 1, 32) for _ in range(2)]
+    for i in range(model.config.num_hidden_layers):
+        for t in (caches[0].keys[i], caches[0].values[i]):
+            t.normal_()
+        caches[1].keys[i].copy_(caches[0].keys[i])
+        caches[1].values[i].copy_(caches[0].values[i])
+    ids, positions = torch.tensor([[7]]), torch.tensor([[6]])
+    with torch.no_grad():
+        decoder = model.model
+        x, cos, sin, masks = decoder.prepare(ids, None, positions, caches[0].layer_views()[0])
+        x = torch.randn_like(x)
+        stacked = stack_for(model, caches[0])(x, cos, sin, masks, positions)
+        h = x
+        for layer, kv in zip(decoder.layers, caches[1].layer_views()):
+            h = layer(h, cos, sin, masks, kv, positions, STREAM)
+    assert (h - x).float().abs().mean() > x.float().abs().mean()
+    torch.testing.assert_close(stacked.float(), h.float(), rtol=2**-6, atol=2**-4)
+    for i in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(caches[0].values[i].float(), caches[1].values[i].float(), rtol=2**-6, atol=2**-5)
+        torch.testing.assert_close(caches[0].keys[i].float(), caches[1].keys[i].float(), rtol=2**-6, atol=2**-5)
+
+
 def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
     cache = KVCache.for_model(model, 1, 32)
@@ -280,8 +358,8 @@ def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
         with pytest.raises(RuntimeError, match="every list must hold one tensor per layer"):
             torch.ops.staticformers.bf16_decode_layers(
                 x.view(1, -1), cos.view(1, -1), sin.view(1, -1), torch.tensor([3]), [masks[None]],
-                [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], 1e-5,
-                0.125,
+                [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [],
+                1e-5, 0.125,
             )  # fmt: skip
 
 

@@ -2,19 +2,24 @@
 // `staticformers::bf16_decode_layers`, whose schema decode_layers.py defines.
 //
 // For each layer, over a few rows of one token each, in order: h = RMSNorm(x); q, k, v = the streamed
-// projections of h (`bf16_gemv`), plus their biases where the layer has them (Qwen2; each sum rounded once), and
-// q and k normalised per head where the layer norms them (Qwen3: RMSNorm over each head's values); RoPE on q and k (float32, each result rounded to bfloat16 once, as inductor's
+// projections of h (`bf16_gemv`; for int8 weights, `int8_gemv` with their scales), plus their biases where the layer
+// has them (Qwen2; each sum rounded once), and q and k normalised per head where the layer norms them (Qwen3:
+// RMSNorm over each head's values); RoPE on q and k (float32, each result rounded to bfloat16 once, as inductor's
 // fused kernel of the layer region computes it); k and v written into the layer's static cache at each row's
 // position; the attention of q over the cache (`decode_attention`); o = the streamed projection of the attention;
-// then the MLP half (`bf16_mlp_block`: residual, norm, gate and up, SiLU, down, residual). x: [rows, hidden]; cos,
-// sin: [rows, head_dim] (each row's position's); positions: [rows] (int64); each mask [rows, 1, 1, L] bool;
-// caches [rows, kv_heads, L, head_dim], written in place.
+// then the MLP half (`bf16_mlp_block`, or gemv.cpp's `int8_mlp_block` for int8 weights: residual, norm, gate and up,
+// SiLU, down, residual). x: [rows, hidden], bfloat16; cos, sin: [rows, head_dim] (each row's position's);
+// positions: [rows] (int64); each mask [rows, 1, 1, L] bool; caches [rows, kv_heads, L, head_dim], written in
+// place; scales: none (bfloat16 weights) or 7 a layer, q k v o gate up down in order (int8 weights).
 //
 // Why it is written by hand: a compiled layer region made six calls a layer (two of inductor's kernels, the
 // projections, the attention and the MLP block), each behind its host cost, thirty times a step on a 30-layer
 // model, and the worker threads waited through every gap between them (BENCHMARKS.md, "A decode step's layers in
-// one call"). Here the host calls each layer's operators from C++. The projections, the attention and the MLP
-// half are the operators the regions call (through the dispatcher), so their bits are the regions'.
+// one call"). Here the host calls each layer's operators from C++. The bf16 projections, the attention and the bf16
+// MLP half are the operators the regions call (through the dispatcher), so their bits are the regions'; the int8
+// projections are the kernel the regions' int8 layers call (`int8_gemv`, called directly: this file is built in
+// one text after gemv.cpp), and the int8 MLP half rounds as the bf16 block does, which the regions' int8 layers,
+// having no block, do not quite.
 // Built and loaded after gemv.cpp and decode_attention.cpp, by inductor's toolchain and vector ISA.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -87,7 +92,7 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::TensorList gates, at::TensorList ups, at::TensorList downs,
                                      at::TensorList key_caches, at::TensorList value_caches, at::TensorList q_norms,
                                      at::TensorList k_norms, at::TensorList q_biases, at::TensorList k_biases,
-                                     at::TensorList v_biases, double eps, double scale) {
+                                     at::TensorList v_biases, at::TensorList scales, double eps, double scale) {
   static const auto gemv =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("staticformers::bf16_gemv", "")
@@ -111,6 +116,9 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
   TORCH_CHECK((!normed || (q_norms.size() == L && k_norms.size() == L)) &&
                   (!biased || (q_biases.size() == L && k_biases.size() == L && v_biases.size() == L)),
               "bf16_decode_layers: q/k norms and q/k/v biases must be one per layer (", L, " layers), or none");
+  const bool quantized = !scales.empty();  // int8 weights, each with its scales: 7 a layer (q k v o gate up down)
+  TORCH_CHECK(!quantized || scales.size() == 7 * L, "bf16_decode_layers: int8 weights take 7 scales a layer (q, k, v, ",
+              "o, gate, up, down: ", 7 * L, "), got ", scales.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "bf16_decode_layers: x must be bfloat16 [rows, hidden], got ", x_in.scalar_type(), " ", x_in.sizes());
   const int64_t M = x_in.size(0), H = x_in.size(1);
@@ -139,7 +147,10 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                 "] and its projections fit them");
     at::Tensor h = at::empty({M, H}, x.options());
     rms_norm(bits(x), bits(input_norms[l].contiguous()), M, H, eps, bits_mut(h));
-    std::vector<at::Tensor> qkv = gemv.call(h, {qw[l], kw[l], vw[l]});
+    const auto s = [&](const int64_t i) { return scales[7 * l + i]; };
+    std::vector<at::Tensor> qkv = quantized ? int8_gemv(h, std::vector<at::Tensor>{qw[l], kw[l], vw[l]},
+                                                        std::vector<at::Tensor>{s(0), s(1), s(2)})
+                                            : gemv.call(h, {qw[l], kw[l], vw[l]});
     if (biased) {
       add_bias(bits_mut(qkv[0]), bits(q_biases[l].contiguous()), M, NH * D);
       add_bias(bits_mut(qkv[1]), bits(k_biases[l].contiguous()), M, KVH * D);
@@ -165,8 +176,11 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
       for (int64_t g = 0; g < KVH; ++g) std::memcpy(vp + at_pos + g * Lc * D, v + g * D, D * sizeof(uint16_t));
     }
     const at::Tensor out = attend.call(q, kc, vc, masks[l], scale);
-    const at::Tensor o = gemv.call(out.view({M, NH * D}), {ow[l]})[0];
-    x = mlp_block.call(x, o, post_norms[l], eps, gates[l], ups[l], downs[l]);
+    const at::Tensor heads = out.view({M, NH * D});
+    const at::Tensor o = quantized ? int8_gemv(heads, std::vector<at::Tensor>{ow[l]}, std::vector<at::Tensor>{s(3)})[0]
+                                   : gemv.call(heads, {ow[l]})[0];
+    x = quantized ? int8_mlp_block(x, o, post_norms[l], eps, gates[l], ups[l], downs[l], s(4), s(5), s(6))
+                  : mlp_block.call(x, o, post_norms[l], eps, gates[l], ups[l], downs[l]);
   }
   return x;
 }

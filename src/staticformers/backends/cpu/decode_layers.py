@@ -9,8 +9,10 @@ with the RMSNorm, RoPE and cache write that inductor's kernels did, so a warm st
 
 `layers_stack(model, cache, ops, x)` says whether a step may take it, and builds the call: the model's layers are
 all the plain kind (a pre-norm attention layer with full RoPE, q/k/v biases or none (Qwen2) and q/k RMSNorms per
-head or none (Qwen3), alike in every layer, no sinks, soft cap or output gate, a gated SiLU MLP of bfloat16
-`nn.Linear`s, no hooks, no LoRA, no gradient), the formulation streams
+head or none (Qwen3), alike in every layer, no sinks, soft cap or output gate, a gated SiLU MLP, its projections
+bfloat16 `nn.Linear`s, or weight-only int8 ones (`QuantLinear`) in every layer for one row, which the streaming
+int8 kernel takes: an int8 model's batch-1 step had the same six calls a layer around half the bytes, so the calls
+were a larger share of it; no hooks, no LoRA, no gradient), the formulation streams
 its linears (`"stream"`) and runs the decode attention kernel (`"kernel"`), and the cache is a static bfloat16
 one whose layers' keys and values are contiguous. Such a step (`regions.py`) runs it in every call, the
 first (guarded) one and a prefill's last row (the last layer alone, `start`) too, so its layer regions are never
@@ -34,7 +36,8 @@ from ...models.hooks import global_hooks, hooked
 from ...models.kv_cache import KVCache
 from ...models.norm_variants import RMSNorm
 from . import decode_attention, gemv
-from .formulations import bf16_streams, mlp_block_runs
+from ...models.quantization import QuantLinear
+from .formulations import bf16_streams, mlp_block_runs, streamed_together
 from .kernel_library import DECODE_LAYERS, LIBRARY
 from .operators import NativeKernels, define
 
@@ -63,7 +66,7 @@ define(
     "(Tensor x, Tensor cos, Tensor sin, Tensor positions, Tensor[] masks, Tensor[] input_norms, Tensor[] q, "
     "Tensor[] k, Tensor[] v, Tensor[] o, Tensor[] post_norms, Tensor[] gate, Tensor[] up, Tensor[] down, "
     "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] q_norms, Tensor[] k_norms, Tensor[] q_biases, "
-    "Tensor[] k_biases, Tensor[] v_biases, float eps, float scale) -> Tensor",
+    "Tensor[] k_biases, Tensor[] v_biases, Tensor[] scales, float eps, float scale) -> Tensor",
     _first_call,
     "CompositeExplicitAutograd",
     lambda x, *args: x.new_empty(x.shape),
@@ -84,13 +87,61 @@ def _head_norm(norm: Optional[nn.Module]) -> bool:
     return norm is None or (type(norm) is RMSNorm and norm.weight.dtype == torch.bfloat16 and not hooked(norm))
 
 
+def _int8_linear(layer: nn.Module, bias: bool = False) -> bool:
+    """A weight-only int8 `QuantLinear` with a bfloat16 bias (`bias`) or without."""
+    return (
+        type(layer) is QuantLinear
+        and layer.kind == "int8"
+        and (layer.bias is not None and layer.bias.dtype == torch.bfloat16 if bias else layer.bias is None)
+    )
+
+
+def _int8_mlp_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> bool:
+    """`formulations.mlp_block_runs` for int8 gate, up and down projections, which the streaming int8 kernel takes
+    for rows `x` (the operator's int8 MLP half; the regions have none)."""
+    linears = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
+    return (
+        type(norm) is RMSNorm
+        and norm.weight.dtype == torch.bfloat16
+        and getattr(mlp, "tanh_gelu", True) is False
+        and not hooked(norm)
+        and not hooked(mlp)
+        and all(_int8_linear(layer) for layer in linears)
+        and streamed_together(linears[:2], x)
+        and streamed_together(linears[2:], x.new_empty(x.shape[0], linears[2].in_features))
+    )
+
+
+def _linears_run(layer: nn.Module, x: torch.Tensor, biased: bool) -> bool:
+    """Whether the operator computes the layer's projections and its MLP half for rows `x`: bfloat16 linears the
+    streaming bf16 kernel takes with `bf16_mlp_block`'s MLP, or weight-only int8 ones the streaming int8 kernel
+    takes (one row), their scales of one dtype."""
+    attn = layer.self_attn
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    if isinstance(attn.q_proj, QuantLinear):
+        linears = (*projections, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+        return (
+            all(_int8_linear(p, biased) for p in projections[:3])
+            and _int8_linear(attn.o_proj)
+            and len({p.weight_scale.dtype for p in linears}) == 1
+            and streamed_together(projections[:3], x)
+            and streamed_together(projections[3:], x.new_empty(x.shape[0], attn.o_proj.in_features))
+            and _int8_mlp_runs(layer.post_attention_layernorm, layer.mlp, x)
+        )
+    return (
+        all(_plain_linear(p, biased) for p in projections[:3])
+        and _plain_linear(attn.o_proj)
+        and bf16_streams(projections, x)
+        and mlp_block_runs(layer.post_attention_layernorm, layer.mlp, x, x)
+    )
+
+
 def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether one decoder layer is the kind the operator computes (see the module docstring), for rows `x`."""
     attn = getattr(layer, "self_attn", None)
     if attn is None or type(attn).__name__ != "Attention" or getattr(layer, "linear", True) or layer.sparse:
         return False
     norm = layer.input_layernorm
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
     biased = attn.q_proj.bias is not None
     return (
         layer.plain_mlp_half
@@ -108,10 +159,7 @@ def layer_runs(layer: nn.Module, x: torch.Tensor) -> bool:
         and not hooked(layer)
         and not hooked(attn)
         and not hooked(norm)
-        and all(_plain_linear(p, biased) for p in projections[:3])
-        and _plain_linear(attn.o_proj)
-        and bf16_streams(projections, x)
-        and mlp_block_runs(layer.post_attention_layernorm, layer.mlp, x, x)
+        and _linears_run(layer, x, biased)
     )
 
 
@@ -150,8 +198,14 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         norms += [m for a in attns for m in (a.q_norm, a.k_norm)]
     eps = {m.eps for m in norms}
     biased = attns[0].q_proj.bias is not None
-    if any((a.q_norm is not None) != normed or (a.q_proj.bias is not None) != biased for a in attns):
-        return None  # one operator call takes norms and biases in every layer or in none
+    quantized = isinstance(attns[0].q_proj, QuantLinear)
+    if any(
+        (a.q_norm is not None) != normed
+        or (a.q_proj.bias is not None) != biased
+        or isinstance(a.q_proj, QuantLinear) != quantized
+        for a in attns
+    ):
+        return None  # one operator call takes norms, biases and int8 weights in every layer or in none
     if len(scales) != 1 or len(eps) != 1 or keys[0].shape[-1] != attns[0].head_dim:
         return None
     weights = (
@@ -171,6 +225,21 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         [a.q_proj.bias for a in attns] if biased else [],
         [a.k_proj.bias for a in attns] if biased else [],
         [a.v_proj.bias for a in attns] if biased else [],
+        [
+            linear.weight_scale
+            for layer in layers
+            for linear in (
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        if quantized
+        else [],
     )
     windows = [a.window for a in attns]
     distinct = set(windows)

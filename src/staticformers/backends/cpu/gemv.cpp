@@ -557,20 +557,13 @@ static std::vector<at::Tensor> bf16_gemv(const at::Tensor& x_in, at::TensorList 
 // bound the difference against this math. `load_bf16`, `store_bf16` and `rms_norm` are bf16_rows.h's, whose text
 // operators.build_library puts before this file's.
 
-static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_in, const at::Tensor& norm_in,
-                                 double eps, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && attn_in.sizes() == x_in.sizes() &&
-                  attn_in.scalar_type() == at::kBFloat16,
-              "bf16_mlp_block: x and attn must be bfloat16 [rows, hidden] of one shape, got ", x_in.sizes(), " and ",
-              attn_in.sizes());
-  const int64_t M = x_in.size(0), H = x_in.size(1);
-  TORCH_CHECK(norm_in.numel() == H && norm_in.scalar_type() == at::kBFloat16, "bf16_mlp_block: norm must be bfloat16 [",
-              H, "]");
-  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && down.dim() == 2 && down.size(0) == H &&
-                  down.size(1) == gate.size(0),
-              "bf16_mlp_block: gate and up must be [inner, ", H, "] and down [", H, ", inner], got ", gate.sizes(), ", ",
-              up.sizes(), " and ", down.sizes());
-  const at::Tensor x = x_in.contiguous(), attn = attn_in.contiguous(), norm = norm_in.contiguous();
+// The block's math around its projections: gate_up(h) -> {g, u} and down(a) -> d, bfloat16 [rows, out] each, are
+// bf16_mlp_block's streamed bf16 projections or int8_mlp_block's streamed int8 ones. x, attn: contiguous bfloat16
+// [M, H]; norm: contiguous bfloat16 [H].
+template <typename GateUp, typename Down>
+static at::Tensor mlp_half(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& norm, const double eps,
+                           const int64_t I, GateUp&& gate_up, Down&& down) {
+  const int64_t M = x.size(0), H = x.size(1);
   at::Tensor r = at::empty({M, H}, x.options()), h = at::empty({M, H}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(attn.const_data_ptr());
@@ -585,8 +578,7 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
     store_bf16(rp + i, x0 + a0, x1 + a1, n);
   }
   rms_norm(rp, np, M, H, eps, hp);  // h = norm * bf16(r * rsqrt(mean(r^2) + eps)), from the rounded r
-  const std::vector<at::Tensor> gu = bf16_gemv(h, std::vector<at::Tensor>{gate, up});
-  const int64_t I = gate.size(0);
+  const std::vector<at::Tensor> gu = gate_up(h);
   at::Tensor a = at::empty({M, I}, x.options());
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(gu[0].const_data_ptr());
   const uint16_t* upp = reinterpret_cast<const uint16_t*>(gu[1].const_data_ptr());
@@ -602,7 +594,7 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
       store_bf16(act + i, g0 * (one / (one + g0.neg().exp())) * u0, g1 * (one / (one + g1.neg().exp())) * u1, n);
     }
   });
-  const at::Tensor d = bf16_gemv(a, std::vector<at::Tensor>{down})[0];
+  const at::Tensor d = down(a);
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.const_data_ptr());
   for (int64_t i = 0; i < M * H; i += B) {  // r + down(a), rounded once, in r's place (each value read, then written)
     const int64_t n = std::min(B, M * H - i);
@@ -611,6 +603,49 @@ static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_
     store_bf16(rp + i, r0 + d0, r1 + d1, n);
   }
   return r;
+}
+
+// The block's inputs checked (x, attn, norm; gate and up [I, H], down [H, I]), contiguous.
+static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_inputs(const char* name, const at::Tensor& x_in,
+                                                                 const at::Tensor& attn_in, const at::Tensor& norm_in,
+                                                                 const at::Tensor& gate, const at::Tensor& up,
+                                                                 const at::Tensor& down) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && attn_in.sizes() == x_in.sizes() &&
+                  attn_in.scalar_type() == at::kBFloat16,
+              name, ": x and attn must be bfloat16 [rows, hidden] of one shape, got ", x_in.sizes(), " and ",
+              attn_in.sizes());
+  const int64_t H = x_in.size(1);
+  TORCH_CHECK(norm_in.numel() == H && norm_in.scalar_type() == at::kBFloat16, name, ": norm must be bfloat16 [", H,
+              "]");
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && down.dim() == 2 && down.size(0) == H &&
+                  down.size(1) == gate.size(0),
+              name, ": gate and up must be [inner, ", H, "] and down [", H, ", inner], got ", gate.sizes(), ", ",
+              up.sizes(), " and ", down.sizes());
+  return {x_in.contiguous(), attn_in.contiguous(), norm_in.contiguous()};
+}
+
+static at::Tensor bf16_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_in, const at::Tensor& norm_in,
+                                 double eps, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+  const auto [x, attn, norm] = mlp_inputs("bf16_mlp_block", x_in, attn_in, norm_in, gate, up, down);
+  const std::vector<at::Tensor> gate_up{gate, up}, down_only{down};
+  return mlp_half(
+      x, attn, norm, eps, gate.size(0), [&](const at::Tensor& h) { return bf16_gemv(h, gate_up); },
+      [&](const at::Tensor& a) { return bf16_gemv(a, down_only)[0]; });
+}
+
+// int8_mlp_block: bf16_mlp_block's math over int8 gate, up and down weights, each projection int8_gemv's (its
+// output rounded to bfloat16 once, as the int8 layers' own calls round it), for the bfloat16 rows int8_gemv streams.
+// Not an operator of its own: decode_layers.cpp, built in this library's text, calls it for an int8 model's layers.
+static at::Tensor int8_mlp_block(const at::Tensor& x_in, const at::Tensor& attn_in, const at::Tensor& norm_in,
+                                 double eps, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down,
+                                 const at::Tensor& gate_scale, const at::Tensor& up_scale,
+                                 const at::Tensor& down_scale) {
+  const auto [x, attn, norm] = mlp_inputs("int8_mlp_block", x_in, attn_in, norm_in, gate, up, down);
+  const std::vector<at::Tensor> gate_up{gate, up}, gate_up_scales{gate_scale, up_scale}, down_only{down},
+      down_scales{down_scale};
+  return mlp_half(
+      x, attn, norm, eps, gate.size(0), [&](const at::Tensor& h) { return int8_gemv(h, gate_up, gate_up_scales); },
+      [&](const at::Tensor& a) { return int8_gemv(a, down_only, down_scales)[0]; });
 }
 
 // The vector path this library was built with: 512 (AVX-512), 256 (AVX2), 0 (none: scalar loops).

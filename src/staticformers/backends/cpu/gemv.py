@@ -12,7 +12,8 @@ Why this exists: a batch-1 decode step is bound by the bytes of its weights.
 `gemv.cpp` reads the weights as one forward stream per thread instead, each weight row once for all the rows of
 the step, and computes several projections of one input (q, k and v; gate and up) in one call. `bf16_mlp_block` is a
 decoder layer's MLP half (residual, norm, gate and up, SiLU, down, residual) as one call: a compiled decode step made
-five calls of it, each with its own host cost, in every layer. Where the CPU has
+five calls of it, each with its own host cost, in every layer (`gemv.cpp`'s `int8_mlp_block`, the same math over int8
+weights, is no operator of its own: `decode_layers.py`'s one call runs it). Where the CPU has
 AMX (bf16 tiles) and Linux grants them, bf16 calls run as tile multiplies (`amx()`): at 8 rows the vector loop's
 widening and FMAs, not the memory, bounded the step (BENCHMARKS.md, "AMX tiles for the bf16 kernel");
 `STATICFORMERS_AMX=0` turns that off. Where the CPU has AVX512_BF16 and no AMX (AMD Zen 4 and later), the loop
