@@ -9,7 +9,8 @@ back to), so both sides share the weights' placement, the compiled code and the 
 (on off, off on, ...). Each timed value is
 ((a `--new`-token generate - a 1-token one) / (new - 1)). The real model is the suite's SmolLM2-135M-Instruct GGUF
 (`tests/real_model_cache.py`), bf16 activations over bf16 or weight-only int8 weights (`--weights`; int8's one
-call takes one row). Prints one JSON object (`--out` also writes it).
+call takes one row), over static caches (`generate()`) or a block KV cache (`--blocks`: the generation loop over a
+pool of 32-position blocks). Prints one JSON object (`--out` also writes it).
 
     python bench/decode_layers_ab.py --batches 1 8 --rounds 8 --out bench/results/decode-layers-ab-2026-12-07.json
 """
@@ -28,6 +29,20 @@ sys.path.insert(0, HERE)
 from reference import pressure, real_model, report  # noqa: E402
 
 
+def blocks_loop(model, batch: int, prompt: int, new: int):
+    """A greedy generation loop over a pool of 32-position blocks holding every row's positions (no preemption), its
+    prompts prefilled in one chunk each."""
+    from staticformers.generation.engines import compile_settings, engine_for
+    from staticformers.generation.generation_config import GenerationConfig
+    from staticformers.generation.loop import GenerationLoop
+
+    engine = engine_for(model)
+    plan = engine.plan.with_extend_widths((max(prompt, 16), 1))
+    blocks = batch * -(-(prompt + new) // 32) + 1
+    settings = compile_settings(model, GenerationConfig())
+    return GenerationLoop(engine, settings, plan=plan, chunked_prefill=True, kv_blocks=blocks, kv_block_size=32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
@@ -40,6 +55,11 @@ def main() -> None:
         default="bf16",
         help="bf16 weights, or weight-only int8 (the head exact, or int8 too); activations bf16 either way",
     )
+    p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="the generation loop over a block KV cache (blocks of 32, every row's positions) instead of generate()",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -47,6 +67,7 @@ def main() -> None:
 
     from staticformers import AutoModelForCausalLM, QuantizationConfig
     from staticformers.backends.cpu import decode_layers
+    from staticformers.generation.requests import GenerationRequest
 
     built: list = []
     real = decode_layers.layers_stack
@@ -71,15 +92,24 @@ def main() -> None:
         "model": "smollm2",
         "dtype": "bfloat16",
         "weights": args.weights,
+        "cache": "blocks" if args.blocks else "static",
         "pressure_before": pressure(),
         "cases": [],
     }
     for batch in args.batches:
         ids = torch.randint(1, 32000, (batch, args.prompt), generator=torch.Generator().manual_seed(1))
 
-        def run(n: int, ids=ids) -> float:
+        loop = blocks_loop(model, batch, args.prompt, args.new) if args.blocks else None
+
+        def run(n: int, ids=ids, loop=loop) -> float:
             t = time.perf_counter()
-            model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
+            if loop is None:
+                model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
+            else:
+                for row in ids.tolist():
+                    loop.add(GenerationRequest(row, n))
+                while not loop.idle:
+                    loop.step()
             return time.perf_counter() - t
 
         for side in ("1", "0"):  # compile (or load) and warm every step this batch takes, both ways

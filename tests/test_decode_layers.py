@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staticformers import AutoModelForCausalLM, CompileConfig, QuantizationConfig
+from staticformers import AutoModelForCausalLM, CompileConfig, QuantizationConfig, ShapePlan
 from staticformers.backends.cpu import decode_layers as d
 from staticformers.backends.cpu import formulations as f
 from staticformers.generation.engines import compile_settings, engine_for
@@ -22,6 +22,9 @@ from staticformers.models.kv_cache import KVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread", "kernel")
 STREAM = f.CPUOps("kernel", "stream", "stream")
+PAGED = f.CPUOps(
+    "reduce", "stream", "stream"
+)  # a block cache's decode formulation (the regions' attention reads the pool)
 EAGER = CompileConfig(backend="eager")
 
 
@@ -68,19 +71,24 @@ def streaming_decode(monkeypatch):
     monkeypatch.setattr(
         cpu.CPUStepBuilder,
         "ops",
-        lambda self, kind, batch, settings, blocks=False: STREAM if kind == "decode" else f.PLAIN_CPU,
+        lambda self, kind, batch, settings, blocks=False: (
+            (PAGED if blocks else STREAM) if kind == "decode" else f.PLAIN_CPU
+        ),
     )
 
 
 INT8 = QuantizationConfig("int8_weight_only")
 
 
-def run(path: str, prompts: list, new: int, steps: list | None = None, quantization=None) -> dict:
-    """Each prompt's (tokens, logits) from a bf16 model's loop (its weights quantized by `quantization`), the
-    prompts joining together; `steps` gets the engine's decode steps."""
+def run(path: str, prompts: list, new: int, steps: list | None = None, quantization=None, blocks=None) -> dict:
+    """Each prompt's (tokens, logits) from a bf16 model's loop (its weights quantized by `quantization`; on a pool of
+    `blocks` blocks of 8 positions, else static caches), the prompts joining together; `steps` gets the engine's
+    decode steps."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=quantization)
-    engine = engine_for(model)
-    loop = GenerationLoop(engine, compile_settings(model, GenerationConfig(), EAGER))
+    plan = ShapePlan(batch_sizes=[1, 2, 4], prompt_lengths=[16, 32], kv_lengths=[64], extend_widths=((16, 1),))
+    engine = engine_for(model, plan) if blocks else engine_for(model)
+    settings = compile_settings(model, GenerationConfig(), EAGER)
+    loop = GenerationLoop(engine, settings, kv_blocks=blocks, kv_block_size=8, chunked_prefill=16 if blocks else None)
     for i, p in enumerate(prompts):
         loop.add(GenerationRequest(p, new, request_id=i, output_logits=True))
     out: dict = {i: ([], []) for i in range(len(prompts))}
@@ -92,6 +100,8 @@ def run(path: str, prompts: list, new: int, steps: list | None = None, quantizat
                 out[event.request_id][1].append(event.logits.float())
     if steps is not None:
         steps += [g.step for k, g in engine.graphs.items() if k[0] == "decode" and g.settings.enabled]
+    if blocks:
+        assert loop.blocks_used == 0
     return {i: (t, torch.stack(logits)) for i, (t, logits) in out.items()}
 
 
@@ -150,6 +160,26 @@ def test_an_int8_model_decodes_one_row_in_one_call_with_the_regions_tokens_and_l
     run(path, [tokens(9, 6), tokens(4, 7)], 6, steps, INT8)
     assert len(calls) == before  # nor their prefill's last rows (two)
     assert steps and not any(step.stacked for step in steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.usefixtures("streaming_decode")
+def test_block_caches_decode_in_one_call_with_the_regions_tokens_and_logits(tiny_checkpoints, family, monkeypatch):
+    """On a pool of 8-position blocks (prompts chunked, their blocks spread over the pool as rows join and leave),
+    every decode step is one call that writes and reads each row's blocks through the table, with the tokens and
+    logits of the regions (which write, gather and attend by reductions) within bf16's rounding."""
+    prompts = [tokens(5, 1), tokens(23, 2), tokens(12, 3)]
+    path = tiny_checkpoints(family)
+    calls = count_stacks(monkeypatch)
+    steps: list = []
+    fused = run(path, prompts, 14, steps, blocks=24)
+    assert len([c for c in calls if c[1] == 0]) >= 13
+    decode = [step for step in steps if type(step.cache).__name__ == "BlockKVCache"]
+    assert decode and all(step.stacked and step.graphs == 1 for step in decode)
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    plain = run(path, prompts, 14, None, blocks=24)
+    for i in range(len(prompts)):
+        same_greedy(fused[i], plain[i])
 
 
 def same_greedy(got: tuple, want: tuple, rtol: float = 2**-6, atol: float = 2**-7) -> None:
@@ -218,7 +248,8 @@ def test_models_whose_layers_are_not_the_operators_math_run_their_regions(tiny_c
 
 
 def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(tiny_checkpoints, monkeypatch):
-    """float32 weights, a float32 cache, a block cache, linears or attention other than `"stream"` and `"kernel"`,
+    """float32 weights, a float32 cache, a latent block pool, linears or attention other than `"stream"` and `"kernel"`
+    (`"reduce"` on a block cache),
     too many rows, a hook, a LoRA projection, a wanted gradient and `STATICFORMERS_DECODE_LAYERS=0`: None."""
     from staticformers.adapters.lora import LoraLinear
     from staticformers.models.block_kv_cache import BlockKVCache, KVBlocks
@@ -232,7 +263,10 @@ def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(t
         fp32_cache = KVCache(c.num_hidden_layers, 1, c.num_key_value_heads, 32, c.head_dim, torch.float32, "cpu")
         assert stack_for(model, fp32_cache) is None
         pool = KVBlocks(c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu")
-        assert stack_for(model, BlockKVCache(pool, 1, 32)) is None
+        assert stack_for(model, BlockKVCache(pool, 1, 32), ops=PAGED) is not None
+        assert stack_for(model, BlockKVCache(pool, 1, 32)) is None  # a block cache's regions attend by reductions
+        latent = KVBlocks(c.num_hidden_layers, 4, 16, 1, c.head_dim, torch.bfloat16, "cpu", latent=c.head_dim // 2)
+        assert stack_for(model, BlockKVCache(latent, 1, 32), ops=PAGED) is None
         assert stack_for(model, ops=f.CPUOps("kernel", "reduce", "reduce")) is None
         assert stack_for(model, ops=f.CPUOps("reduce", "stream", "stream")) is None
         assert stack_for(model, rows=f.BF16_GEMV_MAX_ROWS + 1) is None
@@ -345,6 +379,46 @@ def test_an_int8_stack_computes_the_layers_int8_projections_and_mlp(tiny_checkpo
         torch.testing.assert_close(caches[0].keys[i].float(), caches[1].keys[i].float(), rtol=2**-6, atol=2**-5)
 
 
+def test_a_block_pool_holds_the_keys_and_values_the_regions_write(tiny_checkpoints):
+    """One decode step of two rows at positions 6 and 13 over a pool of 4-position blocks, the rows' blocks scattered
+    (row 0: 5, 2; row 1: 7, 1, 3, 6) and the pool filled at random: the operator writes each row's keys and values into
+    the block and offset of its position, as the layers' own code does through the table (`write_and_gather`), and
+    nothing else; it attends over each row's blocks, so the hidden states agree within bf16's rounding."""
+    from staticformers.models.block_kv_cache import BlockKVCache, KVBlocks
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
+    c = model.config
+    torch.manual_seed(0)
+    pools = [
+        KVBlocks(c.num_hidden_layers, 8, 4, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu") for _ in "ab"
+    ]
+    for i in range(c.num_hidden_layers):
+        pools[0].keys[i].normal_(), pools[0].values[i].normal_()
+        pools[1].keys[i].copy_(pools[0].keys[i]), pools[1].values[i].copy_(pools[0].values[i])
+    caches = [BlockKVCache(pool, 2, 16) for pool in pools]
+    for cache in caches:
+        cache.write_table({0: [5, 2], 1: [7, 1, 3, 6]})
+    before = [k.clone() for k in pools[0].keys]
+    ids, positions = torch.tensor([[7], [40]]), torch.tensor([[6], [13]])
+    with torch.no_grad():
+        decoder = model.model
+        x, cos, sin, masks = decoder.prepare(ids, None, positions, caches[0].layer_views()[0])
+        stacked = stack_for(model, caches[0], PAGED, rows=2)(x, cos, sin, masks, positions)
+        h = x
+        for layer, kv in zip(decoder.layers, caches[1].layer_views()):
+            h = layer(h, cos, sin, masks, kv, positions, PAGED)
+    torch.testing.assert_close(stacked.float(), h.float(), rtol=2**-6, atol=2**-6)
+    for i in range(c.num_hidden_layers):
+        # row 0's position 6: block 2, offset 2; row 1's position 13: block 6, offset 1
+        for got, want in ((pools[0].values[i], pools[1].values[i]), (pools[0].keys[i], pools[1].keys[i])):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
+        assert i > 0 or torch.equal(pools[0].values[i], pools[1].values[i])
+        changed = (pools[0].keys[i] != before[i]).any(-1)  # [blocks, offsets, heads]
+        assert changed[2, 2].all() and changed[6, 1].all()
+        changed[2, 2] = changed[6, 1] = False
+        assert not changed.any()
+
+
 def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints("llama"), dtype=torch.bfloat16)
     cache = KVCache.for_model(model, 1, 32)
@@ -359,7 +433,7 @@ def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
             torch.ops.staticformers.bf16_decode_layers(
                 x.view(1, -1), cos.view(1, -1), sin.view(1, -1), torch.tensor([3]), [masks[None]],
                 [layer.input_layernorm.weight], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [], [],
-                1e-5, 0.125,
+                None, 1e-5, 0.125,
             )  # fmt: skip
 
 

@@ -15,7 +15,9 @@
 // softmax, one pass over the values. Where a head's keys and values are whole vectors, a task is a KV head and the
 // query heads that read it (attend_group; split into fewer heads a task where the tasks would not keep every thread
 // busy): each key row is widened once for all of them and the values' weighted sums stay in registers, in the same
-// order as attend_one, so the same bits.
+// order as attend_one, so the same bits. `attend_paged` runs the same loops over a block pool, each row's positions
+// through its block table; it is no operator of its own: decode_layers.cpp's one call, built after this file in one
+// text, calls it on a block cache.
 // Built and loaded with gemv.cpp, by inductor's toolchain and vector ISA.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,11 +61,28 @@ static inline float exponentiate(float* scores, const int64_t L, const float top
   return sum;
 }
 
-// One (row, query head): its keys k (positions `ks` apart), values v (`vs` apart), mask (or null), into out.
+// Where one row's key (or value) vector of one KV head lies for each position s:
+// - Strided: a static cache's, `stride` apart from `base`;
+// - Paged: a block pool's ([blocks, size, kv_heads, dim], `base` the head's first vector in block 0), through the row
+//   of its block table: block `table[s / size]`, offset `s % size`, positions `stride` apart.
 template <typename T>
-static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, const int64_t vs, const bool* mask,
-                       const int64_t L, const int64_t D, const int64_t Dv, const float scale, float* qf, float* scores,
-                       float* acc, T* out) {
+struct Strided {
+  const T* base;
+  int64_t stride;
+  const T* operator()(const int64_t s) const { return base + s * stride; }
+};
+template <typename T>
+struct Paged {
+  const T* base;
+  const int64_t* table;
+  int64_t size, stride;
+  const T* operator()(const int64_t s) const { return base + (table[s / size] * size + s % size) * stride; }
+};
+
+// One (row, query head): its keys (`k(s)`), values (`v(s)`), mask (or null), into out.
+template <typename T, typename Rows>
+static void attend_one(const T* q, const Rows k, const Rows v, const bool* mask, const int64_t L, const int64_t D,
+                       const int64_t Dv, const float scale, float* qf, float* scores, float* acc, T* out) {
   constexpr int64_t W = fvec::size();
   const int64_t Dw = D - D % W, Dvw = Dv - Dv % W;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -74,7 +93,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, con
       scores[s] = ninf;
       continue;
     }
-    const T* kr = k + s * ks;
+    const T* kr = k(s);
     fvec a(0.f);
     for (int64_t j = 0; j < Dw; j += W) a = at::vec::fmadd(fvec::loadu(qf + j), load_float(kr + j), a);
     float dot = at::vec::vec_reduce_all<float>([](fvec& x, fvec& y) { return x + y; }, a);
@@ -91,7 +110,7 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, con
   for (int64_t s = 0; s < L; ++s) {
     const float p = scores[s];
     if (p == 0.f) continue;
-    const T* vr = v + s * vs;
+    const T* vr = v(s);
     const fvec pv(p);
     for (int64_t j = 0; j < Dvw; j += W) at::vec::fmadd(pv, load_float(vr + j), fvec::loadu(acc + j)).store(acc + j);
     for (int64_t j = Dvw; j < Dv; ++j) acc[j] += p * static_cast<float>(vr[j]);
@@ -103,10 +122,9 @@ static void attend_one(const T* q, const T* k, const T* v, const int64_t ks, con
 // `hg` query heads that read one KV head, together: each key row loaded and widened once for all of them, and each
 // head's weighted sum of the values kept in registers (NK, NV: the head's key and value vectors). The same sums in
 // the same order as attend_one, so the same bits. q: hg rows of D; scores: hg rows of L; out: hg rows of Dv.
-template <typename T, int NK, int NV>
-static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, const int64_t ks, const int64_t vs,
-                         const bool* mask, const int64_t L, const float scale, float* qf, float* scores, float* tops,
-                         T* out) {
+template <typename T, int NK, int NV, typename Rows>
+static void attend_group(const T* q, const int64_t hg, const Rows k, const Rows v, const bool* mask, const int64_t L,
+                         const float scale, float* qf, float* scores, float* tops, T* out) {
   constexpr int64_t W = fvec::size(), D = NK * W, Dv = NV * W;
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < hg * D; ++j) qf[j] = static_cast<float>(q[j]);
@@ -116,7 +134,7 @@ static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, c
       for (int64_t i = 0; i < hg; ++i) scores[i * L + s] = ninf;
       continue;
     }
-    const T* kr = k + s * ks;
+    const T* kr = k(s);
     fvec kv[NK];
     for (int j = 0; j < NK; ++j) kv[j] = load_float(kr + j * W);
     for (int64_t i = 0; i < hg; ++i) {
@@ -142,7 +160,7 @@ static void attend_group(const T* q, const int64_t hg, const T* k, const T* v, c
     for (int64_t s = 0; s < L; ++s) {
       const float p = sc[s];
       if (p == 0.f) continue;
-      const T* vr = v + s * vs;
+      const T* vr = v(s);
       const fvec pv(p);
       for (int j = 0; j < NV; ++j) acc[j] = at::vec::fmadd(pv, load_float(vr + j * W), acc[j]);
     }
@@ -166,14 +184,14 @@ static bool by_vectors(const int64_t n, F&& f) {
   }
 }
 
-template <typename T>
-static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask,
-                       const double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KVH = k.size(1), L = k.size(2), Dv = v.size(3);
+// Every (row, query head) of q [B, H, 1, D] over L positions, keys and values where `rows(b, kv_head, keys?)` says
+// (a Strided or Paged), each row's mask [L] (or none), into out [B, H, 1, Dv].
+template <typename T, typename RowsOf>
+static void attend_all(const at::Tensor& q, const int64_t KVH, const int64_t L, const int64_t Dv, RowsOf&& rows,
+                       const at::Tensor* mask, const double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
   const int64_t g = H / KVH;
   const T* qp = q.const_data_ptr<T>();
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
   const bool* mp = mask != nullptr ? mask->const_data_ptr<bool>() : nullptr;
   T* op = out.data_ptr<T>();
   constexpr int64_t W = fvec::size();
@@ -192,8 +210,7 @@ static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tenso
         std::vector<float> qf(hg * D), scores(hg * L), tops(hg);
         for (int64_t t = begin; t < end; ++t) {
           const int64_t b = t / (KVH * parts), kh = t / parts % KVH, h0 = b * H + kh * g + t % parts * hg;
-          attend_group<T, N, N>(qp + h0 * D, hg, kp + b * k.stride(0) + kh * k.stride(1),
-                                vp + b * v.stride(0) + kh * v.stride(1), k.stride(2), v.stride(2),
+          attend_group<T, N, N>(qp + h0 * D, hg, rows(b, kh, true), rows(b, kh, false),
                                 mp != nullptr ? mp + b * L : nullptr, L, static_cast<float>(scale), qf.data(),
                                 scores.data(), tops.data(), op + h0 * Dv);
         }
@@ -206,11 +223,44 @@ static void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     std::vector<float> qf(D), scores(L), acc(Dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H, kh = h / g;
-      attend_one<T>(qp + t * D, kp + b * k.stride(0) + kh * k.stride(1), vp + b * v.stride(0) + kh * v.stride(1),
-                    k.stride(2), v.stride(2), mp != nullptr ? mp + b * L : nullptr, L, D, Dv,
-                    static_cast<float>(scale), qf.data(), scores.data(), acc.data(), op + t * Dv);
+      attend_one<T>(qp + t * D, rows(b, kh, true), rows(b, kh, false), mp != nullptr ? mp + b * L : nullptr, L, D,
+                    Dv, static_cast<float>(scale), qf.data(), scores.data(), acc.data(), op + t * Dv);
     }
   });
+}
+
+// Over a static cache: k [B, KVH, L, D] and v [B, KVH, L, Dv], their last dimension contiguous.
+template <typename T>
+static void attend_strided(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask,
+                           const double scale, at::Tensor& out) {
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  attend_all<T>(
+      q, k.size(1), k.size(2), v.size(3),
+      [&](const int64_t b, const int64_t kh, const bool keys) {
+        return keys ? Strided<T>{kp + b * k.stride(0) + kh * k.stride(1), k.stride(2)}
+                    : Strided<T>{vp + b * v.stride(0) + kh * v.stride(1), v.stride(2)};
+      },
+      mask, scale, out);
+}
+
+// Over a block pool (decode_layers.cpp's one call on a block cache): k and v contiguous [blocks, size, KVH, D], each
+// row's positions through its row of table [B, width] (int64, contiguous; every entry a block of the pool, checked by
+// the caller), L = width * size positions, mask [B, L] (or none). Positions the mask hides are not read.
+template <typename T>
+static void attend_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                         const at::Tensor* mask, const double scale, at::Tensor& out) {
+  const int64_t size = k.size(1), KVH = k.size(2), D = k.size(3), Dv = v.size(3), width = table.size(1);
+  const T* kp = k.const_data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  const int64_t* tp = table.const_data_ptr<int64_t>();
+  attend_all<T>(
+      q, KVH, width * size, Dv,
+      [&](const int64_t b, const int64_t kh, const bool keys) {
+        return keys ? Paged<T>{kp + kh * D, tp + b * width, size, KVH * D}
+                    : Paged<T>{vp + kh * Dv, tp + b * width, size, KVH * Dv};
+      },
+      mask, scale, out);
 }
 
 static at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -239,8 +289,8 @@ static at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_i
   }
   at::Tensor out = at::empty({q.size(0), q.size(1), 1, v.size(3)}, q.options());
   const at::Tensor* mp = mask_in.has_value() ? &mask : nullptr;
-  if (dtype == at::kFloat) attend_all<float>(q, k, v, mp, scale, out);
-  else attend_all<at::BFloat16>(q, k, v, mp, scale, out);
+  if (dtype == at::kFloat) attend_strided<float>(q, k, v, mp, scale, out);
+  else attend_strided<at::BFloat16>(q, k, v, mp, scale, out);
   return out;
 }
 

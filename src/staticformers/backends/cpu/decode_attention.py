@@ -12,7 +12,8 @@ CPU kernel is `decode_attention.cpp`, part of the backend's one library (`kernel
 toolchain at the latest the first time a graph asks whether it can use it (`runs`), and loaded into this process. Where the build fails, or the streaming
 kernels of `gemv.py` cannot be built (no C++ compiler, no x86 vector ISA for inductor), `runs` says False and the
 formulation keeps inductor's reductions. Block caches keep them too: their keys and values are read through the
-block table inside those loops, where this operator would take a gathered copy.
+block table inside those loops, where this operator would take a gathered copy (`decode_layers.py`'s one call reads
+a pool through the table with the same loops, `attend_paged`).
 """
 
 from __future__ import annotations

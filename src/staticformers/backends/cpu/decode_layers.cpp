@@ -10,7 +10,9 @@
 // then the MLP half (`bf16_mlp_block`, or gemv.cpp's `int8_mlp_block` for int8 weights: residual, norm, gate and up,
 // SiLU, down, residual). x: [rows, hidden], bfloat16; cos, sin: [rows, head_dim] (each row's position's);
 // positions: [rows] (int64); each mask [rows, 1, 1, L] bool; caches [rows, kv_heads, L, head_dim], written in
-// place; scales: none (bfloat16 weights) or 7 a layer, q k v o gate up down in order (int8 weights).
+// place, or with a block table [rows, L / size] (int64) a block pool's layers [blocks, size, kv_heads, head_dim],
+// each row's position written into, and its positions read from, the block its table row names (decode_attention.cpp's
+// `attend_paged`); scales: none (bfloat16 weights) or 7 a layer, q k v o gate up down in order (int8 weights).
 //
 // Why it is written by hand: a compiled layer region made six calls a layer (two of inductor's kernels, the
 // projections, the attention and the MLP block), each behind its host cost, thirty times a step on a 30-layer
@@ -92,7 +94,8 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::TensorList gates, at::TensorList ups, at::TensorList downs,
                                      at::TensorList key_caches, at::TensorList value_caches, at::TensorList q_norms,
                                      at::TensorList k_norms, at::TensorList q_biases, at::TensorList k_biases,
-                                     at::TensorList v_biases, at::TensorList scales, double eps, double scale) {
+                                     at::TensorList v_biases, at::TensorList scales,
+                                     const std::optional<at::Tensor>& table_in, double eps, double scale) {
   static const auto gemv =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("staticformers::bf16_gemv", "")
@@ -122,7 +125,12 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16,
               "bf16_decode_layers: x must be bfloat16 [rows, hidden], got ", x_in.scalar_type(), " ", x_in.sizes());
   const int64_t M = x_in.size(0), H = x_in.size(1);
-  const int64_t KVH = key_caches[0].size(1), D = key_caches[0].size(3);
+  // a static cache's layer: [M, kv_heads, L, head_dim]; a block pool's: [blocks, size, kv_heads, head_dim], each row's
+  // positions through its row of the table [M, L / size]
+  const bool paged = table_in.has_value();
+  TORCH_CHECK(key_caches[0].dim() == 4, "bf16_decode_layers: the caches must be 4-dimensional, got ",
+              key_caches[0].sizes());
+  const int64_t KVH = key_caches[0].size(paged ? 2 : 1), D = key_caches[0].size(3);
   TORCH_CHECK(cos_in.numel() == M * D && sin_in.numel() == M * D && cos_in.scalar_type() == at::kBFloat16 &&
                   sin_in.scalar_type() == at::kBFloat16 && D % 2 == 0,
               "bf16_decode_layers: cos and sin must be bfloat16, one row of ", D, " values per row");
@@ -131,9 +139,25 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
               "bf16_decode_layers: positions must be int64, one per row");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous(), positions = positions_in.contiguous();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
-  TORCH_CHECK(key_caches[0].dim() == 4 && key_caches[0].size(0) == M,
-              "bf16_decode_layers: the caches must be [", M, ", kv_heads, L, head_dim], one row per row of x");
-  const int64_t Lc = key_caches[0].size(2);  // every layer's cache has the first's shape (checked below)
+  const int64_t size = paged ? key_caches[0].size(1) : 0;  // a block's positions
+  at::Tensor table;
+  int64_t Lc;  // every row's positions (every layer's cache has the first's shape, checked below)
+  if (paged) {
+    table = table_in->contiguous();
+    TORCH_CHECK(table.dim() == 2 && table.size(0) == M && table.scalar_type() == at::kLong,
+                "bf16_decode_layers: the block table must be int64 [", M, ", blocks a row], one row per row of x, got ",
+                table.scalar_type(), " ", table.sizes());
+    Lc = table.size(1) * size;
+    const int64_t blocks = key_caches[0].size(0);
+    const int64_t* tp = table.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < table.numel(); ++i)
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < blocks, "bf16_decode_layers: the block table names block ", tp[i],
+                  ", outside the pool's ", blocks);
+  } else {
+    TORCH_CHECK(key_caches[0].size(0) == M,
+                "bf16_decode_layers: the caches must be [", M, ", kv_heads, L, head_dim], one row per row of x");
+    Lc = key_caches[0].size(2);
+  }
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(pos[m] >= 0 && pos[m] < Lc, "bf16_decode_layers: position ", pos[m], " is outside the cache");
   at::Tensor x = x_in.contiguous();
@@ -143,8 +167,10 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
     TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == at::kBFloat16 &&
                     vc.sizes() == kc.sizes() && kc.sizes() == key_caches[0].sizes() &&
                     kw[l].size(0) == KVH * D && vw[l].size(0) == KVH * D && qw[l].size(0) == NH * D,
-                "bf16_decode_layers: layer ", l, "'s caches must be contiguous bfloat16 [", M, ", ", KVH, ", L, ", D,
-                "] and its projections fit them");
+                "bf16_decode_layers: layer ", l, "'s caches must be contiguous bfloat16, of the first layer's shape, ",
+                "with ", KVH, " KV heads of ", D, " values, and its projections fit them");
+    TORCH_CHECK(masks[l].scalar_type() == at::kBool && masks[l].numel() == M * Lc,
+                "bf16_decode_layers: layer ", l, "'s mask must be bool [", M, ", 1, 1, ", Lc, "]");
     at::Tensor h = at::empty({M, H}, x.options());
     rms_norm(bits(x), bits(input_norms[l].contiguous()), M, H, eps, bits_mut(h));
     const auto s = [&](const int64_t i) { return scales[7 * l + i]; };
@@ -165,17 +191,32 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
     }
     at::Tensor q = at::empty({M, NH, 1, D}, x.options());
     rope(bits(qkv[0]), NH * D, M, NH, D, bits(cos), bits(sin), bits_mut(q), NH * D, D);
-    // k (rotated) and v into each row's position: row m, head g at kc[m, g, pos[m], :]
+    // k (rotated) and v into each row's position: row m, head g at kc[m, g, pos[m], :], or in a pool at
+    // kc[table[m, pos[m] / size], pos[m] % size, g, :]
     uint16_t* kp = bits_mut(kc);
     uint16_t* vp = bits_mut(vc);
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t at_pos = m * KVH * Lc * D + pos[m] * D;
-      rope(bits(qkv[1]) + m * KVH * D, KVH * D, 1, KVH, D, bits(cos) + m * D, bits(sin) + m * D, kp + at_pos, 0,
-           Lc * D);
+      const uint16_t* km = bits(qkv[1]) + m * KVH * D;
       const uint16_t* v = bits(qkv[2]) + m * KVH * D;
+      if (paged) {
+        const int64_t at_pos = (table.const_data_ptr<int64_t>()[m * table.size(1) + pos[m] / size] * size +
+                                pos[m] % size) * KVH * D;
+        rope(km, KVH * D, 1, KVH, D, bits(cos) + m * D, bits(sin) + m * D, kp + at_pos, 0, D);
+        std::memcpy(vp + at_pos, v, KVH * D * sizeof(uint16_t));
+        continue;
+      }
+      const int64_t at_pos = m * KVH * Lc * D + pos[m] * D;
+      rope(km, KVH * D, 1, KVH, D, bits(cos) + m * D, bits(sin) + m * D, kp + at_pos, 0, Lc * D);
       for (int64_t g = 0; g < KVH; ++g) std::memcpy(vp + at_pos + g * Lc * D, v + g * D, D * sizeof(uint16_t));
     }
-    const at::Tensor out = attend.call(q, kc, vc, masks[l], scale);
+    at::Tensor out;
+    if (paged) {  // decode_attention.cpp's kernel over the pool, through the table (checked above)
+      out = at::empty({M, NH, 1, D}, x.options());
+      const at::Tensor mask = masks[l].contiguous();
+      attend_paged<at::BFloat16>(q, kc, vc, table, &mask, scale, out);
+    } else {
+      out = attend.call(q, kc, vc, masks[l], scale);
+    }
     const at::Tensor heads = out.view({M, NH * D});
     const at::Tensor o = quantized ? int8_gemv(heads, std::vector<at::Tensor>{ow[l]}, std::vector<at::Tensor>{s(3)})[0]
                                    : gemv.call(heads, {ow[l]})[0];

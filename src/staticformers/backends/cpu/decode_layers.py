@@ -14,7 +14,9 @@ bfloat16 `nn.Linear`s, or weight-only int8 ones (`QuantLinear`) in every layer f
 int8 kernel takes: an int8 model's batch-1 step had the same six calls a layer around half the bytes, so the calls
 were a larger share of it; no hooks, no LoRA, no gradient), the formulation streams
 its linears (`"stream"`) and runs the decode attention kernel (`"kernel"`), and the cache is a static bfloat16
-one whose layers' keys and values are contiguous. Such a step (`regions.py`) runs it in every call, the
+one whose layers' keys and values are contiguous, or a block cache's bfloat16 pool (`models/block_kv_cache.py`; its
+regions attend by fused reductions, `"reduce"`), which the operator writes and reads through the step's block table
+in place, where the regions gather every row's blocks. Such a step (`regions.py`) runs it in every call, the
 first (guarded) one and a prefill's last row (the last layer alone, `start`) too, so its layer regions are never
 compiled; where it declines, the regions run, compiled on first use.
 
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from ...models.hooks import global_hooks, hooked
+from ...models.block_kv_cache import BlockKVCache
 from ...models.kv_cache import KVCache
 from ...models.norm_variants import RMSNorm
 from . import decode_attention, gemv
@@ -66,7 +69,7 @@ define(
     "(Tensor x, Tensor cos, Tensor sin, Tensor positions, Tensor[] masks, Tensor[] input_norms, Tensor[] q, "
     "Tensor[] k, Tensor[] v, Tensor[] o, Tensor[] post_norms, Tensor[] gate, Tensor[] up, Tensor[] down, "
     "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] q_norms, Tensor[] k_norms, Tensor[] q_biases, "
-    "Tensor[] k_biases, Tensor[] v_biases, Tensor[] scales, float eps, float scale) -> Tensor",
+    "Tensor[] k_biases, Tensor[] v_biases, Tensor[] scales, Tensor? table, float eps, float scale) -> Tensor",
     _first_call,
     "CompositeExplicitAutograd",
     lambda x, *args: x.new_empty(x.shape),
@@ -175,9 +178,16 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
     None where the step must run its regions."""
     if not allowed():
         return None
-    if getattr(ops, "linears", None) != "stream" or getattr(ops, "attention_kind", None) != "kernel":
+    blocks = type(cache) is BlockKVCache  # the operator reads and writes its pool through the table
+    # the formulation the regions would run: on a block cache they attend by fused reductions, which read the pool in
+    # place (the operator's attention reads it through the table too)
+    if getattr(ops, "linears", None) != "stream" or getattr(ops, "attention_kind", None) != (
+        "reduce" if blocks else "kernel"
+    ):
         return None
-    if type(cache) is not KVCache or cache.latent or cache.linear or cache.keys[0].dtype != torch.bfloat16:
+    if not blocks and (type(cache) is not KVCache or cache.linear):
+        return None
+    if cache.latent or (cache.pool if blocks else cache).keys[0].dtype != torch.bfloat16:
         return None
     if getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:  # a part of each head rotates
         return None
@@ -185,7 +195,9 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
     rows = x.reshape(-1, x.shape[-1])
     if not layers or not all(layer_runs(layer, rows) for layer in layers):
         return None
-    keys, values = list(cache.keys)[start:], list(cache.values)[start:]
+    held = cache.pool if blocks else cache
+    keys, values = list(held.keys)[start:], list(held.values)[start:]
+    table = cache.table if blocks else None
     if not all(k.is_contiguous() and v.is_contiguous() for k, v in zip(keys, values)):
         return None
     if not loaded():
@@ -256,6 +268,8 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         if any(not isinstance(masks.get(w), torch.Tensor) or masks[w].dtype != torch.bool for w in distinct):
             return None
         b = x.shape[0]
+        if table is not None and table.shape[0] != b:  # a block table of other rows than the step's
+            return None
         out = op(
             x.reshape(b, -1),
             cos.reshape(b, -1),
@@ -266,6 +280,7 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
             keys,
             values,
             *extra,
+            table,
             epsilon,
             scale,
         )
