@@ -301,19 +301,25 @@ def test_int8_layers_the_operator_does_not_take_run_the_regions(tiny_checkpoints
             assert stack_for(mixed) is None
 
 
+def twin_caches(model, rows: int) -> list:
+    """Two static caches of `rows` rows and 32 positions, filled alike at random (seed 0)."""
+    torch.manual_seed(0)
+    caches = [KVCache.for_model(model, rows, 32) for _ in range(2)]
+    for i in range(model.config.num_hidden_layers):
+        for t in (caches[0].keys[i], caches[0].values[i]):
+            t.normal_()
+        caches[1].keys[i].copy_(caches[0].keys[i])
+        caches[1].values[i].copy_(caches[0].values[i])
+    return caches
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
 def test_the_cache_holds_the_keys_and_values_the_regions_write(tiny_checkpoints, family):
     """One decode step of two rows at positions 6 and 9 over caches filled alike: the operator writes each row's
     keys and values at its position, as the model's layers (the regions' code) do, within bf16's rounding, and
     nothing else in the cache changes; the hidden states agree the same way."""
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family), dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    caches = [KVCache.for_model(model, 2, 32) for _ in range(2)]
-    for i in range(model.config.num_hidden_layers):
-        for t in (caches[0].keys[i], caches[0].values[i]):
-            t.normal_()
-        caches[1].keys[i].copy_(caches[0].keys[i])
-        caches[1].values[i].copy_(caches[0].values[i])
+    caches = twin_caches(model, 2)
     before = [k.clone() for k in caches[0].keys]
     ids, positions = torch.tensor([[7], [40]]), torch.tensor([[6], [9]])
     with torch.no_grad():
@@ -356,13 +362,7 @@ def test_an_int8_stack_computes_the_layers_int8_projections_and_mlp(tiny_checkpo
     for layer in model.model.layers:
         for linear in (layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
             linear.weight_scale.data.mul_(16)
-    torch.manual_seed(0)
-    caches = [KVCache.for_model(model, 1, 32) for _ in range(2)]
-    for i in range(model.config.num_hidden_layers):
-        for t in (caches[0].keys[i], caches[0].values[i]):
-            t.normal_()
-        caches[1].keys[i].copy_(caches[0].keys[i])
-        caches[1].values[i].copy_(caches[0].values[i])
+    caches = twin_caches(model, 1)
     ids, positions = torch.tensor([[7]]), torch.tensor([[6]])
     with torch.no_grad():
         decoder = model.model

@@ -40,7 +40,7 @@ from ...models.kv_cache import KVCache
 from ...models.norm_variants import RMSNorm
 from . import decode_attention, gemv
 from ...models.quantization import QuantLinear
-from .formulations import bf16_streams, mlp_block_runs, streamed_together
+from .formulations import bf16_streams, mlp_block_runs, plain_mlp_half, streamed_together
 from .kernel_library import DECODE_LAYERS, LIBRARY
 from .operators import NativeKernels, define
 
@@ -104,11 +104,7 @@ def _int8_mlp_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> bool:
     for rows `x` (the operator's int8 MLP half; the regions have none)."""
     linears = tuple(getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj"))
     return (
-        type(norm) is RMSNorm
-        and norm.weight.dtype == torch.bfloat16
-        and getattr(mlp, "tanh_gelu", True) is False
-        and not hooked(norm)
-        and not hooked(mlp)
+        plain_mlp_half(norm, mlp)
         and all(_int8_linear(layer) for layer in linears)
         and streamed_together(linears[:2], x)
         and streamed_together(linears[2:], x.new_empty(x.shape[0], linears[2].in_features))

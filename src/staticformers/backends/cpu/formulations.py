@@ -187,13 +187,21 @@ def mlp_block_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor, attn: torch
     ):
         return False
     return (
+        plain_mlp_half(norm, mlp)
+        and all(isinstance(layer, nn.Linear) and layer.bias is None for layer in linears)
+        and bf16_streams(linears, x)
+    )
+
+
+def plain_mlp_half(norm: nn.Module, mlp: nn.Module) -> bool:
+    """The MLP half the CPU's MLP blocks compute, their projections aside: `norm` a plain RMSNorm with a bfloat16
+    weight, `mlp` a gated SiLU, no hook on either."""
+    return (
         type(norm) is RMSNorm
         and norm.weight.dtype == torch.bfloat16
         and getattr(mlp, "tanh_gelu", True) is False
         and not hooked(norm)
         and not hooked(mlp)
-        and all(isinstance(layer, nn.Linear) and layer.bias is None for layer in linears)
-        and bf16_streams(linears, x)
     )
 
 
