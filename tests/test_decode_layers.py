@@ -288,14 +288,15 @@ def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(t
 
 def test_int8_layers_the_operator_does_not_take_run_the_regions(tiny_checkpoints):
     """Weight-only int8: one row runs it; two rows (past the streaming int8 kernel's one), a layer left in bf16 among
-    int8 ones (each layer one kind or the other, the operator takes one kind for all), and a layer half int8: None."""
+    int8 ones (each layer one kind or the other, the operator takes one kind for all), a layer's attention in bf16 and
+    every layer's down projection in bf16: None."""
     path = tiny_checkpoints("llama")
     with torch.no_grad():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=INT8)
         assert stack_for(model) is not None
         assert stack_for(model, rows=2) is None
         attention = [f"layers.1.self_attn.{p}_proj" for p in "qkvo"]
-        for kept in (attention + [f"layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")], attention):
+        for kept in (attention + [f"layers.1.mlp.{p}_proj" for p in ("gate", "up", "down")], attention, ["down_proj"]):
             config = QuantizationConfig("int8_weight_only", modules_to_not_convert=[*kept, "lm_head"])
             mixed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config)
             assert stack_for(mixed) is None
@@ -428,6 +429,18 @@ def test_bad_input_is_refused_in_one_sentence(tiny_checkpoints):
         stack = stack_for(model, cache)
         with pytest.raises(RuntimeError, match="position 40 is outside the cache"):
             stack(x, cos, sin, masks, torch.tensor([[40]]))
+        from staticformers.models.block_kv_cache import BlockKVCache, KVBlocks
+
+        c = model.config
+        pool = KVBlocks(c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu")
+        paged = BlockKVCache(pool, 1, 32)
+        paged.write_table({0: [1, 99]})
+        with pytest.raises(RuntimeError, match="the block table names block 99, outside the pool's 5"):
+            stack_for(model, paged, PAGED)(x, cos, sin, masks, torch.tensor([[3]]))
+        attn = decoder.layers[1].self_attn
+        attn.q_proj = torch.nn.Linear(c.hidden_size, c.head_dim, bias=False, dtype=torch.bfloat16)  # one query head
+        with pytest.raises(RuntimeError, match="layer 1 has 1 query heads, which must be a multiple of its 2 KV heads"):
+            stack_for(model, cache)(x, cos, sin, masks, torch.tensor([[3]]))
         layer = decoder.layers[0]
         with pytest.raises(RuntimeError, match="every list must hold one tensor per layer"):
             torch.ops.staticformers.bf16_decode_layers(

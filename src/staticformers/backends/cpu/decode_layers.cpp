@@ -18,7 +18,9 @@
 // projections, the attention and the MLP block), each behind its host cost, thirty times a step on a 30-layer
 // model, and the worker threads waited through every gap between them (BENCHMARKS.md, "A decode step's layers in
 // one call"). Here the host calls each layer's operators from C++. The bf16 projections, the attention and the bf16
-// MLP half are the operators the regions call (through the dispatcher), so their bits are the regions'; the int8
+// MLP half are the operators the regions call (through the dispatcher), so over a static cache their bits are the
+// regions' (over a block pool the regions gather and attend by inductor's reductions: the same math, other
+// roundings); the int8
 // projections are the kernel the regions' int8 layers call (`int8_gemv`, called directly: this file is built in
 // one text after gemv.cpp), and the int8 MLP half rounds as the bf16 block does, which the regions' int8 layers,
 // having no block, do not quite.
@@ -169,6 +171,8 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                     kw[l].size(0) == KVH * D && vw[l].size(0) == KVH * D && qw[l].size(0) == NH * D,
                 "bf16_decode_layers: layer ", l, "'s caches must be contiguous bfloat16, of the first layer's shape, ",
                 "with ", KVH, " KV heads of ", D, " values, and its projections fit them");
+    TORCH_CHECK(NH >= KVH && NH % KVH == 0, "bf16_decode_layers: layer ", l, " has ", NH,
+                " query heads, which must be a multiple of its ", KVH, " KV heads");
     TORCH_CHECK(masks[l].scalar_type() == at::kBool && masks[l].numel() == M * Lc,
                 "bf16_decode_layers: layer ", l, "'s mask must be bool [", M, ", 1, 1, ", Lc, "]");
     at::Tensor h = at::empty({M, H}, x.options());

@@ -122,10 +122,10 @@ def _linears_run(layer: nn.Module, x: torch.Tensor, biased: bool) -> bool:
         return (
             all(_int8_linear(p, biased) for p in projections[:3])
             and _int8_linear(attn.o_proj)
-            and len({p.weight_scale.dtype for p in linears}) == 1
             and streamed_together(projections[:3], x)
             and streamed_together(projections[3:], x.new_empty(x.shape[0], attn.o_proj.in_features))
             and _int8_mlp_runs(layer.post_attention_layernorm, layer.mlp, x)
+            and len({p.weight_scale.dtype for p in linears}) == 1  # every one int8 (a QuantLinear) by now
         )
     return (
         all(_plain_linear(p, biased) for p in projections[:3])
