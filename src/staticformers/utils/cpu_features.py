@@ -73,14 +73,18 @@ def bf16_decode_path(flags: set[str], environ: Mapping[str, str] = os.environ) -
 
 
 def decode_layers(flags: set[str], environ: Mapping[str, str] = os.environ) -> str:
-    """Whether a warm bf16 decode step whose layers are all the plain pre-norm kind (Llama, Mistral, Qwen2, Qwen3)
-    runs them as one C++ call here, as a sentence: it needs the kernels `bf16_decode_path` needs, and
-    `STATICFORMERS_DECODE_LAYERS=0` turns it off."""
+    """Whether a warm bf16 decode step whose layers are all the plain pre-norm kind (Llama, Mistral, Qwen2, Qwen3;
+    bf16 weights, or weight-only int8 ones at one row; over a static or a block KV cache) runs them as one C++ call
+    here, as a sentence: it needs the kernels `bf16_decode_path` needs, and `STATICFORMERS_DECODE_LAYERS=0` turns it
+    off."""
     if _off(environ, "STATICFORMERS_DECODE_LAYERS"):
         return "each layer's compiled regions: STATICFORMERS_DECODE_LAYERS=0"
     if vector_isa(flags) == 0:
         return "each layer's compiled regions: no AVX2 or AVX-512 for the kernels"
-    return "one call for all layers, where they are the plain pre-norm kind (STATICFORMERS_DECODE_LAYERS=0: off)"
+    return (
+        "one call for all layers, where they are the plain pre-norm kind with bf16 weights, or int8 ones at one row, "
+        "over a static or a block KV cache (STATICFORMERS_DECODE_LAYERS=0: off)"
+    )
 
 
 def thp_mode(text: Optional[str] = None) -> Optional[str]:
