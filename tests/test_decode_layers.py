@@ -182,6 +182,20 @@ def test_block_caches_decode_in_one_call_with_the_regions_tokens_and_logits(tiny
         same_greedy(fused[i], plain[i])
 
 
+@pytest.mark.usefixtures("streaming_decode")
+def test_an_int8_model_on_block_caches_decodes_one_row_in_one_call(tiny_checkpoints, monkeypatch):
+    """Weight-only int8 (Qwen2's biases kept) over a pool of 8-position blocks, one prompt chunked: every decode step
+    and the last chunk's row run the one call through the table, with the regions' tokens and logits."""
+    path, prompt = tiny_checkpoints("qwen2"), [tokens(23, 2)]
+    calls = count_stacks(monkeypatch)
+    steps: list = []
+    fused = run(path, prompt, 14, steps, INT8, blocks=24)
+    assert len([c for c in calls if c[1] == 0]) >= 13 and all(rows == 1 for rows, _ in calls)
+    assert steps and all(step.stacked for step in steps if type(step.cache).__name__ == "BlockKVCache")
+    monkeypatch.setenv("STATICFORMERS_DECODE_LAYERS", "0")
+    same_greedy(fused[0], run(path, prompt, 14, None, INT8, blocks=24)[0])
+
+
 def same_greedy(got: tuple, want: tuple, rtol: float = 2**-6, atol: float = 2**-7) -> None:
     """Two greedy runs' (tokens, logits) agree within bf16's rounding: the logits close up to and including the
     first token where they part, and there the two tokens' logits were within the tolerance of each other (a
