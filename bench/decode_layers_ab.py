@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from reference import pressure, real_model, report  # noqa: E402
+from reference import pool_blocks, pressure, real_model, report  # noqa: E402
 
 
 def blocks_loop(model, batch: int, prompt: int, new: int):
@@ -38,7 +38,7 @@ def blocks_loop(model, batch: int, prompt: int, new: int):
 
     engine = engine_for(model)
     plan = engine.plan.with_extend_widths((max(prompt, 16), 1))
-    blocks = batch * -(-(prompt + new) // 32) + 1
+    blocks = pool_blocks(batch, prompt, new)
     settings = compile_settings(model, GenerationConfig())
     return GenerationLoop(engine, settings, plan=plan, chunked_prefill=True, kv_blocks=blocks, kv_block_size=32)
 

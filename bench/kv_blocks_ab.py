@@ -64,7 +64,7 @@ print(json.dumps({"ttft_ms": t1 * 1e3, "step_ms": (tn - t1) / (new - 1) * 1e3, "
 
 
 def main() -> None:
-    from reference import SIZES, build_reference, emit, pressure, reference_dir
+    from reference import SIZES, build_reference, emit, pool_blocks, pressure, reference_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="A B (A) processes per case")
@@ -90,7 +90,7 @@ def main() -> None:
     }
     for dtype in args.dtypes:
         for batch in args.batches:
-            blocks = batch * -(-(args.prompt + args.new) // 32) + 1  # every row's positions, in blocks of 32
+            blocks = pool_blocks(batch, args.prompt, args.new)
             sides = ("a", "b", "a2") if args.control else ("a", "b")
             runs: dict = {side: [] for side in sides}
             for _ in range(args.rounds):

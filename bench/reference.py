@@ -171,6 +171,12 @@ def check_size(size: str) -> None:
         raise ValueError(f"Unknown reference size {size!r}: use one of {', '.join(SIZES)}.")
 
 
+def pool_blocks(batch: int, prompt: int, new: int, size: int = 32) -> int:
+    """Blocks of `size` positions that hold every row's prompt and new tokens, plus the pool's null block: a pool in
+    which no row is ever preempted."""
+    return batch * -(-(prompt + new) // size) + 1
+
+
 def emit(report: dict, out: str | None) -> None:
     """Print a benchmark's report as JSON, and write it to `out` too where one is given."""
     text = json.dumps(report, indent=1)

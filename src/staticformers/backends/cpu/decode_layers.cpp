@@ -143,6 +143,7 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   const int64_t size = paged ? key_caches[0].size(1) : 0;  // a block's positions
   at::Tensor table;
+  const int64_t* tp = nullptr;  // the table's entries, row after row
   int64_t Lc;  // every row's positions (every layer's cache has the first's shape, checked below)
   if (paged) {
     table = table_in->contiguous();
@@ -151,7 +152,7 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
                 table.scalar_type(), " ", table.sizes());
     Lc = table.size(1) * size;
     const int64_t blocks = key_caches[0].size(0);
-    const int64_t* tp = table.const_data_ptr<int64_t>();
+    tp = table.const_data_ptr<int64_t>();
     for (int64_t i = 0; i < table.numel(); ++i)
       TORCH_CHECK(tp[i] >= 0 && tp[i] < blocks, "bf16_decode_layers: the block table names block ", tp[i],
                   ", outside the pool's ", blocks);
@@ -203,8 +204,7 @@ static at::Tensor bf16_decode_layers(const at::Tensor& x_in, const at::Tensor& c
       const uint16_t* km = bits(qkv[1]) + m * KVH * D;
       const uint16_t* v = bits(qkv[2]) + m * KVH * D;
       if (paged) {
-        const int64_t at_pos = (table.const_data_ptr<int64_t>()[m * table.size(1) + pos[m] / size] * size +
-                                pos[m] % size) * KVH * D;
+        const int64_t at_pos = (tp[m * table.size(1) + pos[m] / size] * size + pos[m] % size) * KVH * D;
         rope(km, KVH * D, 1, KVH, D, bits(cos) + m * D, bits(sin) + m * D, kp + at_pos, 0, D);
         std::memcpy(vp + at_pos, v, KVH * D * sizeof(uint16_t));
         continue;

@@ -111,14 +111,19 @@ def _int8_mlp_runs(norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
+def _linears(layer: nn.Module) -> tuple:
+    """A layer's seven projections in the operator's order: q, k, v, o, gate, up, down (its scales' order)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
 def _linears_run(layer: nn.Module, x: torch.Tensor, biased: bool) -> bool:
     """Whether the operator computes the layer's projections and its MLP half for rows `x`: bfloat16 linears the
     streaming bf16 kernel takes with `bf16_mlp_block`'s MLP, or weight-only int8 ones the streaming int8 kernel
     takes (one row), their scales of one dtype."""
-    attn = layer.self_attn
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+    attn, linears = layer.self_attn, _linears(layer)
+    projections = linears[:4]
     if isinstance(attn.q_proj, QuantLinear):
-        linears = (*projections, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
         return (
             all(_int8_linear(p, biased) for p in projections[:3])
             and _int8_linear(attn.o_proj)
@@ -183,7 +188,8 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         return None
     if not blocks and (type(cache) is not KVCache or cache.linear):
         return None
-    if cache.latent or (cache.pool if blocks else cache).keys[0].dtype != torch.bfloat16:
+    held = cache.pool if blocks else cache  # the layers' keys and values
+    if cache.latent or held.keys[0].dtype != torch.bfloat16:
         return None
     if getattr(model.config, "partial_rotary_factor", 1.0) != 1.0:  # a part of each head rotates
         return None
@@ -191,7 +197,6 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
     rows = x.reshape(-1, x.shape[-1])
     if not layers or not all(layer_runs(layer, rows) for layer in layers):
         return None
-    held = cache.pool if blocks else cache
     keys, values = list(held.keys)[start:], list(held.values)[start:]
     table = cache.table if blocks else None
     if not all(k.is_contiguous() and v.is_contiguous() for k, v in zip(keys, values)):
@@ -233,21 +238,7 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         [a.q_proj.bias for a in attns] if biased else [],
         [a.k_proj.bias for a in attns] if biased else [],
         [a.v_proj.bias for a in attns] if biased else [],
-        [
-            linear.weight_scale
-            for layer in layers
-            for linear in (
-                layer.self_attn.q_proj,
-                layer.self_attn.k_proj,
-                layer.self_attn.v_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_proj,
-                layer.mlp.up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
-        if quantized
-        else [],
+        [linear.weight_scale for layer in layers for linear in _linears(layer)] if quantized else [],
     )
     windows = [a.window for a in attns]
     distinct = set(windows)
