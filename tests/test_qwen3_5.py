@@ -192,8 +192,9 @@ def test_bf16_logits_close_and_top1_agrees(tiny_checkpoints):
 
 def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
     """The loss equals transformers'; every gradient is as close to transformers' float64 gradient as its float32
-    one is (within twice its error, or 1e-5 of the parameter's gradient scale): some parameters' gradients (the
-    first layers' decay) are sums that cancel, which float32 rounds differently in either order."""
+    one is (within twice its error, or 1e-5 of the parameter's gradient scale, or float32's epsilon of the model's
+    largest gradient): some parameters' gradients (the decay's) are sums that cancel, which float32 rounds
+    differently in either order and on either vector width."""
     path = tiny_checkpoints("qwen3_5")
     ours, ref, exact = AutoModelForCausalLM.from_pretrained(path), _hf(path), _hf(path, torch.float64)
     ids, _ = _inputs(seed=2)  # unpadded: a padded row's fully masked queries are opened differently (unused)
@@ -212,11 +213,15 @@ def test_gradients_as_close_to_float64_as_transformers(tiny_checkpoints):
         {n: p.grad for n, p in ours.named_parameters()}
     )
     assert set(grads) == set(want)
+    # a gradient that is a sum cancelling to far below its terms carries their rounding: float32's epsilon of the
+    # model's largest gradient (on an AVX2-only CPU the decay's gradients in layer 2 are 2.2x transformers' error, at a
+    # fifth of this floor; zeroing the smallest gradient, layer 0's dt_bias, would be 16x it)
+    floor = torch.finfo(torch.float32).eps * max(float(p.grad.abs().max()) for p in want.values())
     for name, grad in grads.items():
         e = want[name].grad
         ours_err = float((grad.double() - e).abs().max())
         their_err = float((theirs[name].grad.double() - e).abs().max())
-        assert ours_err <= 2 * their_err + 1e-5 * float(e.abs().max()), (name, ours_err, their_err)
+        assert ours_err <= 2 * their_err + max(1e-5 * float(e.abs().max()), floor), (name, ours_err, their_err)
     assert float(ours.model.layers[0].linear_attn.A_log.grad.abs().max()) > 0
 
 
