@@ -262,7 +262,7 @@ def test_models_whose_layers_are_not_the_operators_math_run_their_regions(tiny_c
 
 
 def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(tiny_checkpoints, monkeypatch):
-    """float32 weights, a float32 cache, a latent block pool, linears or attention other than `"stream"` and `"kernel"`
+    """float32 weights, a float32 cache, a latent block pool, a pool whose window layers are a group of their own, linears or attention other than `"stream"` and `"kernel"`
     (`"reduce"` on a block cache),
     too many rows, a hook, a LoRA projection, a wanted gradient and `STATICFORMERS_DECODE_LAYERS=0`: None."""
     from staticformers.adapters.lora import LoraLinear
@@ -281,6 +281,10 @@ def test_caches_inputs_and_settings_the_operator_does_not_take_run_the_regions(t
         assert stack_for(model, BlockKVCache(pool, 1, 32)) is None  # a block cache's regions attend by reductions
         latent = KVBlocks(c.num_hidden_layers, 4, 16, 1, c.head_dim, torch.bfloat16, "cpu", latent=c.head_dim // 2)
         assert stack_for(model, BlockKVCache(latent, 1, 32), ops=PAGED) is None
+        grouped = KVBlocks(
+            c.num_hidden_layers, 4, 16, c.num_key_value_heads, c.head_dim, torch.bfloat16, "cpu", window=((1,), 2)
+        )
+        assert stack_for(model, BlockKVCache(grouped, 1, 32), ops=PAGED) is None  # a window group's second table
         assert stack_for(model, ops=f.CPUOps("kernel", "reduce", "reduce")) is None
         assert stack_for(model, ops=f.CPUOps("reduce", "stream", "stream")) is None
         assert stack_for(model, rows=f.BF16_GEMV_MAX_ROWS + 1) is None

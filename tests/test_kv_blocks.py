@@ -75,13 +75,17 @@ def run(loop, arrivals: dict, max_steps: int = 5_000) -> dict:
             assert event.error is None, event.error
             out.setdefault(event.request_id, []).append(event.token)
         if loop.blocks is not None:
-            held = [b for r in loop.rows.values() for b in r.blocks if b != NULL_BLOCK]  # not those given back
-            assert len(held) == loop.blocks.references and len(set(held)) == loop.blocks_used, "a block leaked"
-            assert all(not r.blocks for r in loop.waiting)
+            for group in loop.scheduler.groups:  # the model's blocks, and a window group's where it has one
+                held = [b for r in loop.rows.values() for b in getattr(r, group.attr) if b != NULL_BLOCK]
+                assert len(held) == group.pool.references and len(set(held)) == group.pool.used, "a block leaked"
+                assert all(not getattr(r, group.attr) for r in loop.waiting)
+            if len(loop.scheduler.groups) > 1:  # the same logical blocks in each group
+                assert all(len(r.blocks) == len(r.window_blocks) for r in loop.rows.values())
         loop.most_running = max(loop.most_running, loop.running)
         step += 1
         assert step < max_steps
     assert loop.blocks_used == 0
+    assert all(group.pool.used == 0 for group in getattr(loop.scheduler, "groups", []))
     return out
 
 

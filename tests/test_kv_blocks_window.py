@@ -49,9 +49,10 @@ def run_counting(loop, arrivals: dict) -> tuple[dict, int]:
     return run(loop, arrivals), most
 
 
-def test_only_models_whose_every_layer_slides_give_blocks_back(tiny_checkpoints):
+def test_only_models_whose_every_layer_slides_give_back_their_blocks_whole(tiny_checkpoints):
     """Mistral's window on every layer: 5. Gemma 2 alternates sliding and full layers, and Qwen3 attends fully:
-    their full layers read every block, so none goes back."""
+    their full layers read every block, so none goes back whole (Gemma 2's window layers give back theirs as a group
+    of their own: test_kv_blocks_window_group.py)."""
     for family, window in (("mistral-window", WINDOW), ("gemma2", None), ("qwen3", None)):
         config = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(family)).config
         assert sliding_window(config) == window, family

@@ -160,7 +160,7 @@ class Engine:
         self.steps: StepBuilder = self.backend.steps_for(model, self.tp)
         self._context = _Context(self)
         self.caches: dict[tuple, KVCache] = {}
-        self.block_spec: Optional[tuple] = None  # (blocks, block size) while a loop runs on block caches
+        self.block_spec: Optional[tuple] = None  # (blocks, block size, window group) while a loop runs on block caches
         self.pools: dict[tuple, KVBlocks] = {}  # each block spec's pool, made with its first cache (`use_blocks`)
         self.rollback = 0  # the widest verification whose linear-attention states the caches keep per position
         self.graphs: dict[tuple, Graph] = {}
@@ -229,16 +229,18 @@ class Engine:
             for m in layers:
                 m.chunk_size = chunk
 
-    def use_blocks(self, blocks: Optional[int], block_size: int = 32) -> None:
+    def use_blocks(self, blocks: Optional[int], block_size: int = 32, window: Optional[tuple] = None) -> None:
         """Run the next steps on block caches over one pool of `blocks` blocks of `block_size` positions
-        (`models/block_kv_cache.py`), or (None) on static caches. Caches and steps of each kind are kept apart
-        (their keys hold the spec), so a loop of one kind after a loop of the other compiles nothing it compiled
-        before. A pool's memory is checked the first time its spec is asked for and allocated with its first
-        cache."""
-        wanted = None if blocks is None else (int(blocks), int(block_size))
+        (`models/block_kv_cache.py`; `window`: (the window layers, their blocks) where those are a group of their
+        own), or (None) on static caches. Caches and steps of each kind are kept apart (their keys hold the spec), so
+        a loop of one kind after a loop of the other compiles nothing it compiled before. A pool's memory is checked
+        the first time its spec is asked for and allocated with its first cache."""
+        wanted = None
+        if blocks is not None:
+            wanted = (int(blocks), int(block_size), (tuple(window[0]), int(window[1])) if window is not None else None)
         if wanted is not None and wanted not in self.pools and wanted != self.block_spec:
             check_fits(
-                KVBlocks.bytes_for(self.model, *wanted, self.tp),
+                KVBlocks.bytes_for(self.model, wanted[0], wanted[1], self.tp, wanted[2]),
                 self.model.device,
                 f"The KV block pool ({wanted[0]} blocks x {wanted[1]} positions)",
                 "lower the number of KV blocks or the memory budget",
@@ -255,7 +257,8 @@ class Engine:
         if cache is None and self.block_spec is not None:
             pool = self.pools.get(self.block_spec)
             if pool is None:
-                pool = self.pools[self.block_spec] = KVBlocks.for_model(self.model, *self.block_spec, self.tp)
+                blocks, size, window = self.block_spec
+                pool = self.pools[self.block_spec] = KVBlocks.for_model(self.model, blocks, size, self.tp, window)
             cache = self.caches[(batch, kv, self.block_spec)] = BlockKVCache(pool, batch, kv)
             self.backend.flush(self.model.device)
         if cache is None:

@@ -9,7 +9,7 @@ step have blocks for the positions it will write and read?") and a test can chec
   rows (its reference count): handed out lowest first, taken back in any order.
 - **Prefix caching by sharing.** A full block of a prompt can be *registered* under its chained key
   (`prefix_cache.block_keys`: the adapter and its load, and every token before it, are in the key). A joining
-  prompt whose first blocks' keys are registered holds those very blocks (`match`: their count goes up): no
+  prompt whose first blocks' keys are registered holds those very blocks (`peek` finds them, `hold` counts it): no
   copy, no graph. A registered block nobody holds stays cached, in least-recently-used order, and is handed
   out again (its key dropped) only when no never-used block is left. A row gives its blocks back tail first, so
   a chain's last blocks are evicted before its first. `retire` drops the keys of adapter loads the bank no
@@ -18,8 +18,12 @@ step have blocks for the positions it will write and read?") and a test can chec
 - **Sliding windows.** On a model whose every layer attends a sliding window (`sliding_window(config)`), a query at
   position p reads no position before `p - window + 1`, so the blocks wholly before a row's next query are given
   back as it moves on (`blocks_behind`), their table entries the null block (`NULL_BLOCK`). A row then holds at
-  most `window_blocks` blocks however long it runs, which is what admission checks (`Scheduler.peak_blocks`). A
-  model with a full-attention layer (Gemma's, gpt-oss's mix) keeps every block: its full layers read them.
+  most `window_blocks` blocks however long it runs, which is what admission checks (`Scheduler.peak_blocks`).
+- **Two groups.** A model that mixes window and full-attention layers (Gemma 2 and 3, gpt-oss, Qwen2's
+  `max_window_layers`; `window_group(config)`) keeps its full layers' blocks as above and its window layers' in a
+  pool and an account of their own, of `window_pool_blocks` blocks: a row holds both, the same logical blocks, and
+  gives back the window layers' behind the window while its full layers keep theirs. Prefix caching registers both;
+  a hit needs the full layers' blocks of the whole prefix and the window layers' of its last window only.
 """
 
 from __future__ import annotations
@@ -41,6 +45,34 @@ def sliding_window(config) -> Optional[int]:
     layer attends to every position (or there are no layers)."""
     windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
     return None if not windows or None in windows else max(windows)
+
+
+def window_group(config) -> Optional[tuple[tuple[int, ...], int]]:
+    """(the layers that attend a window, the largest of their windows) on a model that mixes them with
+    full-attention layers, None on one whose layers all attend fully or all slide (`sliding_window`)."""
+    windows = {i: config.layer_window(i) for i in range(config.num_hidden_layers)}
+    sliding = tuple(i for i, w in windows.items() if w is not None)
+    if not sliding or len(sliding) == len(windows):
+        return None
+    return sliding, max(windows[i] for i in sliding)
+
+
+def window_pool_blocks(blocks: int, window: int, slots: int, width: int, prompt: int, block_size: int) -> int:
+    """The window layers' pool beside a full layers' pool of `blocks`: enough for `slots` rows each at its widest
+    step's window (`width` tokens: a chunk, or a verify step's), and for one prompt of `prompt` tokens run whole
+    (a scored prompt is never chunked), never more than `blocks`."""
+    return min(int(blocks), max(int(slots) * window_blocks(window, width, block_size), blocks_for(prompt, block_size)))
+
+
+def window_spec(
+    config, blocks: int, slots: int, width: int, max_model_len: int, block_size: int
+) -> Optional[tuple[tuple[int, ...], int]]:
+    """(the window layers, their pool's blocks: `window_pool_blocks`) beside a pool of `blocks`, on a model whose
+    window layers are a group of their own (`window_group`); None on another."""
+    group = window_group(config)
+    if group is None:
+        return None
+    return group[0], window_pool_blocks(blocks, group[1], slots, width, max_model_len, block_size)
 
 
 def blocks_behind(length: int, window: int, block_size: int) -> int:
@@ -123,23 +155,24 @@ class BlockAllocator:
                 heapq.heappush(self._fresh, b)
 
     # ---- sharing ---------------------------------------------------------------------------------------
-    def match(self, keys: Sequence[bytes], tokens: int, block_size: int) -> list[int]:
-        """The cached blocks of the longest prefix of `keys` (a prompt's full blocks, at most as many as leave one
-        of its `tokens` to compute), now held once more each (`count_query` counts the lookup)."""
-        usable = max(tokens - 1, 0) // block_size
+    def peek(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys`, not held."""
         found = []
-        for key in keys[:usable]:
+        for key in keys:
             block = self._index.get(key)
             if block is None:
                 break
             found.append(block)
-        for b in found:
+        return found
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Hold each of `blocks` (cached ones, `peek`'s) once more."""
+        for b in blocks:
             if b in self._cached_free:
                 del self._cached_free[b]
                 self._refs[b] = 1
             else:
                 self._refs[b] += 1
-        return found
 
     def count_query(self, tokens: int, hit: int) -> None:
         """Count a prompt of `tokens` tokens looked up, `hit` of them found (once it is admitted)."""
@@ -193,4 +226,7 @@ __all__ = [
     "blocks_for",
     "sliding_window",
     "window_blocks",
+    "window_group",
+    "window_pool_blocks",
+    "window_spec",
 ]

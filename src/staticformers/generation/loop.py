@@ -93,10 +93,10 @@ from ..adapters.lora import BASE
 from ..models.kv_cache import KVCache, bytes_per_position
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
-from .kv_blocks import BlockAllocator, sliding_window
+from .kv_blocks import BlockAllocator, sliding_window, window_group, window_spec
 from .chunking import chunk_width, decoding, positions_needed, prefilling
 from .plan import ShapePlan
-from .prefix_cache import PrefixCache, adapter_key, block_keys
+from .prefix_cache import PrefixCache, adapter_key
 from .runner import StepRunner
 from .scheduler import Scheduler
 from .sampling import RowSampler, SamplingParams
@@ -183,6 +183,16 @@ class GenerationLoop:
         self.chunks = 0  # extend steps run for chunks (reported)
         self.blocks = self._block_allocator(kv_blocks, kv_block_size)
         self.block_size = int(kv_block_size)
+        ahead = speculator.width if speculator is not None else 1
+        # a model mixing window and full layers: the window layers' blocks in a pool and an account of their own
+        width = max(self.chunk or 1, ahead) if self.chunked else 1  # a row's widest step
+        self._window_spec = (  # (the window layers, their pool's blocks): the engine's pool spec
+            window_spec(engine.model.config, kv_blocks, self.max_slots, width, self.plan.max_model_len, self.block_size)
+            if kv_blocks is not None
+            else None
+        )
+        self.window_blocks = BlockAllocator(self._window_spec[1]) if self._window_spec is not None else None
+        mixed = window_group(engine.model.config)
         self.scheduler = Scheduler(
             self.plan,
             self.max_slots,
@@ -191,13 +201,14 @@ class GenerationLoop:
             self.blocks,
             self.block_size,
             self.share,
-            speculator.width if speculator is not None else 1,
+            ahead,
             engine.model,
             lambda: self.cache.max_length if self.cache is not None else None,
             self._read_costs() if self.blocks is not None else None,
             sliding_window(engine.model.config) if self.blocks is not None else None,
+            (self.window_blocks, mixed[1]) if self.window_blocks is not None and mixed is not None else None,
         )
-        engine.use_blocks(kv_blocks, kv_block_size)
+        engine.use_blocks(kv_blocks, kv_block_size, self._window_spec)
 
     def _read_costs(self) -> tuple:
         """(the weights' bytes on this rank, one position's bytes over the layers): what a step reads, from which the
@@ -276,12 +287,13 @@ class GenerationLoop:
         need = positions_needed(self.plan, len(prompt), n, self.chunked)
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
-        peak = self.scheduler.peak_blocks(len(prompt), need, request.sampling.prompt_logprobs is not None)
-        if self.blocks is not None and peak > self.blocks.blocks:
-            raise ValueError(
-                f"The request needs {need} cache positions, {peak} blocks of {self.block_size} at once, and the KV "
-                f"pool has {self.blocks.blocks}: lower max_new_tokens or give the pool more blocks."
-            )
+        for group, peak in self.scheduler.peak_blocks(len(prompt), need, request.sampling.prompt_logprobs is not None):
+            if peak > group.pool.blocks:
+                which = "KV pool" if group.pool is self.blocks else "window layers' KV pool"
+                raise ValueError(
+                    f"The request needs {need} cache positions, {peak} blocks of {self.block_size} at once, and the "
+                    f"{which} has {group.pool.blocks}: lower max_new_tokens or give the pool more blocks."
+                )
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)
         return need, slot
@@ -361,7 +373,9 @@ class GenerationLoop:
             self.engine.lock.acquire()
             self._holding = True
             # this loop's kind of cache: another loop may have run on the engine with the other kind since
-            self.engine.use_blocks(self.blocks.blocks if self.blocks is not None else None, self.block_size)
+            self.engine.use_blocks(
+                self.blocks.blocks if self.blocks is not None else None, self.block_size, self._window_spec
+            )
         self._events, self.scheduler.joining = [], []
         try:
             for slot in self.scheduler.cancelled_slots():
@@ -458,9 +472,7 @@ class GenerationLoop:
                     self.sampler.generators[slot] = row.generator or self.sampler.generators[slot]
                     self.constraints.rows[slot] = row.grammar
             if self.blocks is not None:
-                self._write_table(
-                    {**{s: r.blocks for s, r in self.rows.items()}, **{s: r.blocks for s, r in zip(slots, joining)}}
-                )
+                self._write_table({**self.rows, **dict(zip(slots, joining))})
             whole, given = [], []  # the rows this prefill runs, and the tokens each one gets
             for slot, row in zip(slots, joining):
                 if row.length:  # it holds its prefix's shared blocks: the rest runs as chunks
@@ -510,12 +522,14 @@ class GenerationLoop:
             row.grammar = self.constraints.rows[slot] if self.constraints is not None else None
             self._clear_slot(slot)
         if changed or self._table_stale:  # a freed row's entries point at blocks it no longer holds
-            self._write_table({s: r.blocks for s, r in self.rows.items()})
+            self._write_table(self.rows)
 
     def _write_table(self, rows: dict, view: Optional[KVCache] = None) -> None:
-        """The block cache's table (or `view`'s, a view of its pool) from `rows` {row: blocks}; every other row's
-        entries the null block. Its own graph on a lazily traced device (flushed), not part of the next step's."""
-        (view or self.cache).write_table(rows)
+        """The block cache's tables (or `view`'s, a view of its pool) from `rows` {row: the `Row` there}; every other
+        row's entries the null block. Its own graph on a lazily traced device (flushed), not part of the next step's."""
+        cache = view or self.cache
+        windows = {i: r.window_blocks for i, r in rows.items()} if self.window_blocks is not None else None
+        cache.write_table({i: r.blocks for i, r in rows.items()}, windows)
         if view is None:
             self._table_stale = False
         self.engine.backend.flush(self.engine.model.device)
@@ -540,12 +554,14 @@ class GenerationLoop:
         if self.share:
             owner = self.engine.weights_fingerprint()
             if owner != self._owner:
-                self.blocks.forget()
+                for g in self.scheduler.groups:
+                    g.pool.forget()
                 self._owner = owner
             bank = bank_of(self.engine.model)
             if bank is not None and bank.changes != self._bank_changes:
                 self._bank_changes = bank.changes
-                self.blocks.retire(lambda tag: tag is None or bank.load_of(tag[0]) == tag[1])
+                for g in self.scheduler.groups:
+                    g.pool.retire(lambda tag: tag is None or bank.load_of(tag[0]) == tag[1])
         if self.prefix is not None:
             self.prefix.owned_by(self.engine.weights_fingerprint())
             bank = bank_of(self.engine.model)
@@ -566,9 +582,7 @@ class GenerationLoop:
         """Keep the blocks of a row whose prompt is now all in its cache row (prefix caching on): copied into the
         pool, or on block caches its full blocks registered under their keys, shared as they are."""
         if self.share:
-            load = self.scheduler.adapter_load(row)
-            keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)
-            self.blocks.register(row.blocks, keys, tag=load if row.adapter else None)
+            self.scheduler.register(row)
         if self.prefix is not None:
             load = self.scheduler.adapter_load(row)
             if self.prefix.store(
@@ -651,7 +665,7 @@ class GenerationLoop:
         blocks, row i the i-th of `step.slots` (written before every such step: the view is shared by every step of
         its shape), then apply its result."""
         view = self.engine.cache(*step.view)
-        self._write_table({i: self.rows[s].blocks for i, s in enumerate(step.slots)}, view)
+        self._write_table({i: self.rows[s] for i, s in enumerate(step.slots)}, view)
         result = self._run(step, view)
         if result is not None:
             self.chunks += step.kind == "chunk"
@@ -767,7 +781,7 @@ class GenerationLoop:
         self.cache = target
         self.moves += 1
         if self.blocks is not None:  # the target's other rows may hold another batch's entries
-            self._write_table({s: r.blocks for s, r in self.rows.items()})
+            self._write_table(self.rows)
         # the copy is a graph of its own on a lazily traced device, not part of the next step's (which compiled a
         # second graph for its shape after a move down)
         self.engine.backend.flush(self.engine.model.device)

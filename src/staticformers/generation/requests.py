@@ -66,6 +66,7 @@ class Row:
     tokens: list = field(default_factory=list)  # what it generated so far (speculative proposals read it)
     prompt: list = field(default_factory=list)  # what its prefill runs: the request's prompt, then what it generated
     blocks: list = field(default_factory=list)  # the pool blocks it holds (block caches), logical order
+    window_blocks: list = field(default_factory=list)  # its window layers' blocks, when they are a group of their own
     order: int = 0  # when it took its slot (the newest is preempted first)
     resumed: bool = False  # preempted, then admitted again: its prompt holds its tokens (its prompt is not scored)
     generator: Any = None  # a preempted row's sampling generator, given back when it resumes

@@ -17,14 +17,17 @@ The rules, each decided here:
 - **First come, first served, as far as blocks go.** A waiting request joins while a slot is free and (block caches)
   its first step's blocks fit in what the running rows' next steps leave (`spare_blocks`: admitting into blocks that
   are about to be needed would preempt it again at once). With prefix caching it first holds the cached blocks of
-  its prompt's prefix (`kv_blocks.BlockAllocator.match`, keyed by the adapter's load).
+  its prompt's prefix (`_share_prefix`, keyed by the adapter's load).
 - **Blocks before each step, oldest row first** (`make_room`): each row the step runs gets the blocks of the
   positions it writes and reads (`reach`); while the pool lacks them, the newest running row is preempted: its blocks
   freed, its prompt and what it generated queued first, to resume by prefilling them.
 - **Blocks behind a sliding window go back** (`slide`, block caches of a model whose every layer attends a window):
   before each of a row's steps, the blocks no query of it can read return to the pool (with prefix caching, a
   prompt's full blocks are registered first, so they stay cached). With prompts chunked, a request is then refused
-  only when its widest step's window does not fit the pool (`peak_blocks`), however long it runs.
+  only when its widest step's window does not fit the pool (`peak_blocks`), however long it runs. On a model that
+  mixes window and full-attention layers, the window layers' blocks are a group of their own (`BlockGroup`): a row
+  holds the same logical blocks in each, every step takes its new blocks in each, and only the window group gives
+  back those behind its window.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import itertools
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,6 +52,16 @@ from .step_split import split_by_context
 logger = logging.getLogger("staticformers")
 
 
+@dataclass(frozen=True)
+class BlockGroup:
+    """One account of pool blocks: `pool`, the row attribute listing a row's blocks in it (`attr`), and the window
+    behind which they go back (`window`, None: none do)."""
+
+    pool: BlockAllocator
+    attr: str
+    window: Optional[int]
+
+
 class Scheduler:
     """The host side of one loop's continuous batching (see the module docstring).
 
@@ -57,7 +71,9 @@ class Scheduler:
     writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
     (None: no batch); `costs`: on block caches, (the weights' bytes, one position's bytes over the layers), with
     which decode steps are split by context (None: never split); `window`: on block caches, the sliding window every
-    layer of the model attends (`kv_blocks.sliding_window`), behind which blocks go back (None: none do)."""
+    layer of the model attends (`kv_blocks.sliding_window`), behind which blocks go back (None: none do);
+    `window_group`: on block caches of a model that mixes window and full layers, (the window layers' account, their
+    window): a group of its own (`BlockGroup`)."""
 
     def __init__(
         self,
@@ -73,6 +89,7 @@ class Scheduler:
         kv_length: Callable[[], Optional[int]],
         costs: Optional[tuple] = None,
         window: Optional[int] = None,
+        window_group: Optional[tuple[BlockAllocator, int]] = None,
     ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
@@ -80,6 +97,11 @@ class Scheduler:
         self.model, self.kv_length = model, kv_length
         self.costs = costs  # (the weights' bytes, one position's bytes): what a step reads (`step_split.py`)
         self.window = window if blocks is not None else None
+        self.groups: list[BlockGroup] = []
+        if blocks is not None:
+            self.groups.append(BlockGroup(blocks, "blocks", self.window))
+            if window_group is not None:
+                self.groups.append(BlockGroup(window_group[0], "window_blocks", window_group[1]))
         self.waiting: deque = deque()
         self.rows: dict = {}  # slot -> the row that holds it
         self.joining: list = []  # the rows the current step's prefill takes from the queue
@@ -189,25 +211,48 @@ class Scheduler:
         what is spare does not cover the new ones."""
         assert self.blocks is not None, "blocks are held on block caches only"
         shared = self._share_prefix(row)
-        row.blocks, row.length = shared, len(shared) * self.block_size
+        row.length = shared * self.block_size
         self.slide(row)  # a cached prefix longer than the window: only its last blocks are read
-        cost = self._first_blocks(row, len(shared))
+        cost = self._first_blocks(row, shared)
         if cost > self.spare_blocks():
             self.release(row)
             row.length = 0
             return False
         if self.share and not self.scored(row):
-            self.blocks.count_query(len(row.prompt), len(shared) * self.block_size)
-        row.blocks = row.blocks + self.blocks.take(cost)
+            self.blocks.count_query(len(row.prompt), shared * self.block_size)
+        for g in self.groups:
+            setattr(row, g.attr, getattr(row, g.attr) + g.pool.take(cost))
         return True
 
-    def _share_prefix(self, row) -> list:
-        """The cached blocks of the longest prefix of a waiting row's prompt, now held by it ([] without prefix
-        caching, or for a prompt it scores: that needs every position's logits)."""
+    def _share_prefix(self, row) -> int:
+        """Hold the cached blocks of the longest prefix of a waiting row's prompt in every group (none without prefix
+        caching, or for a prompt it scores: that needs every position's logits): the full layers' blocks of the whole
+        prefix, a window group's of its last window only (those behind it are `NULL_BLOCK`). Returns how many
+        logical blocks the prefix covers."""
+        for g in self.groups:
+            setattr(row, g.attr, [])
         if not self.share or self.scored(row) or self.blocks is None:
-            return []
+            return 0
         key = adapter_key(row.request.adapter, *self.adapter_load(row))
-        return self.blocks.match(block_keys(row.prompt, key, self.block_size), len(row.prompt), self.block_size)
+        keys = block_keys(row.prompt, key, self.block_size)[: max(len(row.prompt) - 1, 0) // self.block_size]
+        found = self.blocks.peek(keys)  # every layer reads the whole prefix (all-window models: slid just after)
+        n, rest = len(found), self.groups[1:]
+        for g in rest:  # the longest prefix whose last window's blocks each group has too
+            assert g.window is not None, "a second group is a window group"
+            while n and len(g.pool.peek(keys[self._behind(n, g.window) : n])) < n - self._behind(n, g.window):
+                n -= 1
+        self.blocks.hold(found[:n])
+        row.blocks = found[:n]
+        for g in rest:
+            behind = self._behind(n, g.window)
+            held = g.pool.peek(keys[behind:n])
+            g.pool.hold(held)
+            setattr(row, g.attr, [NULL_BLOCK] * behind + held)
+        return n
+
+    def _behind(self, n: int, window: Optional[int]) -> int:
+        """Of a row's first `n` blocks, those no query after them reads through `window` (none without one)."""
+        return 0 if window is None else min(blocks_behind(n * self.block_size, window, self.block_size), n)
 
     def _head_fits(self) -> bool:
         """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
@@ -219,7 +264,11 @@ class Scheduler:
         preempt (admitting into blocks the running rows are about to need only to preempt it again thrashes)."""
         if self.blocks is None:
             return 0
-        return self.blocks.free - sum(self._blocks_short(row) for row in self.rows.values())
+        return self.free_blocks() - sum(self._blocks_short(row) for row in self.rows.values())
+
+    def free_blocks(self) -> int:
+        """Blocks every group can still hand out (a step takes its new logical blocks in each)."""
+        return min(g.pool.free for g in self.groups)
 
     def _blocks_short(self, row) -> int:
         """Blocks a running row lacks for its next step's positions (`reach`, up to the batch's KV length)."""
@@ -260,11 +309,12 @@ class Scheduler:
             row = self.rows[slot]
             changed |= self.slide(row)
             more = self._blocks_short(row)
-            while more > self.blocks.free and slot in self.rows:
+            while more > self.free_blocks() and slot in self.rows:
                 newest = max(self.rows, key=lambda s: self.rows[s].order)
                 preempted.append((newest, self._preempt(newest)))
             if slot in self.rows and more > 0:
-                row.blocks += self.blocks.take(more)
+                for g in self.groups:
+                    getattr(row, g.attr).extend(g.pool.take(more))
                 changed = True
         return preempted, changed
 
@@ -282,39 +332,57 @@ class Scheduler:
         return row
 
     def release(self, row) -> None:
-        """Give the row's blocks back to the pool."""
-        if self.blocks is not None and row.blocks:
-            self.blocks.give_back([b for b in row.blocks if b != NULL_BLOCK])
-        row.blocks = []
+        """Give the row's blocks back to the pool, in every group."""
+        for g in self.groups:
+            held = getattr(row, g.attr)
+            if held:
+                g.pool.give_back([b for b in held if b != NULL_BLOCK])
+        row.blocks, row.window_blocks = [], []
+
+    def register(self, row, upto: Optional[int] = None) -> None:
+        """Cache the row's prompt's full blocks (its first `upto` logical blocks at most) under their keys, in every
+        group: what a later prompt with the same prefix holds instead of computing it."""
+        load = self.adapter_load(row)
+        keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)[:upto]
+        for g in self.groups:
+            g.pool.register(getattr(row, g.attr)[:upto], keys, tag=load if row.adapter else None)
 
     def slide(self, row) -> bool:
         """With a sliding window: give back the row's blocks that no query of its next step (from `row.length` on)
-        reads, each entry now `NULL_BLOCK`. A prompt's full blocks are registered first when prefix caching is on
-        (as `loop.py` registers them once the prompt is in). Whether any went back (the table needs writing)."""
-        if self.window is None or self.blocks is None:
-            return False
-        behind = min(blocks_behind(row.length, self.window, self.block_size), len(row.blocks))
-        if behind == 0 or row.blocks[behind - 1] == NULL_BLOCK:  # given back from the front: all before it are too
-            return False
-        gone = [b for b in row.blocks[:behind] if b != NULL_BLOCK]
-        if self.share and not self.scored(row):
-            load = self.adapter_load(row)
-            keys = block_keys(row.prompt, adapter_key(row.request.adapter, *load), self.block_size)
-            self.blocks.register(row.blocks[:behind], keys[:behind], tag=load if row.adapter else None)
-        self.blocks.give_back(gone)
-        row.blocks[:behind] = [NULL_BLOCK] * behind
-        return True
+        reads, each entry now `NULL_BLOCK`, in each group that has one. A prompt's full blocks are registered first
+        when prefix caching is on (as `loop.py` registers them once the prompt is in). Whether any went back (the
+        table needs writing)."""
+        changed = False
+        for g in self.groups:
+            held = getattr(row, g.attr)
+            if g.window is None:
+                continue
+            behind = min(blocks_behind(row.length, g.window, self.block_size), len(held))
+            if behind == 0 or held[behind - 1] == NULL_BLOCK:  # given back from the front: all before it are too
+                continue
+            gone = [b for b in held[:behind] if b != NULL_BLOCK]
+            if self.share and not self.scored(row):
+                self.register(row, behind)
+            g.pool.give_back(gone)
+            held[:behind] = [NULL_BLOCK] * behind
+            changed = True
+        return changed
 
-    def peak_blocks(self, prompt: int, need: int, scored: bool) -> int:
-        """The most pool blocks a request of a `prompt`-token prompt and `need` positions holds at once: all of them,
-        or with a sliding window and prompts chunked those of its widest step's window (a chunk, or a verify step's
-        tokens), or of its prompt when it scores it (one prefill). Admission refuses a request this does not fit."""
-        if self.window is None or not self.chunked:  # unchunked, a resumed row prefills all it holds at once
-            return blocks_for(need, self.block_size)
-        most = min(
-            blocks_for(need, self.block_size), window_blocks(self.window, max(self.chunk, self.ahead), self.block_size)
-        )
-        return max(most, blocks_for(prompt, self.block_size)) if scored else most
+    def peak_blocks(self, prompt: int, need: int, scored: bool) -> list[tuple[BlockGroup, int]]:
+        """The most blocks a request of a `prompt`-token prompt and `need` positions holds at once, in each group: all
+        of them, or with a sliding window and prompts chunked those of its widest step's window (a chunk, or a verify
+        step's tokens), or of its prompt when it scores it (one prefill). Admission refuses a request one of these
+        does not fit."""
+        out = []
+        for g in self.groups:
+            if g.window is None or not self.chunked:  # unchunked, a resumed row prefills all it holds at once
+                out.append((g, blocks_for(need, self.block_size)))
+                continue
+            most = min(
+                blocks_for(need, self.block_size), window_blocks(g.window, max(self.chunk, self.ahead), self.block_size)
+            )
+            out.append((g, max(most, blocks_for(prompt, self.block_size)) if scored else most))
+        return out
 
     # ---- plans ----------------------------------------------------------------------------------------
     def adapters(self, batch: int, rows: Optional[list] = None) -> Optional[list]:

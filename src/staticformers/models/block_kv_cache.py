@@ -22,6 +22,13 @@ size is a memory budget, not batch x length.
   `copy_rows` copies table rows from another view of the same pool: a batch moving to another shape copies no
   keys or values.
 
+**Two groups of layers** (a model that mixes sliding-window and full-attention layers: Gemma 2 and 3, gpt-oss, Qwen2's
+`max_window_layers`): the window layers' pools may hold fewer blocks (`window_blocks`), and each view then has a
+second table, `window_table`, through which they read and write. A row's window blocks are handed out and given back
+apart from its full layers' (`generation/scheduler.py` gives back those behind the window), so the full layers keep a
+row's whole context while the window layers hold only its last window. Both tables have one entry per logical
+block, `[batch, K / block_size]`, so the plan's shapes are the same as with one.
+
 A latent-attention model (DeepSeek's MLA) keeps one latent per position: keys only, whose first `latent` columns
 are the values, as in `kv_cache.py`. Linear-attention layers keep states per row, not per position: a hybrid
 model runs on static caches (the loop refuses blocks for it).
@@ -29,7 +36,7 @@ model runs on static caches (the loop refuses blocks for it).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,9 +44,12 @@ from .kv_cache import bytes_per_position, layout
 
 NULL_BLOCK = 0  # the pool block behind every table entry that no block backs
 
+WindowGroup = tuple  # (the window layers' indices, how many blocks their pools hold)
+
 
 class KVBlocks:
-    """The pool (see the module docstring): `blocks` usable blocks of `block_size` positions, block 0 besides."""
+    """The pool (see the module docstring): `blocks` usable blocks of `block_size` positions, block 0 besides; the
+    layers in `window_layers` (a group of their own, read through a second table) `window_blocks` of them."""
 
     def __init__(
         self,
@@ -51,29 +61,63 @@ class KVBlocks:
         dtype: torch.dtype,
         device: torch.device,
         latent: Optional[int] = None,
+        window: Optional[WindowGroup] = None,
     ):
         self.blocks, self.block_size, self.latent = int(blocks), int(block_size), latent
-        shape = (self.blocks + 1, self.block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [] if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.window_layers = frozenset(window[0]) if window is not None else frozenset()
+        self.window_blocks = int(window[1]) if window is not None else None
+
+        def pool(layer: int) -> torch.Tensor:
+            count = self.window_blocks if layer in self.window_layers else self.blocks
+            return torch.zeros((count + 1, self.block_size, kv_heads, head_dim), dtype=dtype, device=device)
+
+        self.keys = [pool(i) for i in range(num_layers)]
+        self.values = [] if latent else [pool(i) for i in range(num_layers)]
 
     @classmethod
-    def for_model(cls, model, blocks: int, block_size: int, tp: int = 1) -> "KVBlocks":
-        """The pool of `model` (`tp`: its tensor-parallel degree; a rank holds its share of the KV heads)."""
+    def for_model(
+        cls, model, blocks: int, block_size: int, tp: int = 1, window: Optional[WindowGroup] = None
+    ) -> "KVBlocks":
+        """The pool of `model` (`tp`: its tensor-parallel degree; a rank holds its share of the KV heads); `window`:
+        (the window layers, their blocks), a group of their own."""
         c = model.config
         heads, dim, latent = layout(c, tp)
-        return cls(c.num_hidden_layers, blocks, block_size, heads, dim, model.dtype, model.device, latent)
+        return cls(c.num_hidden_layers, blocks, block_size, heads, dim, model.dtype, model.device, latent, window)
 
     @staticmethod
-    def bytes_for(model, blocks: int, block_size: int, tp: int = 1) -> int:
-        """What `for_model` allocates, in bytes (the null block included)."""
-        return (int(blocks) + 1) * int(block_size) * bytes_per_position(model.config, model.dtype, tp)
+    def bytes_for(model, blocks: int, block_size: int, tp: int = 1, window: Optional[WindowGroup] = None) -> int:
+        """What `for_model` allocates, in bytes (the null blocks included)."""
+        if window is None:
+            return (int(blocks) + 1) * int(block_size) * bytes_per_position(model.config, model.dtype, tp)
+        heads, dim, latent = layout(model.config, tp)
+        per_layer = int(block_size) * heads * dim * (1 if latent else 2) * model.dtype.itemsize
+        windowed = len(window[0])
+        full = model.config.num_hidden_layers - windowed
+        return ((int(blocks) + 1) * full + (int(window[1]) + 1) * windowed) * per_layer
 
     @staticmethod
-    def blocks_in(model, budget: int, block_size: int, tp: int = 1) -> int:
-        """How many usable blocks a budget of `budget` bytes holds (the null block counted against it)."""
+    def blocks_in(
+        model,
+        budget: int,
+        block_size: int,
+        tp: int = 1,
+        window: Optional[Callable[[int], Optional[WindowGroup]]] = None,
+    ) -> int:
+        """How many usable blocks a budget of `budget` bytes holds (the null blocks counted against it). `window(n)`:
+        the window group beside a pool of n blocks (None: none), whose smaller pools leave more of the budget to the
+        full layers."""
         per_block = int(block_size) * bytes_per_position(model.config, model.dtype, tp)
-        return max(int(budget) // per_block - 1, 0)
+        count = max(int(budget) // per_block - 1, 0)
+        if window is None or window(count) is None:
+            return count
+        low, high = count, (count + 1) * model.config.num_hidden_layers  # the most blocks: a window pool of none
+        while low < high:  # the largest count whose pools fit the budget (their bytes grow with it)
+            mid = (low + high + 1) // 2
+            if KVBlocks.bytes_for(model, mid, block_size, tp, window(mid)) <= budget:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -101,9 +145,14 @@ class BlockKVCache:
         self.pool, self.batch, self.max_length = pool, int(batch), int(max_length)
         self.block_size, self.latent = pool.block_size, pool.latent
         device = pool.keys[0].device
-        self.table = torch.full(
-            (self.batch, self.max_length // self.block_size), NULL_BLOCK, dtype=torch.long, device=device
-        )
+
+        def table() -> torch.Tensor:
+            return torch.full(
+                (self.batch, self.max_length // self.block_size), NULL_BLOCK, dtype=torch.long, device=device
+            )
+
+        self.table = table()
+        self.window_table = table() if pool.window_layers else None  # the window layers' (None: one group)
         self._views = [BlockLayerKV(self, i) for i in range(len(pool.keys))]
 
     @property
@@ -116,14 +165,25 @@ class BlockKVCache:
         return self.table.shape[1]
 
     @property
+    def tables(self) -> list[torch.Tensor]:
+        """The table, then the window layers' where they are a group of their own."""
+        return [self.table] + ([self.window_table] if self.window_table is not None else [])
+
+    def table_of(self, layer_idx: int) -> torch.Tensor:
+        """The table through which layer `layer_idx` reads and writes the pool."""
+        if self.window_table is not None and layer_idx in self.pool.window_layers:
+            return self.window_table
+        return self.table
+
+    @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer a step reads or writes: the pool's keys and values, then the table."""
-        return self.pool.tensors + [self.table]
+        """Every buffer a step reads or writes: the pool's keys and values, then the tables."""
+        return self.pool.tensors + self.tables
 
     @property
     def nbytes(self) -> int:
-        """The table's bytes (the pool is shared by every view: `KVBlocks.nbytes`)."""
-        return self.table.numel() * self.table.element_size()
+        """The tables' bytes (the pool is shared by every view: `KVBlocks.nbytes`)."""
+        return sum(t.numel() * t.element_size() for t in self.tables)
 
     def mark_static(self) -> None:
         for t in self.tensors:
@@ -132,19 +192,25 @@ class BlockKVCache:
     def layer_views(self) -> list["BlockLayerKV"]:
         return self._views
 
-    def write_table(self, rows: dict) -> None:
+    def write_table(self, rows: dict, window_rows: Optional[dict] = None) -> None:
         """Set the whole table: `rows` {row: [pool block of each logical block]}; every other entry the null block.
-        One host-to-device copy."""
-        host = torch.full((self.batch, self.width), NULL_BLOCK, dtype=torch.long)
-        for row, blocks in rows.items():
-            blocks = list(blocks)[: self.width]
-            if blocks:
-                host[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
-        self.table.copy_(host.to(self.table.device))
+        With two groups, `window_rows` is the window layers' table the same way. One host-to-device copy each."""
+        if (window_rows is None) != (self.window_table is None):
+            raise ValueError("A block cache with a window group takes both tables' rows, one with none takes one.")
+        for table, entries in ((self.table, rows), (self.window_table, window_rows)):
+            if table is None or entries is None:
+                continue
+            host = torch.full((self.batch, self.width), NULL_BLOCK, dtype=torch.long)
+            for row, blocks in entries.items():
+                blocks = list(blocks)[: self.width]
+                if blocks:
+                    host[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.long)
+            table.copy_(host.to(table.device))
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
         values = None if self.latent else self.pool.values[layer_idx]
-        return write_and_gather(self.pool.keys[layer_idx], values, self.table, k, v, position_ids, self.latent)
+        table = self.table_of(layer_idx)
+        return write_and_gather(self.pool.keys[layer_idx], values, table, k, v, position_ids, self.latent)
 
     def state(self, layer_idx: int) -> None:
         return None
@@ -157,7 +223,7 @@ class BlockKVCache:
         through their table rows; positions past K are dropped, those past a row's blocks land in the null block."""
         length = min(k.shape[2], self.max_length)
         positions = torch.arange(length, device=self.table.device)
-        blocks = self.table.index_select(0, slots)[:, positions // self.block_size]  # [n, length]
+        blocks = self.table_of(layer_idx).index_select(0, slots)[:, positions // self.block_size]  # [n, length]
         offsets = positions % self.block_size
         self.pool.keys[layer_idx][blocks, offsets] = k[:, :, :length].transpose(1, 2)
         if not self.latent:
@@ -169,7 +235,8 @@ class BlockKVCache:
         if source.pool is not self.pool:
             raise ValueError("Block caches copy rows only between views of one pool.")
         width = min(source.width, self.width)
-        self.table[:, :width].index_copy_(0, dst, source.table[:, :width].index_select(0, src))
+        for mine, theirs in zip(self.tables, source.tables):
+            mine[:, :width].index_copy_(0, dst, theirs[:, :width].index_select(0, src))
 
 
 def write_and_gather(
@@ -212,7 +279,7 @@ class BlockLayerKV:
     def __init__(self, cache: BlockKVCache, layer_idx: int):
         self.key = cache.pool.keys[layer_idx]
         self.value = None if cache.latent else cache.pool.values[layer_idx]
-        self.table, self.latent, self.max_length = cache.table, cache.latent, cache.max_length
+        self.table, self.latent, self.max_length = cache.table_of(layer_idx), cache.latent, cache.max_length
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
         return write_and_gather(self.key, self.value, self.table, k, v, position_ids, self.latent)
@@ -221,4 +288,4 @@ class BlockLayerKV:
         return None
 
 
-__all__ = ["KVBlocks", "BlockKVCache", "BlockLayerKV", "NULL_BLOCK", "write_and_gather"]
+__all__ = ["KVBlocks", "BlockKVCache", "BlockLayerKV", "NULL_BLOCK", "WindowGroup", "write_and_gather"]

@@ -15,7 +15,7 @@ None of them: static caches, each request holding its whole need from its prefil
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 UNITS = {
     "": 1,
@@ -50,9 +50,11 @@ def kv_blocks(
     utilization: Optional[float],
     block_size: int,
     tp: int = 1,
+    window: Optional[Callable[[int], Optional[tuple]]] = None,
 ) -> Optional[int]:
     """The pool's blocks from the three flags (see the module docstring), or None for static caches. A budget
-    that holds no block is refused in one sentence."""
+    that holds no block is refused in one sentence. `window(n)`: a mixed model's window layers' group beside a pool
+    of n blocks (`generation/kv_blocks.py`'s `window_spec`), whose smaller pools leave a budget more blocks."""
     from ..backends.memory_check import available_bytes
     from ..models.block_kv_cache import KVBlocks
 
@@ -70,7 +72,7 @@ def kv_blocks(
                 f"cannot size the KV pool: pass --kv-cache-memory-bytes or --num-gpu-blocks-override."
             )
         memory_bytes = int(free * utilization)
-    count = KVBlocks.blocks_in(model, memory_bytes, block_size, tp)
+    count = KVBlocks.blocks_in(model, memory_bytes, block_size, tp, window)
     if count < 1:
         raise ValueError(
             f"A KV budget of {memory_bytes} bytes holds no block of {block_size} positions (plus the "

@@ -194,6 +194,8 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     from ..generation.engines import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
+    from ..generation.chunking import chunk_width
+    from ..generation.kv_blocks import window_spec
     from .kv_budget import kv_blocks
 
     plan = plan or serving_plan(model, options)
@@ -204,6 +206,12 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         plan = speculator.plan_for(plan)  # its verify step is a shape of the plan, precompiled with the rest
     engine = engine_for(model, plan)
     settings = compile_settings(model, config, compile_config)
+
+    def window(n: int):  # a mixed model's window layers' pool beside n blocks, the loop's (block caches chunk)
+        slots = min(options.max_batch_size or plan.batch_sizes[-1], plan.batch_sizes[-1])
+        width = max(chunk_width(plan, None), speculator.width if speculator is not None else 1)
+        return window_spec(model.config, n, slots, width, plan.max_model_len, options.block_size)
+
     blocks = kv_blocks(
         model,
         options.num_gpu_blocks_override,
@@ -211,14 +219,11 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         options.gpu_memory_utilization,
         options.block_size,
         engine.tp,
+        window,
     )
-    engine.use_blocks(blocks, options.block_size)  # before the warm-up: its steps hold their caches
-    if precompiles(engine.backend, options) and settings.enabled:
-        engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
-        draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
-        if draft is not None:
-            draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
-    return GenerationLoop(
+    # the loop first: it tells the engine its caches' kind (a mixed model's window layers' pool included), which the
+    # precompiled steps then hold
+    loop = GenerationLoop(
         engine,
         settings,
         max_batch_size=options.max_batch_size,
@@ -231,6 +236,12 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
         kv_blocks=blocks,
         kv_block_size=options.block_size,
     )
+    if precompiles(engine.backend, options) and settings.enabled:
+        engine.precompile(settings, progress=progress, scores=options.precompile_prompt_logprobs)
+        draft = getattr(speculator.proposer, "engine", None) if speculator is not None else None
+        if draft is not None:
+            draft.precompile(speculator.proposer.settings, speculator.proposer.plan_for(plan))
+    return loop
 
 
 def speculative(model, options: ServeOptions, config, compile_config):

@@ -188,6 +188,8 @@ def layers_stack(model: nn.Module, cache, ops, x: torch.Tensor, start: int = 0) 
         return None
     if not blocks and (type(cache) is not KVCache or cache.linear):
         return None
+    if blocks and cache.window_table is not None:  # window layers through a table of their own: the regions
+        return None
     held = cache.pool if blocks else cache  # the layers' keys and values
     if cache.latent or held.keys[0].dtype != torch.bfloat16:
         return None
