@@ -59,8 +59,8 @@ def window_group(config) -> Optional[tuple[tuple[int, ...], int]]:
 
 def window_pool_blocks(blocks: int, window: int, slots: int, width: int, prompt: int, block_size: int) -> int:
     """The window layers' pool beside a full layers' pool of `blocks`: enough for `slots` rows each at its widest
-    step's window (`width` tokens: a chunk, or a verify step's), and for one prompt of `prompt` tokens run whole
-    (a scored prompt is never chunked), never more than `blocks`."""
+    step's window (`width` tokens: a chunk, a verify step's, or one decoded), and for one prompt of `prompt` tokens
+    run whole (a prefill, a scored prompt, a resumed row's), never more than `blocks`."""
     return min(int(blocks), max(int(slots) * window_blocks(window, width, block_size), blocks_for(prompt, block_size)))
 
 

@@ -185,7 +185,7 @@ class GenerationLoop:
         self.block_size = int(kv_block_size)
         ahead = speculator.width if speculator is not None else 1
         # a model mixing window and full layers: the window layers' blocks in a pool and an account of their own
-        width = max(self.chunk or 1, ahead) if self.chunked else 1  # a row's widest step
+        width = max(self.chunk if self.chunked else 1, ahead)  # a row's widest step after its prefill
         self._window_spec = (  # (the window layers, their pool's blocks): the engine's pool spec
             window_spec(engine.model.config, kv_blocks, self.max_slots, width, self.plan.max_model_len, self.block_size)
             if kv_blocks is not None
@@ -540,6 +540,13 @@ class GenerationLoop:
         if self.share:
             return self.blocks.queries, self.blocks.hits
         return (self.prefix.queries, self.prefix.hits) if self.prefix is not None else None
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's blocks that rows hold (0 on static caches); with a window group, the fuller of the
+        two pools (either running out preempts)."""
+        groups = self.scheduler.groups
+        return max((g.pool.used / g.pool.blocks for g in groups), default=0.0)
 
     @property
     def blocks_used(self) -> int:

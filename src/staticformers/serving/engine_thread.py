@@ -220,7 +220,7 @@ class EngineThread:
             m.padding.set(self.loop.padding_slots)
             blocks = getattr(self.loop, "blocks", None)  # block caches: the pool's use and preemptions
             if blocks is not None:
-                m.kv_usage.set(blocks.used / blocks.blocks)
+                m.kv_usage.set(self.loop.kv_usage)
                 m.preemptions.inc(self.loop.preemptions - self._preempted)
                 self._preempted = self.loop.preemptions
             counts = self.loop.prefix_counts() if hasattr(self.loop, "prefix_counts") else None
