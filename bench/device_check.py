@@ -78,7 +78,8 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
     size, train_size = ("tiny", "tiny") if dry else ("1.7b", "41m")
     gen = [py, os.path.join(HERE, "generate.py"), "--device", device, "--size", size, "--dtypes", "bfloat16"]
     if dry:
-        gen += ["--prompt", "16", "--new", "8", "--repeats", "1", "--backend", "eager"]
+        # a small matmul ceiling: on a CPU without native bf16 products a 1024^3 bf16 matmul takes seconds
+        gen += ["--prompt", "16", "--new", "8", "--repeats", "1", "--backend", "eager", "--matmul-n", "128"]
     else:
         gen += ["--prompt", "128", "--new", "128", "--repeats", "2"]
     if compile_mode:
@@ -99,7 +100,7 @@ def plan_steps(py: str, device: str, dry: bool, work: str, limits: dict, compile
         "--no-packed",
     ]
     train += (
-        ["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "eager"]
+        ["--steps", "3", "--documents", "40", "--batch", "2", "--seq", "32", "--backend", "eager", "--matmul-n", "128"]
         if dry
         else ["--steps", "8", "--documents", "200"]
     )

@@ -575,6 +575,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new", type=int, default=NEW, help="new tokens per generate")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--matmul-n",
+        type=int,
+        default=None,
+        help="the matmul ceiling's n (an n x n x n matmul; default 8192 on a GPU, 1024 on the CPU)",
+    )
+    ap.add_argument(
         "--which",
         nargs="+",
         default=["hf", "hf_static", "sf"],
@@ -689,7 +695,10 @@ def main(argv: list[str] | None = None) -> None:
             dt = getattr(torch, dtype)
             memory[dtype] = MemoryCeiling(device, weights * dt.itemsize, dt, cols, backend=args.backend)
             memory[dtype].sample()
-            report["ceilings"][dtype] = {"memory": memory[dtype].result(), "matmul": matmul_ceiling(device, dtype=dt)}
+            report["ceilings"][dtype] = {
+                "memory": memory[dtype].result(),
+                "matmul": matmul_ceiling(device, args.matmul_n, dt),
+            }
         if args.quantization:  # the same-bytes probe of the int8 weights (one byte an element)
             memory["int8"] = MemoryCeiling(device, weights, torch.int8, cols, backend=args.backend)
             memory["int8"].sample()

@@ -269,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--backend", default=None, help="compile backend of both (default: the device's, inductor)")
     parser.add_argument("--no-packed", action="store_true", help="skip the packed run of ours")
+    parser.add_argument(
+        "--matmul-n",
+        type=int,
+        default=None,
+        help="the matmul ceiling's n (an n x n x n matmul; default 8192 on a GPU, 1024 on the CPU)",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON here")
     a = parser.parse_args(argv)
 
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     padded = build_rows(docs, None, seq, packing=False, long_documents="truncate")
     packed_bfd = build_rows(docs, None, seq, packing=True, packing_strategy="bfd")
     packed_wrapped = build_rows(docs, None, seq, packing=True, packing_strategy="wrapped")
-    ceiling = matmul_ceiling(device)
+    ceiling = matmul_ceiling(device, a.matmul_n)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     flops = flops_per_token(a.size, seq)
