@@ -136,8 +136,36 @@ def test_policy_per_shape():
 def test_onednn_gemm_for_float32_packed_for_bf16_on_the_cpu():
     want = "onednn" if onednn_available() else None
     assert gemm_kernel(torch.float32) == want
-    assert gemm_kernel(torch.bfloat16) == ("packed" if packed_available(torch.bfloat16) else None)
     assert gemm_kernel(torch.float16) is None
+
+
+def test_bf16_gemms_widen_where_the_cpu_has_no_bf16_products(monkeypatch):
+    """Without AVX512_BF16 or AMX (or with STATICFORMERS_WIDEN_BF16=1), a bf16 GEMM runs as float32 products: the
+    widened operands' exact products summed in float32, rounded once, i.e. the float32 GEMM's result to the bit, and
+    within bf16's rounding of the native bf16 GEMM; int8 layers keep their widened form, a wanted gradient the
+    layer's own call. STATICFORMERS_WIDEN_BF16=0 keeps the packed or plain GEMM."""
+    from staticformers.backends.cpu import formulations as f
+    from staticformers.models.quantization import QuantLinear
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    monkeypatch.delenv(f.WIDEN_ENV, raising=False)
+    assert f.widens_bf16() == (not native)
+    monkeypatch.setenv(f.WIDEN_ENV, "0")
+    assert gemm_kernel(torch.bfloat16) == ("packed" if packed_available(torch.bfloat16) else None)
+    monkeypatch.setenv(f.WIDEN_ENV, "1")
+    assert gemm_kernel(torch.bfloat16) == "widen" and gemm_kernel(torch.float32) != "widen"
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 40).to(torch.bfloat16)
+    x = torch.randn(3, 7, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        got = f.project(layer, x, "widen")
+        exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        assert got.dtype == torch.bfloat16 and torch.equal(got, exact.to(torch.bfloat16))
+        torch.testing.assert_close(got, layer(x), rtol=2**-7, atol=2**-7 * float(exact.abs().max()))
+        q = QuantLinear.from_linear(torch.nn.Linear(96, 40).to(torch.bfloat16), "int8")
+        assert torch.equal(f.project(q, x.reshape(-1, 96), "widen"), f.widened_linear(q, x.reshape(-1, 96)))
+    x.requires_grad_(True)
+    assert f.project(layer, x, "widen").grad_fn is not None  # the layer's own call, differentiable
 
 
 @pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])

@@ -9,6 +9,9 @@ through `F.linear` and SDPA (every figure is in BENCHMARKS.md):
   bandwidth, where a GEMV call per projection is overhead-bound.
 - `project(..., "onednn")`: float32 GEMMs through oneDNN's kernel (`onednn.py`) instead of MKL's.
 - `project(..., "packed")`: bfloat16 GEMMs through oneDNN over weights it packed once (`packed_linear.py`).
+- `project(..., "widen")`: bfloat16 GEMMs as float32 products, both operands widened first and the result rounded
+  once, on a CPU that has no bfloat16 products of its own (no AVX512_BF16, no AMX: `widens_bf16`), where a bf16
+  GEMM is emulated and ran 4-7x slower than the widened one (BENCHMARKS.md, "bf16 GEMMs on a CPU without bf16").
 - `project(..., "stream")`: the bfloat16 projections of a decode step's few rows through the streaming kernel of
   `gemv.py`, which reads each weight row once for all the rows (q, k and v, or gate and up, in one call); a
   projection it cannot take (float32, int8 or hooked layers, a gradient wanted) reduces as `"reduce"` does, and
@@ -29,6 +32,7 @@ and `prefill_formulation` say which shape gets which, as measured.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -79,6 +83,8 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
         return widened_linear(layer, x) if quantized else onednn_linear(layer, x)
     if how == "packed":
         return widened_linear(layer, x) if quantized else packed_linear(layer, x)
+    if how == "widen":
+        return widened_linear(layer, x) if quantized else float32_products(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
     y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
     if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
@@ -231,6 +237,28 @@ def int8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, -1)
 
 
+WIDEN_ENV = "STATICFORMERS_WIDEN_BF16"  # "1": widen bf16 GEMMs on any CPU, "0": never; unset: where it has no bf16
+
+
+def widens_bf16() -> bool:
+    """Whether bf16 GEMMs run as float32 products here (`float32_products`): on a CPU without bfloat16 products of
+    its own (AVX512_BF16 or AMX), unless `STATICFORMERS_WIDEN_BF16` says otherwise."""
+    forced = os.environ.get(WIDEN_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def float32_products(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` of a bf16 layer as a float32 GEMM: the input and weight widened (exactly), the products summed in
+    float32 and rounded to the input's dtype once, as a native bf16 GEMM rounds its float32 sums. With a gradient
+    wanted, the layer's own call."""
+    if torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad):
+        return layer(x)
+    bias = None if layer.bias is None else layer.bias.float()
+    return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
+
+
 def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """An int8 layer's generic form for a prompt's rows: the int8 weight widened to the activations' dtype
     in the graph, the GEMM (oneDNN's in float32), then the scale per output column, applied in float32.
@@ -355,7 +383,7 @@ class CPUOps(Ops):
     """One formulation: `attention` ("reduce": fused reductions for one query per row, grouped matmuls
     otherwise; "kernel": as "reduce", but one query per row over a static cache runs `decode_attention.py`'s
     kernel where it can; "matmul": grouped matmuls; None: SDPA or query blocks), `linears` and `head_linear`
-    ("reduce", "onednn", "packed" or None: the module itself, so hooks and wrappers run)."""
+    ("reduce", "onednn", "packed", "widen" or None: the module itself, so hooks and wrappers run)."""
 
     name = "cpu"
 
@@ -449,9 +477,11 @@ def gemm_kernel(dtype: torch.dtype) -> Optional[str]:
     PyTorch's MKL sgemm measured slower for prompts, BENCHMARKS.md; a decode step of 2-8 rows keeps
     MKL's, `decode_formulation`); oneDNN's over weights
     it packed once for bfloat16 (`packed_linear.py`), where the module's own call would repack the weight
-    each time; the module's own otherwise."""
+    each time, or float32 products on a CPU without bf16 ones (`"widen"`); the module's own otherwise."""
     if dtype == torch.float32 and onednn_available() and torch.backends.mkldnn.enabled:
         return "onednn"
+    if dtype == torch.bfloat16 and widens_bf16():  # no bf16 products of the CPU's own: float32 ones
+        return "widen"
     if packed_available(dtype):
         return "packed"
     return None
