@@ -192,7 +192,7 @@ class GenerationLoop:
             else None
         )
         self.window_blocks = BlockAllocator(self._window_spec[1]) if self._window_spec is not None else None
-        mixed = window_group(engine.model.config)
+        mixed = window_group(engine.model.config) if self.window_blocks is not None else None
         self.scheduler = Scheduler(
             self.plan,
             self.max_slots,
@@ -288,11 +288,10 @@ class GenerationLoop:
         if self.speculator is not None:
             need = self.speculator.need(need, self.plan)
         for group, peak in self.scheduler.peak_blocks(len(prompt), need, request.sampling.prompt_logprobs is not None):
-            if peak > group.pool.blocks:
-                which = "KV pool" if group.pool is self.blocks else "window layers' KV pool"
+            if peak > group.pool.blocks:  # the full layers' pool: the window layers' never holds less than their peak
                 raise ValueError(
                     f"The request needs {need} cache positions, {peak} blocks of {self.block_size} at once, and the "
-                    f"{which} has {group.pool.blocks}: lower max_new_tokens or give the pool more blocks."
+                    f"KV pool has {group.pool.blocks}: lower max_new_tokens or give the pool more blocks."
                 )
         slot = self.adapter_slot(request)
         request.prompt = list(prompt)
