@@ -168,6 +168,36 @@ def test_bf16_gemms_widen_where_the_cpu_has_no_bf16_products(monkeypatch):
     assert f.project(layer, x, "widen").grad_fn is not None  # the layer's own call, differentiable
 
 
+@pytest.mark.parametrize("kind", ["matmul", None, "reduce"])
+@pytest.mark.parametrize("extra", ["plain", "softcap", "sinks", "mask"])
+def test_widened_formulations_attend_over_float32_operands(kind, extra):
+    """With `"widen"` linears, a bf16 attention over several queries a row (a prompt, chunk or verification) is
+    the same formulation's float32 attention over the widened operands, rounded once: to the bit. One query a
+    row keeps the bf16 formulation's own path, and so does a wanted gradient."""
+    torch.manual_seed(0)
+    b, h, kvh, s, d = 2, 4, 2, 40, 16
+    q = torch.randn(b, h, s, d).to(torch.bfloat16)
+    k, v = (torch.randn(b, kvh, s, d).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone() if extra == "mask" else None
+    kw = (
+        {"softcap": 5.0}
+        if extra == "softcap"
+        else {"sinks": torch.randn(h).to(torch.bfloat16)}
+        if extra == "sinks"
+        else {}
+    )
+    widened, own = CPUOps(kind, "widen", "widen"), CPUOps(kind, None, None)
+    with torch.no_grad():
+        got = widened.attention(q, k, v, mask, 0.25, **kw)
+        exact = own.attention(q.float(), k.float(), v.float(), mask, 0.25, **kw)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, exact.to(torch.bfloat16))
+        assert not torch.equal(got, own.attention(q, k, v, mask, 0.25, **kw))  # the bf16 matmuls round otherwise
+        one = (q[:, :, -1:], k, v, None, 0.25)
+        assert torch.equal(widened.attention(*one, **kw), own.attention(*one, **kw))
+    q.requires_grad_(True)
+    assert torch.equal(widened.attention(q, k, v, mask, 0.25, **kw), own.attention(q, k, v, mask, 0.25, **kw))
+
+
 @pytest.mark.parametrize("case", ["causal", "packed", "window", "uneven"])
 def test_blocked_attention_matches_sdpa(case):
     torch.manual_seed(0)

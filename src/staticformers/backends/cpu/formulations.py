@@ -249,6 +249,20 @@ def widens_bf16() -> bool:
     return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def attends_widened(linears: Optional[str], q: torch.Tensor) -> bool:
+    """Whether a formulation with these linears runs this attention on float32 operands: with `"widen"` linears
+    (a CPU without bf16 products), over bf16 queries, several a row, and no gradient wanted. The CPU's bf16 batched
+    matmuls there are emulated, and a 128-token prompt's took as long as all its layers' widened GEMMs together
+    (BENCHMARKS.md, "bf16 GEMMs on a CPU without bf16 products"). One query a row (decode) keeps its own
+    reductions, which widen as they read, or its kernel: widening a whole cache each step would triple its bytes."""
+    return (
+        linears == "widen"
+        and q.dtype == torch.bfloat16
+        and q.shape[2] > 1
+        and not (torch.is_grad_enabled() and q.requires_grad)
+    )
+
+
 def float32_products(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` of a bf16 layer as a float32 GEMM: the input and weight widened (exactly), the products summed in
     float32 and rounded to the input's dtype once, as a native bf16 GEMM rounds its float32 sums. With a gradient
@@ -450,7 +464,11 @@ class CPUOps(Ops):
         """The formulation's attention. With `softcap` (Gemma 2), the formulations that compute their scores
         themselves: fused reductions for one query per row, grouped matmuls, or (None) the plain path's
         `capped_attention`; with `sinks` (gpt-oss) SDPA and the query blocks give way to grouped matmuls,
-        which take the sink column."""
+        which take the sink column. With `"widen"` linears, attention over several queries a row (a prompt, a chunk,
+        a verification) runs on widened float32 operands (`attends_widened`), as the GEMMs do."""
+        if attends_widened(self.linears, q):
+            out = self.attention(q.float(), k.float(), v.float(), mask, scale, softcap, sinks)
+            return out.to(q.dtype)
         if (
             self.attention_kind == "kernel"
             and softcap is None
