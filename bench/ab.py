@@ -10,7 +10,7 @@ cache levels as the weights do, as `torch.mv` and as a compiled reduction (the f
 one JSON object.
 
 `--model smollm2` runs the suite's real model instead (SmolLM2-135M-Instruct from its GGUF,
-`tests/real_model_cache.py`). `--a-env` / `--b-env NAME=VALUE` give a side environment variables of its own,
+`tests/real_model_cache.py`); `--quantization int8` loads both sides with int8 weights. `--a-env` / `--b-env NAME=VALUE` give a side environment variables of its own,
 so one tree against itself measures a setting (`--b` defaults to `--a`).
 
     python bench/ab.py --a ../base --b . --rounds 8 --control --dtypes float32 bfloat16 --batches 1 8
@@ -37,10 +37,14 @@ CHILD = r"""
 import json, statistics, sys, time, torch
 from staticformers import AutoModelForCausalLM
 ref, dtype, batch, repeats = sys.argv[1], getattr(torch, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-gguf = sys.argv[5] if len(sys.argv) > 5 else None
+gguf = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "-" else None
+kwargs = {"gguf_file": gguf} if gguf else {}
+if len(sys.argv) > 6 and sys.argv[6] == "int8":
+    from staticformers import QuantizationConfig
+    kwargs["quantization_config"] = QuantizationConfig("int8_weight_only")
 torch.manual_seed(1)
 ids = torch.randint(1, 32000, (batch, %d))
-model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **({"gguf_file": gguf} if gguf else {}))
+model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
 def run(n):
     t = time.perf_counter()
     out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, eos_token_id=None)
@@ -110,8 +114,17 @@ def run_child(tree: str, script: str, args: list, **env) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def child(tree: str, ref: str, dtype: str, batch: int, repeats: int, gguf: str = "", env: dict | None = None) -> dict:
-    return run_child(tree, CHILD, [ref, dtype, batch, repeats] + ([gguf] if gguf else []), **(env or {}))
+def child(
+    tree: str,
+    ref: str,
+    dtype: str,
+    batch: int,
+    repeats: int,
+    gguf: str = "",
+    env: dict | None = None,
+    quantization: str = "none",
+) -> dict:
+    return run_child(tree, CHILD, [ref, dtype, batch, repeats, gguf or "-", quantization], **(env or {}))
 
 
 def gguf_values(path: str) -> int:
@@ -169,6 +182,13 @@ def main() -> None:
         "a2/a is the spread a refactor's b/a must be read against",
     )
     p.add_argument("--size", default="41m", choices=sorted(SIZES), help="the reference model (reference.py)")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help='int8: QuantizationConfig("int8_weight_only") on both sides (the bf16 GEMV ceiling is then not reported '
+        "against)",
+    )
     args = p.parse_args()
     args.b = args.b or args.a
     envs = {"a": env_pairs(args.a_env), "b": env_pairs(args.b_env)}
@@ -186,6 +206,7 @@ def main() -> None:
         "a_env": envs["a"],
         "b_env": envs["b"],
         "model": args.model if args.model == "smollm2" else args.size,
+        "quantization": args.quantization,
         "pressure_before": pressure(),
         "ceiling_gemv_ms": {d: gemv_ms(d, rows) for d in args.dtypes},
         "cases": [],
@@ -205,10 +226,11 @@ def main() -> None:
                             args.repeats,
                             gguf,
                             envs[side],
+                            args.quantization,
                         )
                     )
             case = {"dtype": dtype, "batch": batch, "pressure_after": pressure(), **summarise(runs)}
-            if batch == 1:
+            if batch == 1 and args.quantization == "none":
                 case["b_step_vs_gemv_ceiling"] = round(
                     result["ceiling_gemv_ms"][dtype]["ceiling"] / case["b"]["step_ms"], 3
                 )

@@ -9,7 +9,9 @@ same device, and the clock the benchmarks time with. Shared by every script in b
     the library lays out a model's weights (`host_matrix`): `torch.mv`
     (what a BLAS GEMV reaches), `sum` (a plain streaming read), and an inductor-compiled multiply-and-sum
     reduction `(x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32)` (one vectorised weight-streaming
-    loop). No single probe is the fastest on every CPU and dtype (BLAS GEMVs can be far below the
+    loop); over int8 rows, also the bf16 reduction over the same bytes read as bf16 pairs (a CPU without bf16
+    arithmetic, AVX2, reads int8 rows widened in the loop several times slower than its memory delivers them,
+    so no int8 reduction there measures the memory). No single probe is the fastest on every CPU and dtype (BLAS GEMVs can be far below the
     memory's speed), so the ceiling is the fastest rate any of them reached. A small model can sit in a
     large L3 (166 MB in 480 MiB here): the probes read the weights' bytes, not a larger buffer, so they
     measure wherever those bytes live.
@@ -163,15 +165,26 @@ class MemoryCeiling:
             self.bytes = 2 * nbytes
             self.what = f"device-to-device copy of {nbytes / 1e9:.3f} GB (bytes read + written)"
         elif dtype == torch.int8:  # int8 weights (bench/generate.py --quantization): no int8 GEMV in torch
+            if cols % 2:
+                raise ValueError(f"the int8 probe reads its bytes as bf16 pairs too: give an even cols, not {cols}.")
             rows = max(nbytes // cols, 1)
-            w = host_matrix(rows, cols, torch.randint(-127, 128, (rows, cols), dtype=torch.int8))
+            fill = torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
+            fill[fill == 0] = 1  # no byte pair read as bf16 below is a zero or a subnormal
+            w = host_matrix(rows, cols, fill)
             x = torch.randn(cols).to(torch.bfloat16)
             reduction = torch.compile(_multiply_and_sum_int8, backend=backend, fullgraph=True, dynamic=False)
-            probes = {"sum": lambda: w.sum(dtype=torch.int32), "compiled multiply-and-sum": lambda: reduction(x, w)}
+            as_bf16 = torch.compile(_multiply_and_sum, backend=backend, fullgraph=True, dynamic=False)
+            pairs, x_pairs = w.view(torch.bfloat16), torch.randn(cols // 2).to(torch.bfloat16)
+            probes = {
+                "sum": lambda: w.sum(dtype=torch.int32),
+                "compiled multiply-and-sum": lambda: reduction(x, w),
+                "compiled multiply-and-sum over the bytes as bf16": lambda: as_bf16(x_pairs, pairs),
+            }
             self._make = lambda: probes
             self.bytes = rows * cols
             self.what = (
-                f"the best of sum and a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) "
+                f"the best of sum, a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) and the bf16 "
+                f"probe over the same bytes "
                 f"over a {rows} x {cols} int8 matrix ({self.bytes / 1e6:.1f} MB)"
             )
         else:

@@ -142,7 +142,7 @@ def test_onednn_gemm_for_float32_packed_for_bf16_on_the_cpu():
 def test_bf16_gemms_widen_where_the_cpu_has_no_bf16_products(monkeypatch):
     """Without AVX512_BF16 or AMX (or with STATICFORMERS_WIDEN_BF16=1), a bf16 GEMM runs as float32 products: the
     widened operands' exact products summed in float32, rounded once, i.e. the float32 GEMM's result to the bit, and
-    within bf16's rounding of the native bf16 GEMM; int8 layers keep their widened form, a wanted gradient the
+    within bf16's rounding of the native bf16 GEMM; int8 layers widen their weight to float32 too, a wanted gradient the
     layer's own call. STATICFORMERS_WIDEN_BF16=0 keeps the packed or plain GEMM."""
     from staticformers.backends.cpu import formulations as f
     from staticformers.models.quantization import QuantLinear
@@ -163,7 +163,13 @@ def test_bf16_gemms_widen_where_the_cpu_has_no_bf16_products(monkeypatch):
         assert got.dtype == torch.bfloat16 and torch.equal(got, exact.to(torch.bfloat16))
         torch.testing.assert_close(got, layer(x), rtol=2**-7, atol=2**-7 * float(exact.abs().max()))
         q = QuantLinear.from_linear(torch.nn.Linear(96, 40).to(torch.bfloat16), "int8")
-        assert torch.equal(f.project(q, x.reshape(-1, 96), "widen"), f.widened_linear(q, x.reshape(-1, 96)))
+        rows = x.reshape(-1, 96)
+        got = f.project(q, rows, "widen")  # the int8 weight widened to float32 with the rows, the sums rounded once
+        assert torch.equal(got, f.widened_linear(q, rows, torch.float32))
+        assert not torch.equal(got, f.widened_linear(q, rows))  # bf16 products round each sum before the scale
+        sums = torch.nn.functional.linear(rows.double(), q.weight.double()) * q.weight_scale.view(-1).double()
+        exact = sums + q.bias.double()  # the bias adds in bf16 after the one rounding: a second rounding
+        assert ((got.double() - exact).abs() <= 2**-7 * (sums.abs() + q.bias.double().abs()) + 1e-6).all()
     x.requires_grad_(True)
     assert f.project(layer, x, "widen").grad_fn is not None  # the layer's own call, differentiable
 

@@ -84,7 +84,7 @@ def project(layer: nn.Linear, x: torch.Tensor, how: Optional[str] = None) -> tor
     if how == "packed":
         return widened_linear(layer, x) if quantized else packed_linear(layer, x)
     if how == "widen":
-        return widened_linear(layer, x) if quantized else float32_products(layer, x)
+        return widened_linear(layer, x, torch.float32) if quantized else float32_products(layer, x)
     lead, k = x.shape[:-1], x.shape[-1]
     y = (widen(layer.weight, torch.float32).unsqueeze(1) * x.reshape(1, -1, k).float()).sum(-1)
     if quantized:  # the int8 rows streamed as they are, each row's sum times its scale
@@ -273,9 +273,10 @@ def float32_products(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
 
 
-def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+def widened_linear(layer: QuantLinear, x: torch.Tensor, products: Optional[torch.dtype] = None) -> torch.Tensor:
     """An int8 layer's generic form for a prompt's rows: the int8 weight widened to the activations' dtype
-    in the graph, the GEMM (oneDNN's in float32), then the scale per output column, applied in float32.
+    (or to `products`, float32 for `"widen"` on a CPU without bf16 products, the rows widened with it) in the
+    graph, the GEMM (oneDNN's in float32), then the scale per output column, applied in float32.
 
     The float32 scales are what keeps this a GEMM: inductor rewrites a bf16 `F.linear(x, w.to(bf16)) *
     scales` with bf16 scales back into ATen's int8 kernel whatever the rows, and that kernel is 2.2x slower
@@ -283,11 +284,12 @@ def widened_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     layer's own forward."""
     if torch.is_grad_enabled() and x.requires_grad:
         return layer(x)
-    w = widen(layer.weight, x.dtype)
-    if x.dtype == torch.float32 and onednn_available():
-        y = torch.ops.staticformers.onednn_linear(x, w, None)
+    dtype = products or x.dtype
+    w, h = widen(layer.weight, dtype), x.to(dtype)
+    if dtype == torch.float32 and onednn_available():
+        y = torch.ops.staticformers.onednn_linear(h, w, None)
     else:
-        y = F.linear(x, w)
+        y = F.linear(h, w)
     y = (y.float() * layer.weight_scale.view(-1).float()).to(x.dtype)
     return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
