@@ -34,11 +34,11 @@ BLOCK = 16
 CHUNK = 16
 
 
-def plan():
+def plan(batch_sizes=(1, 2, 4, 8), kv_lengths=(64, 128)):
     return ShapePlan(
-        batch_sizes=[1, 2, 4, 8],
+        batch_sizes=list(batch_sizes),
         prompt_lengths=[16, 32],
-        kv_lengths=[64, 128],
+        kv_lengths=list(kv_lengths),
         max_model_len=128,
         extend_widths=((CHUNK, 1),),
     )

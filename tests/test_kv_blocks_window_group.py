@@ -26,10 +26,16 @@ from test_kv_blocks import BLOCK, CHUNK, EAGER, greedy, plan, prompts, run, toke
 MIXED = ("gemma2", "gemma3", "gpt-oss")
 
 
+def window_plan():
+    """`test_kv_blocks.plan`'s shapes, at the batches and the cache length these tests run: each shape is a graph
+    that Dynamo traces, most of these tests' time."""
+    return plan(batch_sizes=(2, 4), kv_lengths=(128,))
+
+
 @pytest.fixture(scope="module", params=MIXED)
 def mixed(request, tiny_checkpoints):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints(request.param))
-    return model, engine_for(model, plan()), compile_settings(model, GenerationConfig(), EAGER)
+    return model, engine_for(model, window_plan()), compile_settings(model, GenerationConfig(), EAGER)
 
 
 def held(blocks) -> int:
@@ -83,7 +89,7 @@ def test_window_layers_give_back_their_blocks_and_rows_finish_as_full_forwards(m
     rows = prompts([20, 45, 7], seed=8)
 
     loop = GenerationLoop(engine, settings, max_batch_size=4, chunked_prefill=CHUNK, kv_blocks=24, kv_block_size=BLOCK)
-    count = window_pool_blocks(24, window, 4, CHUNK, plan().max_model_len, BLOCK)
+    count = window_pool_blocks(24, window, 4, CHUNK, window_plan().max_model_len, BLOCK)
     assert loop.window_blocks is not None and loop.window_blocks.blocks == count == 4 * bound < 24
     arrivals = {i: [GenerationRequest(p, 60, request_id=i)] for i, p in enumerate(rows)}
     got, most_full, most_window = run_counting(loop, arrivals)
