@@ -10,8 +10,9 @@ cache levels as the weights do, as `torch.mv` and as a compiled reduction (the f
 one JSON object.
 
 `--model smollm2` runs the suite's real model instead (SmolLM2-135M-Instruct from its GGUF,
-`tests/real_model_cache.py`); `--quantization int8` loads both sides with int8 weights. `--a-env` / `--b-env NAME=VALUE` give a side environment variables of its own,
-so one tree against itself measures a setting (`--b` defaults to `--a`).
+`tests/real_model_cache.py`); `--quantization int8` loads both sides with int8 weights. `--a-env` / `--b-env
+NAME=VALUE` give a side environment variables of its own, so one tree against itself measures a setting (`--b`
+defaults to `--a`).
 
     python bench/ab.py --a ../base --b . --rounds 8 --control --dtypes float32 bfloat16 --batches 1 8
     python bench/ab.py --a . --model smollm2 --a-env STATICFORMERS_PACKED_WEIGHTS=0 --control --dtypes bfloat16

@@ -11,8 +11,8 @@ same device, and the clock the benchmarks time with. Shared by every script in b
     reduction `(x.unsqueeze(-2) * w).sum(-1, dtype=torch.float32)` (one vectorised weight-streaming
     loop); over int8 rows, also the bf16 reduction over the same bytes read as bf16 pairs (a CPU without bf16
     arithmetic, AVX2, reads int8 rows widened in the loop several times slower than its memory delivers them,
-    so no int8 reduction there measures the memory). No single probe is the fastest on every CPU and dtype (BLAS GEMVs can be far below the
-    memory's speed), so the ceiling is the fastest rate any of them reached. A small model can sit in a
+    so no int8 reduction there measures the memory). No single probe is the fastest on every CPU and dtype
+    (BLAS GEMVs can be far below the memory's speed), so the ceiling is the fastest rate any of them reached. A small model can sit in a
     large L3 (166 MB in 480 MiB here): the probes read the weights' bytes, not a larger buffer, so they
     measure wherever those bytes live.
   - The machine's state moves during a run (the probes have read the same bytes at rates a quarter
@@ -184,8 +184,8 @@ class MemoryCeiling:
             self.bytes = rows * cols
             self.what = (
                 f"the best of sum, a compiled multiply-and-sum (bf16 x, int8 rows widened in the loop) and the bf16 "
-                f"probe over the same bytes "
-                f"over a {rows} x {cols} int8 matrix ({self.bytes / 1e6:.1f} MB)"
+                f"probe reading the same bytes as bf16 pairs, over a {rows} x {cols} int8 matrix "
+                f"({self.bytes / 1e6:.1f} MB)"
             )
         else:
             size = torch.tensor([], dtype=dtype).element_size()

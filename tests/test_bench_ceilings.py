@@ -123,12 +123,17 @@ def test_cpu_memory_ceiling_is_the_best_of_three_probes_over_the_weights_bytes()
     best = ceiling.result()
     assert best["samples"] == [first, second] and best["gb_s"] == max(*first.values(), *second.values())
     ceiling.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        ceiling.sample()
+    assert ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.float32, cols=512, repeats=3)["bytes"] == nbytes
+    mm = ceilings.matmul_ceiling(torch.device("cpu"), n=128, repeats=3)
+    assert mm["flop"] == 2 * 128**3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
 
 
 def test_cpu_int8_memory_ceiling_also_reads_its_bytes_as_bf16_pairs():
     """The int8 probe reads the int8 bytes three ways: a sum, a reduction widening the rows to bf16, and the bf16
-    reduction over the same bytes read as bf16 pairs; an odd column count,
-    which has no pairs, is refused in one sentence."""
+    reduction over the same bytes read as bf16 pairs; an odd column count, which has no pairs, is refused in one
+    sentence."""
     nbytes = 2**20
     ceiling = ceilings.MemoryCeiling(torch.device("cpu"), nbytes, torch.int8, cols=512, backend="eager")
     first = ceiling.sample(repeats=1)
@@ -138,11 +143,6 @@ def test_cpu_int8_memory_ceiling_also_reads_its_bytes_as_bf16_pairs():
     ceiling.close()
     with pytest.raises(ValueError, match="give an even cols, not 511"):
         ceilings.MemoryCeiling(torch.device("cpu"), nbytes, torch.int8, cols=511, backend="eager")
-    with pytest.raises(RuntimeError, match="was closed"):
-        ceiling.sample()
-    assert ceilings.memory_ceiling(torch.device("cpu"), nbytes, torch.float32, cols=512, repeats=3)["bytes"] == nbytes
-    mm = ceilings.matmul_ceiling(torch.device("cpu"), n=128, repeats=3)
-    assert mm["flop"] == 2 * 128**3 and mm["tflop_s"] == ceilings.sig(mm["flop"] / mm["seconds"] / 1e12)
 
 
 def test_the_compiled_probe_reads_the_gemv_s_bytes_and_computes_its_product():

@@ -185,13 +185,7 @@ def test_widened_formulations_attend_over_float32_operands(kind, extra):
     q = torch.randn(b, h, s, d).to(torch.bfloat16)
     k, v = (torch.randn(b, kvh, s, d).to(torch.bfloat16) for _ in range(2))
     mask = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone() if extra == "mask" else None
-    kw = (
-        {"softcap": 5.0}
-        if extra == "softcap"
-        else {"sinks": torch.randn(h).to(torch.bfloat16)}
-        if extra == "sinks"
-        else {}
-    )
+    kw = {"softcap": {"softcap": 5.0}, "sinks": {"sinks": torch.randn(h).to(torch.bfloat16)}}.get(extra, {})
     widened, own = CPUOps(kind, "widen", "widen"), CPUOps(kind, None, None)
     with torch.no_grad():
         got = widened.attention(q, k, v, mask, 0.25, **kw)
