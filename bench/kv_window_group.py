@@ -61,11 +61,12 @@ def arm(model, plan, settings, jobs: list, budget: int, block_size: int, slots: 
     """One loop over `jobs` on a pool of `budget` bytes: the window layers in a group of their own, or not."""
     from staticformers.generation import loop as loop_module
     from staticformers.generation.engines import engine_for
+    from staticformers.generation.chunking import chunk_width
     from staticformers.generation.kv_blocks import window_spec
     from staticformers.models.block_kv_cache import KVBlocks
 
     def window(n: int):
-        return window_spec(model.config, n, slots, plan.extend_widths[0][0], plan.max_model_len, block_size)
+        return window_spec(model.config, n, slots, chunk_width(plan, None), plan.max_model_len, block_size)
 
     blocks = KVBlocks.blocks_in(model, budget, block_size, window=window if grouped else None)
     engine = engine_for(model, plan)
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
     import torch
 
     from staticformers import AutoModelForCausalLM
-    from staticformers.generation.chunking import serving_chunk
+    from staticformers.generation.chunking import chunk_width, serving_chunk_tokens
     from staticformers.generation.engines import compile_settings
     from staticformers.generation.generation_config import GenerationConfig
     from staticformers.generation.kv_blocks import window_group
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     plan = ShapePlan(max_model_len=args.max_model_len, max_batch_size=args.slots).bind(
         model.config.max_position_embeddings
     )
-    plan = plan.with_extend_widths((serving_chunk(plan, None), 1))  # the server's chunk
+    plan = plan.with_chunk_tokens(serving_chunk_tokens(plan, None))  # the server's chunk budget
     settings = compile_settings(model, GenerationConfig(disable_compile=True))
     jobs = capacity_jobs(
         args.requests,
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
         "window": group[1],
         "layers": model.config.num_hidden_layers,
         "slots": args.slots,
-        "chunk": plan.extend_widths[0][0],
+        "chunk": chunk_width(plan, None),  # the widest: a batch of 1's (each batch bucket has its own)
         "block_size": args.block_size,
         "lengths": length_summary(jobs),
         "pressure_before": pressure(),

@@ -191,6 +191,52 @@ def test_a_prompt_chunks_apart_from_the_decoding_rows(qwen3, monkeypatch):
     assert got["long"] == greedy(model, long, 5)
 
 
+def test_a_chunk_budget_widens_a_lone_prompts_chunks_and_rows_finish_as_full_forwards(qwen3, monkeypatch):
+    """With a chunk budget of 64 tokens (widths 32, 32, 16 and 8 at batches 1, 2, 4 and 8; the largest prompt bucket
+    caps the first two): a 70-token prompt joining three decoding rows prefills 32 tokens, then chunks apart 32 at a
+    time (one width for every batch took 16: four chunk steps, not two). Five long prompts at once on a pool small
+    enough to preempt: a prefilling row preempted widens the others' next chunks, and no chunk writes a position its
+    row holds no block for; every request's tokens are its full forward's, nothing leaks, and the same traffic again
+    compiles nothing."""
+    model, engine, settings = qwen3
+    budget = plan().with_chunk_tokens(64)
+    assert [budget.chunk_width_at(b) for b in budget.batch_sizes] == [32, 32, 16, 8]
+    shapes, unheld = [], []
+    extend = engine.extend
+
+    def spying(settings_, cache, tokens, positions, *rest, **kw):
+        shapes.append((cache.batch, cache.max_length, tokens.shape[1]))
+        table = cache.table.cpu()
+        for i in range(cache.batch):  # a row that holds blocks writes only into them (a free row: the null block)
+            if (table[i] != NULL_BLOCK).any():
+                unheld.extend(p for p in positions[i].tolist() if table[i, p // BLOCK] == NULL_BLOCK)
+        return extend(settings_, cache, tokens, positions, *rest, **kw)
+
+    monkeypatch.setattr(engine, "extend", spying)
+    short, long = prompts([6, 7, 9], seed=21), prompts([70], seed=22)[0]
+    loop = GenerationLoop(engine, settings, plan=budget, chunked_prefill=True, kv_blocks=64, kv_block_size=BLOCK)
+    arrivals = {0: [GenerationRequest(p, 12, request_id=i) for i, p in enumerate(short)]}
+    got = run(loop, {**arrivals, 3: [GenerationRequest(long, 5, request_id="long")]})
+    assert shapes == [(1, 64, 32), (1, 128, 32)]
+    assert got["long"] == greedy(model, long, 5)
+    assert all(got[i] == greedy(model, p, 12) for i, p in enumerate(short))
+
+    rows, news = prompts([80, 80, 50, 70, 90], seed=0), [11, 24, 6, 17, 9]
+
+    def traffic():
+        return {0: [GenerationRequest(p, n, request_id=i) for i, (p, n) in enumerate(zip(rows, news))]}
+
+    small = GenerationLoop(engine, settings, plan=budget, chunked_prefill=True, kv_blocks=10, kv_block_size=BLOCK)
+    first = run(small, traffic())
+    assert small.preemptions > 0 and not unheld
+    assert {t for _, _, t in shapes[2:]} >= {16, 32}  # chunks of four rows, then of fewer
+    for i, (p, n) in enumerate(zip(rows, news)):
+        assert first[i] == greedy(model, p, n), i
+    graphs, preempted = engine.graph_count(), small.preemptions
+    assert run(small, traffic()) == first
+    assert engine.graph_count() == graphs and small.preemptions == 2 * preempted and not unheld
+
+
 def test_decoding_rows_split_by_context(tiny_checkpoints, monkeypatch):
     """Three short rows and one with a 300-token prompt decoding together (K = 512): a gather of 512 positions per
     row reads far more than the tiny model's weights, so the decode steps run the short rows over K = 64 in a batch

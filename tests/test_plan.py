@@ -60,3 +60,35 @@ def test_a_one_token_prompt_is_one_token_in_the_refusal():
         plan.positions_needed(1, 300)
     with pytest.raises(PlanError, match=r"^The prompt has 2 tokens and"):
         plan.positions_needed(2, 300)
+
+
+def test_a_chunk_budget_gives_each_batch_its_width_and_one_extend_shape_per_kv_length():
+    """`chunk_tokens`: a chunk step of batch bucket B runs the budget over B (at most the largest prompt bucket), so
+    every chunk step computes at most the budget; it adds as many shapes as one declared width."""
+    plan = ShapePlan(max_model_len=1024, max_batch_size=16, chunk_tokens=512)
+    assert [plan.chunk_width_at(b) for b in plan.batch_sizes] == [512, 256, 128, 64, 32]
+    one_width = ShapePlan(max_model_len=1024, max_batch_size=16, extend_widths=((32, 1),))
+    assert plan.num_shapes == one_width.num_shapes == 5 * 7 + 5 * 3 * 2
+    assert sorted({(b, t) for b, _, t, _ in plan.extend_shapes()}) == [(1, 512), (2, 256), (4, 128), (8, 64), (16, 32)]
+    assert ShapePlan(max_model_len=256, chunk_tokens=4096).chunk_width_at(1) == 256  # the largest prompt bucket
+    assert "chunk budget    512 tokens a step: 512 at batch 1" in str(plan) and "chunk_tokens=512" in repr(plan)
+    # a declared width that is a batch's chunk width is one shape, not two; verification widths stay per batch
+    both = plan.with_extend_widths((64, 1), (5, 5))
+    assert both.widths_at(8) == ((5, 5), (64, 1)) and both.widths_at(1) == ((5, 5), (64, 1), (512, 1))
+    assert both.num_shapes == plan.num_shapes + 5 * 3 * 2 - 3
+    assert ShapePlan(max_model_len=1024, max_batch_size=16).with_chunk_tokens(512) == plan != one_width
+    assert ShapePlan(max_batch_size=4, chunk_tokens=64).bind(300).chunk_width_at(4) == 16  # bound later
+
+
+@pytest.mark.parametrize(
+    "tokens,match",
+    [
+        (4, r"^chunk_tokens=4 \(--max-num-batched-tokens\) is less than the largest batch bucket \(8\)"),
+        (0, r"^chunk_tokens=0 must be a positive number of tokens"),
+        (True, r"^chunk_tokens=True must be a positive number of tokens"),
+    ],
+)
+def test_a_chunk_budget_is_refused_in_one_sentence(tokens, match):
+    with pytest.raises(PlanError, match=match) as err:
+        ShapePlan(max_model_len=256, chunk_tokens=tokens)
+    assert str(err.value).count(". ") == 0

@@ -16,14 +16,29 @@ from staticformers.generation.scheduler import Scheduler
 BLOCK = 16
 
 
-def scheduler(blocks=None, chunk=16, max_slots=4, kv=None, ahead=1):
+def scheduler(blocks=None, chunk=16, max_slots=4, kv=None, ahead=1, budget=None):
+    """A scheduler over batches 1, 2, 4 and prompts up to 64: one chunk width `chunk`, or with `budget` the chunk
+    budget's widths (64 tokens: 64, 32 and 16)."""
+    widths = ((chunk, 1),) if budget is None else ()
     plan = ShapePlan(
-        batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 64], kv_lengths=[64, 128, 256], extend_widths=((chunk, 1),)
+        batch_sizes=[1, 2, 4], prompt_lengths=[16, 32, 64], kv_lengths=[64, 128, 256], extend_widths=widths
     ).bind(256)
+    if budget is not None:
+        plan, chunk = plan.with_chunk_tokens(budget), plan.with_chunk_tokens(budget).chunk_width_at(1)
     state = {"kv": kv}
     pool = BlockAllocator(blocks) if blocks is not None else None
     s = Scheduler(
-        plan, max_slots, chunk, True, pool, BLOCK, False, ahead, model=torch.nn.Module(), kv_length=lambda: state["kv"]
+        plan,
+        max_slots,
+        chunk,
+        True,
+        pool,
+        BLOCK,
+        False,
+        ahead,
+        model=torch.nn.Module(),
+        kv_length=lambda: state["kv"],
+        budgeted=budget is not None,
     )
     return s, state
 
@@ -119,6 +134,43 @@ def test_plans_carry_what_the_runner_needs_and_who_fails_with_them():
     decode = s.decode_plan(batch=2)
     assert decode.choosing == [1] and decode.fails == [0, 1] and decode.steps == [1]
     assert decode.tokens[:, 0].tolist() == [0, 5] and decode.positions[:, 0].tolist() == [16, 8]
+
+
+def test_a_chunk_budget_widens_the_chunks_of_fewer_rows():
+    """With a chunk budget of 64 tokens: a lone prompt's first chunk and next chunks take 64 tokens a step; three
+    joining at once take 16 each (a batch of 4), and two chunking apart take 32 each; a prefilling row preempted
+    leaves the others' next chunks wider, and their reach follows."""
+    s, state = scheduler(blocks=40, kv=256, budget=64)
+    assert [s.chunk_at(b) for b in (1, 2, 4)] == [64, 32, 16]
+    s.queue(row(200, rid="alone"))
+    alone = s.take_joining()
+    assert len(s.first_tokens(alone[0])) == 64 and len(alone[0].blocks) == 4
+    hold(s, alone)
+    assert s.chunk_now() == 64 and s.reach(alone[0]) == 128
+    apart = s.chunk_apart_plan(own=(4, 256))
+    assert apart.view == (1, 128) and apart.tokens.shape == (1, 64) and apart.advance == {0: 64}
+    for i in range(3):
+        s.queue(row(100, rid=i))
+    three = s.take_joining()
+    assert [len(s.first_tokens(r)) for r in three] == [16] * 3  # three rows' prefill: 16 tokens each
+    hold(s, three)
+    assert s.chunk_now() == 16 and s.reach(three[0]) == 32  # four rows chunk: a batch of 4
+    apart = s.chunk_apart_plan(own=(4, 256))
+    assert apart.tokens.shape == (4, 16) and apart.view == (4, 128)
+    for slot in (2, 3):
+        s.release(s.rows.pop(slot))
+    assert s.chunk_now() == 32 and s.reach(three[0]) == 48  # 16 in, the next chunk of a batch of 2
+    apart = s.chunk_apart_plan(own=(4, 128))
+    assert apart.tokens.shape == (2, 32) and apart.advance == {0: 32, 1: 32}
+    s.release(s.rows.pop(1))
+    assert s.chunk_now() == 64 and s.reach(s.rows[0]) == 128
+
+
+def test_without_a_budget_a_passed_width_is_every_batchs():
+    s, _ = scheduler(chunk=16)
+    assert [s.chunk_at(b) for b in (1, 2, 4)] == [16] * 3
+    s.queue(row(200, rid="alone"))
+    assert len(s.first_tokens(s.take_joining()[0])) == 16
 
 
 @pytest.mark.parametrize("seed", range(5))

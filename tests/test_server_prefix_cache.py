@@ -43,7 +43,8 @@ def test_prefix_hits_answer_as_misses_and_are_counted_in_tokens(tmp_path):
         block_size=8,
     )
     loop = build_loop(model, opts)
-    assert loop.chunk == 16 and (16, 1) in loop.plan.extend_widths  # 64 tokens a step over 4 rows
+    # 64 tokens a chunk step: a batch of 4 chunks 16 tokens a row, a prompt chunking alone 64
+    assert loop.chunk == 64 and [loop.plan.chunk_width_at(b) for b in loop.plan.batch_sizes] == [64, 32, 16]
     server = Server(build_state(model, tok, loop, opts), grace=2.0)
     server.start()
     try:

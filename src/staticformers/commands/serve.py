@@ -181,8 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="N",
-        help="tokens one chunk step computes (default 512): the chunk width is N over the largest batch "
-        "bucket, since a chunk step runs every row of the batch",
+        help="tokens one chunk step computes (default 512): a chunk step's width is N over its batch bucket, "
+        "since it runs every row of its batch (a prompt chunking alone takes N tokens a step)",
     )
     p.add_argument(
         "--enable-prefix-caching",

@@ -50,9 +50,12 @@ from .step_plan import StepPlan
 
 def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
     """The extend width the loop chunks with: `width`, checked against the plan, or (None) the widest the
-    plan declares with one kept position. Refuses a plan without one, in one sentence."""
+    plan declares with one kept position, or with a chunk budget its widest chunk (a batch of 1's; each chunk step
+    then runs its batch's width, `ShapePlan.chunk_width_at`). Refuses a plan without one, in one sentence."""
     declared = [t for t, n in getattr(plan, "extend_widths", ()) if n == 1]
     if width is None:
+        if getattr(plan, "chunk_tokens", None) is not None:
+            return plan.chunk_width_at(plan.batch_sizes[0])
         if not declared:
             raise PlanError(
                 "Chunked prefill and prefix caching run the rest of a prompt through the extend step, "
@@ -78,10 +81,11 @@ def chunk_width(plan: ShapePlan, width: Optional[int]) -> int:
 DEFAULT_BATCHED_TOKENS = 512
 
 
-def serving_chunk(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int:
-    """The server's chunk width from `--max-num-batched-tokens` (vLLM's name: the tokens one step computes,
-    default 512). An extend step computes `[B, C]` tokens over the whole batch, so C is the budget over the
-    largest batch bucket, and at most the largest prompt bucket (which prefills a prompt's first chunk)."""
+def serving_chunk_tokens(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int:
+    """The server's chunk budget from `--max-num-batched-tokens` (vLLM's name: the tokens one step computes,
+    default 512), checked against the plan. An extend step computes `[B, C]` tokens, so a chunk step of batch
+    bucket B runs chunks of the budget over B, at most the largest prompt bucket (which prefills a prompt's first
+    chunk): `ShapePlan(chunk_tokens=...)`."""
     budget = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else int(max_num_batched_tokens)
     largest = plan.batch_sizes[-1]
     if budget < largest:
@@ -89,7 +93,7 @@ def serving_chunk(plan: ShapePlan, max_num_batched_tokens: Optional[int]) -> int
             f"--max-num-batched-tokens {budget} is less than the largest batch bucket ({largest}): a chunk "
             f"step computes a chunk for every row, so give at least one token per row."
         )
-    return min(budget // largest, plan.prompt_lengths[-1])
+    return budget
 
 
 def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chunked: bool) -> int:
@@ -190,15 +194,17 @@ def chunk_plan(rows: dict, batch: int, kv: int, width: int, adapters: Optional[l
     )
 
 
-def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict], own: tuple) -> Optional[StepPlan]:
+def chunk_apart_plan(rows: dict, plan, width_at, adapters: Optional[dict], own: tuple) -> Optional[StepPlan]:
     """The next chunk of every prefilling row of `rows` {slot: row} in a step of their own (block caches): row i of
     the step is the i-th prefilling slot, over a view of the pool of the smallest batch and KV buckets that hold
-    them (`StepPlan.view`), so the decoding rows decode in their own step and the chunk computes no padded row.
+    them (`StepPlan.view`), so the decoding rows decode in their own step and the chunk computes no padded row; its
+    chunks are `width_at(batch)` wide (with a chunk budget, the budget over the view's batch).
     `adapters`: each slot's adapter bank slot (None: the model batches none). If the step fails, its rows fail.
     None when the view would be `own`, the batch's own shape (the mixed step runs instead)."""
     chunking = prefilling(rows)
     apart = {i: rows[s] for i, s in enumerate(chunking)}
     batch = plan.batch_bucket(len(chunking))
+    width = width_at(batch)
     kv = plan.kv_bucket(max(min(len(r.prompt), r.length + width) for r in apart.values()))
     if (batch, kv) == tuple(own):
         return None
@@ -224,7 +230,7 @@ def chunk_apart_plan(rows: dict, plan, width: int, adapters: Optional[dict], own
 
 
 __all__ = [
-    "serving_chunk",
+    "serving_chunk_tokens",
     "chunk_width",
     "positions_needed",
     "prefilling",

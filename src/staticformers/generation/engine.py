@@ -369,10 +369,10 @@ class Engine:
         `(T, n)` must be one of the extend widths of `plan` (default: the engine's)."""
         plan = plan or self.plan
         t, n = tokens.shape[-1], keep.shape[-1]
-        if (t, n) not in plan.extend_widths:
+        if (t, n) not in plan.widths_at(cache.batch):
             shape_violation(
-                f"An extend step of {t} tokens keeping {n} is not among the plan's extend widths "
-                f"{list(plan.extend_widths)}: declare it (ShapePlan(extend_widths=...))."
+                f"An extend step of {t} tokens keeping {n} is not among the plan's extend widths at batch "
+                f"{cache.batch} {list(plan.widths_at(cache.batch))}: declare it (ShapePlan(extend_widths=...))."
             )
         g = self.step("extend", cache.batch, (cache.max_length, t, n), settings)
         checked = self._check(g, (cache.batch, t), tokens)

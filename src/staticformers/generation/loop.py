@@ -121,7 +121,8 @@ class GenerationLoop:
     """Continuous batching over the slots of the engine's static caches (see the module docstring).
 
     `chunked_prefill`: a chunk width C the plan declares as an extend width `(C, 1)` (True: the widest it
-    declares), None: every prompt in one prefill. `prefix_caching`: keep prompt prefixes in a pool of
+    declares, or with the plan's chunk budget `chunk_tokens` each chunk step's batch's width), None: every prompt in
+    one prefill. `prefix_caching`: keep prompt prefixes in a pool of
     `prefix_cache_blocks` blocks of `prefix_block_size` tokens (the rest of a prompt that hits runs through
     the extend step: the plan must declare one). `kv_blocks`: run on block caches (`models/block_kv_cache.py`)
     over one pool of that many blocks of `kv_block_size` positions, each row holding the blocks its tokens fill;
@@ -162,6 +163,8 @@ class GenerationLoop:
         self._holding = False
         self._ids = itertools.count()
         self.chunked = chunked_prefill is not None and chunked_prefill is not False
+        # the plan's width (not one passed): with a chunk budget, each chunk step's is its batch's
+        budgeted = not (isinstance(chunked_prefill, int) and not isinstance(chunked_prefill, bool))
         self.chunk = (
             chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill)
             if self.chunked or prefix_caching
@@ -207,6 +210,7 @@ class GenerationLoop:
             self._read_costs() if self.blocks is not None else None,
             sliding_window(engine.model.config) if self.blocks is not None else None,
             (self.window_blocks, mixed[1]) if self.window_blocks is not None and mixed is not None else None,
+            budgeted=budgeted and self.chunk is not None,
         )
         engine.use_blocks(kv_blocks, kv_block_size, self._window_spec)
 
@@ -638,7 +642,10 @@ class GenerationLoop:
         chunks run apart, in the smallest batch that holds the prefilling rows, after a decode step of the decoding
         rows: a chunk step of the whole batch computes a chunk's width for every decoding row, to keep one token
         (the mixed step stays where the rows apart would fill the batch's own shape)."""
-        self._make_room(sorted(self.rows))
+        width = None
+        while width != self.scheduler.chunk_now():  # a preempted prefilling row widens the others' next chunks
+            width = self.scheduler.chunk_now()
+            self._make_room(sorted(self.rows))
         if not prefilling(self.rows):
             if decoding(self.rows):
                 self._decode()

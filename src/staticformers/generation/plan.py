@@ -19,13 +19,20 @@ of speculative decoding (`T = n = k + 1`) and the chunks of a chunked prefill (`
 An extend step runs over a `[B, K]` cache, so each width adds `len(batch) * len(kv)` shapes; a plan
 without widths has none (`with_extend_widths` adds them to a plan).
 
+An optional **chunk budget** `chunk_tokens` (the server's `--max-num-batched-tokens`) declares the chunks' widths by
+batch instead: a chunk step of batch bucket `B` runs `chunk_width_at(B) = min(chunk_tokens // B, largest prompt
+bucket)` tokens per row, so every chunk step computes at most the budget whatever its batch, and a prompt chunking
+alone (a batch of 1) takes the whole budget a step rather than the share of the largest batch. It adds one width per
+batch bucket, `len(batch) * len(kv)` shapes, as one declared width does (`with_chunk_tokens` adds it to a plan).
+
 A hybrid model's linear-attention layers (Gated DeltaNet) run a prompt, a chunk of one and training in the chunked
 form, `linear_chunk` tokens at a time (default 64, transformers' and flash-linear-attention's): the size of the
 matrices each chunk multiplies, which a device may prefer otherwise (its tile); any positive size gives the same
 result. The engine gives it to the model's layers (`engine.py`).
 
 `max_model_len` defaults to the smaller of the model's `max_position_embeddings` and 2048. The number
-of shapes is `len(batch) * (len(prompt) + len(kv) * (1 + len(extend)))`, printed by `str(plan)` and by
+of shapes is `len(batch) * (len(prompt) + len(kv) * (1 + len(extend)))` (the chunk budget counting as one extend
+width, unless a batch's chunk width is a declared one), printed by `str(plan)` and by
 `staticformers compile`; each shape is one graph, or (on the CPU) a few small ones, its regions
 (`compilation/steps.py`).
 """
@@ -104,6 +111,7 @@ class ShapePlan:
         min_kv_length: int = 256,
         extend_widths: Sequence[Sequence[int]] = (),
         linear_chunk: int = DEFAULT_LINEAR_CHUNK,
+        chunk_tokens: Optional[int] = None,
     ):
         if isinstance(linear_chunk, bool) or not isinstance(linear_chunk, int) or linear_chunk < 1:
             raise PlanError(
@@ -111,6 +119,13 @@ class ShapePlan:
                 f"chunk of a linear-attention layer; {DEFAULT_LINEAR_CHUNK} by default)."
             )
         self.linear_chunk = linear_chunk
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
+            raise PlanError(
+                f"chunk_tokens={chunk_tokens!r} must be a positive number of tokens (what one chunk step computes)."
+            )
+        self.chunk_tokens = chunk_tokens
         if max_model_len is not None and int(max_model_len) < 2:
             raise PlanError(f"max_model_len must be at least 2, got {max_model_len}.")
         if int(max_batch_size) < 1:
@@ -125,6 +140,7 @@ class ShapePlan:
             min_kv_length=int(min_kv_length),
             extend_widths=_check_widths(extend_widths, None),
             linear_chunk=linear_chunk,
+            chunk_tokens=chunk_tokens,
         )
         self.max_model_len = int(max_model_len) if max_model_len is not None else None
         self.batch_sizes = (
@@ -135,6 +151,12 @@ class ShapePlan:
         self.prompt_lengths: tuple[int, ...] = ()
         self.kv_lengths: tuple[int, ...] = ()
         self.extend_widths = _check_widths(extend_widths, self.max_model_len)
+        if chunk_tokens is not None and chunk_tokens < self.batch_sizes[-1]:
+            raise PlanError(
+                f"chunk_tokens={chunk_tokens} (--max-num-batched-tokens) is less than the largest batch bucket "
+                f"({self.batch_sizes[-1]}): a chunk step of that batch gives every row at least one token, so "
+                f"raise it to at least {self.batch_sizes[-1]}."
+            )
         if self.max_model_len is not None or (prompt_lengths is not None and kv_lengths is not None):
             self._complete()
 
@@ -185,9 +207,36 @@ class ShapePlan:
             return self
         r = dict(self._requested)
         r["extend_widths"] = tuple(sorted(set(self.extend_widths) | set(wanted)))
-        if self.bound:  # keep what binding filled in
+        return self._with(r)
+
+    def with_chunk_tokens(self, tokens: int) -> "ShapePlan":
+        """This plan with a chunk budget of `tokens` a step (the module docstring; itself when it has that one)."""
+        if tokens == self.chunk_tokens:
+            return self
+        r = dict(self._requested)
+        r["chunk_tokens"] = tokens
+        return self._with(r)
+
+    def _with(self, r: dict) -> "ShapePlan":
+        """A plan of the arguments `r`, keeping what binding filled in."""
+        if self.bound:
             r.update(prompt_lengths=self.prompt_lengths, kv_lengths=self.kv_lengths, max_model_len=self.max_model_len)
         return ShapePlan(**r)
+
+    def chunk_width_at(self, batch: int) -> Optional[int]:
+        """The chunk width of a chunk step of batch bucket `batch` under the chunk budget: the budget over the batch,
+        at most the largest prompt bucket (which prefills a prompt's first chunk); None without a budget."""
+        if self.chunk_tokens is None:
+            return None
+        self._need_bound()
+        return max(1, min(self.chunk_tokens // int(batch), self.prompt_lengths[-1]))
+
+    def widths_at(self, batch: int) -> tuple[tuple[int, int], ...]:
+        """The extend widths `(T, n)` of batch bucket `batch`: the declared ones and the chunk budget's."""
+        chunk = self.chunk_width_at(batch)
+        if chunk is None or (chunk, 1) in self.extend_widths:
+            return self.extend_widths
+        return tuple(sorted(self.extend_widths + ((chunk, 1),)))
 
     # ---- first fit -----------------------------------------------------------------------------
     def _need_bound(self) -> None:
@@ -259,7 +308,7 @@ class ShapePlan:
     def extend_shapes(self) -> list[tuple[int, int, int, int]]:
         """`(B, K, T, n)`: an extend step of `[B, T]` tokens over a `[B, K]` cache, `n` positions kept."""
         self._need_bound()
-        return [(b, kv, t, n) for b in self.batch_sizes for kv in self.kv_lengths for t, n in self.extend_widths]
+        return [(b, kv, t, n) for b in self.batch_sizes for kv in self.kv_lengths for t, n in self.widths_at(b)]
 
     @property
     def num_shapes(self) -> int:
@@ -273,6 +322,7 @@ class ShapePlan:
             self.max_model_len,
             self.extend_widths,
             self.linear_chunk,
+            self.chunk_tokens,
         )
 
     def __eq__(self, other) -> bool:
@@ -284,9 +334,10 @@ class ShapePlan:
     def __repr__(self) -> str:
         widths = f", extend_widths={[list(w) for w in self.extend_widths]}" if self.extend_widths else ""
         chunk = f", linear_chunk={self.linear_chunk}" if self.linear_chunk != DEFAULT_LINEAR_CHUNK else ""
+        budget = f", chunk_tokens={self.chunk_tokens}" if self.chunk_tokens is not None else ""
         return (
             f"ShapePlan(batch_sizes={list(self.batch_sizes)}, prompt_lengths={list(self.prompt_lengths)}, "
-            f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths}{chunk})"
+            f"kv_lengths={list(self.kv_lengths)}, max_model_len={self.max_model_len}{widths}{chunk}{budget})"
         )
 
     def __str__(self) -> str:
@@ -301,4 +352,7 @@ class ShapePlan:
         if self.extend_widths:
             widths = ", ".join(f"{t} keep {n}" for t, n in self.extend_widths)
             lines.append(f"  extend widths   {widths}   (extend [batch, tokens] over the cache)")
+        if self.chunk_tokens is not None:
+            widths = ", ".join(f"{self.chunk_width_at(b)} at batch {b}" for b in self.batch_sizes)
+            lines.append(f"  chunk budget    {self.chunk_tokens} tokens a step: {widths}")
         return "\n".join(lines)

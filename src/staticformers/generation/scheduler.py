@@ -66,7 +66,8 @@ class Scheduler:
     """The host side of one loop's continuous batching (see the module docstring).
 
     `plan`: the loop's shape plan; `max_slots`: rows at most; `chunk`: the chunk width (None: prompts in one prefill),
-    `chunked`: whether prompts are chunked; `blocks`: the pool's account on block caches (None: static caches), of
+    the widest with `budgeted` (each chunk step's width is then the plan's chunk budget's at its batch,
+    `ShapePlan.chunk_width_at`), `chunked`: whether prompts are chunked; `blocks`: the pool's account on block caches (None: static caches), of
     `block_size` positions; `share`: prefix caching by shared blocks; `ahead`: positions a decoding row's step
     writes (k+1 when verifying); `model`: whose adapter bank the rows name; `kv_length`: the batch's KV length now
     (None: no batch); `costs`: on block caches, (the weights' bytes, one position's bytes over the layers), with
@@ -90,9 +91,12 @@ class Scheduler:
         costs: Optional[tuple] = None,
         window: Optional[int] = None,
         window_group: Optional[tuple[BlockAllocator, int]] = None,
+        budgeted: bool = False,
     ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
+        self.budgeted = budgeted and plan.chunk_tokens is not None
+        self._first = self.chunk  # the first chunk's width of the rows `take_joining` took last
         self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
         self.model, self.kv_length = model, kv_length
         self.costs = costs  # (the weights' bytes, one position's bytes): what a step reads (`step_split.py`)
@@ -173,6 +177,7 @@ class Scheduler:
         its first step's blocks); they are `joining` until the loop holds them in `rows`."""
         with self.mutex:
             room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
+            self._first = self._joining_width()
             joining: list = []
             while self.waiting and len(joining) < room:
                 if self.blocks is not None and not self._hold_first_blocks(self.waiting[0]):
@@ -192,18 +197,40 @@ class Scheduler:
         """Whether the row's prefill scores its prompt (asked, and not a preempted row resuming: it was scored)."""
         return row.request.sampling.prompt_logprobs is not None and not row.resumed
 
-    def first_tokens(self, row) -> list:
-        """What a joining row's prefill runs: its prompt, or its first chunk (a scored prompt is never chunked)."""
-        return row.prompt[: self.chunk] if self.chunked and not self.scored(row) else row.prompt
+    def chunk_at(self, batch: int) -> int:
+        """The chunk width of a chunk step of batch bucket `batch`: the plan's chunk budget over it, or the one width."""
+        width = self.plan.chunk_width_at(batch) if self.budgeted else None
+        return self.chunk if width is None else width
 
-    def _first_blocks(self, row, shared: int = 0) -> int:
+    def chunk_now(self) -> int:
+        """The width of the prefilling rows' next chunks: on block caches they run in a batch of their own (its bucket
+        the width's batch, `chunking.chunk_apart_plan`), on static caches in the batch's step."""
+        if not self.budgeted:
+            return self.chunk
+        rows = len(prefilling(self.rows)) if self.blocks is not None else len(self.rows)
+        return self.chunk_at(self.plan.batch_bucket(max(rows, 1)))
+
+    def _joining_width(self) -> int:
+        """The first chunk's width of the next admission: the chunk budget's at the batch of the rows it may take (when
+        fewer join, their prefill computes less than the budget)."""
+        room = min(self.max_slots - len(self.rows), self.plan.batch_sizes[-1])
+        return self.chunk_at(self.plan.batch_bucket(max(min(room, len(self.waiting)), 1)))
+
+    def first_tokens(self, row, width: Optional[int] = None) -> list:
+        """What a joining row's prefill runs: its prompt, or its first chunk of `width` tokens (None: the admission's,
+        `take_joining`'s); a scored prompt is never chunked."""
+        width = self._first if width is None else width
+        return row.prompt[:width] if self.chunked and not self.scored(row) else row.prompt
+
+    def _first_blocks(self, row, shared: int = 0, width: Optional[int] = None) -> int:
         """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
-        caches): its prefill, or with shared blocks the chunk after them."""
+        caches): its prefill (its first chunk `width` wide, None: the admission's), or with shared blocks the chunk
+        after them (held for the widest chunk: how many rows then chunk beside it is not known yet)."""
         if self.blocks is None:
             return 0
         if shared:
             return blocks_for(min(len(row.prompt), shared * self.block_size + self.chunk), self.block_size) - shared
-        return blocks_for(len(self.first_tokens(row)), self.block_size)
+        return blocks_for(len(self.first_tokens(row, width)), self.block_size)
 
     def _hold_first_blocks(self, row) -> bool:
         """Give a waiting row the blocks of its first step: the cached blocks of its prompt's prefix (shared, when
@@ -256,7 +283,9 @@ class Scheduler:
 
     def _head_fits(self) -> bool:
         """Whether the first waiting row's prefill has its blocks free (always, on static caches)."""
-        return self.blocks is None or self._first_blocks(self.waiting[0]) <= self.spare_blocks()
+        return (
+            self.blocks is None or self._first_blocks(self.waiting[0], 0, self._joining_width()) <= self.spare_blocks()
+        )
 
     def spare_blocks(self) -> int:
         """Free blocks beyond what the running rows' next steps take (a decoding row its next positions, a
@@ -286,7 +315,7 @@ class Scheduler:
         if row.length == 0:
             return len(self.first_tokens(row))
         if row.length < len(row.prompt):
-            return min(len(row.prompt), row.length + self.chunk)
+            return min(len(row.prompt), row.length + self.chunk_now())
         return min(row.length + self.ahead, self.plan.kv_lengths[-1])
 
     # ---- blocks ---------------------------------------------------------------------------------------
@@ -415,13 +444,13 @@ class Scheduler:
 
     def chunk_plan(self, batch: int, kv: int) -> StepPlan:
         """The next chunk of every prefilling row (`chunking.py`)."""
-        return chunk_plan(self.rows, batch, kv, self.chunk, self.adapters(batch))
+        return chunk_plan(self.rows, batch, kv, self.chunk_at(batch), self.adapters(batch))
 
     def chunk_apart_plan(self, own: tuple) -> Optional[StepPlan]:
         """The prefilling rows' next chunks in a step of their own, over a view of the block pool; None when that view
         would be `own`, the batch's shape (`chunking.chunk_apart_plan`)."""
         adapters = {s: r.adapter for s, r in self.rows.items()} if bank_of(self.model) is not None else None
-        return chunk_apart_plan(self.rows, self.plan, self.chunk, adapters, own)
+        return chunk_apart_plan(self.rows, self.plan, self.chunk_at, adapters, own)
 
     def decode_apart_plans(self, batch: int, kv: int) -> Optional[list]:
         """On block caches, the decoding rows' decode step as steps over views of the pool, each of its own batch

@@ -62,7 +62,7 @@ class ServeOptions:
     speculative_config: Optional[object] = None  # vLLM's --speculative-config: a JSON object (str) or a dict
     reasoning_parser: Optional[str] = None  # vLLM's --reasoning-parser: "qwen3" splits <think>...</think> out
     enable_chunked_prefill: bool = False  # prompts longer than a chunk run in chunks, the running rows decoding in them
-    max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: the chunk width times the largest batch
+    max_num_batched_tokens: Optional[int] = None  # a chunk step's tokens: its chunk width times its batch bucket
     enable_prefix_caching: bool = False  # prompt prefixes' keys and values kept and copied into joining rows
     prefix_cache_blocks: int = 512  # the pool's blocks (least recently used evicted)
     block_size: int = 32  # tokens per block (prefix blocks, KV blocks)
@@ -146,9 +146,9 @@ def serving_plan(model, options: ServeOptions):
     plan = ShapePlan(max_model_len=options.max_model_len, max_batch_size=options.max_batch_size)
     plan = plan.bind(model.config.max_position_embeddings)
     if options.enable_chunked_prefill or options.enable_prefix_caching or options.block_caches:
-        from ..generation.chunking import serving_chunk
+        from ..generation.chunking import serving_chunk_tokens
 
-        plan = plan.with_extend_widths((serving_chunk(plan, options.max_num_batched_tokens), 1))
+        plan = plan.with_chunk_tokens(serving_chunk_tokens(plan, options.max_num_batched_tokens))
     return plan
 
 
