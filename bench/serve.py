@@ -385,6 +385,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "long-prompt", "capacity"])
     p.add_argument("--system", type=int, default=1000, help="shared-prefix: the shared system prompt's tokens")
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=["no_cache", "prefix_cache", "shared_blocks"],
+        help="shared-prefix: the servers to run (default all three)",
+    )
     p.add_argument("--long", type=int, default=2000, help="long-prompt: the long prompt's tokens")
     p.add_argument("--long-delay", type=float, default=1.0, help="long-prompt: seconds before it arrives")
     p.add_argument("--max-model-len", type=int, default=2048, help="shared-prefix, long-prompt, capacity: the servers'")

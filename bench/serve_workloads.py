@@ -107,27 +107,30 @@ def _median_row(rounds: list) -> dict:
     return row
 
 
-async def _clients_run(url: str, prompts: list, clients: int, new: int) -> dict:
-    """`clients` clients taking the prompts in order, one request at a time each."""
+async def _clients_run(url: str, prompts: list, clients: int, new: int, misses: frozenset = frozenset()) -> dict:
+    """`clients` clients taking the prompts in order, one request at a time each; `misses`: the indices of the
+    prompts whose system prompt is their own, whose TTFT is also reported apart."""
     queue: asyncio.Queue = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+    for i, p in enumerate(prompts):
+        queue.put_nowait((i, p))
     results = []
 
     async def client():
         while not queue.empty():
-            p = queue.get_nowait()
-            results.append(await tagged_run(url, [(p, new, "r", 0.0)]))
+            i, p = queue.get_nowait()
+            results.append((i, await tagged_run(url, [(p, new, "r", 0.0)])))
 
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(clients)])
     wall = time.perf_counter() - start
-    ttft = [t for r in results for t in r["by_tag"]["r"]["ttft"]]
-    itl = [t for r in results for t in r["by_tag"]["r"]["itl"]]
-    tokens = sum(r["tokens"] for r in results)
+    ttft = [t for _, r in results for t in r["by_tag"]["r"]["ttft"]]
+    missed = [t for i, r in results if i in misses for t in r["by_tag"]["r"]["ttft"]]
+    itl = [t for _, r in results for t in r["by_tag"]["r"]["itl"]]
+    tokens = sum(r["tokens"] for _, r in results)
     return {
         "ttft_ms_p50": _ms(statistics.median(ttft)),
         "ttft_ms_p99": _ms(_pct(ttft, 0.99)),
+        "ttft_ms_misses_p50": _ms(statistics.median(missed)) if missed else None,
         "itl_ms_p50": _ms(_pct(itl, 0.5)),
         "itl_ms_p99": _ms(_pct(itl, 0.99)),
         "output_tokens_per_s": round(tokens / wall, 2),
@@ -147,11 +150,13 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
         "new": args.new,
     }
     blocks = args.clients[-1] * args.max_model_len // 32  # the static rows' positions, in the server's 32-token blocks
-    for label, extra in (
-        ("no_cache", []),
-        ("prefix_cache", ["--enable-prefix-caching"]),
-        ("shared_blocks", ["--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks)]),
-    ):
+    misses = frozenset(i for i in range(args.requests) if i % 10 == 9)  # `shared_prefix_jobs`' own system prompts
+    arms = {
+        "no_cache": [],
+        "prefix_cache": ["--enable-prefix-caching"],
+        "shared_blocks": ["--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks)],
+    }
+    for label, extra in ((a, arms[a]) for a in getattr(args, "arms", None) or arms):
         server = server_factory(extra)
         try:
             asyncio.run(_clients_run(server.url, warm, args.clients[-1], args.new))  # warm-up: other turns
@@ -161,7 +166,7 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
                     counter(server.url, n)
                     for n in ("prefix_cache_queries_total", "prefix_cache_hits_total", "graphs_compiled_total")
                 )
-                row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new))
+                row = asyncio.run(_clients_run(server.url, prompts, args.clients[-1], args.new, misses))
                 q, h = (
                     counter(server.url, "prefix_cache_queries_total") - q0,
                     counter(server.url, "prefix_cache_hits_total") - h0,
@@ -172,18 +177,23 @@ def shared_prefix(server_factory, args, vocab: int) -> dict:
         finally:
             server.stop()
         out[label] = _median_row(rounds)
-    out["ratios"] = {
-        "ttft_p50_no_cache_over_cache": round(out["no_cache"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2),
-        "output_tokens_per_s_cache_over_no_cache": round(
+    ratios = {}
+    if "no_cache" in out and "prefix_cache" in out:
+        ratios["ttft_p50_no_cache_over_cache"] = round(
+            out["no_cache"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2
+        )
+        ratios["output_tokens_per_s_cache_over_no_cache"] = round(
             out["prefix_cache"]["output_tokens_per_s"] / out["no_cache"]["output_tokens_per_s"], 2
-        ),
-        "ttft_p50_shared_over_copied": round(
-            out["shared_blocks"]["ttft_ms_p50"] / out["prefix_cache"]["ttft_ms_p50"], 2
-        ),
-        "output_tokens_per_s_shared_over_copied": round(
+        )
+    if "shared_blocks" in out and "prefix_cache" in out:
+        for figure in ("ttft_ms_p50", "ttft_ms_p99"):
+            ratios[f"{figure}_shared_over_copied"] = round(
+                out["shared_blocks"][figure] / out["prefix_cache"][figure], 2
+            )
+        ratios["output_tokens_per_s_shared_over_copied"] = round(
             out["shared_blocks"]["output_tokens_per_s"] / out["prefix_cache"]["output_tokens_per_s"], 2
-        ),
-    }
+        )
+    out["ratios"] = ratios
     return out
 
 
