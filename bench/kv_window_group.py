@@ -61,12 +61,12 @@ def arm(model, plan, settings, jobs: list, budget: int, block_size: int, slots: 
     """One loop over `jobs` on a pool of `budget` bytes: the window layers in a group of their own, or not."""
     from staticformers.generation import loop as loop_module
     from staticformers.generation.engines import engine_for
-    from staticformers.generation.chunking import chunk_width
+    from staticformers.generation.chunking import widest_steps
     from staticformers.generation.kv_blocks import window_spec
     from staticformers.models.block_kv_cache import KVBlocks
 
     def window(n: int):
-        return window_spec(model.config, n, slots, chunk_width(plan, None), plan.max_model_len, block_size)
+        return window_spec(model.config, n, slots, widest_steps(plan, None, True), plan.max_model_len, block_size)
 
     blocks = KVBlocks.blocks_in(model, budget, block_size, window=window if grouped else None)
     engine = engine_for(model, plan)

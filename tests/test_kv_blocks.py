@@ -201,23 +201,33 @@ def test_a_chunk_budget_widens_a_lone_prompts_chunks_and_rows_finish_as_full_for
     model, engine, settings = qwen3
     budget = plan().with_chunk_tokens(64)
     assert [budget.chunk_width_at(b) for b in budget.batch_sizes] == [32, 32, 16, 8]
-    shapes, unheld = [], []
-    extend = engine.extend
+    shapes, unheld, first_chunks = [], [], []
+    extend, prefill = engine.extend, engine.prefill
+
+    def held(cache, row: int, positions) -> None:  # on block caches a row writes only into blocks it holds
+        table = cache.table.cpu() if isinstance(cache, BlockKVCache) else None
+        if table is not None and (table[row] != NULL_BLOCK).any():  # (a free row writes into the null block)
+            unheld.extend(p for p in positions if table[row, p // BLOCK] == NULL_BLOCK)
 
     def spying(settings_, cache, tokens, positions, *rest, **kw):
         shapes.append((cache.batch, cache.max_length, tokens.shape[1]))
-        table = cache.table.cpu()
-        for i in range(cache.batch):  # a row that holds blocks writes only into them (a free row: the null block)
-            if (table[i] != NULL_BLOCK).any():
-                unheld.extend(p for p in positions[i].tolist() if table[i, p // BLOCK] == NULL_BLOCK)
+        for i in range(cache.batch):
+            held(cache, i, positions[i].tolist())
         return extend(settings_, cache, tokens, positions, *rest, **kw)
 
+    def prefilling(settings_, prompts_, cache, slots, *rest, **kw):
+        first_chunks.append(max(len(p) for p in prompts_))
+        for p, slot in zip(prompts_, slots):
+            held(cache, slot, range(len(p)))
+        return prefill(settings_, prompts_, cache, slots, *rest, **kw)
+
     monkeypatch.setattr(engine, "extend", spying)
+    monkeypatch.setattr(engine, "prefill", prefilling)
     short, long = prompts([6, 7, 9], seed=21), prompts([70], seed=22)[0]
     loop = GenerationLoop(engine, settings, plan=budget, chunked_prefill=True, kv_blocks=64, kv_block_size=BLOCK)
     arrivals = {0: [GenerationRequest(p, 12, request_id=i) for i, p in enumerate(short)]}
     got = run(loop, {**arrivals, 3: [GenerationRequest(long, 5, request_id="long")]})
-    assert shapes == [(1, 64, 32), (1, 128, 32)]
+    assert shapes == [(1, 64, 32), (1, 128, 32)] and first_chunks == [9, 32]  # the long prompt joins alone
     assert got["long"] == greedy(model, long, 5)
     assert all(got[i] == greedy(model, p, 12) for i, p in enumerate(short))
 
@@ -227,14 +237,37 @@ def test_a_chunk_budget_widens_a_lone_prompts_chunks_and_rows_finish_as_full_for
         return {0: [GenerationRequest(p, n, request_id=i) for i, (p, n) in enumerate(zip(rows, news))]}
 
     small = GenerationLoop(engine, settings, plan=budget, chunked_prefill=True, kv_blocks=10, kv_block_size=BLOCK)
+    widened = []
+    make_room = small._make_room
+
+    def counting(slots):
+        before = small.scheduler.chunk_now()
+        make_room(slots)
+        widened.append(small.scheduler.chunk_now() > before)
+
+    monkeypatch.setattr(small, "_make_room", counting)
+    start = len(first_chunks)
     first = run(small, traffic())
-    assert small.preemptions > 0 and not unheld
+    assert small.preemptions > 0 and any(widened) and not unheld
     assert {t for _, _, t in shapes[2:]} >= {16, 32}  # chunks of four rows, then of fewer
+    assert first_chunks[start] == 8  # five rows joining at once: a batch of 8's first chunks, 64 / 8 tokens each
     for i, (p, n) in enumerate(zip(rows, news)):
         assert first[i] == greedy(model, p, n), i
     graphs, preempted = engine.graph_count(), small.preemptions
     assert run(small, traffic()) == first
     assert engine.graph_count() == graphs and small.preemptions == 2 * preempted and not unheld
+
+    # static caches (the batch's own step chunks at its bucket's width), and prefixes shared under the budget
+    static = run(GenerationLoop(engine, settings, plan=budget, chunked_prefill=True), traffic())
+    assert static == first
+    system = prompts([40], seed=3)[0]
+    shared = [system + p for p in prompts([3, 9, 20], seed=4)]
+    pool = GenerationLoop(
+        engine, settings, plan=budget, chunked_prefill=True, kv_blocks=12, kv_block_size=BLOCK, prefix_caching=True
+    )
+    got = run(pool, {i * 3: [GenerationRequest(p, 10, request_id=i)] for i, p in enumerate(shared)})
+    assert pool.prefix_counts()[1] > 0 and not unheld
+    assert all(got[i] == greedy(model, p, 10) for i, p in enumerate(shared))
 
 
 def test_decoding_rows_split_by_context(tiny_checkpoints, monkeypatch):

@@ -103,6 +103,18 @@ def test_window_layers_give_back_their_blocks_and_rows_finish_as_full_forwards(m
         assert got[i] == greedy(model, p, 60), i
 
 
+def test_a_chunk_budgets_window_pool_holds_its_widest_step_not_every_row_at_its_widest_chunk():
+    """Under a chunk budget of 512 over 16 slots, B rows chunk 512 / B tokens together: the window pool holds the most
+    any such step holds (one row's 512-token window beside 15 decoding rows, or 16 rows of 32), not 16 rows at 512."""
+    steps = ((1, 512), (2, 256), (4, 128), (8, 64), (16, 32))
+    assert window_pool_blocks(10**6, 16, 16, steps, 0, 16) == 64 == window_pool_blocks(10**6, 16, 16, 32, 0, 16)
+    assert window_pool_blocks(10**6, 16, 16, 512, 0, 16) == 16 * window_blocks(16, 512, 16) == 544
+    # the other rows' step is their verify step's when speculating
+    assert window_pool_blocks(10**6, 16, 2, ((1, 64),), 0, 16, ahead=5) == window_blocks(16, 64, 16) + window_blocks(
+        16, 5, 16
+    )
+
+
 @pytest.mark.parametrize("mixed", ["gpt-oss"], indirect=True)  # the groups' account is the same for every family
 def test_rows_preempted_for_either_group_resume_identically(mixed):
     """Five requests (up to 6 blocks of 16 each) on a pool of 10, at most 4 rows at once: the newest rows are

@@ -181,8 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive,
         default=None,
         metavar="N",
-        help="tokens one chunk step computes (default 512): a chunk step's width is N over its batch bucket, "
-        "since it runs every row of its batch (a prompt chunking alone takes N tokens a step)",
+        help="tokens one chunk step computes (default 512): a chunk step's width is N over its batch bucket "
+        "(at most the largest prompt bucket), since it runs every row of its batch; on block caches prompts "
+        "chunk in a batch of their own, so one chunking alone takes N tokens a step",
     )
     p.add_argument(
         "--enable-prefix-caching",

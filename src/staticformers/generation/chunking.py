@@ -13,6 +13,11 @@ than the largest prompt bucket could not run at all. With a chunk width C (`chun
   (`prefix_cache.py`) starts its chunks after the copied blocks. Every chunk is one `[B, C]` extend graph of
   the batch's cache, a shape the plan declares (`ShapePlan(extend_widths=((C, 1),))`): no new shape for
   any prompt length up to `max_model_len`.
+- **A chunk budget** (`ShapePlan(chunk_tokens=N)`, the server's `--max-num-batched-tokens`) declares one width per
+  batch bucket instead: a step of batch bucket B chunks `N // B` tokens a row (at most the largest prompt bucket),
+  and a joining prefill's first chunk is the budget over the bucket of the rows it may take. So every chunk step
+  computes at most N tokens, and fewer rows chunk wider (`loop.py` passes `chunked_prefill=True`; a width passed
+  as a number is every batch's).
 - **Every prefilling row advances in the same call.** The step is `[B, C]` whatever the number of rows that
   chunk, so every row with prompt left takes its next chunk in it.
 - **Every decoding row decodes in it too.** A decoding row feeds its last token at position 0 of its row of the
@@ -94,6 +99,15 @@ def serving_chunk_tokens(plan: ShapePlan, max_num_batched_tokens: Optional[int])
             f"step computes a chunk for every row, so give at least one token per row."
         )
     return budget
+
+
+def widest_steps(plan: ShapePlan, width: Optional[int], budgeted: bool):
+    """A row's widest steps after its prefill, for sizing a window layers' pool (`kv_blocks.window_pool_blocks`):
+    with the plan's chunk budget, `(B, its width at B)` for each batch bucket B (B rows chunk that wide together);
+    else `width` for every row (None: no chunks, 1)."""
+    if budgeted and plan.chunk_tokens is not None:
+        return tuple((b, plan.chunk_width_at(b)) for b in plan.batch_sizes)
+    return width or 1
 
 
 def positions_needed(plan: ShapePlan, prompt_len: int, max_new_tokens: int, chunked: bool) -> int:
@@ -232,6 +246,7 @@ def chunk_apart_plan(rows: dict, plan, width_at, adapters: Optional[dict], own: 
 __all__ = [
     "serving_chunk_tokens",
     "chunk_width",
+    "widest_steps",
     "positions_needed",
     "prefilling",
     "decoding",

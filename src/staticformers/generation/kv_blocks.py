@@ -57,22 +57,32 @@ def window_group(config) -> Optional[tuple[tuple[int, ...], int]]:
     return sliding, max(windows[i] for i in sliding)
 
 
-def window_pool_blocks(blocks: int, window: int, slots: int, width: int, prompt: int, block_size: int) -> int:
+def window_pool_blocks(
+    blocks: int, window: int, slots: int, width, prompt: int, block_size: int, ahead: int = 1
+) -> int:
     """The window layers' pool beside a full layers' pool of `blocks`: enough for `slots` rows each at its widest
-    step's window (`width` tokens: a chunk, a verify step's, or one decoded), and for one prompt of `prompt` tokens
-    run whole (a prefill, a scored prompt, a resumed row's), never more than `blocks`."""
-    return min(int(blocks), max(int(slots) * window_blocks(window, width, block_size), blocks_for(prompt, block_size)))
+    step's window (`width` tokens: a chunk, a verify step's, or one decoded; or `(rows, tokens)` pairs, each a step in
+    which that many rows take that many tokens and the others `ahead`: a chunk budget's steps, whose fewer rows chunk
+    wider), and for one prompt of `prompt` tokens run whole (a prefill, a scored prompt, a resumed row's), never more
+    than `blocks`."""
+    steps = ((slots, width),) if isinstance(width, int) else tuple(width)
+    held = max(
+        min(r, slots) * window_blocks(window, max(w, ahead), block_size)
+        + (slots - min(r, slots)) * window_blocks(window, ahead, block_size)
+        for r, w in steps
+    )
+    return min(int(blocks), max(held, blocks_for(prompt, block_size)))
 
 
 def window_spec(
-    config, blocks: int, slots: int, width: int, max_model_len: int, block_size: int
+    config, blocks: int, slots: int, width, max_model_len: int, block_size: int, ahead: int = 1
 ) -> Optional[tuple[tuple[int, ...], int]]:
     """(the window layers, their pool's blocks: `window_pool_blocks`) beside a pool of `blocks`, on a model whose
     window layers are a group of their own (`window_group`); None on another."""
     group = window_group(config)
     if group is None:
         return None
-    return group[0], window_pool_blocks(blocks, group[1], slots, width, max_model_len, block_size)
+    return group[0], window_pool_blocks(blocks, group[1], slots, width, max_model_len, block_size, ahead)
 
 
 def blocks_behind(length: int, window: int, block_size: int) -> int:

@@ -55,7 +55,8 @@ Design choices:
   exception anywhere else in a step (choosing shapes, moving the batch, emitting events) ends every
   request of the batch that the step had not ended yet, and the batch is rebuilt from the queue.
 - **Chunked prefill and prefix caching** (`chunked_prefill=C`, `prefix_caching=True`): a prompt longer
-  than C runs as chunks through the engine's extend step, one chunk of every prefilling row per
+  than C runs as chunks through the engine's extend step (with the plan's chunk budget, `chunked_prefill=True`,
+  each step's C is the budget over its batch bucket), one chunk of every prefilling row per
   chunk step, in which every decoding row also takes its next token (`chunking.py`; on block caches the chunks run
   apart, in a view of the pool holding only the prefilling rows, after a decode step, and that decode step may
   itself split the rows by context: `step_split.py`); a prompt whose first blocks were
@@ -94,7 +95,7 @@ from ..models.kv_cache import KVCache, bytes_per_position
 from .constraints import Grammar, RowConstraints
 from .engine import CompileSettings, Engine
 from .kv_blocks import BlockAllocator, sliding_window, window_group, window_spec
-from .chunking import chunk_width, decoding, positions_needed, prefilling
+from .chunking import chunk_width, decoding, positions_needed, prefilling, widest_steps
 from .plan import ShapePlan
 from .prefix_cache import PrefixCache, adapter_key
 from .runner import StepRunner
@@ -188,9 +189,11 @@ class GenerationLoop:
         self.block_size = int(kv_block_size)
         ahead = speculator.width if speculator is not None else 1
         # a model mixing window and full layers: the window layers' blocks in a pool and an account of their own
-        width = max(self.chunk if self.chunked else 1, ahead)  # a row's widest step after its prefill
+        steps = widest_steps(self.plan, self.chunk if self.chunked else None, budgeted and self.chunk is not None)
         self._window_spec = (  # (the window layers, their pool's blocks): the engine's pool spec
-            window_spec(engine.model.config, kv_blocks, self.max_slots, width, self.plan.max_model_len, self.block_size)
+            window_spec(
+                engine.model.config, kv_blocks, self.max_slots, steps, self.plan.max_model_len, self.block_size, ahead
+            )
             if kv_blocks is not None
             else None
         )

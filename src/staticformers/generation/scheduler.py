@@ -203,12 +203,12 @@ class Scheduler:
         return self.chunk if width is None else width
 
     def chunk_now(self) -> int:
-        """The width of the prefilling rows' next chunks: on block caches they run in a batch of their own (its bucket
-        the width's batch, `chunking.chunk_apart_plan`), on static caches in the batch's step."""
-        if not self.budgeted:
+        """The width of the prefilling rows' next chunks on block caches, where they run in a batch of their own (its
+        bucket the width's batch, `chunking.chunk_apart_plan`) and it is what their `reach` holds blocks for. On
+        static caches, where a row's reach is its whole need, the widest (the batch's step runs its own width)."""
+        if not self.budgeted or self.blocks is None:
             return self.chunk
-        rows = len(prefilling(self.rows)) if self.blocks is not None else len(self.rows)
-        return self.chunk_at(self.plan.batch_bucket(max(rows, 1)))
+        return self.chunk_at(self.plan.batch_bucket(max(len(prefilling(self.rows)), 1)))
 
     def _joining_width(self) -> int:
         """The first chunk's width of the next admission: the chunk budget's at the batch of the rows it may take (when
@@ -224,12 +224,13 @@ class Scheduler:
 
     def _first_blocks(self, row, shared: int = 0, width: Optional[int] = None) -> int:
         """The pool blocks a joining row's first step writes beyond the `shared` blocks it holds already (0 on static
-        caches): its prefill (its first chunk `width` wide, None: the admission's), or with shared blocks the chunk
-        after them (held for the widest chunk: how many rows then chunk beside it is not known yet)."""
+        caches): its prefill (its first chunk `width` wide, None: the admission's), or with shared blocks a chunk of
+        that width after them (a wider one, when fewer rows chunk beside it, gets the rest from `make_room`)."""
         if self.blocks is None:
             return 0
+        width = self._first if width is None else width
         if shared:
-            return blocks_for(min(len(row.prompt), shared * self.block_size + self.chunk), self.block_size) - shared
+            return blocks_for(min(len(row.prompt), shared * self.block_size + width), self.block_size) - shared
         return blocks_for(len(self.first_tokens(row, width)), self.block_size)
 
     def _hold_first_blocks(self, row) -> bool:

@@ -194,7 +194,7 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
     from ..generation.engines import compile_settings, engine_for
     from ..generation.generation_config import CompileConfig, GenerationConfig
     from ..generation.loop import GenerationLoop
-    from ..generation.chunking import chunk_width
+    from ..generation.chunking import chunk_width, widest_steps
     from ..generation.kv_blocks import window_spec
     from .kv_budget import kv_blocks
 
@@ -209,8 +209,9 @@ def build_loop(model, options: ServeOptions, progress=None, plan=None):
 
     def window(n: int):  # a mixed model's window layers' pool beside n blocks, the loop's (block caches chunk)
         slots = min(options.max_batch_size or plan.batch_sizes[-1], plan.batch_sizes[-1])
-        width = max(chunk_width(plan, None), speculator.width if speculator is not None else 1)
-        return window_spec(model.config, n, slots, width, plan.max_model_len, options.block_size)
+        steps = widest_steps(plan, chunk_width(plan, None), True)  # the loop chunks by the plan's budget
+        ahead = speculator.width if speculator is not None else 1
+        return window_spec(model.config, n, slots, steps, plan.max_model_len, options.block_size, ahead)
 
     blocks = kv_blocks(
         model,
