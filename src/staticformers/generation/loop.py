@@ -164,13 +164,14 @@ class GenerationLoop:
         self._holding = False
         self._ids = itertools.count()
         self.chunked = chunked_prefill is not None and chunked_prefill is not False
-        # the plan's width (not one passed): with a chunk budget, each chunk step's is its batch's
-        budgeted = not (isinstance(chunked_prefill, int) and not isinstance(chunked_prefill, bool))
         self.chunk = (
             chunk_width(self.plan, None if chunked_prefill is True else chunked_prefill)
             if self.chunked or prefix_caching
             else None
         )
+        # the plan's chunk budget gives each chunk step its batch's width (a width passed as a number is every batch's)
+        passed = isinstance(chunked_prefill, int) and not isinstance(chunked_prefill, bool)
+        budgeted = self.chunk is not None and not passed and self.plan.chunk_tokens is not None
         # prefix caching: on static caches a pool its blocks are copied from; on block caches the blocks are shared
         self.prefix = (
             PrefixCache(engine.model, prefix_cache_blocks, prefix_block_size, engine.tp)
@@ -189,7 +190,7 @@ class GenerationLoop:
         self.block_size = int(kv_block_size)
         ahead = speculator.width if speculator is not None else 1
         # a model mixing window and full layers: the window layers' blocks in a pool and an account of their own
-        steps = widest_steps(self.plan, self.chunk if self.chunked else None, budgeted and self.chunk is not None)
+        steps = widest_steps(self.plan, self.chunk if self.chunked else None, budgeted)
         self._window_spec = (  # (the window layers, their pool's blocks): the engine's pool spec
             window_spec(
                 engine.model.config, kv_blocks, self.max_slots, steps, self.plan.max_model_len, self.block_size, ahead
@@ -213,7 +214,7 @@ class GenerationLoop:
             self._read_costs() if self.blocks is not None else None,
             sliding_window(engine.model.config) if self.blocks is not None else None,
             (self.window_blocks, mixed[1]) if self.window_blocks is not None and mixed is not None else None,
-            budgeted=budgeted and self.chunk is not None,
+            budgeted=budgeted,
         )
         engine.use_blocks(kv_blocks, kv_block_size, self._window_spec)
 

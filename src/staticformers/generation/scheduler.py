@@ -95,7 +95,7 @@ class Scheduler:
     ):
         self.plan, self.max_slots, self.chunked = plan, max_slots, chunked
         self.chunk: int = chunk if chunk is not None else 0  # 0: no chunks (prompts run whole, nothing is prefilling)
-        self.budgeted = budgeted and plan.chunk_tokens is not None
+        self.budgeted = budgeted
         self._first = self.chunk  # the first chunk's width of the rows `take_joining` took last
         self.blocks, self.block_size, self.share, self.ahead = blocks, int(block_size), share, ahead
         self.model, self.kv_length = model, kv_length
